@@ -1,0 +1,36 @@
+// The nanobind module: exposes every FFI handler as a PyCapsule for
+// jax.ffi.register_ffi_target. Handlers live beside their implementations.
+#include <nanobind/nanobind.h>
+
+#include "ffi/targets.h"
+
+namespace nb = nanobind;
+
+NB_MODULE(_jax_flash_ext, m) {
+  m.def(
+      "registrations",
+      []() {
+        nb::dict cpu;
+        jax_flash::AddCpuTargets(cpu);
+        jax_flash::AddEmulatedTargets(cpu);
+        nb::dict cuda;
+#ifdef JAX_FLASH_WITH_CUDA
+        jax_flash::AddCudaTargets(cuda);
+#endif
+        nb::dict out;
+        out["cpu"] = cpu;
+        out["CUDA"] = cuda;
+        return out;
+      },
+      "FFI handler capsules by platform: {'cpu': {name: capsule}, 'CUDA': {name: capsule}}.");
+  m.def(
+      "has_cuda",
+      []() {
+#ifdef JAX_FLASH_WITH_CUDA
+        return true;
+#else
+        return false;
+#endif
+      },
+      "Whether the CUDA kernels were compiled into this module.");
+}

@@ -1,0 +1,14 @@
+// Each part of the extension adds its FFI handler capsules to a dict keyed by target name.
+#pragma once
+#include <nanobind/nanobind.h>
+
+namespace jax_flash {
+// Platform "cpu": the host implementation (cpu/).
+void AddCpuTargets(nanobind::dict& targets);
+// Platform "cpu": the CUDA kernels compiled against the host emulation (emu/).
+void AddEmulatedTargets(nanobind::dict& targets);
+#ifdef JAX_FLASH_WITH_CUDA
+// Platform "CUDA": the mma.sync kernels (kernels/). Plain C++ so nvcc-free code can call it.
+void AddCudaTargets(nanobind::dict& targets);
+#endif
+}  // namespace jax_flash
