@@ -1,0 +1,106 @@
+"""The public entry points: `attention` and `explain`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from jax_flash import _registry
+from jax_flash._normalize import canonicalize, restore
+from jax_flash._vjp import flash_attention
+
+
+def attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    *,
+    scale: Optional[float] = None,
+    is_causal: bool = False,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    local_window_size=None,
+    segment_ids=None,
+    logits_soft_cap: Optional[float] = None,
+    return_residual: bool = False,
+    implementation: Optional[str] = None,
+):
+    """Exact softmax attention, computed tile by tile (FlashAttention); a drop-in for
+    `jax.nn.dot_product_attention`.
+
+    Args:
+      query: [*B, T, N, H] (or [T, N, H]); float16, bfloat16, float32 or float64.
+      key, value: [*B, S, K, H] with N % K == 0 (grouped-query attention: query head n uses
+        kv head n // (N // K)); same dtype as query.
+      bias: optional additive logits bias, broadcastable to [*B, N, T, S]. Differentiable.
+      mask: optional boolean, broadcastable to [*B, N, T, S]; True = may attend.
+      scale: logits scale; default 1 / sqrt(H).
+      is_causal: query t sees keys s <= t (top-left aligned, also for T != S).
+      query_seq_lengths: [*B] int32; query rows t >= length are padding (output 0).
+      key_value_seq_lengths: [*B] int32; keys s >= length are ignored.
+      local_window_size: int w or (left, right): query t sees keys t - left <= s <= t + right.
+      segment_ids: [*B, T] int32 (self-attention) or (q_ids [*B, T], kv_ids [*B, S]): query t
+        sees key s only when their ids are equal (packed sequences).
+      logits_soft_cap: float c > 0: logits -> c·tanh(logits / c), after bias, before masking.
+      return_residual: also return lse [*B, T, N], float32 natural-log log-sum-exp of the
+        visible logits (-inf for rows that see no key).
+      implementation: None (best available), "cuda", "pallas", "cpu" or "xla". A requested
+        implementation that cannot serve the call raises ValueError saying why.
+
+    Masks combine by AND. A query row that sees no key gets output 0, lse -inf and zero
+    gradients (jax.nn gives such rows the mean of V). Differentiable in query, key, value
+    and bias by reverse mode (jax.grad/jax.vjp); forward mode (jax.jvp) is not supported.
+
+    Returns:
+      out [*B, T, N, H] in the dtype of query, or (out, lse) with return_residual=True.
+    """
+    c = canonicalize(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        scale=scale,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
+        segment_ids=segment_ids,
+        logits_soft_cap=logits_soft_cap,
+        implementation=implementation,
+    )
+    name = _registry.select(c.spec, implementation)
+    out, lse = flash_attention(name, c.spec, c.q, c.k, c.v, c.masks)
+    out, lse = restore(c, out, lse)
+    return (out, lse) if return_residual else out
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """Which implementation `attention` would run for a call, and why not the others."""
+
+    selected: Optional[str]
+    reasons: dict  # name -> None (can run) or the reason it cannot
+
+    def __str__(self) -> str:
+        lines = [f"jax_flash.attention would run: {self.selected or 'nothing'}"]
+        for name, why in self.reasons.items():
+            mark = "*" if name == self.selected else " "
+            lines.append(f" {mark} {name:7s} {'available' if why is None else why}")
+        return "\n".join(lines)
+
+
+def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
+    """Same arguments as `attention`; says which implementation would run and why each other
+    one would not. Raises the same argument errors `attention` would."""
+    kwargs.pop("return_residual", None)
+    requested = kwargs.get("implementation")
+    c = canonicalize(query, key, value, bias, mask, **kwargs)
+    reasons = _registry.explain(c.spec)
+    try:
+        selected = _registry.select(c.spec, requested)
+    except ValueError:
+        selected = None
+    return Explanation(selected=selected, reasons=reasons)

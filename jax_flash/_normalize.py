@@ -1,0 +1,278 @@
+"""Validation of the public arguments and their reduction to the canonical call.
+
+Every error is raised at trace time, names the argument, says what it received and what is
+accepted.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flash._spec import AttentionSpec, MaskInputs
+
+IMPLEMENTATIONS = ("cuda", "pallas", "cpu", "xla")
+
+_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+
+
+class Canonical(NamedTuple):
+    """A call in canonical form plus what is needed to restore the caller's shapes."""
+
+    spec: AttentionSpec
+    q: jax.Array  # [B, T, N, H]
+    k: jax.Array  # [B, S, K, H]
+    v: jax.Array  # [B, S, K, H]
+    masks: MaskInputs
+    batch_shape: tuple[int, ...]  # the caller's leading batch axes (() for 3-D inputs)
+    bias_in_shape: Optional[tuple[int, ...]]
+
+
+def _shape_str(x) -> str:
+    return f"shape {tuple(x.shape)} and dtype {x.dtype}"
+
+
+def _as_array(name: str, x) -> jax.Array:
+    if x is None:
+        raise TypeError(f"{name} must be an array, got None")
+    try:
+        return jnp.asarray(x)
+    except TypeError as e:
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}") from e
+
+
+def _check_int_array(name: str, x, shape: tuple[int, ...], alt_shapes=()) -> jax.Array:
+    x = _as_array(name, x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array (int32), got {_shape_str(x)}")
+    if tuple(x.shape) != shape and tuple(x.shape) not in alt_shapes:
+        accepted = " or ".join(str(s) for s in (shape, *alt_shapes))
+        raise ValueError(f"{name} must have shape {accepted}, got {_shape_str(x)}")
+    return x.astype(jnp.int32).reshape(shape)
+
+
+def _window(local_window_size, is_causal) -> tuple[Optional[int], Optional[int]]:
+    left = right = None
+    if local_window_size is not None:
+        w = local_window_size
+        if isinstance(w, numbers.Integral) and not isinstance(w, bool):
+            w = (int(w), int(w))
+        if (
+            not isinstance(w, (tuple, list))
+            or len(w) != 2
+            or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in w)
+        ):
+            raise ValueError(
+                "local_window_size must be an int w or a pair (left, right) of ints, "
+                f"got {local_window_size!r}"
+            )
+        left, right = int(w[0]), int(w[1])
+        if left < 0 or right < 0:
+            raise ValueError(
+                f"local_window_size must be non-negative, got (left, right) = ({left}, {right})"
+            )
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal must be a Python bool, got {is_causal!r}")
+    if is_causal:
+        # Causal is the window (inf, 0): query t sees keys s <= t (top-left aligned).
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+def _dense(name: str, x, batch_shape, n, t, s, bool_dtype: bool):
+    """Validate a dense bias/mask broadcastable to [*batch, N, T, S]; fold batch axes."""
+    x = _as_array(name, x)
+    if bool_dtype and x.dtype != jnp.bool_:
+        raise TypeError(
+            f"{name} must be a boolean array (True = may attend), got {_shape_str(x)}; "
+            "pass an additive mask as bias"
+        )
+    if not bool_dtype and not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating-point array, got {_shape_str(x)}")
+    target = (*batch_shape, n, t, s)
+    shape = tuple(x.shape)
+    if len(shape) > len(target):
+        extra = len(shape) - len(target)
+        if any(d != 1 for d in shape[:extra]):
+            raise ValueError(
+                f"{name} must be broadcastable to [*batch, N, T, S] = {target}, got {_shape_str(x)}"
+            )
+        x = x.reshape(shape[extra:])
+        shape = shape[extra:]
+    shape = (1,) * (len(target) - len(shape)) + shape
+    for d, want in zip(shape, target):
+        if d != 1 and d != want:
+            raise ValueError(
+                f"{name} must be broadcastable to [*batch, N, T, S] = {target}, got {_shape_str(x)}"
+            )
+    x = x.reshape(shape)
+    nb = len(batch_shape)
+    if all(d == 1 for d in shape[:nb]):
+        x = x.reshape((1,) + shape[nb:])
+    else:
+        x = jnp.broadcast_to(x, (*batch_shape, *shape[nb:]))
+        x = x.reshape((math.prod(batch_shape),) + shape[nb:])
+    return x
+
+
+def canonicalize(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    *,
+    scale=None,
+    is_causal=False,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    local_window_size=None,
+    segment_ids=None,
+    logits_soft_cap=None,
+    implementation=None,
+) -> Canonical:
+    """Check every argument and build the canonical call."""
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}"
+        )
+    q = _as_array("query", query)
+    k = _as_array("key", key)
+    v = _as_array("value", value)
+    for name, x in (("query", q), ("key", k), ("value", v)):
+        if x.ndim < 3:
+            raise ValueError(
+                f"{name} must have rank >= 3 ([*B, T, N, H] or [T, N, H]), got {_shape_str(x)}"
+            )
+        if x.dtype not in _FLOAT_DTYPES:
+            raise TypeError(
+                f"{name} must be float16, bfloat16, float32 or float64, got {_shape_str(x)}"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"query, key and value must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(
+            f"key and value must have the same shape [*B, S, K, H], got {tuple(k.shape)} and "
+            f"{tuple(v.shape)}"
+        )
+    if q.ndim != k.ndim or q.shape[:-3] != k.shape[:-3]:
+        raise ValueError(
+            "query and key must have the same leading batch axes, got query "
+            f"{tuple(q.shape)} and key {tuple(k.shape)}"
+        )
+    *batch_shape, t, n, h = q.shape
+    s, kh, hk = k.shape[-3:]
+    batch_shape = tuple(batch_shape)
+    if h != hk:
+        raise ValueError(
+            f"query and key must have the same head dim H, got query {tuple(q.shape)} and key "
+            f"{tuple(k.shape)}"
+        )
+    if h == 0 or t == 0 or s == 0 or n == 0 or kh == 0:
+        raise ValueError(
+            f"query {tuple(q.shape)} and key {tuple(k.shape)} must have non-zero T, S, N, K, H"
+        )
+    if n % kh != 0:
+        raise ValueError(
+            f"the number of query heads N={n} must be a multiple of the number of key/value "
+            f"heads K={kh} (grouped-query attention), got query {tuple(q.shape)} and key "
+            f"{tuple(k.shape)}"
+        )
+    b = math.prod(batch_shape)
+
+    if scale is None:
+        scale = 1.0 / math.sqrt(h)
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a Python float or None, got {scale!r}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+
+    if logits_soft_cap is not None:
+        if not isinstance(logits_soft_cap, numbers.Real) or isinstance(logits_soft_cap, bool):
+            raise TypeError(f"logits_soft_cap must be a Python float or None, got {logits_soft_cap!r}")
+        logits_soft_cap = float(logits_soft_cap)
+        if not (logits_soft_cap > 0 and math.isfinite(logits_soft_cap)):
+            raise ValueError(f"logits_soft_cap must be a positive finite float, got {logits_soft_cap}")
+
+    left, right = _window(local_window_size, is_causal)
+
+    bias_c = mask_c = None
+    if bias is not None:
+        bias_c = _dense("bias", bias, batch_shape, n, t, s, bool_dtype=False)
+    if mask is not None:
+        mask_c = _dense("mask", mask, batch_shape, n, t, s, bool_dtype=True)
+
+    length_shapes = (batch_shape,) if batch_shape else ((1,), ())
+    q_len = kv_len = None
+    if query_seq_lengths is not None:
+        q_len = _check_int_array(
+            "query_seq_lengths", query_seq_lengths, length_shapes[0], length_shapes[1:]
+        ).reshape(b)
+    if key_value_seq_lengths is not None:
+        kv_len = _check_int_array(
+            "key_value_seq_lengths", key_value_seq_lengths, length_shapes[0], length_shapes[1:]
+        ).reshape(b)
+
+    q_seg = kv_seg = None
+    if segment_ids is not None:
+        if isinstance(segment_ids, (tuple, list)):
+            if len(segment_ids) != 2:
+                raise ValueError(
+                    "segment_ids must be an array [*B, T] or a pair (q_ids [*B, T], kv_ids [*B, S]), "
+                    f"got a sequence of length {len(segment_ids)}"
+                )
+            q_ids, kv_ids = segment_ids
+        else:
+            if t != s:
+                raise ValueError(
+                    "a single segment_ids array needs self-attention (T == S); got T="
+                    f"{t}, S={s}: pass (q_segment_ids, kv_segment_ids)"
+                )
+            q_ids = kv_ids = segment_ids
+        q_seg = _check_int_array("segment_ids (query)", q_ids, (*batch_shape, t)).reshape(b, t)
+        kv_seg = _check_int_array("segment_ids (key/value)", kv_ids, (*batch_shape, s)).reshape(b, s)
+
+    spec = AttentionSpec(
+        batch=b,
+        q_len=t,
+        kv_len=s,
+        num_heads=n,
+        num_kv_heads=kh,
+        head_dim=h,
+        dtype=np.dtype(q.dtype).name,
+        scale=scale,
+        window_left=left,
+        window_right=right,
+        soft_cap=logits_soft_cap,
+        bias_shape=None if bias_c is None else tuple(bias_c.shape),
+        mask_shape=None if mask_c is None else tuple(mask_c.shape),
+        has_q_lengths=q_len is not None,
+        has_kv_lengths=kv_len is not None,
+        has_segment_ids=q_seg is not None,
+    )
+    masks = MaskInputs(bias_c, mask_c, q_len, kv_len, q_seg, kv_seg)
+    return Canonical(
+        spec=spec,
+        q=q.reshape(b, t, n, h),
+        k=k.reshape(b, s, kh, h),
+        v=v.reshape(b, s, kh, h),
+        masks=masks,
+        batch_shape=batch_shape,
+        bias_in_shape=None if bias is None else tuple(jnp.shape(bias)),
+    )
+
+
+def restore(c: Canonical, out, lse: Any):
+    """Back to the caller's layout: out [*batch, T, N, H], lse [*batch, T, N]."""
+    spec = c.spec
+    out = out.reshape(*c.batch_shape, spec.q_len, spec.num_heads, spec.head_dim)
+    lse = jnp.swapaxes(lse, 1, 2).reshape(*c.batch_shape, spec.q_len, spec.num_heads)
+    return out, lse

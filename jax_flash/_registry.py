@@ -1,0 +1,89 @@
+"""Implementations and how one is chosen.
+
+Each implementation is an object with a name, `unsupported(spec)` (None, or the reason it
+cannot serve the call) and `forward`/`backward` on canonical inputs. They all plug into the
+one custom_vjp in `_vjp.py`; none has its own autodiff rule.
+
+Choice (`implementation=None`), at trace time, by the default backend:
+GPU -> cuda, then pallas, then xla; CPU -> cpu, then xla; anything else -> xla.
+A requested implementation that cannot serve the call raises with the reason; it never
+silently becomes another.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Optional, Protocol
+
+import jax
+
+from jax_flash._spec import AttentionSpec, MaskInputs
+
+
+class Implementation(Protocol):
+    name: str
+
+    def unsupported(self, spec: AttentionSpec) -> Optional[str]:
+        """None if this implementation can run `spec` here, else why not (one sentence)."""
+
+    def forward(self, spec: AttentionSpec, q, k, v, masks: MaskInputs):
+        """-> out [B, T, N, H] (dtype of q), lse [B, N, T] float32 natural log."""
+
+    def backward(self, spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout, dlse):
+        """-> dq, dk, dv (input dtypes), dbias (shape and dtype of masks.bias, or None)."""
+
+
+# name -> module that defines IMPLEMENTATION; imported on first use so that optional
+# dependencies (the extension, Triton) are only touched when asked for.
+_MODULES = {
+    "cuda": "jax_flash.cuda",
+    "pallas": "jax_flash.pallas",
+    "cpu": "jax_flash.cpu",
+    "xla": "jax_flash.xla",
+}
+
+_PREFERENCE = {
+    "gpu": ("cuda", "pallas", "xla"),
+    "cpu": ("cpu", "xla"),
+}
+
+
+def get(name: str) -> Implementation:
+    """The implementation object, or ImportError with the reason it cannot be loaded."""
+    module = importlib.import_module(_MODULES[name])
+    return module.IMPLEMENTATION
+
+
+def platform() -> str:
+    """'gpu', 'cpu' or the backend's own name (e.g. 'tpu')."""
+    backend = jax.default_backend()
+    return "gpu" if backend in ("gpu", "cuda", "rocm") else backend
+
+
+def reason(name: str, spec: AttentionSpec) -> Optional[str]:
+    """Why `name` cannot serve `spec` here, or None when it can."""
+    try:
+        impl = get(name)
+    except ImportError as e:  # an optional dependency is missing
+        return f"cannot be loaded: {e}"
+    return impl.unsupported(spec)
+
+
+def explain(spec: AttentionSpec, requested: Optional[str] = None) -> dict[str, Optional[str]]:
+    """{name: None if it can run else the reason}, in preference order for this platform."""
+    order = list(_PREFERENCE.get(platform(), ("xla",)))
+    order += [n for n in _MODULES if n not in order]
+    return {name: reason(name, spec) for name in order}
+
+
+def select(spec: AttentionSpec, requested: Optional[str]) -> str:
+    """The name of the implementation that runs `spec`."""
+    if requested is not None:
+        why = reason(requested, spec)
+        if why is not None:
+            raise ValueError(f'implementation="{requested}" cannot run this call: {why}')
+        return requested
+    for name in _PREFERENCE.get(platform(), ("xla",)):
+        if reason(name, spec) is None:
+            return name
+    raise ValueError(f"no implementation can run this call: {explain(spec)}")

@@ -1,0 +1,311 @@
+"""The `xla` implementation: blockwise online-softmax attention in pure JAX.
+
+Runs wherever XLA runs. Forward (FlashAttention-2, Alg. 1): for each query block, walk the
+key blocks it can see, keeping the running row max m, running sum l and an unnormalised
+float32 output accumulator; rescale by exp(m_old - m_new) when the max grows and divide by
+l once at the end. Backward (Alg. 2): for each key block, walk the query blocks that can
+see it, recompute P = exp(S - lse) tile by tile and accumulate dK, dV for the block while
+dQ accumulates across key blocks. Memory is O(T·block); the T×S matrix never exists.
+
+Key blocks entirely outside a causal/window band are never visited (the inner loop has
+per-block bounds), so causal at T == S costs about half of full attention.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_flash import _masking
+from jax_flash._spec import AttentionSpec, MaskInputs
+
+# Tile sizes: large enough that each step is a few hundred MFLOPs of dense matmul.
+BLOCK_Q = 512
+BLOCK_K = 512
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _blocks(length: int, block: int) -> tuple[int, int]:
+    """(block size, number of blocks): small inputs get one block rounded up to 8."""
+    block = min(block, _round_up(length, 8))
+    return block, -(-length // block)
+
+
+def _acc_dtype(dtype) -> jnp.dtype:
+    """Statistics and accumulators: float32, or float64 for float64 inputs."""
+    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+
+
+def _pad_axis(x, axis: int, size: int, value=0):
+    if x.shape[axis] == size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+class _Tiles:
+    """Slices of the canonical inputs for tile (query block i, key block j)."""
+
+    def __init__(self, spec: AttentionSpec, masks: MaskInputs, bq: int, nq: int, bk: int, nk: int):
+        self.spec, self.bq, self.bk = spec, bq, bk
+        self.t_pad, self.s_pad = bq * nq, bk * nk
+        self.masks = masks._replace(
+            bias=self._pad_dense(masks.bias, 0),
+            mask=self._pad_dense(masks.mask, False),
+            q_segment_ids=None
+            if masks.q_segment_ids is None
+            else _pad_axis(masks.q_segment_ids, 1, self.t_pad),
+            kv_segment_ids=None
+            if masks.kv_segment_ids is None
+            else _pad_axis(masks.kv_segment_ids, 1, self.s_pad),
+        )
+
+    def _pad_dense(self, x, value):
+        if x is None:
+            return None
+        if x.shape[2] != 1:
+            x = _pad_axis(x, 2, self.t_pad, value)
+        if x.shape[3] != 1:
+            x = _pad_axis(x, 3, self.s_pad, value)
+        return x
+
+    def dense_tile(self, x, i, j):
+        """[B|1, N|1, T|1, S|1] -> [B|1, K|1, G|1, bq|1, bk|1] for query block i, key block j."""
+        if x is None:
+            return None
+        spec = self.spec
+        rows = self.bq if x.shape[2] != 1 else 1
+        cols = self.bk if x.shape[3] != 1 else 1
+        tile = lax.dynamic_slice(
+            x,
+            (0, 0, i * self.bq if rows != 1 else 0, j * self.bk if cols != 1 else 0),
+            (x.shape[0], x.shape[1], rows, cols),
+        )
+        if x.shape[1] == 1:
+            return tile[:, :, None]
+        return tile.reshape(x.shape[0], spec.num_kv_heads, spec.group_size, rows, cols)
+
+    def visibility(self, i, j):
+        """Bool [B|1, 1|K, 1|G, bq, bk] or None: which keys of block j queries of block i see."""
+        spec, m = self.spec, self.masks
+        rows = (i * self.bq + jnp.arange(self.bq, dtype=jnp.int32))[:, None]
+        cols = (j * self.bk + jnp.arange(self.bk, dtype=jnp.int32))[None, :]
+        per_b = lambda x: None if x is None else x[:, None, None, None, None]
+        q_seg = kv_seg = None
+        if m.q_segment_ids is not None:
+            q_seg = lax.dynamic_slice_in_dim(m.q_segment_ids, i * self.bq, self.bq, axis=1)
+            kv_seg = lax.dynamic_slice_in_dim(m.kv_segment_ids, j * self.bk, self.bk, axis=1)
+            q_seg = q_seg[:, None, None, :, None]
+            kv_seg = kv_seg[:, None, None, None, :]
+        vis = _masking.visible(
+            spec,
+            rows,
+            cols,
+            q_lengths=per_b(m.q_lengths),
+            kv_lengths=per_b(m.kv_lengths),
+            q_segment_ids=q_seg,
+            kv_segment_ids=kv_seg,
+            kv_limit=spec.kv_len if self.s_pad != spec.kv_len else None,
+        )
+        dense = self.dense_tile(m.mask, i, j)
+        if dense is not None:
+            vis = dense if vis is None else vis & dense
+        return vis
+
+    def logits(self, q_blk, k_blk, i, j, acc_dt):
+        """Scaled, biased, soft-capped logits [B, K, G, bq, bk] (before masking)."""
+        s = jnp.einsum("bqkgh,bskh->bkgqs", q_blk, k_blk, preferred_element_type=acc_dt)
+        s = s * jnp.asarray(self.spec.scale, acc_dt)
+        return _masking.transform_logits(self.spec, s, self.dense_tile(self.masks.bias, i, j))
+
+
+def _split_heads(x, spec: AttentionSpec):
+    """[B, L, N, H] -> [B, L, K, G, H]: query head n = k·G + g uses kv head k."""
+    b, l, _, h = x.shape
+    return x.reshape(b, l, spec.num_kv_heads, spec.group_size, h)
+
+
+def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, block_q=BLOCK_Q, block_k=BLOCK_K):
+    """out [B, T, N, H] (dtype of q), lse [B, N, T] (float32; float64 for float64 inputs)."""
+    b, t, n, h = q.shape
+    s = k.shape[1]
+    kh, g = spec.num_kv_heads, spec.group_size
+    acc_dt = _acc_dtype(q.dtype)
+    bq, nq = _blocks(t, block_q)
+    bk, nk = _blocks(s, block_k)
+    tiles = _Tiles(spec, masks, bq, nq, bk, nk)
+    qp = _split_heads(_pad_axis(q, 1, tiles.t_pad), spec)
+    kp = _pad_axis(k, 1, tiles.s_pad)
+    vp = _pad_axis(v, 1, tiles.s_pad)
+
+    def query_block(i):
+        q_blk = lax.dynamic_slice_in_dim(qp, i * bq, bq, axis=1)  # [B, bq, K, G, H]
+
+        def key_block(j, carry):
+            m, l, acc = carry  # [B, K, G, bq], [B, K, G, bq], [B, K, G, bq, H]
+            k_blk = lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1)  # [B, bk, K, H]
+            v_blk = lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1)
+            logits = tiles.logits(q_blk, k_blk, i, j, acc_dt)
+            vis = tiles.visibility(i, j)
+            if vis is not None:
+                logits = jnp.where(vis, logits, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
+            # A row that has seen nothing yet keeps m = -inf; exponentiate against 0 so
+            # exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN.
+            m_safe = jnp.where(m_new == -jnp.inf, 0, m_new)
+            p = jnp.exp(logits - m_safe[..., None])
+            alpha = jnp.exp(m - m_safe)
+            l = alpha * l + jnp.sum(p, axis=-1)
+            pv = jnp.einsum(
+                "bkgqs,bskh->bkgqh", p.astype(v.dtype), v_blk, preferred_element_type=acc_dt
+            )
+            return m_new, l, alpha[..., None] * acc + pv
+
+        lo, hi = spec.key_block_range(i * bq, (i + 1) * bq, bk, nk)
+        init = (
+            jnp.full((b, kh, g, bq), -jnp.inf, acc_dt),
+            jnp.zeros((b, kh, g, bq), acc_dt),
+            jnp.zeros((b, kh, g, bq, h), acc_dt),
+        )
+        m, l, acc = lax.fori_loop(lo, jnp.maximum(lo, hi), key_block, init)
+        seen = l > 0
+        l_safe = jnp.where(seen, l, 1)
+        out = jnp.where(seen[..., None], acc / l_safe[..., None], 0)
+        lse = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
+        return out.astype(q.dtype), lse
+
+    out, lse = lax.map(query_block, jnp.arange(nq, dtype=jnp.int32))
+    # out: [nq, B, K, G, bq, H] -> [B, T, N, H];  lse: [nq, B, K, G, bq] -> [B, N, T]
+    out = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(b, tiles.t_pad, n, h)[:, :t]
+    lse = jnp.transpose(lse, (1, 2, 3, 0, 4)).reshape(b, n, tiles.t_pad)[:, :, :t]
+    return out, lse
+
+
+def backward(
+    spec: AttentionSpec,
+    q,
+    k,
+    v,
+    masks: MaskInputs,
+    out,
+    lse,
+    dout,
+    dlse,
+    block_q=BLOCK_Q,
+    block_k=BLOCK_K,
+):
+    """dq, dk, dv (input dtypes) and dbias (shape of masks.bias, or None)."""
+    b, t, n, h = q.shape
+    s = k.shape[1]
+    kh, g = spec.num_kv_heads, spec.group_size
+    acc_dt = _acc_dtype(q.dtype)
+    bq, nq = _blocks(t, block_q)
+    bk, nk = _blocks(s, block_k)
+    tiles = _Tiles(spec, masks, bq, nq, bk, nk)
+    qp = _split_heads(_pad_axis(q, 1, tiles.t_pad), spec)
+    dop = _split_heads(_pad_axis(dout, 1, tiles.t_pad), spec)
+    kp = _pad_axis(k, 1, tiles.s_pad)
+    vp = _pad_axis(v, 1, tiles.s_pad)
+
+    def per_row(x):  # [B, N, T] -> [B, K, G, T_pad]
+        return _pad_axis(x.astype(acc_dt), 2, tiles.t_pad).reshape(b, kh, g, tiles.t_pad)
+
+    # D = rowsum(dO ∘ O) (FlashAttention-2 §3.2); the lse cotangent enters as
+    # d lse / d logit = P, i.e. it shifts D by -dlse.
+    delta = jnp.einsum("btnh,btnh->bnt", dout.astype(acc_dt), out.astype(acc_dt)) - dlse
+    delta = per_row(delta)
+    # Rows that see nothing have lse = -inf; their P is 0 via the mask below.
+    lse = per_row(lse)
+    lse_safe = jnp.where(jnp.isfinite(lse), lse, 0)
+    seen = jnp.isfinite(lse)
+
+    bias = tiles.masks.bias
+    dbias0 = None if bias is None else jnp.zeros(bias.shape, acc_dt)
+    cdt = q.dtype  # matmul operand dtype for P and dS, as the kernels use
+
+    def key_block(carry, j):
+        dq_acc, dbias = carry
+        k_blk = lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1)  # [B, bk, K, H]
+        v_blk = lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1)
+
+        def query_block(i, inner):
+            dk, dv, dq_acc, dbias = inner
+            q_blk = lax.dynamic_slice_in_dim(qp, i * bq, bq, axis=1)  # [B, bq, K, G, H]
+            do_blk = lax.dynamic_slice_in_dim(dop, i * bq, bq, axis=1)
+            row = lambda x: lax.dynamic_slice_in_dim(x, i * bq, bq, axis=3)[..., None]
+            logits = tiles.logits(q_blk, k_blk, i, j, acc_dt)  # [B, K, G, bq, bk]
+            vis = tiles.visibility(i, j)
+            keep = row(seen) if vis is None else vis & row(seen)
+            p = jnp.where(keep, jnp.exp(logits - row(lse_safe)), 0)
+            dv = dv + jnp.einsum(
+                "bkgqs,bqkgh->bskh", p.astype(cdt), do_blk, preferred_element_type=acc_dt
+            )
+            dp = jnp.einsum("bqkgh,bskh->bkgqs", do_blk, v_blk, preferred_element_type=acc_dt)
+            ds = p * (dp - row(delta))  # d loss / d (transformed logit)
+            if spec.soft_cap is not None:
+                ds = ds * _masking.soft_cap_grad(spec, jnp.where(keep, logits, 0))
+            if dbias is not None:
+                dbias = _accumulate_dbias(dbias, ds, i * bq, j * bk, bq, bk)
+            ds = (ds * jnp.asarray(spec.scale, acc_dt)).astype(cdt)
+            dq_blk = jnp.einsum("bkgqs,bskh->bqkgh", ds, k_blk, preferred_element_type=acc_dt)
+            dq_acc = lax.dynamic_update_slice_in_dim(
+                dq_acc, lax.dynamic_slice_in_dim(dq_acc, i * bq, bq, axis=1) + dq_blk, i * bq, axis=1
+            )
+            dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", ds, q_blk, preferred_element_type=acc_dt)
+            return dk, dv, dq_acc, dbias
+
+        lo, hi = spec.query_block_range(j * bk, (j + 1) * bk, bq, nq)
+        zeros_kv = jnp.zeros((b, bk, kh, h), acc_dt)
+        dk, dv, dq_acc, dbias = lax.fori_loop(
+            lo, jnp.maximum(lo, hi), query_block, (zeros_kv, zeros_kv, dq_acc, dbias)
+        )
+        return (dq_acc, dbias), (dk.astype(k.dtype), dv.astype(v.dtype))
+
+    dq0 = jnp.zeros((b, tiles.t_pad, kh, g, h), acc_dt)
+    (dq_acc, dbias), (dk, dv) = lax.scan(
+        key_block, (dq0, dbias0), jnp.arange(nk, dtype=jnp.int32)
+    )
+    dq = dq_acc.reshape(b, tiles.t_pad, n, h)[:, :t].astype(q.dtype)
+    # dk, dv: [nk, B, bk, K, H] -> [B, S, K, H]
+    dk = jnp.moveaxis(dk, 0, 1).reshape(b, tiles.s_pad, kh, h)[:, :s]
+    dv = jnp.moveaxis(dv, 0, 1).reshape(b, tiles.s_pad, kh, h)[:, :s]
+    if dbias is not None:
+        dbias = dbias[:, :, : masks.bias.shape[2], : masks.bias.shape[3]].astype(masks.bias.dtype)
+    return dq, dk, dv, dbias
+
+
+def _accumulate_dbias(dbias, ds, row0, col0, bq: int, bk: int):
+    """dbias[..., tile] += ds summed over the axes the bias broadcasts along."""
+    bb, nb, tb, sb = dbias.shape
+    x = ds.reshape(ds.shape[0], -1, bq, bk)  # [B, N, bq, bk]
+    axes = tuple(ax for ax, size in ((0, bb), (1, nb), (2, tb), (3, sb)) if size == 1)
+    x = jnp.sum(x, axis=axes, keepdims=True) if axes else x
+    start = (0, 0, row0 if tb != 1 else 0, col0 if sb != 1 else 0)
+    cur = lax.dynamic_slice(dbias, start, x.shape)
+    return lax.dynamic_update_slice(dbias, cur + x, start)
+
+
+class XlaImplementation:
+    """Pure JAX; serves every configuration and dtype on every backend."""
+
+    name = "xla"
+
+    def unsupported(self, spec: AttentionSpec) -> Optional[str]:
+        return None
+
+    def forward(self, spec, q, k, v, masks):
+        return forward(spec, q, k, v, masks)
+
+    def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
+        return backward(spec, q, k, v, masks, out, lse, dout, dlse)
+
+
+IMPLEMENTATION = XlaImplementation()
