@@ -1,0 +1,162 @@
+"""Calls into the compiled extension's FFI targets (see cuda/README.md for the contract).
+
+One `jax.ffi.ffi_call` per target serves every platform the target is registered for. The
+targets take one batch axis; under `jax.vmap` the mapped axis is folded into it (one call,
+never a loop over the mapped axis) by a `custom_vmap` rule.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_batching import custom_vmap
+
+from jax_flash._spec import AttentionSpec, MaskInputs
+
+_lock = threading.Lock()
+_registered: Optional[dict] = None  # platform -> set of target names
+_load_error: Optional[str] = None
+
+
+def targets() -> dict:
+    """{platform: set(target names)} registered with XLA; loads the extension once."""
+    global _registered, _load_error
+    with _lock:
+        if _registered is None and _load_error is None:
+            try:
+                from jax_flash import _jax_flash_ext as ext
+            except ImportError as e:
+                _load_error = f"the compiled extension jax_flash._jax_flash_ext is not built ({e})"
+                return {}
+            found = {}
+            for plat, caps in ext.registrations().items():
+                for name, capsule in caps.items():
+                    jax.ffi.register_ffi_target(name, capsule, platform=plat)
+                found.setdefault(plat, set()).update(caps)
+            _registered = found
+        return _registered or {}
+
+
+def missing(target: str, plat: str) -> Optional[str]:
+    """None if `target` is registered for `plat`, else why not."""
+    found = targets()
+    if _load_error is not None:
+        return _load_error
+    if target not in found.get(plat, ()):
+        return f"the extension was built without the {plat} target {target}"
+    return None
+
+
+def has_cuda_kernels() -> bool:
+    targets()
+    try:
+        from jax_flash import _jax_flash_ext as ext
+    except ImportError:
+        return False
+    return bool(ext.has_cuda())
+
+
+def _fold_vmap(fn):
+    """Make `fn(*arrays)` (every operand and result has a leading batch axis) fold a vmapped
+    axis into that batch axis: [V, B, ...] -> [V·B, ...] -> fn -> [V, B, ...]."""
+
+    @custom_vmap
+    def folded(*args):
+        return fn(*args)
+
+    @folded.def_vmap
+    def rule(axis_size, in_batched, *args):
+        args = [
+            a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+            for a, batched in zip(args, in_batched)
+        ]
+        flat = [a.reshape(axis_size * a.shape[1], *a.shape[2:]) for a in args]
+        outs = folded(*flat)
+        outs = [o.reshape(axis_size, o.shape[0] // axis_size, *o.shape[1:]) for o in outs]
+        return outs, [True] * len(outs)
+
+    return folded
+
+
+def _attributes(spec: AttentionSpec) -> dict:
+    # Floats as np.float32: a Python float becomes an f64 attribute, which Attr<float> rejects.
+    return dict(
+        scale=np.float32(spec.scale),
+        window_left=np.int64(-1 if spec.window_left is None else spec.window_left),
+        window_right=np.int64(-1 if spec.window_right is None else spec.window_right),
+        softcap=np.float32(0.0 if spec.soft_cap is None else spec.soft_cap),
+        use_segment_ids=bool(spec.has_segment_ids),
+    )
+
+
+def _mask_operands(spec: AttentionSpec, masks: MaskInputs):
+    """Lengths and segment ids are always passed: full lengths / zero ids when absent."""
+    b, t, s = spec.batch, spec.q_len, spec.kv_len
+    q_len = masks.q_lengths if masks.q_lengths is not None else jnp.full((b,), t, jnp.int32)
+    kv_len = masks.kv_lengths if masks.kv_lengths is not None else jnp.full((b,), s, jnp.int32)
+    q_seg = masks.q_segment_ids if masks.q_segment_ids is not None else jnp.zeros((b, t), jnp.int32)
+    kv_seg = (
+        masks.kv_segment_ids if masks.kv_segment_ids is not None else jnp.zeros((b, s), jnp.int32)
+    )
+    return q_len, kv_len, q_seg, kv_seg
+
+
+def forward(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):
+    """Call `target` (a forward target): out [B, T, N, H], lse [B, N, T] float32."""
+    attrs = _attributes(spec)
+
+    def call(q, k, v, q_len, kv_len, q_seg, kv_seg):
+        b, t, n, _ = q.shape
+        shapes = (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((b, n, t), jnp.float32),
+        )
+        return jax.ffi.ffi_call(target, shapes)(q, k, v, q_len, kv_len, q_seg, kv_seg, **attrs)
+
+    return tuple(_fold_vmap(call)(q, k, v, *_mask_operands(spec, masks)))
+
+
+def backward(
+    target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout, dlse,
+    deterministic: bool = False,
+):
+    """Call `target` (a backward target): dq, dk, dv (workspaces dropped), dbias None."""
+    attrs = dict(_attributes(spec), deterministic=bool(deterministic))
+
+    def call(q, k, v, out, dout, lse, dlse, q_len, kv_len, q_seg, kv_seg):
+        b, t, n, h = q.shape
+        shapes = (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct((b, t, n, h), jnp.float32),  # dq_accum workspace
+            jax.ShapeDtypeStruct((b, n, t), jnp.float32),  # delta workspace
+        )
+        return jax.ffi.ffi_call(target, shapes)(
+            q, k, v, out, dout, lse, dlse, q_len, kv_len, q_seg, kv_seg, **attrs
+        )
+
+    dq, dk, dv, _, _ = _fold_vmap(call)(
+        q, k, v, out, dout, lse.astype(jnp.float32), dlse.astype(jnp.float32),
+        *_mask_operands(spec, masks),
+    )
+    return dq, dk, dv, None
+
+
+def compiled_kernel_reason(spec: AttentionSpec, dtypes: tuple[str, ...]) -> Optional[str]:
+    """Limits common to the compiled implementations."""
+    if spec.dtype not in dtypes:
+        return f"supports dtypes {', '.join(dtypes)}, got {spec.dtype}"
+    if spec.bias_shape is not None:
+        return "does not take a dense bias (use implementation='xla' or 'pallas')"
+    if spec.mask_shape is not None:
+        return (
+            "does not take a dense mask (express it with is_causal, local_window_size, "
+            "*_seq_lengths or segment_ids, or use implementation='xla' or 'pallas')"
+        )
+    return None

@@ -1,0 +1,34 @@
+"""The `cpu` implementation: the extension's tiled C++ kernels (platform Host)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from jax_flash import _ffi, _registry
+from jax_flash._spec import AttentionSpec
+
+DTYPES = ("float32", "bfloat16", "float16")
+MAX_HEAD_DIM = 512
+
+
+class CpuImplementation:
+    name = "cpu"
+
+    def unsupported(self, spec: AttentionSpec) -> Optional[str]:
+        if _registry.platform() != "cpu":
+            return f"runs on the CPU backend only (the default backend is {_registry.platform()})"
+        why = _ffi.missing("jax_flash_fwd", "cpu") or _ffi.missing("jax_flash_bwd", "cpu")
+        if why:
+            return why
+        if spec.head_dim > MAX_HEAD_DIM:
+            return f"supports head dims up to {MAX_HEAD_DIM}, got {spec.head_dim}"
+        return _ffi.compiled_kernel_reason(spec, DTYPES)
+
+    def forward(self, spec, q, k, v, masks):
+        return _ffi.forward("jax_flash_fwd", spec, q, k, v, masks)
+
+    def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
+        return _ffi.backward("jax_flash_bwd", spec, q, k, v, masks, out, lse, dout, dlse)
+
+
+IMPLEMENTATION = CpuImplementation()
