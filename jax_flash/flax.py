@@ -1,0 +1,165 @@
+"""Flax integration: `attention_fn` for `flax.linen.MultiHeadDotProductAttention` and
+`flax.nnx.MultiHeadAttention`.
+
+    import functools, flax.linen as nn, jax_flash.flax
+
+    nn.MultiHeadDotProductAttention(num_heads=8, attention_fn=jax_flash.flax.attention_fn)
+    nn.MultiHeadDotProductAttention(
+        num_heads=8,
+        attention_fn=functools.partial(jax_flash.flax.attention_fn, is_causal=True,
+                                       implementation="xla"))
+
+This module does not import flax: flax calls the function, and the function only needs JAX.
+
+Flax's conventions, and how they map onto `jax_flash.attention`:
+* q, k, v are [batch..., T, N, H] (the same BTNH layout).
+* `mask` is broadcastable to [batch..., N|1, T, S] and is float 0/1 (`make_causal_mask`,
+  `make_attention_mask`) or bool; nonzero / True means "may attend", as in flax.
+* Flax gives a row that sees no key the mean of V; jax_flash gives it 0.
+* Attention dropout is not implemented (the probabilities never exist in memory):
+  `dropout_rate > 0` with `deterministic=False` raises NotImplementedError.
+* `module` is only passed when attention weights are to be sown (`sow_weights=True`);
+  they are never materialised, so that raises NotImplementedError too.
+* `precision` is accepted and ignored: softmax statistics and accumulators are float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import jax.numpy as jnp
+
+from jax_flash._api import attention
+
+__all__ = ["attention_fn", "make_attention_fn"]
+
+
+def _as_bool_mask(mask):
+    if mask is None:
+        return None
+    mask = jnp.asarray(mask)
+    # Flax: attention weights are kept where the mask is nonzero (True / 1.0).
+    return mask if mask.dtype == jnp.bool_ else mask != 0
+
+
+def attention_fn(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    broadcast_dropout: bool = True,
+    dropout_rng=None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype=None,
+    precision=None,
+    module=None,
+    is_causal: bool = False,
+    *,
+    implementation: Optional[str] = None,
+    logits_soft_cap: Optional[float] = None,
+    scale: Optional[float] = None,
+    local_window_size=None,
+    segment_ids=None,
+    **kwargs: Any,
+):
+    """`flax.linen.dot_product_attention`-compatible attention computed by jax_flash.
+
+    Every argument flax passes is named (linen drops keyword arguments that are not in the
+    signature); `**kwargs` takes the extras newer flax versions may pass and ignores them.
+    Options of `jax_flash.attention` (implementation, logits_soft_cap, is_causal, scale,
+    local_window_size, segment_ids) are chosen with `functools.partial` or
+    `make_attention_fn`.
+
+    Returns [batch..., T, N, H] in the dtype of query (after promotion to `dtype`).
+    """
+    del broadcast_dropout, dropout_rng, precision, kwargs
+    if dropout_rate and dropout_rate > 0.0 and not deterministic:
+        raise NotImplementedError(
+            f"jax_flash.flax.attention_fn does not implement attention dropout (got "
+            f"dropout_rate={dropout_rate} with deterministic=False): the attention "
+            "probabilities are never materialised. Use dropout_rate=0 or deterministic=True."
+        )
+    if module is not None:
+        raise NotImplementedError(
+            "jax_flash.flax.attention_fn cannot sow attention weights (sow_weights=True): the "
+            "attention probabilities are never materialised."
+        )
+    if dtype is None:
+        dtype = jnp.result_type(query, key, value)
+    query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+    return attention(
+        query,
+        key,
+        value,
+        bias=bias,
+        mask=_as_bool_mask(mask),
+        scale=scale,
+        is_causal=bool(is_causal),
+        local_window_size=local_window_size,
+        segment_ids=segment_ids,
+        logits_soft_cap=logits_soft_cap,
+        implementation=implementation,
+    )
+
+
+def make_attention_fn(
+    *,
+    implementation: Optional[str] = None,
+    is_causal: bool = False,
+    logits_soft_cap: Optional[float] = None,
+    scale: Optional[float] = None,
+    local_window_size=None,
+):
+    """An `attention_fn` with jax_flash options bound.
+
+    Unlike `functools.partial(attention_fn, is_causal=True)`, a causal function made here
+    stays causal when `flax.nnx.MultiHeadAttention` passes its own `is_causal=False`
+    (the two are OR-ed).
+    """
+    bound_causal = bool(is_causal)
+
+    @functools.wraps(attention_fn)
+    def fn(
+        query,
+        key,
+        value,
+        bias=None,
+        mask=None,
+        broadcast_dropout: bool = True,
+        dropout_rng=None,
+        dropout_rate: float = 0.0,
+        deterministic: bool = False,
+        dtype=None,
+        precision=None,
+        module=None,
+        is_causal: bool = False,
+        **kwargs: Any,
+    ):
+        return attention_fn(
+            query,
+            key,
+            value,
+            bias,
+            mask,
+            broadcast_dropout,
+            dropout_rng,
+            dropout_rate,
+            deterministic,
+            dtype,
+            precision,
+            module,
+            bound_causal or bool(is_causal),
+            implementation=implementation,
+            logits_soft_cap=logits_soft_cap,
+            scale=scale,
+            local_window_size=local_window_size,
+            **kwargs,
+        )
+
+    # functools.wraps sets __wrapped__, which inspect.signature would follow to
+    # attention_fn; flax filters keyword arguments by this function's own signature.
+    del fn.__wrapped__
+    return fn

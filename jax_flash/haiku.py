@@ -1,0 +1,115 @@
+"""Haiku integration: `MultiHeadAttention`, a drop-in for `haiku.MultiHeadAttention`.
+
+Same constructor, same call signature and the same parameter tree (the default module name
+is haiku's, "multi_head_attention", and the projections are haiku's own), so parameters
+trained with one load into the other. The attention itself runs in `jax_flash.attention`:
+
+    mha = jax_flash.haiku.MultiHeadAttention(num_heads=8, key_size=64,
+                                             w_init=hk.initializers.VarianceScaling(1.0),
+                                             is_causal=True)
+
+haiku is imported when this module is imported, never by `import jax_flash`.
+
+Differences from haiku's module: a query row whose mask hides every key gets 0 (haiku gives
+the mean of the values); `value_size != key_size` is served by zero-padding the smaller
+head dim (the logits scale stays 1/sqrt(key_size)).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import haiku as hk
+import jax.numpy as jnp
+
+from jax_flash._api import attention
+
+__all__ = ["MultiHeadAttention"]
+
+
+def _pad_last(x, size: int):
+    if x.shape[-1] == size:
+        return x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
+
+
+class MultiHeadAttention(hk.MultiHeadAttention):
+    """`haiku.MultiHeadAttention` computed with `jax_flash.attention`.
+
+    Extra keyword arguments (beyond haiku's):
+      implementation: None (best available), "cuda", "pallas", "cpu" or "xla".
+      is_causal: query t sees keys s <= t (in addition to any mask).
+      logits_soft_cap: float c: logits -> c·tanh(logits / c).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        key_size: int,
+        w_init_scale: Optional[float] = None,
+        *,
+        w_init=None,
+        with_bias: bool = True,
+        b_init=None,
+        value_size: Optional[int] = None,
+        model_size: Optional[int] = None,
+        name: Optional[str] = "multi_head_attention",
+        implementation: Optional[str] = None,
+        is_causal: bool = False,
+        logits_soft_cap: Optional[float] = None,
+    ):
+        super().__init__(
+            num_heads,
+            key_size,
+            w_init_scale,
+            w_init=w_init,
+            with_bias=with_bias,
+            b_init=b_init,
+            value_size=value_size,
+            model_size=model_size,
+            name=name,
+        )
+        self.implementation = implementation
+        self.is_causal = is_causal
+        self.logits_soft_cap = logits_soft_cap
+
+    def __call__(self, query, key, value, mask=None):
+        """Same as haiku's: query [..., T', D_q], key/value [..., T, D], mask
+        [..., H|1, T', T] (True / nonzero = may attend) -> [..., T', model_size]."""
+        *leading_dims, sequence_length, _ = query.shape
+        projection = self._linear_projection
+        query_heads = projection(query, self.key_size, "query")  # [..., T', H, K]
+        key_heads = projection(key, self.key_size, "key")  # [..., T, H, K]
+        value_heads = projection(value, self.value_size, "value")  # [..., T, H, V]
+
+        if mask is not None:
+            mask = jnp.asarray(mask)
+            if mask.ndim != query_heads.ndim:
+                raise ValueError(
+                    f"mask must have rank {query_heads.ndim} ([..., H|1, T', T]) like "
+                    f"haiku's attention logits, got shape {tuple(mask.shape)}"
+                )
+            if mask.dtype != jnp.bool_:
+                mask = mask != 0
+
+        # jax_flash needs one head dim for q, k and v: zero-pad the smaller one (zeros
+        # change neither q·k nor the useful columns of P·V) and keep haiku's scale.
+        head_dim = max(self.key_size, self.value_size)
+        dtype = jnp.result_type(query_heads, key_heads, value_heads)
+        out = attention(
+            _pad_last(query_heads, head_dim).astype(dtype),
+            _pad_last(key_heads, head_dim).astype(dtype),
+            _pad_last(value_heads, head_dim).astype(dtype),
+            mask=mask,
+            scale=1.0 / math.sqrt(self.key_size),
+            is_causal=self.is_causal,
+            logits_soft_cap=self.logits_soft_cap,
+            implementation=self.implementation,
+        )[..., : self.value_size]  # [..., T', H, V]
+        attn = jnp.reshape(out, (*leading_dims, sequence_length, -1))  # [..., T', H*V]
+
+        final_projection = hk.Linear(
+            self.model_size, w_init=self.w_init, with_bias=self.with_bias, b_init=self.b_init
+        )
+        return final_projection(attn)  # [..., T', D']
