@@ -43,6 +43,11 @@ def _acc_dtype(dtype) -> jnp.dtype:
     return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
 
+def _index(*xs):
+    """Start indices of one dynamic_slice, all int32 (also when x64 is enabled)."""
+    return tuple(jnp.asarray(x, jnp.int32) for x in xs)
+
+
 def _pad_axis(x, axis: int, size: int, value=0):
     if x.shape[axis] == size:
         return x
@@ -86,7 +91,7 @@ class _Tiles:
         cols = self.bk if x.shape[3] != 1 else 1
         tile = lax.dynamic_slice(
             x,
-            (0, 0, i * self.bq if rows != 1 else 0, j * self.bk if cols != 1 else 0),
+            _index(0, 0, i * self.bq if rows != 1 else 0, j * self.bk if cols != 1 else 0),
             (x.shape[0], x.shape[1], rows, cols),
         )
         if x.shape[1] == 1:
@@ -288,7 +293,7 @@ def _accumulate_dbias(dbias, ds, row0, col0, bq: int, bk: int):
     x = ds.reshape(ds.shape[0], -1, bq, bk)  # [B, N, bq, bk]
     axes = tuple(ax for ax, size in ((0, bb), (1, nb), (2, tb), (3, sb)) if size == 1)
     x = jnp.sum(x, axis=axes, keepdims=True) if axes else x
-    start = (0, 0, row0 if tb != 1 else 0, col0 if sb != 1 else 0)
+    start = _index(0, 0, row0 if tb != 1 else 0, col0 if sb != 1 else 0)
     cur = lax.dynamic_slice(dbias, start, x.shape)
     return lax.dynamic_update_slice(dbias, cur + x, start)
 

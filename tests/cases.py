@@ -1,0 +1,177 @@
+"""Test cases shared by the suite: shapes, mask kinds, dtypes, inputs and tolerances."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    b: int
+    t: int
+    s: int
+    n: int
+    kh: int
+    h: int
+
+    def __str__(self):
+        return f"B{self.b}T{self.t}S{self.s}N{self.n}K{self.kh}H{self.h}"
+
+
+# Ragged lengths, T != S both ways, GQA and MQA, a head dim that is not a power of two.
+FULL_SHAPES = {
+    "ragged": Shape(2, 97, 1025, 4, 2, 64),
+    "square": Shape(1, 256, 256, 4, 4, 128),
+    "odd_h": Shape(2, 130, 77, 6, 2, 40),
+    "one_query": Shape(1, 1, 33, 2, 1, 64),
+}
+# Interpreted / emulated implementations run these.
+SMALL_SHAPES = {
+    "small_mqa": Shape(1, 33, 47, 2, 1, 64),
+    "small_gqa": Shape(2, 40, 40, 4, 2, 128),
+    "small_tall": Shape(1, 70, 17, 2, 2, 64),
+}
+
+MASK_KINDS = (
+    "none",
+    "causal",
+    "window",
+    "window_causal",
+    "lengths",
+    "segments",
+    "softcap",
+    "bias",
+    "mask",
+    "combo",
+    "all_masked",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    shape_name: str
+    mask_kind: str
+    dtype: str
+    small: bool
+
+    @property
+    def shape(self) -> Shape:
+        return (SMALL_SHAPES if self.small else FULL_SHAPES)[self.shape_name]
+
+    def __str__(self):
+        return f"{self.shape_name}-{self.mask_kind}-{self.dtype}"
+
+
+def _cases():
+    out = []
+    for name in FULL_SHAPES:
+        for kind in ("none", "causal"):
+            out.append(Case(name, kind, "float32", False))
+    for kind in MASK_KINDS:
+        if kind not in ("none", "causal"):
+            out.append(Case("ragged", kind, "float32", False))
+    for dt in ("bfloat16", "float16"):
+        for kind in ("none", "causal", "combo"):
+            out.append(Case("ragged", kind, dt, False))
+    for kind in ("window", "lengths", "segments", "bias"):
+        out.append(Case("odd_h", kind, "float32", False))
+    for kind in MASK_KINDS:
+        out.append(Case("small_mqa", kind, "bfloat16", True))
+    for dt in ("bfloat16", "float16"):
+        for kind in ("none", "causal", "combo", "window"):
+            out.append(Case("small_gqa", kind, dt, True))
+    for dt in ("float16", "float32"):
+        for kind in ("none", "window_causal", "lengths"):
+            out.append(Case("small_tall", kind, dt, True))
+    return out
+
+
+CASES = _cases()
+
+
+def make_qkv(shape: Shape, dtype, seed: int = 0):
+    """Random, off-zero q, k, v (normal with a shifted mean)."""
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(kq, (shape.b, shape.t, shape.n, shape.h), jnp.float32) + 0.1
+    k = jax.random.normal(kk, (shape.b, shape.s, shape.kh, shape.h), jnp.float32) - 0.1
+    v = jax.random.normal(kv, (shape.b, shape.s, shape.kh, shape.h), jnp.float32) + 0.2
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+def _segments(rng, b, length, num):
+    """Sorted (packed-document) segment ids in [0, num)."""
+    ids = np.sort(rng.integers(0, num, size=(b, length)), axis=1)
+    return jnp.asarray(ids, jnp.int32)
+
+
+def mask_kwargs(kind: str, shape: Shape, seed: int = 1) -> dict:
+    """Keyword arguments of jax_flash.attention for one mask kind."""
+    rng = np.random.default_rng(seed)
+    b, t, s, n = shape.b, shape.t, shape.s, shape.n
+    if kind == "none":
+        return {}
+    if kind == "causal":
+        return dict(is_causal=True)
+    if kind == "window":
+        return dict(local_window_size=(7, 3))
+    if kind == "window_causal":
+        return dict(local_window_size=(9, 4), is_causal=True)
+    if kind == "lengths":
+        q_len = [max(1, t - 10)] + [t] * (b - 1)
+        kv_len = [s] * (b - 1) + [max(1, s // 3)]
+        return dict(
+            query_seq_lengths=jnp.asarray(q_len, jnp.int32),
+            key_value_seq_lengths=jnp.asarray(kv_len, jnp.int32),
+        )
+    if kind == "segments":
+        # Query ids range over 0..4 and key ids over 0..3: queries of segment 4 see nothing.
+        return dict(segment_ids=(_segments(rng, b, t, 5), _segments(rng, b, s, 4)))
+    if kind == "softcap":
+        return dict(logits_soft_cap=2.5, scale=0.5)
+    if kind == "bias":
+        bias = jnp.asarray(rng.normal(size=(b, 1, t, s)), jnp.float32)
+        return dict(bias=bias)
+    if kind == "mask":
+        m = rng.random(size=(1, n, t, s)) < 0.7
+        m[0, 0, 0, :] = False  # one row of one head sees nothing
+        return dict(mask=jnp.asarray(m))
+    if kind == "combo":
+        kw = dict(
+            is_causal=True,
+            logits_soft_cap=4.0,
+            key_value_seq_lengths=jnp.asarray([s] * (b - 1) + [max(1, (2 * s) // 3)], jnp.int32),
+        )
+        if t == s:
+            kw["segment_ids"] = _segments(rng, b, t, 3)
+        else:
+            kw["segment_ids"] = (_segments(rng, b, t, 3), _segments(rng, b, s, 3))
+        return kw
+    if kind == "all_masked":
+        # The first batch element sees no key at all; the second has padded query rows.
+        return dict(
+            key_value_seq_lengths=jnp.asarray([0] + [s] * (b - 1), jnp.int32),
+            query_seq_lengths=jnp.asarray([t] + [max(1, t // 2)] * (b - 1), jnp.int32),
+        )
+    raise ValueError(kind)
+
+
+# err(impl) <= FACTOR * err(reference at the input dtype) + EPS[dtype], both against float64.
+FACTOR = 2.0
+EPS = {"float32": 1e-5, "float16": 2e-4, "bfloat16": 2e-3, "float64": 1e-10}
+GRAD_EPS = {"float32": 5e-5, "float16": 1e-3, "bfloat16": 1e-2, "float64": 1e-9}
+
+
+def max_err(x, ref) -> float:
+    x = np.asarray(jnp.asarray(x, jnp.float64))
+    ref = np.asarray(jnp.asarray(ref, jnp.float64))
+    assert x.shape == ref.shape, (x.shape, ref.shape)
+    assert not np.isnan(x).any(), "NaN in result"
+    finite = np.isfinite(ref)
+    assert np.array_equal(np.isfinite(x), finite), "the -inf pattern differs from the reference"
+    if not finite.any():
+        return 0.0
+    return float(np.max(np.abs(x[finite] - ref[finite])))

@@ -1,0 +1,73 @@
+"""Shared fixtures: which implementations run here, and how big their test shapes may be.
+
+Every implementation runs through the same tests (tests/test_attention.py). On a CPU
+machine that means: `xla`, `cpu` (the C++ kernels), `pallas` in interpret mode and `cuda`
+emulated on the host (JAX_FLASH_EMULATE_CUDA=1); on a GPU: `xla`, `cuda`, `pallas`.
+
+JAX_FLASH_REQUIRE=xla,cpu,... makes the run fail (instead of skip) when one of the listed
+implementations is unavailable, so a broken build cannot pass as "skipped" in CI.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+jax.config.update("jax_enable_x64", True)  # float64 references and check_grads
+
+if jax.default_backend() == "cpu":
+    # implementation="cuda" runs the CUDA kernels' source against the host emulation.
+    os.environ.setdefault("JAX_FLASH_EMULATE_CUDA", "1")
+# Handlers fill their outputs with NaN before computing, so unwritten elements show up.
+os.environ.setdefault("JAX_FLASH_POISON_OUTPUTS", "1")
+
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+
+import jax_flash  # noqa: E402
+from jax_flash import _registry  # noqa: E402
+
+ALL = ("xla", "cpu", "pallas", "cuda")
+
+
+def on_gpu() -> bool:
+    return _registry.platform() == "gpu"
+
+
+def slow_impl(name: str) -> bool:
+    """Interpreted / emulated runs: small shapes only."""
+    return not on_gpu() and name in ("pallas", "cuda")
+
+
+def availability(name: str):
+    """None if `name` loads and runs on this platform, else the reason."""
+    probe = jnp.zeros((1, 8, 2, 64), jnp.bfloat16 if name == "cuda" else jnp.float32)
+    return jax_flash.explain(probe, probe, probe, implementation=name).reasons[name]
+
+
+_REQUIRED = [n for n in os.environ.get("JAX_FLASH_REQUIRE", "").split(",") if n]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "impl(name): test runs one implementation")
+
+
+def pytest_collection_modifyitems(config, items):
+    for name in _REQUIRED:
+        why = availability(name)
+        if why is not None:
+            raise pytest.UsageError(f"JAX_FLASH_REQUIRE lists {name!r}, which cannot run: {why}")
+
+
+def impl_params():
+    return [pytest.param(n, id=n) for n in ALL]
+
+
+@pytest.fixture(params=ALL)
+def impl(request):
+    name = request.param
+    why = availability(name)
+    if why is not None:
+        pytest.skip(f"{name} unavailable here: {why}")
+    return name

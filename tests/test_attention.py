@@ -1,0 +1,94 @@
+"""The shared suite: every implementation against the reference, forward and backward.
+
+Tolerance (DESIGN §5): err(impl, float64 reference) <= 2·err(reference at the input dtype,
+float64 reference) + eps. Rows that see no key must give out = 0, lse = -inf and zero,
+finite gradients in every implementation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash.reference import attention_reference
+
+from cases import CASES, EPS, FACTOR, GRAD_EPS, make_qkv, mask_kwargs, max_err
+from conftest import slow_impl
+
+
+def _needs_skip(impl, q, k, v, kw):
+    why = jax_flash.explain(q, k, v, implementation=impl, **kw).reasons[impl]
+    if why is not None:
+        pytest.skip(f"{impl}: {why}")
+
+
+ALL_CASES = [pytest.param(c, id=str(c)) for c in CASES]
+
+
+def _check_case(impl, case):
+    if slow_impl(impl) and not case.small:
+        pytest.skip("full-size case: this implementation is interpreted/emulated here")
+    dtype = jnp.dtype(case.dtype)
+    q, k, v = make_qkv(case.shape, dtype)
+    kw = mask_kwargs(case.mask_kind, case.shape)
+    _needs_skip(impl, q, k, v, kw)
+    return q, k, v, kw
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_forward(impl, case):
+    q, k, v, kw = _check_case(impl, case)
+    out, lse = jax.jit(
+        lambda q, k, v: jax_flash.attention(q, k, v, implementation=impl, return_residual=True, **kw)
+    )(q, k, v)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == q.shape[:-1] and lse.dtype == jnp.float32
+
+    ref64, lse64 = attention_reference(q, k, v, return_residual=True, compute_dtype=jnp.float64, **kw)
+    ref_lo, lse_lo = attention_reference(q, k, v, return_residual=True, **kw)
+    tol = FACTOR * max_err(ref_lo, ref64) + EPS[case.dtype]
+    err = max_err(out, ref64)
+    assert err <= tol, f"out error {err:.3g} > {tol:.3g}"
+    lse_tol = FACTOR * max_err(lse_lo, lse64) + EPS["float32"] * 10
+    lse_err = max_err(lse, lse64)
+    assert lse_err <= lse_tol, f"lse error {lse_err:.3g} > {lse_tol:.3g}"
+
+    # Rows that see nothing: exactly zero output and -inf lse.
+    dead = ~np.isfinite(np.asarray(lse64))
+    if dead.any():
+        assert np.all(np.asarray(out, np.float32)[dead] == 0)
+        assert np.all(np.asarray(lse)[dead] == -np.inf)
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_backward(impl, case):
+    q, k, v, kw = _check_case(impl, case)
+    dtype = q.dtype
+    cot = jax.random.normal(jax.random.PRNGKey(7), q.shape, jnp.float32).astype(dtype)
+    dlse = jax.random.normal(jax.random.PRNGKey(8), q.shape[:-1], jnp.float32)
+    bias = kw.pop("bias", None)
+
+    def grads(fn, *, compute_dtype="impl"):
+        def f(q, k, v, bias):
+            if compute_dtype == "impl":
+                out, lse = fn(q, k, v, bias, implementation=impl, return_residual=True, **kw)
+            else:
+                out, lse = fn(q, k, v, bias, compute_dtype=compute_dtype, return_residual=True, **kw)
+            # Both outputs carry a cotangent: the gradient through lse is part of the contract.
+            lse = jnp.where(jnp.isfinite(lse), lse, 0)
+            return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32)) + jnp.sum(lse * dlse)
+
+        argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+        return jax.jit(jax.grad(f, argnums=argnums))(q, k, v, bias)
+
+    g = grads(jax_flash.attention)
+    g64 = grads(attention_reference, compute_dtype=jnp.float64)
+    g_lo = grads(attention_reference, compute_dtype=None)
+    for name, a, r64, rlo in zip(("dq", "dk", "dv", "dbias"), g, g64, g_lo):
+        assert a.dtype == (bias.dtype if name == "dbias" else dtype)
+        tol = FACTOR * max_err(rlo, r64) + GRAD_EPS[case.dtype]
+        err = max_err(a, r64)
+        assert err <= tol, f"{name} error {err:.3g} > {tol:.3g}"
