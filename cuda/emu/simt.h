@@ -47,7 +47,7 @@
 
 // The block's dynamic shared memory as `char* name` (128-byte aligned). Use inside the kernel
 // body; under nvcc the kernels define it as `extern __shared__ __align__(128) char name[]`.
-#define JAX_FLASH_DYNAMIC_SMEM(name) char* const name = ::jax_flash::emu::dynamic_smem()
+#define JAX_FLASH_DYNAMIC_SMEM(name) [[maybe_unused]] char* const name = ::jax_flash::emu::dynamic_smem()
 
 struct uint3 {
   unsigned int x, y, z;
@@ -97,7 +97,6 @@ struct ThreadView {
   dim3 block_dim;
   dim3 grid_dim;
 };
-struct Fiber;  // the runtime's per-thread state (simt.cc)
 // The running CUDA thread, or nullptr outside a launch.
 inline thread_local const ThreadView* tls_view = nullptr;
 [[noreturn]] void outside_launch(const char* what);  // throws std::logic_error

@@ -1,0 +1,666 @@
+// The runtime behind simt.h: fibers (one per CUDA thread), the scheduler, warp collectives,
+// the block barrier and dynamic shared memory with poison and red zones.
+//
+// Scheduling: the threads of a block run one at a time on the calling host thread. A thread
+// runs until it blocks (at a warp collective whose other lanes have not arrived yet, or at
+// __syncthreads) or exits; it then hands the host thread directly to the next runnable thread.
+// The lane that completes a collective computes its result for every lane and keeps running.
+#include "emu/simt.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <stdexcept>
+#include <vector>
+
+#if defined(__x86_64__) && !defined(JAX_FLASH_EMU_UCONTEXT)
+#define JAX_FLASH_EMU_ASM_SWITCH 1
+#include <xmmintrin.h>
+#else
+#include <ucontext.h>
+#endif
+
+namespace jax_flash {
+namespace emu {
+namespace detail {
+
+#if JAX_FLASH_EMU_ASM_SWITCH
+// Host context switch (x86-64 System V): saves the callee-saved registers and the SSE/x87
+// control words on the current stack, stores the stack pointer to *save_sp, and resumes the
+// context whose stack pointer is load_sp. glibc's swapcontext would also do a sigprocmask
+// system call per switch, which dominates the emulation's run time.
+extern "C" void jax_flash_emu_switch(void** save_sp, void* load_sp);
+__asm__(
+    ".text\n"
+    ".p2align 4\n"
+    ".globl jax_flash_emu_switch\n"
+    ".hidden jax_flash_emu_switch\n"
+    ".type jax_flash_emu_switch,@function\n"
+    "jax_flash_emu_switch:\n"
+    "  pushq %rbp\n"
+    "  pushq %rbx\n"
+    "  pushq %r12\n"
+    "  pushq %r13\n"
+    "  pushq %r14\n"
+    "  pushq %r15\n"
+    "  subq $8, %rsp\n"
+    "  stmxcsr (%rsp)\n"
+    "  fnstcw 4(%rsp)\n"
+    "  movq %rsp, (%rdi)\n"
+    "  movq %rsi, %rsp\n"
+    "  ldmxcsr (%rsp)\n"
+    "  fldcw 4(%rsp)\n"
+    "  addq $8, %rsp\n"
+    "  popq %r15\n"
+    "  popq %r14\n"
+    "  popq %r13\n"
+    "  popq %r12\n"
+    "  popq %rbx\n"
+    "  popq %rbp\n"
+    "  ret\n"
+    ".size jax_flash_emu_switch, .-jax_flash_emu_switch\n");
+#endif
+
+namespace {
+
+constexpr int kWarpSize = 32;
+constexpr size_t kRedZone = 256;           // bytes on each side of the dynamic shared memory
+constexpr unsigned char kPoison = 0xFF;    // NaN as f16, bf16 and f32
+constexpr unsigned char kRedZoneByte = 0xA5;
+
+enum class State { kRunnable, kCollective, kBarrier, kExited };
+
+struct Context {
+#if JAX_FLASH_EMU_ASM_SWITCH
+  void* sp = nullptr;
+#else
+  ucontext_t uc;
+#endif
+};
+
+struct PendingCopy {
+  size_t smem_offset;
+  unsigned char bytes[16];
+  uint64_t group;
+};
+
+struct Fiber {
+  ThreadView view;
+  int index = 0, warp = 0, lane = 0;
+  State state = State::kRunnable;
+  Context ctx;
+  char* stack = nullptr;  // lowest usable address
+  size_t stack_bytes = 0;
+  std::vector<PendingCopy> copies;  // cp.async copies not yet landed, in issue order
+  uint64_t committed_groups = 0;    // cp.async groups committed so far; the open group's index
+};
+
+struct Warp {
+  uint32_t exists = 0;      // lanes that exist (a block may end in a partial warp)
+  uint32_t exited = 0;      // lanes that have returned from the kernel
+  uint32_t at_barrier = 0;  // lanes waiting at __syncthreads
+  const CollectiveKind* kind = nullptr;  // the collective some lanes wait at, or nullptr
+  uint32_t mask = 0, arrived = 0;
+  void* arg = nullptr;
+  const void* in[kWarpSize] = {};
+  void* out[kWarpSize] = {};
+};
+
+// Fiber stacks are reused across launches on the same host thread.
+struct StackPool {
+  struct Stack {
+    char* base;    // mapping start (guard page)
+    size_t total;  // mapping size
+  };
+  std::vector<Stack> stacks;
+  size_t stack_bytes = 0;
+  size_t page = 4096;
+
+  bool ensure(size_t count, size_t bytes) {
+    page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    bytes = (bytes + page - 1) / page * page;
+    if (bytes != stack_bytes) release();
+    stack_bytes = bytes;
+    while (stacks.size() < count) {
+      size_t total = bytes + page;
+      void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (p == MAP_FAILED) return false;
+      // A guard page below the stack turns an overflow into a fault instead of corruption.
+      mprotect(p, page, PROT_NONE);
+      stacks.push_back({static_cast<char*>(p), total});
+    }
+    return true;
+  }
+  void release() {
+    for (auto& s : stacks) munmap(s.base, s.total);
+    stacks.clear();
+  }
+  ~StackPool() { release(); }
+};
+thread_local StackPool tls_stacks;
+
+struct Runtime {
+  LaunchSpec spec;
+  LaunchOptions options;
+  int nthreads = 0;
+  std::vector<Fiber> fibers;
+  std::vector<Warp> warps;
+  std::vector<unsigned char> smem_storage;
+  char* smem = nullptr;
+  size_t smem_bytes = 0;
+  std::vector<int> queue;  // runnable fibers not currently running (ring buffer)
+  size_t queue_head = 0, queue_size = 0;
+  int at_barrier = 0;
+  int exited = 0;
+  Fiber* current = nullptr;
+  Context scheduler;
+  std::string error;
+  bool aborted = false;
+  uint64_t rng = 1;
+  uint3 block_idx{0, 0, 0};
+
+  uint64_t next_random() {  // splitmix64
+    uint64_t z = (rng += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  void push(int i) {
+    queue[(queue_head + queue_size) % queue.size()] = i;
+    ++queue_size;
+  }
+  int pop() {
+    if (queue_size == 0) return -1;
+    if (options.schedule == Schedule::kShuffle && queue_size > 1) {
+      size_t k = next_random() % queue_size;
+      std::swap(queue[queue_head], queue[(queue_head + k) % queue.size()]);
+    }
+    int i = queue[queue_head];
+    queue_head = (queue_head + 1) % queue.size();
+    --queue_size;
+    return i;
+  }
+};
+thread_local Runtime* tls_runtime = nullptr;
+
+std::string hex(uint64_t v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+std::string lanes_of(uint32_t mask) {
+  std::string s;
+  for (int l = 0; l < kWarpSize; ++l)
+    if (mask & (1u << l)) s += (s.empty() ? "" : ",") + std::to_string(l);
+  return "{" + s + "}";
+}
+std::string dim_str(uint3 v) {
+  return "(" + std::to_string(v.x) + "," + std::to_string(v.y) + "," + std::to_string(v.z) + ")";
+}
+std::string thread_str(const Runtime& rt, const Fiber& f) {
+  return "block " + dim_str(rt.block_idx) + " thread " + dim_str(f.view.thread_idx) + " (warp " +
+         std::to_string(f.warp) + " lane " + std::to_string(f.lane) + ")";
+}
+
+Runtime& runtime(const char* what) {
+  if (tls_runtime == nullptr || tls_runtime->current == nullptr) outside_launch(what);
+  return *tls_runtime;
+}
+
+// Hands the host thread from `self` (which is blocked or exited) to the next runnable thread,
+// or back to the scheduler when there is none. Returns when `self` is resumed.
+void switch_away(Runtime& rt, Fiber* self) {
+  int next = rt.aborted ? -1 : rt.pop();
+  Fiber* to = next >= 0 ? &rt.fibers[next] : nullptr;
+  rt.current = to;
+  tls_view = to ? &to->view : nullptr;
+#if JAX_FLASH_EMU_ASM_SWITCH
+  jax_flash_emu_switch(&self->ctx.sp, to ? to->ctx.sp : rt.scheduler.sp);
+#else
+  swapcontext(&self->ctx.uc, to ? &to->ctx.uc : &rt.scheduler.uc);
+#endif
+}
+
+void wake(Runtime& rt, Fiber& f) {
+  f.state = State::kRunnable;
+  rt.push(f.index);
+}
+
+void on_exit(Runtime& rt, Fiber& f) {
+  Warp& w = rt.warps[f.warp];
+  uint32_t bit = 1u << f.lane;
+  if (w.kind != nullptr && (w.mask & bit))
+    fail(std::string("exited while lanes ") + lanes_of(w.arrived) + " of its warp wait for it at " + w.kind->name +
+         " (mask " + hex(w.mask) + ")");
+  if (rt.at_barrier > 0)
+    fail("exited while " + std::to_string(rt.at_barrier) +
+         " threads of the block wait at __syncthreads (a barrier not every thread reaches)");
+  w.exited |= bit;
+  ++rt.exited;
+  f.state = State::kExited;
+  f.copies.clear();  // copies never waited for: nothing can observe them any more
+}
+
+[[noreturn]] void fiber_main() {
+  Runtime& rt = *tls_runtime;
+  Fiber* self = rt.current;
+  try {
+    rt.spec.run(rt.spec.ctx);
+    on_exit(rt, *self);
+  } catch (const std::exception& e) {
+    fail(std::string("exception in kernel: ") + e.what());
+  }
+  switch_away(rt, self);
+  std::abort();  // an exited fiber is never resumed
+}
+
+#if !JAX_FLASH_EMU_ASM_SWITCH
+void fiber_main_uc() { fiber_main(); }
+#endif
+
+void init_fiber_context(Runtime& rt, Fiber& f) {
+#if JAX_FLASH_EMU_ASM_SWITCH
+  // Initial frame consumed by jax_flash_emu_switch: control words, six callee-saved registers,
+  // then the "return address" fiber_main, entered with rsp % 16 == 8 like any called function.
+  uintptr_t top = (reinterpret_cast<uintptr_t>(f.stack) + f.stack_bytes) & ~uintptr_t{15};
+  auto* slot = reinterpret_cast<uint64_t*>(top - 72);
+  uint32_t csr = _mm_getcsr();
+  uint16_t fpcw = 0x037f;  // the x87 default
+  std::memset(slot, 0, 72);
+  std::memcpy(&slot[0], &csr, 4);
+  std::memcpy(reinterpret_cast<char*>(&slot[0]) + 4, &fpcw, 2);
+  slot[7] = reinterpret_cast<uint64_t>(&fiber_main);
+  slot[8] = 0;
+  f.ctx.sp = slot;
+#else
+  getcontext(&f.ctx.uc);
+  f.ctx.uc.uc_stack.ss_sp = f.stack;
+  f.ctx.uc.uc_stack.ss_size = f.stack_bytes;
+  f.ctx.uc.uc_link = nullptr;
+  makecontext(&f.ctx.uc, fiber_main_uc, 0);
+#endif
+  (void)rt;
+}
+
+std::string describe_deadlock(const Runtime& rt) {
+  std::string s = "deadlock in block " + dim_str(rt.block_idx) + ":";
+  for (size_t wi = 0; wi < rt.warps.size(); ++wi) {
+    const Warp& w = rt.warps[wi];
+    if (w.kind != nullptr)
+      s += " warp " + std::to_string(wi) + " lanes " + lanes_of(w.arrived) + " wait at " + w.kind->name +
+           " for lanes " + lanes_of(w.mask & ~w.arrived) + ";";
+    if (w.at_barrier) s += " warp " + std::to_string(wi) + " lanes " + lanes_of(w.at_barrier) + " wait at __syncthreads;";
+  }
+  return s;
+}
+
+bool run_block(Runtime& rt, uint3 block_idx) {
+  rt.block_idx = block_idx;
+  const dim3 bd = rt.spec.block;
+  std::memset(rt.smem_storage.data(), kRedZoneByte, rt.smem_storage.size());
+  std::memset(rt.smem, kPoison, rt.smem_bytes);
+  for (auto& w : rt.warps) {
+    uint32_t exists = w.exists;
+    w = Warp();
+    w.exists = exists;
+  }
+  rt.at_barrier = 0;
+  rt.exited = 0;
+  rt.queue_head = rt.queue_size = 0;
+  for (int i = 0; i < rt.nthreads; ++i) {
+    Fiber& f = rt.fibers[i];
+    f.view.block_idx = block_idx;
+    f.state = State::kRunnable;
+    f.copies.clear();
+    f.committed_groups = 0;
+    init_fiber_context(rt, f);
+  }
+  for (int i = 0; i < rt.nthreads; ++i)
+    rt.push(rt.options.schedule == Schedule::kReverse ? rt.nthreads - 1 - i : i);
+  (void)bd;
+
+  while (!rt.aborted && rt.exited < rt.nthreads) {
+    int next = rt.pop();
+    if (next < 0) {
+      rt.error = describe_deadlock(rt);
+      rt.aborted = true;
+      break;
+    }
+    Fiber& f = rt.fibers[next];
+    rt.current = &f;
+    tls_view = &f.view;
+#if JAX_FLASH_EMU_ASM_SWITCH
+    jax_flash_emu_switch(&rt.scheduler.sp, f.ctx.sp);
+#else
+    swapcontext(&rt.scheduler.uc, &f.ctx.uc);
+#endif
+    rt.current = nullptr;
+    tls_view = nullptr;
+  }
+  if (rt.aborted) return false;
+
+  // Red zones: a plain store outside the dynamic shared memory leaves a trace here.
+  const unsigned char* lo = rt.smem_storage.data();
+  const unsigned char* hi = reinterpret_cast<unsigned char*>(rt.smem) + rt.smem_bytes;
+  const unsigned char* end = lo + rt.smem_storage.size();
+  for (const unsigned char* p = lo; p < reinterpret_cast<unsigned char*>(rt.smem); ++p)
+    if (*p != kRedZoneByte) {
+      rt.error = "block " + dim_str(block_idx) + ": a store landed " +
+                 std::to_string(reinterpret_cast<unsigned char*>(rt.smem) - p) +
+                 " bytes before the start of dynamic shared memory";
+      return false;
+    }
+  for (const unsigned char* p = hi; p < end; ++p)
+    if (*p != kRedZoneByte) {
+      rt.error = "block " + dim_str(block_idx) + ": a store landed at byte " +
+                 std::to_string(p - reinterpret_cast<unsigned char*>(rt.smem)) + " of dynamic shared memory, past its " +
+                 std::to_string(rt.smem_bytes) + " bytes";
+      return false;
+    }
+  return true;
+}
+
+}  // namespace
+
+void outside_launch(const char* what) {
+  throw std::logic_error(std::string("jax_flash emulation: ") + what + " used outside a kernel launch");
+}
+
+std::string where() {
+  Runtime* rt = tls_runtime;
+  if (rt == nullptr || rt->current == nullptr) return "host";
+  return thread_str(*rt, *rt->current);
+}
+
+void fail(const std::string& message) {
+  Runtime* rt = tls_runtime;
+  if (rt == nullptr || rt->current == nullptr) throw std::runtime_error("jax_flash emulation: " + message);
+  if (rt->error.empty()) rt->error = where() + ": " + message;
+  rt->aborted = true;
+  Fiber* self = rt->current;
+  switch_away(*rt, self);  // aborted: goes straight back to the scheduler, never resumed
+  std::abort();
+}
+
+void warp_collective(const CollectiveKind& kind, uint32_t mask, const void* in, void* out, void* arg) {
+  Runtime& rt = runtime(kind.name);
+  Fiber* f = rt.current;
+  Warp& w = rt.warps[f->warp];
+  const uint32_t bit = 1u << f->lane;
+  if (!(mask & bit)) fail(std::string(kind.name) + ": the calling lane is not in the mask " + hex(mask));
+  if (mask & ~w.exists)
+    fail(std::string(kind.name) + ": mask " + hex(mask) + " names lanes " + lanes_of(mask & ~w.exists) +
+         " that do not exist (the block ends in a partial warp)");
+  if (mask & w.exited)
+    fail(std::string(kind.name) + ": lanes " + lanes_of(mask & w.exited) + " of mask " + hex(mask) + " have exited");
+  if (mask & w.at_barrier)
+    fail(std::string(kind.name) + ": lanes " + lanes_of(mask & w.at_barrier) + " of mask " + hex(mask) +
+         " wait at __syncthreads instead");
+  if (w.kind != nullptr) {
+    if (w.kind != &kind || w.mask != mask)
+      fail(std::string("reached ") + kind.name + " (mask " + hex(mask) + ") while lanes " + lanes_of(w.arrived) +
+           " of its warp wait at " + w.kind->name + " (mask " + hex(w.mask) + ")");
+  } else {
+    w.kind = &kind;
+    w.mask = mask;
+    w.arrived = 0;
+    w.arg = arg;
+  }
+  w.in[f->lane] = in;
+  w.out[f->lane] = out;
+  w.arrived |= bit;
+  if (w.arrived != mask) {
+    f->state = State::kCollective;
+    switch_away(rt, f);
+    return;  // the last lane computed our result
+  }
+  std::string err = kind.compute(mask, w.in, w.out, w.arg);
+  w.kind = nullptr;
+  const uint32_t others = mask & ~bit;
+  for (int l = 0; l < kWarpSize; ++l)
+    if (others & (1u << l)) wake(rt, rt.fibers[f->warp * kWarpSize + l]);
+  w.arrived = 0;
+  if (!err.empty()) fail(err);
+}
+
+void syncthreads() {
+  Runtime& rt = runtime("__syncthreads");
+  Fiber* f = rt.current;
+  Warp& w = rt.warps[f->warp];
+  const uint32_t bit = 1u << f->lane;
+  if (rt.exited > 0) {
+    for (const Fiber& g : rt.fibers)
+      if (g.state == State::kExited)
+        fail("__syncthreads not reached by every thread: thread " + dim_str(g.view.thread_idx) + " has exited");
+  }
+  if (w.kind != nullptr && (w.mask & bit))
+    fail(std::string("reached __syncthreads while lanes ") + lanes_of(w.arrived) + " of its warp wait at " +
+         w.kind->name + " (mask " + hex(w.mask) + ")");
+  ++rt.at_barrier;
+  if (rt.at_barrier == rt.nthreads) {
+    rt.at_barrier = 0;
+    for (auto& ww : rt.warps) ww.at_barrier = 0;
+    if (rt.options.schedule == Schedule::kReverse) {
+      for (int i = rt.nthreads - 1; i >= 0; --i)
+        if (rt.fibers[i].state == State::kBarrier) wake(rt, rt.fibers[i]);
+    } else {
+      for (int i = 0; i < rt.nthreads; ++i)
+        if (rt.fibers[i].state == State::kBarrier) wake(rt, rt.fibers[i]);
+    }
+    return;
+  }
+  w.at_barrier |= bit;
+  f->state = State::kBarrier;
+  switch_away(rt, f);
+}
+
+namespace {
+std::string compute_syncwarp(uint32_t, const void* const*, void* const*, void*) { return {}; }
+const CollectiveKind kSyncwarp{"__syncwarp", &compute_syncwarp};
+
+struct ShflIn {
+  uint64_t value;
+  int lane_arg;
+  int width;
+};
+template <ShflMode kMode>
+std::string compute_shfl(uint32_t mask, const void* const* in, void* const* out, void*) {
+  uint64_t result[kWarpSize];
+  for (int l = 0; l < kWarpSize; ++l) {
+    if (!(mask & (1u << l))) continue;
+    const ShflIn& x = *static_cast<const ShflIn*>(in[l]);
+    const int width = x.width;
+    if (width < 1 || width > kWarpSize || (width & (width - 1)))
+      return "shfl: width " + std::to_string(width) + " of lane " + std::to_string(l) + " is not a power of two <= 32";
+    const int seg_lo = l & ~(width - 1), seg_hi = seg_lo + width;
+    int src = l;
+    switch (kMode) {
+      case ShflMode::kIdx: src = seg_lo + (x.lane_arg & (width - 1)); break;
+      case ShflMode::kUp: src = l - x.lane_arg; if (src < seg_lo) src = l; break;
+      case ShflMode::kDown: src = l + x.lane_arg; if (src >= seg_hi) src = l; break;
+      case ShflMode::kXor: src = l ^ x.lane_arg; if (src >= seg_hi || src < 0) src = l; break;
+    }
+    if (src < 0 || src >= kWarpSize || !(mask & (1u << src)))
+      return "shfl: lane " + std::to_string(l) + " reads lane " + std::to_string(src) + ", which is not in the mask " +
+             hex(mask) + " (undefined on the GPU)";
+    result[l] = static_cast<const ShflIn*>(in[src])->value;
+  }
+  for (int l = 0; l < kWarpSize; ++l)
+    if (mask & (1u << l)) *static_cast<uint64_t*>(out[l]) = result[l];
+  return {};
+}
+const CollectiveKind kShflKinds[4] = {
+    {"__shfl_sync", &compute_shfl<ShflMode::kIdx>},
+    {"__shfl_up_sync", &compute_shfl<ShflMode::kUp>},
+    {"__shfl_down_sync", &compute_shfl<ShflMode::kDown>},
+    {"__shfl_xor_sync", &compute_shfl<ShflMode::kXor>},
+};
+
+template <int kOp>
+std::string compute_vote(uint32_t mask, const void* const* in, void* const* out, void*) {
+  uint32_t ballot = 0;
+  for (int l = 0; l < kWarpSize; ++l)
+    if ((mask & (1u << l)) && *static_cast<const bool*>(in[l])) ballot |= 1u << l;
+  uint32_t r = kOp == 0 ? ballot : kOp == 1 ? (ballot != 0) : (ballot == mask);
+  for (int l = 0; l < kWarpSize; ++l)
+    if (mask & (1u << l)) *static_cast<uint32_t*>(out[l]) = r;
+  return {};
+}
+const CollectiveKind kVoteKinds[3] = {
+    {"__ballot_sync", &compute_vote<0>},
+    {"__any_sync", &compute_vote<1>},
+    {"__all_sync", &compute_vote<2>},
+};
+}  // namespace
+
+void syncwarp(uint32_t mask) { warp_collective(kSyncwarp, mask, nullptr, nullptr); }
+
+uint64_t shfl(ShflMode mode, uint32_t mask, uint64_t value, int lane_arg, int width) {
+  ShflIn in{value, lane_arg, width};
+  uint64_t out = 0;
+  warp_collective(kShflKinds[static_cast<int>(mode)], mask, &in, &out);
+  return out;
+}
+
+uint32_t vote(int op, uint32_t mask, bool predicate) {
+  uint32_t out = 0;
+  warp_collective(kVoteKinds[op], mask, &predicate, &out);
+  return out;
+}
+
+// ---- used by ptx_emu.cc ----
+bool smem_range_ok(const void* p, size_t bytes, size_t* offset) {
+  Runtime& rt = runtime("shared memory");
+  const char* c = static_cast<const char*>(p);
+  if (c < rt.smem || c + bytes > rt.smem + rt.smem_bytes || c + bytes < c) return false;
+  *offset = static_cast<size_t>(c - rt.smem);
+  return true;
+}
+
+void cp_async_issue(size_t smem_offset, const void* src, int src_bytes) {
+  Runtime& rt = runtime("cp.async");
+  Fiber& f = *rt.current;
+  PendingCopy c;
+  c.smem_offset = smem_offset;
+  std::memset(c.bytes, 0, sizeof c.bytes);
+  if (src_bytes > 0) std::memcpy(c.bytes, src, static_cast<size_t>(src_bytes));
+  c.group = f.committed_groups;
+  f.copies.push_back(c);
+}
+
+void cp_async_commit() {
+  Runtime& rt = runtime("cp.async.commit_group");
+  ++rt.current->committed_groups;
+}
+
+void cp_async_wait(int n) {
+  Runtime& rt = runtime("cp.async.wait_group");
+  Fiber& f = *rt.current;
+  if (f.committed_groups < static_cast<uint64_t>(n)) return;
+  const uint64_t limit = f.committed_groups - static_cast<uint64_t>(n);  // groups < limit must be complete
+  size_t kept = 0;
+  for (size_t i = 0; i < f.copies.size(); ++i) {
+    const PendingCopy& c = f.copies[i];
+    if (c.group < limit)
+      std::memcpy(rt.smem + c.smem_offset, c.bytes, 16);
+    else
+      f.copies[kept++] = c;
+  }
+  f.copies.resize(kept);
+}
+
+Status run_launch(const LaunchSpec& spec, const LaunchOptions& options) {
+  Status st;
+  if (tls_runtime != nullptr) {
+    st.error = "jax_flash emulation: a kernel launch inside a kernel is not supported";
+    return st;
+  }
+  const dim3 g = spec.grid, b = spec.block;
+  const uint64_t nthreads = static_cast<uint64_t>(b.x) * b.y * b.z;
+  if (g.x == 0 || g.y == 0 || g.z == 0 || g.y > 65535 || g.z > 65535) {
+    st.error = "invalid grid " + dim_str({g.x, g.y, g.z});
+    return st;
+  }
+  if (nthreads == 0 || nthreads > 1024 || b.z > 64) {
+    st.error = "invalid block " + dim_str({b.x, b.y, b.z}) + " (at most 1024 threads, z <= 64)";
+    return st;
+  }
+  if (spec.smem_bytes > options.max_dynamic_smem) {
+    st.error = "dynamic shared memory of " + std::to_string(spec.smem_bytes) + " bytes exceeds the limit of " +
+               std::to_string(options.max_dynamic_smem);
+    return st;
+  }
+  if (!tls_stacks.ensure(nthreads, options.stack_bytes)) {
+    st.error = "jax_flash emulation: cannot map fiber stacks";
+    return st;
+  }
+
+  Runtime rt;
+  rt.spec = spec;
+  rt.options = options;
+  rt.rng = options.seed;
+  rt.nthreads = static_cast<int>(nthreads);
+  rt.fibers.resize(nthreads);
+  rt.warps.resize((nthreads + kWarpSize - 1) / kWarpSize);
+  rt.queue.resize(nthreads);
+  // 128-byte alignment for the dynamic shared memory, red zones on both sides.
+  rt.smem_storage.resize(kRedZone + 128 + spec.smem_bytes + kRedZone);
+  uintptr_t base = reinterpret_cast<uintptr_t>(rt.smem_storage.data()) + kRedZone;
+  base = (base + 127) & ~uintptr_t{127};
+  rt.smem = reinterpret_cast<char*>(base);
+  rt.smem_bytes = spec.smem_bytes;
+  for (uint64_t i = 0; i < nthreads; ++i) {
+    Fiber& f = rt.fibers[i];
+    f.index = static_cast<int>(i);
+    f.warp = static_cast<int>(i / kWarpSize);
+    f.lane = static_cast<int>(i % kWarpSize);
+    f.view.thread_idx = {static_cast<unsigned>(i % b.x), static_cast<unsigned>((i / b.x) % b.y),
+                         static_cast<unsigned>(i / (static_cast<uint64_t>(b.x) * b.y))};
+    f.view.block_dim = b;
+    f.view.grid_dim = g;
+    f.stack = tls_stacks.stacks[i].base + tls_stacks.page;
+    f.stack_bytes = tls_stacks.stack_bytes;
+    rt.warps[f.warp].exists |= 1u << f.lane;
+  }
+
+  tls_runtime = &rt;
+  for (unsigned z = 0; z < g.z && !rt.aborted; ++z)
+    for (unsigned y = 0; y < g.y && !rt.aborted; ++y)
+      for (unsigned x = 0; x < g.x && !rt.aborted; ++x)
+        if (!run_block(rt, uint3{x, y, z})) rt.aborted = true;
+  tls_runtime = nullptr;
+  tls_view = nullptr;
+  st.error = rt.error;
+  if (rt.aborted && st.error.empty()) st.error = "jax_flash emulation: launch aborted";
+  return st;
+}
+
+}  // namespace detail
+
+char* dynamic_smem() { return detail::runtime("dynamic shared memory").smem; }
+size_t dynamic_smem_size() { return detail::runtime("dynamic shared memory").smem_bytes; }
+
+LaunchOptions LaunchOptions::FromEnvironment() {
+  LaunchOptions o;
+  if (const char* s = std::getenv("JAX_FLASH_EMU_SCHEDULE")) {
+    std::string v(s);
+    if (v == "reverse") {
+      o.schedule = Schedule::kReverse;
+    } else if (v.rfind("shuffle", 0) == 0) {
+      o.schedule = Schedule::kShuffle;
+      if (v.size() > 8 && v[7] == ':') o.seed = std::strtoull(v.c_str() + 8, nullptr, 10);
+    }
+  }
+  if (const char* s = std::getenv("JAX_FLASH_EMU_STACK_KB")) {
+    unsigned long long kb = std::strtoull(s, nullptr, 10);
+    if (kb >= 16) o.stack_bytes = static_cast<size_t>(kb) * 1024;
+  }
+  return o;
+}
+
+}  // namespace emu
+}  // namespace jax_flash
