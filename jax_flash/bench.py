@@ -1,0 +1,507 @@
+"""Benchmark: `python -m jax_flash.bench`.
+
+Measures every jax_flash implementation that can run here and the peers, in the same run:
+`jax.nn.dot_product_attention` (implementation="xla", and "cudnn" on a GPU) and JAX's own
+Pallas attention (`jax.experimental.pallas.ops.gpu.attention.mha`, GPU only). For each
+head dim, sequence length, causal or not, forward and forward+backward it reports the
+median time, the throughput in model FLOP/s (forward 4·B·N·T·S·H, halved for causal at
+T == S; backward 2.5× the forward — `AttentionSpec.flops`), the ratio to jax.nn's xla path
+measured in the same run, and the compiled temporary memory
+(`jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes`).
+
+A case that fails, runs out of memory, or whose compiled temporary memory exceeds
+`--max-temp-gib` is reported as such in the table; the run goes on.
+
+    python -m jax_flash.bench                                   # CPU defaults: f32, T=1k,4k
+    python -m jax_flash.bench --impls xla,jax.nn --seq-lens 1024,4096,16384 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform as _platform
+import statistics
+import sys
+import time
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_flash
+from jax_flash._spec import AttentionSpec
+
+# Peers (not jax_flash) by name; jax_flash implementations are named as in `implementation=`.
+PEER_JAX_NN = "jax.nn"
+PEER_JAX_NN_CUDNN = "jax.nn-cudnn"
+PEER_JAX_PALLAS = "jax-pallas"
+PEERS = (PEER_JAX_NN, PEER_JAX_NN_CUDNN, PEER_JAX_PALLAS)
+FLASH = ("cuda", "pallas", "cpu", "xla")
+
+
+@dataclasses.dataclass
+class Result:
+    impl: str
+    pass_: str  # "fwd" or "fwdbwd"
+    causal: bool
+    head_dim: int
+    seq_len: int
+    batch: int
+    heads: int
+    dtype: str
+    flops: float
+    status: str = "ok"  # "ok", "skipped: ...", "OOM", "failed: ..."
+    time_s: Optional[float] = None
+    flops_per_s: Optional[float] = None
+    temp_bytes: Optional[int] = None
+    vs_jax_nn: Optional[float] = None  # jax.nn time / this time (>1: faster than jax.nn)
+    reps: int = 0
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["pass"] = d.pop("pass_")
+        return d
+
+
+# ----------------------------------------------------------------------------- callables
+
+
+def _attention_fn(impl: str, causal: bool, head_dim: int) -> Callable:
+    """(q, k, v) -> out [B, T, N, H] for one implementation, or raises why it cannot run."""
+    if impl in FLASH:
+        return lambda q, k, v: jax_flash.attention(q, k, v, is_causal=causal, implementation=impl)
+    if impl == PEER_JAX_NN:
+        return lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="xla"
+        )
+    if impl == PEER_JAX_NN_CUDNN:
+        return lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"
+        )
+    if impl == PEER_JAX_PALLAS:
+        from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+        scale = 1.0 / math.sqrt(head_dim)
+        return lambda q, k, v: pallas_attention.mha(q, k, v, None, sm_scale=scale, causal=causal)
+    raise ValueError(f"unknown implementation {impl!r}; known: {FLASH + PEERS}")
+
+
+def _pass_fn(attn: Callable, pass_: str) -> Callable:
+    if pass_ == "fwd":
+        return attn
+
+    def fwdbwd(q, k, v, do):
+        out, vjp = jax.vjp(attn, q, k, v)
+        return out, vjp(do)
+
+    return fwdbwd
+
+
+def _is_oom(e: BaseException) -> bool:
+    text = f"{type(e).__name__}: {e}"
+    return any(
+        s in text for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "MemoryError")
+    )
+
+
+def _short(e: BaseException, limit: int = 90) -> str:
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _physical_memory_bytes() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _device_memory_bytes() -> Optional[int]:
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        return _physical_memory_bytes()
+    try:
+        stats = dev.memory_stats() or {}
+        return stats.get("bytes_limit")
+    except Exception:  # noqa: BLE001 - not every backend has memory stats
+        return None
+
+
+def measure(
+    impl: str,
+    pass_: str,
+    causal: bool,
+    head_dim: int,
+    seq_len: int,
+    batch: int,
+    heads: int,
+    dtype: str,
+    reps: int,
+    max_temp_bytes: Optional[int],
+    max_seconds: float,
+) -> Result:
+    """One cell of the table. Never raises: failures are the result's status."""
+    spec = AttentionSpec(
+        batch=batch,
+        q_len=seq_len,
+        kv_len=seq_len,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        scale=1.0 / math.sqrt(head_dim),
+        window_right=0 if causal else None,
+    )
+    r = Result(
+        impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, spec.flops(pass_ == "fwdbwd")
+    )
+    shape = (batch, seq_len, heads, head_dim)
+    keys = jax.random.split(jax.random.key(0), 4)
+    args = [jax.random.normal(kk, shape, jnp.float32).astype(dtype) for kk in keys[:3]]
+    if pass_ == "fwdbwd":
+        args.append(jax.random.normal(keys[3], shape, jnp.float32).astype(dtype))
+    try:
+        fn = _pass_fn(_attention_fn(impl, causal, head_dim), pass_)
+        compiled = jax.jit(fn).lower(*args).compile()
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        r.status = "OOM" if _is_oom(e) else f"failed: {_short(e)}"
+        return r
+    try:
+        r.temp_bytes = int(compiled.memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 - some backends have no memory analysis
+        r.temp_bytes = None
+    if max_temp_bytes is not None and r.temp_bytes is not None and r.temp_bytes > max_temp_bytes:
+        r.status = (
+            f"skipped: needs {r.temp_bytes / 2**30:.1f} GiB temp > --max-temp-gib "
+            f"{max_temp_bytes / 2**30:.1f}"
+        )
+        return r
+    try:
+        jax.block_until_ready(compiled(*args))  # warm-up
+        times = []
+        spent = 0.0
+        for _ in range(max(1, reps)):
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            dt = time.perf_counter() - t0
+            times.append(dt)
+            spent += dt
+            if spent > max_seconds:
+                break
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        r.status = "OOM" if _is_oom(e) else f"failed: {_short(e)}"
+        return r
+    r.time_s = statistics.median(times)
+    r.reps = len(times)
+    r.flops_per_s = r.flops / r.time_s
+    return r
+
+
+# ----------------------------------------------------------------------------- which impls
+
+
+def available_impls(requested: Optional[list[str]], dtype: str) -> tuple[list[str], dict]:
+    """(implementations to run, {name: why skipped}) for this machine."""
+    on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+    probe = jnp.zeros((1, 128, 1, 64), dtype)
+    reasons = dict(jax_flash.explain(probe, probe, probe).reasons)
+    skipped = {}
+    if not on_gpu and reasons.get("pallas") is None:
+        reasons["pallas"] = "runs on CPU only interpreted (far too slow to benchmark)"
+    names = []
+    for name in FLASH:
+        if reasons.get(name) is None:
+            names.append(name)
+        else:
+            skipped[name] = reasons[name]
+    names.append(PEER_JAX_NN)
+    if on_gpu:
+        names.append(PEER_JAX_NN_CUDNN)
+        try:
+            from jax.experimental.pallas.ops.gpu import attention  # noqa: F401
+
+            names.append(PEER_JAX_PALLAS)
+        except Exception as e:  # noqa: BLE001
+            skipped[PEER_JAX_PALLAS] = f"does not import: {_short(e)}"
+    else:
+        skipped[PEER_JAX_NN_CUDNN] = "needs a GPU"
+        skipped[PEER_JAX_PALLAS] = "needs a GPU"
+    if requested:
+        unknown = [n for n in requested if n not in FLASH + PEERS]
+        if unknown:
+            raise SystemExit(f"--impls: unknown {unknown}; known: {', '.join(FLASH + PEERS)}")
+        # A requested implementation runs even if it looks unavailable: the table then says
+        # why it failed.
+        names = list(requested)
+        skipped = {k: v for k, v in skipped.items() if k not in requested}
+    return names, skipped
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _fmt_seq(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 and n >= 1024 else str(n)
+
+
+def format_table(results: list[Result], on_gpu: bool) -> str:
+    unit, div = ("TFLOP/s", 1e12) if on_gpu else ("GFLOP/s", 1e9)
+    header = (
+        f"{'impl':13s} {'pass':6s} {'causal':6s} {'H':>4s} {'T=S':>6s} {'time ms':>10s} "
+        f"{unit:>9s} {'x jax.nn':>9s} {'temp MiB':>10s}  status"
+    )
+    lines = [header, "-" * len(header)]
+    for r in results:
+        time_ms = "" if r.time_s is None else f"{r.time_s * 1e3:.2f}"
+        tput = "" if r.flops_per_s is None else f"{r.flops_per_s / div:.2f}"
+        ratio = "" if r.vs_jax_nn is None else f"{r.vs_jax_nn:.2f}"
+        temp = "" if r.temp_bytes is None else f"{r.temp_bytes / 2**20:.1f}"
+        lines.append(
+            f"{r.impl:13s} {r.pass_:6s} {'yes' if r.causal else 'no':6s} {r.head_dim:4d} "
+            f"{_fmt_seq(r.seq_len):>6s} {time_ms:>10s} {tput:>9s} {ratio:>9s} {temp:>10s}  "
+            f"{r.status}"
+        )
+    return "\n".join(lines)
+
+
+def _attach_ratios(results: list[Result]) -> None:
+    base = {}
+    for r in results:
+        if r.impl == PEER_JAX_NN and r.time_s is not None:
+            base[(r.pass_, r.causal, r.head_dim, r.seq_len)] = r.time_s
+    for r in results:
+        t = base.get((r.pass_, r.causal, r.head_dim, r.seq_len))
+        if t is not None and r.time_s is not None:
+            r.vs_jax_nn = t / r.time_s
+
+
+def write_plot(results: list[Result], path: str, on_gpu: bool) -> None:
+    import matplotlib  # lazily: only --plot needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    unit, div = ("TFLOP/s", 1e12) if on_gpu else ("GFLOP/s", 1e9)
+    panels = sorted({(r.pass_, r.causal) for r in results})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (pass_, causal) in zip(axes[0], panels):
+        series = {}
+        for r in results:
+            if (r.pass_, r.causal) == (pass_, causal) and r.flops_per_s is not None:
+                series.setdefault((r.impl, r.head_dim), []).append((r.seq_len, r.flops_per_s / div))
+        for (impl, h), pts in sorted(series.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{impl} H={h}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length T = S")
+        ax.set_ylabel(unit)
+        ax.set_title(f"{pass_}, {'causal' if causal else 'not causal'}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def environment() -> dict:
+    dev = jax.devices()[0]
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "jax": jax.__version__,
+        "jax_flash": jax_flash.__version__,
+        "backend": jax.default_backend(),
+        "device": getattr(dev, "device_kind", str(dev)),
+        "cpu_count": os.cpu_count(),
+        "machine": _platform.machine(),
+        "python": _platform.python_version(),
+    }
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _int_list(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        mult = 1024 if part.endswith("k") else 1
+        out.append(int(part.rstrip("k")) * mult)
+    return out
+
+
+def _tune_pallas(args) -> None:
+    try:
+        import jax_flash.pallas as pallas_mod
+    except ImportError as e:
+        print(f"--tune-pallas: jax_flash.pallas is not available ({e})")
+        return
+    tune = getattr(pallas_mod, "tune", None)
+    if tune is None:
+        print("--tune-pallas: this version of jax_flash.pallas has no tune()")
+        return
+    import inspect
+
+    offered = dict(
+        head_dims=args.head_dims,
+        seq_lens=args.seq_lens,
+        dtype=args.dtype,
+        batch=args.batch,
+        heads=args.heads,
+        num_heads=args.heads,
+    )
+    params = inspect.signature(tune).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs = {k: v for k, v in offered.items() if takes_any or k in params}
+    print(f"tuning Pallas block sizes: jax_flash.pallas.tune({kwargs})")
+    result = tune(**kwargs)
+    if result is not None:
+        print(result)
+
+
+def parse_args(argv=None):
+    on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+    p = argparse.ArgumentParser(
+        prog="python -m jax_flash.bench",
+        description="Throughput and compiled temporary memory of jax_flash.attention and its "
+        "peers (jax.nn.dot_product_attention, JAX's Pallas attention), measured in one run.",
+    )
+    p.add_argument(
+        "--impls",
+        default=None,
+        help=f"comma list among {', '.join(FLASH + PEERS)} (default: every one available)",
+    )
+    p.add_argument(
+        "--seq-lens",
+        default="1k,4k,16k" if on_gpu else "1k,4k",
+        help="comma list of T = S (suffix k = 1024)",
+    )
+    p.add_argument("--head-dims", default="64,128" if on_gpu else "64", help="comma list of H")
+    p.add_argument("--batch", type=int, default=1 if not on_gpu else 4)
+    p.add_argument("--heads", type=int, default=8, help="number of heads N (= K)")
+    p.add_argument(
+        "--dtype",
+        default="bfloat16" if on_gpu else "float32",
+        choices=["float32", "bfloat16", "float16"],
+    )
+    p.add_argument("--causal", default="both", choices=["both", "yes", "no"])
+    p.add_argument("--passes", default="both", choices=["fwd", "fwdbwd", "both"])
+    p.add_argument("--reps", type=int, default=5 if on_gpu else 3, help="timed repetitions")
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=30.0,
+        help="stop repeating a case once its timed runs took this long",
+    )
+    p.add_argument(
+        "--max-temp-gib",
+        type=float,
+        default=None,
+        help="skip a case whose compiled temporary memory exceeds this "
+        "(default: 25%% of the memory of the device, or of the host on CPU)",
+    )
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG plot (matplotlib)")
+    p.add_argument(
+        "--tune-pallas",
+        action="store_true",
+        help="first tune the Pallas block sizes with jax_flash.pallas.tune(...)",
+    )
+    args = p.parse_args(argv)
+    args.seq_lens = _int_list(args.seq_lens)
+    args.head_dims = _int_list(args.head_dims)
+    args.impls = [s.strip() for s in args.impls.split(",") if s.strip()] if args.impls else None
+    return args
+
+
+def main(argv=None) -> list[Result]:
+    args = parse_args(argv)
+    on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+    env = environment()
+    print(
+        f"jax_flash {env['jax_flash']}, jax {env['jax']}, backend {env['backend']} "
+        f"({env['device']}, {env['cpu_count']} CPUs), {env['date']}"
+    )
+    if args.tune_pallas:
+        _tune_pallas(args)
+    impls, skipped = available_impls(args.impls, args.dtype)
+    print(f"implementations: {', '.join(impls)}")
+    for name, why in skipped.items():
+        print(f"  not measured: {name}: {why}")
+    if args.max_temp_gib is not None:
+        max_temp = int(args.max_temp_gib * 2**30)
+    else:
+        mem = _device_memory_bytes()
+        max_temp = None if mem is None else mem // 4
+    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    passes = {"both": ("fwd", "fwdbwd"), "fwd": ("fwd",), "fwdbwd": ("fwdbwd",)}[args.passes]
+    print(
+        f"B={args.batch} N={args.heads} dtype={args.dtype} H={args.head_dims} "
+        f"T=S={args.seq_lens} reps={args.reps}"
+        + ("" if max_temp is None else f" max temp {max_temp / 2**30:.1f} GiB")
+    )
+    print(flush=True)
+
+    results = []
+    for head_dim in args.head_dims:
+        for seq_len in args.seq_lens:
+            for causal in causals:
+                for pass_ in passes:
+                    # jax.nn first: the others are compared with it.
+                    for impl in sorted(impls, key=lambda n: n != PEER_JAX_NN):
+                        r = measure(
+                            impl,
+                            pass_,
+                            causal,
+                            head_dim,
+                            seq_len,
+                            args.batch,
+                            args.heads,
+                            args.dtype,
+                            args.reps,
+                            max_temp,
+                            args.max_seconds,
+                        )
+                        results.append(r)
+                        _attach_ratios(results)
+                        print(format_table([r], on_gpu).splitlines()[-1], flush=True)
+    _attach_ratios(results)
+    print()
+    print(format_table(results, on_gpu))
+    print(
+        "\nx jax.nn: jax.nn.dot_product_attention(implementation='xla') time / this time "
+        "(> 1 is faster). temp: compiled temporary memory."
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "environment": env,
+                    "config": {
+                        k: v for k, v in vars(args).items() if k not in ("json", "plot")
+                    },
+                    "not_measured": skipped,
+                    "results": [r.to_json() for r in results],
+                },
+                f,
+                indent=1,
+            )
+        print(f"wrote {args.json}")
+    if args.plot:
+        try:
+            write_plot(results, args.plot, on_gpu)
+            print(f"wrote {args.plot}")
+        except ImportError as e:
+            print(f"--plot needs matplotlib ({e}); pip install matplotlib", file=sys.stderr)
+    return results
+
+
+if __name__ == "__main__":
+    main()
