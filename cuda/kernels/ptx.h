@@ -1,0 +1,180 @@
+// One wrapper per PTX instruction the kernels use, and the only place with inline asm.
+// Each wrapper cites the section of the PTX ISA ("Parallel Thread Execution ISA", 8.x/9.x,
+// chapter 9.7 "Instructions") it implements. Under JAX_FLASH_EMULATE the body calls the host
+// emulation of the same instruction (cuda/emu/ptx_emu.h, same name, same arguments), which is
+// what lets the kernels run and be tested without a GPU.
+//
+// Pointers into shared memory are generic pointers; the wrappers convert them to the
+// shared-state window (__cvta_generic_to_shared) that ldmatrix and cp.async address.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/platform.h"
+#ifdef JAX_FLASH_EMULATE
+#include "emu/ptx_emu.h"
+#endif
+
+namespace jax_flash {
+namespace ptx {
+
+#ifndef JAX_FLASH_EMULATE
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+#endif
+
+// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32: d = a·b + c, fragments of §9.7.14.5.8.
+__device__ __forceinline__ void mma_m16n8k16_f16(float d[4], const uint32_t a[4], const uint32_t b[2],
+                                                 const float c[4]) {
+#ifndef JAX_FLASH_EMULATE
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%11,%12,%13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]),
+        "f"(c[2]), "f"(c[3]));
+#else
+  return emu::mma_m16n8k16_f16(d, a, b, c);
+#endif
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: d = a·b + c, fragments of §9.7.14.5.8.
+__device__ __forceinline__ void mma_m16n8k16_bf16(float d[4], const uint32_t a[4], const uint32_t b[2],
+                                                  const float c[4]) {
+#ifndef JAX_FLASH_EMULATE
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%11,%12,%13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]),
+        "f"(c[2]), "f"(c[3]));
+#else
+  return emu::mma_m16n8k16_bf16(d, a, b, c);
+#endif
+}
+
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16: four 8x8 matrices, lanes 8i..8i+7 address the
+// rows of matrix i, r[i] is this lane's pair of matrix i (§9.7.14.5.15).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* smem_row_ptr) {
+#ifndef JAX_FLASH_EMULATE
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_address(smem_row_ptr)));
+#else
+  return emu::ldmatrix_x4(r, smem_row_ptr);
+#endif
+}
+
+// ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: as ldmatrix_x4, each matrix transposed
+// (§9.7.14.5.15).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* smem_row_ptr) {
+#ifndef JAX_FLASH_EMULATE
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_address(smem_row_ptr)));
+#else
+  return emu::ldmatrix_x4_trans(r, smem_row_ptr);
+#endif
+}
+
+// ldmatrix.sync.aligned.m8n8.x2.shared.b16: two 8x8 matrices, lanes 0..15 address the rows
+// (§9.7.14.5.15).
+__device__ __forceinline__ void ldmatrix_x2(uint32_t r[2], const void* smem_row_ptr) {
+#ifndef JAX_FLASH_EMULATE
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(smem_address(smem_row_ptr)));
+#else
+  return emu::ldmatrix_x2(r, smem_row_ptr);
+#endif
+}
+
+// ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16: as ldmatrix_x2, transposed (§9.7.14.5.15).
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t r[2], const void* smem_row_ptr) {
+#ifndef JAX_FLASH_EMULATE
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(smem_address(smem_row_ptr)));
+#else
+  return emu::ldmatrix_x2_trans(r, smem_row_ptr);
+#endif
+}
+
+// cp.async.cg.shared.global [dst], [src], 16, src_bytes: asynchronous 16-byte copy that
+// bypasses L1; src_bytes = 0 copies nothing and zero-fills the 16 bytes (§9.7.9.25.3.1).
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, int src_bytes) {
+#ifndef JAX_FLASH_EMULATE
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem_dst)),
+               "l"(gmem_src), "r"(src_bytes));
+#else
+  return emu::cp_async_16(smem_dst, gmem_src, src_bytes);
+#endif
+}
+
+// cp.async.commit_group: closes this thread's pending cp.async copies into a group
+// (§9.7.9.25.3.2).
+__device__ __forceinline__ void cp_async_commit_group() {
+#ifndef JAX_FLASH_EMULATE
+  asm volatile("cp.async.commit_group;\n" ::);
+#else
+  return emu::cp_async_commit_group();
+#endif
+}
+
+// cp.async.wait_group N: waits until at most the N most recent groups of this thread are
+// still in flight (§9.7.9.25.3.3).
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() {
+#ifndef JAX_FLASH_EMULATE
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#else
+  return emu::cp_async_wait_group<N>();
+#endif
+}
+
+// ex2.approx.ftz.f32: 2^x (§9.7.3.22). The softmax exponent is one FFMA + this.
+__device__ __forceinline__ float ex2_approx(float x) {
+#ifndef JAX_FLASH_EMULATE
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return emu::ex2_approx(x);
+#endif
+}
+
+// cvt.rn.bf16x2.f32 d, hi, lo: two floats to packed bf16, lo in bits 15..0 (§9.7.9.21).
+__device__ __forceinline__ uint32_t cvt_pack_bf16x2(float lo, float hi) {
+#ifndef JAX_FLASH_EMULATE
+  uint32_t d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+#else
+  return emu::cvt_pack_bf16x2(lo, hi);
+#endif
+}
+
+// cvt.rn.f16x2.f32 d, hi, lo: two floats to packed f16, lo in bits 15..0 (§9.7.9.21).
+__device__ __forceinline__ uint32_t cvt_pack_f16x2(float lo, float hi) {
+#ifndef JAX_FLASH_EMULATE
+  uint32_t d;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+#else
+  return emu::cvt_pack_f16x2(lo, hi);
+#endif
+}
+
+// cvt.f32.f16 d, a: one f16 (raw bits) to float, exact (§9.7.9.21).
+// EMU-TODO: cvt_f32_f16
+__device__ __forceinline__ float cvt_f32_f16(uint16_t a) {
+#ifndef JAX_FLASH_EMULATE
+  float d;
+  asm("cvt.f32.f16 %0, %1;\n" : "=f"(d) : "h"(a));
+  return d;
+#else
+  return emu::cvt_f32_f16(a);
+#endif
+}
+
+}  // namespace ptx
+}  // namespace jax_flash
