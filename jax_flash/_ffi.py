@@ -67,7 +67,7 @@ def _fold_vmap(fn):
 
     @custom_vmap
     def folded(*args):
-        return fn(*args)
+        return tuple(fn(*args))
 
     @folded.def_vmap
     def rule(axis_size, in_batched, *args):
@@ -77,8 +77,8 @@ def _fold_vmap(fn):
         ]
         flat = [a.reshape(axis_size * a.shape[1], *a.shape[2:]) for a in args]
         outs = folded(*flat)
-        outs = [o.reshape(axis_size, o.shape[0] // axis_size, *o.shape[1:]) for o in outs]
-        return outs, [True] * len(outs)
+        outs = tuple(o.reshape(axis_size, o.shape[0] // axis_size, *o.shape[1:]) for o in outs)
+        return outs, (True,) * len(outs)
 
     return folded
 

@@ -1,0 +1,260 @@
+"""The public contract beyond values: jax.nn parity, transformations, gradients checks,
+argument validation, dispatch and explain."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jax_flash
+from jax_flash.reference import attention_reference
+
+from cases import Shape, make_qkv
+from conftest import slow_impl
+
+SMALL = Shape(2, 24, 40, 4, 2, 64)
+
+
+def _dtype_for(impl):
+    return jnp.bfloat16 if impl == "cuda" else jnp.float32
+
+
+def _close(a, b, atol):
+    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=atol, rtol=0)
+
+
+# ---------------------------------------------------------------- jax.nn parity
+
+
+PARITY_KWARGS = {
+    "plain": lambda s: {},
+    "causal": lambda s: dict(is_causal=True),
+    "window": lambda s: dict(local_window_size=(5, 2)),
+    "window_int": lambda s: dict(local_window_size=4),
+    "lengths": lambda s: dict(
+        query_seq_lengths=jnp.asarray([s.t, s.t - 7], jnp.int32),
+        key_value_seq_lengths=jnp.asarray([s.s - 3, s.s], jnp.int32),
+    ),
+    "bias": lambda s: dict(
+        bias=jnp.asarray(np.random.default_rng(0).normal(size=(s.b, s.n, s.t, s.s)), jnp.float32)
+    ),
+    "mask": lambda s: dict(
+        mask=jnp.asarray(np.random.default_rng(1).random((1, 1, s.t, s.s)) < 0.8).at[..., 0].set(True)
+    ),
+    "scale": lambda s: dict(scale=0.3, is_causal=True),
+}
+
+
+@pytest.mark.parametrize("kind", list(PARITY_KWARGS))
+def test_matches_jax_nn(kind):
+    """Every argument shared with jax.nn.dot_product_attention means the same thing."""
+    shape = Shape(2, 37, 53, 4, 2, 32)
+    q, k, v = make_qkv(shape, jnp.float32)
+    kw = PARITY_KWARGS[kind](shape)
+    if kind == "causal":  # jax.nn aligns causal top-left for T != S too
+        pass
+    ours = jax_flash.attention(q, k, v, implementation="xla", **kw)
+    theirs = jax.nn.dot_product_attention(q, k, v, implementation="xla", **kw)
+    _close(ours, theirs, 2e-5)
+
+    cot = jax.random.normal(jax.random.PRNGKey(3), q.shape)
+    if "query_seq_lengths" in kw:  # padded query rows: both give 0, compare the live rows
+        live = (jnp.arange(shape.t)[None, :] < kw["query_seq_lengths"][:, None])[..., None, None]
+        cot = jnp.where(live, cot, 0)
+    loss = lambda fn, **extra: lambda q, k, v: jnp.sum(fn(q, k, v, **kw, **extra) * cot)
+    g_ours = jax.grad(loss(jax_flash.attention, implementation="xla"), (0, 1, 2))(q, k, v)
+    g_theirs = jax.grad(loss(jax.nn.dot_product_attention, implementation="xla"), (0, 1, 2))(q, k, v)
+    for a, b in zip(g_ours, g_theirs):
+        _close(a, b, 5e-5)
+
+
+def test_residual_matches_jax_nn():
+    q, k, v = make_qkv(Shape(1, 16, 16, 2, 2, 32), jnp.float32)
+    _, lse = jax_flash.attention(q, k, v, return_residual=True, implementation="xla")
+    _, lse_nn = jax.nn.dot_product_attention(q, k, v, return_residual=True)
+    _close(lse, lse_nn, 1e-5)
+
+
+def test_three_dim_and_extra_batch_axes(impl):
+    dt = _dtype_for(impl)
+    q, k, v = make_qkv(Shape(1, 20, 20, 2, 2, 64), dt)
+    out3 = jax_flash.attention(q[0], k[0], v[0], is_causal=True, implementation=impl)
+    out4 = jax_flash.attention(q, k, v, is_causal=True, implementation=impl)
+    assert out3.shape == q.shape[1:]
+    _close(out3, out4[0], 0)
+    # Two leading batch axes with a per-(b1, b2) length.
+    q2, k2, v2 = make_qkv(Shape(6, 20, 20, 2, 2, 64), dt)
+    lens = jnp.asarray([[20, 5, 11], [1, 20, 9]], jnp.int32)
+    r = lambda x: x.reshape(2, 3, *x.shape[1:])
+    out5 = jax_flash.attention(r(q2), r(k2), r(v2), key_value_seq_lengths=lens, implementation=impl)
+    out4 = jax_flash.attention(q2, k2, v2, key_value_seq_lengths=lens.reshape(6), implementation=impl)
+    _close(out5.reshape(out4.shape), out4, 0)
+
+
+# ---------------------------------------------------------------- transformations
+
+
+def test_jit_vmap_checkpoint_scan(impl):
+    dt = _dtype_for(impl)
+    q, k, v = make_qkv(SMALL, dt)
+    f = functools.partial(jax_flash.attention, is_causal=True, implementation=impl)
+    base = jax.jit(f)(q, k, v)
+    tol = 0 if dt == jnp.float32 else 1e-2
+
+    # vmap over an extra leading axis (folded into one call for the compiled targets).
+    stacked = jax.jit(jax.vmap(f))(q[None].repeat(3, 0), k[None].repeat(3, 0), v[None].repeat(3, 0))
+    for i in range(3):
+        _close(stacked[i], base, 1e-6)
+    # vmap with an unbatched key/value.
+    vq = jax.vmap(f, in_axes=(0, None, None))(q[None].repeat(2, 0), k, v)
+    _close(vq[1], base, 1e-6)
+
+    # jax.checkpoint and lax.scan around it, differentiated.
+    def loss(q, k, v):
+        def step(c, _):
+            o = jax.checkpoint(f)(q + c.astype(q.dtype), k, v)
+            return c + 0.01, jnp.sum(o.astype(jnp.float32))
+
+        _, ys = jax.lax.scan(step, jnp.zeros((), jnp.float32), None, length=2)
+        return ys.sum()
+
+    g = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
+    assert all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in g)
+    if not slow_impl(impl):
+        g_ref = jax.grad(
+            lambda q, k, v: sum(
+                jnp.sum(attention_reference(q + c, k, v, is_causal=True).astype(jnp.float32))
+                for c in (jnp.asarray(0.0, q.dtype), jnp.asarray(0.01, q.dtype))
+            ),
+            (0, 1, 2),
+        )(q, k, v)
+        for a, b in zip(g, g_ref):
+            _close(a, b, 1e-4 if dt == jnp.float32 else 5e-2)
+
+
+def test_grad_under_vmap(impl):
+    dt = _dtype_for(impl)
+    q, k, v = make_qkv(SMALL, dt)
+    f = lambda q, k, v: jnp.sum(jax_flash.attention(q, k, v, implementation=impl).astype(jnp.float32))
+    g_vmapped = jax.vmap(jax.grad(f, (0, 1, 2)))(q[None], k[None], v[None])
+    g_plain = jax.grad(f, (0, 1, 2))(q, k, v)
+    for a, b in zip(g_vmapped, g_plain):
+        _close(a[0], b, 1e-6 if dt == jnp.float32 else 1e-2)
+
+
+def test_check_grads(impl):
+    """Numerical gradients (reverse mode): float64 where the implementation takes it."""
+    if impl in ("cuda",):
+        pytest.skip("cuda takes 16-bit inputs only; its gradients are checked in test_backward")
+    dt = jnp.float64 if impl == "xla" else jnp.float32
+    q, k, v = make_qkv(Shape(1, 9, 11, 2, 1, 8), dt)
+    bias = jnp.asarray(np.random.default_rng(0).normal(size=(1, 2, 9, 11)), dt)
+    kw = dict(is_causal=True, logits_soft_cap=3.0, implementation=impl)
+    if impl in ("xla", "pallas"):
+        f = lambda q, k, v, b: jax_flash.attention(q, k, v, b, **kw)
+        args = (q, k, v, bias)
+    else:
+        f = lambda q, k, v: jax_flash.attention(q, k, v, **kw)
+        args = (q, k, v)
+    tol = dict(atol=1e-6, rtol=1e-6, eps=1e-4) if dt == jnp.float64 else dict(atol=2e-2, rtol=2e-2, eps=2e-3)
+    check_grads(f, args, order=1, modes=["rev"], **tol)
+
+
+def test_forward_mode_raises():
+    q, k, v = make_qkv(SMALL, jnp.float32)
+    with pytest.raises(TypeError, match="forward-mode|jvp"):
+        jax.jvp(lambda q: jax_flash.attention(q, k, v, implementation="xla"), (q,), (q,))
+
+
+def test_all_masked_rows_have_zero_finite_gradients(impl):
+    dt = _dtype_for(impl)
+    q, k, v = make_qkv(SMALL, dt)
+    kw = dict(key_value_seq_lengths=jnp.asarray([0, SMALL.s], jnp.int32), implementation=impl)
+    out = jax_flash.attention(q, k, v, **kw)
+    assert np.all(np.asarray(out[0], np.float32) == 0)
+    g = jax.grad(
+        lambda q, k, v: jnp.sum(jax_flash.attention(q, k, v, **kw).astype(jnp.float32)), (0, 1, 2)
+    )(q, k, v)
+    for x in g:
+        x = np.asarray(x, np.float32)
+        assert np.isfinite(x).all()
+        assert np.all(x[0] == 0)
+
+
+# ---------------------------------------------------------------- validation
+
+Q = jnp.zeros((2, 8, 4, 16), jnp.float32)
+KV = jnp.zeros((2, 10, 2, 16), jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, exc, match",
+    [
+        ((Q[0, 0], KV, KV), {}, ValueError, r"query must have rank >= 3.*\(4, 16\)"),
+        ((Q, KV, KV[..., :8]), {}, ValueError, r"key and value must have the same shape"),
+        ((Q, KV[..., :8], KV[..., :8]), {}, ValueError, r"same head dim H"),
+        ((Q[:, :, :3], KV, KV), {}, ValueError, r"N=3 must be a multiple of .* K=2"),
+        ((Q, KV[:1], KV[:1]), {}, ValueError, r"same leading batch axes"),
+        ((Q.astype(jnp.int32), KV, KV), {}, TypeError, r"query must be float16, bfloat16"),
+        ((Q.astype(jnp.bfloat16), KV, KV), {}, TypeError, r"share one dtype"),
+        ((Q, KV, KV), dict(mask=jnp.ones((8, 10), jnp.float32)), TypeError, r"mask must be a boolean"),
+        ((Q, KV, KV), dict(mask=jnp.ones((3, 8, 10), bool)), ValueError, r"mask must be broadcastable .*\(2, 4, 8, 10\)"),
+        ((Q, KV, KV), dict(bias=jnp.ones((8, 11), jnp.float32)), ValueError, r"bias must be broadcastable"),
+        ((Q, KV, KV), dict(bias=jnp.ones((8, 10), jnp.int32)), TypeError, r"bias must be a floating"),
+        ((Q, KV, KV), dict(query_seq_lengths=jnp.ones((3,), jnp.int32)), ValueError, r"query_seq_lengths must have shape \(2,\)"),
+        ((Q, KV, KV), dict(key_value_seq_lengths=jnp.ones((2,), jnp.float32)), TypeError, r"key_value_seq_lengths must be an integer"),
+        ((Q, KV, KV), dict(segment_ids=jnp.ones((2, 8), jnp.int32)), ValueError, r"single segment_ids array needs self-attention"),
+        ((Q, KV, KV), dict(segment_ids=(jnp.ones((2, 8), jnp.int32), jnp.ones((2, 9), jnp.int32))), ValueError, r"segment_ids \(key/value\) must have shape \(2, 10\)"),
+        ((Q, KV, KV), dict(segment_ids=(jnp.ones((2, 8), jnp.int32),)), ValueError, r"pair"),
+        ((Q, KV, KV), dict(local_window_size=(-1, 2)), ValueError, r"local_window_size must be non-negative"),
+        ((Q, KV, KV), dict(local_window_size=(1, 2, 3)), ValueError, r"local_window_size must be an int"),
+        ((Q, KV, KV), dict(local_window_size=2.5), ValueError, r"local_window_size must be an int"),
+        ((Q, KV, KV), dict(logits_soft_cap=-1.0), ValueError, r"logits_soft_cap must be a positive"),
+        ((Q, KV, KV), dict(logits_soft_cap="x"), TypeError, r"logits_soft_cap must be a Python float"),
+        ((Q, KV, KV), dict(scale=jnp.float32(2.0)), TypeError, r"scale must be a Python float"),
+        ((Q, KV, KV), dict(scale=math.inf), ValueError, r"scale must be finite"),
+        ((Q, KV, KV), dict(is_causal=1), TypeError, r"is_causal must be a Python bool"),
+        ((Q, KV, KV), dict(implementation="triton"), ValueError, r"implementation must be None or one of"),
+    ],
+)
+def test_validation_errors(args, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        jax_flash.attention(*args, **kwargs)
+    # Raised at trace time, before anything runs.
+    with pytest.raises(exc, match=match):
+        jax.jit(lambda *a: jax_flash.attention(*a, **kwargs)).trace(*args)
+
+
+def test_requested_implementation_never_falls_back():
+    q = jnp.zeros((1, 8, 2, 64), jnp.float64)
+    with pytest.raises(ValueError, match=r'implementation="cuda" cannot run this call: .*'):
+        jax_flash.attention(q, q, q, implementation="cuda")
+
+
+def test_explain_names_every_implementation():
+    q = jnp.zeros((1, 8, 2, 64), jnp.float32)
+    e = jax_flash.explain(q, q, q)
+    assert set(e.reasons) == {"xla", "cpu", "pallas", "cuda"}
+    assert e.selected is not None and e.reasons[e.selected] is None
+    text = str(e)
+    for name in e.reasons:
+        assert name in text
+    # A dense bias rules out the compiled kernels, with that reason.
+    with_bias = jax_flash.explain(q, q, q, bias=jnp.zeros((8, 8)))
+    if e.reasons["cpu"] is None:
+        assert "bias" in with_bias.reasons["cpu"]
+    assert with_bias.reasons["xla"] is None
+
+
+def test_default_choice_on_cpu():
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU backend only")
+    q = jnp.zeros((1, 8, 2, 64), jnp.float32)
+    e = jax_flash.explain(q, q, q)
+    assert e.selected == ("cpu" if e.reasons["cpu"] is None else "xla")
