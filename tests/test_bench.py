@@ -1,0 +1,73 @@
+"""Smoke test of `python -m jax_flash.bench` on a tiny configuration."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jax_flash import bench
+
+
+def test_bench_tiny_run_writes_table_json_and_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    json_path = tmp_path / "bench.json"
+    png_path = tmp_path / "bench.png"
+    results = bench.main(
+        [
+            "--seq-lens", "128",
+            "--head-dims", "32",
+            "--heads", "2",
+            "--reps", "1",
+            "--json", str(json_path),
+            "--plot", str(png_path),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "GFLOP/s" in out or "TFLOP/s" in out
+    assert "x jax.nn" in out and "temp MiB" in out
+    impls = {r.impl for r in results}
+    assert {"xla", "jax.nn"} <= impls
+    # 2 passes x 2 causal settings per implementation.
+    assert len(results) == 4 * len(impls)
+    for r in results:
+        assert r.status == "ok", (r.impl, r.status)
+        assert r.flops_per_s > 0 and r.temp_bytes is not None
+        assert r.vs_jax_nn is not None
+    causal_fwd = [r for r in results if r.causal and r.pass_ == "fwd"][0]
+    full_fwd = [r for r in results if not r.causal and r.pass_ == "fwd"][0]
+    assert causal_fwd.flops == full_fwd.flops / 2
+    data = json.loads(json_path.read_text())
+    assert len(data["results"]) == len(results)
+    assert {"pass", "causal", "temp_bytes", "flops_per_s", "vs_jax_nn"} <= set(data["results"][0])
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_reports_failing_peer_without_crashing(capsys):
+    # cuDNN attention cannot run on a CPU: the row says so and the run completes.
+    results = bench.main(
+        ["--impls", "jax.nn-cudnn,xla", "--seq-lens", "64", "--head-dims", "16", "--heads", "1",
+         "--passes", "fwd", "--causal", "no", "--reps", "1"]
+    )
+    by_impl = {r.impl: r for r in results}
+    assert by_impl["xla"].status == "ok"
+    import jax
+
+    if jax.default_backend() == "cpu":
+        assert by_impl["jax.nn-cudnn"].status.startswith("failed")
+    assert "jax.nn-cudnn" in capsys.readouterr().out
+
+
+def test_bench_temp_memory_limit_skips():
+    results = bench.main(
+        ["--impls", "xla", "--seq-lens", "64", "--head-dims", "16", "--heads", "1",
+         "--passes", "fwd", "--causal", "no", "--max-temp-gib", "0"]
+    )
+    assert results[0].status.startswith("skipped")
+
+
+def test_bench_module_entry_point_help():
+    out = subprocess.run(
+        [sys.executable, "-m", "jax_flash.bench", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "--tune-pallas" in out and "--json" in out

@@ -1,0 +1,44 @@
+"""The examples run end to end (tiny flags, a few steps) as a user runs them."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = ["--steps=4", "--batch_size=2", "--seq_len=16", "--d_model=16", "--num_heads=2",
+        "--num_layers=1", "--log_every=2"]
+
+
+def _run(script, *flags):
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *TINY, *flags],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def test_train_flax_lm_with_compare():
+    pytest.importorskip("flax")
+    pytest.importorskip("optax")
+    out = _run("train_flax_lm.py", "--compare", "--sample_chars=4")
+    m = re.search(r"jax_flash implementation: (\w+)", out)
+    assert m and m.group(1) in ("cuda", "pallas", "cpu", "xla"), out
+    assert "tokens/s" in out
+    diff = re.search(r"max abs diff ([0-9.e+-]+)", out)
+    assert diff, out
+    assert float(diff.group(1)) < 1e-3
+    assert "sample:" in out
+
+
+def test_train_haiku_lm():
+    pytest.importorskip("haiku")
+    pytest.importorskip("optax")
+    out = _run("train_haiku_lm.py", "--implementation=xla")
+    assert "jax_flash implementation: xla" in out
+    assert re.search(r"loss [0-9.]+ -> [0-9.]+", out), out
