@@ -72,5 +72,9 @@ inline uint32_t cvt_pack_f16x2(float lo, float hi) {
   return static_cast<uint32_t>(float_to_f16_rn(lo)) | (static_cast<uint32_t>(float_to_f16_rn(hi)) << 16);
 }
 
+// cvt.f32.f16 d, a   (9.7.9.21): one f16 (raw bits) to float, exact (subnormals kept; a NaN
+// stays a NaN, its payload is not specified).
+inline float cvt_f32_f16(uint16_t a) { return f16_to_float(a); }
+
 }  // namespace emu
 }  // namespace jax_flash

@@ -514,6 +514,24 @@ void test_cvt_f16() {
   }
 }
 
+void test_cvt_f32_f16() {
+  // Every f16 bit pattern, against the test's own decoder (exact for all finite values).
+  int bad = 0;
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const float got = emu::cvt_f32_f16(static_cast<uint16_t>(h));
+    const int e = (h >> 10) & 31, m = h & 1023;
+    bool ok;
+    if (e == 31 && m != 0)
+      ok = std::isnan(got);
+    else if (e == 31)
+      ok = got == ((h & 0x8000) ? -INFINITY : INFINITY);
+    else
+      ok = static_cast<double>(got) == decode_f16(static_cast<uint16_t>(h)) &&
+           std::signbit(got) == static_cast<bool>(h & 0x8000);
+    if (!ok && bad++ < 4) CHECK(false, "cvt.f32.f16 of " + hex(h) + " = " + str(got));
+  }
+}
+
 void test_ex2() {
   CHECK(emu::ex2_approx(1.0f) == 2.0f, "2^1");
   CHECK(emu::ex2_approx(0.0f) == 1.0f, "2^0");
@@ -804,6 +822,7 @@ int main() {
   run_test("shfl xor/idx/up/down, widths, ballot", test_shfl);
   run_test("cvt.rn.bf16x2.f32", test_cvt_bf16);
   run_test("cvt.rn.f16x2.f32 (+ exhaustive)", test_cvt_f16);
+  run_test("cvt.f32.f16 (exhaustive)", test_cvt_f32_f16);
   run_test("ex2.approx.ftz.f32", test_ex2);
   run_test("threadIdx/blockIdx over 3-d grid and block", test_ids);
   run_test("shared memory poisoned per block; atomicAdd", test_poison_and_atomics);
