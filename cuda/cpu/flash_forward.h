@@ -1,0 +1,132 @@
+// The forward pass of FlashAttention-2 (Alg. 1) for one work item: a block of kBlockQ
+// query rows of one head, streamed over the key blocks that the mask leaves visible.
+#pragma once
+
+#include <cmath>
+
+#include "cpu/convert.h"
+#include "cpu/problem.h"
+#include "cpu/score_mask.h"
+#include "cpu/softmax.h"
+#include "cpu/tile_gemm.h"
+#include "cpu/tile_pack.h"
+#include "cpu/tiling.h"
+#include "cpu/vec.h"
+
+namespace jax_flash {
+namespace cpu {
+namespace JAX_FLASH_CPU_ISA {
+
+// Buffers of one forward worker.
+struct ForwardTiles {
+  int64_t head_dim_padded;  // Hp: H rounded up to whole vectors
+  float* q;        // [kBlockQ][Hp]  scale · Q
+  float* k_t;      // [H][kBlockK]   Kᵀ
+  float* v;        // [kBlockK][Hp]
+  float* s;        // [kBlockQ][kBlockK]  scores, then P
+  float* o;        // [kBlockQ][Hp]  unnormalised output accumulator
+  float* m;        // [kBlockQ] running max
+  float* l;        // [kBlockQ] running sum
+  float* correction;  // [kBlockQ] exp(m_old − m_new)
+  float* row;      // [H] conversion buffer
+  int32_t* segments;  // [kBlockK]
+
+  ForwardTiles(const Problem& p, float* base) {
+    WorkspaceCarver w(base);
+    head_dim_padded = RoundUp(p.head_dim, kLanes);
+    q = w.Take(kBlockQ * head_dim_padded);
+    k_t = w.Take(p.head_dim * kBlockK);
+    v = w.Take(kBlockK * head_dim_padded);
+    s = w.Take(kBlockQ * kBlockK);
+    o = w.Take(kBlockQ * head_dim_padded);
+    m = w.Take(kBlockQ);
+    l = w.Take(kBlockQ);
+    correction = w.Take(kBlockQ);
+    row = w.Take(p.head_dim);
+    segments = reinterpret_cast<int32_t*>(w.Take(kBlockK));
+    floats = w.used();
+  }
+  int64_t floats;  // the size of the workspace
+};
+
+// Writes the rows of a query block that see no key: out = 0, lse = -inf.
+inline void WriteEmptyRows(const Problem& p, int64_t b, int64_t n, int64_t t_begin, int64_t t_end) {
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    StoreZeros(p.dtype, p.q_row(b, t, n), p.head_dim, p.out);
+    p.lse[p.stat(b, n, t)] = -__builtin_inff();
+  }
+}
+
+// out = O / l and lse = m + log l (natural log) for rows that saw a key; zeros and -inf
+// for rows that saw none.
+inline void WriteOutputRows(const Problem& p, const ForwardTiles& w, int64_t b, int64_t n,
+                            int64_t t0, int64_t rows) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t t = t0 + i;
+    if (w.l[i] > 0.0f) {
+      StoreRow(w.o + i * w.head_dim_padded, 1.0f / w.l[i], p.dtype, p.q_row(b, t, n), p.head_dim,
+               p.out);
+      p.lse[p.stat(b, n, t)] = w.m[i] + std::log(w.l[i]);
+    } else {
+      WriteEmptyRows(p, b, n, t, t + 1);
+    }
+  }
+}
+
+inline void ForwardTile(const Problem& p, int64_t item, float* workspace) {
+  const int64_t blocks = QueryBlocks(p);
+  const int64_t b = item / (p.q_heads * blocks);
+  const int64_t n = item / blocks % p.q_heads;
+  const int64_t g = n / p.group_size();
+  const int64_t t0 = item % blocks * kBlockQ;
+  const int64_t rows = std::min(kBlockQ, p.q_len - t0);
+  const MaskGeometry mask(p, b);
+  // Rows at or past the query length see nothing; the rest of the block is live.
+  const int64_t live_rows = std::clamp<int64_t>(mask.q_valid - t0, 0, rows);
+  WriteEmptyRows(p, b, n, t0 + live_rows, t0 + rows);
+  if (live_rows == 0) return;
+
+  ForwardTiles w(p, workspace);
+  const int64_t hp = w.head_dim_padded;
+  const int64_t rows_padded = RoundUp(live_rows, kGemmRows);
+  PackRows({p.q, p.dtype, p.q_row(b, t0, n), p.q_heads * p.head_dim, live_rows, p.head_dim},
+           p.scale, rows_padded, hp, w.q);
+  for (int64_t i = 0; i < rows_padded; ++i) {
+    w.m[i] = -__builtin_inff();
+    w.l[i] = 0.0f;
+  }
+  for (int64_t i = 0; i < rows_padded * hp; ++i) w.o[i] = 0.0f;
+
+  // Only key blocks that meet the union of the rows' visible intervals are visited.
+  const KeyInterval first = mask.keys_of_row(t0);
+  const KeyInterval last = mask.keys_of_row(t0 + live_rows - 1);
+  const int64_t s_begin = first.lo / kBlockK * kBlockK;
+  for (int64_t s0 = s_begin; s0 < last.hi; s0 += kBlockK) {
+    const int64_t cols = std::min(kBlockK, last.hi - s0);
+    const int64_t cols_padded = RoundUp(cols, kLanes);
+    const TileVisibility visibility =
+        ClassifyTile(mask, t0, live_rows, s0, cols, cols_padded != cols);
+    if (visibility == TileVisibility::kSkip) continue;
+
+    const int64_t kv_stride = p.kv_heads * p.head_dim;
+    PackTransposed({p.k, p.dtype, p.kv_row(b, s0, g), kv_stride, cols, p.head_dim}, cols_padded,
+                   kBlockK, w.row, w.k_t);
+    PackRows({p.v, p.dtype, p.kv_row(b, s0, g), kv_stride, cols, p.head_dim}, 1.0f, cols_padded, hp,
+             w.v);
+    const ScoreTile s{w.s, kBlockK, t0, live_rows, rows_padded, s0, cols, cols_padded};
+    // S = (scale · Q) Kᵀ
+    Gemm<false, Accumulate::kOverwrite>(rows_padded, cols_padded, p.head_dim, w.q, hp, w.k_t,
+                                        kBlockK, w.s, kBlockK);
+    if (p.softcap > 0.0f) ApplySoftCap(s, p.softcap, nullptr);
+    if (visibility == TileVisibility::kPartial) MaskScores(s, mask, w.segments);
+    UpdateOnlineSoftmax(s, w.m, w.l, w.correction);
+    // O = diag(exp(m_old − m_new)) O + P V
+    Gemm<false, Accumulate::kRescale>(rows_padded, hp, cols, w.s, kBlockK, w.v, hp, w.o, hp,
+                                      w.correction);
+  }
+  WriteOutputRows(p, w, b, n, t0, live_rows);
+}
+
+}  // namespace JAX_FLASH_CPU_ISA
+}  // namespace cpu
+}  // namespace jax_flash

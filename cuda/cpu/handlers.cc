@@ -1,0 +1,291 @@
+// The FFI boundary of the host implementation: decodes and validates the operands,
+// attributes and results of jax_flash_fwd / jax_flash_bwd (see cuda/README.md), then
+// runs the tiles of the chosen ISA on XLA's intra-op thread pool.
+#include "cpu/handlers.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "cpu/kernel_table.h"
+#include "cpu/parallel.h"
+#include "cpu/problem.h"
+#include "cpu/tiling.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_flash {
+namespace cpu {
+namespace {
+
+std::string ShapeString(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+std::string TypeName(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return "f32";
+    case ffi::DataType::BF16: return "bf16";
+    case ffi::DataType::F16: return "f16";
+    case ffi::DataType::S32: return "s32";
+    case ffi::DataType::F64: return "f64";
+    default: return "dtype #" + std::to_string(static_cast<int>(t));
+  }
+}
+
+// Checks one buffer's shape and element type; appends to `error` when wrong.
+class Checker {
+ public:
+  explicit Checker(const char* target) : target_(target) {}
+
+  void Expect(const char* name, const ffi::AnyBuffer& buffer, std::initializer_list<int64_t> shape,
+              ffi::DataType type) {
+    if (!error_.empty()) return;
+    const auto dims = buffer.dimensions();
+    bool same = dims.size() == shape.size();
+    size_t i = 0;
+    for (int64_t d : shape) same = same && dims[i++] == d;
+    std::string want = "[";
+    i = 0;
+    for (int64_t d : shape) want += (i++ ? ", " : "") + std::to_string(d);
+    want += "]";
+    if (!same) {
+      Fail(std::string(name) + " has shape " + ShapeString(dims) + ", expected " + want);
+    } else if (buffer.element_type() != type) {
+      Fail(std::string(name) + " has dtype " + TypeName(buffer.element_type()) + ", expected " +
+           TypeName(type));
+    }
+  }
+
+  void Fail(const std::string& message) {
+    if (error_.empty()) error_ = std::string(target_) + " (cpu): " + message;
+  }
+  bool ok() const { return error_.empty(); }
+  ffi::Error error() const { return ffi::Error::InvalidArgument(error_); }
+
+ private:
+  const char* target_;
+  std::string error_;
+};
+
+// Reads the shapes from q and k, checks the operands every target shares (q, k, v,
+// lengths, segment ids) and the attributes, and fills the problem description.
+void DescribeProblem(Checker& check, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                     ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                     ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, float scale,
+                     int64_t window_left, int64_t window_right, float softcap,
+                     bool use_segment_ids, Problem* p) {
+  const auto qd = q.dimensions();
+  const auto kd = k.dimensions();
+  if (qd.size() != 4) return check.Fail("q must have rank 4 [B, T, N, H], got shape " + ShapeString(qd));
+  if (kd.size() != 4) return check.Fail("k must have rank 4 [B, S, K, H], got shape " + ShapeString(kd));
+  switch (q.element_type()) {
+    case ffi::DataType::F32: p->dtype = ElementType::kF32; break;
+    case ffi::DataType::BF16: p->dtype = ElementType::kBF16; break;
+    case ffi::DataType::F16: p->dtype = ElementType::kF16; break;
+    default:
+      return check.Fail("q has dtype " + TypeName(q.element_type()) + ", expected f32, bf16 or f16");
+  }
+  p->batch = qd[0];
+  p->q_len = qd[1];
+  p->q_heads = qd[2];
+  p->head_dim = qd[3];
+  p->kv_len = kd[1];
+  p->kv_heads = kd[2];
+  const ffi::DataType dtype = q.element_type();
+  check.Expect("k", k, {p->batch, p->kv_len, p->kv_heads, p->head_dim}, dtype);
+  check.Expect("v", v, {p->batch, p->kv_len, p->kv_heads, p->head_dim}, dtype);
+  if (!check.ok()) return;
+  if (p->kv_heads < 1 || p->q_heads % p->kv_heads != 0) {
+    return check.Fail("the number of query heads N = " + std::to_string(p->q_heads) +
+                      " must be a multiple of the number of kv heads K = " +
+                      std::to_string(p->kv_heads));
+  }
+  check.Expect("q_lengths", q_lengths, {p->batch}, ffi::DataType::S32);
+  check.Expect("kv_lengths", kv_lengths, {p->batch}, ffi::DataType::S32);
+  // Always passed (zeros when unused), so always checked.
+  check.Expect("q_segment_ids", q_segment_ids, {p->batch, p->q_len}, ffi::DataType::S32);
+  check.Expect("kv_segment_ids", kv_segment_ids, {p->batch, p->kv_len}, ffi::DataType::S32);
+  if (!std::isfinite(scale)) check.Fail("scale must be finite, got " + std::to_string(scale));
+  if (!(softcap >= 0.0f) || !std::isfinite(softcap))
+    check.Fail("softcap must be >= 0 (0 = off), got " + std::to_string(softcap));
+  if (window_left < -1 || window_right < -1) {
+    check.Fail("window_left and window_right must be >= 0 or -1 (unbounded), got (" +
+               std::to_string(window_left) + ", " + std::to_string(window_right) + ")");
+  }
+  p->scale = scale;
+  p->softcap = softcap;
+  p->window_left = window_left;
+  p->window_right = window_right;
+  p->use_segment_ids = use_segment_ids;
+  p->q = q.untyped_data();
+  p->k = k.untyped_data();
+  p->v = v.untyped_data();
+  p->q_lengths = static_cast<const int32_t*>(q_lengths.untyped_data());
+  p->kv_lengths = static_cast<const int32_t*>(kv_lengths.untyped_data());
+  p->q_segment_ids = static_cast<const int32_t*>(q_segment_ids.untyped_data());
+  p->kv_segment_ids = static_cast<const int32_t*>(kv_segment_ids.untyped_data());
+}
+
+// JAX_FLASH_POISON_OUTPUTS=1 (set by the test suite) fills every result with NaN
+// before the tiles run, so an element the algorithm forgets to write shows up.
+bool PoisonOutputs() {
+  const char* value = std::getenv("JAX_FLASH_POISON_OUTPUTS");
+  return value != nullptr && value[0] != '\0' && value[0] != '0';
+}
+
+void Poison(ffi::AnyBuffer buffer) {
+  // All-ones bytes are a NaN in f32, bf16 and f16 alike.
+  std::memset(buffer.untyped_data(), 0xff, buffer.size_bytes());
+}
+
+template <typename Tile>
+ffi::Error RunTiles(ffi::ThreadPool& pool, const char* target, int64_t items, int64_t workspace,
+                    const Problem& p, Tile tile) {
+  const bool ok = ParallelFor(pool, items, workspace,
+                              [&](int64_t item, float* ws) { tile(p, item, ws); });
+  if (!ok) return ffi::Error::Internal(std::string(target) + " (cpu): out of memory for tile workspace");
+  return ffi::Error::Success();
+}
+
+ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                   ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
+                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, float scale,
+                   int64_t window_left, int64_t window_right, float softcap,
+                   bool use_segment_ids) {
+  Checker check("jax_flash_fwd");
+  Problem p;
+  DescribeProblem(check, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, scale,
+                  window_left, window_right, softcap, use_segment_ids, &p);
+  if (!check.ok()) return check.error();
+  check.Expect("out", *out, {p.batch, p.q_len, p.q_heads, p.head_dim}, q.element_type());
+  check.Expect("lse", *lse, {p.batch, p.q_heads, p.q_len}, ffi::DataType::F32);
+  if (!check.ok()) return check.error();
+  std::string isa_error;
+  const KernelTable* kernels = SelectKernels(&isa_error);
+  if (kernels == nullptr) return ffi::Error::InvalidArgument("jax_flash_fwd (cpu): " + isa_error);
+  if (PoisonOutputs()) {
+    Poison(*out);
+    Poison(*lse);
+  }
+  p.out = out->untyped_data();
+  p.lse = static_cast<float*>(lse->untyped_data());
+  return RunTiles(pool, "jax_flash_fwd", QueryItems(p), kernels->forward_workspace(p), p,
+                  kernels->forward_tile);
+}
+
+ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                    ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse,
+                    ffi::AnyBuffer dlse, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                    ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
+                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                    ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dq_accum,
+                    ffi::Result<ffi::AnyBuffer> delta, float scale, int64_t window_left,
+                    int64_t window_right, float softcap, bool use_segment_ids,
+                    bool deterministic) {
+  // `deterministic` is accepted for the shared contract; this implementation is
+  // always deterministic (no atomics).
+  Checker check("jax_flash_bwd");
+  Problem p;
+  DescribeProblem(check, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, scale,
+                  window_left, window_right, softcap, use_segment_ids, &p);
+  if (!check.ok()) return check.error();
+  const ffi::DataType dtype = q.element_type();
+  const std::initializer_list<int64_t> q_shape = {p.batch, p.q_len, p.q_heads, p.head_dim};
+  const std::initializer_list<int64_t> kv_shape = {p.batch, p.kv_len, p.kv_heads, p.head_dim};
+  const std::initializer_list<int64_t> stat_shape = {p.batch, p.q_heads, p.q_len};
+  check.Expect("out", out, q_shape, dtype);
+  check.Expect("dout", dout, q_shape, dtype);
+  check.Expect("lse", lse, stat_shape, ffi::DataType::F32);
+  check.Expect("dlse", dlse, stat_shape, ffi::DataType::F32);
+  check.Expect("dq", *dq, q_shape, dtype);
+  check.Expect("dk", *dk, kv_shape, dtype);
+  check.Expect("dv", *dv, kv_shape, dtype);
+  check.Expect("dq_accum", *dq_accum, q_shape, ffi::DataType::F32);
+  check.Expect("delta", *delta, stat_shape, ffi::DataType::F32);
+  if (!check.ok()) return check.error();
+  std::string isa_error;
+  const KernelTable* kernels = SelectKernels(&isa_error);
+  if (kernels == nullptr) return ffi::Error::InvalidArgument("jax_flash_bwd (cpu): " + isa_error);
+  if (PoisonOutputs()) {
+    for (ffi::AnyBuffer result : {*dq, *dk, *dv, *dq_accum, *delta}) Poison(result);
+  }
+  p.out = out.untyped_data();
+  p.dout = dout.untyped_data();
+  p.lse_in = static_cast<const float*>(lse.untyped_data());
+  p.dlse = static_cast<const float*>(dlse.untyped_data());
+  p.dq = dq->untyped_data();
+  p.dk = dk->untyped_data();
+  p.dv = dv->untyped_data();
+  p.dq_accum = static_cast<float*>(dq_accum->untyped_data());
+  p.delta = static_cast<float*>(delta->untyped_data());
+
+  // D first: both gradient passes read it for every query row.
+  const int64_t row_floats = 2 * RoundUp(p.head_dim, kAlignFloats);
+  if (ffi::Error e = RunTiles(pool, "jax_flash_bwd", QueryItems(p), row_floats, p, kernels->delta_tile);
+      e.failure()) {
+    return e;
+  }
+  const int64_t workspace = kernels->backward_workspace(p);
+  if (ffi::Error e = RunTiles(pool, "jax_flash_bwd", KeyItems(p), workspace, p,
+                              kernels->key_value_gradient_tile);
+      e.failure()) {
+    return e;
+  }
+  return RunTiles(pool, "jax_flash_bwd", QueryItems(p), workspace, p, kernels->query_gradient_tile);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuForward, Forward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // q [B, T, N, H]
+                                  .Arg<ffi::AnyBuffer>()  // k [B, S, K, H]
+                                  .Arg<ffi::AnyBuffer>()  // v [B, S, K, H]
+                                  .Arg<ffi::AnyBuffer>()  // q_lengths [B] s32
+                                  .Arg<ffi::AnyBuffer>()  // kv_lengths [B] s32
+                                  .Arg<ffi::AnyBuffer>()  // q_segment_ids [B, T] s32
+                                  .Arg<ffi::AnyBuffer>()  // kv_segment_ids [B, S] s32
+                                  .Ret<ffi::AnyBuffer>()  // out [B, T, N, H]
+                                  .Ret<ffi::AnyBuffer>()  // lse [B, N, T] f32
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window_left")
+                                  .Attr<int64_t>("window_right")
+                                  .Attr<float>("softcap")
+                                  .Attr<bool>("use_segment_ids"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuBackward, Backward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // q [B, T, N, H]
+                                  .Arg<ffi::AnyBuffer>()  // k [B, S, K, H]
+                                  .Arg<ffi::AnyBuffer>()  // v [B, S, K, H]
+                                  .Arg<ffi::AnyBuffer>()  // out [B, T, N, H]
+                                  .Arg<ffi::AnyBuffer>()  // dout [B, T, N, H]
+                                  .Arg<ffi::AnyBuffer>()  // lse [B, N, T] f32
+                                  .Arg<ffi::AnyBuffer>()  // dlse [B, N, T] f32
+                                  .Arg<ffi::AnyBuffer>()  // q_lengths [B] s32
+                                  .Arg<ffi::AnyBuffer>()  // kv_lengths [B] s32
+                                  .Arg<ffi::AnyBuffer>()  // q_segment_ids [B, T] s32
+                                  .Arg<ffi::AnyBuffer>()  // kv_segment_ids [B, S] s32
+                                  .Ret<ffi::AnyBuffer>()  // dq [B, T, N, H]
+                                  .Ret<ffi::AnyBuffer>()  // dk [B, S, K, H]
+                                  .Ret<ffi::AnyBuffer>()  // dv [B, S, K, H]
+                                  .Ret<ffi::AnyBuffer>()  // dq_accum [B, T, N, H] f32 workspace
+                                  .Ret<ffi::AnyBuffer>()  // delta [B, N, T] f32 workspace
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window_left")
+                                  .Attr<int64_t>("window_right")
+                                  .Attr<float>("softcap")
+                                  .Attr<bool>("use_segment_ids")
+                                  .Attr<bool>("deterministic"));
+
+}  // namespace cpu
+}  // namespace jax_flash

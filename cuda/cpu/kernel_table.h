@@ -1,0 +1,38 @@
+// The runtime→ISA layer: each ISA translation unit (kernels_*.cc) compiles the same
+// algorithm for its vector width and exports it as one table; the handlers pick a
+// table once per call with SelectKernels. This is the only place where the ISA is a
+// runtime value.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "cpu/problem.h"
+
+namespace jax_flash {
+namespace cpu {
+
+struct KernelTable {
+  const char* isa;
+  // Floats of workspace one worker needs (64-byte aligned by the caller).
+  int64_t (*forward_workspace)(const Problem&);
+  int64_t (*backward_workspace)(const Problem&);
+  // One work item each; see tiling.h for how items map to blocks.
+  void (*forward_tile)(const Problem&, int64_t item, float* workspace);
+  void (*delta_tile)(const Problem&, int64_t item, float* workspace);
+  void (*key_value_gradient_tile)(const Problem&, int64_t item, float* workspace);
+  void (*query_gradient_tile)(const Problem&, int64_t item, float* workspace);
+};
+
+namespace generic { const KernelTable& Kernels(); }
+#if defined(__x86_64__) || defined(_M_X64)
+namespace avx2 { const KernelTable& Kernels(); }
+namespace avx512 { const KernelTable& Kernels(); }
+#endif
+
+// The widest ISA this CPU runs, or the one named by JAX_FLASH_CPU_ISA ("avx512",
+// "avx2", "generic"); an error message when the named one is unknown or unsupported.
+const KernelTable* SelectKernels(std::string* error);
+
+}  // namespace cpu
+}  // namespace jax_flash

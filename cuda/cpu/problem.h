@@ -1,0 +1,170 @@
+// One attention call as the CPU kernels see it: shapes, strides, operand pointers,
+// attributes, and the mask geometry every tile of the forward and backward shares.
+//
+// Layout is BTNH (q, out, dout, dq) and BSKH (k, v, dk, dv); statistics are [B, N, T].
+// This header is included by every ISA-specific translation unit *before* their
+// `#pragma GCC target`, so everything here is compiled for the baseline ISA.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+namespace jax_flash {
+namespace cpu {
+
+enum class ElementType { kF32, kBF16, kF16 };
+
+// Everything a tile needs to know about the call. Pointers are untyped for the
+// element type `dtype` of q, k, v, out, dout, dq, dk, dv; statistics are float.
+struct Problem {
+  int64_t batch = 0;      // B
+  int64_t q_len = 0;      // T
+  int64_t kv_len = 0;     // S
+  int64_t q_heads = 0;    // N
+  int64_t kv_heads = 0;   // K
+  int64_t head_dim = 0;   // H
+  ElementType dtype = ElementType::kF32;
+
+  float scale = 1.0f;     // logits = scale * q.k
+  float softcap = 0.0f;   // > 0: logits -> softcap * tanh(logits / softcap)
+  int64_t window_left = -1;   // key s visible from query t iff s >= t - window_left (-1: unbounded)
+  int64_t window_right = -1;  // ... and s <= t + window_right (-1: unbounded; causal is 0)
+  bool use_segment_ids = false;
+
+  const int32_t* q_lengths = nullptr;       // [B]
+  const int32_t* kv_lengths = nullptr;      // [B]
+  const int32_t* q_segment_ids = nullptr;   // [B, T]
+  const int32_t* kv_segment_ids = nullptr;  // [B, S]
+
+  // Forward operands and results.
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;  // natural log; -inf where a row sees no key
+
+  // Backward operands, results and workspaces.
+  const void* dout = nullptr;
+  const float* lse_in = nullptr;
+  const float* dlse = nullptr;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  float* dq_accum = nullptr;
+  float* delta = nullptr;  // rowsum(dout * out) - dlse, [B, N, T]
+
+  int64_t group_size() const { return q_heads / kv_heads; }
+  // Element offset of row t of query head n (q, out, dout, dq).
+  int64_t q_row(int64_t b, int64_t t, int64_t n) const {
+    return ((b * q_len + t) * q_heads + n) * head_dim;
+  }
+  // Element offset of row s of kv head g (k, v, dk, dv).
+  int64_t kv_row(int64_t b, int64_t s, int64_t g) const {
+    return ((b * kv_len + s) * kv_heads + g) * head_dim;
+  }
+  // Offset of (b, n, t) in the [B, N, T] statistics.
+  int64_t stat(int64_t b, int64_t n, int64_t t) const {
+    return (b * q_heads + n) * q_len + t;
+  }
+};
+
+// The keys query row t may see, before segment ids: one interval [lo, hi), because
+// sequence lengths and the local window (causal = window (-1, 0)) each bound it on
+// one side. Both ends are non-decreasing in t, which is what lets whole tiles be
+// skipped (FlashAttention-2 §3.1: causal block skipping, generalised to windows).
+struct KeyInterval {
+  int64_t lo = 0;
+  int64_t hi = 0;
+  bool empty() const { return hi <= lo; }
+};
+
+// The per-batch view of the mask: valid lengths and segment ids of one sequence.
+struct MaskGeometry {
+  int64_t q_valid = 0;   // rows t >= q_valid see nothing
+  int64_t kv_valid = 0;  // keys s >= kv_valid are invisible
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+  const int32_t* q_segments = nullptr;   // [T] or null when segment ids are off
+  const int32_t* kv_segments = nullptr;  // [S] or null when segment ids are off
+
+  MaskGeometry(const Problem& p, int64_t b)
+      : q_valid(std::clamp<int64_t>(p.q_lengths[b], 0, p.q_len)),
+        kv_valid(std::clamp<int64_t>(p.kv_lengths[b], 0, p.kv_len)),
+        window_left(p.window_left),
+        window_right(p.window_right) {
+    if (p.use_segment_ids) {
+      q_segments = p.q_segment_ids + b * p.q_len;
+      kv_segments = p.kv_segment_ids + b * p.kv_len;
+    }
+  }
+
+  KeyInterval keys_of_row(int64_t t) const {
+    if (t < 0 || t >= q_valid) return {0, 0};
+    KeyInterval r{0, kv_valid};
+    if (window_left >= 0) r.lo = std::max<int64_t>(0, t - window_left);
+    if (window_right >= 0 && t + window_right + 1 < r.hi) r.hi = t + window_right + 1;
+    return r;
+  }
+
+  // Rows that see at least one key in [s0, s1) (ignoring segment ids): the inverse of
+  // keys_of_row, an interval too.
+  KeyInterval rows_of_keys(int64_t s0, int64_t s1) const {
+    s1 = std::min(s1, kv_valid);
+    if (s1 <= s0) return {0, 0};
+    KeyInterval r{0, q_valid};
+    if (window_right >= 0) r.lo = std::max<int64_t>(0, s0 - window_right);
+    if (window_left >= 0 && s1 + window_left < r.hi) r.hi = s1 + window_left;
+    return r;
+  }
+};
+
+// How a (query rows × keys) tile meets the mask.
+enum class TileVisibility {
+  kSkip,     // no element visible: the tile is not computed at all
+  kPartial,  // some elements masked: mask element by element
+  kFull,     // every element visible: no mask arithmetic
+};
+
+// Smallest and largest segment id in ids[0, n); used to skip tiles whose query and
+// key segments cannot meet, without assuming the ids are sorted.
+struct SegmentRange {
+  int32_t min = 0;
+  int32_t max = -1;
+  bool uniform() const { return min == max; }
+  bool disjoint(const SegmentRange& o) const { return max < o.min || o.max < min; }
+};
+
+inline SegmentRange RangeOfSegments(const int32_t* ids, int64_t n) {
+  SegmentRange r;
+  if (n <= 0) return r;
+  r.min = r.max = ids[0];
+  for (int64_t i = 1; i < n; ++i) {
+    r.min = std::min(r.min, ids[i]);
+    r.max = std::max(r.max, ids[i]);
+  }
+  return r;
+}
+
+// Classifies the tile of query rows [t0, t0 + rows) (all below q_valid) and keys
+// [s0, s0 + cols) (all below kv_valid), `padded` true when the tile's storage has
+// columns beyond `cols` that must be masked too.
+inline TileVisibility ClassifyTile(const MaskGeometry& g, int64_t t0, int64_t rows, int64_t s0,
+                                   int64_t cols, bool padded) {
+  if (rows <= 0 || cols <= 0) return TileVisibility::kSkip;
+  const KeyInterval first = g.keys_of_row(t0);
+  const KeyInterval last = g.keys_of_row(t0 + rows - 1);
+  // lo and hi are non-decreasing in t: the union of the rows' intervals is
+  // [first.lo, last.hi) and their intersection [last.lo, first.hi).
+  if (last.hi <= s0 || first.lo >= s0 + cols) return TileVisibility::kSkip;
+  bool full = !padded && last.lo <= s0 && first.hi >= s0 + cols;
+  if (g.q_segments != nullptr) {
+    const SegmentRange qs = RangeOfSegments(g.q_segments + t0, rows);
+    const SegmentRange ks = RangeOfSegments(g.kv_segments + s0, cols);
+    if (qs.disjoint(ks)) return TileVisibility::kSkip;
+    full = full && qs.uniform() && ks.uniform() && qs.min == ks.min;
+  }
+  return full ? TileVisibility::kFull : TileVisibility::kPartial;
+}
+
+}  // namespace cpu
+}  // namespace jax_flash

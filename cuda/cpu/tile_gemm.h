@@ -1,0 +1,79 @@
+// The one matrix product every step of the algorithm is made of, on packed float32
+// tiles: C (+)= A · B with B and C row-major and vectorised along their rows, A read
+// one scalar at a time and broadcast (optionally transposed, for Pᵀ·dO and dSᵀ·Q).
+//
+// Register blocking: a micro-tile of kRows rows of C × up to kMaxVecs vectors stays
+// in registers for the whole reduction; each step loads kMaxVecs vectors of B and
+// broadcasts kRows scalars of A into kRows·kMaxVecs fused multiply-adds.
+#pragma once
+
+#include "cpu/vec.h"
+
+namespace jax_flash {
+namespace cpu {
+namespace JAX_FLASH_CPU_ISA {
+
+constexpr int kGemmRows = 4;  // rows of C per micro-tile; M must be a multiple
+#if JAX_FLASH_CPU_VECTOR_WIDTH >= 16
+constexpr int kGemmVecs = 4;  // 16 zmm accumulators of the 32
+#else
+constexpr int kGemmVecs = 2;  // 8 accumulators of the 16 ymm/xmm registers
+#endif
+
+enum class Accumulate {
+  kOverwrite,  // C = A·B
+  kAdd,        // C += A·B
+  kRescale,    // C = row_scale ∘ C + A·B (the online-softmax correction of O)
+};
+
+template <bool kTransposeA, Accumulate kMode, int kVecs>
+JAX_FLASH_INLINE void GemmMicroTile(int64_t k_dim, const float* a, int64_t lda, const float* b,
+                                    int64_t ldb, float* c, int64_t ldc, const float* row_scale) {
+  VecF acc[kGemmRows][kVecs];  // (rows of C, vectors along a row of C)
+  for (int r = 0; r < kGemmRows; ++r) {
+    for (int v = 0; v < kVecs; ++v) {
+      if (kMode == Accumulate::kOverwrite) {
+        acc[r][v] = Splat(0.0f);
+      } else if (kMode == Accumulate::kAdd) {
+        acc[r][v] = Load(c + r * ldc + v * kLanes);
+      } else {
+        acc[r][v] = Load(c + r * ldc + v * kLanes) * row_scale[r];
+      }
+    }
+  }
+  for (int64_t k = 0; k < k_dim; ++k) {
+    VecF bk[kVecs];
+    for (int v = 0; v < kVecs; ++v) bk[v] = Load(b + k * ldb + v * kLanes);
+    for (int r = 0; r < kGemmRows; ++r) {
+      const VecF ar = Splat(kTransposeA ? a[k * lda + r] : a[r * lda + k]);
+      for (int v = 0; v < kVecs; ++v) acc[r][v] += ar * bk[v];
+    }
+  }
+  for (int r = 0; r < kGemmRows; ++r)
+    for (int v = 0; v < kVecs; ++v) Store(c + r * ldc + v * kLanes, acc[r][v]);
+}
+
+// C[m][n] (+)= Σ_k A(m, k) · B[k][n] for m < M, n < N, k < K, where
+// A(m, k) = a[m·lda + k], or a[k·lda + m] when kTransposeA.
+// M must be a multiple of kGemmRows and N of kLanes.
+template <bool kTransposeA, Accumulate kMode>
+JAX_FLASH_INLINE void Gemm(int64_t m_dim, int64_t n_dim, int64_t k_dim, const float* a, int64_t lda,
+                           const float* b, int64_t ldb, float* c, int64_t ldc,
+                           const float* row_scale = nullptr) {
+  for (int64_t m = 0; m < m_dim; m += kGemmRows) {
+    const float* a_rows = kTransposeA ? a + m : a + m * lda;
+    float* c_rows = c + m * ldc;
+    const float* scale_rows = row_scale == nullptr ? nullptr : row_scale + m;
+    int64_t n = 0;
+    for (; n + kGemmVecs * kLanes <= n_dim; n += kGemmVecs * kLanes)
+      GemmMicroTile<kTransposeA, kMode, kGemmVecs>(k_dim, a_rows, lda, b + n, ldb, c_rows + n, ldc,
+                                                   scale_rows);
+    for (; n < n_dim; n += kLanes)
+      GemmMicroTile<kTransposeA, kMode, 1>(k_dim, a_rows, lda, b + n, ldb, c_rows + n, ldc,
+                                           scale_rows);
+  }
+}
+
+}  // namespace JAX_FLASH_CPU_ISA
+}  // namespace cpu
+}  // namespace jax_flash

@@ -1,0 +1,46 @@
+// Tile sizes and the per-worker workspace they imply. Sizes are chosen so that one
+// tile step's operands (Q, K, V, dO tiles, scores, accumulators: ~200 KB at H = 128)
+// stay in L2 and a micro-tile's working set streams from L1.
+#pragma once
+
+#include <cstdint>
+
+#include "cpu/problem.h"
+
+namespace jax_flash {
+namespace cpu {
+
+constexpr int64_t kBlockQ = 64;   // query rows per tile (Br in FlashAttention-2)
+constexpr int64_t kBlockK = 64;   // keys per tile (Bc)
+constexpr int64_t kAlignFloats = 16;  // 64-byte alignment of every buffer
+
+inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+inline int64_t CeilDiv(int64_t x, int64_t m) { return (x + m - 1) / m; }
+
+// Work items: the forward and the dQ pass run one item per (b, n, query block); the
+// dK/dV pass one per (b, kv head, key block).
+inline int64_t QueryBlocks(const Problem& p) { return CeilDiv(p.q_len, kBlockQ); }
+inline int64_t KeyBlocks(const Problem& p) { return CeilDiv(p.kv_len, kBlockK); }
+inline int64_t QueryItems(const Problem& p) { return p.batch * p.q_heads * QueryBlocks(p); }
+inline int64_t KeyItems(const Problem& p) { return p.batch * p.kv_heads * KeyBlocks(p); }
+
+// Hands out 64-byte-aligned float buffers from one (64-byte-aligned) workspace
+// allocation. With a null base it only counts, which is how the workspace is sized:
+// one layout function serves both.
+class WorkspaceCarver {
+ public:
+  explicit WorkspaceCarver(float* base) : base_(base) {}
+  float* Take(int64_t floats) {
+    float* p = base_ == nullptr ? nullptr : base_ + used_;
+    used_ += RoundUp(floats, kAlignFloats);
+    return p;
+  }
+  int64_t used() const { return used_; }
+
+ private:
+  float* base_;
+  int64_t used_ = 0;
+};
+
+}  // namespace cpu
+}  // namespace jax_flash

@@ -1,0 +1,98 @@
+// The SIMD vector every tile computes with, as a GCC vector extension so that one
+// source serves every ISA: the including translation unit picks the ISA with
+// `#pragma GCC target` and the width with JAX_FLASH_CPU_VECTOR_WIDTH (floats per
+// register: 16 for AVX-512, 8 for AVX2, 4 for the baseline).
+//
+// Only plain operators and our own functions appear here: nothing from the standard
+// library is instantiated after the target pragma, so no ISA-specific copy of a shared
+// inline function can leak into code that runs on a CPU without that ISA.
+#pragma once
+
+#include <cstdint>
+
+#ifndef JAX_FLASH_CPU_ISA
+#error "include vec.h from an ISA translation unit that defines JAX_FLASH_CPU_ISA"
+#endif
+
+#define JAX_FLASH_INLINE inline __attribute__((always_inline))
+
+namespace jax_flash {
+namespace cpu {
+namespace JAX_FLASH_CPU_ISA {
+
+constexpr int kLanes = JAX_FLASH_CPU_VECTOR_WIDTH;
+
+typedef float VecF __attribute__((vector_size(4 * kLanes)));
+typedef int32_t VecI __attribute__((vector_size(4 * kLanes)));
+// Unaligned, aliasing views for loads and stores.
+typedef float VecFU __attribute__((vector_size(4 * kLanes), aligned(4), may_alias));
+typedef int32_t VecIU __attribute__((vector_size(4 * kLanes), aligned(4), may_alias));
+
+JAX_FLASH_INLINE VecF Load(const float* p) { return *reinterpret_cast<const VecFU*>(p); }
+JAX_FLASH_INLINE VecI LoadI(const int32_t* p) { return *reinterpret_cast<const VecIU*>(p); }
+JAX_FLASH_INLINE void Store(float* p, VecF v) { *reinterpret_cast<VecFU*>(p) = v; }
+JAX_FLASH_INLINE VecF Splat(float x) { return VecF{} + x; }
+JAX_FLASH_INLINE VecI SplatI(int32_t x) { return VecI{} + x; }
+JAX_FLASH_INLINE VecI LaneIndex() {
+  VecI v;
+  for (int i = 0; i < kLanes; ++i) v[i] = i;
+  return v;
+}
+JAX_FLASH_INLINE VecF Max(VecF a, VecF b) { return a > b ? a : b; }
+JAX_FLASH_INLINE VecF Min(VecF a, VecF b) { return a < b ? a : b; }
+JAX_FLASH_INLINE VecF Abs(VecF a) { return reinterpret_cast<VecF>(reinterpret_cast<VecI>(a) & 0x7fffffff); }
+
+JAX_FLASH_INLINE float ReduceMax(VecF v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = m > v[i] ? m : v[i];
+  return m;
+}
+JAX_FLASH_INLINE float ReduceSum(VecF v) {
+  // Pairwise, in a fixed order: the same bits on every thread count.
+  for (int width = kLanes / 2; width > 0; width /= 2)
+    for (int i = 0; i < width; ++i) v[i] += v[i + width];
+  return v[0];
+}
+
+// exp(x) to about 2 ulp: x = k ln2 + r with |r| <= ln2/2, exp(r) by a degree-6
+// polynomial (Cephes expf coefficients), 2^k put into the exponent bits. Inputs
+// below -87.3 (including -inf, the mask value) give exactly 0.
+JAX_FLASH_INLINE VecF Exp(VecF x) {
+  const VecF clamped = Min(x, Splat(88.0f));  // keeps 2^k a normal float
+  const VecF magic = Splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const VecF shifted = clamped * 1.44269504088896341f + magic;
+  const VecF k = shifted - magic;
+  VecF r = clamped - k * 0.693359375f;
+  r = r - k * -2.12194440e-4f;
+  VecF p = Splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const VecI exponent = (__builtin_convertvector(k, VecI) + 127) << 23;
+  const VecF result = p * reinterpret_cast<VecF>(exponent);
+  return x < Splat(-87.33654475f) ? Splat(0.0f) : result;
+}
+
+// tanh(x): odd Taylor series where it is accurate (|x| < 0.25, error < 1e-8) and
+// (e^2a - 1) / (e^2a + 1) elsewhere, saturating to 1 beyond |x| = 9.
+JAX_FLASH_INLINE VecF Tanh(VecF x) {
+  const VecF a = Min(Abs(x), Splat(9.0f));
+  const VecF a2 = a * a;
+  VecF series = Splat(62.0f / 2835.0f);
+  series = series * a2 - 17.0f / 315.0f;
+  series = series * a2 + 2.0f / 15.0f;
+  series = series * a2 - 1.0f / 3.0f;
+  series = series * a2 * a + a;
+  const VecF e = Exp(a + a);
+  const VecF ratio = (e - 1.0f) / (e + 1.0f);
+  const VecF t = a < Splat(0.25f) ? series : ratio;
+  const VecI sign = reinterpret_cast<VecI>(x) & static_cast<int32_t>(0x80000000u);
+  return reinterpret_cast<VecF>(reinterpret_cast<VecI>(t) | sign);
+}
+
+}  // namespace JAX_FLASH_CPU_ISA
+}  // namespace cpu
+}  // namespace jax_flash
