@@ -10,6 +10,7 @@ namespace emu {
 namespace detail {
 // simt.cc
 bool smem_range_ok(const void* p, size_t bytes, size_t* offset);
+bool smem_in_flight(size_t offset);  // a cp.async into these 16 bytes has not landed yet
 void cp_async_issue(size_t smem_offset, const void* src, int src_bytes);
 void cp_async_commit();
 void cp_async_wait(int n);
@@ -108,6 +109,10 @@ std::string compute_ldmatrix(uint32_t, const void* const* in, void* const* out, 
       if (offset % 16 != 0)
         return std::string("ldmatrix: lane ") + std::to_string(lane) + " row address " + hex_ptr(p) +
                " is not 16-byte aligned";
+      if (detail::smem_in_flight(offset))
+        return std::string("ldmatrix: lane ") + std::to_string(lane) + " reads shared memory offset " +
+               std::to_string(offset) + " while a cp.async into it has not been waited for (missing "
+               "cp.async.wait_group or __syncthreads)";
       std::memcpy(M[m][row], p, 16);
     }
   for (int lane = 0; lane < kWarp; ++lane) {

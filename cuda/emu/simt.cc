@@ -84,7 +84,8 @@ struct Context {
 
 struct PendingCopy {
   size_t smem_offset;
-  unsigned char bytes[16];
+  unsigned char bytes[16];   // what lands
+  unsigned char before[16];  // the destination when the copy was issued
   uint64_t group;
 };
 
@@ -152,6 +153,7 @@ struct Runtime {
   std::vector<unsigned char> smem_storage;
   char* smem = nullptr;
   size_t smem_bytes = 0;
+  std::vector<uint16_t> in_flight;  // per 16-byte granule of smem: cp.async copies not yet landed
   std::vector<int> queue;  // runnable fibers not currently running (ring buffer)
   size_t queue_head = 0, queue_size = 0;
   int at_barrier = 0;
@@ -186,6 +188,8 @@ struct Runtime {
   }
 };
 thread_local Runtime* tls_runtime = nullptr;
+// Declared by GlobalBufferScope: where cp.async may read from (empty: anywhere).
+thread_local std::vector<std::pair<const void*, size_t>> tls_global_buffers;
 
 std::string hex(uint64_t v) {
   char buf[32];
@@ -242,7 +246,10 @@ void on_exit(Runtime& rt, Fiber& f) {
   w.exited |= bit;
   ++rt.exited;
   f.state = State::kExited;
-  f.copies.clear();  // copies never waited for: nothing can observe them any more
+  // Copies never waited for: nothing can observe them any more (they no longer count as in
+  // flight for ldmatrix's check either).
+  for (const PendingCopy& c : f.copies) --rt.in_flight[c.smem_offset / 16];
+  f.copies.clear();
 }
 
 [[noreturn]] void fiber_main() {
@@ -303,6 +310,7 @@ bool run_block(Runtime& rt, uint3 block_idx) {
   const dim3 bd = rt.spec.block;
   std::memset(rt.smem_storage.data(), kRedZoneByte, rt.smem_storage.size());
   std::memset(rt.smem, kPoison, rt.smem_bytes);
+  std::fill(rt.in_flight.begin(), rt.in_flight.end(), 0);
   for (auto& w : rt.warps) {
     uint32_t exists = w.exists;
     w = Warp();
@@ -541,15 +549,36 @@ bool smem_range_ok(const void* p, size_t bytes, size_t* offset) {
   return true;
 }
 
+bool smem_in_flight(size_t smem_offset) {
+  Runtime& rt = runtime("shared memory");
+  return rt.in_flight[smem_offset / 16] != 0;
+}
+
 void cp_async_issue(size_t smem_offset, const void* src, int src_bytes) {
   Runtime& rt = runtime("cp.async");
   Fiber& f = *rt.current;
+  if (src_bytes > 0 && !tls_global_buffers.empty()) {
+    const char* p = static_cast<const char*>(src);
+    bool inside = false;
+    for (const auto& b : tls_global_buffers) {
+      const char* lo = static_cast<const char*>(b.first);
+      if (p >= lo && p + src_bytes <= lo + b.second) {
+        inside = true;
+        break;
+      }
+    }
+    if (!inside)
+      fail("cp.async: source " + hex(reinterpret_cast<uintptr_t>(src)) + " (" + std::to_string(src_bytes) +
+           " bytes) is outside every buffer the launch declared (emu::GlobalBufferScope)");
+  }
   PendingCopy c;
   c.smem_offset = smem_offset;
   std::memset(c.bytes, 0, sizeof c.bytes);
   if (src_bytes > 0) std::memcpy(c.bytes, src, static_cast<size_t>(src_bytes));
+  std::memcpy(c.before, rt.smem + smem_offset, 16);
   c.group = f.committed_groups;
   f.copies.push_back(c);
+  ++rt.in_flight[smem_offset / 16];
 }
 
 void cp_async_commit() {
@@ -565,10 +594,17 @@ void cp_async_wait(int n) {
   size_t kept = 0;
   for (size_t i = 0; i < f.copies.size(); ++i) {
     const PendingCopy& c = f.copies[i];
-    if (c.group < limit)
+    if (c.group < limit) {
+      // A write to the destination while the copy was in flight is a race on the GPU (which
+      // of the two lands is unspecified); the emulation reports it instead of picking one.
+      if (std::memcmp(rt.smem + c.smem_offset, c.before, 16) != 0)
+        fail("cp.async.wait_group: the 16 bytes at shared memory offset " + std::to_string(c.smem_offset) +
+             " were written while a cp.async into them (group " + std::to_string(c.group) + ") was in flight");
       std::memcpy(rt.smem + c.smem_offset, c.bytes, 16);
-    else
+      --rt.in_flight[c.smem_offset / 16];
+    } else {
       f.copies[kept++] = c;
+    }
   }
   f.copies.resize(kept);
 }
@@ -613,6 +649,7 @@ Status run_launch(const LaunchSpec& spec, const LaunchOptions& options) {
   base = (base + 127) & ~uintptr_t{127};
   rt.smem = reinterpret_cast<char*>(base);
   rt.smem_bytes = spec.smem_bytes;
+  rt.in_flight.assign(spec.smem_bytes / 16 + 1, 0);
   for (uint64_t i = 0; i < nthreads; ++i) {
     Fiber& f = rt.fibers[i];
     f.index = static_cast<int>(i);
@@ -640,6 +677,12 @@ Status run_launch(const LaunchSpec& spec, const LaunchOptions& options) {
 }
 
 }  // namespace detail
+
+GlobalBufferScope::GlobalBufferScope(std::initializer_list<std::pair<const void*, size_t>> buffers)
+    : saved_(detail::tls_global_buffers) {
+  detail::tls_global_buffers.assign(buffers.begin(), buffers.end());
+}
+GlobalBufferScope::~GlobalBufferScope() { detail::tls_global_buffers = saved_; }
 
 char* dynamic_smem() { return detail::runtime("dynamic shared memory").smem; }
 size_t dynamic_smem_size() { return detail::runtime("dynamic shared memory").smem_bytes; }

@@ -11,8 +11,10 @@
 //     exited, or waits at another collective or at __syncthreads, is an error.
 //   - A __syncthreads that not every thread of the block reaches (some exited) is an error.
 //   - cp.async lands only when a wait_group covering its group runs in the issuing thread
-//     (see ptx_emu.h); shared-memory accesses of ldmatrix/cp.async outside the dynamic
-//     allocation are errors.
+//     (see ptx_emu.h); ldmatrix reading bytes with a copy still in flight, and a store to a
+//     copy's destination while it is in flight, are errors; shared-memory accesses of
+//     ldmatrix/cp.async outside the dynamic allocation are errors; cp.async sources can be
+//     confined to declared buffers (GlobalBufferScope).
 // Errors never abort the process: the first one (with block, thread and what) stops the
 // launch and is returned by emu::launch.
 //
@@ -26,10 +28,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "emu/fp16.h"
 
@@ -82,6 +86,21 @@ struct LaunchOptions {
   size_t max_dynamic_smem = 227 * 1024;            // the largest opt-in of any supported arch
   // Read JAX_FLASH_EMU_SCHEDULE / JAX_FLASH_EMU_STACK_KB from the environment.
   static LaunchOptions FromEnvironment();
+};
+
+// While alive, cp.async copies launched from this host thread must read inside one of these
+// global-memory buffers (pointer, bytes); a read outside them (a ragged tail not masked with
+// src-size 0) is an error instead of a silent read of neighbouring host memory. Scopes nest.
+//   emu::GlobalBufferScope scope({{q, q_bytes}, {k, k_bytes}, {v, v_bytes}});
+class GlobalBufferScope {
+ public:
+  GlobalBufferScope(std::initializer_list<std::pair<const void*, size_t>> buffers);
+  ~GlobalBufferScope();
+  GlobalBufferScope(const GlobalBufferScope&) = delete;
+  GlobalBufferScope& operator=(const GlobalBufferScope&) = delete;
+
+ private:
+  std::vector<std::pair<const void*, size_t>> saved_;
 };
 
 // The block's dynamic shared memory (what JAX_FLASH_DYNAMIC_SMEM gives the kernel).

@@ -700,12 +700,43 @@ __global__ void strict_kernel(StrictParams p) {
       emu::mma_m16n8k16_f16(d, a, b, c);
       break;
     }
+    case 13:  // a store to a cp.async destination while the copy is in flight
+      if (threadIdx.x < 16) {
+        emu::cp_async_16(smem + threadIdx.x * 16, p.out, 16);
+        emu::cp_async_commit_group();
+        if (threadIdx.x == 3) smem[3 * 16 + 1] = 7;
+        emu::cp_async_wait_group<0>();
+      }
+      break;
+    case 14:  // ldmatrix of rows whose cp.async has not been waited for
+      if (threadIdx.x < 32) {
+        if (lane < 16) emu::cp_async_16(smem + lane * 16, p.out, 16);
+        emu::cp_async_commit_group();
+        uint32_t r[4];
+        emu::ldmatrix_x4(r, smem + (lane % 16) * 16);
+      }
+      break;
+    case 15:  // cp.async reading outside the declared global buffers
+      emu::cp_async_16(smem + threadIdx.x % 16 * 16, p.out + (threadIdx.x == 9 ? 64 : 0), 16);
+      break;
+    case 16:  // the same, inside the declared buffers, waited for and read after a barrier
+      if (threadIdx.x < 16) emu::cp_async_16(smem + threadIdx.x * 16, p.out + 4 * threadIdx.x, 16);
+      emu::cp_async_commit_group();
+      emu::cp_async_wait_group<0>();
+      __syncthreads();
+      if (threadIdx.x < 32) {
+        uint32_t r[4];
+        emu::ldmatrix_x4(r, smem + (lane % 16) * 16);
+        v = static_cast<float>(r[0] & 0xffff);
+      }
+      break;
   }
   p.out[threadIdx.x] = v;
 }
 
 void expect_error(int mode, const std::vector<std::string>& needles) {
   std::vector<float> out(64, 0);
+  emu::GlobalBufferScope scope({{out.data(), out.size() * sizeof(float)}});
   auto st = emu::launch(dim3(2), dim3(64), 256, strict_kernel, StrictParams{mode, out.data()});
   CHECK(!st.ok(), "mode " + std::to_string(mode) + ": no error reported");
   for (const auto& n : needles)
@@ -727,6 +758,16 @@ void test_strict() {
   expect_error(10, {"thread (33,0,0)", "__trap"});
   expect_error(11, {"thread (0,0,0)", "exited", "__syncthreads"});
   expect_error(12, {"mma.sync", "exited"});
+  expect_error(13, {"thread (3,0,0)", "written while a cp.async"});
+  expect_error(14, {"ldmatrix", "has not been waited for"});
+  expect_error(15, {"thread (9,0,0)", "outside every buffer"});
+  {
+    std::vector<float> buf(64);
+    for (int i = 0; i < 64; ++i) buf[i] = static_cast<float>(i);
+    emu::GlobalBufferScope scope({{buf.data(), buf.size() * sizeof(float)}});
+    auto st = emu::launch(dim3(2), dim3(64), 256, strict_kernel, StrictParams{16, buf.data()});
+    CHECK(st.ok(), "cp.async inside the declared buffers: " + st.error);
+  }
   // After all these errors, the emulator still works.
   std::vector<float> out(64, 0);
   auto st = emu::launch(dim3(1), dim3(64), 256, strict_kernel, StrictParams{-1, out.data()});
