@@ -56,3 +56,36 @@ def test_emulator_unit_tests(emu_test_exe):
 def test_emulator_unit_tests_other_schedules(emu_test_exe, schedule):
     # The tests that pass an explicit schedule keep it; the rest run under this one.
     _run(emu_test_exe, {"JAX_FLASH_EMU_SCHEDULE": schedule})
+
+
+SELFTEST = ROOT / "build" / "ptx_selftest.cu"
+
+
+def test_ptx_selftest_builds(tmp_path):
+    """build/ptx_selftest.cu: its emulated side always compiles; with nvcc the whole program
+    builds, and on a machine with an sm_80+ GPU it runs every wrapper on the hardware and
+    compares with the emulation lane by lane."""
+    if shutil.which(CXX) is None:
+        pytest.skip(f"no C++ compiler ({CXX}) on PATH")
+    objs = []
+    for name, src, flags in [("emu_side", SELFTEST, ["-DJAX_FLASH_EMULATE", "-x", "c++"]),
+                             ("simt", CUDA_DIR / "emu" / "simt.cc", []),
+                             ("ptx_emu", CUDA_DIR / "emu" / "ptx_emu.cc", [])]:
+        obj = tmp_path / f"{name}.o"
+        cmd = [CXX, "-std=c++17", "-O1", "-Wall", "-Wextra", f"-I{CUDA_DIR}", *flags, "-c", str(src), "-o", str(obj)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"compile failed: {' '.join(cmd)}\n{proc.stderr}"
+        objs.append(str(obj))
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("emulated side compiles; no nvcc for the GPU side")
+    exe = tmp_path / "ptx_selftest"
+    # sm_80 SASS plus compute_80 PTX: runs on every supported GPU (JIT-compiled on newer ones).
+    arch = os.environ.get("JAX_FLASH_SELFTEST_ARCH", "sm_80")
+    cmd = [nvcc, "-std=c++17", "-O2", f"-arch={arch}", f"-I{CUDA_DIR}", str(SELFTEST), *objs, "-o", str(exe)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"nvcc failed: {' '.join(cmd)}\n{proc.stderr}"
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    if run.returncode == 2 and "NO DEVICE" in run.stdout:
+        pytest.skip(f"built with nvcc; not run: {run.stdout.strip()}")
+    assert run.returncode == 0, f"GPU and emulation differ:\n{run.stdout}{run.stderr}"
