@@ -439,7 +439,7 @@ void test_shfl() {
 // =================================================================================================
 // cvt.rn.{bf16x2,f16x2}.f32 — PTX ISA 9.7.9.21 "cvt": d = {cvt(a) in the upper half, cvt(b) in
 // the lower half} for `cvt d, a, b`; the wrappers take (lo, hi). Round to nearest, ties to even.
-// ex2.approx.ftz.f32 — PTX ISA 9.7.3.22 "ex2": subnormal inputs and results flush to +-0.
+// ex2.approx.ftz.f32 — PTX ISA 9.7.3.21 "Floating Point Instructions: ex2": subnormal inputs and results flush to +-0.
 // Expected bit patterns are literal constants.
 // =================================================================================================
 void test_cvt_bf16() {
