@@ -1,5 +1,40 @@
-// Placeholder until the emulated kernels land: registers nothing.
+// Platform "cpu" targets jax_flash_emu_fwd / jax_flash_emu_bwd: the CUDA kernels of
+// cuda/kernels/, this very source, compiled for the host with JAX_FLASH_EMULATE (set for this
+// file only, in CMakeLists.txt) and run on the emulation of the SIMT model and of each PTX
+// instruction (emu/simt.h, emu/ptx_emu.h). Slow, strict, and GPU-free: it is how the kernels
+// are tested on machines without one.
+#ifndef JAX_FLASH_EMULATE
+#error "emu/targets.cc must be compiled with -DJAX_FLASH_EMULATE"
+#endif
+
+#include <nanobind/nanobind.h>
+
 #include "ffi/targets.h"
+#include "kernels/ffi_attention.h"  // first: it includes the XLA headers before emu/simt.h
+#include "kernels/bwd.h"
+#include "kernels/fwd.h"
+
 namespace jax_flash {
-void AddEmulatedTargets(nanobind::dict&) {}
+namespace kernels {
+namespace {
+
+constexpr auto kForward = [](auto... args) { return Forward("jax_flash_emu_fwd", nullptr, args...); };
+constexpr auto kBackward = [](auto... args) { return Backward("jax_flash_emu_bwd", nullptr, args...); };
+
+}  // namespace
+}  // namespace kernels
+}  // namespace jax_flash
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashForwardEmulated, jax_flash::kernels::kForward,
+                              jax_flash::kernels::ForwardSignature(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBackwardEmulated, jax_flash::kernels::kBackward,
+                              jax_flash::kernels::BackwardSignature(xla::ffi::Ffi::Bind()));
+
+namespace jax_flash {
+
+void AddEmulatedTargets(nanobind::dict& targets) {
+  targets["jax_flash_emu_fwd"] = nanobind::capsule(reinterpret_cast<void*>(&JaxFlashForwardEmulated));
+  targets["jax_flash_emu_bwd"] = nanobind::capsule(reinterpret_cast<void*>(&JaxFlashBackwardEmulated));
+}
+
 }  // namespace jax_flash

@@ -1,0 +1,352 @@
+// FlashAttention-2 backward (Dao, 2023, Alg. 2), three kernels on one stream:
+//   1. delta:  D = rowsum(dO ∘ O) − dlse per query row (the `delta` workspace result);
+//   2. main:   one CTA per (key block, kv head, batch), each warp owns 16 keys; it loops over
+//              the query heads of its GQA group and the query blocks that see its keys,
+//              recomputes P from lse, keeps dK and dV in registers for the whole loop, and
+//              adds dQ = dS·K into the f32 `dq_accum` workspace with atomics;
+//   3. convert: dq = scale · dq_accum in the input dtype.
+// The main kernel computes the transposed tiles Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (rows = keys), so
+// Pᵀ and dSᵀ are already the A operands of dV += Pᵀ·dO and dK += dSᵀ·Q, straight from
+// registers; dSᵀ goes through shared memory once, for dQ.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/mask.h"
+#include "kernels/params.h"
+#include "kernels/platform.h"
+#include "kernels/ptx.h"
+#include "kernels/softmax.h"
+#include "kernels/tile.h"
+
+namespace jax_flash {
+namespace kernels {
+
+template <class Elem, int HEAD_DIM>
+struct BackwardKernel {
+  static constexpr TileShape kShape = TileShapeFor(Pass::kBackward, HEAD_DIM);
+  static constexpr int BLOCK_Q = kShape.block_q;
+  static constexpr int BLOCK_KV = kShape.block_kv;
+  static constexpr int WARPS = kShape.warps;
+  static constexpr int STAGES = kShape.stages;
+  static constexpr int THREADS = WARPS * WARP_SIZE;
+  static constexpr int WARP_KV = MMA_M;  // keys per warp
+
+  using KVTile = SmemTile<BLOCK_KV, HEAD_DIM>;
+  using QTile = SmemTile<BLOCK_Q, HEAD_DIM>;
+  using DsTile = SmemTile<BLOCK_KV, BLOCK_Q>;  // dSᵀ, rows = keys
+  // Shared memory: [K][V][dSᵀ] then a ring of STAGES x [Q][dO][lse2][delta].
+  static constexpr int kStatBytes = BLOCK_Q * 4;
+  static constexpr int kStageBytes = 2 * QTile::kBytes + 2 * kStatBytes;
+  static constexpr int kRingOffset = 2 * KVTile::kBytes + DsTile::kBytes;
+  static constexpr int kSmemBytes = kRingOffset + STAGES * kStageBytes;
+
+  // dQ = dS·K of a query block is split over the warps: 16-row groups x DQ_COLS columns.
+  static constexpr int DQ_ROW_GROUPS = BLOCK_Q / MMA_M;
+  static constexpr int DQ_WARPS_PER_GROUP = WARPS / DQ_ROW_GROUPS;
+  static constexpr int DQ_COLS = HEAD_DIM / DQ_WARPS_PER_GROUP;
+
+  static_assert(BLOCK_KV == WARPS * WARP_KV, "each warp owns 16 keys");
+  static_assert(WARPS % DQ_ROW_GROUPS == 0 && DQ_COLS % 16 == 0, "dQ work splits evenly over the warps");
+  static_assert(STAGES >= 2, "the ring overlaps the next query block's copy with this one's math");
+  static_assert(kSmemBytes <= kMaxSmemBytes, "backward tile does not fit 99 KB of shared memory");
+};
+
+// ---- 1. delta ---------------------------------------------------------------------------------
+
+template <int HEAD_DIM>
+struct DeltaKernel {
+  static constexpr int THREADS = 128;
+  static constexpr int LANES_PER_ROW = HEAD_DIM / 8;  // one 16-byte chunk per lane
+  static constexpr int ROWS_PER_BLOCK = THREADS / LANES_PER_ROW;
+  static_assert(LANES_PER_ROW <= WARP_SIZE && WARP_SIZE % LANES_PER_ROW == 0, "a row stays inside a warp");
+};
+
+struct alignas(16) Chunk16 {
+  uint32_t w[4];  // eight 16-bit elements, or four floats
+};
+
+template <class Elem, int HEAD_DIM>
+__global__ void __launch_bounds__(DeltaKernel<HEAD_DIM>::THREADS) attention_backward_delta_kernel(const AttentionParams p) {
+  using K = DeltaKernel<HEAD_DIM>;
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.q_len * p.q_heads;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * K::ROWS_PER_BLOCK + threadIdx.x / K::LANES_PER_ROW;
+  const int sub = static_cast<int>(threadIdx.x) % K::LANES_PER_ROW;
+  float dot = 0.0f;
+  if (row < rows) {
+    const int64_t offset = row * HEAD_DIM + sub * 8;
+    const Chunk16 o = *reinterpret_cast<const Chunk16*>(p.out + offset);
+    const Chunk16 d = *reinterpret_cast<const Chunk16*>(p.dout + offset);
+    JAX_FLASH_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      dot += Elem::to_float(static_cast<uint16_t>(o.w[i])) * Elem::to_float(static_cast<uint16_t>(d.w[i]));
+      dot += Elem::to_float(static_cast<uint16_t>(o.w[i] >> 16)) * Elem::to_float(static_cast<uint16_t>(d.w[i] >> 16));
+    }
+  }
+  // Every lane takes part in the shuffles (rows past the end contribute nothing).
+  JAX_FLASH_UNROLL
+  for (int width = K::LANES_PER_ROW / 2; width > 0; width /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, width);
+  if (row < rows && sub == 0) {
+    const int n = static_cast<int>(row % p.q_heads);
+    const int t = static_cast<int>((row / p.q_heads) % p.q_len);
+    const int b = static_cast<int>(row / (static_cast<int64_t>(p.q_heads) * p.q_len));
+    const int64_t stat = p.stat_offset(b, n, t);
+    p.delta[stat] = dot - p.dlse[stat];
+  }
+}
+
+// ---- 2. main ----------------------------------------------------------------------------------
+
+// Statistics of the query block [t0, t0 + BLOCK_Q) of head n into the ring slot, with plain
+// loads: a 16-byte copy of 4-byte rows could run past the end of [B, N, T].
+template <class K>
+__device__ __forceinline__ void load_statistics(float* lse2, float* delta, const AttentionParams& p, int b, int n,
+                                                int t0) {
+  for (int i = static_cast<int>(threadIdx.x); i < K::BLOCK_Q; i += K::THREADS) {
+    const int t = t0 + i;
+    const bool inside = t < p.q_len;
+    lse2[i] = inside ? lse_to_log2(p.lse_in[p.stat_offset(b, n, t)]) : INFINITY;
+    delta[i] = inside ? p.delta[p.stat_offset(b, n, t)] : 0.0f;
+  }
+}
+
+// P = exp2(x·exp_scale − lse2) and dS = P ∘ (dP − D) ∘ cap′(x), in place (s becomes P, dp
+// becomes dS). Columns are query rows of the block.
+template <int N_BLOCKS>
+__device__ __forceinline__ void probabilities_and_ds(float (&s)[N_BLOCKS][4], float (&dp)[N_BLOCKS][4],
+                                                     const float* lse2, const float* delta,
+                                                     const LogitScaling& scaling, int lane) {
+  JAX_FLASH_UNROLL
+  for (int j = 0; j < N_BLOCKS; ++j) {
+    JAX_FLASH_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const int col = 8 * j + 2 * (lane & 3) + (i & 1);
+      const float x = s[j][i];
+      const float prob = ptx::ex2_approx(fmaf(x, scaling.exp_scale, -lse2[col]));
+      dp[j][i] = prob * (dp[j][i] - delta[col]) * scaling.cap_derivative(x);
+      s[j][i] = prob;
+    }
+  }
+}
+
+// dSᵀ (16-bit) of the warp's 16 keys into the shared dSᵀ tile.
+template <class Elem, class K>
+__device__ __forceinline__ void store_ds(char* ds_tile, const float (&ds)[K::BLOCK_Q / MMA_N][4], int warp,
+                                         int lane) {
+  JAX_FLASH_UNROLL
+  for (int j = 0; j < K::BLOCK_Q / MMA_N; ++j) {
+    JAX_FLASH_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const int row = warp * K::WARP_KV + (lane >> 2) + 8 * r;
+      const int col = 8 * j + 2 * (lane & 3);
+      *reinterpret_cast<uint32_t*>(ds_tile + K::DsTile::element_offset(row, col)) =
+          Elem::pack(ds[j][2 * r], ds[j][2 * r + 1]);
+    }
+  }
+}
+
+// dQ[block rows] += dS·K for this warp's share, added into dq_accum with atomics (the only
+// result several CTAs write).
+template <class Elem, int HEAD_DIM, class K>
+__device__ __forceinline__ void accumulate_dq(const AttentionParams& p, const char* ds_tile, const char* k_tile,
+                                              int b, int n, int t0, int warp, int lane) {
+  const int row_group = warp / K::DQ_WARPS_PER_GROUP;
+  const int col0 = (warp % K::DQ_WARPS_PER_GROUP) * K::DQ_COLS;
+  float dq[K::DQ_COLS / MMA_N][4];  // (MMA_M rows, MMA_N cols, 4 regs): 16 query rows x DQ_COLS
+  clear(dq);
+  JAX_FLASH_UNROLL
+  for (int kk = 0; kk < K::BLOCK_KV / MMA_K; ++kk) {
+    uint32_t a[4];
+    ptx::ldmatrix_x4_trans(a, at_fragment_row<typename K::DsTile>(ds_tile, kk * MMA_K, row_group * 2, lane));
+    mma_a_regs_b_trans<Elem, typename K::KVTile>(dq, a, k_tile, kk * MMA_K, col0 / 8, lane);
+  }
+  JAX_FLASH_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const int t = t0 + row_group * MMA_M + (lane >> 2) + 8 * r;
+    if (t >= p.q_len) continue;
+    float* row = p.dq_accum + p.q_offset(b, t, n) + col0;
+    JAX_FLASH_UNROLL
+    for (int j = 0; j < K::DQ_COLS / MMA_N; ++j) {
+      const int col = 8 * j + 2 * (lane & 3);
+      atomicAdd(row + col, dq[j][2 * r]);
+      atomicAdd(row + col + 1, dq[j][2 * r + 1]);
+    }
+  }
+}
+
+// dK (times scale) and dV of the warp's 16 keys, written once.
+template <class Elem, int HEAD_DIM>
+__device__ __forceinline__ void store_dk_dv(const AttentionParams& p, const float (&dk)[HEAD_DIM / MMA_N][4],
+                                            const float (&dv)[HEAD_DIM / MMA_N][4], int b, int g, int row0,
+                                            int lane) {
+  JAX_FLASH_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const int s = row0 + (lane >> 2) + 8 * r;
+    if (s >= p.kv_len) continue;
+    const int64_t offset = p.kv_offset(b, s, g);
+    JAX_FLASH_UNROLL
+    for (int j = 0; j < HEAD_DIM / MMA_N; ++j) {
+      const int col = 8 * j + 2 * (lane & 3);
+      *reinterpret_cast<uint32_t*>(p.dk + offset + col) = Elem::pack(p.scale * dk[j][2 * r], p.scale * dk[j][2 * r + 1]);
+      *reinterpret_cast<uint32_t*>(p.dv + offset + col) = Elem::pack(dv[j][2 * r], dv[j][2 * r + 1]);
+    }
+  }
+}
+
+template <class Elem, int HEAD_DIM>
+__global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM>::THREADS)
+    attention_backward_kernel(const AttentionParams p) {
+  using K = BackwardKernel<Elem, HEAD_DIM>;
+  JAX_FLASH_DYNAMIC_SMEM(smem);
+  const int kv_block = p.kv_block_offset + static_cast<int>(blockIdx.x);
+  const int kv_head = blockIdx.y, batch = blockIdx.z;
+  const int warp = static_cast<int>(threadIdx.x) / WARP_SIZE, lane = static_cast<int>(threadIdx.x) % WARP_SIZE;
+  const int s0 = kv_block * K::BLOCK_KV;
+  const int warp_s0 = s0 + warp * K::WARP_KV;
+  const int group = p.q_heads / p.kv_heads;
+
+  const Mask mask = Mask::of(p, batch);
+  const LogitScaling scaling = LogitScaling::of(p);
+  // Work items: (query head of the group, query block that sees this key block).
+  const Range rows = mask.rows_of_keys(s0, s0 + K::BLOCK_KV);
+  const int q_block_begin = rows.lo / K::BLOCK_Q;
+  const int q_blocks = rows.empty() ? 0 : CeilDiv(rows.hi, K::BLOCK_Q) - q_block_begin;
+  const int items = group * q_blocks;
+
+  float dk[HEAD_DIM / MMA_N][4];  // (MMA_M rows, MMA_N cols, 4 regs): the warp's 16 keys x HEAD_DIM
+  float dv[HEAD_DIM / MMA_N][4];
+  clear(dk);
+  clear(dv);
+
+  if (items > 0) {
+    char* const k_tile = smem;
+    char* const v_tile = smem + K::KVTile::kBytes;
+    char* const ds_tile = smem + 2 * K::KVTile::kBytes;
+    char* const ring = smem + K::kRingOffset;
+    const int64_t kv_stride = p.kv_row_stride();
+    const int64_t q_stride = p.q_row_stride();
+    auto item_head = [&](int item) { return kv_head * group + item / q_blocks; };
+    auto item_t0 = [&](int item) { return (q_block_begin + item % q_blocks) * K::BLOCK_Q; };
+    auto load_item = [&](int item, int slot) {
+      const int n = item_head(item), t0 = item_t0(item);
+      char* stage = ring + slot * K::kStageBytes;
+      load_tile_async<typename K::QTile, K::THREADS>(stage, p.q + p.q_offset(batch, t0, n), q_stride, p.q_len - t0);
+      load_tile_async<typename K::QTile, K::THREADS>(stage + K::QTile::kBytes, p.dout + p.q_offset(batch, t0, n),
+                                                     q_stride, p.q_len - t0);
+      float* lse2 = reinterpret_cast<float*>(stage + 2 * K::QTile::kBytes);
+      load_statistics<K>(lse2, lse2 + K::BLOCK_Q, p, batch, n, t0);
+    };
+
+    // Prologue: K and V with the first query block, then the rest of the ring.
+    load_tile_async<typename K::KVTile, K::THREADS>(k_tile, p.k + p.kv_offset(batch, s0, kv_head), kv_stride,
+                                                    p.kv_len - s0);
+    load_tile_async<typename K::KVTile, K::THREADS>(v_tile, p.v + p.kv_offset(batch, s0, kv_head), kv_stride,
+                                                    p.kv_len - s0);
+    JAX_FLASH_UNROLL
+    for (int stage = 0; stage < K::STAGES - 1; ++stage) {
+      if (stage < items) load_item(stage, stage);
+      ptx::cp_async_commit_group();
+    }
+
+    for (int item = 0; item < items; ++item) {
+      const int slot = item % K::STAGES;
+      ptx::cp_async_wait_group<K::STAGES - 2>();
+      __syncthreads();  // this block's tiles landed; the slot and dSᵀ tile reused next are free
+      const int next = item + K::STAGES - 1;
+      if (next < items) load_item(next, next % K::STAGES);
+      ptx::cp_async_commit_group();
+
+      const int n = item_head(item), t0 = item_t0(item);
+      const char* q_tile = ring + slot * K::kStageBytes;
+      const char* do_tile = q_tile + K::QTile::kBytes;
+      const float* lse2 = reinterpret_cast<const float*>(do_tile + K::QTile::kBytes);
+      const float* delta = lse2 + K::BLOCK_Q;
+
+      float s[K::BLOCK_Q / MMA_N][4];   // (MMA_M rows = keys, MMA_N cols = queries, 4 regs): Sᵀ, then Pᵀ
+      float dp[K::BLOCK_Q / MMA_N][4];  // dPᵀ, then dSᵀ
+      clear(s);
+      clear(dp);
+      mma_a_smem_b_rows<Elem, typename K::KVTile, typename K::QTile, HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N>(
+          s, k_tile, warp * K::WARP_KV, q_tile, 0, lane);
+      mma_a_smem_b_rows<Elem, typename K::KVTile, typename K::QTile, HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N>(
+          dp, v_tile, warp * K::WARP_KV, do_tile, 0, lane);
+      const bool interior = mask.is_interior(t0, K::BLOCK_Q, warp_s0, K::WARP_KV);
+      scaling.prepare<true>(s, mask, interior, warp_s0, t0, lane);
+      probabilities_and_ds(s, dp, lse2, delta, scaling, lane);
+
+      // dV += Pᵀ·dO and dK += dSᵀ·Q, A operands straight from the accumulators.
+      JAX_FLASH_UNROLL
+      for (int kk = 0; kk < K::BLOCK_Q / MMA_K; ++kk) {
+        uint32_t a[4];
+        accumulator_as_a<Elem>(a, s, kk);
+        mma_a_regs_b_trans<Elem, typename K::QTile>(dv, a, do_tile, kk * MMA_K, 0, lane);
+        accumulator_as_a<Elem>(a, dp, kk);
+        mma_a_regs_b_trans<Elem, typename K::QTile>(dk, a, q_tile, kk * MMA_K, 0, lane);
+      }
+
+      store_ds<Elem, K>(ds_tile, dp, warp, lane);
+      __syncthreads();  // dSᵀ of every warp is in shared memory
+      accumulate_dq<Elem, HEAD_DIM, K>(p, ds_tile, k_tile, batch, n, t0, warp, lane);
+    }
+    ptx::cp_async_wait_group<0>();
+  }
+
+  store_dk_dv<Elem, HEAD_DIM>(p, dk, dv, batch, kv_head, warp_s0, lane);
+}
+
+// ---- 3. convert -------------------------------------------------------------------------------
+
+constexpr int kConvertThreads = 256;
+
+template <class Elem>
+__global__ void __launch_bounds__(kConvertThreads) attention_backward_convert_dq_kernel(const AttentionParams p,
+                                                                                        int64_t chunks) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kConvertThreads + threadIdx.x;
+  if (i >= chunks) return;
+  const Chunk16 lo = reinterpret_cast<const Chunk16*>(p.dq_accum)[2 * i];
+  const Chunk16 hi = reinterpret_cast<const Chunk16*>(p.dq_accum)[2 * i + 1];
+  Chunk16 out;
+  JAX_FLASH_UNROLL
+  for (int j = 0; j < 2; ++j) {
+    out.w[j] = Elem::pack(p.scale * __uint_as_float(lo.w[2 * j]), p.scale * __uint_as_float(lo.w[2 * j + 1]));
+    out.w[2 + j] = Elem::pack(p.scale * __uint_as_float(hi.w[2 * j]), p.scale * __uint_as_float(hi.w[2 * j + 1]));
+  }
+  reinterpret_cast<Chunk16*>(p.dq)[i] = out;
+}
+
+// Host side: zero dq_accum, then the three kernels, in order on one stream. Deterministic mode
+// runs the main kernel once per key block: within a launch every dq_accum element has one
+// writer, so the additions happen in a fixed order.
+template <class Elem, int HEAD_DIM>
+LaunchError LaunchBackward(const AttentionParams& p, bool deterministic, Stream stream) {
+  using K = BackwardKernel<Elem, HEAD_DIM>;
+  using D = DeltaKernel<HEAD_DIM>;
+  const int64_t q_elements = static_cast<int64_t>(p.batch) * p.q_len * p.q_heads * HEAD_DIM;
+  LaunchError err = FillAsync(p.dq_accum, 0, q_elements * sizeof(float), stream);
+  if (!err.empty()) return err;
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.q_len * p.q_heads;
+  err = Launch(attention_backward_delta_kernel<Elem, HEAD_DIM>,
+               dim3(static_cast<unsigned>((rows + D::ROWS_PER_BLOCK - 1) / D::ROWS_PER_BLOCK)), dim3(D::THREADS), 0,
+               stream, p);
+  if (!err.empty()) return err;
+  const int kv_blocks = CeilDiv(p.kv_len, K::BLOCK_KV);
+  if (deterministic) {
+    for (int block = 0; block < kv_blocks && err.empty(); ++block) {
+      AttentionParams one = p;
+      one.kv_block_offset = block;
+      err = Launch(attention_backward_kernel<Elem, HEAD_DIM>, dim3(1, p.kv_heads, p.batch), dim3(K::THREADS),
+                   K::kSmemBytes, stream, one);
+    }
+  } else {
+    err = Launch(attention_backward_kernel<Elem, HEAD_DIM>, dim3(kv_blocks, p.kv_heads, p.batch), dim3(K::THREADS),
+                 K::kSmemBytes, stream, p);
+  }
+  if (!err.empty()) return err;
+  const int64_t chunks = q_elements / 8;
+  return Launch(attention_backward_convert_dq_kernel<Elem>,
+                dim3(static_cast<unsigned>((chunks + kConvertThreads - 1) / kConvertThreads)), dim3(kConvertThreads), 0,
+                stream, p, chunks);
+}
+
+}  // namespace kernels
+}  // namespace jax_flash

@@ -1,0 +1,242 @@
+// The FFI boundary of the CUDA kernels, shared by the platform "CUDA" handlers
+// (kernels/handlers.cu) and the emulated platform "cpu" handlers (emu/targets.cc): the
+// signature of each target (cuda/README.md, exactly), the one validation of operands against
+// each other, and the handler bodies. Only how the stream is obtained differs.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <utility>
+
+// The XLA headers come first: the emulation's simt.h redefines CUDA keywords as macros.
+#include "xla/ffi/api/ffi.h"
+
+#include "kernels/dispatch.h"
+#include "kernels/params.h"
+#include "kernels/platform.h"
+
+namespace jax_flash {
+namespace kernels {
+
+namespace ffi = xla::ffi;
+
+// ---- signatures -----------------------------------------------------------------------------
+
+template <class Binding>
+auto WithMaskOperandsAndAttributes(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // q_lengths [B] s32
+      .template Arg<ffi::AnyBuffer>()  // kv_lengths [B] s32
+      .template Arg<ffi::AnyBuffer>()  // q_segment_ids [B, T] s32
+      .template Arg<ffi::AnyBuffer>()  // kv_segment_ids [B, S] s32
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("window_left")
+      .template Attr<int64_t>("window_right")
+      .template Attr<float>("softcap")
+      .template Attr<bool>("use_segment_ids");
+}
+
+// jax_flash_fwd / jax_flash_emu_fwd.
+template <class Binding>
+auto ForwardSignature(Binding binding) {
+  return WithMaskOperandsAndAttributes(std::move(binding)
+                                           .template Arg<ffi::AnyBuffer>()   // q [B, T, N, H]
+                                           .template Arg<ffi::AnyBuffer>()   // k [B, S, K, H]
+                                           .template Arg<ffi::AnyBuffer>())  // v [B, S, K, H]
+      .template Ret<ffi::AnyBuffer>()                                        // out [B, T, N, H]
+      .template Ret<ffi::AnyBuffer>();                                       // lse [B, N, T] f32
+}
+
+// jax_flash_bwd / jax_flash_emu_bwd.
+template <class Binding>
+auto BackwardSignature(Binding binding) {
+  return WithMaskOperandsAndAttributes(std::move(binding)
+                                           .template Arg<ffi::AnyBuffer>()   // q
+                                           .template Arg<ffi::AnyBuffer>()   // k
+                                           .template Arg<ffi::AnyBuffer>()   // v
+                                           .template Arg<ffi::AnyBuffer>()   // out [B, T, N, H]
+                                           .template Arg<ffi::AnyBuffer>()   // dout [B, T, N, H]
+                                           .template Arg<ffi::AnyBuffer>()   // lse [B, N, T] f32
+                                           .template Arg<ffi::AnyBuffer>())  // dlse [B, N, T] f32
+      .template Attr<bool>("deterministic")
+      .template Ret<ffi::AnyBuffer>()   // dq [B, T, N, H]
+      .template Ret<ffi::AnyBuffer>()   // dk [B, S, K, H]
+      .template Ret<ffi::AnyBuffer>()   // dv [B, S, K, H]
+      .template Ret<ffi::AnyBuffer>()   // dq_accum [B, T, N, H] f32 workspace
+      .template Ret<ffi::AnyBuffer>();  // delta [B, N, T] f32 workspace
+}
+
+// ---- validation -----------------------------------------------------------------------------
+
+inline const char* DtypeName(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    default: return "another dtype";
+  }
+}
+
+inline std::string Describe(const ffi::AnyBuffer& buffer) {
+  std::string s = "[";
+  auto dims = buffer.dimensions();
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "] " + DtypeName(buffer.element_type());
+}
+
+// Checks that `buffer` has exactly `shape` and `dtype`.
+inline ffi::Error Expect(const char* target, const char* name, const ffi::AnyBuffer& buffer,
+                         std::initializer_list<int64_t> shape, ffi::DataType dtype) {
+  auto dims = buffer.dimensions();
+  bool ok = buffer.element_type() == dtype && dims.size() == shape.size();
+  size_t i = 0;
+  for (int64_t d : shape) ok = ok && dims[i++] == d;
+  if (ok) return ffi::Error::Success();
+  std::string want = "[";
+  i = 0;
+  for (int64_t d : shape) want += (i++ ? ", " : "") + std::to_string(d);
+  return ffi::Error::InvalidArgument(std::string(target) + ": " + name + " must be " + want + "] " +
+                                     DtypeName(dtype) + ", got " + Describe(buffer));
+}
+
+// The operands every target shares, checked against each other; fills the shapes, masks and
+// attributes of `p` and the element type.
+inline ffi::Error CheckOperands(const char* target, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                                const ffi::AnyBuffer& v, const ffi::AnyBuffer& q_lengths,
+                                const ffi::AnyBuffer& kv_lengths, const ffi::AnyBuffer& q_segment_ids,
+                                const ffi::AnyBuffer& kv_segment_ids, float scale, int64_t window_left,
+                                int64_t window_right, float softcap, bool use_segment_ids, AttentionParams* p,
+                                ElementType* dtype) {
+  const std::string where = target;
+  if (q.dimensions().size() != 4 || k.dimensions().size() != 4)
+    return ffi::Error::InvalidArgument(where + ": q and k must be [B, T, N, H] and [B, S, K, H], got q " +
+                                       Describe(q) + ", k " + Describe(k));
+  const ffi::DataType t = q.element_type();
+  if (t != ffi::DataType::F16 && t != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument(where + ": q must be float16 or bfloat16 (the CUDA kernels), got " +
+                                       Describe(q));
+  auto qd = q.dimensions(), kd = k.dimensions();
+  const int64_t B = qd[0], T = qd[1], N = qd[2], H = qd[3], S = kd[1], K = kd[2];
+  if (auto e = Expect(target, "k", k, {B, S, K, H}, t); e.failure()) return e;
+  if (auto e = Expect(target, "v", v, {B, S, K, H}, t); e.failure()) return e;
+  if (auto e = Expect(target, "q_lengths", q_lengths, {B}, ffi::DataType::S32); e.failure()) return e;
+  if (auto e = Expect(target, "kv_lengths", kv_lengths, {B}, ffi::DataType::S32); e.failure()) return e;
+  if (auto e = Expect(target, "q_segment_ids", q_segment_ids, {B, T}, ffi::DataType::S32); e.failure()) return e;
+  if (auto e = Expect(target, "kv_segment_ids", kv_segment_ids, {B, S}, ffi::DataType::S32); e.failure()) return e;
+  if (!HasHeadDim(static_cast<int>(H)))
+    return ffi::Error::InvalidArgument(where + ": head dim " + std::to_string(H) +
+                                       " has no compiled kernel (64 and 128 do)");
+  if (K <= 0 || N % K != 0)
+    return ffi::Error::InvalidArgument(where + ": query heads N=" + std::to_string(N) +
+                                       " must be a multiple of kv heads K=" + std::to_string(K));
+  if (B > 65535 || N > 65535 || T >= (int64_t{1} << 30) || S >= (int64_t{1} << 30))
+    return ffi::Error::InvalidArgument(where + ": batch and heads must be <= 65535 and T, S < 2^30, got q " +
+                                       Describe(q) + ", k " + Describe(k));
+  // Windows wider than any sequence are unbounded; keeps the kernels' int arithmetic exact.
+  auto window = [](int64_t w) { return w < 0 ? -1 : static_cast<int>(w < (int64_t{1} << 30) ? w : (int64_t{1} << 30)); };
+  p->batch = static_cast<int>(B);
+  p->q_len = static_cast<int>(T);
+  p->kv_len = static_cast<int>(S);
+  p->q_heads = static_cast<int>(N);
+  p->kv_heads = static_cast<int>(K);
+  p->head_dim = static_cast<int>(H);
+  p->scale = scale;
+  p->softcap = softcap > 0.0f ? softcap : 0.0f;
+  p->window_left = window(window_left);
+  p->window_right = window(window_right);
+  p->use_segment_ids = use_segment_ids;
+  p->q_lengths = static_cast<const int32_t*>(q_lengths.untyped_data());
+  p->kv_lengths = static_cast<const int32_t*>(kv_lengths.untyped_data());
+  p->q_segment_ids = static_cast<const int32_t*>(q_segment_ids.untyped_data());
+  p->kv_segment_ids = static_cast<const int32_t*>(kv_segment_ids.untyped_data());
+  p->q = static_cast<const uint16_t*>(q.untyped_data());
+  p->k = static_cast<const uint16_t*>(k.untyped_data());
+  p->v = static_cast<const uint16_t*>(v.untyped_data());
+  *dtype = t == ffi::DataType::F16 ? ElementType::kF16 : ElementType::kBf16;
+  return ffi::Error::Success();
+}
+
+// JAX_FLASH_POISON_OUTPUTS=1: results are filled with NaN bytes before the kernels run, so an
+// element a kernel forgets to write shows up in the tests.
+inline bool PoisonOutputs() {
+  const char* env = std::getenv("JAX_FLASH_POISON_OUTPUTS");
+  return env != nullptr && env[0] == '1';
+}
+
+inline ffi::Error ToError(const char* target, const LaunchError& err) {
+  return err.empty() ? ffi::Error::Success() : ffi::Error::Internal(std::string(target) + ": " + err);
+}
+
+// ---- handler bodies -------------------------------------------------------------------------
+
+inline ffi::Error Forward(const char* target, Stream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                          ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
+                          ffi::AnyBuffer kv_segment_ids, float scale, int64_t window_left, int64_t window_right,
+                          float softcap, bool use_segment_ids, ffi::Result<ffi::AnyBuffer> out,
+                          ffi::Result<ffi::AnyBuffer> lse) {
+  AttentionParams p;
+  ElementType dtype;
+  if (auto e = CheckOperands(target, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, scale,
+                             window_left, window_right, softcap, use_segment_ids, &p, &dtype);
+      e.failure())
+    return e;
+  const int64_t B = p.batch, T = p.q_len, N = p.q_heads, H = p.head_dim;
+  if (auto e = Expect(target, "out", *out, {B, T, N, H}, q.element_type()); e.failure()) return e;
+  if (auto e = Expect(target, "lse", *lse, {B, N, T}, ffi::DataType::F32); e.failure()) return e;
+  p.out = static_cast<uint16_t*>(out->untyped_data());
+  p.lse = static_cast<float*>(lse->untyped_data());
+  if (PoisonOutputs()) {
+    if (auto e = ToError(target, FillAsync(p.out, 0xFF, out->size_bytes(), stream)); e.failure()) return e;
+    if (auto e = ToError(target, FillAsync(p.lse, 0xFF, lse->size_bytes(), stream)); e.failure()) return e;
+  }
+  return ToError(target, DispatchForward(dtype, p, stream));
+}
+
+inline ffi::Error Backward(const char* target, Stream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer dlse,
+                           ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
+                           ffi::AnyBuffer kv_segment_ids, float scale, int64_t window_left, int64_t window_right,
+                           float softcap, bool use_segment_ids, bool deterministic, ffi::Result<ffi::AnyBuffer> dq,
+                           ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                           ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> delta) {
+  AttentionParams p;
+  ElementType dtype;
+  if (auto e = CheckOperands(target, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, scale,
+                             window_left, window_right, softcap, use_segment_ids, &p, &dtype);
+      e.failure())
+    return e;
+  const int64_t B = p.batch, T = p.q_len, S = p.kv_len, N = p.q_heads, K = p.kv_heads, H = p.head_dim;
+  const ffi::DataType t = q.element_type();
+  if (auto e = Expect(target, "out", out, {B, T, N, H}, t); e.failure()) return e;
+  if (auto e = Expect(target, "dout", dout, {B, T, N, H}, t); e.failure()) return e;
+  if (auto e = Expect(target, "lse", lse, {B, N, T}, ffi::DataType::F32); e.failure()) return e;
+  if (auto e = Expect(target, "dlse", dlse, {B, N, T}, ffi::DataType::F32); e.failure()) return e;
+  if (auto e = Expect(target, "dq", *dq, {B, T, N, H}, t); e.failure()) return e;
+  if (auto e = Expect(target, "dk", *dk, {B, S, K, H}, t); e.failure()) return e;
+  if (auto e = Expect(target, "dv", *dv, {B, S, K, H}, t); e.failure()) return e;
+  if (auto e = Expect(target, "dq_accum", *dq_accum, {B, T, N, H}, ffi::DataType::F32); e.failure()) return e;
+  if (auto e = Expect(target, "delta", *delta, {B, N, T}, ffi::DataType::F32); e.failure()) return e;
+  p.out = static_cast<uint16_t*>(out.untyped_data());
+  p.dout = static_cast<const uint16_t*>(dout.untyped_data());
+  p.lse_in = static_cast<const float*>(lse.untyped_data());
+  p.dlse = static_cast<const float*>(dlse.untyped_data());
+  p.dq = static_cast<uint16_t*>(dq->untyped_data());
+  p.dk = static_cast<uint16_t*>(dk->untyped_data());
+  p.dv = static_cast<uint16_t*>(dv->untyped_data());
+  p.dq_accum = static_cast<float*>(dq_accum->untyped_data());
+  p.delta = static_cast<float*>(delta->untyped_data());
+  if (PoisonOutputs()) {
+    for (auto* r : {&dq, &dk, &dv, &delta}) {
+      if (auto e = ToError(target, FillAsync((**r).untyped_data(), 0xFF, (**r).size_bytes(), stream)); e.failure())
+        return e;
+    }
+  }
+  return ToError(target, DispatchBackward(dtype, p, deterministic, stream));
+}
+
+}  // namespace kernels
+}  // namespace jax_flash

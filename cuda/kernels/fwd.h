@@ -1,0 +1,163 @@
+// FlashAttention-2 forward (Dao, 2023, Alg. 1): one CTA per (query block, head, batch), each
+// warp owns 16 query rows. Q is loaded once; K and V tiles stream through a multi-stage
+// cp.async ring; S = Q·Kᵀ, the online softmax and O += P·V all stay in registers.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/mask.h"
+#include "kernels/params.h"
+#include "kernels/platform.h"
+#include "kernels/ptx.h"
+#include "kernels/softmax.h"
+#include "kernels/tile.h"
+
+namespace jax_flash {
+namespace kernels {
+
+template <class Elem, int HEAD_DIM>
+struct ForwardKernel {
+  static constexpr TileShape kShape = TileShapeFor(Pass::kForward, HEAD_DIM);
+  static constexpr int BLOCK_Q = kShape.block_q;
+  static constexpr int BLOCK_KV = kShape.block_kv;
+  static constexpr int WARPS = kShape.warps;
+  static constexpr int STAGES = kShape.stages;
+  static constexpr int THREADS = WARPS * WARP_SIZE;
+  static constexpr int WARP_Q = MMA_M;  // query rows per warp
+
+  using QTile = SmemTile<BLOCK_Q, HEAD_DIM>;
+  using KVTile = SmemTile<BLOCK_KV, HEAD_DIM>;
+  // Shared memory: [Q][K_0][V_0][K_1][V_1]...: one Q tile and a ring of STAGES (K, V) tiles.
+  static constexpr int kStageBytes = 2 * KVTile::kBytes;
+  static constexpr int kSmemBytes = QTile::kBytes + STAGES * kStageBytes;
+
+  static_assert(BLOCK_Q == WARPS * WARP_Q, "each warp owns 16 query rows");
+  static_assert(HEAD_DIM % 32 == 0 && BLOCK_KV % 16 == 0, "fragments come in 16x16 blocks");
+  static_assert(STAGES >= 2, "the ring overlaps the next tile's copy with this tile's math");
+  static_assert(kSmemBytes <= kMaxSmemBytes, "forward tile does not fit 99 KB of shared memory");
+};
+
+// S = Q·Kᵀ for the warp's 16 rows: s[16 x BLOCK_KV] (MMA_M rows, MMA_N cols, 4 regs).
+template <class Elem, int HEAD_DIM, class K>
+__device__ __forceinline__ void compute_qk(float (&s)[K::BLOCK_KV / MMA_N][4], const char* q_tile,
+                                           const char* k_tile, int warp, int lane) {
+  clear(s);
+  mma_a_smem_b_rows<Elem, typename K::QTile, typename K::KVTile, HEAD_DIM / MMA_K, K::BLOCK_KV / MMA_N>(
+      s, q_tile, warp * K::WARP_Q, k_tile, 0, lane);
+}
+
+// O += P·V with P repacked from the S accumulator (no shared-memory round trip) and V read
+// with ldmatrix.trans.
+template <class Elem, int HEAD_DIM, class K>
+__device__ __forceinline__ void accumulate_pv(float (&o)[HEAD_DIM / MMA_N][4],
+                                              const float (&p)[K::BLOCK_KV / MMA_N][4], const char* v_tile,
+                                              int lane) {
+  JAX_FLASH_UNROLL
+  for (int kk = 0; kk < K::BLOCK_KV / MMA_K; ++kk) {
+    uint32_t a[4];
+    accumulator_as_a<Elem>(a, p, kk);
+    mma_a_regs_b_trans<Elem, typename K::KVTile>(o, a, v_tile, kk * MMA_K, 0, lane);
+  }
+}
+
+// out (16-bit) and lse (natural log) of the warp's rows, written once.
+template <class Elem, int HEAD_DIM>
+__device__ __forceinline__ void store_output(const AttentionParams& p, const float (&o)[HEAD_DIM / MMA_N][4],
+                                             const float lse[2], int b, int n, int row0, int lane) {
+  JAX_FLASH_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const int t = row0 + (lane >> 2) + 8 * r;
+    if (t >= p.q_len) continue;
+    uint16_t* out_row = p.out + p.q_offset(b, t, n);
+    JAX_FLASH_UNROLL
+    for (int j = 0; j < HEAD_DIM / MMA_N; ++j) {
+      const int col = 8 * j + 2 * (lane & 3);
+      *reinterpret_cast<uint32_t*>(out_row + col) = Elem::pack(o[j][2 * r], o[j][2 * r + 1]);
+    }
+    if ((lane & 3) == 0) p.lse[p.stat_offset(b, n, t)] = lse[r];
+  }
+}
+
+template <class Elem, int HEAD_DIM>
+__global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM>::THREADS)
+    attention_forward_kernel(const AttentionParams p) {
+  using K = ForwardKernel<Elem, HEAD_DIM>;
+  JAX_FLASH_DYNAMIC_SMEM(smem);
+  const int q_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  const int warp = static_cast<int>(threadIdx.x) / WARP_SIZE, lane = static_cast<int>(threadIdx.x) % WARP_SIZE;
+  const int kv_head = head / (p.q_heads / p.kv_heads);
+  const int t0 = q_block * K::BLOCK_Q;
+  const int warp_t0 = t0 + warp * K::WARP_Q;
+
+  const Mask mask = Mask::of(p, batch);
+  const LogitScaling scaling = LogitScaling::of(p);
+  const Range keys = mask.keys_of_rows(t0, t0 + K::BLOCK_Q);
+
+  float o[HEAD_DIM / MMA_N][4];  // (MMA_M rows, MMA_N cols, 4 regs): the warp's 16 x HEAD_DIM output
+  clear(o);
+  OnlineSoftmax softmax;
+  softmax.init();
+
+  if (!keys.empty()) {
+    const int tile_begin = keys.lo / K::BLOCK_KV;
+    const int tile_end = CeilDiv(keys.hi, K::BLOCK_KV);
+    char* const q_tile = smem;
+    char* const kv_ring = smem + K::QTile::kBytes;
+    const uint16_t* const q_base = p.q + p.q_offset(batch, t0, head);
+    const uint16_t* const k_base = p.k + p.kv_offset(batch, 0, kv_head);
+    const uint16_t* const v_base = p.v + p.kv_offset(batch, 0, kv_head);
+    const int64_t kv_stride = p.kv_row_stride();
+    auto load_kv = [&](int tile, int slot) {
+      const int s0 = tile * K::BLOCK_KV;
+      char* stage = kv_ring + slot * K::kStageBytes;
+      load_tile_async<typename K::KVTile, K::THREADS>(stage, k_base + s0 * kv_stride, kv_stride, p.kv_len - s0);
+      load_tile_async<typename K::KVTile, K::THREADS>(stage + K::KVTile::kBytes, v_base + s0 * kv_stride,
+                                                      kv_stride, p.kv_len - s0);
+    };
+
+    // Prologue: the Q tile, then the first STAGES - 1 key tiles, one commit group each.
+    load_tile_async<typename K::QTile, K::THREADS>(q_tile, q_base, p.q_row_stride(), p.q_len - t0);
+    ptx::cp_async_commit_group();
+    JAX_FLASH_UNROLL
+    for (int stage = 0; stage < K::STAGES - 1; ++stage) {
+      if (tile_begin + stage < tile_end) load_kv(tile_begin + stage, stage);
+      ptx::cp_async_commit_group();  // possibly empty: keeps one group per ring slot
+    }
+
+    for (int tile = tile_begin; tile < tile_end; ++tile) {
+      const int slot = (tile - tile_begin) % K::STAGES;
+      // This tile (and Q) have landed; every warp is done with the slot the next copy reuses.
+      ptx::cp_async_wait_group<K::STAGES - 2>();
+      __syncthreads();
+      const int next = tile + K::STAGES - 1;
+      if (next < tile_end) load_kv(next, (next - tile_begin) % K::STAGES);
+      ptx::cp_async_commit_group();
+
+      const char* k_tile = kv_ring + slot * K::kStageBytes;
+      const char* v_tile = k_tile + K::KVTile::kBytes;
+      const int s0 = tile * K::BLOCK_KV;
+      float s[K::BLOCK_KV / MMA_N][4];  // (MMA_M rows, MMA_N cols, 4 regs): S, then P
+      compute_qk<Elem, HEAD_DIM, K>(s, q_tile, k_tile, warp, lane);
+      const bool interior = mask.is_interior(warp_t0, K::WARP_Q, s0, K::BLOCK_KV);
+      scaling.prepare<false>(s, mask, interior, warp_t0, s0, lane);
+      softmax.update(s, o, scaling.exp_scale);
+      accumulate_pv<Elem, HEAD_DIM, K>(o, s, v_tile, lane);
+    }
+    ptx::cp_async_wait_group<0>();
+  }
+
+  float lse[2];
+  softmax.finish(o, scaling.exp_scale, lse);
+  store_output<Elem, HEAD_DIM>(p, o, lse, batch, head, warp_t0, lane);
+}
+
+// Host side: one launch per call.
+template <class Elem, int HEAD_DIM>
+LaunchError LaunchForward(const AttentionParams& p, Stream stream) {
+  using K = ForwardKernel<Elem, HEAD_DIM>;
+  const dim3 grid(CeilDiv(p.q_len, K::BLOCK_Q), p.q_heads, p.batch);
+  return Launch(attention_forward_kernel<Elem, HEAD_DIM>, grid, dim3(K::THREADS), K::kSmemBytes, stream, p);
+}
+
+}  // namespace kernels
+}  // namespace jax_flash

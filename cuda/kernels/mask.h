@@ -1,0 +1,101 @@
+// The attention mask, one definition for the forward and the backward: sequence lengths, a
+// local window (causal is the window (unbounded, 0)), and segment ids, combined by AND.
+//
+// For a query t the visible keys before segment ids are one interval [key_lo(t), key_hi(t)),
+// and both ends are non-decreasing in t. So the keys seen by a block of queries, and the
+// queries that see a block of keys, are intervals too: whole tiles outside them are skipped,
+// tiles inside every row's interval (interior) need no mask arithmetic, and only the edge
+// tiles mask element by element (FlashAttention-2 §3.1, causal block skipping, for windows).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/params.h"
+#include "kernels/tile.h"
+
+namespace jax_flash {
+namespace kernels {
+
+struct Range {
+  int lo = 0;
+  int hi = 0;
+  __device__ __forceinline__ bool empty() const { return hi <= lo; }
+};
+
+struct Mask {
+  int q_valid;       // rows t >= q_valid see nothing
+  int kv_valid;      // keys s >= kv_valid are invisible
+  int window_left;   // -1: unbounded
+  int window_right;  // -1: unbounded
+  const int32_t* q_segments;   // [T] of this batch element, or null when segment ids are off
+  const int32_t* kv_segments;  // [S]
+
+  __device__ __forceinline__ static Mask of(const AttentionParams& p, int b) {
+    Mask m;
+    m.q_valid = min(max(p.q_lengths[b], 0), p.q_len);
+    m.kv_valid = min(max(p.kv_lengths[b], 0), p.kv_len);
+    m.window_left = p.window_left;
+    m.window_right = p.window_right;
+    m.q_segments = p.use_segment_ids ? p.q_segment_ids + static_cast<int64_t>(b) * p.q_len : nullptr;
+    m.kv_segments = p.use_segment_ids ? p.kv_segment_ids + static_cast<int64_t>(b) * p.kv_len : nullptr;
+    return m;
+  }
+
+  // Keys [key_lo(t), key_hi(t)) are visible from a valid query row t (before segment ids).
+  __device__ __forceinline__ int key_lo(int t) const { return window_left >= 0 ? max(0, t - window_left) : 0; }
+  __device__ __forceinline__ int key_hi(int t) const {
+    return window_right >= 0 ? min(kv_valid, t + window_right + 1) : kv_valid;
+  }
+
+  // The keys that some row of [t0, t1) may see.
+  __device__ __forceinline__ Range keys_of_rows(int t0, int t1) const {
+    t1 = min(t1, q_valid);
+    if (t1 <= t0) return {};
+    return {key_lo(t0), key_hi(t1 - 1)};
+  }
+
+  // The rows that may see some key of [s0, s1).
+  __device__ __forceinline__ Range rows_of_keys(int s0, int s1) const {
+    s1 = min(s1, kv_valid);
+    if (s1 <= s0) return {};
+    const int lo = window_right >= 0 ? max(0, s0 - window_right) : 0;
+    const int hi = window_left >= 0 ? min(q_valid, s1 + window_left) : q_valid;
+    return {lo, hi};
+  }
+
+  // Whether every (t, s) of rows [t0, t0 + rows) x keys [s0, s0 + cols) is visible: the tile
+  // lies inside the intersection of its rows' intervals and segment ids are off.
+  __device__ __forceinline__ bool is_interior(int t0, int rows, int s0, int cols) const {
+    const int t_last = t0 + rows - 1;
+    return q_segments == nullptr && t_last < q_valid && key_lo(t_last) <= s0 && key_hi(t0) >= s0 + cols;
+  }
+
+  __device__ __forceinline__ bool visible(int t, int s) const {
+    if (t >= q_valid || s >= kv_valid) return false;
+    if (window_left >= 0 && s < t - window_left) return false;
+    if (window_right >= 0 && s > t + window_right) return false;
+    return q_segments == nullptr || q_segments[t] == kv_segments[s];
+  }
+};
+
+// The accumulator element (j, i) of a 16 x (8·N) fragment sits at row lane/4 + 8·(i/2) and
+// column 8j + 2·(lane%4) + i%2 (C layout, PTX ISA §9.7.14.5.8). In the forward rows are
+// queries and columns keys; the backward computes Sᵀ, so there rows are keys (TRANSPOSED).
+template <bool TRANSPOSED, int N_BLOCKS>
+__device__ __forceinline__ void mask_fragment(float (&acc)[N_BLOCKS][4], const Mask& mask, int row0, int col0,
+                                              int lane) {
+  JAX_FLASH_UNROLL
+  for (int j = 0; j < N_BLOCKS; ++j) {
+    JAX_FLASH_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const int row = row0 + (lane >> 2) + 8 * (i >> 1);
+      const int col = col0 + 8 * j + 2 * (lane & 3) + (i & 1);
+      const bool seen = TRANSPOSED ? mask.visible(col, row) : mask.visible(row, col);
+      if (!seen) acc[j][i] = -INFINITY;
+    }
+  }
+}
+
+}  // namespace kernels
+}  // namespace jax_flash

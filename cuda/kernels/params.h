@@ -1,0 +1,94 @@
+// One attention call as the kernels see it (forward and backward), and the 16-bit element
+// types. Layout is BTNH for q, out, dout, dq (and dq_accum), BSKH for k, v, dk, dv; the
+// statistics lse, dlse, delta are [B, N, T]. 16-bit elements travel as raw bits (uint16_t);
+// they are converted only through the PTX wrappers.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/platform.h"
+#include "kernels/ptx.h"
+
+namespace jax_flash {
+namespace kernels {
+
+struct AttentionParams {
+  int batch = 0;     // B
+  int q_len = 0;     // T
+  int kv_len = 0;    // S
+  int q_heads = 0;   // N
+  int kv_heads = 0;  // K (N % K == 0; query head n reads kv head n / (N / K))
+  int head_dim = 0;  // H
+
+  float scale = 1.0f;      // logits = scale * q.k
+  float softcap = 0.0f;    // > 0: logits -> softcap * tanh(logits / softcap), before masking
+  int window_left = -1;    // key s visible from query t iff s >= t - window_left (-1: unbounded)
+  int window_right = -1;   // ... and s <= t + window_right (-1: unbounded; causal is 0)
+  bool use_segment_ids = false;
+
+  const int32_t* q_lengths = nullptr;       // [B]: rows t >= q_lengths[b] see nothing
+  const int32_t* kv_lengths = nullptr;      // [B]: keys s >= kv_lengths[b] are invisible
+  const int32_t* q_segment_ids = nullptr;   // [B, T]
+  const int32_t* kv_segment_ids = nullptr;  // [B, S]
+
+  const uint16_t* q = nullptr;
+  const uint16_t* k = nullptr;
+  const uint16_t* v = nullptr;
+  uint16_t* out = nullptr;
+  float* lse = nullptr;  // forward result, natural log, -inf for rows that see no key
+
+  const uint16_t* dout = nullptr;
+  const float* lse_in = nullptr;  // the forward's lse (natural log)
+  const float* dlse = nullptr;    // cotangent of lse
+  uint16_t* dq = nullptr;
+  uint16_t* dk = nullptr;
+  uint16_t* dv = nullptr;
+  float* dq_accum = nullptr;  // [B, T, N, H] f32, zeroed before the main backward kernel
+  float* delta = nullptr;     // [B, N, T] rowsum(dout * out) - dlse
+
+  // Backward: the first key block this launch covers (> 0 only when deterministic mode
+  // runs one launch per key block).
+  int kv_block_offset = 0;
+
+  // Element offsets of row t of query head n, row s of kv head g, statistic (b, n, t).
+  __device__ __forceinline__ int64_t q_offset(int b, int t, int n) const {
+    return ((static_cast<int64_t>(b) * q_len + t) * q_heads + n) * head_dim;
+  }
+  __device__ __forceinline__ int64_t kv_offset(int b, int s, int g) const {
+    return ((static_cast<int64_t>(b) * kv_len + s) * kv_heads + g) * head_dim;
+  }
+  __device__ __forceinline__ int64_t stat_offset(int b, int n, int t) const {
+    return (static_cast<int64_t>(b) * q_heads + n) * q_len + t;
+  }
+  __device__ __forceinline__ int64_t q_row_stride() const { return static_cast<int64_t>(q_heads) * head_dim; }
+  __device__ __forceinline__ int64_t kv_row_stride() const { return static_cast<int64_t>(kv_heads) * head_dim; }
+};
+
+// The 16-bit input types: which mma to issue and how to convert.
+struct F16 {
+  static constexpr const char* kName = "f16";
+  __device__ __forceinline__ static void mma(float d[4], const uint32_t a[4], const uint32_t b[2],
+                                             const float c[4]) {
+    ptx::mma_m16n8k16_f16(d, a, b, c);
+  }
+  __device__ __forceinline__ static uint32_t pack(float lo, float hi) { return ptx::cvt_pack_f16x2(lo, hi); }
+  __device__ __forceinline__ static float to_float(uint16_t x) { return ptx::cvt_f32_f16(x); }
+};
+
+struct Bf16 {
+  static constexpr const char* kName = "bf16";
+  __device__ __forceinline__ static void mma(float d[4], const uint32_t a[4], const uint32_t b[2],
+                                             const float c[4]) {
+    ptx::mma_m16n8k16_bf16(d, a, b, c);
+  }
+  __device__ __forceinline__ static uint32_t pack(float lo, float hi) { return ptx::cvt_pack_bf16x2(lo, hi); }
+  // bf16 is the upper half of an f32: widening is exact and needs no instruction.
+  __device__ __forceinline__ static float to_float(uint16_t x) {
+    return __uint_as_float(static_cast<uint32_t>(x) << 16);
+  }
+};
+
+enum class ElementType { kF16, kBf16 };
+
+}  // namespace kernels
+}  // namespace jax_flash

@@ -1,0 +1,18 @@
+// Platform "CUDA" registrations: capsules around the handlers exported by kernels/handlers.cu.
+// A host file so that nanobind is compiled by the host compiler only.
+#include <nanobind/nanobind.h>
+
+#include "ffi/targets.h"
+#include "xla/ffi/api/c_api.h"
+
+extern "C" XLA_FFI_Error* JaxFlashForwardCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxFlashBackwardCuda(XLA_FFI_CallFrame* call_frame);
+
+namespace jax_flash {
+
+void AddCudaTargets(nanobind::dict& targets) {
+  targets["jax_flash_fwd"] = nanobind::capsule(reinterpret_cast<void*>(&JaxFlashForwardCuda));
+  targets["jax_flash_bwd"] = nanobind::capsule(reinterpret_cast<void*>(&JaxFlashBackwardCuda));
+}
+
+}  // namespace jax_flash

@@ -1,0 +1,180 @@
+// Tile geometry: the tile sizes per head dim (one constexpr function), the mma shape, and
+// 16-bit tiles in shared memory with an XOR swizzle of their 16-byte chunks, filled by
+// 16-byte cp.async copies.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/platform.h"
+#include "kernels/ptx.h"
+
+#if defined(__CUDACC__) && !defined(JAX_FLASH_EMULATE)
+#define JAX_FLASH_UNROLL _Pragma("unroll")
+#else
+#define JAX_FLASH_UNROLL
+#endif
+
+namespace jax_flash {
+namespace kernels {
+
+// mma.sync.m16n8k16: every fragment below is in units of this shape.
+constexpr int MMA_M = 16;
+constexpr int MMA_N = 8;
+constexpr int MMA_K = 16;
+constexpr int WARP_SIZE = 32;
+
+// The opt-in dynamic shared memory limit per block on sm_120 (99 KB, the smallest of the
+// archs we build for after sm_86/89); every instantiation must fit it.
+constexpr int kMaxSmemBytes = 101376;
+
+enum class Pass { kForward, kBackward };
+
+// Tile sizes of one kernel. Forward: block_q query rows per CTA (16 per warp), block_kv keys
+// per pipeline stage. Backward: block_kv keys per CTA (16 per warp), block_q query rows per
+// pipeline stage.
+struct TileShape {
+  int block_q;
+  int block_kv;
+  int warps;
+  int stages;
+};
+
+__host__ __device__ constexpr TileShape TileShapeFor(Pass pass, int head_dim) {
+  if (pass == Pass::kForward) {
+    // Q (block_q x H) + stages x (K, V) (block_kv x H): 64 KB at H=64, 96 KB at H=128.
+    return head_dim <= 64 ? TileShape{128, 64, 8, 3} : TileShape{128, 64, 8, 2};
+  }
+  // K, V (block_kv x H) + 2 x (Q, dO) (block_q x H) + dS (block_kv x block_q):
+  // H=128 halves block_q so that dK, dV (64 + 64 registers) and the S, dP tiles fit in 255.
+  return head_dim <= 64 ? TileShape{64, 64, 4, 2} : TileShape{32, 64, 4, 2};
+}
+
+__host__ __device__ constexpr int CeilDiv(int a, int b) { return (a + b - 1) / b; }
+
+// A ROWS x COLS tile of 16-bit elements in shared memory, row-major in 16-byte chunks, chunk c
+// of row r stored at chunk c ^ swizzle(r). ldmatrix reads 8 rows at one logical chunk and
+// cp.async writes 8 consecutive chunks; with the swizzle each 8 land in 8 different 16-byte
+// bank groups (of the 128-byte bank window), so neither has bank conflicts.
+template <int ROWS, int COLS>
+struct SmemTile {
+  static_assert(COLS % 32 == 0, "tile rows must hold a multiple of 4 chunks");
+  static constexpr int kRows = ROWS;
+  static constexpr int kCols = COLS;
+  static constexpr int kChunks = COLS / 8;  // 16-byte chunks per row
+  static constexpr int kBytes = ROWS * COLS * 2;
+  // Rows of 4 chunks (64 bytes) share a 128-byte window two by two.
+  __device__ __forceinline__ static int swizzle(int row) { return kChunks >= 8 ? (row & 7) : ((row >> 1) & 3); }
+  // Byte offset of logical chunk `chunk` of row `row`.
+  __device__ __forceinline__ static int chunk_offset(int row, int chunk) {
+    return row * (COLS * 2) + ((chunk ^ swizzle(row)) << 4);
+  }
+  // Byte offset of element (row, col).
+  __device__ __forceinline__ static int element_offset(int row, int col) {
+    return chunk_offset(row, col >> 3) + ((col & 7) << 1);
+  }
+};
+
+// Copies rows [0, ROWS) of a row-major global tile (row stride `row_stride` elements) into
+// `tile`, asynchronously; rows >= rows_valid are zero-filled (src-size 0), never read.
+template <class Tile, int THREADS>
+__device__ __forceinline__ void load_tile_async(char* tile, const uint16_t* gmem, int64_t row_stride,
+                                                int rows_valid) {
+  constexpr int kCopies = Tile::kRows * Tile::kChunks;
+  static_assert(kCopies % THREADS == 0, "every thread issues the same number of copies");
+  JAX_FLASH_UNROLL
+  for (int i = 0; i < kCopies / THREADS; ++i) {
+    const int copy = i * THREADS + static_cast<int>(threadIdx.x);
+    const int row = copy / Tile::kChunks;
+    const int chunk = copy % Tile::kChunks;
+    const bool inside = row < rows_valid;
+    const uint16_t* src = gmem + (inside ? row * row_stride + chunk * 8 : 0);
+    ptx::cp_async_16(tile + Tile::chunk_offset(row, chunk), src, inside ? 16 : 0);
+  }
+}
+
+// ldmatrix addressing of the fragments (PTX ISA §9.7.14.5.8 layouts, §9.7.14.5.15 ldmatrix):
+// the lane's row pointer for an x4 load, given the tile's 16x16 block (row0, chunk0 = col0/8).
+//
+// A operand, row-major 16x16 (rows = M, cols = K): matrices (rows 0-7, k 0-7), (8-15, 0-7),
+// (0-7, 8-15), (8-15, 8-15) are a0..a3.
+template <class Tile>
+__device__ __forceinline__ const char* a_fragment_row(const char* tile, int row0, int chunk0, int lane) {
+  return tile + Tile::chunk_offset(row0 + (lane & 15), chunk0 + (lane >> 4));
+}
+// B operand of two n-blocks from a tile stored [n][k] (rows = N, cols = K), non-transposed:
+// matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15) are b0, b1 of
+// n-block 0 and b0, b1 of n-block 1.
+template <class Tile>
+__device__ __forceinline__ const char* b_fragment_row(const char* tile, int row0, int chunk0, int lane) {
+  return tile + Tile::chunk_offset(row0 + ((lane >> 4) << 3) + (lane & 7), chunk0 + ((lane >> 3) & 1));
+}
+// B operand of two n-blocks from a tile stored [k][n] (rows = K, cols = N), with .trans:
+// matrices (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15).
+template <class Tile>
+__device__ __forceinline__ const char* bt_fragment_row(const char* tile, int row0, int chunk0, int lane) {
+  return tile + Tile::chunk_offset(row0 + (((lane >> 3) & 1) << 3) + (lane & 7), chunk0 + (lane >> 4));
+}
+// A operand from a tile stored [k][m] (rows = K, cols = M), with .trans: matrices
+// (k 0-7, m 0-7) -> a0, (k 0-7, m 8-15) -> a1, (k 8-15, m 0-7) -> a2, (k 8-15, m 8-15) -> a3.
+template <class Tile>
+__device__ __forceinline__ const char* at_fragment_row(const char* tile, int row0, int chunk0, int lane) {
+  return tile + Tile::chunk_offset(row0 + ((lane >> 4) << 3) + (lane & 7), chunk0 + ((lane >> 3) & 1));
+}
+
+// The accumulator of a 16 x (8·N) product (C layout, §9.7.14.5.8: c0,c1 row lane/4, c2,c3
+// row lane/4 + 8, columns 2·(lane%4) + {0,1}) repacked as the A operand of the next product:
+// k-step kk takes n-blocks 2kk and 2kk+1 — FlashAttention-2 keeps P in registers this way.
+template <class Elem, int N_BLOCKS>
+__device__ __forceinline__ void accumulator_as_a(uint32_t a[4], const float (&acc)[N_BLOCKS][4], int kk) {
+  a[0] = Elem::pack(acc[2 * kk][0], acc[2 * kk][1]);
+  a[1] = Elem::pack(acc[2 * kk][2], acc[2 * kk][3]);
+  a[2] = Elem::pack(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+  a[3] = Elem::pack(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+}
+
+template <int N_BLOCKS>
+__device__ __forceinline__ void clear(float (&acc)[N_BLOCKS][4]) {
+  JAX_FLASH_UNROLL
+  for (int j = 0; j < N_BLOCKS; ++j) {
+    JAX_FLASH_UNROLL
+    for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+  }
+}
+
+// acc[16 x 8·N_BLOCKS] += A[16 x 16·K_STEPS] · B, A rows a_row0.. of a_tile (row-major), B from
+// b_tile stored [n][k] (non-transposed, e.g. K for S = Q·Kᵀ).
+template <class Elem, class ATile, class BTile, int K_STEPS, int N_BLOCKS>
+__device__ __forceinline__ void mma_a_smem_b_rows(float (&acc)[N_BLOCKS][4], const char* a_tile, int a_row0,
+                                                  const char* b_tile, int b_row0, int lane) {
+  static_assert(N_BLOCKS % 2 == 0, "B is loaded two n-blocks at a time");
+  JAX_FLASH_UNROLL
+  for (int kk = 0; kk < K_STEPS; ++kk) {
+    uint32_t a[4];
+    ptx::ldmatrix_x4(a, a_fragment_row<ATile>(a_tile, a_row0, 2 * kk, lane));
+    JAX_FLASH_UNROLL
+    for (int jj = 0; jj < N_BLOCKS / 2; ++jj) {
+      uint32_t b[4];
+      ptx::ldmatrix_x4(b, b_fragment_row<BTile>(b_tile, b_row0 + 16 * jj, 2 * kk, lane));
+      Elem::mma(acc[2 * jj], a, b, acc[2 * jj]);
+      Elem::mma(acc[2 * jj + 1], a, b + 2, acc[2 * jj + 1]);
+    }
+  }
+}
+
+// acc[16 x 8·N_BLOCKS] += A · B for one k-step, B from b_tile stored [k][n] (rows b_row0..+15,
+// columns from chunk b_chunk0), loaded with .trans (e.g. V for O += P·V).
+template <class Elem, class BTile, int N_BLOCKS>
+__device__ __forceinline__ void mma_a_regs_b_trans(float (&acc)[N_BLOCKS][4], const uint32_t a[4],
+                                                   const char* b_tile, int b_row0, int b_chunk0, int lane) {
+  static_assert(N_BLOCKS % 2 == 0, "B is loaded two n-blocks at a time");
+  JAX_FLASH_UNROLL
+  for (int jj = 0; jj < N_BLOCKS / 2; ++jj) {
+    uint32_t b[4];
+    ptx::ldmatrix_x4_trans(b, bt_fragment_row<BTile>(b_tile, b_row0, b_chunk0 + 2 * jj, lane));
+    Elem::mma(acc[2 * jj], a, b, acc[2 * jj]);
+    Elem::mma(acc[2 * jj + 1], a, b + 2, acc[2 * jj + 1]);
+  }
+}
+
+}  // namespace kernels
+}  // namespace jax_flash
