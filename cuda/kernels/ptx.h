@@ -131,7 +131,8 @@ __device__ __forceinline__ void cp_async_wait_group() {
 #endif
 }
 
-// ex2.approx.ftz.f32: 2^x (§9.7.3.22). The softmax exponent is one FFMA + this.
+// ex2.approx.ftz.f32: 2^x (§9.7.3.21 "Floating Point Instructions: ex2"). The softmax
+// exponent is one FFMA + this.
 __device__ __forceinline__ float ex2_approx(float x) {
 #ifndef JAX_FLASH_EMULATE
   float y;
