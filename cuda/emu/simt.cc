@@ -220,6 +220,7 @@ Runtime& runtime(const char* what) {
 void switch_away(Runtime& rt, Fiber* self) {
   int next = rt.aborted ? -1 : rt.pop();
   Fiber* to = next >= 0 ? &rt.fibers[next] : nullptr;
+  if (to == self) return;  // a yield that picked the yielding thread again
   rt.current = to;
   tls_view = to ? &to->view : nullptr;
 #if JAX_FLASH_EMU_ASM_SWITCH
@@ -227,6 +228,15 @@ void switch_away(Runtime& rt, Fiber* self) {
 #else
   swapcontext(&self->ctx.uc, to ? &to->ctx.uc : &rt.scheduler.uc);
 #endif
+}
+
+// Under Schedule::kShuffle the asynchronous-copy instructions are also points where another
+// thread may run, so that more interleavings between barriers get exercised.
+void maybe_yield(Runtime& rt) {
+  if (rt.options.schedule != Schedule::kShuffle) return;
+  Fiber* f = rt.current;
+  rt.push(f->index);
+  switch_away(rt, f);
 }
 
 void wake(Runtime& rt, Fiber& f) {
@@ -584,6 +594,7 @@ void cp_async_issue(size_t smem_offset, const void* src, int src_bytes) {
 void cp_async_commit() {
   Runtime& rt = runtime("cp.async.commit_group");
   ++rt.current->committed_groups;
+  maybe_yield(rt);
 }
 
 void cp_async_wait(int n) {
@@ -607,6 +618,7 @@ void cp_async_wait(int n) {
     }
   }
   f.copies.resize(kept);
+  maybe_yield(rt);
 }
 
 Status run_launch(const LaunchSpec& spec, const LaunchOptions& options) {

@@ -76,7 +76,8 @@ struct Status {
 enum class Schedule {
   kForward,  // thread 0, 1, 2, ... (default; JAX_FLASH_EMU_SCHEDULE=forward)
   kReverse,  // the last thread first (JAX_FLASH_EMU_SCHEDULE=reverse)
-  kShuffle,  // a seeded random order at each start and wake-up (JAX_FLASH_EMU_SCHEDULE=shuffle[:seed])
+  kShuffle,  // a seeded random choice of the next thread, also at cp.async commit/wait
+             // (JAX_FLASH_EMU_SCHEDULE=shuffle[:seed])
 };
 
 struct LaunchOptions {
