@@ -58,6 +58,12 @@ def test_emulator_unit_tests_other_schedules(emu_test_exe, schedule):
     _run(emu_test_exe, {"JAX_FLASH_EMU_SCHEDULE": schedule})
 
 
+def test_emulator_unit_tests_ucontext(tmp_path):
+    # The portable context switch (ucontext), used where the x86-64 one is not.
+    exe = _build(tmp_path, "emu_test_ucontext", ["-DJAX_FLASH_EMU_UCONTEXT"])
+    _run(exe, {"JAX_FLASH_EMU_SCHEDULE": "shuffle:11"})
+
+
 SELFTEST = ROOT / "build" / "ptx_selftest.cu"
 
 

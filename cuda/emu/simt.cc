@@ -5,6 +5,9 @@
 // runs until it blocks (at a warp collective whose other lanes have not arrived yet, or at
 // __syncthreads) or exits; it then hands the host thread directly to the next runnable thread.
 // The lane that completes a collective computes its result for every lane and keeps running.
+#if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
+#define _XOPEN_SOURCE 700  // macOS declares the ucontext functions only for XSI
+#endif
 #include "emu/simt.h"
 
 #include <sys/mman.h>
