@@ -27,6 +27,21 @@
 #include <ucontext.h>
 #endif
 
+// AddressSanitizer must be told about every switch between stacks (it then also checks the
+// kernels' global-memory accesses under emulation: build with -fsanitize=address).
+#if defined(__SANITIZE_ADDRESS__)
+#define JAX_FLASH_EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define JAX_FLASH_EMU_ASAN 1
+#endif
+#endif
+#if JAX_FLASH_EMU_ASAN
+#include <pthread.h>
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
+
 namespace jax_flash {
 namespace emu {
 namespace detail {
@@ -163,6 +178,8 @@ struct Runtime {
   int exited = 0;
   Fiber* current = nullptr;
   Context scheduler;
+  const void* scheduler_stack = nullptr;  // the host thread's stack (for AddressSanitizer)
+  size_t scheduler_stack_bytes = 0;
   std::string error;
   bool aborted = false;
   uint64_t rng = 1;
@@ -218,6 +235,22 @@ Runtime& runtime(const char* what) {
   return *tls_runtime;
 }
 
+// AddressSanitizer bookkeeping around a stack switch (no-ops otherwise).
+inline void before_switch(void** fake_stack, const void* stack, size_t bytes) {
+#if JAX_FLASH_EMU_ASAN
+  __sanitizer_start_switch_fiber(fake_stack, stack, bytes);
+#else
+  (void)fake_stack, (void)stack, (void)bytes;
+#endif
+}
+inline void after_switch(void* fake_stack) {
+#if JAX_FLASH_EMU_ASAN
+  __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
+#else
+  (void)fake_stack;
+#endif
+}
+
 // Hands the host thread from `self` (which is blocked or exited) to the next runnable thread,
 // or back to the scheduler when there is none. Returns when `self` is resumed.
 void switch_away(Runtime& rt, Fiber* self) {
@@ -226,11 +259,15 @@ void switch_away(Runtime& rt, Fiber* self) {
   if (to == self) return;  // a yield that picked the yielding thread again
   rt.current = to;
   tls_view = to ? &to->view : nullptr;
+  void* fake_stack = nullptr;
+  before_switch(self->state == State::kExited ? nullptr : &fake_stack, to ? to->stack : rt.scheduler_stack,
+                to ? to->stack_bytes : rt.scheduler_stack_bytes);
 #if JAX_FLASH_EMU_ASM_SWITCH
   jax_flash_emu_switch(&self->ctx.sp, to ? to->ctx.sp : rt.scheduler.sp);
 #else
   swapcontext(&self->ctx.uc, to ? &to->ctx.uc : &rt.scheduler.uc);
 #endif
+  after_switch(fake_stack);
 }
 
 // Under Schedule::kShuffle the asynchronous-copy instructions are also points where another
@@ -265,15 +302,29 @@ void on_exit(Runtime& rt, Fiber& f) {
   f.copies.clear();
 }
 
+// Thrown by fail() in a kernel thread, so that its frames unwind; caught in fiber_main.
+struct KernelAbort {};
+
+void record_error(Runtime& rt, const std::string& message) {
+  if (rt.error.empty()) rt.error = thread_str(rt, *rt.current) + ": " + message;
+  rt.aborted = true;
+}
+
 [[noreturn]] void fiber_main() {
+  after_switch(nullptr);
   Runtime& rt = *tls_runtime;
   Fiber* self = rt.current;
   try {
     rt.spec.run(rt.spec.ctx);
     on_exit(rt, *self);
+  } catch (const KernelAbort&) {
+    // the error is recorded; the launch stops
   } catch (const std::exception& e) {
-    fail(std::string("exception in kernel: ") + e.what());
+    record_error(rt, std::string("exception in kernel: ") + e.what());
+  } catch (...) {
+    record_error(rt, "exception in kernel");
   }
+  self->state = State::kExited;
   switch_away(rt, self);
   std::abort();  // an exited fiber is never resumed
 }
@@ -283,6 +334,11 @@ void fiber_main_uc() { fiber_main(); }
 #endif
 
 void init_fiber_context(Runtime& rt, Fiber& f) {
+#if JAX_FLASH_EMU_ASAN
+  // The previous user of this stack may have been abandoned mid-frame (a finished block's
+  // threads never unwind): forget its poisoned redzones.
+  __asan_unpoison_memory_region(f.stack, f.stack_bytes);
+#endif
 #if JAX_FLASH_EMU_ASM_SWITCH
   // Initial frame consumed by jax_flash_emu_switch: control words, six callee-saved registers,
   // then the "return address" fiber_main, entered with rsp % 16 == 8 like any called function.
@@ -354,11 +410,14 @@ bool run_block(Runtime& rt, uint3 block_idx) {
     Fiber& f = rt.fibers[next];
     rt.current = &f;
     tls_view = &f.view;
+    void* fake_stack = nullptr;
+    before_switch(&fake_stack, f.stack, f.stack_bytes);
 #if JAX_FLASH_EMU_ASM_SWITCH
     jax_flash_emu_switch(&rt.scheduler.sp, f.ctx.sp);
 #else
     swapcontext(&rt.scheduler.uc, &f.ctx.uc);
 #endif
+    after_switch(fake_stack);
     rt.current = nullptr;
     tls_view = nullptr;
   }
@@ -400,11 +459,8 @@ std::string where() {
 void fail(const std::string& message) {
   Runtime* rt = tls_runtime;
   if (rt == nullptr || rt->current == nullptr) throw std::runtime_error("jax_flash emulation: " + message);
-  if (rt->error.empty()) rt->error = where() + ": " + message;
-  rt->aborted = true;
-  Fiber* self = rt->current;
-  switch_away(*rt, self);  // aborted: goes straight back to the scheduler, never resumed
-  std::abort();
+  record_error(*rt, message);
+  throw KernelAbort{};  // unwinds this thread's frames to fiber_main, which ends the launch
 }
 
 void warp_collective(const CollectiveKind& kind, uint32_t mask, const void* in, void* out, void* arg) {
@@ -679,6 +735,19 @@ Status run_launch(const LaunchSpec& spec, const LaunchOptions& options) {
     rt.warps[f.warp].exists |= 1u << f.lane;
   }
 
+#if JAX_FLASH_EMU_ASAN
+  {
+    pthread_attr_t attr;
+    void* addr = nullptr;
+    size_t bytes = 0;
+    if (pthread_getattr_np(pthread_self(), &attr) == 0) {
+      pthread_attr_getstack(&attr, &addr, &bytes);
+      pthread_attr_destroy(&attr);
+    }
+    rt.scheduler_stack = addr;
+    rt.scheduler_stack_bytes = bytes;
+  }
+#endif
   tls_runtime = &rt;
   for (unsigned z = 0; z < g.z && !rt.aborted; ++z)
     for (unsigned y = 0; y < g.y && !rt.aborted; ++y)

@@ -156,8 +156,8 @@ uint32_t vote(int op, uint32_t mask, bool predicate);  // 0: ballot, 1: any, 2: 
 // ---- block barrier, errors ----
 void syncthreads();
 void syncwarp(uint32_t mask);
-// Records `message` (prefixed with block/thread) as the launch's error and stops the launch;
-// never returns when called from a kernel thread.
+// Records `message` (prefixed with block/thread) as the launch's error and stops the launch
+// (by unwinding the calling kernel thread); outside a launch it throws std::runtime_error.
 [[noreturn]] void fail(const std::string& message);
 // "block (x,y,z) thread (x,y,z)" of the running thread.
 std::string where();
