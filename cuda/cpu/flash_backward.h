@@ -1,8 +1,9 @@
 // The backward pass of FlashAttention-2 (Alg. 2), deterministic and without atomics:
-//  1. ComputeDelta: D = rowsum(dO ∘ O) − dlse per (b, n, t).
+//  1. PackQueryBlock / PackKeyBlock (tile_pack.h): the operands packed once, and
+//     D = rowsum(dO ∘ O) − dlse per (b, n, t).
 //  2. KeyValueGradientTile: one work item per (b, kv head, key block) holds dK, dV of
 //     its keys in float32 and visits every query block of every head of the GQA group
-//     that can see them — the group sum happens in a fixed order, in registers/L2.
+//     that can see them — the group sum happens in a fixed order, in L2.
 //  3. QueryGradientTile: one work item per (b, head, query block) holds dQ and visits
 //     the visible key blocks.
 // Both passes recompute S and P = exp(S − lse) from Q, K and the saved lse instead of
@@ -23,35 +24,24 @@ namespace jax_flash {
 namespace cpu {
 namespace JAX_FLASH_CPU_ISA {
 
-// Buffers of one backward worker (both passes).
+// Buffers of one backward worker (both passes). Q, dO, Kᵀ, Vᵀ and K come packed.
 struct BackwardTiles {
   int64_t head_dim_padded;  // Hp
-  float* q;          // [kBlockQ][Hp]  scale · Q
-  float* dout;       // [kBlockQ][Hp]  dO
-  float* k_t;        // [H][kBlockK]   Kᵀ
-  float* v_t;        // [H][kBlockK]   Vᵀ
-  float* k;          // [kBlockK][Hp]  K (pass 3)
   float* s;          // [kBlockQ][kBlockK]  scores, then P
   float* ds;         // [kBlockQ][kBlockK]  dP, then dS
   float* softcap_derivative;  // [kBlockQ][kBlockK]
-  float* dk;         // [kBlockK][Hp]  scale · Σ dSᵀ Q (pass 2)
-  float* dv;         // [kBlockK][Hp]  Σ Pᵀ dO (pass 2)
-  float* dq;         // [kBlockQ][Hp]  Σ dS K (pass 3)
+  float* dk;         // [kBlockK][Hp]  Σ dSᵀ (scale · Q)  (pass 2)
+  float* dv;         // [kBlockK][Hp]  Σ Pᵀ dO            (pass 2)
+  float* dq;         // [kBlockQ][Hp]  Σ dS K             (pass 3)
   float* lse;        // [kBlockQ] (+inf for rows that saw nothing)
   float* delta;      // [kBlockQ]
-  float* row;        // [H]
   int32_t* segments; // [kBlockK]
   int64_t floats;
 
   BackwardTiles(const Problem& p, float* base) {
     WorkspaceCarver w(base);
-    head_dim_padded = RoundUp(p.head_dim, kLanes);
+    head_dim_padded = PaddedHeadDim(p);
     const int64_t hp = head_dim_padded;
-    q = w.Take(kBlockQ * hp);
-    dout = w.Take(kBlockQ * hp);
-    k_t = w.Take(p.head_dim * kBlockK);
-    v_t = w.Take(p.head_dim * kBlockK);
-    k = w.Take(kBlockK * hp);
     s = w.Take(kBlockQ * kBlockK);
     ds = w.Take(kBlockQ * kBlockK);
     softcap_derivative = w.Take(kBlockQ * kBlockK);
@@ -60,38 +50,32 @@ struct BackwardTiles {
     dq = w.Take(kBlockQ * hp);
     lse = w.Take(kBlockQ);
     delta = w.Take(kBlockQ);
-    row = w.Take(p.head_dim);
     segments = reinterpret_cast<int32_t*>(w.Take(kBlockK));
     floats = w.used();
   }
 };
 
-// D = rowsum(dO ∘ O) − dlse for the rows of one (b, n, query block) item.
-inline void ComputeDelta(const Problem& p, int64_t item, float* workspace) {
-  const int64_t blocks = QueryBlocks(p);
-  const int64_t b = item / (p.q_heads * blocks);
-  const int64_t n = item / blocks % p.q_heads;
-  const int64_t t0 = item % blocks * kBlockQ;
-  const int64_t rows = std::min(kBlockQ, p.q_len - t0);
-  float* out_row = workspace;
-  float* dout_row = workspace + RoundUp(p.head_dim, kAlignFloats);
-  for (int64_t t = t0; t < t0 + rows; ++t) {
-    LoadRow(p.out, p.dtype, p.q_row(b, t, n), p.head_dim, out_row);
-    LoadRow(p.dout, p.dtype, p.q_row(b, t, n), p.head_dim, dout_row);
-    float sum = 0.0f;
-    for (int64_t h = 0; h < p.head_dim; ++h) sum += out_row[h] * dout_row[h];
-    p.delta[p.stat(b, n, t)] = sum - p.dlse[p.stat(b, n, t)];
-  }
+// The packed operands of one (query block, key block) tile.
+struct TileOperands {
+  const float* q;     // [kBlockQ][Hp]  scale · Q
+  const float* dout;  // [kBlockQ][Hp]
+  const float* k_t;   // [H][kBlockK]
+  const float* v_t;   // [H][kBlockK]
+  const float* k;     // [kBlockK][Hp]
+};
+
+inline const float* PackedQuery(const Problem& p, const float* packed, int64_t b, int64_t n,
+                                int64_t t0) {
+  return packed + QueryBlockIndex(p, b, n, t0) * QueryBlockFloats(p);
+}
+inline const float* PackedKey(const Problem& p, const float* packed, int64_t b, int64_t g,
+                              int64_t s0) {
+  return packed + KeyBlockIndex(p, b, g, s0) * KeyBlockFloats(p);
 }
 
-// Loads Q (scaled), dO, lse and D of query rows [t0, t0 + rows) of head n.
-inline void PackQueryRows(const Problem& p, BackwardTiles& w, int64_t b, int64_t n, int64_t t0,
-                          int64_t rows, int64_t rows_padded) {
-  const int64_t stride = p.q_heads * p.head_dim;
-  PackRows({p.q, p.dtype, p.q_row(b, t0, n), stride, rows, p.head_dim}, p.scale, rows_padded,
-           w.head_dim_padded, w.q);
-  PackRows({p.dout, p.dtype, p.q_row(b, t0, n), stride, rows, p.head_dim}, 1.0f, rows_padded,
-           w.head_dim_padded, w.dout);
+// Loads lse and D of query rows [t0, t0 + rows) of head n, padded to rows_padded.
+inline void LoadRowStatistics(const Problem& p, BackwardTiles& w, int64_t b, int64_t n, int64_t t0,
+                              int64_t rows, int64_t rows_padded) {
   for (int64_t i = 0; i < rows_padded; ++i) {
     const float lse = i < rows ? p.lse_in[p.stat(b, n, t0 + i)] : -__builtin_inff();
     // A row that saw no key has lse = -inf; +inf makes its recomputed P exactly 0.
@@ -102,30 +86,19 @@ inline void PackQueryRows(const Problem& p, BackwardTiles& w, int64_t b, int64_t
 
 // The part of a backward tile both passes share: recompute P from the scores and the
 // saved lse, dP = dO Vᵀ, and dS = P ∘ (dP − D) (∘ the soft cap's derivative).
-// Expects w.q, w.dout, w.lse, w.delta (query rows) and w.k_t, w.v_t (keys) packed.
 inline void RecomputeTileGradient(const Problem& p, BackwardTiles& w, const MaskGeometry& mask,
-                                  const ScoreTile& s, TileVisibility visibility) {
+                                  const TileOperands& in, const ScoreTile& s,
+                                  TileVisibility visibility) {
   const int64_t hp = w.head_dim_padded;
-  Gemm<false, Accumulate::kOverwrite>(s.rows_padded, s.cols_padded, p.head_dim, w.q, hp, w.k_t,
+  Gemm<false, Accumulate::kOverwrite>(s.rows_padded, s.cols_padded, p.head_dim, in.q, hp, in.k_t,
                                       kBlockK, w.s, kBlockK);
   const bool capped = p.softcap > 0.0f;
   if (capped) ApplySoftCap(s, p.softcap, w.softcap_derivative);
   if (visibility == TileVisibility::kPartial) MaskScores(s, mask, w.segments);
   RecomputeProbabilities(s, w.lse);
-  Gemm<false, Accumulate::kOverwrite>(s.rows_padded, s.cols_padded, p.head_dim, w.dout, hp, w.v_t,
-                                      kBlockK, w.ds, kBlockK);
+  Gemm<false, Accumulate::kOverwrite>(s.rows_padded, s.cols_padded, p.head_dim, in.dout, hp,
+                                      in.v_t, kBlockK, w.ds, kBlockK);
   ComputeScoreGradient(s, w.ds, w.delta, capped ? w.softcap_derivative : nullptr);
-}
-
-// Packs Kᵀ and Vᵀ of keys [s0, s0 + cols) of kv head g (and K itself when `rows_too`).
-inline void PackKeyColumns(const Problem& p, BackwardTiles& w, int64_t b, int64_t g, int64_t s0,
-                           int64_t cols, int64_t cols_padded, bool rows_too) {
-  const int64_t stride = p.kv_heads * p.head_dim;
-  const RowBlock k{p.k, p.dtype, p.kv_row(b, s0, g), stride, cols, p.head_dim};
-  const RowBlock v{p.v, p.dtype, p.kv_row(b, s0, g), stride, cols, p.head_dim};
-  PackTransposed(k, cols_padded, kBlockK, w.row, w.k_t);
-  PackTransposed(v, cols_padded, kBlockK, w.row, w.v_t);
-  if (rows_too) PackRows(k, 1.0f, cols_padded, w.head_dim_padded, w.k);
 }
 
 // Pass 2: dK and dV of one (b, kv head, key block).
@@ -146,23 +119,27 @@ inline void KeyValueGradientTile(const Problem& p, int64_t item, float* workspac
   BackwardTiles w(p, workspace);
   const int64_t hp = w.head_dim_padded;
   const int64_t cols_padded = RoundUp(cols, kLanes);
-  PackKeyColumns(p, w, b, g, s0, cols, cols_padded, false);
   for (int64_t i = 0; i < cols_padded * hp; ++i) w.dk[i] = w.dv[i] = 0.0f;
+  TileOperands in;
+  in.k_t = PackedKey(p, p.packed.k_t, b, g, s0);
+  in.v_t = PackedKey(p, p.packed.v_t, b, g, s0);
 
   // The query rows that can see any of these keys form one interval.
   const KeyInterval rows_seen = mask.rows_of_keys(s0, s0 + cols);
   for (int64_t n = g * p.group_size(); n < (g + 1) * p.group_size(); ++n) {
-    for (int64_t t0 = rows_seen.lo; t0 < rows_seen.hi; t0 += kBlockQ) {
+    for (int64_t t0 = rows_seen.lo / kBlockQ * kBlockQ; t0 < rows_seen.hi; t0 += kBlockQ) {
       const int64_t rows = std::min(kBlockQ, rows_seen.hi - t0);
       const TileVisibility visibility = ClassifyTile(mask, t0, rows, s0, cols, cols_padded != cols);
       if (visibility == TileVisibility::kSkip) continue;
       const int64_t rows_padded = RoundUp(rows, kGemmRows);
-      PackQueryRows(p, w, b, n, t0, rows, rows_padded);
+      in.q = PackedQuery(p, p.packed.q, b, n, t0);
+      in.dout = PackedQuery(p, p.packed.dout, b, n, t0);
+      LoadRowStatistics(p, w, b, n, t0, rows, rows_padded);
       const ScoreTile s{w.s, kBlockK, t0, rows, rows_padded, s0, cols, cols_padded};
-      RecomputeTileGradient(p, w, mask, s, visibility);
+      RecomputeTileGradient(p, w, mask, in, s, visibility);
       // dV += Pᵀ dO;  dK += dSᵀ (scale · Q). Only the tile's real rows are summed.
-      Gemm<true, Accumulate::kAdd>(cols_padded, hp, rows, w.s, kBlockK, w.dout, hp, w.dv, hp);
-      Gemm<true, Accumulate::kAdd>(cols_padded, hp, rows, w.ds, kBlockK, w.q, hp, w.dk, hp);
+      Gemm<true, Accumulate::kAdd>(cols_padded, hp, rows, w.s, kBlockK, in.dout, hp, w.dv, hp);
+      Gemm<true, Accumulate::kAdd>(cols_padded, hp, rows, w.ds, kBlockK, in.q, hp, w.dk, hp);
     }
   }
   for (int64_t j = 0; j < cols; ++j) {
@@ -190,8 +167,11 @@ inline void QueryGradientTile(const Problem& p, int64_t item, float* workspace) 
   BackwardTiles w(p, workspace);
   const int64_t hp = w.head_dim_padded;
   const int64_t rows_padded = RoundUp(live_rows, kGemmRows);
-  PackQueryRows(p, w, b, n, t0, live_rows, rows_padded);
+  LoadRowStatistics(p, w, b, n, t0, live_rows, rows_padded);
   for (int64_t i = 0; i < rows_padded * hp; ++i) w.dq[i] = 0.0f;
+  TileOperands in;
+  in.q = PackedQuery(p, p.packed.q, b, n, t0);
+  in.dout = PackedQuery(p, p.packed.dout, b, n, t0);
 
   const KeyInterval first = mask.keys_of_row(t0);
   const KeyInterval last = mask.keys_of_row(t0 + live_rows - 1);
@@ -201,11 +181,13 @@ inline void QueryGradientTile(const Problem& p, int64_t item, float* workspace) 
     const TileVisibility visibility =
         ClassifyTile(mask, t0, live_rows, s0, cols, cols_padded != cols);
     if (visibility == TileVisibility::kSkip) continue;
-    PackKeyColumns(p, w, b, g, s0, cols, cols_padded, true);
+    in.k_t = PackedKey(p, p.packed.k_t, b, g, s0);
+    in.v_t = PackedKey(p, p.packed.v_t, b, g, s0);
+    in.k = PackedKey(p, p.packed.k, b, g, s0);
     const ScoreTile s{w.s, kBlockK, t0, live_rows, rows_padded, s0, cols, cols_padded};
-    RecomputeTileGradient(p, w, mask, s, visibility);
+    RecomputeTileGradient(p, w, mask, in, s, visibility);
     // dQ += dS K  (the factor scale is applied once, when dQ is written)
-    Gemm<false, Accumulate::kAdd>(rows_padded, hp, cols, w.ds, kBlockK, w.k, hp, w.dq, hp);
+    Gemm<false, Accumulate::kAdd>(rows_padded, hp, cols, w.ds, kBlockK, in.k, hp, w.dq, hp);
   }
   for (int64_t i = 0; i < live_rows; ++i) {
     const float* dq_row = w.dq + i * hp;

@@ -17,32 +17,26 @@ namespace jax_flash {
 namespace cpu {
 namespace JAX_FLASH_CPU_ISA {
 
-// Buffers of one forward worker.
+// Buffers of one forward worker. Kᵀ and V come packed per key block (tiling.h).
 struct ForwardTiles {
   int64_t head_dim_padded;  // Hp: H rounded up to whole vectors
   float* q;        // [kBlockQ][Hp]  scale · Q
-  float* k_t;      // [H][kBlockK]   Kᵀ
-  float* v;        // [kBlockK][Hp]
   float* s;        // [kBlockQ][kBlockK]  scores, then P
   float* o;        // [kBlockQ][Hp]  unnormalised output accumulator
   float* m;        // [kBlockQ] running max
   float* l;        // [kBlockQ] running sum
   float* correction;  // [kBlockQ] exp(m_old − m_new)
-  float* row;      // [H] conversion buffer
   int32_t* segments;  // [kBlockK]
 
   ForwardTiles(const Problem& p, float* base) {
     WorkspaceCarver w(base);
-    head_dim_padded = RoundUp(p.head_dim, kLanes);
+    head_dim_padded = PaddedHeadDim(p);
     q = w.Take(kBlockQ * head_dim_padded);
-    k_t = w.Take(p.head_dim * kBlockK);
-    v = w.Take(kBlockK * head_dim_padded);
     s = w.Take(kBlockQ * kBlockK);
     o = w.Take(kBlockQ * head_dim_padded);
     m = w.Take(kBlockQ);
     l = w.Take(kBlockQ);
     correction = w.Take(kBlockQ);
-    row = w.Take(p.head_dim);
     segments = reinterpret_cast<int32_t*>(w.Take(kBlockK));
     floats = w.used();
   }
@@ -108,20 +102,18 @@ inline void ForwardTile(const Problem& p, int64_t item, float* workspace) {
         ClassifyTile(mask, t0, live_rows, s0, cols, cols_padded != cols);
     if (visibility == TileVisibility::kSkip) continue;
 
-    const int64_t kv_stride = p.kv_heads * p.head_dim;
-    PackTransposed({p.k, p.dtype, p.kv_row(b, s0, g), kv_stride, cols, p.head_dim}, cols_padded,
-                   kBlockK, w.row, w.k_t);
-    PackRows({p.v, p.dtype, p.kv_row(b, s0, g), kv_stride, cols, p.head_dim}, 1.0f, cols_padded, hp,
-             w.v);
+    const int64_t key_block = KeyBlockIndex(p, b, g, s0) * KeyBlockFloats(p);
+    const float* k_t = p.packed.k_t + key_block;
+    const float* v = p.packed.v + key_block;
     const ScoreTile s{w.s, kBlockK, t0, live_rows, rows_padded, s0, cols, cols_padded};
     // S = (scale · Q) Kᵀ
-    Gemm<false, Accumulate::kOverwrite>(rows_padded, cols_padded, p.head_dim, w.q, hp, w.k_t,
+    Gemm<false, Accumulate::kOverwrite>(rows_padded, cols_padded, p.head_dim, w.q, hp, k_t,
                                         kBlockK, w.s, kBlockK);
     if (p.softcap > 0.0f) ApplySoftCap(s, p.softcap, nullptr);
     if (visibility == TileVisibility::kPartial) MaskScores(s, mask, w.segments);
     UpdateOnlineSoftmax(s, w.m, w.l, w.correction);
     // O = diag(exp(m_old − m_new)) O + P V
-    Gemm<false, Accumulate::kRescale>(rows_padded, hp, cols, w.s, kBlockK, w.v, hp, w.o, hp,
+    Gemm<false, Accumulate::kRescale>(rows_padded, hp, cols, w.s, kBlockK, v, hp, w.o, hp,
                                       w.correction);
   }
   WriteOutputRows(p, w, b, n, t0, live_rows);

@@ -144,6 +144,10 @@ void Poison(ffi::AnyBuffer buffer) {
   std::memset(buffer.untyped_data(), 0xff, buffer.size_bytes());
 }
 
+ffi::Error OutOfMemory(const char* target) {
+  return ffi::Error::Internal(std::string(target) + " (cpu): out of memory for packed operands");
+}
+
 template <typename Tile>
 ffi::Error RunTiles(ffi::ThreadPool& pool, const char* target, int64_t items, int64_t workspace,
                     const Problem& p, Tile tile) {
@@ -176,6 +180,17 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   }
   p.out = out->untyped_data();
   p.lse = static_cast<float*>(lse->untyped_data());
+
+  // Kᵀ and V packed once per key block, then the query tiles.
+  Workspace k_t(PackedKeyFloats(p)), v_rows(PackedKeyFloats(p));
+  if (k_t.get() == nullptr || v_rows.get() == nullptr) return OutOfMemory("jax_flash_fwd");
+  p.packed.k_t = k_t.get();
+  p.packed.v = v_rows.get();
+  if (ffi::Error e = RunTiles(pool, "jax_flash_fwd", KeyItems(p), PaddedHeadDim(p), p,
+                              kernels->pack_key_block);
+      e.failure()) {
+    return e;
+  }
   return RunTiles(pool, "jax_flash_fwd", QueryItems(p), kernels->forward_workspace(p), p,
                   kernels->forward_tile);
 }
@@ -226,9 +241,24 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
   p.dq_accum = static_cast<float*>(dq_accum->untyped_data());
   p.delta = static_cast<float*>(delta->untyped_data());
 
-  // D first: both gradient passes read it for every query row.
-  const int64_t row_floats = 2 * RoundUp(p.head_dim, kAlignFloats);
-  if (ffi::Error e = RunTiles(pool, "jax_flash_bwd", QueryItems(p), row_floats, p, kernels->delta_tile);
+  // Pack Q, dO (computing D on the way), Kᵀ, Vᵀ and K once: both gradient passes
+  // read them for every tile.
+  Workspace q_rows(PackedQueryFloats(p)), dout_rows(PackedQueryFloats(p));
+  Workspace k_t(PackedKeyFloats(p)), v_t(PackedKeyFloats(p)), k_rows(PackedKeyFloats(p));
+  for (const Workspace* w : {&q_rows, &dout_rows, &k_t, &v_t, &k_rows})
+    if (w->get() == nullptr) return OutOfMemory("jax_flash_bwd");
+  p.packed.q = q_rows.get();
+  p.packed.dout = dout_rows.get();
+  p.packed.k_t = k_t.get();
+  p.packed.v_t = v_t.get();
+  p.packed.k = k_rows.get();
+  if (ffi::Error e = RunTiles(pool, "jax_flash_bwd", QueryItems(p), PaddedHeadDim(p), p,
+                              kernels->pack_query_block);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = RunTiles(pool, "jax_flash_bwd", KeyItems(p), PaddedHeadDim(p), p,
+                              kernels->pack_key_block);
       e.failure()) {
     return e;
   }

@@ -17,9 +17,11 @@ struct KernelTable {
   // Floats of workspace one worker needs (64-byte aligned by the caller).
   int64_t (*forward_workspace)(const Problem&);
   int64_t (*backward_workspace)(const Problem&);
-  // One work item each; see tiling.h for how items map to blocks.
+  // One work item each; see tiling.h for how items map to blocks. The pack steps
+  // need a workspace of PaddedHeadDim floats.
+  void (*pack_key_block)(const Problem&, int64_t item, float* workspace);
+  void (*pack_query_block)(const Problem&, int64_t item, float* workspace);
   void (*forward_tile)(const Problem&, int64_t item, float* workspace);
-  void (*delta_tile)(const Problem&, int64_t item, float* workspace);
   void (*key_value_gradient_tile)(const Problem&, int64_t item, float* workspace);
   void (*query_gradient_tile)(const Problem&, int64_t item, float* workspace);
 };

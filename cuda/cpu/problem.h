@@ -53,6 +53,17 @@ struct Problem {
   float* dq_accum = nullptr;
   float* delta = nullptr;  // rowsum(dout * out) - dlse, [B, N, T]
 
+  // Operands packed once per call into float32 tiles (see tiling.h for the layouts),
+  // so that no tile re-reads, re-widens or re-transposes what another tile already did.
+  struct Packed {
+    float* k_t = nullptr;   // Kᵀ per key block      (forward, backward)
+    float* v_t = nullptr;   // Vᵀ per key block      (backward)
+    float* k = nullptr;     // K rows per key block  (backward)
+    float* v = nullptr;     // V rows per key block  (forward)
+    float* q = nullptr;     // scale · Q rows per query block (backward)
+    float* dout = nullptr;  // dO rows per query block        (backward)
+  } packed;
+
   int64_t group_size() const { return q_heads / kv_heads; }
   // Element offset of row t of query head n (q, out, dout, dq).
   int64_t q_row(int64_t b, int64_t t, int64_t n) const {

@@ -5,6 +5,7 @@
 
 #include "cpu/convert.h"
 #include "cpu/problem.h"
+#include "cpu/tiling.h"
 #include "cpu/vec.h"
 
 namespace jax_flash {
@@ -50,6 +51,51 @@ JAX_FLASH_INLINE void PackTransposed(const RowBlock& src, int64_t padded_cols, i
   }
   for (int64_t h = 0; h < src.cols; ++h)
     for (int64_t j = src.rows; j < padded_cols; ++j) tile[h * ld + j] = 0.0f;
+}
+
+// Packs key block `item` = (b, kv head g, key block) of every packed K/V layout the
+// problem asks for (the null ones are skipped). Runs once per call and key block,
+// before any tile that reads it. `row_buffer` holds H floats.
+inline void PackKeyBlock(const Problem& p, int64_t item, float* row_buffer) {
+  const int64_t blocks = KeyBlocks(p);
+  const int64_t b = item / (p.kv_heads * blocks);
+  const int64_t g = item / blocks % p.kv_heads;
+  const int64_t s0 = item % blocks * kBlockK;
+  const int64_t keys = std::min(kBlockK, p.kv_len - s0);
+  const int64_t offset = item * KeyBlockFloats(p);
+  const int64_t hp = PaddedHeadDim(p);
+  const int64_t stride = p.kv_heads * p.head_dim;
+  const RowBlock k{p.k, p.dtype, p.kv_row(b, s0, g), stride, keys, p.head_dim};
+  const RowBlock v{p.v, p.dtype, p.kv_row(b, s0, g), stride, keys, p.head_dim};
+  if (p.packed.k_t != nullptr) PackTransposed(k, kBlockK, kBlockK, row_buffer, p.packed.k_t + offset);
+  if (p.packed.v_t != nullptr) PackTransposed(v, kBlockK, kBlockK, row_buffer, p.packed.v_t + offset);
+  if (p.packed.k != nullptr) PackRows(k, 1.0f, kBlockK, hp, p.packed.k + offset);
+  if (p.packed.v != nullptr) PackRows(v, 1.0f, kBlockK, hp, p.packed.v + offset);
+}
+
+// Backward: packs query block `item` = (b, head n, query block): scale · Q and dO
+// rows, and computes D = rowsum(dO ∘ O) − dlse (FlashAttention-2 Alg. 2, line 4) for
+// its rows. `row_buffer` holds H floats.
+inline void PackQueryBlock(const Problem& p, int64_t item, float* row_buffer) {
+  const int64_t blocks = QueryBlocks(p);
+  const int64_t b = item / (p.q_heads * blocks);
+  const int64_t n = item / blocks % p.q_heads;
+  const int64_t t0 = item % blocks * kBlockQ;
+  const int64_t rows = std::min(kBlockQ, p.q_len - t0);
+  const int64_t offset = item * QueryBlockFloats(p);
+  const int64_t hp = PaddedHeadDim(p);
+  const int64_t stride = p.q_heads * p.head_dim;
+  PackRows({p.q, p.dtype, p.q_row(b, t0, n), stride, rows, p.head_dim}, p.scale, kBlockQ, hp,
+           p.packed.q + offset);
+  PackRows({p.dout, p.dtype, p.q_row(b, t0, n), stride, rows, p.head_dim}, 1.0f, kBlockQ, hp,
+           p.packed.dout + offset);
+  const float* dout = p.packed.dout + offset;
+  for (int64_t i = 0; i < rows; ++i) {
+    LoadRow(p.out, p.dtype, p.q_row(b, t0 + i, n), p.head_dim, row_buffer);
+    float sum = 0.0f;
+    for (int64_t h = 0; h < p.head_dim; ++h) sum += row_buffer[h] * dout[i * hp + h];
+    p.delta[p.stat(b, n, t0 + i)] = sum - p.dlse[p.stat(b, n, t0 + i)];
+  }
 }
 
 }  // namespace JAX_FLASH_CPU_ISA

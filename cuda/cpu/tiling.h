@@ -24,6 +24,22 @@ inline int64_t KeyBlocks(const Problem& p) { return CeilDiv(p.kv_len, kBlockK); 
 inline int64_t QueryItems(const Problem& p) { return p.batch * p.q_heads * QueryBlocks(p); }
 inline int64_t KeyItems(const Problem& p) { return p.batch * p.kv_heads * KeyBlocks(p); }
 
+// Packed operand layouts. Rows are padded to a whole number of the widest vector
+// (16 floats) whatever the ISA, so one layout serves every kernel table.
+inline int64_t PaddedHeadDim(const Problem& p) { return RoundUp(p.head_dim, kAlignFloats); }
+// Kᵀ, Vᵀ: [B][K][key block][H][kBlockK]; K, V rows: [B][K][key block][kBlockK][Hp].
+inline int64_t KeyBlockFloats(const Problem& p) { return kBlockK * PaddedHeadDim(p); }
+inline int64_t KeyBlockIndex(const Problem& p, int64_t b, int64_t g, int64_t s0) {
+  return (b * p.kv_heads + g) * KeyBlocks(p) + s0 / kBlockK;
+}
+inline int64_t PackedKeyFloats(const Problem& p) { return KeyItems(p) * KeyBlockFloats(p); }
+// Q, dO rows: [B][N][query block][kBlockQ][Hp].
+inline int64_t QueryBlockFloats(const Problem& p) { return kBlockQ * PaddedHeadDim(p); }
+inline int64_t QueryBlockIndex(const Problem& p, int64_t b, int64_t n, int64_t t0) {
+  return (b * p.q_heads + n) * QueryBlocks(p) + t0 / kBlockQ;
+}
+inline int64_t PackedQueryFloats(const Problem& p) { return QueryItems(p) * QueryBlockFloats(p); }
+
 // Hands out 64-byte-aligned float buffers from one (64-byte-aligned) workspace
 // allocation. With a null base it only counts, which is how the workspace is sized:
 // one layout function serves both.
