@@ -133,20 +133,8 @@ def _device_memory_bytes() -> Optional[int]:
         return None
 
 
-def measure(
-    impl: str,
-    pass_: str,
-    causal: bool,
-    head_dim: int,
-    seq_len: int,
-    batch: int,
-    heads: int,
-    dtype: str,
-    reps: int,
-    max_temp_bytes: Optional[int],
-    max_seconds: float,
-) -> Result:
-    """One cell of the table. Never raises: failures are the result's status."""
+def _prepare(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, max_temp_bytes):
+    """Compile one cell: (Result, compiled or None, args). A failure is the result's status."""
     spec = AttentionSpec(
         batch=batch,
         q_len=seq_len,
@@ -171,7 +159,7 @@ def measure(
         compiled = jax.jit(fn).lower(*args).compile()
     except Exception as e:  # noqa: BLE001 - reported in the table
         r.status = "OOM" if _is_oom(e) else f"failed: {_short(e)}"
-        return r
+        return r, None, None
     try:
         r.temp_bytes = int(compiled.memory_analysis().temp_size_in_bytes)
     except Exception:  # noqa: BLE001 - some backends have no memory analysis
@@ -181,26 +169,67 @@ def measure(
             f"skipped: needs {r.temp_bytes / 2**30:.1f} GiB temp > --max-temp-gib "
             f"{max_temp_bytes / 2**30:.1f}"
         )
-        return r
+        return r, None, None
+    return r, compiled, args
+
+
+def _run_once(r: Result, compiled, args) -> Optional[float]:
+    """Seconds for one call, or None (and r.status set) when it fails."""
     try:
-        jax.block_until_ready(compiled(*args))  # warm-up
-        times = []
-        spent = 0.0
-        for _ in range(max(1, reps)):
-            t0 = time.perf_counter()
-            jax.block_until_ready(compiled(*args))
-            dt = time.perf_counter() - t0
-            times.append(dt)
-            spent += dt
-            if spent > max_seconds:
-                break
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        return time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - reported in the table
         r.status = "OOM" if _is_oom(e) else f"failed: {_short(e)}"
-        return r
-    r.time_s = statistics.median(times)
-    r.reps = len(times)
-    r.flops_per_s = r.flops / r.time_s
-    return r
+        return None
+
+
+def measure_case(
+    impls: list[str],
+    pass_: str,
+    causal: bool,
+    head_dim: int,
+    seq_len: int,
+    batch: int,
+    heads: int,
+    dtype: str,
+    reps: int,
+    max_temp_bytes: Optional[int],
+    max_seconds: float,
+) -> list[Result]:
+    """One case (pass, causal, H, T) for every implementation. Never raises.
+
+    The timed repetitions are interleaved across implementations (round robin), so a change
+    of machine load during the case affects all of them alike and the ratios stay fair.
+    Each implementation stops repeating once its timed runs took `max_seconds`.
+    """
+    cells = []  # [result, compiled or None, args, times]
+    for impl in impls:
+        r, compiled, args = _prepare(
+            impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, max_temp_bytes
+        )
+        cells.append([r, compiled, args, []])
+    for cell in cells:  # warm-up
+        if cell[1] is not None and _run_once(cell[0], cell[1], cell[2]) is None:
+            cell[1] = None
+    for _ in range(max(1, reps)):
+        for r, compiled, args, times in cells:
+            if compiled is None or r.status != "ok" or sum(times) > max_seconds:
+                continue
+            dt = _run_once(r, compiled, args)
+            if dt is not None:
+                times.append(dt)
+    for r, _, _, times in cells:
+        if r.status == "ok" and times:
+            r.time_s = statistics.median(times)
+            r.reps = len(times)
+            r.flops_per_s = r.flops / r.time_s
+    return [c[0] for c in cells]
+
+
+def measure(impl: str, *args, **kwargs) -> Result:
+    """One cell of the table (see measure_case)."""
+    return measure_case([impl], *args, **kwargs)[0]
 
 
 # ----------------------------------------------------------------------------- which impls
@@ -455,23 +484,23 @@ def main(argv=None) -> list[Result]:
             for causal in causals:
                 for pass_ in passes:
                     # jax.nn first: the others are compared with it.
-                    for impl in sorted(impls, key=lambda n: n != PEER_JAX_NN):
-                        r = measure(
-                            impl,
-                            pass_,
-                            causal,
-                            head_dim,
-                            seq_len,
-                            args.batch,
-                            args.heads,
-                            args.dtype,
-                            args.reps,
-                            max_temp,
-                            args.max_seconds,
-                        )
-                        results.append(r)
-                        _attach_ratios(results)
-                        print(format_table([r], on_gpu).splitlines()[-1], flush=True)
+                    case = measure_case(
+                        sorted(impls, key=lambda n: n != PEER_JAX_NN),
+                        pass_,
+                        causal,
+                        head_dim,
+                        seq_len,
+                        args.batch,
+                        args.heads,
+                        args.dtype,
+                        args.reps,
+                        max_temp,
+                        args.max_seconds,
+                    )
+                    results.extend(case)
+                    _attach_ratios(results)
+                    for line in format_table(case, on_gpu).splitlines()[2:]:
+                        print(line, flush=True)
     _attach_ratios(results)
     print()
     print(format_table(results, on_gpu))
