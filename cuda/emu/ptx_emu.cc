@@ -3,6 +3,7 @@
 // tables written independently, and build/ptx_selftest.cu against the hardware.
 #include "emu/ptx_emu.h"
 
+#include <cstdio>
 #include <string>
 
 namespace jax_flash {

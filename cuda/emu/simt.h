@@ -42,7 +42,6 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 #define __align__(n) alignas(n)
 // Static __shared__ variables are not emulated: the kernels use only dynamic shared memory.
