@@ -1,0 +1,362 @@
+"""The host FFI targets jax_flash_fwd / jax_flash_bwd (platform cpu), called directly.
+
+These tests hold the C++ handlers to the contract in cuda/README.md without the Python
+API in between: operands, attributes and results exactly as documented, against a naive
+float64 NumPy reference of the same mask semantics, forward and backward. They also
+cover what only the handler can answer for: every compiled ISA, bitwise determinism
+across thread counts, errors surfacing as Python exceptions, and the lowered HLO.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jax_flash import _jax_flash_ext
+
+for _name, _capsule in _jax_flash_ext.registrations()["cpu"].items():
+    jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+
+NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+# Bound on |kernel - float64 reference| / (max |reference| + 1): the kernels compute in
+# float32, so 16-bit results are off by about their own rounding.
+TOLERANCE = {"float32": 2e-5, "bfloat16": 1.6e-2, "float16": 2e-3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    b: int = 2
+    t: int = 97
+    s: int = 130
+    n: int = 4
+    kh: int = 2
+    h: int = 40
+    window: tuple = (-1, -1)  # (left, right); -1 unbounded, causal = (-1, 0)
+    q_lengths: Optional[tuple] = None
+    kv_lengths: Optional[tuple] = None
+    segments: bool = False
+    softcap: float = 0.0
+
+
+CONFIGS = {
+    "none": Config(),
+    "causal": Config(window=(-1, 0)),
+    "window": Config(window=(16, 8)),
+    "lengths": Config(q_lengths=(97, 60), kv_lengths=(130, 45)),
+    "segments": Config(segments=True),
+    "softcap_causal": Config(window=(-1, 0), softcap=5.0),
+    "all_masked_batch": Config(kv_lengths=(0, 130)),
+    "window_past_end": Config(t=130, s=97, window=(0, 0)),  # rows t >= S see nothing
+    "mqa_wide": Config(b=1, t=65, s=200, n=3, kh=1, h=64, window=(40, 3)),
+    "combo": Config(
+        window=(48, 0), q_lengths=(90, 97), kv_lengths=(120, 77), segments=True, softcap=3.0
+    ),
+}
+
+
+# ---- the operands and the targets ------------------------------------------------
+
+
+def make_inputs(cfg: Config, dtype: str, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    dt = NP_DTYPES[dtype]
+    q = rng.standard_normal((cfg.b, cfg.t, cfg.n, cfg.h)).astype(dt)
+    k = rng.standard_normal((cfg.b, cfg.s, cfg.kh, cfg.h)).astype(dt)
+    v = rng.standard_normal((cfg.b, cfg.s, cfg.kh, cfg.h)).astype(dt)
+    dout = rng.standard_normal((cfg.b, cfg.t, cfg.n, cfg.h)).astype(dt)
+    dlse = (0.3 * rng.standard_normal((cfg.b, cfg.n, cfg.t))).astype(np.float32)
+    q_len = np.array(cfg.q_lengths or (cfg.t,) * cfg.b, np.int32)
+    kv_len = np.array(cfg.kv_lengths or (cfg.s,) * cfg.b, np.int32)
+    if cfg.segments:
+        # Sorted document ids (packed sequences), with query id 3 absent from the keys of
+        # batch 0, so that some rows see nothing.
+        q_seg = np.sort(rng.integers(0, 4, (cfg.b, cfg.t)), axis=1).astype(np.int32)
+        kv_seg = np.sort(rng.integers(0, 3, (cfg.b, cfg.s)), axis=1).astype(np.int32)
+    else:
+        q_seg = np.zeros((cfg.b, cfg.t), np.int32)
+        kv_seg = np.zeros((cfg.b, cfg.s), np.int32)
+    return dict(q=q, k=k, v=v, dout=dout, dlse=dlse, q_len=q_len, kv_len=kv_len,
+                q_seg=q_seg, kv_seg=kv_seg)
+
+
+def attributes(cfg: Config) -> dict:
+    return dict(
+        scale=np.float32(1.0 / np.sqrt(cfg.h)),
+        window_left=np.int64(cfg.window[0]),
+        window_right=np.int64(cfg.window[1]),
+        softcap=np.float32(cfg.softcap),
+        use_segment_ids=bool(cfg.segments),
+    )
+
+
+def call_forward(x: dict, attrs: dict):
+    q, k = x["q"], x["k"]
+    b, t, n, _ = q.shape
+    shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32))
+    return jax.ffi.ffi_call("jax_flash_fwd", shapes)(
+        q, k, x["v"], x["q_len"], x["kv_len"], x["q_seg"], x["kv_seg"], **attrs
+    )
+
+
+def call_backward(x: dict, out, lse, attrs: dict):
+    q, k = x["q"], x["k"]
+    b, t, n, h = q.shape
+    shapes = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct(k.shape, k.dtype),
+        jax.ShapeDtypeStruct(k.shape, k.dtype),
+        jax.ShapeDtypeStruct((b, t, n, h), jnp.float32),
+        jax.ShapeDtypeStruct((b, n, t), jnp.float32),
+    )
+    return jax.ffi.ffi_call("jax_flash_bwd", shapes)(
+        q, k, x["v"], out, x["dout"], lse, x["dlse"], x["q_len"], x["kv_len"], x["q_seg"],
+        x["kv_seg"], **attrs, deterministic=True,
+    )
+
+
+def run_both(x: dict, attrs: dict):
+    out, lse = call_forward(x, attrs)
+    grads = call_backward(x, out, lse, attrs)
+    return [np.asarray(a) for a in (out, lse, *grads)]
+
+
+@contextlib.contextmanager
+def environment(**values):
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update({name: str(value) for name, value in values.items()})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+# ---- the float64 reference -----------------------------------------------------------
+
+
+def visible(cfg: Config, x: dict) -> np.ndarray:
+    """[B, T, S] bool: which keys each query row sees."""
+    t = np.arange(cfg.t)[:, None]
+    s = np.arange(cfg.s)[None, :]
+    vis = np.ones((cfg.t, cfg.s), bool)
+    if cfg.window[0] >= 0:
+        vis &= s >= t - cfg.window[0]
+    if cfg.window[1] >= 0:
+        vis &= s <= t + cfg.window[1]
+    vis = np.broadcast_to(vis, (cfg.b, cfg.t, cfg.s)).copy()
+    vis &= np.arange(cfg.t)[None, :, None] < x["q_len"][:, None, None]
+    vis &= np.arange(cfg.s)[None, None, :] < x["kv_len"][:, None, None]
+    if cfg.segments:
+        vis &= x["q_seg"][:, :, None] == x["kv_seg"][:, None, :]
+    return vis
+
+
+def reference(cfg: Config, x: dict, out_used=None):
+    """out, lse, dq, dk, dv, delta in float64 (delta from `out_used`, the out the
+    backward is given)."""
+    f = lambda a: np.asarray(a).astype(np.float64)
+    q, k, v, dout, dlse = f(x["q"]), f(x["k"]), f(x["v"]), f(x["dout"]), f(x["dlse"])
+    group = cfg.n // cfg.kh
+    kk, vv = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    scale = float(np.float32(1.0 / np.sqrt(cfg.h)))
+    raw = scale * np.einsum("btnh,bsnh->bnts", q, kk)
+    capped = cfg.softcap * np.tanh(raw / cfg.softcap) if cfg.softcap > 0 else raw
+    vis = visible(cfg, x)[:, None]
+    logits = np.where(vis, capped, -np.inf)
+    any_vis = vis.any(-1, keepdims=True)
+    m = np.where(any_vis, logits.max(-1, keepdims=True), 0.0)
+    e = np.where(vis, np.exp(logits - m), 0.0)
+    l = e.sum(-1, keepdims=True)
+    p = np.where(any_vis, e / np.where(any_vis, l, 1.0), 0.0)
+    out = np.einsum("bnts,bsnh->btnh", p, vv)
+    lse = np.where(any_vis[..., 0], (m + np.log(np.where(any_vis, l, 1.0)))[..., 0], -np.inf)
+    o = out if out_used is None else f(out_used)
+    delta = np.einsum("btnh,btnh->bnt", dout, o) - dlse
+    dp = np.einsum("btnh,bsnh->bnts", dout, vv)
+    ds = p * (dp - delta[..., None])
+    if cfg.softcap > 0:
+        ds *= 1.0 - np.tanh(raw / cfg.softcap) ** 2
+    dq = scale * np.einsum("bnts,bsnh->btnh", ds, kk)
+    dk = scale * np.einsum("bnts,btnh->bsnh", ds, q)
+    dv = np.einsum("bnts,btnh->bsnh", p, dout)
+    fold = lambda a: a.reshape(cfg.b, cfg.s, cfg.kh, group, cfg.h).sum(3)
+    return out, lse, dq, fold(dk), fold(dv), delta
+
+
+def assert_close(name, got, want, dtype):
+    got = np.asarray(got).astype(np.float64)
+    assert np.all(np.isfinite(got)), f"{name}: non-finite values"
+    err = np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1.0)
+    assert err <= TOLERANCE[dtype], f"{name}: relative error {err:.3g} > {TOLERANCE[dtype]}"
+
+
+def check_against_reference(cfg: Config, dtype: str, results):
+    x = make_inputs(cfg, dtype)
+    out, lse, dq, dk, dv, dq_accum, delta = results
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv, ref_delta = reference(cfg, x, out_used=out)
+    assert out.dtype == x["q"].dtype and dq.dtype == x["q"].dtype and dk.dtype == x["k"].dtype
+    assert_close("out", out, ref_out, dtype)
+    # lse: the same -inf rows, close elsewhere.
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    finite = np.isfinite(ref_lse)
+    assert_close("lse", lse[finite], ref_lse[finite], "float32")
+    assert_close("delta", delta, ref_delta, "float32")
+    assert_close("dq", dq, ref_dq, dtype)
+    assert_close("dq_accum", dq_accum, ref_dq, dtype)
+    assert_close("dk", dk, ref_dk, dtype)
+    assert_close("dv", dv, ref_dv, dtype)
+    # Rows that see nothing: exactly zero output and gradient, lse = -inf.
+    empty = ~visible(cfg, x).any(-1)  # [B, T]
+    assert np.all(np.asarray(out, np.float64)[empty] == 0)
+    assert np.all(np.asarray(dq, np.float64)[empty] == 0)
+    assert np.all(np.isneginf(lse.transpose(0, 2, 1)[empty]))
+    return empty
+
+
+# ---- tests -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_matches_reference_f32(config):
+    cfg = CONFIGS[config]
+    x = make_inputs(cfg, "float32")
+    check_against_reference(cfg, "float32", run_both(x, attributes(cfg)))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("config", ["none", "combo", "all_masked_batch", "mqa_wide"])
+def test_matches_reference_16bit(config, dtype):
+    cfg = CONFIGS[config]
+    x = make_inputs(cfg, dtype)
+    check_against_reference(cfg, dtype, run_both(x, attributes(cfg)))
+
+
+def test_fully_masked_rows_exist_in_cases():
+    """The cases above really contain rows that see no key (and rows that do)."""
+    for name in ("segments", "all_masked_batch", "window_past_end", "combo"):
+        cfg = CONFIGS[name]
+        vis = visible(cfg, make_inputs(cfg, "float32")).any(-1)
+        assert (~vis).any() and vis.any(), name
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+def test_every_isa(isa):
+    """Each compiled ISA matches the reference; one this CPU lacks is refused by name."""
+    cfg = CONFIGS["combo"]
+    x = make_inputs(cfg, "float32")
+    with environment(JAX_FLASH_CPU_ISA=isa):
+        try:
+            results = run_both(x, attributes(cfg))
+        except Exception as e:  # noqa: BLE001 — the refusal must name the ISA
+            assert f"JAX_FLASH_CPU_ISA={isa}" in str(e) and "lacks" in str(e), e
+            return
+    check_against_reference(cfg, "float32", results)
+
+
+def test_threads_bitwise_deterministic():
+    """All threads vs one thread (JAX_FLASH_CPU_THREADS=1): the same bits."""
+    cfg = Config(b=2, t=300, s=260, n=4, kh=2, h=64, window=(-1, 0), softcap=4.0)
+    x = make_inputs(cfg, "float32", seed=1)
+    attrs = attributes(cfg)
+    with environment(JAX_FLASH_CPU_THREADS=1):
+        single = run_both(x, attrs)
+    with environment(JAX_FLASH_CPU_THREADS=0):  # 0: no cap
+        multi = run_both(x, attrs)
+    again = run_both(x, attrs)
+    for a, b, c in zip(single, multi, again):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+        np.testing.assert_array_equal(a.view(np.uint8), c.view(np.uint8))
+
+
+def test_jit_lowers_to_custom_calls_without_t_by_s_tensor():
+    cfg = CONFIGS["combo"]
+    x = make_inputs(cfg, "float32")
+    attrs = attributes(cfg)
+
+    def loss(q, k, v):
+        y = dict(x, q=q, k=k, v=v)
+        out, lse = call_forward(y, attrs)
+        dq, dk, dv, _, _ = call_backward(y, out, lse, attrs)
+        return jnp.sum(out) + jnp.sum(dq) + jnp.sum(dk) + jnp.sum(dv)
+
+    text = jax.jit(loss).lower(x["q"], x["k"], x["v"]).as_text()
+    assert re.search(r"custom_call.*jax_flash_fwd", text)
+    assert re.search(r"custom_call.*jax_flash_bwd", text)
+    assert f"{cfg.t}x{cfg.s}" not in text and f"{cfg.s}x{cfg.t}" not in text
+
+
+def test_public_api_lowers_to_cpu_custom_calls():
+    """jax_flash.attention(implementation="cpu") under jit and grad: the same targets."""
+    import jax_flash
+
+    cfg = CONFIGS["combo"]
+    x = make_inputs(cfg, "float32")
+    f = lambda q, k, v: jnp.sum(jax_flash.attention(q, k, v, is_causal=True, implementation="cpu"))
+    text = jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(x["q"], x["k"], x["v"]).as_text()
+    assert "jax_flash_fwd" in text and "jax_flash_bwd" in text
+    assert f"{cfg.t}x{cfg.s}" not in text and f"{cfg.s}x{cfg.t}" not in text
+
+
+def bad_call(target: str, **changes):
+    """Calls `target` with operands (or result shapes) replaced by `changes`."""
+    cfg = Config(b=1, t=8, s=8, n=2, kh=2, h=16)
+    x = make_inputs(cfg, "float32")
+    attrs = attributes(cfg)
+    attrs.update({key: changes.pop(key) for key in list(changes) if key in attrs})
+    x.update(changes)
+    if target == "jax_flash_fwd":
+        return jax.block_until_ready(call_forward(x, attrs))
+    out, lse = call_forward(dict(make_inputs(cfg, "float32")), attributes(cfg))
+    return jax.block_until_ready(call_backward(x, out, lse, attrs))
+
+
+@pytest.mark.parametrize(
+    "target,changes,message",
+    [
+        ("jax_flash_fwd", dict(q=np.zeros((1, 8, 3, 16), np.float32)),
+         "query heads N = 3 must be a multiple of the number of kv heads K = 2"),
+        ("jax_flash_fwd", dict(k=np.zeros((1, 8, 2, 16), np.float16)), "k has dtype f16, expected f32"),
+        ("jax_flash_fwd", dict(v=np.zeros((1, 9, 2, 16), np.float32)), r"v has shape \[1, 9, 2, 16\]"),
+        ("jax_flash_fwd", dict(k=np.zeros((8, 2, 16), np.float32)), "k must have rank 4"),
+        ("jax_flash_fwd", dict(kv_len=np.zeros((2,), np.int32)), r"kv_lengths has shape \[2\]"),
+        ("jax_flash_fwd", dict(q_seg=np.zeros((1, 7), np.int32)), r"q_segment_ids has shape \[1, 7\]"),
+        ("jax_flash_fwd", dict(q_len=np.zeros((1,), np.float32)), "q_lengths has dtype f32, expected s32"),
+        ("jax_flash_fwd", dict(window_left=np.int64(-2)), "window_left and window_right"),
+        ("jax_flash_fwd", dict(softcap=np.float32(-1.0)), "softcap must be >= 0"),
+        ("jax_flash_bwd", dict(dlse=np.zeros((1, 8, 2), np.float32)), r"dlse has shape \[1, 8, 2\]"),
+        ("jax_flash_bwd", dict(dout=np.zeros((1, 8, 2, 16), np.float16)), "dout has dtype f16"),
+    ],
+)
+def test_handler_errors_surface_as_exceptions(target, changes, message):
+    with pytest.raises(Exception, match=message):
+        bad_call(target, **changes)
+
+
+def test_wrong_result_shape_is_an_error():
+    cfg = Config(b=1, t=8, s=8, n=2, kh=2, h=16)
+    x = make_inputs(cfg, "float32")
+    shapes = (jax.ShapeDtypeStruct(x["q"].shape, jnp.float32),
+              jax.ShapeDtypeStruct((1, 8, 2), jnp.float32))  # lse must be [B, N, T]
+    with pytest.raises(Exception, match=r"lse has shape \[1, 8, 2\], expected \[1, 2, 8\]"):
+        jax.block_until_ready(jax.ffi.ffi_call("jax_flash_fwd", shapes)(
+            x["q"], x["k"], x["v"], x["q_len"], x["kv_len"], x["q_seg"], x["kv_seg"],
+            **attributes(cfg)))
+
+
+def test_unknown_isa_is_an_error():
+    cfg = CONFIGS["none"]
+    with environment(JAX_FLASH_CPU_ISA="sse9"):
+        with pytest.raises(Exception, match="JAX_FLASH_CPU_ISA=sse9 is not one of"):
+            run_both(make_inputs(cfg, "float32"), attributes(cfg))
