@@ -10,7 +10,8 @@
 //   g++ -std=c++17 -O1 -DJAX_FLASH_EMULATE -Icuda -x c++ -c build/ptx_selftest.cu -o $T/emu_side.o
 //   g++ -std=c++17 -O1 -Icuda -c cuda/emu/simt.cc -o $T/simt.o
 //   g++ -std=c++17 -O1 -Icuda -c cuda/emu/ptx_emu.cc -o $T/ptx_emu.o
-//   nvcc -std=c++17 -O2 -arch=sm_90 -Icuda build/ptx_selftest.cu $T/emu_side.o $T/simt.o $T/ptx_emu.o -o $T/ptx_selftest
+//   OBJS="$T/emu_side.o $T/simt.o $T/ptx_emu.o"
+//   nvcc -std=c++17 -O2 -arch=sm_90 -Icuda build/ptx_selftest.cu $OBJS -o $T/ptx_selftest
 //   $T/ptx_selftest
 //
 // Comparisons: bit-exact for ldmatrix, cp.async, cvt and shfl, and for mma on integer-valued
@@ -28,10 +29,10 @@
 
 namespace selftest {
 
-constexpr int kMmaCases = 16;   // per dtype; cases 0..3 integer-valued, 4 with inf/NaN, rest random
-constexpr int kLdRows = 32;     // 16-byte rows of the ldmatrix source
+constexpr int kMmaCases = 16;  // per dtype; cases 0..3 integer-valued, 4 with inf/NaN, rest random
+constexpr int kLdRows = 32;    // 16-byte rows of the ldmatrix source
 constexpr int kCpThreads = 64;
-constexpr int kPerLane = 64;    // values per lane for ex2 / cvt_pack
+constexpr int kPerLane = 64;          // values per lane for ex2 / cvt_pack
 constexpr int kCvtF16PerLane = 2048;  // 32 x 2048 = every f16 bit pattern
 
 struct Inputs {
@@ -46,13 +47,13 @@ struct Inputs {
 };
 
 struct Outputs {
-  std::vector<float> mma_d[2];          // [dtype][case][lane][4]
-  std::vector<uint32_t> ld[4];          // [variant][lane][4]: x4, x4.trans, x2, x2.trans
-  std::vector<uint8_t> cp;              // [3][kCpThreads][16]
-  std::vector<float> ex2;               // [32][kPerLane]
+  std::vector<float> mma_d[2];              // [dtype][case][lane][4]
+  std::vector<uint32_t> ld[4];              // [variant][lane][4]: x4, x4.trans, x2, x2.trans
+  std::vector<uint8_t> cp;                  // [3][kCpThreads][16]
+  std::vector<float> ex2;                   // [32][kPerLane]
   std::vector<uint32_t> cvt_bf16, cvt_f16;  // [32][kPerLane]
-  std::vector<float> cvt_f32_f16;       // [65536]
-  std::vector<float> shfl;              // [32][6]
+  std::vector<float> cvt_f32_f16;           // [65536]
+  std::vector<float> shfl;                  // [32][6]
 };
 
 }  // namespace selftest
@@ -200,7 +201,7 @@ void release(T* p) {
 }
 template <class... Params, class... Args>
 std::string run(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args... args) {
-  kernel<<<grid, block, smem>>>(static_cast<Params>(args)...);
+  kernel<<<grid, block, smem> > >(static_cast<Params>(args)...);
   cudaError_t err = cudaGetLastError();
   if (err == cudaSuccess) err = cudaDeviceSynchronize();
   return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
@@ -275,12 +276,25 @@ std::string run_all(const selftest::Inputs& in, selftest::Outputs* out);
 namespace selftest {
 namespace {
 
-uint32_t fbits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-float bitsf(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+uint32_t fbits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+float bitsf(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 struct Rng {  // xorshift64*, deterministic
   uint64_t s = 0x2545f4914f6cdd1dull;
-  uint64_t next() { s ^= s >> 12; s ^= s << 25; s ^= s >> 27; return s * 0x2545f4914f6cdd1dull; }
+  uint64_t next() {
+    s ^= s >> 12;
+    s ^= s << 25;
+    s ^= s >> 27;
+    return s * 0x2545f4914f6cdd1dull;
+  }
   uint32_t u32() { return static_cast<uint32_t>(next() >> 32); }
   double uniform() { return (next() >> 11) * (1.0 / 9007199254740992.0); }
 };
@@ -290,7 +304,7 @@ uint16_t int_f16(int v) {
   if (v == 0) return 0;
   uint16_t sign = v < 0 ? 0x8000 : 0;
   int a = v < 0 ? -v : v, e = 0;
-  while ((a >> e) > 1) ++e;  // a in [2^e, 2^(e+1))
+  while ((a >> e) > 1) ++e;            // a in [2^e, 2^(e+1))
   int mant = (a << (10 - e)) & 0x3ff;  // exact for |v| < 2048
   return static_cast<uint16_t>(sign | ((e + 15) << 10) | mant);
 }
@@ -321,12 +335,14 @@ Inputs make_inputs() {
           return dt ? random_bf16(r) : random_f16(r);
         };
         for (int i = 0; i < 4; ++i) in.mma_a[dt][at * 4 + i] = half(i, 0) | (static_cast<uint32_t>(half(i, 1)) << 16);
-        for (int i = 0; i < 2; ++i) in.mma_b[dt][at * 2 + i] = half(4 + i, 0) | (static_cast<uint32_t>(half(4 + i, 1)) << 16);
+        for (int i = 0; i < 2; ++i)
+          in.mma_b[dt][at * 2 + i] = half(4 + i, 0) | (static_cast<uint32_t>(half(4 + i, 1)) << 16);
         for (int i = 0; i < 4; ++i)
-          in.mma_c[dt][at * 4 + i] = cs < 4 ? static_cast<float>(lane * 4 + i - 64) : static_cast<float>(r.uniform() * 8 - 4);
-        if (cs == 4 && lane == 9) {  // inf and NaN propagate to the rows/columns they touch
-          in.mma_a[dt][at * 4 + 0] = dt ? 0x7f80u : 0x7c00u;               // +inf
-          in.mma_b[dt][at * 2 + 1] = dt ? 0x7fc00000u : 0x7e000000u;       // NaN in the high half
+          in.mma_c[dt][at * 4 + i] =
+              cs < 4 ? static_cast<float>(lane * 4 + i - 64) : static_cast<float>(r.uniform() * 8 - 4);
+        if (cs == 4 && lane == 9) {                           // inf and NaN propagate to the rows/columns they touch
+          in.mma_a[dt][at * 4 + 0] = dt ? 0x7f80u : 0x7c00u;  // +inf
+          in.mma_b[dt][at * 2 + 1] = dt ? 0x7fc00000u : 0x7e000000u;  // NaN in the high half
         }
       }
   }
@@ -338,11 +354,41 @@ Inputs make_inputs() {
   in.cp_src.resize(2 * kCpThreads * 16);
   for (size_t i = 0; i < in.cp_src.size(); ++i) in.cp_src[i] = static_cast<uint8_t>(i * 31 + 1);
   // ex2 and cvt: special values first, then random ones.
-  const float specials[] = {0.0f, -0.0f, 1.0f, -1.0f, 0.5f, -126.0f, -127.5f, -149.0f, -150.0f, 127.0f, 128.0f,
-                            INFINITY, -INFINITY, NAN, bitsf(0x00000010), bitsf(0x80000010), bitsf(0x007fffff),
-                            1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, 1.0f + 0x1p-11f, 1.0f + 3 * 0x1p-11f, 65504.0f,
-                            65519.0f, 65520.0f, 0x1p-24f, 0x1p-25f, 0x1.8p-25f, 0x1p-14f, 0x1.ffcp-15f,
-                            bitsf(0x7f7fffff), bitsf(0xffc12345), 3.14159265f, -2.71828183f, 1e-10f, 1e10f};
+  const float specials[] = {0.0f,
+                            -0.0f,
+                            1.0f,
+                            -1.0f,
+                            0.5f,
+                            -126.0f,
+                            -127.5f,
+                            -149.0f,
+                            -150.0f,
+                            127.0f,
+                            128.0f,
+                            INFINITY,
+                            -INFINITY,
+                            NAN,
+                            bitsf(0x00000010),
+                            bitsf(0x80000010),
+                            bitsf(0x007fffff),
+                            1.0f + 0x1p-8f,
+                            1.0f + 3 * 0x1p-8f,
+                            1.0f + 0x1p-11f,
+                            1.0f + 3 * 0x1p-11f,
+                            65504.0f,
+                            65519.0f,
+                            65520.0f,
+                            0x1p-24f,
+                            0x1p-25f,
+                            0x1.8p-25f,
+                            0x1p-14f,
+                            0x1.ffcp-15f,
+                            bitsf(0x7f7fffff),
+                            bitsf(0xffc12345),
+                            3.14159265f,
+                            -2.71828183f,
+                            1e-10f,
+                            1e10f};
   const int ns = sizeof(specials) / sizeof(specials[0]);
   in.ex2_in.resize(32 * kPerLane);
   in.cvt_lo.resize(32 * kPerLane);
@@ -398,8 +444,8 @@ void compare_mma(const Outputs& g, const Outputs& e, int dt) {
         else
           ok = std::fabs(static_cast<double>(gv) - ev) <= 0x1p-19 * scale;  // 16 ulps of the largest output
         if (!ok && bad++ == 0)
-          first = "case " + std::to_string(cs) + " lane " + std::to_string(lane) + " d[" + std::to_string(i) + "]: " +
-                  fmt("gpu %.9g emu %.9g", gv, ev);
+          first = "case " + std::to_string(cs) + " lane " + std::to_string(lane) + " d[" + std::to_string(i) +
+                  "]: " + fmt("gpu %.9g emu %.9g", gv, ev);
       }
   }
   verdict(dt ? "mma_m16n8k16_bf16" : "mma_m16n8k16_f16", bad, first);
@@ -412,8 +458,8 @@ void compare_ldmatrix(const Outputs& g, const Outputs& e) {
     std::string first;
     for (int i = 0; i < 128; ++i)
       if (g.ld[v][i] != e.ld[v][i] && bad++ == 0)
-        first = "lane " + std::to_string(i / 4) + " r[" + std::to_string(i % 4) + "]: " +
-                hex2("gpu", g.ld[v][i], "emu", e.ld[v][i]);
+        first = "lane " + std::to_string(i / 4) + " r[" + std::to_string(i % 4) +
+                "]: " + hex2("gpu", g.ld[v][i], "emu", e.ld[v][i]);
     verdict(names[v], bad, first);
   }
 }
@@ -422,8 +468,7 @@ void compare_bytes(const char* name, const std::vector<uint8_t>& g, const std::v
   int bad = 0;
   std::string first;
   for (size_t i = 0; i < g.size(); ++i)
-    if (g[i] != e[i] && bad++ == 0)
-      first = "byte " + std::to_string(i) + fmt(": gpu %.0f emu %.0f", g[i], e[i]);
+    if (g[i] != e[i] && bad++ == 0) first = "byte " + std::to_string(i) + fmt(": gpu %.0f emu %.0f", g[i], e[i]);
   verdict(name, bad, first);
 }
 
@@ -443,8 +488,8 @@ void compare_scalars(const Inputs& in, const Outputs& g, const Outputs& e) {
     std::string first;
     for (int i = 0; i < 32 * kPerLane; ++i) {
       const float gv = g.ex2[i], ev = e.ex2[i];
-      bool ok = (std::isnan(gv) && std::isnan(ev)) || gv == ev ||
-                (ulp_distance(gv, ev) <= 4) || (std::fabs(gv - ev) <= 0x1p-125f);
+      bool ok = (std::isnan(gv) && std::isnan(ev)) || gv == ev || (ulp_distance(gv, ev) <= 4) ||
+                (std::fabs(gv - ev) <= 0x1p-125f);
       if (!ok && bad++ == 0) first = fmt("x = %.9g: ", in.ex2_in[i], 0) + fmt("gpu %.9g emu %.9g", gv, ev);
     }
     verdict("ex2_approx", bad, first);
@@ -456,8 +501,7 @@ void compare_scalars(const Inputs& in, const Outputs& g, const Outputs& e) {
     std::string first;
     for (int i = 0; i < 32 * kPerLane; ++i)
       if (gv[i] != ev[i] && bad++ == 0)
-        first = fmt("lo %.9g hi %.9g: ", in.cvt_lo[i], in.cvt_hi[i]) +
-                hex2("gpu", gv[i], "emu", ev[i]);
+        first = fmt("lo %.9g hi %.9g: ", in.cvt_lo[i], in.cvt_hi[i]) + hex2("gpu", gv[i], "emu", ev[i]);
     verdict(which ? "cvt_pack_f16x2" : "cvt_pack_bf16x2", bad, first);
   }
   {
@@ -466,7 +510,8 @@ void compare_scalars(const Inputs& in, const Outputs& g, const Outputs& e) {
     for (int h = 0; h < 65536; ++h) {
       const float gv = g.cvt_f32_f16[h], ev = e.cvt_f32_f16[h];
       bool ok = (std::isnan(gv) && std::isnan(ev)) || fbits(gv) == fbits(ev);
-      if (!ok && bad++ == 0) first = hex2("f16", static_cast<uint32_t>(h), "->", 0) + hex2(": gpu", fbits(gv), "emu", fbits(ev));
+      if (!ok && bad++ == 0)
+        first = hex2("f16", static_cast<uint32_t>(h), "->", 0) + hex2(": gpu", fbits(gv), "emu", fbits(ev));
     }
     verdict("cvt_f32_f16", bad, first);
   }
@@ -475,7 +520,8 @@ void compare_scalars(const Inputs& in, const Outputs& g, const Outputs& e) {
     std::string first;
     for (int i = 0; i < 32 * 6; ++i)
       if (fbits(g.shfl[i]) != fbits(e.shfl[i]) && bad++ == 0)
-        first = "lane " + std::to_string(i / 6) + " value " + std::to_string(i % 6) + fmt(": gpu %.9g emu %.9g", g.shfl[i], e.shfl[i]);
+        first = "lane " + std::to_string(i / 6) + " value " + std::to_string(i % 6) +
+                fmt(": gpu %.9g emu %.9g", g.shfl[i], e.shfl[i]);
     verdict("__shfl_xor_sync/__shfl_sync", bad, first);
   }
 }

@@ -10,8 +10,16 @@
 namespace jax_flash {
 namespace emu {
 
-inline uint32_t float_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-inline float bits_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 // float -> bfloat16 bits, round to nearest even; NaN -> 0x7fff. Overflow rounds to +-inf.
 inline uint16_t float_to_bf16_rn(float f) {
@@ -31,17 +39,17 @@ inline uint16_t float_to_f16_rn(float f) {
   if (a > 0x7f800000u) return 0x7fff;
   if (a >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds to infinity
   int exp = static_cast<int>(a >> 23) - 127;
-  uint32_t mant = (a & 0x7fffffu) | 0x800000u;   // 24 significant bits (implicit one)
-  if (a < 0x00800000u) return sign;              // float subnormal: far below the f16 range
-  int shift;                                      // bits to drop from the 24-bit significand
+  uint32_t mant = (a & 0x7fffffu) | 0x800000u;  // 24 significant bits (implicit one)
+  if (a < 0x00800000u) return sign;             // float subnormal: far below the f16 range
+  int shift;                                    // bits to drop from the 24-bit significand
   uint32_t base;
-  if (exp >= -14) {                               // normal f16: keep 11 bits
+  if (exp >= -14) {  // normal f16: keep 11 bits
     shift = 13;
     base = static_cast<uint32_t>(exp + 15) << 10;
-    mant &= 0x7fffffu;                            // the implicit one is carried by the exponent
-  } else {                                        // subnormal f16: value = m * 2^-24
+    mant &= 0x7fffffu;  // the implicit one is carried by the exponent
+  } else {              // subnormal f16: value = m * 2^-24
     shift = 13 + (-14 - exp);
-    if (shift > 24) return sign;                  // below half the smallest subnormal
+    if (shift > 24) return sign;  // below half the smallest subnormal
     base = 0;
   }
   uint32_t kept = mant >> shift;

@@ -59,7 +59,7 @@ std::string compute_mma(uint32_t, const void* const* in, void* const* out, void*
     const MmaIn& x = *static_cast<const MmaIn*>(in[lane]);
     const int group = lane >> 2, tig = lane & 3;
     for (int i = 0; i < 8; ++i) {
-      const int row = group + (((i >> 1) & 1) ? 8 : 0);   // a2,a3,a6,a7 -> +8
+      const int row = group + (((i >> 1) & 1) ? 8 : 0);  // a2,a3,a6,a7 -> +8
       const int col = tig * 2 + (i & 1) + (i >= 4 ? 8 : 0);
       A[row][col] = half_at<kBf16>(x.a, i);
     }
@@ -112,7 +112,8 @@ std::string compute_ldmatrix(uint32_t, const void* const* in, void* const* out, 
                " is not 16-byte aligned";
       if (detail::smem_in_flight(offset))
         return std::string("ldmatrix: lane ") + std::to_string(lane) + " reads shared memory offset " +
-               std::to_string(offset) + " while a cp.async into it has not been waited for (missing "
+               std::to_string(offset) +
+               " while a cp.async into it has not been waited for (missing "
                "cp.async.wait_group or __syncthreads)";
       std::memcpy(M[m][row], p, 16);
     }
@@ -129,9 +130,11 @@ std::string compute_ldmatrix(uint32_t, const void* const* in, void* const* out, 
 }
 
 const detail::CollectiveKind kLdmatrixX4{"ldmatrix.sync.aligned.m8n8.x4.shared.b16", &compute_ldmatrix<4, false>};
-const detail::CollectiveKind kLdmatrixX4T{"ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", &compute_ldmatrix<4, true>};
+const detail::CollectiveKind kLdmatrixX4T{"ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
+                                          &compute_ldmatrix<4, true>};
 const detail::CollectiveKind kLdmatrixX2{"ldmatrix.sync.aligned.m8n8.x2.shared.b16", &compute_ldmatrix<2, false>};
-const detail::CollectiveKind kLdmatrixX2T{"ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16", &compute_ldmatrix<2, true>};
+const detail::CollectiveKind kLdmatrixX2T{"ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16",
+                                          &compute_ldmatrix<2, true>};
 
 }  // namespace
 
@@ -160,8 +163,9 @@ void ldmatrix_x2_trans(uint32_t r[2], const void* smem_row_ptr) {
 void cp_async_16(void* smem_dst, const void* gmem_src, int src_bytes) {
   size_t offset;
   if (!detail::smem_range_ok(smem_dst, 16, &offset))
-    detail::fail("cp.async: destination " + hex_ptr(smem_dst) + " (16 bytes) is outside the block's dynamic shared memory [" +
-                 hex_ptr(dynamic_smem()) + ", +" + std::to_string(dynamic_smem_size()) + " bytes)");
+    detail::fail("cp.async: destination " + hex_ptr(smem_dst) +
+                 " (16 bytes) is outside the block's dynamic shared memory [" + hex_ptr(dynamic_smem()) + ", +" +
+                 std::to_string(dynamic_smem_size()) + " bytes)");
   if (offset % 16 != 0) detail::fail("cp.async: destination " + hex_ptr(smem_dst) + " is not 16-byte aligned");
   if (src_bytes < 0 || src_bytes > 16)
     detail::fail("cp.async: src-size " + std::to_string(src_bytes) + " is outside [0, 16]");

@@ -86,8 +86,8 @@ __asm__(
 namespace {
 
 constexpr int kWarpSize = 32;
-constexpr size_t kRedZone = 256;           // bytes on each side of the dynamic shared memory
-constexpr unsigned char kPoison = 0xFF;    // NaN as f16, bf16 and f32
+constexpr size_t kRedZone = 256;         // bytes on each side of the dynamic shared memory
+constexpr unsigned char kPoison = 0xFF;  // NaN as f16, bf16 and f32
 constexpr unsigned char kRedZoneByte = 0xA5;
 
 enum class State { kRunnable, kCollective, kBarrier, kExited };
@@ -119,9 +119,9 @@ struct Fiber {
 };
 
 struct Warp {
-  uint32_t exists = 0;      // lanes that exist (a block may end in a partial warp)
-  uint32_t exited = 0;      // lanes that have returned from the kernel
-  uint32_t at_barrier = 0;  // lanes waiting at __syncthreads
+  uint32_t exists = 0;                   // lanes that exist (a block may end in a partial warp)
+  uint32_t exited = 0;                   // lanes that have returned from the kernel
+  uint32_t at_barrier = 0;               // lanes waiting at __syncthreads
   const CollectiveKind* kind = nullptr;  // the collective some lanes wait at, or nullptr
   uint32_t mask = 0, arrived = 0;
   void* arg = nullptr;
@@ -172,7 +172,7 @@ struct Runtime {
   char* smem = nullptr;
   size_t smem_bytes = 0;
   std::vector<uint16_t> in_flight;  // per 16-byte granule of smem: cp.async copies not yet landed
-  std::vector<int> queue;  // runnable fibers not currently running (ring buffer)
+  std::vector<int> queue;           // runnable fibers not currently running (ring buffer)
   size_t queue_head = 0, queue_size = 0;
   int at_barrier = 0;
   int exited = 0;
@@ -369,14 +369,14 @@ std::string describe_deadlock(const Runtime& rt) {
     if (w.kind != nullptr)
       s += " warp " + std::to_string(wi) + " lanes " + lanes_of(w.arrived) + " wait at " + w.kind->name +
            " for lanes " + lanes_of(w.mask & ~w.arrived) + ";";
-    if (w.at_barrier) s += " warp " + std::to_string(wi) + " lanes " + lanes_of(w.at_barrier) + " wait at __syncthreads;";
+    if (w.at_barrier)
+      s += " warp " + std::to_string(wi) + " lanes " + lanes_of(w.at_barrier) + " wait at __syncthreads;";
   }
   return s;
 }
 
 bool run_block(Runtime& rt, uint3 block_idx) {
   rt.block_idx = block_idx;
-  const dim3 bd = rt.spec.block;
   std::memset(rt.smem_storage.data(), kRedZoneByte, rt.smem_storage.size());
   std::memset(rt.smem, kPoison, rt.smem_bytes);
   std::fill(rt.in_flight.begin(), rt.in_flight.end(), 0);
@@ -396,9 +396,7 @@ bool run_block(Runtime& rt, uint3 block_idx) {
     f.committed_groups = 0;
     init_fiber_context(rt, f);
   }
-  for (int i = 0; i < rt.nthreads; ++i)
-    rt.push(rt.options.schedule == Schedule::kReverse ? rt.nthreads - 1 - i : i);
-  (void)bd;
+  for (int i = 0; i < rt.nthreads; ++i) rt.push(rt.options.schedule == Schedule::kReverse ? rt.nthreads - 1 - i : i);
 
   while (!rt.aborted && rt.exited < rt.nthreads) {
     int next = rt.pop();
@@ -437,8 +435,8 @@ bool run_block(Runtime& rt, uint3 block_idx) {
   for (const unsigned char* p = hi; p < end; ++p)
     if (*p != kRedZoneByte) {
       rt.error = "block " + dim_str(block_idx) + ": a store landed at byte " +
-                 std::to_string(p - reinterpret_cast<unsigned char*>(rt.smem)) + " of dynamic shared memory, past its " +
-                 std::to_string(rt.smem_bytes) + " bytes";
+                 std::to_string(p - reinterpret_cast<unsigned char*>(rt.smem)) +
+                 " of dynamic shared memory, past its " + std::to_string(rt.smem_bytes) + " bytes";
       return false;
     }
   return true;
@@ -552,18 +550,30 @@ std::string compute_shfl(uint32_t mask, const void* const* in, void* const* out,
     const ShflIn& x = *static_cast<const ShflIn*>(in[l]);
     const int width = x.width;
     if (width < 1 || width > kWarpSize || (width & (width - 1)))
-      return "shfl: width " + std::to_string(width) + " of lane " + std::to_string(l) + " is not a power of two <= 32";
+      return "shfl: width " + std::to_string(width) + " of lane " + std::to_string(l) +
+             " is not a power of two <= 32";
     const int seg_lo = l & ~(width - 1), seg_hi = seg_lo + width;
     int src = l;
     switch (kMode) {
-      case ShflMode::kIdx: src = seg_lo + (x.lane_arg & (width - 1)); break;
-      case ShflMode::kUp: src = l - x.lane_arg; if (src < seg_lo) src = l; break;
-      case ShflMode::kDown: src = l + x.lane_arg; if (src >= seg_hi) src = l; break;
-      case ShflMode::kXor: src = l ^ x.lane_arg; if (src >= seg_hi || src < 0) src = l; break;
+      case ShflMode::kIdx:
+        src = seg_lo + (x.lane_arg & (width - 1));
+        break;
+      case ShflMode::kUp:
+        src = l - x.lane_arg;
+        if (src < seg_lo) src = l;
+        break;
+      case ShflMode::kDown:
+        src = l + x.lane_arg;
+        if (src >= seg_hi) src = l;
+        break;
+      case ShflMode::kXor:
+        src = l ^ x.lane_arg;
+        if (src >= seg_hi || src < 0) src = l;
+        break;
     }
     if (src < 0 || src >= kWarpSize || !(mask & (1u << src)))
-      return "shfl: lane " + std::to_string(l) + " reads lane " + std::to_string(src) + ", which is not in the mask " +
-             hex(mask) + " (undefined on the GPU)";
+      return "shfl: lane " + std::to_string(l) + " reads lane " + std::to_string(src) +
+             ", which is not in the mask " + hex(mask) + " (undefined on the GPU)";
     result[l] = static_cast<const ShflIn*>(in[src])->value;
   }
   for (int l = 0; l < kWarpSize; ++l)

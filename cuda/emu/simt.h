@@ -81,9 +81,9 @@ enum class Schedule {
 
 struct LaunchOptions {
   Schedule schedule = Schedule::kForward;
-  uint64_t seed = 1;                               // for kShuffle
-  size_t stack_bytes = 256 * 1024;                 // per thread (fiber)
-  size_t max_dynamic_smem = 227 * 1024;            // the largest opt-in of any supported arch
+  uint64_t seed = 1;                     // for kShuffle
+  size_t stack_bytes = 256 * 1024;       // per thread (fiber)
+  size_t max_dynamic_smem = 227 * 1024;  // the largest opt-in of any supported arch
   // Read JAX_FLASH_EMU_SCHEDULE / JAX_FLASH_EMU_STACK_KB from the environment.
   static LaunchOptions FromEnvironment();
 };
@@ -145,8 +145,7 @@ struct CollectiveKind {
 // Called by one lane: deposits `in`, waits for the other lanes of `mask`, receives `out`.
 // `arg` is passed to compute from the lane that completes the collective (must agree).
 // A full-warp .aligned instruction (mma, ldmatrix) passes mask 0xffffffff.
-void warp_collective(const CollectiveKind& kind, uint32_t mask, const void* in, void* out,
-                     void* arg = nullptr);
+void warp_collective(const CollectiveKind& kind, uint32_t mask, const void* in, void* out, void* arg = nullptr);
 
 enum class ShflMode : int { kIdx = 0, kUp = 1, kDown = 2, kXor = 3 };
 uint64_t shfl(ShflMode mode, uint32_t mask, uint64_t value, int lane_arg, int width);
@@ -252,18 +251,46 @@ inline int __all_sync(unsigned mask, int predicate) {
 }
 
 // ---- atomics: the blocks and threads of a launch run on one host thread, one at a time ------
-inline float atomicAdd(float* address, float val) { float old = *address; *address = old + val; return old; }
-inline double atomicAdd(double* address, double val) { double old = *address; *address = old + val; return old; }
-inline int atomicAdd(int* address, int val) { int old = *address; *address = old + val; return old; }
+inline float atomicAdd(float* address, float val) {
+  float old = *address;
+  *address = old + val;
+  return old;
+}
+inline double atomicAdd(double* address, double val) {
+  double old = *address;
+  *address = old + val;
+  return old;
+}
+inline int atomicAdd(int* address, int val) {
+  int old = *address;
+  *address = old + val;
+  return old;
+}
 inline unsigned int atomicAdd(unsigned int* address, unsigned int val) {
-  unsigned int old = *address; *address = old + val; return old;
+  unsigned int old = *address;
+  *address = old + val;
+  return old;
 }
-inline int atomicMax(int* address, int val) { int old = *address; *address = old > val ? old : val; return old; }
-inline int atomicMin(int* address, int val) { int old = *address; *address = old < val ? old : val; return old; }
+inline int atomicMax(int* address, int val) {
+  int old = *address;
+  *address = old > val ? old : val;
+  return old;
+}
+inline int atomicMin(int* address, int val) {
+  int old = *address;
+  *address = old < val ? old : val;
+  return old;
+}
 inline int atomicCAS(int* address, int compare, int val) {
-  int old = *address; if (old == compare) *address = val; return old;
+  int old = *address;
+  if (old == compare) *address = val;
+  return old;
 }
-inline int atomicExch(int* address, int val) { int old = *address; *address = val; return old; }
+inline int atomicExch(int* address, int val) {
+  int old = *address;
+  *address = val;
+  return old;
+}
 
 // ---- math intrinsics: the host's correctly rounded functions --------------------------------
 inline float __expf(float x) { return std::exp(x); }
@@ -282,15 +309,33 @@ inline float __fmul_rn(float x, float y) { return x * y; }
 inline float __fmaf_rn(float x, float y, float z) { return std::fma(x, y, z); }
 inline float __saturatef(float x) { return x != x ? 0.0f : (x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : x)); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
-inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
-inline int __float_as_int(float x) { int i; std::memcpy(&i, &x, 4); return i; }
-inline float __uint_as_float(unsigned int x) { float f; std::memcpy(&f, &x, 4); return f; }
-inline unsigned int __float_as_uint(float x) { unsigned int i; std::memcpy(&i, &x, 4); return i; }
+inline float __int_as_float(int x) {
+  float f;
+  std::memcpy(&f, &x, 4);
+  return f;
+}
+inline int __float_as_int(float x) {
+  int i;
+  std::memcpy(&i, &x, 4);
+  return i;
+}
+inline float __uint_as_float(unsigned int x) {
+  float f;
+  std::memcpy(&f, &x, 4);
+  return f;
+}
+inline unsigned int __float_as_uint(float x) {
+  unsigned int i;
+  std::memcpy(&i, &x, 4);
+  return i;
+}
 inline int __popc(unsigned int x) { return __builtin_popcount(x); }
 inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(static_cast<unsigned>(x)); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
 template <class T>
-inline T __ldg(const T* p) { return *p; }
+inline T __ldg(const T* p) {
+  return *p;
+}
 // CUDA's device overloads of min/max.
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }

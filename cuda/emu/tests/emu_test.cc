@@ -9,9 +9,6 @@
 // row/column formulas, literal constants for rounding), so that a misreading in one place
 // does not hide behind the same misreading in the other. Section numbers: PTX ISA 8.x/9.x.
 #define JAX_FLASH_EMULATE 1
-#include "emu/ptx_emu.h"
-#include "emu/simt.h"
-
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -20,6 +17,9 @@
 #include <random>
 #include <string>
 #include <vector>
+
+#include "emu/ptx_emu.h"
+#include "emu/simt.h"
 
 namespace emu = jax_flash::emu;
 
@@ -60,8 +60,16 @@ std::string hex(uint64_t v) {
   std::snprintf(b, sizeof b, "0x%llx", static_cast<unsigned long long>(v));
   return b;
 }
-uint32_t bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-float from_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+uint32_t bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 // Test-local encoders for values exactly representable in the 16-bit formats (checked), written
 // with frexp/ldexp rather than bit tricks, independent of emu/fp16.h.
@@ -139,7 +147,8 @@ void run_mma_case(const std::vector<double>& A, const std::vector<double>& B, co
   for (int i = 0; i < 128; ++i) Be[i] = bf16 ? exact_bf16(B[i]) : exact_f16(B[i]);
   std::vector<float> Cf(128), D(128, -12345.0f);
   for (int i = 0; i < 128; ++i) Cf[i] = static_cast<float>(C[i]);
-  auto st = emu::launch(dim3(1), dim3(32), 0, mma_kernel, MmaParams{Ae.data(), Be.data(), Cf.data(), D.data(), bf16, alias});
+  auto st = emu::launch(dim3(1), dim3(32), 0, mma_kernel,
+                        MmaParams{Ae.data(), Be.data(), Cf.data(), D.data(), bf16, alias});
   CHECK(st.ok(), label + ": launch failed: " + st.error);
   int bad = 0;
   for (int m = 0; m < 16; ++m)
@@ -149,7 +158,8 @@ void run_mma_case(const std::vector<double>& A, const std::vector<double>& B, co
       double got = D[m * 8 + n];
       bool ok = std::fabs(got - ref) <= rel_tol * std::fabs(ref) + 1e-30;
       if (!ok && bad++ < 3)
-        CHECK(false, label + ": D[" + std::to_string(m) + "][" + std::to_string(n) + "] = " + str(got) + ", want " + str(ref));
+        CHECK(false, label + ": D[" + std::to_string(m) + "][" + std::to_string(n) + "] = " + str(got) + ", want " +
+                         str(ref));
     }
 }
 
@@ -211,7 +221,7 @@ uint16_t ld_code(int m, int r, int c) { return static_cast<uint16_t>(0x1000 * (m
 int ld_slot(int m, int r) { return ((m * 8 + r) * 13 + 5) % 32; }  // rows scattered over 32 slots
 
 struct LdParams {
-  int num;   // 2 or 4
+  int num;  // 2 or 4
   bool trans;
   uint32_t* out;  // [32 lanes][4]
 };
@@ -267,9 +277,9 @@ struct LdMmaParams {
 };
 __global__ void ldmatrix_mma_kernel(LdMmaParams p) {
   JAX_FLASH_DYNAMIC_SMEM(smem);
-  uint16_t* sA = reinterpret_cast<uint16_t*>(smem);    // 16 x 16, row stride 24 elements (padded)
-  uint16_t* sBnk = sA + 16 * 24;                        // 8 x 16, row stride 24
-  uint16_t* sBkn = sBnk + 8 * 24;                       // 16 x 8, row stride 8
+  uint16_t* sA = reinterpret_cast<uint16_t*>(smem);  // 16 x 16, row stride 24 elements (padded)
+  uint16_t* sBnk = sA + 16 * 24;                     // 8 x 16, row stride 24
+  uint16_t* sBkn = sBnk + 8 * 24;                    // 16 x 8, row stride 8
   const int lane = threadIdx.x;
   for (int i = lane; i < 256; i += 32) sA[(i / 16) * 24 + i % 16] = p.A[i];
   for (int i = lane; i < 128; i += 32) sBnk[(i / 16) * 24 + i % 16] = p.Bnk[i];
@@ -309,8 +319,8 @@ void test_ldmatrix_feeds_mma() {
     for (int n = 0; n < 8; ++n) {
       double ref = 0;
       for (int k = 0; k < 16; ++k) ref += Ad[m * 16 + k] * Bd[k * 8 + n];
-      CHECK(D1[m * 8 + n] == ref, "B via ldmatrix.x2: D[" + std::to_string(m) + "][" + std::to_string(n) + "] = " +
-                                      str(D1[m * 8 + n]) + ", want " + str(ref));
+      CHECK(D1[m * 8 + n] == ref, "B via ldmatrix.x2: D[" + std::to_string(m) + "][" + std::to_string(n) +
+                                      "] = " + str(D1[m * 8 + n]) + ", want " + str(ref));
       CHECK(D2[m * 8 + n] == ref, "B via ldmatrix.x2.trans: D[" + std::to_string(m) + "][" + std::to_string(n) +
                                       "] = " + str(D2[m * 8 + n]) + ", want " + str(ref));
     }
@@ -371,8 +381,8 @@ void test_cp_async() {
           uint32_t want = !landed[k][r] ? poison : r == 2 ? 0u : bits(src[4 * t + e]);
           uint32_t got = snap[((k * 64 + t) * 4 + r) * 4 + e];
           if (got != want && bad++ < 4)
-            CHECK(false, "snapshot " + std::to_string(k) + " thread " + std::to_string(t) + " region " + std::to_string(r) +
-                             ": " + hex(got) + ", want " + hex(want));
+            CHECK(false, "snapshot " + std::to_string(k) + " thread " + std::to_string(t) + " region " +
+                             std::to_string(r) + ": " + hex(got) + ", want " + hex(want));
         }
   for (int t = 0; t < 64; ++t)
     CHECK(snap[((4 * 64 + t) * 4 + 0) * 4 + 1] == bits(src[4 * ((t + 1) % 64) + 1]),
@@ -383,9 +393,9 @@ void test_cp_async() {
 // shfl / vote (CUDA C++ Programming Guide, "Warp Shuffle Functions", "Warp Vote Functions").
 // =================================================================================================
 struct ShflParams {
-  float* f;         // [32][6]
-  int* i;           // [32][4]
-  unsigned* u;      // [32][2]
+  float* f;     // [32][6]
+  int* i;       // [32][4]
+  unsigned* u;  // [32][2]
 };
 __global__ void shfl_kernel(ShflParams p) {
   const int lane = threadIdx.x;
@@ -439,11 +449,15 @@ void test_shfl() {
 // =================================================================================================
 // cvt.rn.{bf16x2,f16x2}.f32 — PTX ISA 9.7.9.21 "cvt": d = {cvt(a) in the upper half, cvt(b) in
 // the lower half} for `cvt d, a, b`; the wrappers take (lo, hi). Round to nearest, ties to even.
-// ex2.approx.ftz.f32 — PTX ISA 9.7.3.21 "Floating Point Instructions: ex2": subnormal inputs and results flush to +-0.
-// Expected bit patterns are literal constants.
+// ex2.approx.ftz.f32 — PTX ISA 9.7.3.21 "Floating Point Instructions: ex2": subnormal inputs and
+// results flush to +-0. Expected bit patterns are literal constants.
 // =================================================================================================
 void test_cvt_bf16() {
-  struct Case { float in; uint16_t want; const char* what; };
+  struct Case {
+    float in;
+    uint16_t want;
+    const char* what;
+  };
   const Case cases[] = {
       {1.0f, 0x3f80, "one"},
       {-2.0f, 0xc000, "minus two"},
@@ -471,7 +485,11 @@ void test_cvt_bf16() {
 }
 
 void test_cvt_f16() {
-  struct Case { float in; uint16_t want; const char* what; };
+  struct Case {
+    float in;
+    uint16_t want;
+    const char* what;
+  };
   const Case cases[] = {
       {1.0f, 0x3c00, "one"},
       {-2.0f, 0xc000, "minus two"},
@@ -497,7 +515,8 @@ void test_cvt_f16() {
   };
   for (const Case& c : cases) {
     uint32_t v = emu::cvt_pack_f16x2(c.in, c.in);
-    CHECK((v & 0xffff) == c.want && (v >> 16) == c.want, std::string(c.what) + ": " + hex(v) + ", want " + hex(c.want));
+    CHECK((v & 0xffff) == c.want && (v >> 16) == c.want,
+          std::string(c.what) + ": " + hex(v) + ", want " + hex(c.want));
   }
   // Exhaustive cross-check over every finite f16 value and the midpoints between neighbours.
   int bad = 0;
@@ -556,8 +575,12 @@ __global__ void ids_kernel(IdParams p) {
   const int block = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
   const int thread = (threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x;
   int* o = p.out + (block * blockDim.x * blockDim.y * blockDim.z + thread) * 6;
-  o[0] = threadIdx.x; o[1] = threadIdx.y; o[2] = threadIdx.z;
-  o[3] = blockIdx.x; o[4] = blockIdx.y; o[5] = blockIdx.z;
+  o[0] = threadIdx.x;
+  o[1] = threadIdx.y;
+  o[2] = threadIdx.z;
+  o[3] = blockIdx.x;
+  o[4] = blockIdx.y;
+  o[5] = blockIdx.z;
 }
 void test_ids() {
   const dim3 grid(3, 2, 2), block(8, 4, 2);
@@ -594,7 +617,8 @@ void test_poison_and_atomics() {
   float sum = 0;
   auto st = emu::launch(dim3(3), dim3(96), 200, poison_kernel, PoisonParams{fresh.data(), &sum});
   CHECK(st.ok(), "launch failed: " + st.error);
-  for (int b = 0; b < 3; ++b) CHECK(fresh[b] == 1, "block " + std::to_string(b) + " did not start with poisoned smem");
+  for (int b = 0; b < 3; ++b)
+    CHECK(fresh[b] == 1, "block " + std::to_string(b) + " did not start with poisoned smem");
   CHECK(sum == 3 * 96, "atomicAdd total " + str(sum));
 }
 
@@ -841,7 +865,8 @@ void test_speed() {
   auto st = emu::launch(dim3(4), dim3(128), 64 * 64 * 2, speed_kernel, SpeedParams{out.data()});
   double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   CHECK(st.ok(), "launch failed: " + st.error);
-  std::printf("     forward-shaped collective load (4 blocks x 128 threads, ~190 collectives/warp): %.1f ms\n", s * 1e3);
+  std::printf("     forward-shaped collective load (4 blocks x 128 threads, ~190 collectives/warp): %.1f ms\n",
+              s * 1e3);
   CHECK(s < 1.0, "too slow: " + str(s) + " s");
 }
 
