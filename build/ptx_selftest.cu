@@ -201,7 +201,7 @@ void release(T* p) {
 }
 template <class... Params, class... Args>
 std::string run(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args... args) {
-  kernel<<<grid, block, smem> > >(static_cast<Params>(args)...);
+  kernel<<<grid, block, smem>>>(static_cast<Params>(args)...);
   cudaError_t err = cudaGetLastError();
   if (err == cudaSuccess) err = cudaDeviceSynchronize();
   return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
