@@ -1,0 +1,383 @@
+"""Kernel bodies of the `pallas` implementation (FlashAttention-2 on the Triton backend).
+
+Each kernel sees squeezed 2-D tiles: rows × padded head dim. The wrapper in
+`jax_flash.pallas` pads, builds the BlockSpecs and launches them.
+
+Units: inside the kernels logits, running maxima and lse are in base 2 (log2(e) folded
+into the scale, so each probability is one multiply-add and one exp2). The forward
+converts lse to natural log when it stores it; the backward receives lse·log2(e).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jax_flash import _masking
+from jax_flash._spec import AttentionSpec
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Static facts the kernels need beyond the spec: tiles, padding, optional inputs."""
+
+    spec: AttentionSpec
+    block_q: int
+    block_k: int
+    t_pad: int
+    s_pad: int
+    has_lengths: bool = False
+    has_segments: bool = False
+    bias_rows: Optional[bool] = None  # None: no bias; else whether the bias varies along T
+    bias_cols: Optional[bool] = None  # ... and along S
+    mask_rows: Optional[bool] = None
+    mask_cols: Optional[bool] = None
+    group: int = 1  # query heads per kv head (the dK/dV kernel loops over them)
+    write_ds: bool = False  # dQ kernel: also store dS (for dbias)
+
+    @property
+    def has_bias(self) -> bool:
+        return self.bias_rows is not None
+
+    @property
+    def has_mask(self) -> bool:
+        return self.mask_rows is not None
+
+    @property
+    def ragged_keys(self) -> bool:
+        return self.s_pad != self.spec.kv_len
+
+    @property
+    def masks_everywhere(self) -> bool:
+        """Masks that are not a band (lengths, segments, dense mask) need every tile masked."""
+        return self.has_lengths or self.has_segments or self.has_mask
+
+    @property
+    def folds_scale(self) -> bool:
+        """Without bias or soft cap, scale·log2(e) is one multiply of the raw scores."""
+        return not self.has_bias and self.spec.soft_cap is None
+
+
+class Inputs:
+    """Unpacks the refs a kernel receives, in the order the wrapper passes them."""
+
+    def __init__(self, layout: Layout, refs, names):
+        refs = list(refs)
+        for name in names:
+            setattr(self, name, refs.pop(0))
+        self.q_len = self.kv_len = self.q_seg = self.kv_seg = self.bias = self.mask = None
+        if layout.has_lengths:
+            self.q_len, self.kv_len = refs.pop(0), refs.pop(0)
+        if layout.has_segments:
+            self.q_seg, self.kv_seg = refs.pop(0), refs.pop(0)
+        if layout.has_bias:
+            self.bias = refs.pop(0)
+        if layout.has_mask:
+            self.mask = refs.pop(0)
+        self.outputs = refs
+
+
+def _iota(n: int, axis: int):
+    shape = (n, 1) if axis == 0 else (1, n)
+    return lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def _dot(a, b, trans_b: bool = False, trans_a: bool = False):
+    """a @ b (optionally transposed operands) with float32 accumulation."""
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def dense_tile(ref, rows_vary: bool, cols_vary: bool, lead, q0, bq: int, k0, bk: int):
+    """Tile of a dense [T|1, S|1] input (after `lead` leading indices) as [bq|1, bk|1]."""
+    r = pl.ds(q0, bq) if rows_vary else slice(None)
+    c = pl.ds(k0, bk) if cols_vary else slice(None)
+    return ref[(*lead, r, c)]
+
+
+class TileMath:
+    """The per-tile pieces every kernel shares: visibility and transformed logits."""
+
+    def __init__(self, layout: Layout, inputs: Inputs):
+        self.lay, self.inp = layout, inputs
+        spec = layout.spec
+        self.q_len = None if inputs.q_len is None else inputs.q_len[0]
+        self.kv_len = None if inputs.kv_len is None else inputs.kv_len[0]
+        self.kv_limit = spec.kv_len if layout.ragged_keys else None
+
+    def visible(self, q0, k0, q_seg, kv_seg, mask_tile, bq: int, bk: int):
+        """Bool [bq, bk] (or None): the one definition in `_masking`, plus the dense mask."""
+        rows = q0 + _iota(bq, 0)
+        cols = k0 + _iota(bk, 1)
+        vis = _masking.visible(
+            self.lay.spec,
+            rows,
+            cols,
+            q_lengths=self.q_len,
+            kv_lengths=self.kv_len,
+            q_segment_ids=None if q_seg is None else q_seg[:, None],
+            kv_segment_ids=None if kv_seg is None else kv_seg[None, :],
+            kv_limit=self.kv_limit,
+        )
+        if mask_tile is not None:
+            m = mask_tile != 0
+            vis = m if vis is None else vis & m
+        return vis
+
+    def logits(self, scores, bias_tile):
+        """(base-2 logits, natural transformed logits or None) of raw scores q·kᵀ [f32]."""
+        spec = self.lay.spec
+        if self.lay.folds_scale:
+            return scores * (spec.scale * LOG2E), None
+        t = _masking.transform_logits(spec, scores * spec.scale, bias_tile)
+        return t * LOG2E, t
+
+
+def band_segments(lo, hi, full_lo, full_hi):
+    """Split [lo, hi) into masked [lo, a), unmasked [a, b), masked [b, hi)."""
+    a = jnp.clip(full_lo, lo, jnp.maximum(lo, hi))
+    b = jnp.clip(full_hi, a, jnp.maximum(a, hi))
+    return ((lo, a, True), (a, b, False), (b, hi, True))
+
+
+def key_segments(layout: Layout, q0, q1, nk: int):
+    """Key-block loop ranges for queries [q0, q1): (lo, hi, masked) triples.
+
+    Only band tiles (causal diagonal, window edges, the ragged key tail) pay for mask
+    arithmetic; interior tiles run the plain online softmax (FlashAttention-2 §3.1.1).
+    """
+    spec, bk = layout.spec, layout.block_k
+    lo, hi = spec.key_block_range(q0, q1, bk, nk)
+    lo = jnp.asarray(lo, jnp.int32)
+    hi = jnp.maximum(lo, jnp.asarray(hi, jnp.int32))
+    if layout.masks_everywhere:
+        return ((lo, hi, True),)
+    if not spec.is_windowed and not layout.ragged_keys:
+        return ((lo, hi, False),)
+    full_lo, full_hi = lo, hi
+    if spec.window_left is not None:  # every key >= (q1 - 1) - left
+        full_lo = (q1 - 1 - spec.window_left + bk - 1) // bk
+    if spec.window_right is not None:  # every key <= q0 + right
+        full_hi = (q0 + spec.window_right + 1) // bk
+    if layout.ragged_keys:
+        full_hi = jnp.minimum(full_hi, spec.kv_len // bk)
+    return band_segments(lo, hi, full_lo, full_hi)
+
+
+def query_segments(layout: Layout, k0, k1, nq: int, ragged_block):
+    """Query-block loop ranges for keys [k0, k1) (the dK/dV kernel), as `key_segments`."""
+    spec, bq = layout.spec, layout.block_q
+    lo, hi = spec.query_block_range(k0, k1, bq, nq)
+    lo = jnp.asarray(lo, jnp.int32)
+    hi = jnp.maximum(lo, jnp.asarray(hi, jnp.int32))
+    if layout.masks_everywhere:
+        return ((lo, hi, True),)
+    if not spec.is_windowed and not layout.ragged_keys:
+        return ((lo, hi, False),)
+    full_lo, full_hi = lo, hi
+    if spec.window_right is not None:  # every query t >= (k1 - 1) - right
+        full_lo = (k1 - 1 - spec.window_right + bq - 1) // bq
+    if spec.window_left is not None:  # every query t <= k0 + left
+        full_hi = (k0 + spec.window_left + 1) // bq
+    if layout.ragged_keys:  # the block holding the ragged key tail is masked throughout
+        full_hi = jnp.where(ragged_block, full_lo, full_hi)
+    return band_segments(lo, hi, full_lo, full_hi)
+
+
+# ---------------------------------------------------------------------------------------
+# Forward: grid (query block, head, batch); FlashAttention-2 Algorithm 1.
+
+
+def forward_kernel(*refs, layout: Layout):
+    inp = Inputs(layout, refs, ("q", "k", "v"))
+    out_ref, lse_ref = inp.outputs
+    lay, spec = layout, layout.spec
+    bq, bk = lay.block_q, lay.block_k
+    nk = lay.s_pad // bk
+    q0 = pl.program_id(0) * bq
+    tm = TileMath(lay, inp)
+    q = inp.q[...]  # [bq, Hp], resident for the whole key loop
+    q_seg = None if inp.q_seg is None else inp.q_seg[...]
+
+    def step(masked):
+        def body(j, carry):
+            m, l, acc = carry  # [bq], [bq] (base 2), [bq, Hp]  all f32
+            k0 = j * bk
+            k = inp.k[pl.ds(k0, bk), :]
+            v = inp.v[pl.ds(k0, bk), :]
+            bias = None
+            if lay.has_bias:
+                bias = dense_tile(inp.bias, lay.bias_rows, lay.bias_cols, (), 0, bq, k0, bk)
+            s2, _ = tm.logits(_dot(q, k, trans_b=True), bias)
+            if masked:
+                kv_seg = None if inp.kv_seg is None else inp.kv_seg[pl.ds(k0, bk)]
+                mask = None
+                if lay.has_mask:
+                    mask = dense_tile(inp.mask, lay.mask_rows, lay.mask_cols, (), 0, bq, k0, bk)
+                vis = tm.visible(q0, k0, q_seg, kv_seg, mask, bq, bk)
+                if vis is not None:
+                    s2 = jnp.where(vis, s2, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s2, axis=1))
+            # A row that has seen nothing keeps m = -inf: subtract 0 instead, so that
+            # exp2(-inf) = 0 rather than exp2(-inf + inf) = NaN.
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            p = jnp.exp2(s2 - m_use[:, None])
+            alpha = jnp.exp2(m - m_use)
+            l = alpha * l + jnp.sum(p, axis=1)
+            acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
+            return m_new, l, acc
+
+        return body
+
+    carry = (
+        jnp.full((bq,), -jnp.inf, jnp.float32),
+        jnp.zeros((bq,), jnp.float32),
+        jnp.zeros(q.shape, jnp.float32),
+    )
+    for lo, hi, masked in key_segments(lay, q0, q0 + bq, nk):
+        carry = lax.fori_loop(lo, hi, step(masked), carry)
+    m, l, acc = carry
+    # FlashAttention-2 §3.1.1: the accumulator stays unnormalised until the last block.
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    out_ref[...] = jnp.where(seen[:, None], acc / l_safe[:, None], 0.0).astype(out_ref.dtype)
+    # lse leaves the kernel in natural log: (m + log2 l) · ln 2.
+    lse_ref[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
+
+
+# ---------------------------------------------------------------------------------------
+# Backward (FlashAttention-2 Algorithm 2, split in two kernels so that nothing races):
+# dK/dV with the key block resident, looping over query blocks of every head in the
+# group; dQ with the query block resident, looping over key blocks. Both recompute
+# P = exp2(logits₂ - lse₂) from lse; dead rows arrive with lse₂ = +inf so P = 0.
+
+
+def _probabilities(tm: TileMath, lay: Layout, q, k, lse2, bias, vis):
+    s2, t = tm.logits(_dot(q, k, trans_b=True), bias)
+    p = jnp.exp2(s2 - lse2[:, None])
+    if vis is not None:
+        p = jnp.where(vis, p, 0.0)
+    return p, t
+
+
+def _dscores(lay: Layout, p, dp, delta, t):
+    """dS = P ∘ (dP - D), times the soft cap's derivative: d loss / d (logit + bias)."""
+    ds = p * (dp - delta[:, None])
+    if lay.spec.soft_cap is not None:
+        ds = ds * _masking.soft_cap_grad(lay.spec, t)
+    return ds
+
+
+def dkdv_kernel(*refs, layout: Layout):
+    inp = Inputs(layout, refs, ("q", "k", "v", "do", "lse2", "delta"))
+    dk_ref, dv_ref = inp.outputs
+    lay = layout
+    bq, bk = lay.block_q, lay.block_k
+    nq = lay.t_pad // bq
+    j = pl.program_id(0)
+    k0 = j * bk
+    tm = TileMath(lay, inp)
+    k = inp.k[...]  # [bk, Hp]
+    v = inp.v[...]
+    kv_seg = None if inp.kv_seg is None else inp.kv_seg[...]
+    ragged_block = (j + 1) * bk > lay.spec.kv_len
+    segments = query_segments(lay, k0, k0 + bk, nq, ragged_block)
+
+    def step(g, masked):
+        def body(i, carry):
+            dk, dv = carry  # [bk, Hp] f32
+            q0 = i * bq
+            q = inp.q[pl.ds(q0, bq), g, :]
+            do = inp.do[pl.ds(q0, bq), g, :]
+            lse2 = inp.lse2[g, pl.ds(q0, bq)]
+            delta = inp.delta[g, pl.ds(q0, bq)]
+            gb = g if inp.bias is not None and inp.bias.shape[0] != 1 else 0
+            bias = None
+            if lay.has_bias:
+                bias = dense_tile(inp.bias, lay.bias_rows, lay.bias_cols, (gb,), q0, bq, 0, bk)
+            vis = None
+            if masked:
+                q_seg = None if inp.q_seg is None else inp.q_seg[pl.ds(q0, bq)]
+                mask = None
+                if lay.has_mask:
+                    gm = g if inp.mask.shape[0] != 1 else 0
+                    mask = dense_tile(inp.mask, lay.mask_rows, lay.mask_cols, (gm,), q0, bq, 0, bk)
+                vis = tm.visible(q0, k0, q_seg, kv_seg, mask, bq, bk)
+            p, t = _probabilities(tm, lay, q, k, lse2, bias, vis)
+            dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
+            ds = _dscores(lay, p, _dot(do, v, trans_b=True), delta, t)
+            dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
+            return dk, dv
+
+        return body
+
+    def head(g, carry):
+        for lo, hi, masked in segments:
+            carry = lax.fori_loop(lo, hi, step(g, masked), carry)
+        return carry
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = lax.fori_loop(0, lay.group, head, (zeros, zeros))
+    dk_ref[...] = (dk * lay.spec.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def dq_kernel(*refs, layout: Layout):
+    inp = Inputs(layout, refs, ("q", "k", "v", "do", "lse2", "delta"))
+    dq_ref = inp.outputs[0]
+    ds_ref = inp.outputs[1] if layout.write_ds else None
+    lay = layout
+    bq, bk = lay.block_q, lay.block_k
+    nk = lay.s_pad // bk
+    q0 = pl.program_id(0) * bq
+    tm = TileMath(lay, inp)
+    q = inp.q[...]
+    do = inp.do[...]
+    lse2 = inp.lse2[...]
+    delta = inp.delta[...]
+    q_seg = None if inp.q_seg is None else inp.q_seg[...]
+
+    def step(masked):
+        def body(j, dq):
+            k0 = j * bk
+            k = inp.k[pl.ds(k0, bk), :]
+            v = inp.v[pl.ds(k0, bk), :]
+            bias = None
+            if lay.has_bias:
+                bias = dense_tile(inp.bias, lay.bias_rows, lay.bias_cols, (), 0, bq, k0, bk)
+            vis = None
+            if masked:
+                kv_seg = None if inp.kv_seg is None else inp.kv_seg[pl.ds(k0, bk)]
+                mask = None
+                if lay.has_mask:
+                    mask = dense_tile(inp.mask, lay.mask_rows, lay.mask_cols, (), 0, bq, k0, bk)
+                vis = tm.visible(q0, k0, q_seg, kv_seg, mask, bq, bk)
+            p, t = _probabilities(tm, lay, q, k, lse2, bias, vis)
+            ds = _dscores(lay, p, _dot(do, v, trans_b=True), delta, t)
+            if ds_ref is not None:
+                ds_ref[:, pl.ds(k0, bk)] = ds
+            return dq + _dot(ds.astype(k.dtype), k)
+
+        return body
+
+    segments = key_segments(lay, q0, q0 + bq, nk)
+    if ds_ref is not None:
+        # Key blocks the band skips still own their (zero) slice of dS.
+        def zero(j, carry):
+            ds_ref[:, pl.ds(j * bk, bk)] = jnp.zeros((bq, bk), jnp.float32)
+            return carry
+
+        lax.fori_loop(0, segments[0][0], zero, None)
+        lax.fori_loop(segments[-1][1], nk, zero, None)
+    dq = jnp.zeros(q.shape, jnp.float32)
+    for lo, hi, masked in segments:
+        dq = lax.fori_loop(lo, hi, step(masked), dq)
+    dq_ref[...] = (dq * lay.spec.scale).astype(dq_ref.dtype)

@@ -1,0 +1,203 @@
+"""Tile sizes, warps and pipeline stages of the Pallas (Triton) kernels, and their tuning.
+
+One table, keyed by (padded head dim, dtype, pass), where the passes are
+  "fwd"   the forward kernel: block_q query rows resident, loop over block_k keys;
+  "dkdv"  the backward dK/dV kernel: block_k keys resident, loop over block_q query rows;
+  "dq"    the backward dQ kernel: block_q query rows resident, loop over block_k keys.
+
+`tune()` times every candidate of `candidates()` on the GPU at hand and prints a table to
+paste over `TABLE` (`python -m jax_flash.bench --tune-pallas`).
+
+The defaults are FlashAttention-2 choices for sm_80/sm_90 class GPUs (228 KB of shared
+memory per SM): 128-row query tiles and 64-key tiles for the forward, 8 warps once the
+head dim reaches 128, 2-3 pipeline stages, smaller tiles for float32 and for head dim 256
+so that q, k and v tiles plus the f32 accumulator fit shared memory and registers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Optional, Sequence
+
+PASSES = ("fwd", "dkdv", "dq")
+HEAD_DIMS = (16, 32, 64, 128, 256)  # head dims are padded up to one of these
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One kernel launch configuration (powers of two, at least 16 rows per tile)."""
+
+    block_q: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def __str__(self):
+        return f"Config({self.block_q}, {self.block_k}, {self.num_warps}, {self.num_stages})"
+
+
+def _defaults(head_dim: int, dtype: str, pass_: str) -> Config:
+    wide = dtype == "float32"  # 4-byte tiles: half the rows
+    if pass_ == "fwd":
+        if head_dim <= 64:
+            c = Config(128, 64, 4, 3)
+        elif head_dim <= 128:
+            c = Config(128, 64, 8, 3)
+        else:
+            c = Config(64, 64, 8, 2)
+    elif pass_ == "dkdv":
+        if head_dim <= 128:
+            c = Config(64, 128, 8, 2)
+        else:
+            c = Config(32, 64, 8, 2)
+    else:  # dq
+        if head_dim <= 128:
+            c = Config(128, 64, 8, 2)
+        else:
+            c = Config(64, 32, 8, 2)
+    if wide:
+        c = Config(max(16, c.block_q // 2), max(16, c.block_k // 2), c.num_warps, 2)
+        if head_dim == 256:
+            c = Config(32, 32, 4, 1)
+    return c
+
+
+# (padded head dim, dtype, pass) -> Config.  Regenerate with `tune()` on the target GPU.
+TABLE: dict[tuple[int, str, str], Config] = {
+    (h, d, p): _defaults(h, d, p) for h in HEAD_DIMS for d in DTYPES for p in PASSES
+}
+
+# Interpret mode (CPU, tests): small tiles so that ragged test shapes span several blocks
+# and the interpreter stays fast.
+INTERPRET_CONFIG = {
+    "fwd": Config(32, 16, 4, 2),
+    "dkdv": Config(16, 32, 4, 2),
+    "dq": Config(32, 16, 4, 2),
+}
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Triton tiles are powers of two, at least 16 wide for tensor-core dots."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def lookup(head_dim_padded: int, dtype: str, pass_: str, interpret: bool) -> Config:
+    if interpret:
+        return INTERPRET_CONFIG[pass_]
+    return TABLE[(head_dim_padded, dtype, pass_)]
+
+
+def candidates(head_dim: int, dtype: str, pass_: str) -> list[Config]:
+    """The search space of `tune()`, pruned by a shared-memory estimate (~200 KB)."""
+    item = 4 if dtype == "float32" else 2
+    out = []
+    for bq, bk, warps, stages in itertools.product(
+        (32, 64, 128), (32, 64, 128), (4, 8), (1, 2, 3, 4)
+    ):
+        if pass_ == "fwd":  # q resident, k and v tiles per stage
+            smem = item * head_dim * (bq + 2 * bk * stages)
+        elif pass_ == "dkdv":  # k, v resident, q and dO tiles per stage
+            smem = item * head_dim * (2 * bk + 2 * bq * stages)
+        else:  # q, dO resident, k and v tiles per stage
+            smem = item * head_dim * (2 * bq + 2 * bk * stages)
+        if smem <= 200 * 1024 and bq * bk <= 128 * 128:
+            out.append(Config(bq, bk, warps, stages))
+    return out
+
+
+def format_table(table: dict) -> str:
+    lines = ["TABLE = {"]
+    for key in sorted(table):
+        lines.append(f"    {key!r}: {table[key]},")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _time(fn, args, iters: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))  # compile
+    start = time.perf_counter()
+    for _ in range(iters):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / iters
+
+
+def tune(
+    head_dims: Sequence[int] = (64, 128),
+    dtypes: Sequence[str] = ("bfloat16", "float16"),
+    passes: Sequence[str] = PASSES,
+    *,
+    batch: int = 4,
+    seq_len: int = 4096,
+    num_heads: int = 16,
+    causal: bool = False,
+    iters: int = 10,
+    verbose: bool = True,
+) -> dict:
+    """Time each candidate configuration on the default (GPU) device; print the best table.
+
+    Returns the full table with the measured entries replaced by the fastest candidate.
+    Candidates that fail to compile (shared memory, registers) are skipped.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from jax_flash import pallas
+    from jax_flash._spec import AttentionSpec, MaskInputs
+
+    if jax.default_backend() != "gpu":
+        raise RuntimeError(f"tune() needs a GPU (the default backend is {jax.default_backend()})")
+    best_table = dict(TABLE)
+    for h, dtype, pass_ in itertools.product(head_dims, dtypes, passes):
+        hp = padded_head_dim(h)
+        spec = AttentionSpec(
+            batch=batch, q_len=seq_len, kv_len=seq_len, num_heads=num_heads,
+            num_kv_heads=num_heads, head_dim=h, dtype=dtype, scale=h**-0.5,
+            window_left=None, window_right=0 if causal else None,
+        )
+        keys = jax.random.split(jax.random.PRNGKey(0), 4)
+        shape = (batch, seq_len, num_heads, h)
+        q, k, v, do = (jax.random.normal(kk, shape, jnp.float32).astype(dtype) for kk in keys)
+        masks = MaskInputs()
+        out, lse = jax.jit(lambda q, k, v: pallas.forward(spec, q, k, v, masks))(q, k, v)
+        dlse = jnp.zeros_like(lse)
+        results = []
+        for cfg in candidates(hp, dtype, pass_):
+            over = {pass_: cfg}
+            if pass_ == "fwd":
+                fn = jax.jit(lambda q, k, v, o=over: pallas.forward(spec, q, k, v, masks, configs=o))
+                args = (q, k, v)
+            else:
+                fn = jax.jit(
+                    lambda q, k, v, out, lse, do, o=over: pallas.backward(
+                        spec, q, k, v, masks, out, lse, do, dlse, configs=o
+                    )[:3]
+                )
+                args = (q, k, v, out, lse, do)
+            try:
+                t = _time(fn, args, iters)
+            except Exception as e:  # noqa: BLE001 - a candidate that does not compile
+                if verbose:
+                    print(f"  {h} {dtype} {pass_} {cfg}: skipped ({type(e).__name__})")
+                continue
+            results.append((t, cfg))
+            if verbose:
+                print(f"  {h} {dtype} {pass_} {cfg}: {t * 1e3:.3f} ms")
+        if results:
+            t, cfg = min(results, key=lambda r: r[0])
+            best_table[(hp, dtype, pass_)] = cfg
+            if verbose:
+                print(f"best {h} {dtype} {pass_}: {cfg} {t * 1e3:.3f} ms (default {TABLE[(hp, dtype, pass_)]})")
+    print(format_table(best_table))
+    return best_table
+
+
+def override(configs: Optional[dict], pass_: str, default: Config) -> Config:
+    if configs and pass_ in configs:
+        return configs[pass_]
+    return default

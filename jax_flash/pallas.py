@@ -1,0 +1,347 @@
+"""The `pallas` implementation: FlashAttention-2 as Pallas kernels on the Triton backend.
+
+On a GPU the kernels are compiled by Triton: every `pallas_call` passes the Triton
+`CompilerParams` (num_warps, num_stages), which is what selects the Triton backend rather
+than Mosaic GPU. On a CPU backend the same kernels run with `interpret=True` (slow; it is
+how the test suite exercises them without a GPU), and `implementation=None` never picks
+them there (the registry prefers `cpu`, then `xla`).
+
+Kernels (`_pallas_kernels`): a forward over (query block, head, batch) with the online
+softmax; a dK/dV kernel over (key block, kv head, batch) that loops over the query blocks
+of every query head of its group (GQA without repeated K/V and without atomics); a dQ
+kernel over (query block, head, batch) that loops over key blocks and, when a bias is
+given, also writes dS for dbias. Tiles, warps and stages come from `_pallas_table.TABLE`.
+
+The wrapper pads what Triton needs powers of two for (the head dim, to at least 16) and
+the sequence lengths to whole tiles; padded keys are masked, padded rows sliced off, and
+the scale uses the true head dim (it comes from the spec).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jax_flash import _registry
+from jax_flash._pallas_kernels import LOG2E, Layout, dkdv_kernel, dq_kernel, forward_kernel
+from jax_flash._pallas_table import Config, lookup, override, padded_head_dim
+from jax_flash._spec import AttentionSpec, MaskInputs
+
+DTYPES = ("float16", "bfloat16", "float32")
+MAX_HEAD_DIM = 256
+
+
+def _triton():
+    """The Pallas Triton module, or ImportError with the reason."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    return pl, plt
+
+
+def _compiler_params(cfg: Config):
+    """Triton parameters (jax 0.10-0.12 call them `CompilerParams`; older `TritonCompilerParams`)."""
+    _, plt = _triton()
+    cls = getattr(plt, "CompilerParams", None) or getattr(plt, "TritonCompilerParams")
+    return cls(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _interpret(interpret: Optional[bool]) -> bool:
+    return _registry.platform() == "cpu" if interpret is None else interpret
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _block(length: int, block: int) -> int:
+    """A tile no larger than the (power-of-two rounded) length, at least 16 rows."""
+    return max(16, min(block, 1 << max(0, (length - 1).bit_length())))
+
+
+def _pad(x, axis: int, size: int, value=0):
+    if x.shape[axis] == size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _dense(x, t_pad: int, s_pad: int, value, dtype=None):
+    """Pad a dense [B|1, N|1, T|1, S|1] input along the axes it varies on."""
+    if x is None:
+        return None
+    if dtype is not None:
+        x = x.astype(dtype)
+    if x.shape[2] != 1:
+        x = _pad(x, 2, t_pad, value)
+    if x.shape[3] != 1:
+        x = _pad(x, 3, s_pad, value)
+    return x
+
+
+def _layout(spec: AttentionSpec, masks: MaskInputs, bq, bk, t_pad, s_pad, **kw) -> Layout:
+    dense = lambda x: (None, None) if x is None else (x.shape[2] != 1, x.shape[3] != 1)
+    bias_rows, bias_cols = dense(masks.bias)
+    mask_rows, mask_cols = dense(masks.mask)
+    return Layout(
+        spec=spec,
+        block_q=bq,
+        block_k=bk,
+        t_pad=t_pad,
+        s_pad=s_pad,
+        has_lengths=masks.q_lengths is not None or masks.kv_lengths is not None,
+        has_segments=masks.q_segment_ids is not None,
+        bias_rows=bias_rows,
+        bias_cols=bias_cols,
+        mask_rows=mask_rows,
+        mask_cols=mask_cols,
+        group=spec.group_size,
+        **kw,
+    )
+
+
+class _Extras:
+    """The optional per-call inputs, padded, and their BlockSpecs for one grid kind."""
+
+    def __init__(self, spec: AttentionSpec, masks: MaskInputs, t_pad: int, s_pad: int):
+        self.spec = spec
+        b = spec.batch
+        self.lengths = None
+        if masks.q_lengths is not None or masks.kv_lengths is not None:
+            ql = masks.q_lengths if masks.q_lengths is not None else jnp.full((b,), spec.q_len)
+            kl = masks.kv_lengths if masks.kv_lengths is not None else jnp.full((b,), spec.kv_len)
+            self.lengths = (ql.astype(jnp.int32)[:, None], kl.astype(jnp.int32)[:, None])
+        self.segments = None
+        if masks.q_segment_ids is not None:
+            self.segments = (
+                _pad(masks.q_segment_ids.astype(jnp.int32), 1, t_pad),
+                _pad(masks.kv_segment_ids.astype(jnp.int32), 1, s_pad),
+            )
+        bias_dt = jnp.float32 if masks.bias is not None and masks.bias.dtype == jnp.float64 else None
+        self.bias = _dense(masks.bias, t_pad, s_pad, 0, bias_dt)
+        # Booleans travel as int8 (Triton has no i1 memory type).
+        self.mask = _dense(masks.mask, t_pad, s_pad, 0, jnp.int8)
+
+    def row_grid(self, bq: int, s_pad: int):
+        """Arrays and specs for a grid (query block i, head n, batch b) seeing all keys."""
+        pl, _ = _triton()
+        args, specs = [], []
+        if self.lengths is not None:
+            args += self.lengths
+            specs += [pl.BlockSpec((None, 1), lambda i, n, b: (b, 0))] * 2
+        if self.segments is not None:
+            args += self.segments
+            specs += [
+                pl.BlockSpec((None, bq), lambda i, n, b: (b, i)),
+                pl.BlockSpec((None, s_pad), lambda i, n, b: (b, 0)),
+            ]
+        for x in (self.bias, self.mask):
+            if x is None:
+                continue
+            bb, nb, tb, sb = x.shape
+            args.append(x)
+            specs.append(
+                pl.BlockSpec(
+                    (None, None, bq if tb != 1 else 1, sb),
+                    lambda i, n, b, bb=bb, nb=nb, tb=tb: (
+                        b if bb != 1 else 0, n if nb != 1 else 0, i if tb != 1 else 0, 0
+                    ),
+                )
+            )
+        return args, specs
+
+    def key_grid(self, bk: int, t_pad: int):
+        """Arrays and specs for a grid (key block j, kv head h, batch b) seeing all queries."""
+        pl, _ = _triton()
+        spec = self.spec
+        kh, g = spec.num_kv_heads, spec.group_size
+        args, specs = [], []
+        if self.lengths is not None:
+            args += self.lengths
+            specs += [pl.BlockSpec((None, 1), lambda j, h, b: (b, 0))] * 2
+        if self.segments is not None:
+            args += self.segments
+            specs += [
+                pl.BlockSpec((None, t_pad), lambda j, h, b: (b, 0)),
+                pl.BlockSpec((None, bk), lambda j, h, b: (b, j)),
+            ]
+        for x in (self.bias, self.mask):
+            if x is None:
+                continue
+            bb, nb, tb, sb = x.shape
+            # [B|1, N|1, T|1, S|1] -> [B|1, K|1, G|1, T|1, S|1]: the kernel picks head g.
+            x = x.reshape(bb, kh, g, tb, sb) if nb != 1 else x[:, :, None]
+            args.append(x)
+            specs.append(
+                pl.BlockSpec(
+                    (None, None, x.shape[2], tb, bk if sb != 1 else 1),
+                    lambda j, h, b, bb=bb, nb=nb, sb=sb: (
+                        b if bb != 1 else 0, h if nb != 1 else 0, 0, 0, j if sb != 1 else 0
+                    ),
+                )
+            )
+        return args, specs
+
+
+def _tiles(spec: AttentionSpec, cfgs):
+    """(block_q, block_k) per config and the common padded lengths T_pad, S_pad."""
+    blocks = [(_block(spec.q_len, c.block_q), _block(spec.kv_len, c.block_k)) for c in cfgs]
+    t_pad = _round_up(spec.q_len, max(b[0] for b in blocks))
+    s_pad = _round_up(spec.kv_len, max(b[1] for b in blocks))
+    return blocks, t_pad, s_pad
+
+
+def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs=None, interpret=None):
+    """out [B, T, N, H] (dtype of q), lse [B, N, T] float32 natural log."""
+    pl, _ = _triton()
+    interpret = _interpret(interpret)
+    b, t, n, h = q.shape
+    hp = padded_head_dim(h)
+    cfg = override(configs, "fwd", lookup(hp, spec.dtype, "fwd", interpret))
+    ((bq, bk),), t_pad, s_pad = _tiles(spec, [cfg])
+    g = spec.group_size
+    qp = _pad(_pad(q, 3, hp), 1, t_pad)
+    kp = _pad(_pad(k, 3, hp), 1, s_pad)
+    vp = _pad(_pad(v, 3, hp), 1, s_pad)
+    extras = _Extras(spec, masks, t_pad, s_pad)
+    extra_args, extra_specs = extras.row_grid(bq, s_pad)
+    layout = _layout(spec, masks, bq, bk, t_pad, s_pad)
+    row_spec = pl.BlockSpec((None, bq, None, hp), lambda i, n_, b_: (b_, i, n_, 0))
+    kv_spec = pl.BlockSpec((None, s_pad, None, hp), lambda i, n_, b_: (b_, 0, n_ // g, 0))
+    out, lse = pl.pallas_call(
+        functools.partial(forward_kernel, layout=layout),
+        grid=(t_pad // bq, n, b),
+        in_specs=[row_spec, kv_spec, kv_spec, *extra_specs],
+        out_specs=[row_spec, pl.BlockSpec((None, None, bq), lambda i, n_, b_: (b_, n_, i))],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, t_pad, n, hp), q.dtype),
+            jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32),
+        ],
+        compiler_params=_compiler_params(cfg),
+        interpret=interpret,
+        name="jax_flash_fwd",
+    )(qp, kp, vp, *extra_args)
+    return out[:, :t, :, :h], lse[:, :, :t]
+
+
+def backward(
+    spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout, dlse, *,
+    configs=None, interpret=None,
+):
+    """dq, dk, dv (input dtypes), dbias (shape and dtype of masks.bias, or None)."""
+    pl, _ = _triton()
+    interpret = _interpret(interpret)
+    b, t, n, h = q.shape
+    s = k.shape[1]
+    kh, g = spec.num_kv_heads, spec.group_size
+    hp = padded_head_dim(h)
+    cfg_kv = override(configs, "dkdv", lookup(hp, spec.dtype, "dkdv", interpret))
+    cfg_q = override(configs, "dq", lookup(hp, spec.dtype, "dq", interpret))
+    ((bq1, bk1), (bq2, bk2)), t_pad, s_pad = _tiles(spec, [cfg_kv, cfg_q])
+
+    # D = rowsum(dO ∘ O) (FlashAttention-2 §3.2); the lse cotangent shifts it by -dlse
+    # (d lse / d logit = P). One fused XLA reduction, O(B·T·N·H).
+    delta = jnp.einsum(
+        "btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32)
+    ) - dlse.astype(jnp.float32)
+    delta = _pad(delta, 2, t_pad)
+    # The kernels work in base 2. Rows that see nothing (lse = -inf) and padded rows get
+    # lse₂ = +inf, so that P = exp2(logit₂ - lse₂) = 0 there without a select.
+    lse2 = jnp.where(jnp.isfinite(lse), lse.astype(jnp.float32) * LOG2E, jnp.inf)
+    lse2 = _pad(lse2, 2, t_pad, jnp.inf)
+    qp = _pad(_pad(q, 3, hp), 1, t_pad)
+    dop = _pad(_pad(dout.astype(q.dtype), 3, hp), 1, t_pad)
+    kp = _pad(_pad(k, 3, hp), 1, s_pad)
+    vp = _pad(_pad(v, 3, hp), 1, s_pad)
+    extras = _Extras(spec, masks, t_pad, s_pad)
+
+    # dK, dV: grid (key block, kv head, batch); the kernel loops over the G query heads.
+    q5 = qp.reshape(b, t_pad, kh, g, hp)
+    do5 = dop.reshape(b, t_pad, kh, g, hp)
+    rows5 = pl.BlockSpec((None, t_pad, None, g, hp), lambda j, h_, b_: (b_, 0, h_, 0, 0))
+    kv_blk = pl.BlockSpec((None, bk1, None, hp), lambda j, h_, b_: (b_, j, h_, 0))
+    stat5 = pl.BlockSpec((None, None, g, t_pad), lambda j, h_, b_: (b_, h_, 0, 0))
+    extra_args, extra_specs = extras.key_grid(bk1, t_pad)
+    dk, dv = pl.pallas_call(
+        functools.partial(dkdv_kernel, layout=_layout(spec, masks, bq1, bk1, t_pad, s_pad)),
+        grid=(s_pad // bk1, kh, b),
+        in_specs=[rows5, kv_blk, kv_blk, rows5, stat5, stat5, *extra_specs],
+        out_specs=[kv_blk, kv_blk],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, s_pad, kh, hp), k.dtype),
+            jax.ShapeDtypeStruct((b, s_pad, kh, hp), v.dtype),
+        ],
+        compiler_params=_compiler_params(cfg_kv),
+        interpret=interpret,
+        name="jax_flash_bwd_dkdv",
+    )(
+        q5, kp, vp, do5,
+        lse2.reshape(b, kh, g, t_pad), delta.reshape(b, kh, g, t_pad),
+        *extra_args,
+    )
+
+    # dQ (and dS for dbias): grid (query block, head, batch), looping over key blocks.
+    write_ds = masks.bias is not None
+    row_blk = pl.BlockSpec((None, bq2, None, hp), lambda i, n_, b_: (b_, i, n_, 0))
+    kv_full = pl.BlockSpec((None, s_pad, None, hp), lambda i, n_, b_: (b_, 0, n_ // g, 0))
+    stat = pl.BlockSpec((None, None, bq2), lambda i, n_, b_: (b_, n_, i))
+    extra_args, extra_specs = extras.row_grid(bq2, s_pad)
+    out_specs = [row_blk]
+    out_shape = [jax.ShapeDtypeStruct((b, t_pad, n, hp), q.dtype)]
+    if write_ds:
+        # dS per (batch, head) tile, summed over the axes the bias broadcasts along below.
+        out_specs.append(pl.BlockSpec((None, None, bq2, s_pad), lambda i, n_, b_: (b_, n_, i, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((b, n, t_pad, s_pad), jnp.float32))
+    res = pl.pallas_call(
+        functools.partial(
+            dq_kernel, layout=_layout(spec, masks, bq2, bk2, t_pad, s_pad, write_ds=write_ds)
+        ),
+        grid=(t_pad // bq2, n, b),
+        in_specs=[row_blk, kv_full, kv_full, row_blk, stat, stat, *extra_specs],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_compiler_params(cfg_q),
+        interpret=interpret,
+        name="jax_flash_bwd_dq",
+    )(qp, kp, vp, dop, lse2, delta, *extra_args)
+    dq = res[0][:, :t, :, :h]
+    dbias = None
+    if write_ds:
+        bias = masks.bias
+        ds = res[1][:, :, :t, :s]
+        axes = tuple(ax for ax in range(4) if bias.shape[ax] == 1 and ds.shape[ax] != 1)
+        dbias = jnp.sum(ds, axis=axes, keepdims=True).astype(bias.dtype)
+    return dq, dk[:, :s, :, :h], dv[:, :s, :, :h], dbias
+
+
+class PallasImplementation:
+    """Pallas/Triton kernels on a GPU; the same kernels interpreted on a CPU (tests)."""
+
+    name = "pallas"
+
+    def unsupported(self, spec: AttentionSpec) -> Optional[str]:
+        plat = _registry.platform()
+        if plat not in ("gpu", "cpu"):
+            return f"runs on GPUs through Triton (and interpreted on the CPU), not on {plat}"
+        try:
+            _triton()
+        except ImportError as e:
+            return f"jax.experimental.pallas.triton cannot be imported: {e}"
+        if spec.dtype not in DTYPES:
+            return f"supports dtypes {DTYPES}, got {spec.dtype}"
+        if spec.head_dim > MAX_HEAD_DIM:
+            return f"supports head dims up to {MAX_HEAD_DIM}, got {spec.head_dim}"
+        return None
+
+    def forward(self, spec, q, k, v, masks):
+        return forward(spec, q, k, v, masks)
+
+    def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
+        return backward(spec, q, k, v, masks, out, lse, dout, dlse)
+
+
+IMPLEMENTATION = PallasImplementation()
