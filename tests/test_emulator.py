@@ -3,9 +3,11 @@
 Compiles cuda/emu/tests/emu_test.cc with the emulator's sources and runs it: every emulated
 PTX wrapper against the PTX ISA's fragment tables, the fiber runtime, and the strictness
 checks (poisoned shared memory, cp.async landing only at wait_group, missing lanes, partial
-__syncthreads). Needs only a C++17 host compiler; no GPU, no extension build.
+__syncthreads). Needs only a C++17 host compiler; no GPU, no extension build. Also builds
+build/ptx_selftest.cu, and runs it where there is a GPU.
 """
 
+import concurrent.futures
 import os
 import pathlib
 import shutil
@@ -15,22 +17,40 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CUDA_DIR = ROOT / "cuda"
-SOURCES = [
-    CUDA_DIR / "emu" / "tests" / "emu_test.cc",
-    CUDA_DIR / "emu" / "simt.cc",
-    CUDA_DIR / "emu" / "ptx_emu.cc",
-]
+EMU_TEST = CUDA_DIR / "emu" / "tests" / "emu_test.cc"
+SIMT = CUDA_DIR / "emu" / "simt.cc"
+PTX_EMU = CUDA_DIR / "emu" / "ptx_emu.cc"
+SELFTEST = ROOT / "build" / "ptx_selftest.cu"
 CXX = os.environ.get("CXX", "g++")
+CXXFLAGS = ["-std=c++17", "-O1", "-Wall", "-Wextra", f"-I{CUDA_DIR}"]
 
 
-def _build(tmp_path, name, extra_flags=()):
+def _need_cxx():
     if shutil.which(CXX) is None:
         pytest.skip(f"no C++ compiler ({CXX}) on PATH")
-    exe = tmp_path / name
-    cmd = [CXX, "-std=c++17", "-O1", "-Wall", "-Wextra", *extra_flags, f"-I{CUDA_DIR}",
-           *map(str, SOURCES), "-o", str(exe)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"compile failed: {' '.join(cmd)}\n{proc.stderr}"
+
+
+def _run_checked(cmd, what, timeout=300):
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{what} failed: {' '.join(map(str, cmd))}\n{proc.stderr}"
+
+
+def _compile_all(out_dir, units, extra_flags=()):
+    """Compiles {name: (source, flags)} to out_dir/name.o, two at a time."""
+
+    def one(item):
+        name, (src, flags) = item
+        obj = out_dir / f"{name}.o"
+        _run_checked([CXX, *CXXFLAGS, *extra_flags, *flags, "-c", src, "-o", obj], f"compiling {name}")
+        return name, obj
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(pool.map(one, units.items()))
+
+
+def _link(out_dir, name, objs, extra_flags=()):
+    exe = out_dir / name
+    _run_checked([CXX, *extra_flags, *objs, "-o", exe], f"linking {name}")
     return exe
 
 
@@ -43,13 +63,27 @@ def _run(exe, env_extra=None):
 
 
 @pytest.fixture(scope="module")
-def emu_test_exe(tmp_path_factory):
-    return _build(tmp_path_factory.mktemp("emu"), "emu_test")
+def objects(tmp_path_factory):
+    _need_cxx()
+    out = tmp_path_factory.mktemp("emu")
+    objs = _compile_all(out, {
+        "emu_test": (EMU_TEST, []),
+        "simt": (SIMT, []),
+        "ptx_emu": (PTX_EMU, []),
+        # The portable context switch (ucontext), used where the x86-64 one is not.
+        "simt_ucontext": (SIMT, ["-DJAX_FLASH_EMU_UCONTEXT"]),
+    })
+    return out, objs
+
+
+@pytest.fixture(scope="module")
+def emu_test_exe(objects):
+    out, objs = objects
+    return _link(out, "emu_test", [objs["emu_test"], objs["simt"], objs["ptx_emu"]])
 
 
 def test_emulator_unit_tests(emu_test_exe):
-    out = _run(emu_test_exe)
-    print(out)
+    print(_run(emu_test_exe))
 
 
 @pytest.mark.parametrize("schedule", ["reverse", "shuffle:7"])
@@ -58,52 +92,40 @@ def test_emulator_unit_tests_other_schedules(emu_test_exe, schedule):
     _run(emu_test_exe, {"JAX_FLASH_EMU_SCHEDULE": schedule})
 
 
+def test_emulator_unit_tests_ucontext(objects):
+    out, objs = objects
+    exe = _link(out, "emu_test_ucontext", [objs["emu_test"], objs["simt_ucontext"], objs["ptx_emu"]])
+    _run(exe, {"JAX_FLASH_EMU_SCHEDULE": "shuffle:11"})
+
+
 def test_emulator_unit_tests_asan(tmp_path):
     # AddressSanitizer through the fiber switches: no stray access, no leak on the error paths.
-    if shutil.which(CXX) is None:
-        pytest.skip(f"no C++ compiler ({CXX}) on PATH")
+    _need_cxx()
     probe = tmp_path / "probe.cc"
     probe.write_text("int main() { return 0; }\n")
     if subprocess.run([CXX, "-fsanitize=address", str(probe), "-o", str(tmp_path / "probe")],
                       capture_output=True).returncode != 0:
         pytest.skip("no AddressSanitizer runtime")
-    exe = _build(tmp_path, "emu_test_asan", ["-g", "-fsanitize=address", "-fno-omit-frame-pointer"])
+    flags = ["-g", "-fsanitize=address", "-fno-omit-frame-pointer"]
+    objs = _compile_all(tmp_path, {"emu_test": (EMU_TEST, []), "simt": (SIMT, []), "ptx_emu": (PTX_EMU, [])}, flags)
+    exe = _link(tmp_path, "emu_test_asan", list(objs.values()), ["-fsanitize=address"])
     _run(exe, {"JAX_FLASH_EMU_SCHEDULE": "shuffle:5"})
 
 
-def test_emulator_unit_tests_ucontext(tmp_path):
-    # The portable context switch (ucontext), used where the x86-64 one is not.
-    exe = _build(tmp_path, "emu_test_ucontext", ["-DJAX_FLASH_EMU_UCONTEXT"])
-    _run(exe, {"JAX_FLASH_EMU_SCHEDULE": "shuffle:11"})
-
-
-SELFTEST = ROOT / "build" / "ptx_selftest.cu"
-
-
-def test_ptx_selftest_builds(tmp_path):
+def test_ptx_selftest_builds(objects, tmp_path):
     """build/ptx_selftest.cu: its emulated side always compiles; with nvcc the whole program
     builds, and on a machine with an sm_80+ GPU it runs every wrapper on the hardware and
     compares with the emulation lane by lane."""
-    if shutil.which(CXX) is None:
-        pytest.skip(f"no C++ compiler ({CXX}) on PATH")
-    objs = []
-    for name, src, flags in [("emu_side", SELFTEST, ["-DJAX_FLASH_EMULATE", "-x", "c++"]),
-                             ("simt", CUDA_DIR / "emu" / "simt.cc", []),
-                             ("ptx_emu", CUDA_DIR / "emu" / "ptx_emu.cc", [])]:
-        obj = tmp_path / f"{name}.o"
-        cmd = [CXX, "-std=c++17", "-O1", "-Wall", "-Wextra", f"-I{CUDA_DIR}", *flags, "-c", str(src), "-o", str(obj)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, f"compile failed: {' '.join(cmd)}\n{proc.stderr}"
-        objs.append(str(obj))
+    _, objs = objects
+    side = _compile_all(tmp_path, {"emu_side": (SELFTEST, ["-DJAX_FLASH_EMULATE", "-x", "c++"])})["emu_side"]
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("emulated side compiles; no nvcc for the GPU side")
     exe = tmp_path / "ptx_selftest"
     # sm_80 SASS plus compute_80 PTX: runs on every supported GPU (JIT-compiled on newer ones).
     arch = os.environ.get("JAX_FLASH_SELFTEST_ARCH", "sm_80")
-    cmd = [nvcc, "-std=c++17", "-O2", f"-arch={arch}", f"-I{CUDA_DIR}", str(SELFTEST), *objs, "-o", str(exe)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"nvcc failed: {' '.join(cmd)}\n{proc.stderr}"
+    _run_checked([nvcc, "-std=c++17", "-O2", f"-arch={arch}", f"-I{CUDA_DIR}", SELFTEST, side, objs["simt"],
+                  objs["ptx_emu"], "-o", exe], "nvcc", timeout=600)
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     if run.returncode == 2 and "NO DEVICE" in run.stdout:
         pytest.skip(f"built with nvcc; not run: {run.stdout.strip()}")
