@@ -31,6 +31,9 @@ struct BackwardKernel {
   static constexpr int STAGES = kShape.stages;
   static constexpr int THREADS = WARPS * WARP_SIZE;
   static constexpr int WARP_KV = MMA_M;  // keys per warp
+  // k-steps of Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ unrolled at once: dK and dV hold 2·HEAD_DIM/2
+  // registers per thread for the whole kernel, so full unrolling would spill at HEAD_DIM 128.
+  static constexpr int K_UNROLL = HEAD_DIM <= 64 ? HEAD_DIM / MMA_K : 2;
 
   using KVTile = SmemTile<BLOCK_KV, HEAD_DIM>;
   using QTile = SmemTile<BLOCK_Q, HEAD_DIM>;
@@ -266,10 +269,10 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM>::THREADS)
       float dp[K::BLOCK_Q / MMA_N][4];  // dPᵀ, then dSᵀ
       clear(s);
       clear(dp);
-      mma_a_smem_b_rows<Elem, typename K::KVTile, typename K::QTile, HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N>(
-          s, k_tile, warp * K::WARP_KV, q_tile, 0, lane);
-      mma_a_smem_b_rows<Elem, typename K::KVTile, typename K::QTile, HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N>(
-          dp, v_tile, warp * K::WARP_KV, do_tile, 0, lane);
+      mma_a_smem_b_rows<Elem, typename K::KVTile, typename K::QTile, HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N,
+                        K::K_UNROLL>(s, k_tile, warp * K::WARP_KV, q_tile, 0, lane);
+      mma_a_smem_b_rows<Elem, typename K::KVTile, typename K::QTile, HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N,
+                        K::K_UNROLL>(dp, v_tile, warp * K::WARP_KV, do_tile, 0, lane);
       const bool interior = mask.is_interior(t0, K::BLOCK_Q, warp_s0, K::WARP_KV);
       scaling.prepare<true>(s, mask, interior, warp_s0, t0, lane);
       probabilities_and_ds(s, dp, lse2, delta, scaling, lane);

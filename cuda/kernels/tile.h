@@ -9,9 +9,12 @@
 #include "kernels/ptx.h"
 
 #if defined(__CUDACC__) && !defined(JAX_FLASH_EMULATE)
+#define JAX_FLASH_PRAGMA(x) _Pragma(#x)
 #define JAX_FLASH_UNROLL _Pragma("unroll")
+#define JAX_FLASH_UNROLL_N(n) JAX_FLASH_PRAGMA(unroll n)
 #else
 #define JAX_FLASH_UNROLL
+#define JAX_FLASH_UNROLL_N(n)
 #endif
 
 namespace jax_flash {
@@ -61,12 +64,14 @@ struct SmemTile {
   static constexpr int kRows = ROWS;
   static constexpr int kCols = COLS;
   static constexpr int kChunks = COLS / 8;  // 16-byte chunks per row
-  static constexpr int kBytes = ROWS * COLS * 2;
+  static constexpr int kRowBytes = COLS * 2;
+  static constexpr int kBytes = ROWS * kRowBytes;
+  static_assert((kChunks & (kChunks - 1)) == 0, "rows of a power-of-two number of chunks (the swizzle XORs bits)");
   // Rows of 4 chunks (64 bytes) share a 128-byte window two by two.
   __device__ __forceinline__ static int swizzle(int row) { return kChunks >= 8 ? (row & 7) : ((row >> 1) & 3); }
   // Byte offset of logical chunk `chunk` of row `row`.
   __device__ __forceinline__ static int chunk_offset(int row, int chunk) {
-    return row * (COLS * 2) + ((chunk ^ swizzle(row)) << 4);
+    return row * kRowBytes + ((chunk ^ swizzle(row)) << 4);
   }
   // Byte offset of element (row, col).
   __device__ __forceinline__ static int element_offset(int row, int col) {
@@ -93,32 +98,42 @@ __device__ __forceinline__ void load_tile_async(char* tile, const uint16_t* gmem
 }
 
 // ldmatrix addressing of the fragments (PTX ISA §9.7.14.5.8 layouts, §9.7.14.5.15 ldmatrix):
-// the lane's row pointer for an x4 load, given the tile's 16x16 block (row0, chunk0 = col0/8).
-//
+// the lane's row pointer for an x4 load of the 16x16 block at (row0, chunk0 = col0 / 8), with
+// row0 % 8 == 0 and chunk0 even. Lane l addresses row row0 + r(l), chunk chunk0 + c(l), c in
+// {0, 1}. Then the swizzled chunk is (c ^ swizzle(r)) ^ (chunk0 % 8) + 8·(chunk0 / 8): one
+// lane offset per pattern, and every block is an XOR and an immediate away from it (fewer
+// live address registers than one per block).
+template <class Tile>
+__device__ __forceinline__ const char* fragment_row(const char* tile, int row0, int chunk0, int lane_row,
+                                                    int lane_chunk) {
+  const int lane_offset = lane_row * Tile::kRowBytes + ((lane_chunk ^ Tile::swizzle(lane_row)) << 4);
+  return tile + row0 * Tile::kRowBytes + ((chunk0 & ~7) << 4) + (lane_offset ^ ((chunk0 & 7) << 4));
+}
+
 // A operand, row-major 16x16 (rows = M, cols = K): matrices (rows 0-7, k 0-7), (8-15, 0-7),
 // (0-7, 8-15), (8-15, 8-15) are a0..a3.
 template <class Tile>
 __device__ __forceinline__ const char* a_fragment_row(const char* tile, int row0, int chunk0, int lane) {
-  return tile + Tile::chunk_offset(row0 + (lane & 15), chunk0 + (lane >> 4));
+  return fragment_row<Tile>(tile, row0, chunk0, lane & 15, lane >> 4);
 }
 // B operand of two n-blocks from a tile stored [n][k] (rows = N, cols = K), non-transposed:
 // matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15) are b0, b1 of
 // n-block 0 and b0, b1 of n-block 1.
 template <class Tile>
 __device__ __forceinline__ const char* b_fragment_row(const char* tile, int row0, int chunk0, int lane) {
-  return tile + Tile::chunk_offset(row0 + ((lane >> 4) << 3) + (lane & 7), chunk0 + ((lane >> 3) & 1));
+  return fragment_row<Tile>(tile, row0, chunk0, ((lane >> 4) << 3) + (lane & 7), (lane >> 3) & 1);
 }
 // B operand of two n-blocks from a tile stored [k][n] (rows = K, cols = N), with .trans:
 // matrices (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15).
 template <class Tile>
 __device__ __forceinline__ const char* bt_fragment_row(const char* tile, int row0, int chunk0, int lane) {
-  return tile + Tile::chunk_offset(row0 + (((lane >> 3) & 1) << 3) + (lane & 7), chunk0 + (lane >> 4));
+  return fragment_row<Tile>(tile, row0, chunk0, (((lane >> 3) & 1) << 3) + (lane & 7), lane >> 4);
 }
 // A operand from a tile stored [k][m] (rows = K, cols = M), with .trans: matrices
 // (k 0-7, m 0-7) -> a0, (k 0-7, m 8-15) -> a1, (k 8-15, m 0-7) -> a2, (k 8-15, m 8-15) -> a3.
 template <class Tile>
 __device__ __forceinline__ const char* at_fragment_row(const char* tile, int row0, int chunk0, int lane) {
-  return tile + Tile::chunk_offset(row0 + ((lane >> 4) << 3) + (lane & 7), chunk0 + ((lane >> 3) & 1));
+  return fragment_row<Tile>(tile, row0, chunk0, ((lane >> 4) << 3) + (lane & 7), (lane >> 3) & 1);
 }
 
 // The accumulator of a 16 x (8·N) product (C layout, §9.7.14.5.8: c0,c1 row lane/4, c2,c3
@@ -142,12 +157,13 @@ __device__ __forceinline__ void clear(float (&acc)[N_BLOCKS][4]) {
 }
 
 // acc[16 x 8·N_BLOCKS] += A[16 x 16·K_STEPS] · B, A rows a_row0.. of a_tile (row-major), B from
-// b_tile stored [n][k] (non-transposed, e.g. K for S = Q·Kᵀ).
-template <class Elem, class ATile, class BTile, int K_STEPS, int N_BLOCKS>
+// b_tile stored [n][k] (non-transposed, e.g. K for S = Q·Kᵀ). K_UNROLL k-steps are unrolled
+// (fewer where registers are tight: the backward holds dK and dV throughout).
+template <class Elem, class ATile, class BTile, int K_STEPS, int N_BLOCKS, int K_UNROLL = K_STEPS>
 __device__ __forceinline__ void mma_a_smem_b_rows(float (&acc)[N_BLOCKS][4], const char* a_tile, int a_row0,
                                                   const char* b_tile, int b_row0, int lane) {
   static_assert(N_BLOCKS % 2 == 0, "B is loaded two n-blocks at a time");
-  JAX_FLASH_UNROLL
+  JAX_FLASH_UNROLL_N(K_UNROLL)
   for (int kk = 0; kk < K_STEPS; ++kk) {
     uint32_t a[4];
     ptx::ldmatrix_x4(a, a_fragment_row<ATile>(a_tile, a_row0, 2 * kk, lane));

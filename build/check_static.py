@@ -1,0 +1,269 @@
+#!/usr/bin/env python3
+"""Static checks of the CUDA kernels, per instantiation and per architecture (sm_80, sm_90, sm_120).
+
+For every kernel of every generated instantiation (cuda/kernels/{fwd,bwd}_*.cu):
+  - no register spills and no stack frame (ptxas -v / cuobjdump -res-usage: STACK 0, LOCAL 0),
+  - static + dynamic shared memory <= 101376 bytes (the sm_120 opt-in limit; the dynamic
+    size comes from the kernels' own tile traits, compiled for the host),
+and for the main kernels (forward, backward) the SASS of every architecture contains the
+mma.sync / ldmatrix / cp.async instructions (HMMA.16816.F32, LDSM.16.M88.4, LDSM.16.MT88.4,
+LDGSTS.E.BYPASS.128) and the PTX has no wmma.* instruction. Prints a table of registers,
+shared memory and spills; exits 1 on any violation.
+
+By default the objects of the last extension build (_skbuild/*/.../jax_flash_cuda.dir) are
+reused when they are newer than every kernel source and hold all three architectures; otherwise
+(or with --compile) each instantiation is compiled with `nvcc -Xptxas -v`, two at a time.
+cuobjdump/nvdisasm come from the pip packages nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm
+(test extra) when they are not on PATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CUDA = ROOT / "cuda"
+KERNELS = CUDA / "kernels"
+ARCHS = (80, 90, 120)
+SMEM_LIMIT = 101376
+# sm_90 and newer reserve 1 KB of shared memory per block for the system; cuobjdump counts it in
+# SHARED, the opt-in limit (cudaDevAttrMaxSharedMemoryPerBlockOptin = 101376 on sm_120) does not.
+RESERVED_SMEM = {80: 0, 90: 1024, 120: 1024}
+INSTANTIATION = re.compile(r"^(fwd|bwd)_(f16|bf16)_hdim(\d+)\.cu$")
+MAIN_KERNELS = ("attention_forward_kernel", "attention_backward_kernel")
+REQUIRED_SASS = ("HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS.E.BYPASS.128")
+
+
+def tool(name: str) -> str:
+    found = shutil.which(name)
+    if found:
+        return found
+    try:
+        import nvidia  # the nvidia-cuda-* wheels install into the nvidia namespace package
+
+        for base in nvidia.__path__:
+            cand = pathlib.Path(base) / "cu13" / "bin" / name
+            if cand.exists():
+                return str(cand)
+    except ImportError:
+        pass
+    sys.exit(f"check_static: {name} not found (pip install nvidia-cuda-cuobjdump==13.2.86 nvidia-cuda-nvdisasm==13.2.86)")
+
+
+def instantiations() -> list[pathlib.Path]:
+    return sorted(p for p in KERNELS.glob("*.cu") if INSTANTIATION.match(p.name))
+
+
+def demangle_kind(symbol: str) -> str:
+    for k in ("attention_forward_kernel", "attention_backward_kernel", "attention_backward_delta_kernel",
+              "attention_backward_convert_dq_kernel"):
+        if k in symbol:
+            return k
+    return symbol
+
+
+def build_objects(sources) -> dict[pathlib.Path, pathlib.Path] | None:
+    """The extension build's objects, if they are fresh and hold every architecture."""
+    newest_source = max(p.stat().st_mtime for p in KERNELS.iterdir() if p.suffix in (".h", ".cu"))
+    out = {}
+    for src in sources:
+        objs = sorted(ROOT.glob(f"_skbuild/*/CMakeFiles/jax_flash_cuda.dir/kernels/{src.name}.o"),
+                      key=lambda p: p.stat().st_mtime)
+        if not objs or objs[-1].stat().st_mtime < newest_source:
+            return None
+        out[src] = objs[-1]
+    return out
+
+
+def compile_objects(sources, workdir: pathlib.Path, nvcc: str) -> tuple[dict, dict]:
+    gencode = []
+    for a in ARCHS:
+        gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    gencode += ["-gencode", f"arch=compute_{ARCHS[-1]},code=compute_{ARCHS[-1]}"]
+
+    def one(src):
+        obj = workdir / (src.name + ".o")
+        cmd = [nvcc, "-c", "-std=c++17", "-O3", "--use_fast_math", "-I", str(CUDA), *gencode,
+               "-Xptxas", "-v", "-o", str(obj), str(src)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.exit(f"check_static: compiling {src.name} failed:\n{r.stderr}")
+        return src, obj, r.stderr
+
+    objs, logs = {}, {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        for src, obj, log in pool.map(one, sources):
+            objs[src], logs[src] = obj, log
+    return objs, logs
+
+
+def ptxas_spills(log: str) -> dict:
+    """{(arch, kind): (stack, spill_stores, spill_loads)} from ptxas -v output."""
+    out, arch, func = {}, None, None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\S+)' for 'sm_(\d+)'", line)
+        if m:
+            func, arch = demangle_kind(m.group(1)), int(m.group(2))
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and func:
+            out[(arch, func)] = tuple(int(x) for x in m.groups())
+    return out
+
+
+def resource_usage(obj: pathlib.Path, cuobjdump: str) -> dict:
+    """{(arch, kind): {REG, STACK, SHARED, LOCAL}} from cuobjdump -res-usage."""
+    text = subprocess.run([cuobjdump, "-res-usage", str(obj)], capture_output=True, text=True, check=True).stdout
+    out, arch, func = {}, None, None
+    for line in text.splitlines():
+        m = re.match(r"\s*arch = sm_(\d+)", line)
+        if m:
+            arch = int(m.group(1))
+        m = re.match(r"\s*Function (\S+):", line)
+        if m:
+            func = demangle_kind(m.group(1))
+        if func and "REG:" in line:
+            out[(arch, func)] = {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", line)}
+            func = None
+    return out
+
+
+def sass_opcodes(obj: pathlib.Path, cuobjdump: str) -> dict:
+    """{(arch, kind): set of SASS opcodes with modifiers}."""
+    env = dict(os.environ, PATH=str(pathlib.Path(cuobjdump).parent) + os.pathsep + os.environ.get("PATH", ""))
+    text = subprocess.run([cuobjdump, "--dump-sass", str(obj)], capture_output=True, text=True, check=True,
+                          env=env).stdout
+    out, arch, func = {}, None, None
+    for line in text.splitlines():
+        m = re.match(r"\s*arch = sm_(\d+)", line)
+        if m:
+            arch = int(m.group(1))
+        m = re.match(r"\s*Function : (\S+)", line)
+        if m:
+            func = demangle_kind(m.group(1))
+            out.setdefault((arch, func), set())
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m and func:
+            out[(arch, func)].add(m.group(1))
+    return out
+
+
+def ptx_has_wmma(obj: pathlib.Path, cuobjdump: str) -> bool:
+    text = subprocess.run([cuobjdump, "--dump-ptx", str(obj)], capture_output=True, text=True).stdout
+    return "wmma." in text
+
+
+def dynamic_smem(sources) -> dict:
+    """{(pass, dtype, head_dim): bytes} from the kernels' tile traits, compiled for the host."""
+    cxx = shutil.which("c++") or shutil.which("g++")
+    lines = []
+    for src in sources:
+        p, d, h = INSTANTIATION.match(src.name).groups()
+        elem = {"f16": "F16", "bf16": "Bf16"}[d]
+        kernel = {"fwd": "ForwardKernel", "bwd": "BackwardKernel"}[p]
+        lines.append(f'  std::printf("{p} {d} {h} %d\\n", {kernel}<{elem}, {h}>::kSmemBytes);')
+    program = ("#include <cstdio>\n#include \"kernels/fwd.h\"\n#include \"kernels/bwd.h\"\n"
+               "using namespace jax_flash::kernels;\nint main() {\n" + "\n".join(lines) + "\n}\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        cc = pathlib.Path(tmp) / "smem.cc"
+        cc.write_text(program)
+        exe = pathlib.Path(tmp) / "smem"
+        subprocess.run([cxx, "-std=c++17", "-DJAX_FLASH_EMULATE", "-I", str(CUDA), str(cc), "-o", str(exe)],
+                       check=True, capture_output=True)
+        out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
+    return {(p, d, int(h)): int(b) for p, d, h, b in (l.split() for l in out.splitlines())}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compile", action="store_true", help="always compile, never reuse build objects")
+    args = parser.parse_args()
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        print("check_static: nvcc not found", file=sys.stderr)
+        return 2
+    cuobjdump = tool("cuobjdump")
+    tool("nvdisasm")
+    sources = instantiations()
+    if not sources:
+        print("check_static: no generated instantiations in cuda/kernels", file=sys.stderr)
+        return 1
+
+    logs = {}
+    objs = None if args.compile else build_objects(sources)
+    with tempfile.TemporaryDirectory() as tmp:
+        if objs is not None:
+            usage_probe = resource_usage(next(iter(objs.values())), cuobjdump)
+            if not all(any(a == arch for a, _ in usage_probe) for arch in ARCHS):
+                objs = None
+        if objs is None:
+            print(f"compiling {len(sources)} instantiations for sm_{', sm_'.join(map(str, ARCHS))} (2 jobs)...")
+            objs, logs = compile_objects(sources, pathlib.Path(tmp), nvcc)
+        else:
+            print("reusing the extension build's objects")
+        smem = dynamic_smem(sources)
+
+        problems = []
+        rows = []
+        for src in sources:
+            p, d, h = INSTANTIATION.match(src.name).groups()
+            obj = objs[src]
+            usage = resource_usage(obj, cuobjdump)
+            sass = sass_opcodes(obj, cuobjdump)
+            spills = ptxas_spills(logs.get(src, ""))
+            if ptx_has_wmma(obj, cuobjdump):
+                problems.append(f"{src.name}: the PTX contains wmma instructions")
+            dyn = smem[(p, d, int(h))]
+            for arch in ARCHS:
+                kinds = sorted(k for a, k in usage if a == arch)
+                if not kinds:
+                    problems.append(f"{src.name}: no sm_{arch} code")
+                for kind in kinds:
+                    u = usage[(arch, kind)]
+                    main_kernel = kind in MAIN_KERNELS
+                    static_smem = max(0, u.get("SHARED", 0) - RESERVED_SMEM.get(arch, 0))
+                    total_smem = static_smem + (dyn if main_kernel else 0)
+                    stack, stores, loads = spills.get((arch, kind), (u.get("STACK", 0), None, None))
+                    spill_text = "-" if stores is None else f"{stores}/{loads}"
+                    rows.append((src.stem, f"sm_{arch}", kind.replace("attention_", ""), u["REG"], total_smem,
+                                 stack, u.get("LOCAL", 0), spill_text))
+                    where = f"{src.name} sm_{arch} {kind}"
+                    if u.get("STACK", 0) > 0 or stack > 0:
+                        problems.append(f"{where}: stack frame {max(stack, u.get('STACK', 0))} bytes")
+                    if u.get("LOCAL", 0) > 0 or (stores or 0) > 0 or (loads or 0) > 0:
+                        problems.append(f"{where}: local memory / spills (LOCAL {u.get('LOCAL', 0)}, "
+                                        f"spill stores {stores}, loads {loads})")
+                    if total_smem > SMEM_LIMIT:
+                        problems.append(f"{where}: shared memory {total_smem} > {SMEM_LIMIT}")
+                    if main_kernel:
+                        ops = sass.get((arch, kind), set())
+                        for want in REQUIRED_SASS:
+                            if not any(op.startswith(want) for op in ops):
+                                problems.append(f"{where}: no {want} in the SASS")
+                        if any(op.startswith("HMMA") and not op.startswith("HMMA.16816") for op in ops):
+                            problems.append(f"{where}: HMMA of another shape than m16n8k16")
+
+    header = ("instantiation", "arch", "kernel", "regs", "smem", "stack", "local", "spill st/ld")
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    for r in [header] + rows:
+        print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)))
+    if problems:
+        print("\nFAILED:", file=sys.stderr)
+        for p in problems:
+            print("  " + p, file=sys.stderr)
+        return 1
+    print(f"\nOK: {len(rows)} kernels, no spills, no stack, shared memory <= {SMEM_LIMIT}, "
+          "HMMA/LDSM/LDGSTS in every main kernel on every arch, no wmma")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
