@@ -1,0 +1,37 @@
+"""Static checks of the CUDA kernels (build/check_static.py): per instantiation and per arch
+(sm_80, sm_90, sm_120), no register spills, no stack frame, shared memory within the 99 KB
+sm_120 limit, and mma.sync/ldmatrix/cp.async (HMMA, LDSM, LDGSTS) in the SASS, no wmma.
+
+Needs nvcc (skipped without it) and cuobjdump/nvdisasm (the test extra installs them).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: CUDA kernels not compiled here")
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "build" / script), *args], capture_output=True, text=True, timeout=900
+    )
+
+
+def test_instantiations_are_generated():
+    r = _run("generate_kernels.py", "--check")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_no_spills_smem_fits_and_sass_uses_mma_sync():
+    r = _run("check_static.py")
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK:" in r.stdout
