@@ -20,8 +20,14 @@
 
 #include "emu/ptx_emu.h"
 #include "emu/simt.h"
+#include "kernels/ptx.h"  // the kernels' wrappers: their emulated branch must reach the same code
 
 namespace emu = jax_flash::emu;
+namespace ptx = jax_flash::ptx;
+
+// Whether the test kernels call the emulation directly (emu::) or through the kernels' PTX
+// wrappers (ptx::, cuda/kernels/ptx.h), which must forward each call to the matching emulation.
+bool g_via_ptx = false;
 
 // ---- a minimal test harness -------------------------------------------------------------------
 namespace {
@@ -41,7 +47,7 @@ void run_test(const char* name, const std::function<void()>& body) {
   double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   if (g_errors.empty()) {
     ++g_passed_tests;
-    std::printf("PASS %-44s %8.1f ms\n", name, ms);
+    std::printf("PASS %-54s %8.1f ms\n", name, ms);
   } else {
     ++g_failed_tests;
     std::printf("FAIL %s\n", name);
@@ -133,9 +139,9 @@ __global__ void mma_kernel(MmaParams p) {
   for (int i = 0; i < 4; ++i) c[i] = p.C[(g + 8 * (i / 2)) * 8 + 2 * t + i % 2];
   float* dst = p.alias ? c : d;
   if (p.bf16)
-    emu::mma_m16n8k16_bf16(dst, a, b, c);
+    g_via_ptx ? ptx::mma_m16n8k16_bf16(dst, a, b, c) : emu::mma_m16n8k16_bf16(dst, a, b, c);
   else
-    emu::mma_m16n8k16_f16(dst, a, b, c);
+    g_via_ptx ? ptx::mma_m16n8k16_f16(dst, a, b, c) : emu::mma_m16n8k16_f16(dst, a, b, c);
   for (int i = 0; i < 4; ++i) p.D[(g + 8 * (i / 2)) * 8 + 2 * t + i % 2] = dst[i];
 }
 
@@ -236,10 +242,16 @@ __global__ void ldmatrix_kernel(LdParams p) {
   const void* row = smem + ld_slot(lane / 8, lane % 8) * 16;
   uint32_t r[4] = {0xdeadbeef, 0xdeadbeef, 0xdeadbeef, 0xdeadbeef};
   if (p.num == 4) {
-    p.trans ? emu::ldmatrix_x4_trans(r, row) : emu::ldmatrix_x4(r, row);
+    if (g_via_ptx)
+      p.trans ? ptx::ldmatrix_x4_trans(r, row) : ptx::ldmatrix_x4(r, row);
+    else
+      p.trans ? emu::ldmatrix_x4_trans(r, row) : emu::ldmatrix_x4(r, row);
   } else {
     if (lane >= 16) row = nullptr;  // not used by .x2 on sm_80+: must not be dereferenced
-    p.trans ? emu::ldmatrix_x2_trans(r, row) : emu::ldmatrix_x2(r, row);
+    if (g_via_ptx)
+      p.trans ? ptx::ldmatrix_x2_trans(r, row) : ptx::ldmatrix_x2(r, row);
+    else
+      p.trans ? emu::ldmatrix_x2_trans(r, row) : emu::ldmatrix_x2(r, row);
   }
   for (int i = 0; i < 4; ++i) p.out[lane * 4 + i] = r[i];
 }
@@ -344,19 +356,23 @@ __global__ void cp_async_kernel(CpParams p) {
     for (int r = 0; r < 4; ++r)
       for (int e = 0; e < 4; ++e) std::memcpy(&p.snap[((k * 64 + t) * 4 + r) * 4 + e], &s[r * 256 + 4 * t + e], 4);
   };
-  emu::cp_async_16(s + 0 * 256 + 4 * t, p.src + 4 * t, 16);  // group 0
-  emu::cp_async_commit_group();
-  emu::cp_async_16(s + 1 * 256 + 4 * t, p.src + 4 * t, 16);  // group 1
-  emu::cp_async_commit_group();
-  emu::cp_async_16(s + 2 * 256 + 4 * t, nullptr, 0);  // group 2: src-size 0 zero-fills, reads nothing
-  emu::cp_async_commit_group();
-  emu::cp_async_16(s + 3 * 256 + 4 * t, p.src + 4 * t, 16);  // never committed
+  auto copy = [](void* dst, const void* src, int bytes) {
+    g_via_ptx ? ptx::cp_async_16(dst, src, bytes) : emu::cp_async_16(dst, src, bytes);
+  };
+  auto commit = [] { g_via_ptx ? ptx::cp_async_commit_group() : emu::cp_async_commit_group(); };
+  copy(s + 0 * 256 + 4 * t, p.src + 4 * t, 16);  // group 0
+  commit();
+  copy(s + 1 * 256 + 4 * t, p.src + 4 * t, 16);  // group 1
+  commit();
+  copy(s + 2 * 256 + 4 * t, nullptr, 0);  // group 2: src-size 0 zero-fills, reads nothing
+  commit();
+  copy(s + 3 * 256 + 4 * t, p.src + 4 * t, 16);  // never committed
   snapshot(0);
-  emu::cp_async_wait_group<2>();
+  g_via_ptx ? ptx::cp_async_wait_group<2>() : emu::cp_async_wait_group<2>();
   snapshot(1);
-  emu::cp_async_wait_group<1>();
+  g_via_ptx ? ptx::cp_async_wait_group<1>() : emu::cp_async_wait_group<1>();
   snapshot(2);
-  emu::cp_async_wait_group<0>();
+  g_via_ptx ? ptx::cp_async_wait_group<0>() : emu::cp_async_wait_group<0>();
   snapshot(3);
   __syncthreads();
   // Another thread's landed copy is visible after the barrier.
@@ -872,6 +888,27 @@ void test_speed() {
 
 }  // namespace
 
+// The scalar wrappers of kernels/ptx.h give the emulation's results bit for bit.
+void test_ptx_scalar_wrappers() {
+  const float xs[] = {0.0f,     -0.0f,     1.0f, 1.0f + 0x1p-8f,        1.0f + 0x1p-11f, 0x1p-25f, 65520.0f, -3.75f,
+                      INFINITY, -INFINITY, NAN,  from_bits(0x00000010), -130.0f,         7.5f};
+  for (float lo : xs)
+    for (float hi : xs) {
+      CHECK(ptx::cvt_pack_bf16x2(lo, hi) == emu::cvt_pack_bf16x2(lo, hi),
+            "cvt_pack_bf16x2(" + str(lo) + ", " + str(hi) + ")");
+      CHECK(ptx::cvt_pack_f16x2(lo, hi) == emu::cvt_pack_f16x2(lo, hi),
+            "cvt_pack_f16x2(" + str(lo) + ", " + str(hi) + ")");
+    }
+  for (float x : xs) {
+    const float a = ptx::ex2_approx(x), b = emu::ex2_approx(x);
+    CHECK(bits(a) == bits(b) || (std::isnan(a) && std::isnan(b)), "ex2_approx(" + str(x) + ")");
+  }
+  for (uint32_t h = 0; h < 0x10000; h += 7) {
+    const float a = ptx::cvt_f32_f16(static_cast<uint16_t>(h)), b = emu::cvt_f32_f16(static_cast<uint16_t>(h));
+    CHECK(bits(a) == bits(b), "cvt_f32_f16(" + hex(h) + ")");
+  }
+}
+
 int main() {
   run_test("mma f16: distinct integers (9.7.14.5.8)", [] { test_mma_structured(false); });
   run_test("mma bf16: distinct integers (9.7.14.5.8)", [] { test_mma_structured(true); });
@@ -895,6 +932,20 @@ int main() {
   run_test("schedules expose a missing __syncthreads", test_schedules_expose_races);
   run_test("strictness errors", test_strict);
   run_test("speed", test_speed);
+  g_via_ptx = true;
+  run_test("kernels/ptx.h: mma f16 and bf16", [] {
+    test_mma_structured(false);
+    test_mma_structured(true);
+  });
+  run_test("kernels/ptx.h: ldmatrix x4, x4.trans, x2, x2.trans", [] {
+    test_ldmatrix(4, false);
+    test_ldmatrix(4, true);
+    test_ldmatrix(2, false);
+    test_ldmatrix(2, true);
+  });
+  run_test("kernels/ptx.h: cp.async, commit_group, wait_group", test_cp_async);
+  run_test("kernels/ptx.h: cvt, ex2", test_ptx_scalar_wrappers);
+  g_via_ptx = false;
   std::printf("%d passed, %d failed\n", g_passed_tests, g_failed_tests);
   return g_failed_tests == 0 ? 0 : 1;
 }
