@@ -3,7 +3,7 @@
 // schedule them: one fiber per CUDA thread, warps that meet at every collective, a block
 // barrier, and dynamic shared memory per block.
 //
-// The emulation is strict on purpose (DESIGN.md §4): it reports what a GPU would punish
+// The emulation is strict on purpose: it reports what a GPU would punish
 // with garbage or a hang instead of tolerating it.
 //   - Dynamic shared memory starts poisoned (every byte 0xFF: NaN as f16, bf16 and f32) for
 //     every block, and is surrounded by red zones checked after the block finishes.
