@@ -50,7 +50,9 @@ namespace detail {
 // Host context switch (x86-64 System V): saves the callee-saved registers and the SSE/x87
 // control words on the current stack, stores the stack pointer to *save_sp, and resumes the
 // context whose stack pointer is load_sp. glibc's swapcontext would also do a sigprocmask
-// system call per switch, which dominates the emulation's run time.
+// system call per switch, which dominates the emulation's run time. A new fiber is entered by
+// `ret` into fiber_main; where that is unwelcome (a host enforcing shadow stacks), define
+// JAX_FLASH_EMU_UCONTEXT to use the portable switch (also used on every other architecture).
 extern "C" void jax_flash_emu_switch(void** save_sp, void* load_sp);
 __asm__(
     ".text\n"
