@@ -148,16 +148,23 @@ def band_segments(lo, hi, full_lo, full_hi):
     return ((lo, a, True), (a, b, False), (b, hi, True))
 
 
-def key_segments(layout: Layout, q0, q1, nk: int):
+def key_segments(layout: Layout, tm: "TileMath", q0, q1, nk: int):
     """Key-block loop ranges for queries [q0, q1): (lo, hi, masked) triples.
 
     Only band tiles (causal diagonal, window edges, the ragged key tail) pay for mask
     arithmetic; interior tiles run the plain online softmax (FlashAttention-2 §3.1.1).
+    Sequence lengths also bound the loop: keys past kv_len and query blocks past q_len
+    are never visited.
     """
     spec, bk = layout.spec, layout.block_k
     lo, hi = spec.key_block_range(q0, q1, bk, nk)
     lo = jnp.asarray(lo, jnp.int32)
-    hi = jnp.maximum(lo, jnp.asarray(hi, jnp.int32))
+    hi = jnp.asarray(hi, jnp.int32)
+    if tm.kv_len is not None:
+        hi = jnp.minimum(hi, (tm.kv_len + bk - 1) // bk)
+    if tm.q_len is not None:
+        hi = jnp.where(q0 >= tm.q_len, lo, hi)
+    hi = jnp.maximum(lo, hi)
     if layout.masks_everywhere:
         return ((lo, hi, True),)
     if not spec.is_windowed and not layout.ragged_keys:
@@ -172,12 +179,17 @@ def key_segments(layout: Layout, q0, q1, nk: int):
     return band_segments(lo, hi, full_lo, full_hi)
 
 
-def query_segments(layout: Layout, k0, k1, nq: int, ragged_block):
+def query_segments(layout: Layout, tm: "TileMath", k0, k1, nq: int, ragged_block):
     """Query-block loop ranges for keys [k0, k1) (the dK/dV kernel), as `key_segments`."""
     spec, bq = layout.spec, layout.block_q
     lo, hi = spec.query_block_range(k0, k1, bq, nq)
     lo = jnp.asarray(lo, jnp.int32)
-    hi = jnp.maximum(lo, jnp.asarray(hi, jnp.int32))
+    hi = jnp.asarray(hi, jnp.int32)
+    if tm.q_len is not None:
+        hi = jnp.minimum(hi, (tm.q_len + bq - 1) // bq)
+    if tm.kv_len is not None:
+        hi = jnp.where(k0 >= tm.kv_len, lo, hi)
+    hi = jnp.maximum(lo, hi)
     if layout.masks_everywhere:
         return ((lo, hi, True),)
     if not spec.is_windowed and not layout.ragged_keys:
@@ -242,7 +254,7 @@ def forward_kernel(*refs, layout: Layout):
         jnp.zeros((bq,), jnp.float32),
         jnp.zeros(q.shape, jnp.float32),
     )
-    for lo, hi, masked in key_segments(lay, q0, q0 + bq, nk):
+    for lo, hi, masked in key_segments(lay, tm, q0, q0 + bq, nk):
         carry = lax.fori_loop(lo, hi, step(masked), carry)
     m, l, acc = carry
     # FlashAttention-2 §3.1.1: the accumulator stays unnormalised until the last block.
@@ -289,7 +301,7 @@ def dkdv_kernel(*refs, layout: Layout):
     v = inp.v[...]
     kv_seg = None if inp.kv_seg is None else inp.kv_seg[...]
     ragged_block = (j + 1) * bk > lay.spec.kv_len
-    segments = query_segments(lay, k0, k0 + bk, nq, ragged_block)
+    segments = query_segments(lay, tm, k0, k0 + bk, nq, ragged_block)
 
     def step(g, masked):
         def body(i, carry):
@@ -368,7 +380,7 @@ def dq_kernel(*refs, layout: Layout):
 
         return body
 
-    segments = key_segments(lay, q0, q0 + bq, nk)
+    segments = key_segments(lay, tm, q0, q0 + bq, nk)
     if ds_ref is not None:
         # Key blocks the band skips still own their (zero) slice of dS.
         def zero(j, carry):

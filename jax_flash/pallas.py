@@ -10,7 +10,8 @@ Kernels (`_pallas_kernels`): a forward over (query block, head, batch) with the 
 softmax; a dK/dV kernel over (key block, kv head, batch) that loops over the query blocks
 of every query head of its group (GQA without repeated K/V and without atomics); a dQ
 kernel over (query block, head, batch) that loops over key blocks and, when a bias is
-given, also writes dS for dbias. Tiles, warps and stages come from `_pallas_table.TABLE`.
+given, also writes dS for dbias. Tiles, warps and stages come from `_pallas_table.TABLE`;
+`tune()` searches its candidates on a GPU and prints a table to paste there.
 
 The wrapper pads what Triton needs powers of two for (the head dim, to at least 16) and
 the sequence lengths to whole tiles; padded keys are masked, padded rows sliced off, and
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 
 from jax_flash import _registry
 from jax_flash._pallas_kernels import LOG2E, Layout, dkdv_kernel, dq_kernel, forward_kernel
-from jax_flash._pallas_table import Config, lookup, override, padded_head_dim
+from jax_flash._pallas_table import TABLE, Config, lookup, override, padded_head_dim, tune  # noqa: F401
 from jax_flash._spec import AttentionSpec, MaskInputs
 
 DTYPES = ("float16", "bfloat16", "float32")
