@@ -11,7 +11,7 @@ namespace jax_flash {
 namespace cpu {
 
 constexpr int64_t kBlockQ = 64;   // query rows per tile (Br in FlashAttention-2)
-constexpr int64_t kBlockK = 64;   // keys per tile (Bc)
+constexpr int64_t kBlockK = 128;  // keys per tile (Bc)
 constexpr int64_t kAlignFloats = 16;  // 64-byte alignment of every buffer
 
 inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
