@@ -93,10 +93,11 @@ def lookup(head_dim_padded: int, dtype: str, pass_: str, interpret: bool) -> Con
 def candidates(head_dim: int, dtype: str, pass_: str) -> list[Config]:
     """The search space of `tune()`, pruned by a shared-memory estimate (~200 KB)."""
     item = 4 if dtype == "float32" else 2
+    small = head_dim >= 256 or item == 4
+    rows = (32, 64, 128) if small else (64, 128)
+    stages_ = (1, 2, 3) if small else (2, 3)
     out = []
-    for bq, bk, warps, stages in itertools.product(
-        (32, 64, 128), (32, 64, 128), (4, 8), (1, 2, 3, 4)
-    ):
+    for bq, bk, warps, stages in itertools.product(rows, (32, 64, 128), (4, 8), stages_):
         if pass_ == "fwd":  # q resident, k and v tiles per stage
             smem = item * head_dim * (bq + 2 * bk * stages)
         elif pass_ == "dkdv":  # k, v resident, q and dO tiles per stage
@@ -132,8 +133,10 @@ def tune(
     dtypes: Sequence[str] = ("bfloat16", "float16"),
     passes: Sequence[str] = PASSES,
     *,
-    batch: int = 4,
+    dtype: Optional[str] = None,
+    seq_lens: Optional[Sequence[int]] = None,
     seq_len: int = 4096,
+    batch: int = 4,
     num_heads: int = 16,
     causal: bool = False,
     iters: int = 10,
@@ -141,17 +144,26 @@ def tune(
 ) -> dict:
     """Time each candidate configuration on the default (GPU) device; print the best table.
 
-    Returns the full table with the measured entries replaced by the fastest candidate.
-    Candidates that fail to compile (shared memory, registers) are skipped.
+    dtype: tune this one dtype (overrides `dtypes`); seq_lens: tune at the longest of these
+    (overrides `seq_len`), T = S, `batch` × `num_heads` heads of full (or causal) attention.
+    Returns the full table with the measured entries replaced by the fastest candidate
+    (its repr is the table to paste). Candidates that fail to compile (shared memory,
+    registers) are skipped.
     """
     import jax
     import jax.numpy as jnp
+
+    if dtype is not None:
+        dtypes = (jnp.dtype(dtype).name,)
+    if seq_lens:
+        seq_len = max(seq_lens)
 
     from jax_flash import pallas
     from jax_flash._spec import AttentionSpec, MaskInputs
 
     if jax.default_backend() != "gpu":
-        raise RuntimeError(f"tune() needs a GPU (the default backend is {jax.default_backend()})")
+        print(f"tune() times the Triton kernels on a GPU; the default backend is {jax.default_backend()}")
+        return None
     best_table = dict(TABLE)
     for h, dtype, pass_ in itertools.product(head_dims, dtypes, passes):
         hp = padded_head_dim(h)
@@ -193,8 +205,18 @@ def tune(
             best_table[(hp, dtype, pass_)] = cfg
             if verbose:
                 print(f"best {h} {dtype} {pass_}: {cfg} {t * 1e3:.3f} ms (default {TABLE[(hp, dtype, pass_)]})")
-    print(format_table(best_table))
+    best_table = _Table(best_table)
+    print(best_table)
     return best_table
+
+
+class _Table(dict):
+    """A tuned table; printing it gives the source to paste over `TABLE`."""
+
+    def __repr__(self):
+        return format_table(self)
+
+    __str__ = __repr__
 
 
 def override(configs: Optional[dict], pass_: str, default: Config) -> Config:
