@@ -317,9 +317,13 @@ def write_plot(results: list[Result], path: str, on_gpu: bool) -> None:
     import matplotlib.pyplot as plt
 
     unit, div = ("TFLOP/s", 1e12) if on_gpu else ("GFLOP/s", 1e9)
-    panels = sorted({(r.pass_, r.causal) for r in results})
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for ax, (pass_, causal) in zip(axes[0], panels):
+    passes = sorted({r.pass_ for r in results}, key=("fwd", "fwdbwd").index)
+    causals = sorted({r.causal for r in results})
+    fig, axes = plt.subplots(
+        len(passes), len(causals), figsize=(5.5 * len(causals), 4 * len(passes)), squeeze=False
+    )
+    panels = [(ax, p, c) for row, p in zip(axes, passes) for ax, c in zip(row, causals)]
+    for ax, pass_, causal in panels:
         series = {}
         for r in results:
             if (r.pass_, r.causal) == (pass_, causal) and r.flops_per_s is not None:
