@@ -31,8 +31,9 @@ typedef int32_t VecIU __attribute__((vector_size(4 * kLanes), aligned(4), may_al
 JAX_FLASH_INLINE VecF Load(const float* p) { return *reinterpret_cast<const VecFU*>(p); }
 JAX_FLASH_INLINE VecI LoadI(const int32_t* p) { return *reinterpret_cast<const VecIU*>(p); }
 JAX_FLASH_INLINE void Store(float* p, VecF v) { *reinterpret_cast<VecFU*>(p) = v; }
-JAX_FLASH_INLINE VecF Splat(float x) { return VecF{} + x; }
-JAX_FLASH_INLINE VecI SplatI(int32_t x) { return VecI{} + x; }
+// x - 0 (not 0 + x, which is not x for x = -0) folds away: a plain broadcast.
+JAX_FLASH_INLINE VecF Splat(float x) { return x - VecF{}; }
+JAX_FLASH_INLINE VecI SplatI(int32_t x) { return x - VecI{}; }
 JAX_FLASH_INLINE VecI LaneIndex() {
   VecI v;
   for (int i = 0; i < kLanes; ++i) v[i] = i;
