@@ -244,3 +244,14 @@ def test_haiku_mask_rank_checked():
     ours, _ = _haiku_fns(mask=jnp.ones((T, T), bool), implementation="xla")
     with pytest.raises(ValueError, match="mask"):
         ours.init(jax.random.key(0), x)
+
+
+def test_import_jax_flash_needs_neither_flax_nor_haiku():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, jax_flash, jax_flash.flax; "
+        "assert 'flax' not in sys.modules and 'haiku' not in sys.modules, sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
