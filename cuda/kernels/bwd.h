@@ -240,6 +240,10 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM>::THREADS)
       load_statistics<K>(lse2, lse2 + K::BLOCK_Q, p, batch, n, t0);
     };
 
+    const SegmentRange warp_ids = mask.q_segments != nullptr
+                                      ? warp_segment_range(mask.kv_segments, warp_s0, K::WARP_KV, mask.kv_valid, lane)
+                                      : SegmentRange{0, 0};
+
     // Prologue: K and V with the first query block, then the rest of the ring.
     load_tile_async<typename K::KVTile, K::THREADS>(k_tile, p.k + p.kv_offset(batch, s0, kv_head), kv_stride,
                                                     p.kv_len - s0);
@@ -269,22 +273,31 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM>::THREADS)
       float dp[K::BLOCK_Q / MMA_N][4];  // dPᵀ, then dSᵀ
       clear(s);
       clear(dp);
-      mma_a_smem_b_rows<Elem, typename K::KVTile, typename K::QTile, HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N,
-                        K::K_UNROLL>(s, k_tile, warp * K::WARP_KV, q_tile, 0, lane);
-      mma_a_smem_b_rows<Elem, typename K::KVTile, typename K::QTile, HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N,
-                        K::K_UNROLL>(dp, v_tile, warp * K::WARP_KV, do_tile, 0, lane);
-      const bool interior = mask.is_interior(t0, K::BLOCK_Q, warp_s0, K::WARP_KV);
-      scaling.prepare<true>(s, mask, interior, warp_s0, t0, lane);
-      probabilities_and_ds(s, dp, lse2, delta, scaling, lane);
+      // Segment ids: a warp whose keys share no id with the block skips it (its dSᵀ rows are 0).
+      bool visible = true, segments_allow_all = true;
+      if (mask.q_segments != nullptr) {
+        const SegmentRange block_ids = warp_segment_range(mask.q_segments, t0, K::BLOCK_Q, mask.q_valid, lane);
+        visible = !warp_ids.disjoint(block_ids);
+        segments_allow_all = warp_ids.same_single(block_ids);
+      }
+      if (visible) {
+        mma_a_smem_b_rows<Elem, typename K::KVTile, typename K::QTile, HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N,
+                          K::K_UNROLL>(s, k_tile, warp * K::WARP_KV, q_tile, 0, lane);
+        mma_a_smem_b_rows<Elem, typename K::KVTile, typename K::QTile, HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N,
+                          K::K_UNROLL>(dp, v_tile, warp * K::WARP_KV, do_tile, 0, lane);
+        const bool interior = mask.is_interior(t0, K::BLOCK_Q, warp_s0, K::WARP_KV, segments_allow_all);
+        scaling.prepare<true>(s, mask, interior, warp_s0, t0, lane);
+        probabilities_and_ds(s, dp, lse2, delta, scaling, lane);
 
-      // dV += Pᵀ·dO and dK += dSᵀ·Q, A operands straight from the accumulators.
-      JAX_FLASH_UNROLL
-      for (int kk = 0; kk < K::BLOCK_Q / MMA_K; ++kk) {
-        uint32_t a[4];
-        accumulator_as_a<Elem>(a, s, kk);
-        mma_a_regs_b_trans<Elem, typename K::QTile>(dv, a, do_tile, kk * MMA_K, 0, lane);
-        accumulator_as_a<Elem>(a, dp, kk);
-        mma_a_regs_b_trans<Elem, typename K::QTile>(dk, a, q_tile, kk * MMA_K, 0, lane);
+        // dV += Pᵀ·dO and dK += dSᵀ·Q, A operands straight from the accumulators.
+        JAX_FLASH_UNROLL
+        for (int kk = 0; kk < K::BLOCK_Q / MMA_K; ++kk) {
+          uint32_t a[4];
+          accumulator_as_a<Elem>(a, s, kk);
+          mma_a_regs_b_trans<Elem, typename K::QTile>(dv, a, do_tile, kk * MMA_K, 0, lane);
+          accumulator_as_a<Elem>(a, dp, kk);
+          mma_a_regs_b_trans<Elem, typename K::QTile>(dk, a, q_tile, kk * MMA_K, 0, lane);
+        }
       }
 
       store_ds<Elem, K>(ds_tile, dp, warp, lane);

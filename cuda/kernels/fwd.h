@@ -115,6 +115,10 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM>::THREADS)
                                                       kv_stride, p.kv_len - s0);
     };
 
+    const SegmentRange warp_ids = mask.q_segments != nullptr
+                                      ? warp_segment_range(mask.q_segments, warp_t0, K::WARP_Q, mask.q_valid, lane)
+                                      : SegmentRange{0, 0};
+
     // Prologue: the Q tile, then the first STAGES - 1 key tiles, one commit group each.
     load_tile_async<typename K::QTile, K::THREADS>(q_tile, q_base, p.q_row_stride(), p.q_len - t0);
     ptx::cp_async_commit_group();
@@ -136,9 +140,16 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM>::THREADS)
       const char* k_tile = kv_ring + slot * K::kStageBytes;
       const char* v_tile = k_tile + K::KVTile::kBytes;
       const int s0 = tile * K::BLOCK_KV;
+      // Segment ids: a warp whose rows share no id with the tile skips it (warp-uniform).
+      bool segments_allow_all = true;
+      if (mask.q_segments != nullptr) {
+        const SegmentRange tile_ids = warp_segment_range(mask.kv_segments, s0, K::BLOCK_KV, mask.kv_valid, lane);
+        if (warp_ids.disjoint(tile_ids)) continue;
+        segments_allow_all = warp_ids.same_single(tile_ids);
+      }
       float s[K::BLOCK_KV / MMA_N][4];  // (MMA_M rows, MMA_N cols, 4 regs): S, then P
       compute_qk<Elem, HEAD_DIM, K>(s, q_tile, k_tile, warp, lane);
-      const bool interior = mask.is_interior(warp_t0, K::WARP_Q, s0, K::BLOCK_KV);
+      const bool interior = mask.is_interior(warp_t0, K::WARP_Q, s0, K::BLOCK_KV, segments_allow_all);
       scaling.prepare<false>(s, mask, interior, warp_t0, s0, lane);
       softmax.update(s, o, scaling.exp_scale);
       accumulate_pv<Elem, HEAD_DIM, K>(o, s, v_tile, lane);

@@ -64,11 +64,12 @@ struct Mask {
     return {lo, hi};
   }
 
-  // Whether every (t, s) of rows [t0, t0 + rows) x keys [s0, s0 + cols) is visible: the tile
-  // lies inside the intersection of its rows' intervals and segment ids are off.
-  __device__ __forceinline__ bool is_interior(int t0, int rows, int s0, int cols) const {
+  // Whether every (t, s) of rows [t0, t0 + rows) x keys [s0, s0 + cols) is visible, given
+  // whether segment ids allow every pair (true when they are off): the tile lies inside the
+  // intersection of its rows' intervals.
+  __device__ __forceinline__ bool is_interior(int t0, int rows, int s0, int cols, bool segments_allow_all) const {
     const int t_last = t0 + rows - 1;
-    return q_segments == nullptr && t_last < q_valid && key_lo(t_last) <= s0 && key_hi(t0) >= s0 + cols;
+    return segments_allow_all && t_last < q_valid && key_lo(t_last) <= s0 && key_hi(t0) >= s0 + cols;
   }
 
   __device__ __forceinline__ bool visible(int t, int s) const {
@@ -78,6 +79,41 @@ struct Mask {
     return q_segments == nullptr || q_segments[t] == kv_segments[s];
   }
 };
+
+// The smallest and largest segment id of a run of positions; empty when lo > hi.
+struct SegmentRange {
+  int lo;
+  int hi;
+  // No id in common (or one side empty): no pair of the tile is visible.
+  __device__ __forceinline__ bool disjoint(const SegmentRange& o) const {
+    return lo > hi || o.lo > o.hi || hi < o.lo || o.hi < lo;
+  }
+  // Both sides are one and the same id: segment ids allow every pair of the tile.
+  __device__ __forceinline__ bool same_single(const SegmentRange& o) const {
+    return lo == hi && o.lo == o.hi && lo == o.lo;
+  }
+};
+
+// The range of ids[begin, begin + count) restricted to positions below `valid`, reduced over
+// the warp (every lane gets it, so decisions taken from it are warp-uniform). Ids need not be
+// sorted. Used to skip the tiles a packed-document mask hides entirely.
+__device__ __forceinline__ SegmentRange warp_segment_range(const int32_t* ids, int begin, int count, int valid,
+                                                           int lane) {
+  int lo = 0x7fffffff, hi = -0x7fffffff - 1;
+  for (int i = lane; i < count; i += WARP_SIZE) {
+    if (begin + i < valid) {
+      const int id = ids[begin + i];
+      lo = min(lo, id);
+      hi = max(hi, id);
+    }
+  }
+  JAX_FLASH_UNROLL
+  for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) {
+    lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, offset));
+    hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, offset));
+  }
+  return {lo, hi};
+}
 
 // The accumulator element (j, i) of a 16 x (8·N) fragment sits at row lane/4 + 8·(i/2) and
 // column 8j + 2·(lane%4) + i%2 (C layout, PTX ISA §9.7.14.5.8). In the forward rows are
