@@ -90,3 +90,47 @@ def test_optional_inputs_lower(kind):
     spec_kw, mask_kw = MASK_CASES[kind]
     spec = _spec(128, "bfloat16", causal=kind == "segments", batch=2, **spec_kw)
     _check(_lowered_text(spec, MaskInputs(**mask_kw)))
+
+
+def test_table_complete():
+    from jax_flash._pallas_table import HEAD_DIMS as TABLE_HEAD_DIMS
+    from jax_flash._pallas_table import PASSES
+
+    for h in TABLE_HEAD_DIMS:
+        for dtype in DTYPES:
+            for pass_ in PASSES:
+                c = TABLE[(h, dtype, pass_)]
+                for block in (c.block_q, c.block_k):
+                    assert block >= 16 and block & (block - 1) == 0, (h, dtype, pass_, c)
+                assert c.num_warps in (1, 2, 4, 8, 16) and c.num_stages >= 1
+
+
+def test_gpu_tiles_interpreted(monkeypatch):
+    """The GPU table's tiles (not the small interpret-mode ones), run interpreted.
+
+    On a GPU the shared suite runs these tiles for real; this covers them on a CPU.
+    """
+    if jax.default_backend() != "cpu":
+        pytest.skip("interpret-mode check; on a GPU the shared suite runs the real kernels")
+    from jax_flash import _pallas_table, xla
+
+    for pass_ in _pallas_table.PASSES:
+        monkeypatch.setitem(
+            _pallas_table.INTERPRET_CONFIG, pass_, TABLE[(64, "bfloat16", pass_)]
+        )
+    spec = _spec(64, "float32", causal=True, q_len=130, kv_len=200, bias_shape=(1, 4, 130, 200))
+    keys = jax.random.split(jax.random.PRNGKey(0), 5)
+    q = jax.random.normal(keys[0], (1, 130, 4, 64), jnp.float32)
+    k = jax.random.normal(keys[1], (1, 200, 2, 64), jnp.float32)
+    v = jax.random.normal(keys[2], (1, 200, 2, 64), jnp.float32)
+    masks = MaskInputs(bias=jax.random.normal(keys[3], (1, 4, 130, 200), jnp.float32))
+    do = jax.random.normal(keys[4], q.shape, jnp.float32)
+
+    def run(impl):
+        out, lse = impl.forward(spec, q, k, v, masks)
+        return (out, lse, *impl.backward(spec, q, k, v, masks, out, lse, do, lse))
+
+    got = jax.jit(lambda: run(pallas))()
+    want = jax.jit(lambda: run(xla))()
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias"), got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-4, rtol=2e-4, err_msg=name)
