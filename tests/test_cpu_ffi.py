@@ -56,6 +56,7 @@ CONFIGS = {
     "softcap_causal": Config(window=(-1, 0), softcap=5.0),
     "all_masked_batch": Config(kv_lengths=(0, 130)),
     "window_past_end": Config(t=130, s=97, window=(0, 0)),  # rows t >= S see nothing
+    "huge_window": Config(window=(2**62, 2**62)),  # as unbounded, without overflow
     "mqa_wide": Config(b=1, t=65, s=200, n=3, kh=1, h=64, window=(40, 3)),
     "combo": Config(
         window=(48, 0), q_lengths=(90, 97), kv_lengths=(120, 77), segments=True, softcap=3.0

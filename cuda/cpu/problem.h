@@ -101,8 +101,10 @@ struct MaskGeometry {
   MaskGeometry(const Problem& p, int64_t b)
       : q_valid(std::clamp<int64_t>(p.q_lengths[b], 0, p.q_len)),
         kv_valid(std::clamp<int64_t>(p.kv_lengths[b], 0, p.kv_len)),
-        window_left(p.window_left),
-        window_right(p.window_right) {
+        // A window at least as long as the sequences is unbounded; saying so keeps
+        // t ± window from overflowing for huge attribute values.
+        window_left(p.window_left >= p.q_len ? -1 : p.window_left),
+        window_right(p.window_right >= p.kv_len ? -1 : p.window_right) {
     if (p.use_segment_ids) {
       q_segments = p.q_segment_ids + b * p.q_len;
       kv_segments = p.kv_segment_ids + b * p.kv_len;
