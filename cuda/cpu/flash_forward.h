@@ -72,7 +72,9 @@ inline void ForwardTile(const Problem& p, int64_t item, float* workspace) {
   const int64_t b = item / (p.q_heads * blocks);
   const int64_t n = item / blocks % p.q_heads;
   const int64_t g = n / p.group_size();
-  const int64_t t0 = item % blocks * kBlockQ;
+  // Last query blocks first: under a causal mask they see the most keys, and the
+  // dynamic schedule balances best when the longest items start earliest.
+  const int64_t t0 = (blocks - 1 - item % blocks) * kBlockQ;
   const int64_t rows = std::min(kBlockQ, p.q_len - t0);
   const MaskGeometry mask(p, b);
   // Rows at or past the query length see nothing; the rest of the block is live.
