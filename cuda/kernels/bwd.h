@@ -65,10 +65,6 @@ struct DeltaKernel {
   static_assert(LANES_PER_ROW <= WARP_SIZE && WARP_SIZE % LANES_PER_ROW == 0, "a row stays inside a warp");
 };
 
-struct alignas(16) Chunk16 {
-  uint32_t w[4];  // eight 16-bit elements, or four floats
-};
-
 template <class Elem, int HEAD_DIM>
 __global__ void __launch_bounds__(DeltaKernel<HEAD_DIM>::THREADS) attention_backward_delta_kernel(const AttentionParams p) {
   using K = DeltaKernel<HEAD_DIM>;
@@ -197,7 +193,7 @@ __device__ __forceinline__ void store_dk_dv(const AttentionParams& p, const floa
 }
 
 template <class Elem, int HEAD_DIM>
-__global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM>::THREADS)
+__global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM>::THREADS, 1)
     attention_backward_kernel(const AttentionParams p) {
   using K = BackwardKernel<Elem, HEAD_DIM>;
   JAX_FLASH_DYNAMIC_SMEM(smem);

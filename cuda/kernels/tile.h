@@ -54,6 +54,11 @@ __host__ __device__ constexpr TileShape TileShapeFor(Pass pass, int head_dim) {
 
 __host__ __device__ constexpr int CeilDiv(int a, int b) { return (a + b - 1) / b; }
 
+// One 16-byte chunk: eight 16-bit elements or four floats, moved as a unit.
+struct alignas(16) Chunk16 {
+  uint32_t w[4];
+};
+
 // A ROWS x COLS tile of 16-bit elements in shared memory, row-major in 16-byte chunks, chunk c
 // of row r stored at chunk c ^ swizzle(r). ldmatrix reads 8 rows at one logical chunk and
 // cp.async writes 8 consecutive chunks; with the swizzle each 8 land in 8 different 16-byte
