@@ -40,7 +40,8 @@ class Layout:
     bias_cols: Optional[bool] = None  # ... and along S
     mask_rows: Optional[bool] = None
     mask_cols: Optional[bool] = None
-    group: int = 1  # query heads per kv head (the dK/dV kernel loops over them)
+    group: int = 1  # query heads one dK/dV program loops over (of the kv head's G)
+    splits: int = 1  # dK/dV programs per kv head, each summing `group` heads' share
     write_ds: bool = False  # dQ kernel: also store dS (for dbias)
 
     @property
@@ -331,9 +332,12 @@ def dkdv_kernel(*refs, layout: Layout):
 
         return body
 
-    def head(g, carry):
+    # This program's share of the kv head's group: heads g0 .. g0 + group - 1.
+    g0 = (pl.program_id(1) % lay.splits) * lay.group if lay.splits > 1 else 0
+
+    def head(gi, carry):
         for lo, hi, masked in segments:
-            carry = lax.fori_loop(lo, hi, step(g, masked), carry)
+            carry = lax.fori_loop(lo, hi, step(g0 + gi, masked), carry)
         return carry
 
     zeros = jnp.zeros(k.shape, jnp.float32)

@@ -100,9 +100,22 @@ def _layout(spec: AttentionSpec, masks: MaskInputs, bq, bk, t_pad, s_pad, **kw) 
         bias_cols=bias_cols,
         mask_rows=mask_rows,
         mask_cols=mask_cols,
-        group=spec.group_size,
-        **kw,
+        **{"group": spec.group_size, **kw},
     )
+
+
+def _group_splits(group: int, programs: int, interpret: bool) -> int:
+    """How many dK/dV programs share one kv head's group: the smallest divisor of G that
+    gives about two programs per streaming multiprocessor (interpret mode: 8 programs)."""
+    target = 8 if interpret else 2 * _num_sms()
+    for d in range(1, group + 1):
+        if group % d == 0 and programs * d >= target:
+            return d
+    return group
+
+
+def _num_sms() -> int:
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
 class _Extras:
@@ -155,8 +168,8 @@ class _Extras:
             )
         return args, specs
 
-    def key_grid(self, bk: int, t_pad: int):
-        """Arrays and specs for a grid (key block j, kv head h, batch b) seeing all queries."""
+    def key_grid(self, bk: int, t_pad: int, splits: int):
+        """Arrays and specs for a grid (key block j, kv head h · splits, batch b)."""
         pl, _ = _triton()
         spec = self.spec
         kh, g = spec.num_kv_heads, spec.group_size
@@ -181,7 +194,8 @@ class _Extras:
                 pl.BlockSpec(
                     (None, None, x.shape[2], tb, bk if sb != 1 else 1),
                     lambda j, h, b, bb=bb, nb=nb, sb=sb: (
-                        b if bb != 1 else 0, h if nb != 1 else 0, 0, 0, j if sb != 1 else 0
+                        b if bb != 1 else 0, h // splits if nb != 1 else 0, 0, 0,
+                        j if sb != 1 else 0,
                     ),
                 )
             )
@@ -260,21 +274,27 @@ def backward(
     vp = _pad(_pad(v, 3, hp), 1, s_pad)
     extras = _Extras(spec, masks, t_pad, s_pad)
 
-    # dK, dV: grid (key block, kv head, batch); the kernel loops over the G query heads.
+    # dK, dV: grid (key block, kv head · splits, batch); each program loops over G / splits
+    # query heads of its kv head. splits = 1 (no partial sums) unless the grid would be too
+    # small to fill the GPU (MQA/GQA at small batch); then f32 partials are summed below.
+    splits = _group_splits(g, (s_pad // bk1) * kh * b, interpret)
     q5 = qp.reshape(b, t_pad, kh, g, hp)
     do5 = dop.reshape(b, t_pad, kh, g, hp)
-    rows5 = pl.BlockSpec((None, t_pad, None, g, hp), lambda j, h_, b_: (b_, 0, h_, 0, 0))
-    kv_blk = pl.BlockSpec((None, bk1, None, hp), lambda j, h_, b_: (b_, j, h_, 0))
-    stat5 = pl.BlockSpec((None, None, g, t_pad), lambda j, h_, b_: (b_, h_, 0, 0))
-    extra_args, extra_specs = extras.key_grid(bk1, t_pad)
+    rows5 = pl.BlockSpec((None, t_pad, None, g, hp), lambda j, h_, b_: (b_, 0, h_ // splits, 0, 0))
+    kv_blk = pl.BlockSpec((None, bk1, None, hp), lambda j, h_, b_: (b_, j, h_ // splits, 0))
+    dkv_blk = pl.BlockSpec((None, bk1, None, hp), lambda j, h_, b_: (b_, j, h_, 0))
+    stat5 = pl.BlockSpec((None, None, g, t_pad), lambda j, h_, b_: (b_, h_ // splits, 0, 0))
+    extra_args, extra_specs = extras.key_grid(bk1, t_pad, splits)
+    layout = _layout(spec, masks, bq1, bk1, t_pad, s_pad, group=g // splits, splits=splits)
+    dkv_dtype = lambda x: jnp.float32 if splits > 1 else x.dtype
     dk, dv = pl.pallas_call(
-        functools.partial(dkdv_kernel, layout=_layout(spec, masks, bq1, bk1, t_pad, s_pad)),
-        grid=(s_pad // bk1, kh, b),
+        functools.partial(dkdv_kernel, layout=layout),
+        grid=(s_pad // bk1, kh * splits, b),
         in_specs=[rows5, kv_blk, kv_blk, rows5, stat5, stat5, *extra_specs],
-        out_specs=[kv_blk, kv_blk],
+        out_specs=[dkv_blk, dkv_blk],
         out_shape=[
-            jax.ShapeDtypeStruct((b, s_pad, kh, hp), k.dtype),
-            jax.ShapeDtypeStruct((b, s_pad, kh, hp), v.dtype),
+            jax.ShapeDtypeStruct((b, s_pad, kh * splits, hp), dkv_dtype(k)),
+            jax.ShapeDtypeStruct((b, s_pad, kh * splits, hp), dkv_dtype(v)),
         ],
         compiler_params=_compiler_params(cfg_kv),
         interpret=interpret,
@@ -316,6 +336,9 @@ def backward(
         ds = res[1][:, :, :t, :s]
         axes = tuple(ax for ax in range(4) if bias.shape[ax] == 1 and ds.shape[ax] != 1)
         dbias = jnp.sum(ds, axis=axes, keepdims=True).astype(bias.dtype)
+    if splits > 1:
+        dk = dk.reshape(b, s_pad, kh, splits, hp).sum(3).astype(k.dtype)
+        dv = dv.reshape(b, s_pad, kh, splits, hp).sum(3).astype(v.dtype)
     return dq, dk[:, :s, :, :h], dv[:, :s, :, :h], dbias
 
 

@@ -82,6 +82,9 @@ MASK_CASES = {
     "key_bias": (dict(bias_shape=(1, 4, 1, 300)), dict(bias=_sds((1, 4, 1, 300), np.float32))),
     "mask": (dict(mask_shape=(2, 4, 200, 300)), dict(mask=_sds((2, 4, 200, 300), np.bool_))),
     "row_mask": (dict(mask_shape=(1, 1, 200, 1)), dict(mask=_sds((1, 1, 200, 1), np.bool_))),
+    # G = 1: one dK/dV program per kv head, no partial sums.
+    "mha_bias": (dict(num_kv_heads=4, bias_shape=(2, 4, 200, 300)),
+                 dict(bias=_sds((2, 4, 200, 300), np.float32))),
 }
 
 
