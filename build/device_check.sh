@@ -77,7 +77,8 @@ cd "$WORK" || exit 1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 if ((BUILD_OK == 0)); then
   # ---- 3. GPU tests: the shared suite for the cuda implementation (full sizes), then -m gpu ------
-  run_step gpu_tests_cuda 120 "$PY" -m pytest "$REPO/tests/test_attention.py" -k cuda -q -x -p no:cacheprovider \
+  # JAX_FLASH_REQUIRE: a cuda implementation that cannot run fails the step instead of skipping.
+  JAX_FLASH_REQUIRE=cuda run_step gpu_tests_cuda 120 "$PY" -m pytest "$REPO/tests/test_attention.py" -k cuda -q -x -p no:cacheprovider \
     --junitxml="$OUT/gpu_tests_cuda.xml"
   run_step gpu_tests_marked 60 bash -c "'$PY' -m pytest '$REPO/tests' -m gpu -q -p no:cacheprovider \
     --junitxml='$OUT/gpu_tests_marked.xml'; rc=\$?; [ \$rc -eq 5 ] && echo 'no tests marked gpu' && rc=0; exit \$rc"
