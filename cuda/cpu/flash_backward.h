@@ -27,12 +27,13 @@ namespace JAX_FLASH_CPU_ISA {
 // Buffers of one backward worker (both passes). Q, dO, Kᵀ, Vᵀ and K come packed.
 struct BackwardTiles {
   int64_t head_dim_padded;  // Hp
+  int64_t row_stride;       // leading dimension of the dk, dv, dq accumulators and packed rows
   float* s;          // [kBlockQ][kBlockK]  scores, then P
   float* ds;         // [kBlockQ][kBlockK]  dP, then dS
   float* softcap_derivative;  // [kBlockQ][kBlockK]
-  float* dk;         // [kBlockK][Hp]  Σ dSᵀ (scale · Q)  (pass 2)
-  float* dv;         // [kBlockK][Hp]  Σ Pᵀ dO            (pass 2)
-  float* dq;         // [kBlockQ][Hp]  Σ dS K             (pass 3)
+  float* dk;         // [kBlockK][RowStride]  Σ dSᵀ (scale · Q)  (pass 2)
+  float* dv;         // [kBlockK][RowStride]  Σ Pᵀ dO            (pass 2)
+  float* dq;         // [kBlockQ][RowStride]  Σ dS K             (pass 3)
   float* lse;        // [kBlockQ] (+inf for rows that saw nothing)
   float* delta;      // [kBlockQ]
   int32_t* segments; // [kBlockK]
@@ -41,7 +42,8 @@ struct BackwardTiles {
   BackwardTiles(const Problem& p, float* base) {
     WorkspaceCarver w(base);
     head_dim_padded = PaddedHeadDim(p);
-    const int64_t hp = head_dim_padded;
+    row_stride = RowStride(p);
+    const int64_t hp = row_stride;
     s = w.Take(kBlockQ * kBlockK);
     ds = w.Take(kBlockQ * kBlockK);
     softcap_derivative = w.Take(kBlockQ * kBlockK);
@@ -57,11 +59,11 @@ struct BackwardTiles {
 
 // The packed operands of one (query block, key block) tile.
 struct TileOperands {
-  const float* q;     // [kBlockQ][Hp]  scale · Q
-  const float* dout;  // [kBlockQ][Hp]
-  const float* k_t;   // [H][kBlockK]
-  const float* v_t;   // [H][kBlockK]
-  const float* k;     // [kBlockK][Hp]
+  const float* q;     // [kBlockQ][RowStride]  scale · Q
+  const float* dout;  // [kBlockQ][RowStride]
+  const float* k_t;   // [H][kKeyStride]
+  const float* v_t;   // [H][kKeyStride]
+  const float* k;     // [kBlockK][RowStride]
 };
 
 inline const float* PackedQuery(const Problem& p, const float* packed, int64_t b, int64_t n,
@@ -89,15 +91,15 @@ inline void LoadRowStatistics(const Problem& p, BackwardTiles& w, int64_t b, int
 inline void RecomputeTileGradient(const Problem& p, BackwardTiles& w, const MaskGeometry& mask,
                                   const TileOperands& in, const ScoreTile& s,
                                   TileVisibility visibility) {
-  const int64_t hp = w.head_dim_padded;
-  Gemm<false, Accumulate::kOverwrite>(s.rows_padded, s.cols_padded, p.head_dim, in.q, hp, in.k_t,
-                                      kBlockK, w.s, kBlockK);
+  const int64_t ld = w.row_stride;
+  Gemm<false, Accumulate::kOverwrite>(s.rows_padded, s.cols_padded, p.head_dim, in.q, ld, in.k_t,
+                                      kKeyStride, w.s, kBlockK);
   const bool capped = p.softcap > 0.0f;
   if (capped) ApplySoftCap(s, p.softcap, w.softcap_derivative);
   if (visibility == TileVisibility::kPartial) MaskScores(s, mask, w.segments);
   RecomputeProbabilities(s, w.lse);
-  Gemm<false, Accumulate::kOverwrite>(s.rows_padded, s.cols_padded, p.head_dim, in.dout, hp,
-                                      in.v_t, kBlockK, w.ds, kBlockK);
+  Gemm<false, Accumulate::kOverwrite>(s.rows_padded, s.cols_padded, p.head_dim, in.dout, ld,
+                                      in.v_t, kKeyStride, w.ds, kBlockK);
   ComputeScoreGradient(s, w.ds, w.delta, capped ? w.softcap_derivative : nullptr);
 }
 
@@ -118,8 +120,9 @@ inline void KeyValueGradientTile(const Problem& p, int64_t item, float* workspac
 
   BackwardTiles w(p, workspace);
   const int64_t hp = w.head_dim_padded;
+  const int64_t ld = w.row_stride;
   const int64_t cols_padded = RoundUp(cols, kLanes);
-  for (int64_t i = 0; i < cols_padded * hp; ++i) w.dk[i] = w.dv[i] = 0.0f;
+  for (int64_t i = 0; i < cols_padded * ld; ++i) w.dk[i] = w.dv[i] = 0.0f;
   TileOperands in;
   in.k_t = PackedKey(p, p.packed.k_t, b, g, s0);
   in.v_t = PackedKey(p, p.packed.v_t, b, g, s0);
@@ -138,13 +141,13 @@ inline void KeyValueGradientTile(const Problem& p, int64_t item, float* workspac
       const ScoreTile s{w.s, kBlockK, t0, rows, rows_padded, s0, cols, cols_padded};
       RecomputeTileGradient(p, w, mask, in, s, visibility);
       // dV += Pᵀ dO;  dK += dSᵀ (scale · Q). Only the tile's real rows are summed.
-      Gemm<true, Accumulate::kAdd>(cols_padded, hp, rows, w.s, kBlockK, in.dout, hp, w.dv, hp);
-      Gemm<true, Accumulate::kAdd>(cols_padded, hp, rows, w.ds, kBlockK, in.q, hp, w.dk, hp);
+      Gemm<true, Accumulate::kAdd>(cols_padded, hp, rows, w.s, kBlockK, in.dout, ld, w.dv, ld);
+      Gemm<true, Accumulate::kAdd>(cols_padded, hp, rows, w.ds, kBlockK, in.q, ld, w.dk, ld);
     }
   }
   for (int64_t j = 0; j < cols; ++j) {
-    StoreRow(w.dk + j * hp, 1.0f, p.dtype, p.kv_row(b, s0 + j, g), p.head_dim, p.dk);
-    StoreRow(w.dv + j * hp, 1.0f, p.dtype, p.kv_row(b, s0 + j, g), p.head_dim, p.dv);
+    StoreRow(w.dk + j * ld, 1.0f, p.dtype, p.kv_row(b, s0 + j, g), p.head_dim, p.dk);
+    StoreRow(w.dv + j * ld, 1.0f, p.dtype, p.kv_row(b, s0 + j, g), p.head_dim, p.dv);
   }
 }
 
@@ -168,9 +171,10 @@ inline void QueryGradientTile(const Problem& p, int64_t item, float* workspace) 
 
   BackwardTiles w(p, workspace);
   const int64_t hp = w.head_dim_padded;
+  const int64_t ld = w.row_stride;
   const int64_t rows_padded = RoundUp(live_rows, kGemmRows);
   LoadRowStatistics(p, w, b, n, t0, live_rows, rows_padded);
-  for (int64_t i = 0; i < rows_padded * hp; ++i) w.dq[i] = 0.0f;
+  for (int64_t i = 0; i < rows_padded * ld; ++i) w.dq[i] = 0.0f;
   TileOperands in;
   in.q = PackedQuery(p, p.packed.q, b, n, t0);
   in.dout = PackedQuery(p, p.packed.dout, b, n, t0);
@@ -189,10 +193,10 @@ inline void QueryGradientTile(const Problem& p, int64_t item, float* workspace) 
     const ScoreTile s{w.s, kBlockK, t0, live_rows, rows_padded, s0, cols, cols_padded};
     RecomputeTileGradient(p, w, mask, in, s, visibility);
     // dQ += dS K  (the factor scale is applied once, when dQ is written)
-    Gemm<false, Accumulate::kAdd>(rows_padded, hp, cols, w.ds, kBlockK, in.k, hp, w.dq, hp);
+    Gemm<false, Accumulate::kAdd>(rows_padded, hp, cols, w.ds, kBlockK, in.k, ld, w.dq, ld);
   }
   for (int64_t i = 0; i < live_rows; ++i) {
-    const float* dq_row = w.dq + i * hp;
+    const float* dq_row = w.dq + i * ld;
     StoreRow(dq_row, p.scale, ElementType::kF32, p.q_row(b, t0 + i, n), p.head_dim, p.dq_accum);
     StoreRow(dq_row, p.scale, p.dtype, p.q_row(b, t0 + i, n), p.head_dim, p.dq);
   }

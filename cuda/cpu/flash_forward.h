@@ -20,9 +20,10 @@ namespace JAX_FLASH_CPU_ISA {
 // Buffers of one forward worker. Kᵀ and V come packed per key block (tiling.h).
 struct ForwardTiles {
   int64_t head_dim_padded;  // Hp: H rounded up to whole vectors
-  float* q;        // [kBlockQ][Hp]  scale · Q
+  int64_t row_stride;       // leading dimension of q and o (RowStride)
+  float* q;        // [kBlockQ][RowStride]  scale · Q
   float* s;        // [kBlockQ][kBlockK]  scores, then P
-  float* o;        // [kBlockQ][Hp]  unnormalised output accumulator
+  float* o;        // [kBlockQ][RowStride]  unnormalised output accumulator
   float* m;        // [kBlockQ] running max
   float* l;        // [kBlockQ] running sum
   float* correction;  // [kBlockQ] exp(m_old − m_new)
@@ -31,9 +32,10 @@ struct ForwardTiles {
   ForwardTiles(const Problem& p, float* base) {
     WorkspaceCarver w(base);
     head_dim_padded = PaddedHeadDim(p);
-    q = w.Take(kBlockQ * head_dim_padded);
+    row_stride = RowStride(p);
+    q = w.Take(kBlockQ * row_stride);
     s = w.Take(kBlockQ * kBlockK);
-    o = w.Take(kBlockQ * head_dim_padded);
+    o = w.Take(kBlockQ * row_stride);
     m = w.Take(kBlockQ);
     l = w.Take(kBlockQ);
     correction = w.Take(kBlockQ);
@@ -58,7 +60,7 @@ inline void WriteOutputRows(const Problem& p, const ForwardTiles& w, int64_t b, 
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t t = t0 + i;
     if (w.l[i] > 0.0f) {
-      StoreRow(w.o + i * w.head_dim_padded, 1.0f / w.l[i], p.dtype, p.q_row(b, t, n), p.head_dim,
+      StoreRow(w.o + i * w.row_stride, 1.0f / w.l[i], p.dtype, p.q_row(b, t, n), p.head_dim,
                p.out);
       p.lse[p.stat(b, n, t)] = w.m[i] + std::log(w.l[i]);
     } else {
@@ -84,14 +86,15 @@ inline void ForwardTile(const Problem& p, int64_t item, float* workspace) {
 
   ForwardTiles w(p, workspace);
   const int64_t hp = w.head_dim_padded;
+  const int64_t ld = w.row_stride;
   const int64_t rows_padded = RoundUp(live_rows, kGemmRows);
   PackRows({p.q, p.dtype, p.q_row(b, t0, n), p.q_heads * p.head_dim, live_rows, p.head_dim},
-           p.scale, rows_padded, hp, w.q);
+           p.scale, rows_padded, ld, w.q);
   for (int64_t i = 0; i < rows_padded; ++i) {
     w.m[i] = -__builtin_inff();
     w.l[i] = 0.0f;
   }
-  for (int64_t i = 0; i < rows_padded * hp; ++i) w.o[i] = 0.0f;
+  for (int64_t i = 0; i < rows_padded * ld; ++i) w.o[i] = 0.0f;
 
   // Only key blocks that meet the union of the rows' visible intervals are visited.
   const KeyInterval first = mask.keys_of_row(t0);
@@ -109,13 +112,13 @@ inline void ForwardTile(const Problem& p, int64_t item, float* workspace) {
     const float* v = p.packed.v + key_block;
     const ScoreTile s{w.s, kBlockK, t0, live_rows, rows_padded, s0, cols, cols_padded};
     // S = (scale · Q) Kᵀ
-    Gemm<false, Accumulate::kOverwrite>(rows_padded, cols_padded, p.head_dim, w.q, hp, k_t,
-                                        kBlockK, w.s, kBlockK);
+    Gemm<false, Accumulate::kOverwrite>(rows_padded, cols_padded, p.head_dim, w.q, ld, k_t,
+                                        kKeyStride, w.s, kBlockK);
     if (p.softcap > 0.0f) ApplySoftCap(s, p.softcap, nullptr);
     if (visibility == TileVisibility::kPartial) MaskScores(s, mask, w.segments);
     UpdateOnlineSoftmax(s, w.m, w.l, w.correction);
     // O = diag(exp(m_old − m_new)) O + P V
-    Gemm<false, Accumulate::kRescale>(rows_padded, hp, cols, w.s, kBlockK, v, hp, w.o, hp,
+    Gemm<false, Accumulate::kRescale>(rows_padded, hp, cols, w.s, kBlockK, v, ld, w.o, ld,
                                       w.correction);
   }
   WriteOutputRows(p, w, b, n, t0, live_rows);

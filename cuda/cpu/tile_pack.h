@@ -63,14 +63,14 @@ inline void PackKeyBlock(const Problem& p, int64_t item, float* row_buffer) {
   const int64_t s0 = item % blocks * kBlockK;
   const int64_t keys = std::min(kBlockK, p.kv_len - s0);
   const int64_t offset = item * KeyBlockFloats(p);
-  const int64_t hp = PaddedHeadDim(p);
+  const int64_t ld = RowStride(p);
   const int64_t stride = p.kv_heads * p.head_dim;
   const RowBlock k{p.k, p.dtype, p.kv_row(b, s0, g), stride, keys, p.head_dim};
   const RowBlock v{p.v, p.dtype, p.kv_row(b, s0, g), stride, keys, p.head_dim};
-  if (p.packed.k_t != nullptr) PackTransposed(k, kBlockK, kBlockK, row_buffer, p.packed.k_t + offset);
-  if (p.packed.v_t != nullptr) PackTransposed(v, kBlockK, kBlockK, row_buffer, p.packed.v_t + offset);
-  if (p.packed.k != nullptr) PackRows(k, 1.0f, kBlockK, hp, p.packed.k + offset);
-  if (p.packed.v != nullptr) PackRows(v, 1.0f, kBlockK, hp, p.packed.v + offset);
+  if (p.packed.k_t != nullptr) PackTransposed(k, kBlockK, kKeyStride, row_buffer, p.packed.k_t + offset);
+  if (p.packed.v_t != nullptr) PackTransposed(v, kBlockK, kKeyStride, row_buffer, p.packed.v_t + offset);
+  if (p.packed.k != nullptr) PackRows(k, 1.0f, kBlockK, ld, p.packed.k + offset);
+  if (p.packed.v != nullptr) PackRows(v, 1.0f, kBlockK, ld, p.packed.v + offset);
 }
 
 // Backward: packs query block `item` = (b, head n, query block): scale · Q and dO
@@ -83,17 +83,17 @@ inline void PackQueryBlock(const Problem& p, int64_t item, float* row_buffer) {
   const int64_t t0 = item % blocks * kBlockQ;
   const int64_t rows = std::min(kBlockQ, p.q_len - t0);
   const int64_t offset = item * QueryBlockFloats(p);
-  const int64_t hp = PaddedHeadDim(p);
+  const int64_t ld = RowStride(p);
   const int64_t stride = p.q_heads * p.head_dim;
-  PackRows({p.q, p.dtype, p.q_row(b, t0, n), stride, rows, p.head_dim}, p.scale, kBlockQ, hp,
+  PackRows({p.q, p.dtype, p.q_row(b, t0, n), stride, rows, p.head_dim}, p.scale, kBlockQ, ld,
            p.packed.q + offset);
-  PackRows({p.dout, p.dtype, p.q_row(b, t0, n), stride, rows, p.head_dim}, 1.0f, kBlockQ, hp,
+  PackRows({p.dout, p.dtype, p.q_row(b, t0, n), stride, rows, p.head_dim}, 1.0f, kBlockQ, ld,
            p.packed.dout + offset);
   const float* dout = p.packed.dout + offset;
   for (int64_t i = 0; i < rows; ++i) {
     LoadRow(p.out, p.dtype, p.q_row(b, t0 + i, n), p.head_dim, row_buffer);
     float sum = 0.0f;
-    for (int64_t h = 0; h < p.head_dim; ++h) sum += row_buffer[h] * dout[i * hp + h];
+    for (int64_t h = 0; h < p.head_dim; ++h) sum += row_buffer[h] * dout[i * ld + h];
     p.delta[p.stat(b, n, t0 + i)] = sum - p.dlse[p.stat(b, n, t0 + i)];
   }
 }

@@ -27,14 +27,28 @@ inline int64_t KeyItems(const Problem& p) { return p.batch * p.kv_heads * KeyBlo
 // Packed operand layouts. Rows are padded to a whole number of the widest vector
 // (16 floats) whatever the ISA, so one layout serves every kernel table.
 inline int64_t PaddedHeadDim(const Problem& p) { return RoundUp(p.head_dim, kAlignFloats); }
-// Kᵀ, Vᵀ: [B][K][key block][H][kBlockK]; K, V rows: [B][K][key block][kBlockK][Hp].
-inline int64_t KeyBlockFloats(const Problem& p) { return kBlockK * PaddedHeadDim(p); }
+// Tile rows lie an odd number of cache lines apart. At a power-of-two stride (512 B
+// for H = 128) the column strip a GEMM micro-tile walks down would use only some of
+// L1's sets and evict itself; an odd stride spreads it over all of them.
+inline int64_t OddLineStride(int64_t floats) {
+  return (floats / kAlignFloats) % 2 == 1 ? floats : floats + kAlignFloats;
+}
+// Leading dimension of Q, dO, K, V row tiles and of the O, dQ, dK, dV accumulators.
+inline int64_t RowStride(const Problem& p) { return OddLineStride(PaddedHeadDim(p)); }
+// Leading dimension of the Kᵀ, Vᵀ tiles ([H][kKeyStride], the first kBlockK used).
+constexpr int64_t kKeyStride = kBlockK + (kBlockK / kAlignFloats % 2 == 1 ? 0 : kAlignFloats);
+// Kᵀ, Vᵀ: [B][K][key block][H][kKeyStride]; K, V rows: [B][K][key block][kBlockK][RowStride].
+inline int64_t KeyBlockFloats(const Problem& p) {
+  const int64_t transposed = p.head_dim * kKeyStride;
+  const int64_t rows = kBlockK * RowStride(p);
+  return RoundUp(transposed > rows ? transposed : rows, kAlignFloats);
+}
 inline int64_t KeyBlockIndex(const Problem& p, int64_t b, int64_t g, int64_t s0) {
   return (b * p.kv_heads + g) * KeyBlocks(p) + s0 / kBlockK;
 }
 inline int64_t PackedKeyFloats(const Problem& p) { return KeyItems(p) * KeyBlockFloats(p); }
-// Q, dO rows: [B][N][query block][kBlockQ][Hp].
-inline int64_t QueryBlockFloats(const Problem& p) { return kBlockQ * PaddedHeadDim(p); }
+// Q, dO rows: [B][N][query block][kBlockQ][RowStride].
+inline int64_t QueryBlockFloats(const Problem& p) { return kBlockQ * RowStride(p); }
 inline int64_t QueryBlockIndex(const Problem& p, int64_t b, int64_t n, int64_t t0) {
   return (b * p.q_heads + n) * QueryBlocks(p) + t0 / kBlockQ;
 }
