@@ -57,6 +57,8 @@ CONFIGS = {
     "all_masked_batch": Config(kv_lengths=(0, 130)),
     "window_past_end": Config(t=130, s=97, window=(0, 0)),  # rows t >= S see nothing
     "huge_window": Config(window=(2**62, 2**62)),  # as unbounded, without overflow
+    "tiny_head": Config(b=1, t=9, s=21, n=2, kh=1, h=8, window=(-1, 0)),
+    "wide_head": Config(b=1, t=33, s=40, n=2, kh=2, h=256, softcap=2.0),
     "mqa_wide": Config(b=1, t=65, s=200, n=3, kh=1, h=64, window=(40, 3)),
     "combo": Config(
         window=(48, 0), q_lengths=(90, 97), kv_lengths=(120, 77), segments=True, softcap=3.0
@@ -242,6 +244,16 @@ def test_matches_reference_16bit(config, dtype):
     cfg = CONFIGS[config]
     x = make_inputs(cfg, dtype)
     check_against_reference(cfg, dtype, run_both(x, attributes(cfg)))
+
+
+@pytest.mark.parametrize("t,s", [(0, 5), (5, 0), (0, 0)])
+def test_empty_sequences(t, s):
+    """T = 0 or S = 0: nothing to compute; with S = 0 every row sees nothing."""
+    cfg = Config(b=2, t=t, s=s, n=2, kh=1, h=16)
+    x = make_inputs(cfg, "float32")
+    out, lse, dq, dk, dv, dq_accum, delta = run_both(x, attributes(cfg))
+    assert out.shape == (2, t, 2, 16) and lse.shape == (2, 2, t) and dk.shape == (2, s, 1, 16)
+    assert np.all(out == 0) and np.all(np.isneginf(lse)) and np.all(dq == 0)
 
 
 def test_fully_masked_rows_exist_in_cases():
