@@ -162,7 +162,8 @@ def tune(
     from jax_flash._spec import AttentionSpec, MaskInputs
 
     if jax.default_backend() != "gpu":
-        print(f"tune() times the Triton kernels on a GPU; the default backend is {jax.default_backend()}")
+        backend = jax.default_backend()
+        print(f"tune() times the Triton kernels on a GPU; the default backend is {backend}")
         return None
     best_table = dict(TABLE)
     for h, dtype, pass_ in itertools.product(head_dims, dtypes, passes):
@@ -182,7 +183,9 @@ def tune(
         for cfg in candidates(hp, dtype, pass_):
             over = {pass_: cfg}
             if pass_ == "fwd":
-                fn = jax.jit(lambda q, k, v, o=over: pallas.forward(spec, q, k, v, masks, configs=o))
+                fn = jax.jit(
+                    lambda q, k, v, o=over: pallas.forward(spec, q, k, v, masks, configs=o)
+                )
                 args = (q, k, v)
             else:
                 fn = jax.jit(
@@ -204,7 +207,8 @@ def tune(
             t, cfg = min(results, key=lambda r: r[0])
             best_table[(hp, dtype, pass_)] = cfg
             if verbose:
-                print(f"best {h} {dtype} {pass_}: {cfg} {t * 1e3:.3f} ms (default {TABLE[(hp, dtype, pass_)]})")
+                default = TABLE[(hp, dtype, pass_)]
+                print(f"best {h} {dtype} {pass_}: {cfg} {t * 1e3:.3f} ms (default {default})")
     best_table = _Table(best_table)
     print(best_table)
     return best_table

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 
 from jax_flash import _registry
 from jax_flash._pallas_kernels import LOG2E, Layout, dkdv_kernel, dq_kernel, forward_kernel
-from jax_flash._pallas_table import TABLE, Config, lookup, override, padded_head_dim, tune  # noqa: F401
+from jax_flash._pallas_table import Config, lookup, override, padded_head_dim
+from jax_flash._pallas_table import TABLE, tune  # noqa: F401  (re-exported for the bench)
 from jax_flash._spec import AttentionSpec, MaskInputs
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -44,7 +45,7 @@ def _triton():
 
 
 def _compiler_params(cfg: Config):
-    """Triton parameters (jax 0.10-0.12 call them `CompilerParams`; older `TritonCompilerParams`)."""
+    """Triton parameters: `CompilerParams` in jax 0.10-0.12 (`TritonCompilerParams` before)."""
     _, plt = _triton()
     cls = getattr(plt, "CompilerParams", None) or getattr(plt, "TritonCompilerParams")
     return cls(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -135,8 +136,8 @@ class _Extras:
                 _pad(masks.q_segment_ids.astype(jnp.int32), 1, t_pad),
                 _pad(masks.kv_segment_ids.astype(jnp.int32), 1, s_pad),
             )
-        bias_dt = jnp.float32 if masks.bias is not None and masks.bias.dtype == jnp.float64 else None
-        self.bias = _dense(masks.bias, t_pad, s_pad, 0, bias_dt)
+        f64_bias = masks.bias is not None and masks.bias.dtype == jnp.float64
+        self.bias = _dense(masks.bias, t_pad, s_pad, 0, jnp.float32 if f64_bias else None)
         # Booleans travel as int8 (Triton has no i1 memory type).
         self.mask = _dense(masks.mask, t_pad, s_pad, 0, jnp.int8)
 
