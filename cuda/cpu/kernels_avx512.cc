@@ -11,11 +11,19 @@
 #include "cpu/problem.h"
 #include "cpu/tiling.h"
 
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c")
+#endif
 #define JAX_FLASH_CPU_ISA avx512
 #define JAX_FLASH_CPU_ISA_NAME "avx512"
 #define JAX_FLASH_CPU_VECTOR_WIDTH 16
 #include "cpu/kernels_isa.inc"
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 #endif

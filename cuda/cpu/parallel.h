@@ -30,7 +30,8 @@ inline int64_t ThreadLimitFromEnvironment() {
   return n > 0 ? n : 0;
 }
 
-// Workspace of one worker, 64-byte aligned.
+// A 64-byte-aligned float buffer: a worker's workspace, or packed operands. Null
+// (not an exception) when the allocation fails.
 class Workspace {
  public:
   explicit Workspace(int64_t floats)
