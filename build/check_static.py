@@ -38,7 +38,13 @@ SMEM_LIMIT = 101376
 # SHARED, the opt-in limit (cudaDevAttrMaxSharedMemoryPerBlockOptin = 101376 on sm_120) does not.
 RESERVED_SMEM = {80: 0, 90: 1024, 120: 1024}
 INSTANTIATION = re.compile(r"^(fwd|bwd)_(f16|bf16)_hdim(\d+)\.cu$")
-MAIN_KERNELS = ("attention_forward_kernel", "attention_backward_kernel")
+# The mma.sync kernels (dynamic shared memory, SASS checks) and the host-side traits naming
+# their shared memory size.
+MAIN_KERNELS = {
+    "attention_forward_kernel": "ForwardKernel",
+    "attention_backward_kernel": "BackwardKernel",
+    "attention_backward_dq_kernel": "BackwardDqKernel",
+}
 REQUIRED_SASS = ("HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS.E.BYPASS.128")
 
 
@@ -63,8 +69,8 @@ def instantiations() -> list[pathlib.Path]:
 
 
 def demangle_kind(symbol: str) -> str:
-    for k in ("attention_forward_kernel", "attention_backward_kernel", "attention_backward_delta_kernel",
-              "attention_backward_convert_dq_kernel"):
+    for k in ("attention_forward_kernel", "attention_backward_kernel", "attention_backward_dq_kernel",
+              "attention_backward_delta_kernel", "attention_backward_convert_dq_kernel"):
         if k in symbol:
             return k
     return symbol
@@ -162,14 +168,17 @@ def ptx_has_wmma(obj: pathlib.Path, cuobjdump: str) -> bool:
 
 
 def dynamic_smem(sources) -> dict:
-    """{(pass, dtype, head_dim): bytes} from the kernels' tile traits, compiled for the host."""
+    """{(pass, dtype, head_dim, kernel): bytes} from the kernels' tile traits, compiled for the host."""
     cxx = shutil.which("c++") or shutil.which("g++")
     lines = []
     for src in sources:
         p, d, h = INSTANTIATION.match(src.name).groups()
         elem = {"f16": "F16", "bf16": "Bf16"}[d]
-        kernel = {"fwd": "ForwardKernel", "bwd": "BackwardKernel"}[p]
-        lines.append(f'  std::printf("{p} {d} {h} %d\\n", {kernel}<{elem}, {h}>::kSmemBytes);')
+        kernels = ["attention_forward_kernel"] if p == "fwd" else ["attention_backward_kernel",
+                                                                   "attention_backward_dq_kernel"]
+        for kernel in kernels:
+            traits = MAIN_KERNELS[kernel]
+            lines.append(f'  std::printf("{p} {d} {h} {kernel} %d\\n", {traits}<{elem}, {h}>::kSmemBytes);')
     program = ("#include <cstdio>\n#include \"kernels/fwd.h\"\n#include \"kernels/bwd.h\"\n"
                "using namespace jax_flash::kernels;\nint main() {\n" + "\n".join(lines) + "\n}\n")
     with tempfile.TemporaryDirectory() as tmp:
@@ -179,7 +188,7 @@ def dynamic_smem(sources) -> dict:
         subprocess.run([cxx, "-std=c++17", "-DJAX_FLASH_EMULATE", "-I", str(CUDA), str(cc), "-o", str(exe)],
                        check=True, capture_output=True)
         out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
-    return {(p, d, int(h)): int(b) for p, d, h, b in (l.split() for l in out.splitlines())}
+    return {(p, d, int(h), k): int(b) for p, d, h, k, b in (l.split() for l in out.splitlines())}
 
 
 def main() -> int:
@@ -221,7 +230,6 @@ def main() -> int:
             spills = ptxas_spills(logs.get(src, ""))
             if ptx_has_wmma(obj, cuobjdump):
                 problems.append(f"{src.name}: the PTX contains wmma instructions")
-            dyn = smem[(p, d, int(h))]
             for arch in ARCHS:
                 kinds = sorted(k for a, k in usage if a == arch)
                 if not kinds:
@@ -230,7 +238,7 @@ def main() -> int:
                     u = usage[(arch, kind)]
                     main_kernel = kind in MAIN_KERNELS
                     static_smem = max(0, u.get("SHARED", 0) - RESERVED_SMEM.get(arch, 0))
-                    total_smem = static_smem + (dyn if main_kernel else 0)
+                    total_smem = static_smem + smem.get((p, d, int(h), kind), 0)
                     stack, stores, loads = spills.get((arch, kind), (u.get("STACK", 0), None, None))
                     spill_text = "-" if stores is None else f"{stores}/{loads}"
                     rows.append((src.stem, f"sm_{arch}", kind.replace("attention_", ""), u["REG"], total_smem,

@@ -5,6 +5,8 @@
 //              recomputes P from lse, keeps dK and dV in registers for the whole loop, and
 //              adds dQ = dS·K into the f32 `dq_accum` workspace with atomics;
 //   3. convert: dq = scale · dq_accum in the input dtype.
+// Deterministic mode replaces the atomics and the conversion by a fourth kernel that computes dQ
+// per query block (2b below), at the price of recomputing S and dP once more.
 // The main kernel computes the transposed tiles Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (rows = keys), so
 // Pᵀ and dSᵀ are already the A operands of dV += Pᵀ·dO and dK += dSᵀ·Q, straight from
 // registers; dSᵀ goes through shared memory once, for dQ.
@@ -197,7 +199,7 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM>::THREADS, 1)
     attention_backward_kernel(const AttentionParams p) {
   using K = BackwardKernel<Elem, HEAD_DIM>;
   JAX_FLASH_DYNAMIC_SMEM(smem);
-  const int kv_block = p.kv_block_offset + static_cast<int>(blockIdx.x);
+  const int kv_block = blockIdx.x;
   const int kv_head = blockIdx.y, batch = blockIdx.z;
   const int warp = static_cast<int>(threadIdx.x) / WARP_SIZE, lane = static_cast<int>(threadIdx.x) % WARP_SIZE;
   const int s0 = kv_block * K::BLOCK_KV;
@@ -296,9 +298,11 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM>::THREADS, 1)
         }
       }
 
-      store_ds<Elem, K>(ds_tile, dp, warp, lane);
-      __syncthreads();  // dSᵀ of every warp is in shared memory
-      accumulate_dq<Elem, HEAD_DIM, K>(p, ds_tile, k_tile, batch, n, t0, warp, lane);
+      if (p.accumulate_dq) {  // uniform over the block
+        store_ds<Elem, K>(ds_tile, dp, warp, lane);
+        __syncthreads();  // dSᵀ of every warp is in shared memory
+        accumulate_dq<Elem, HEAD_DIM, K>(p, ds_tile, k_tile, batch, n, t0, warp, lane);
+      }
     }
     ptx::cp_async_wait_group<0>();
   }
@@ -326,13 +330,157 @@ __global__ void __launch_bounds__(kConvertThreads) attention_backward_convert_dq
   reinterpret_cast<Chunk16*>(p.dq)[i] = out;
 }
 
-// Host side: zero dq_accum, then the three kernels, in order on one stream. Deterministic mode
-// runs the main kernel once per key block: within a launch every dq_accum element has one
-// writer, so the additions happen in a fixed order.
+// ---- 2b. dQ without atomics (deterministic mode) ---------------------------------------------
+
+// One CTA per (query block, head, batch), each warp owns 16 query rows and loops over the key
+// tiles its rows see, like the forward: S = Q·Kᵀ and dP = dO·Vᵀ, P from lse, dS, and
+// dQ += dS·K with dS repacked from registers; dQ is written once, in a fixed order.
 template <class Elem, int HEAD_DIM>
-LaunchError LaunchBackward(const AttentionParams& p, bool deterministic, Stream stream) {
+struct BackwardDqKernel {
+  static constexpr TileShape kShape = TileShapeFor(Pass::kBackwardDq, HEAD_DIM);
+  static constexpr int BLOCK_Q = kShape.block_q;
+  static constexpr int BLOCK_KV = kShape.block_kv;
+  static constexpr int WARPS = kShape.warps;
+  static constexpr int STAGES = kShape.stages;
+  static constexpr int THREADS = WARPS * WARP_SIZE;
+  static constexpr int WARP_Q = MMA_M;
+  // k-steps of S and dP unrolled at once (dQ holds HEAD_DIM/2 registers throughout).
+  static constexpr int K_UNROLL = HEAD_DIM <= 64 ? HEAD_DIM / MMA_K : 2;
+
+  using QTile = SmemTile<BLOCK_Q, HEAD_DIM>;
+  using KVTile = SmemTile<BLOCK_KV, HEAD_DIM>;
+  // Shared memory: [Q][dO] then a ring of STAGES x [K][V].
+  static constexpr int kStageBytes = 2 * KVTile::kBytes;
+  static constexpr int kSmemBytes = 2 * QTile::kBytes + STAGES * kStageBytes;
+
+  static_assert(BLOCK_Q == WARPS * WARP_Q, "each warp owns 16 query rows");
+  static_assert(STAGES >= 2, "the ring overlaps the next tile's copy with this tile's math");
+  static_assert(kSmemBytes <= kMaxSmemBytes, "dQ tile does not fit 99 KB of shared memory");
+};
+
+template <class Elem, int HEAD_DIM>
+__global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM>::THREADS, 1)
+    attention_backward_dq_kernel(const AttentionParams p) {
+  using K = BackwardDqKernel<Elem, HEAD_DIM>;
+  JAX_FLASH_DYNAMIC_SMEM(smem);
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const int warp = static_cast<int>(threadIdx.x) / WARP_SIZE, lane = static_cast<int>(threadIdx.x) % WARP_SIZE;
+  const int kv_head = head / (p.q_heads / p.kv_heads);
+  const int t0 = blockIdx.x * K::BLOCK_Q;
+  const int warp_t0 = t0 + warp * K::WARP_Q;
+
+  const Mask mask = Mask::of(p, batch);
+  const LogitScaling scaling = LogitScaling::of(p);
+  const Range keys = mask.keys_of_rows(t0, t0 + K::BLOCK_Q);
+  char* const q_tile = smem;
+  char* const do_tile = smem + K::QTile::kBytes;
+
+  float dq[HEAD_DIM / MMA_N][4];  // (MMA_M rows, MMA_N cols, 4 regs): the warp's 16 x HEAD_DIM dQ
+  clear(dq);
+
+  if (!keys.empty()) {
+    const int tile_begin = keys.lo / K::BLOCK_KV;
+    const int tile_end = CeilDiv(keys.hi, K::BLOCK_KV);
+    char* const ring = smem + 2 * K::QTile::kBytes;
+    const int64_t kv_stride = p.kv_row_stride();
+    const uint16_t* const k_base = p.k + p.kv_offset(batch, 0, kv_head);
+    const uint16_t* const v_base = p.v + p.kv_offset(batch, 0, kv_head);
+    auto load_kv = [&](int tile, int slot) {
+      const int s0 = tile * K::BLOCK_KV;
+      char* stage = ring + slot * K::kStageBytes;
+      load_tile_async<typename K::KVTile, K::THREADS>(stage, k_base + s0 * kv_stride, kv_stride, p.kv_len - s0);
+      load_tile_async<typename K::KVTile, K::THREADS>(stage + K::KVTile::kBytes, v_base + s0 * kv_stride,
+                                                      kv_stride, p.kv_len - s0);
+    };
+
+    // The statistics of the thread's two rows, in registers for the whole loop.
+    float lse2[2], delta[2];
+    JAX_FLASH_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const int t = warp_t0 + (lane >> 2) + 8 * r;
+      lse2[r] = t < p.q_len ? lse_to_log2(p.lse_in[p.stat_offset(batch, head, t)]) : INFINITY;
+      delta[r] = t < p.q_len ? p.delta[p.stat_offset(batch, head, t)] : 0.0f;
+    }
+    const SegmentRange warp_ids = mask.q_segments != nullptr
+                                      ? warp_segment_range(mask.q_segments, warp_t0, K::WARP_Q, mask.q_valid, lane)
+                                      : SegmentRange{0, 0};
+
+    load_tile_async<typename K::QTile, K::THREADS>(q_tile, p.q + p.q_offset(batch, t0, head), p.q_row_stride(),
+                                                   p.q_len - t0);
+    load_tile_async<typename K::QTile, K::THREADS>(do_tile, p.dout + p.q_offset(batch, t0, head),
+                                                   p.q_row_stride(), p.q_len - t0);
+    ptx::cp_async_commit_group();
+    JAX_FLASH_UNROLL
+    for (int stage = 0; stage < K::STAGES - 1; ++stage) {
+      if (tile_begin + stage < tile_end) load_kv(tile_begin + stage, stage);
+      ptx::cp_async_commit_group();
+    }
+
+    for (int tile = tile_begin; tile < tile_end; ++tile) {
+      const int slot = (tile - tile_begin) % K::STAGES;
+      ptx::cp_async_wait_group<K::STAGES - 2>();
+      __syncthreads();
+      const int next = tile + K::STAGES - 1;
+      if (next < tile_end) load_kv(next, (next - tile_begin) % K::STAGES);
+      ptx::cp_async_commit_group();
+
+      const char* k_tile = ring + slot * K::kStageBytes;
+      const char* v_tile = k_tile + K::KVTile::kBytes;
+      const int s0 = tile * K::BLOCK_KV;
+      bool segments_allow_all = true;
+      if (mask.q_segments != nullptr) {
+        const SegmentRange tile_ids = warp_segment_range(mask.kv_segments, s0, K::BLOCK_KV, mask.kv_valid, lane);
+        if (warp_ids.disjoint(tile_ids)) continue;
+        segments_allow_all = warp_ids.same_single(tile_ids);
+      }
+      float s[K::BLOCK_KV / MMA_N][4];   // (MMA_M rows, MMA_N cols, 4 regs): S, then P
+      float dp[K::BLOCK_KV / MMA_N][4];  // dP, then dS
+      clear(s);
+      clear(dp);
+      mma_a_smem_b_rows<Elem, typename K::QTile, typename K::KVTile, HEAD_DIM / MMA_K, K::BLOCK_KV / MMA_N,
+                        K::K_UNROLL>(s, q_tile, warp * K::WARP_Q, k_tile, 0, lane);
+      mma_a_smem_b_rows<Elem, typename K::QTile, typename K::KVTile, HEAD_DIM / MMA_K, K::BLOCK_KV / MMA_N,
+                        K::K_UNROLL>(dp, do_tile, warp * K::WARP_Q, v_tile, 0, lane);
+      const bool interior = mask.is_interior(warp_t0, K::WARP_Q, s0, K::BLOCK_KV, segments_allow_all);
+      scaling.prepare<false>(s, mask, interior, warp_t0, s0, lane);
+      JAX_FLASH_UNROLL
+      for (int j = 0; j < K::BLOCK_KV / MMA_N; ++j) {
+        JAX_FLASH_UNROLL
+        for (int i = 0; i < 4; ++i) {
+          const float x = s[j][i];
+          const float prob = ptx::ex2_approx(fmaf(x, scaling.exp_scale, -lse2[i >> 1]));
+          dp[j][i] = prob * (dp[j][i] - delta[i >> 1]) * scaling.cap_derivative(x);
+        }
+      }
+      // dQ += dS·K, dS repacked as the A operand, K read with ldmatrix.trans.
+      JAX_FLASH_UNROLL
+      for (int kk = 0; kk < K::BLOCK_KV / MMA_K; ++kk) {
+        uint32_t a[4];
+        accumulator_as_a<Elem>(a, dp, kk);
+        mma_a_regs_b_trans<Elem, typename K::KVTile>(dq, a, k_tile, kk * MMA_K, 0, lane);
+      }
+    }
+    ptx::cp_async_wait_group<0>();
+  }
+
+  JAX_FLASH_UNROLL
+  for (int j = 0; j < HEAD_DIM / MMA_N; ++j) {
+    JAX_FLASH_UNROLL
+    for (int i = 0; i < 4; ++i) dq[j][i] *= p.scale;
+  }
+  store_warp_rows<Elem, typename K::QTile>(p.dq, p, dq, q_tile, batch, head, warp * K::WARP_Q, warp_t0, lane);
+}
+
+// Host side: zero dq_accum, the delta kernel, then the main kernel and the dQ conversion, in
+// order on one stream. Deterministic mode adds no atomics: the main kernel computes dK and dV
+// only, and the dQ kernel computes dQ per query block.
+template <class Elem, int HEAD_DIM>
+LaunchError LaunchBackward(const AttentionParams& p_in, bool deterministic, Stream stream) {
   using K = BackwardKernel<Elem, HEAD_DIM>;
   using D = DeltaKernel<HEAD_DIM>;
+  using Q = BackwardDqKernel<Elem, HEAD_DIM>;
+  AttentionParams p = p_in;
+  p.accumulate_dq = !deterministic;
   const int64_t q_elements = static_cast<int64_t>(p.batch) * p.q_len * p.q_heads * HEAD_DIM;
   LaunchError err = FillAsync(p.dq_accum, 0, q_elements * sizeof(float), stream);
   if (!err.empty()) return err;
@@ -341,19 +489,13 @@ LaunchError LaunchBackward(const AttentionParams& p, bool deterministic, Stream 
                dim3(static_cast<unsigned>((rows + D::ROWS_PER_BLOCK - 1) / D::ROWS_PER_BLOCK)), dim3(D::THREADS), 0,
                stream, p);
   if (!err.empty()) return err;
-  const int kv_blocks = CeilDiv(p.kv_len, K::BLOCK_KV);
-  if (deterministic) {
-    for (int block = 0; block < kv_blocks && err.empty(); ++block) {
-      AttentionParams one = p;
-      one.kv_block_offset = block;
-      err = Launch(attention_backward_kernel<Elem, HEAD_DIM>, dim3(1, p.kv_heads, p.batch), dim3(K::THREADS),
-                   K::kSmemBytes, stream, one);
-    }
-  } else {
-    err = Launch(attention_backward_kernel<Elem, HEAD_DIM>, dim3(kv_blocks, p.kv_heads, p.batch), dim3(K::THREADS),
-                 K::kSmemBytes, stream, p);
-  }
+  err = Launch(attention_backward_kernel<Elem, HEAD_DIM>, dim3(CeilDiv(p.kv_len, K::BLOCK_KV), p.kv_heads, p.batch),
+               dim3(K::THREADS), K::kSmemBytes, stream, p);
   if (!err.empty()) return err;
+  if (deterministic) {
+    return Launch(attention_backward_dq_kernel<Elem, HEAD_DIM>, dim3(CeilDiv(p.q_len, Q::BLOCK_Q), p.q_heads, p.batch),
+                  dim3(Q::THREADS), Q::kSmemBytes, stream, p);
+  }
   const int64_t chunks = q_elements / 8;
   return Launch(attention_backward_convert_dq_kernel<Elem>,
                 dim3(static_cast<unsigned>((chunks + kConvertThreads - 1) / kConvertThreads)), dim3(kConvertThreads), 0,

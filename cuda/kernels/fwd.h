@@ -60,37 +60,18 @@ __device__ __forceinline__ void accumulate_pv(float (&o)[HEAD_DIM / MMA_N][4],
   }
 }
 
-// out (16-bit) and lse (natural log) of the warp's rows, written once. The output goes through
-// the warp's own rows of the Q tile (no other warp reads them) so that global stores are whole
-// 16-byte chunks, coalesced along each row.
+// out (16-bit) and lse (natural log) of the warp's rows, written once.
 template <class Elem, int HEAD_DIM, class K>
 __device__ __forceinline__ void store_output(const AttentionParams& p, const float (&o)[HEAD_DIM / MMA_N][4],
                                              const float lse[2], char* q_tile, int b, int n, int warp,
                                              int lane) {
-  using QTile = typename K::QTile;
-  const int row0 = warp * K::WARP_Q;
-  const int t0 = blockIdx.x * K::BLOCK_Q + row0;
-  __syncwarp();  // every lane is done reading the warp's Q rows
+  const int t0 = blockIdx.x * K::BLOCK_Q + warp * K::WARP_Q;
   JAX_FLASH_UNROLL
   for (int r = 0; r < 2; ++r) {
-    const int row = row0 + (lane >> 2) + 8 * r;
-    JAX_FLASH_UNROLL
-    for (int j = 0; j < HEAD_DIM / MMA_N; ++j) {
-      *reinterpret_cast<uint32_t*>(q_tile + QTile::element_offset(row, 8 * j + 2 * (lane & 3))) =
-          Elem::pack(o[j][2 * r], o[j][2 * r + 1]);
-    }
     const int t = t0 + (lane >> 2) + 8 * r;
     if ((lane & 3) == 0 && t < p.q_len) p.lse[p.stat_offset(b, n, t)] = lse[r];
   }
-  __syncwarp();
-  JAX_FLASH_UNROLL
-  for (int i = lane; i < K::WARP_Q * QTile::kChunks; i += WARP_SIZE) {
-    const int row = i / QTile::kChunks, chunk = i % QTile::kChunks;
-    if (t0 + row < p.q_len) {
-      *reinterpret_cast<Chunk16*>(p.out + p.q_offset(b, t0 + row, n) + chunk * 8) =
-          *reinterpret_cast<const Chunk16*>(q_tile + QTile::chunk_offset(row0 + row, chunk));
-    }
-  }
+  store_warp_rows<Elem, typename K::QTile>(p.out, p, o, q_tile, b, n, warp * K::WARP_Q, t0, lane);
 }
 
 template <class Elem, int HEAD_DIM>

@@ -46,9 +46,9 @@ struct AttentionParams {
   float* dq_accum = nullptr;  // [B, T, N, H] f32, zeroed before the main backward kernel
   float* delta = nullptr;     // [B, N, T] rowsum(dout * out) - dlse
 
-  // Backward: the first key block this launch covers (> 0 only when deterministic mode
-  // runs one launch per key block).
-  int kv_block_offset = 0;
+  // Backward: whether the main kernel adds dQ into dq_accum with atomics (false in
+  // deterministic mode, where a separate kernel computes dQ per query block).
+  bool accumulate_dq = true;
 
   // Element offsets of row t of query head n, row s of kv head g, statistic (b, n, t).
   __device__ __forceinline__ int64_t q_offset(int b, int t, int n) const {

@@ -30,11 +30,11 @@ constexpr int WARP_SIZE = 32;
 // archs we build for after sm_86/89); every instantiation must fit it.
 constexpr int kMaxSmemBytes = 101376;
 
-enum class Pass { kForward, kBackward };
+enum class Pass { kForward, kBackward, kBackwardDq };
 
-// Tile sizes of one kernel. Forward: block_q query rows per CTA (16 per warp), block_kv keys
-// per pipeline stage. Backward: block_kv keys per CTA (16 per warp), block_q query rows per
-// pipeline stage.
+// Tile sizes of one kernel. Forward and backward dQ: block_q query rows per CTA (16 per warp),
+// block_kv keys per pipeline stage. Backward: block_kv keys per CTA (16 per warp), block_q
+// query rows per pipeline stage.
 struct TileShape {
   int block_q;
   int block_kv;
@@ -46,6 +46,10 @@ __host__ __device__ constexpr TileShape TileShapeFor(Pass pass, int head_dim) {
   if (pass == Pass::kForward) {
     // Q (block_q x H) + stages x (K, V) (block_kv x H): 64 KB at H=64, 96 KB at H=128.
     return head_dim <= 64 ? TileShape{128, 64, 8, 3} : TileShape{128, 64, 8, 2};
+  }
+  if (pass == Pass::kBackwardDq) {
+    // Q, dO (block_q x H) + stages x (K, V) (block_kv x H): 48 KB at H=64, 96 KB at H=128.
+    return TileShape{64, 64, 4, 2};
   }
   // K, V (block_kv x H) + 2 x (Q, dO) (block_q x H) + dS (block_kv x block_q):
   // H=128 halves block_q so that dK, dV (64 + 64 registers) and the S, dP tiles fit in 255.
@@ -194,6 +198,34 @@ __device__ __forceinline__ void mma_a_regs_b_trans(float (&acc)[N_BLOCKS][4], co
     ptx::ldmatrix_x4_trans(b, bt_fragment_row<BTile>(b_tile, b_row0, b_chunk0 + 2 * jj, lane));
     Elem::mma(acc[2 * jj], a, b, acc[2 * jj]);
     Elem::mma(acc[2 * jj + 1], a, b + 2, acc[2 * jj + 1]);
+  }
+}
+
+// Writes a warp's 16 x HEAD_DIM accumulator (rows t0.. of query head n, [B, T, N, H] layout)
+// as 16-bit elements, through the warp's own rows (row0..) of `tile`, which no other warp reads:
+// the global stores are then whole 16-byte chunks, coalesced along each row.
+template <class Elem, class Tile, int O_BLOCKS, class Params>
+__device__ __forceinline__ void store_warp_rows(uint16_t* dst, const Params& p, const float (&o)[O_BLOCKS][4],
+                                                char* tile, int b, int n, int row0, int t0, int lane) {
+  static_assert(O_BLOCKS * MMA_N == Tile::kCols, "the accumulator spans a tile row");
+  __syncwarp();  // every lane is done reading the warp's rows
+  JAX_FLASH_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + (lane >> 2) + 8 * r;
+    JAX_FLASH_UNROLL
+    for (int j = 0; j < O_BLOCKS; ++j) {
+      *reinterpret_cast<uint32_t*>(tile + Tile::element_offset(row, 8 * j + 2 * (lane & 3))) =
+          Elem::pack(o[j][2 * r], o[j][2 * r + 1]);
+    }
+  }
+  __syncwarp();
+  JAX_FLASH_UNROLL
+  for (int i = lane; i < MMA_M * Tile::kChunks; i += WARP_SIZE) {
+    const int row = i / Tile::kChunks, chunk = i % Tile::kChunks;
+    if (t0 + row < p.q_len) {
+      *reinterpret_cast<Chunk16*>(dst + p.q_offset(b, t0 + row, n) + chunk * 8) =
+          *reinterpret_cast<const Chunk16*>(tile + Tile::chunk_offset(row0 + row, chunk));
+    }
   }
 }
 
