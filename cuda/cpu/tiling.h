@@ -1,6 +1,7 @@
 // Tile sizes and the per-worker workspace they imply. Sizes are chosen so that one
-// tile step's operands (Q, K, V, dO tiles, scores, accumulators: ~200 KB at H = 128)
-// stay in L2 and a micro-tile's working set streams from L1.
+// tile step's operands (Q, K, V, dO tiles, scores, accumulators: ~0.8 MB in the
+// backward at H = 128) stay in L2 and a micro-tile's working set streams from L1;
+// 128 × 128 measured a few percent faster than 64 × 128 and 64 × 64 on AVX-512.
 #pragma once
 
 #include <cstdint>
@@ -10,7 +11,7 @@
 namespace jax_flash {
 namespace cpu {
 
-constexpr int64_t kBlockQ = 64;   // query rows per tile (Br in FlashAttention-2)
+constexpr int64_t kBlockQ = 128;  // query rows per tile (Br in FlashAttention-2)
 constexpr int64_t kBlockK = 128;  // keys per tile (Bc)
 constexpr int64_t kAlignFloats = 16;  // 64-byte alignment of every buffer
 
