@@ -17,7 +17,7 @@ LaunchError LaunchForward(const AttentionParams& p, Stream stream);
 template <class Elem, int HEAD_DIM>
 LaunchError LaunchBackward(const AttentionParams& p, bool deterministic, Stream stream);
 
-constexpr int kHeadDims[] = {64, 128};
+constexpr int kHeadDims[] = {32, 64, 128};
 
 inline bool HasHeadDim(int head_dim) {
   for (int h : kHeadDims)
@@ -28,6 +28,7 @@ inline bool HasHeadDim(int head_dim) {
 template <class Elem>
 LaunchError DispatchForwardHeadDim(const AttentionParams& p, Stream stream) {
   switch (p.head_dim) {
+    case 32: return LaunchForward<Elem, 32>(p, stream);
     case 64: return LaunchForward<Elem, 64>(p, stream);
     case 128: return LaunchForward<Elem, 128>(p, stream);
     default: return "no kernel for head dim " + std::to_string(p.head_dim);
@@ -37,6 +38,7 @@ LaunchError DispatchForwardHeadDim(const AttentionParams& p, Stream stream) {
 template <class Elem>
 LaunchError DispatchBackwardHeadDim(const AttentionParams& p, bool deterministic, Stream stream) {
   switch (p.head_dim) {
+    case 32: return LaunchBackward<Elem, 32>(p, deterministic, stream);
     case 64: return LaunchBackward<Elem, 64>(p, deterministic, stream);
     case 128: return LaunchBackward<Elem, 128>(p, deterministic, stream);
     default: return "no kernel for head dim " + std::to_string(p.head_dim);
