@@ -341,7 +341,10 @@ def dkdv_kernel(*refs, layout: Layout):
         return carry
 
     zeros = jnp.zeros(k.shape, jnp.float32)
-    dk, dv = lax.fori_loop(0, lay.group, head, (zeros, zeros))
+    if lay.group == 1:
+        dk, dv = head(0, (zeros, zeros))
+    else:
+        dk, dv = lax.fori_loop(0, lay.group, head, (zeros, zeros))
     dk_ref[...] = (dk * lay.spec.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
