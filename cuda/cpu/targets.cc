@@ -1,6 +1,8 @@
 // Exposes the host handlers as PyCapsules for jax.ffi.register_ffi_target(..., platform="cpu").
 #include <nanobind/nanobind.h>
 
+#include <type_traits>
+
 #include "cpu/handlers.h"
 #include "ffi/targets.h"
 

@@ -1,6 +1,7 @@
 // Packing: copies a block of rows of a BTNH/BSKH operand into a contiguous float32
-// tile, widening 16-bit inputs once per tile (not once per use) and zero-filling the
-// padding so that padded lanes contribute nothing to any product.
+// tile, widening 16-bit inputs once per call (not once per use) and zero-filling the
+// padding so that padded lanes contribute nothing to any product. The backward's
+// D = rowsum(dO ∘ O) − dlse is computed while dO is packed.
 #pragma once
 
 #include "cpu/convert.h"
