@@ -2,9 +2,9 @@
 // tiles: C (+)= A · B with B and C row-major and vectorised along their rows, A read
 // one scalar at a time and broadcast (optionally transposed, for Pᵀ·dO and dSᵀ·Q).
 //
-// Register blocking: a micro-tile of kRows rows of C × up to kMaxVecs vectors stays
-// in registers for the whole reduction; each step loads kMaxVecs vectors of B and
-// broadcasts kRows scalars of A into kRows·kMaxVecs fused multiply-adds.
+// Register blocking: a micro-tile of kGemmRows rows of C × up to kGemmVecs vectors
+// stays in registers for the whole reduction; each step loads kGemmVecs vectors of B
+// and broadcasts kGemmRows scalars of A into kGemmRows·kGemmVecs fused multiply-adds.
 #pragma once
 
 #include "cpu/vec.h"
@@ -17,7 +17,7 @@ constexpr int kGemmRows = 4;  // rows of C per micro-tile; M must be a multiple
 #if JAX_FLASH_CPU_VECTOR_WIDTH >= 16
 constexpr int kGemmVecs = 4;  // 16 zmm accumulators of the 32
 #else
-constexpr int kGemmVecs = 2;  // 8 accumulators of the 16 ymm/xmm registers
+constexpr int kGemmVecs = 3;  // 12 accumulators of the 16 ymm/xmm registers
 #endif
 
 enum class Accumulate {
@@ -69,6 +69,11 @@ JAX_FLASH_INLINE void Gemm(int64_t m_dim, int64_t n_dim, int64_t k_dim, const fl
     for (int64_t m = 0; m < m_dim; m += kGemmRows)
       GemmMicroTile<kTransposeA, kMode, kGemmVecs>(k_dim, rows_of(m), lda, b + n, ldb,
                                                    c + m * ldc + n, ldc, scale_of(m));
+  // The remaining vectors: two at a time, then one.
+  for (; n + 2 * kLanes <= n_dim; n += 2 * kLanes)
+    for (int64_t m = 0; m < m_dim; m += kGemmRows)
+      GemmMicroTile<kTransposeA, kMode, 2>(k_dim, rows_of(m), lda, b + n, ldb, c + m * ldc + n,
+                                           ldc, scale_of(m));
   for (; n < n_dim; n += kLanes)
     for (int64_t m = 0; m < m_dim; m += kGemmRows)
       GemmMicroTile<kTransposeA, kMode, 1>(k_dim, rows_of(m), lda, b + n, ldb, c + m * ldc + n,
