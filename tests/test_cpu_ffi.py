@@ -264,10 +264,12 @@ def test_fully_masked_rows_exist_in_cases():
         assert (~vis).any() and vis.any(), name
 
 
+@pytest.mark.parametrize("config", ["combo", "tiny_head", "mqa_wide", "wide_head"])
 @pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
-def test_every_isa(isa):
-    """Each compiled ISA matches the reference; one this CPU lacks is refused by name."""
-    cfg = CONFIGS["combo"]
+def test_every_isa(isa, config):
+    """Each compiled ISA (its own vector width and micro-tile shapes) matches the
+    reference; one this CPU lacks is refused by name."""
+    cfg = CONFIGS[config]
     x = make_inputs(cfg, "float32")
     with environment(JAX_FLASH_CPU_ISA=isa):
         try:
