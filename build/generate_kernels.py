@@ -21,7 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "cuda" / "kernels"
 
 DTYPES = {"f16": "F16", "bf16": "Bf16"}
-HEAD_DIMS = (32, 64, 128)
+HEAD_DIMS = (32, 64, 96, 128)
 PASSES = {
     "fwd": ("kernels/fwd.h", "LaunchForward", "const AttentionParams&, Stream"),
     "bwd": ("kernels/bwd.h", "LaunchBackward", "const AttentionParams&, bool, Stream"),

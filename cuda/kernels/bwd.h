@@ -62,9 +62,10 @@ struct BackwardKernel {
 template <int HEAD_DIM>
 struct DeltaKernel {
   static constexpr int THREADS = 128;
-  static constexpr int LANES_PER_ROW = HEAD_DIM / 8;  // one 16-byte chunk per lane
+  static constexpr int CHUNKS = HEAD_DIM / 8;                        // one 16-byte chunk per lane
+  static constexpr int LANES_PER_ROW = NextPowerOfTwo(CHUNKS);  // lanes >= CHUNKS add 0
   static constexpr int ROWS_PER_BLOCK = THREADS / LANES_PER_ROW;
-  static_assert(LANES_PER_ROW <= WARP_SIZE && WARP_SIZE % LANES_PER_ROW == 0, "a row stays inside a warp");
+  static_assert(LANES_PER_ROW <= WARP_SIZE, "a row stays inside a warp");
 };
 
 template <class Elem, int HEAD_DIM>
@@ -74,7 +75,7 @@ __global__ void __launch_bounds__(DeltaKernel<HEAD_DIM>::THREADS) attention_back
   const int64_t row = static_cast<int64_t>(blockIdx.x) * K::ROWS_PER_BLOCK + threadIdx.x / K::LANES_PER_ROW;
   const int sub = static_cast<int>(threadIdx.x) % K::LANES_PER_ROW;
   float dot = 0.0f;
-  if (row < rows) {
+  if (row < rows && sub < K::CHUNKS) {
     const int64_t offset = row * HEAD_DIM + sub * 8;
     const Chunk16 o = *reinterpret_cast<const Chunk16*>(p.out + offset);
     const Chunk16 d = *reinterpret_cast<const Chunk16*>(p.dout + offset);

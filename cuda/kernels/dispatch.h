@@ -17,7 +17,7 @@ LaunchError LaunchForward(const AttentionParams& p, Stream stream);
 template <class Elem, int HEAD_DIM>
 LaunchError LaunchBackward(const AttentionParams& p, bool deterministic, Stream stream);
 
-constexpr int kHeadDims[] = {32, 64, 128};
+constexpr int kHeadDims[] = {32, 64, 96, 128};
 
 inline bool HasHeadDim(int head_dim) {
   for (int h : kHeadDims)
@@ -30,6 +30,7 @@ LaunchError DispatchForwardHeadDim(const AttentionParams& p, Stream stream) {
   switch (p.head_dim) {
     case 32: return LaunchForward<Elem, 32>(p, stream);
     case 64: return LaunchForward<Elem, 64>(p, stream);
+    case 96: return LaunchForward<Elem, 96>(p, stream);
     case 128: return LaunchForward<Elem, 128>(p, stream);
     default: return "no kernel for head dim " + std::to_string(p.head_dim);
   }
@@ -40,6 +41,7 @@ LaunchError DispatchBackwardHeadDim(const AttentionParams& p, bool deterministic
   switch (p.head_dim) {
     case 32: return LaunchBackward<Elem, 32>(p, deterministic, stream);
     case 64: return LaunchBackward<Elem, 64>(p, deterministic, stream);
+    case 96: return LaunchBackward<Elem, 96>(p, deterministic, stream);
     case 128: return LaunchBackward<Elem, 128>(p, deterministic, stream);
     default: return "no kernel for head dim " + std::to_string(p.head_dim);
   }

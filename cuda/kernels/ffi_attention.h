@@ -129,7 +129,7 @@ inline ffi::Error CheckOperands(const char* target, const ffi::AnyBuffer& q, con
   if (auto e = Expect(target, "kv_segment_ids", kv_segment_ids, {B, S}, ffi::DataType::S32); e.failure()) return e;
   if (!HasHeadDim(static_cast<int>(H)))
     return ffi::Error::InvalidArgument(where + ": head dim " + std::to_string(H) +
-                                       " has no compiled kernel (32, 64 and 128 do)");
+                                       " has no compiled kernel (32, 64, 96 and 128 do)");
   if (K <= 0 || N % K != 0)
     return ffi::Error::InvalidArgument(where + ": query heads N=" + std::to_string(N) +
                                        " must be a multiple of kv heads K=" + std::to_string(K));

@@ -44,7 +44,8 @@ struct TileShape {
 
 __host__ __device__ constexpr TileShape TileShapeFor(Pass pass, int head_dim) {
   if (pass == Pass::kForward) {
-    // Q (block_q x H) + stages x (K, V) (block_kv x H): 64 KB at H=64, 96 KB at H=128.
+    // Q (block_q x H) + stages x (K, V) (block_kv x H): 64 KB at H=64, 96 KB at H=128 (and at
+    // H=96, whose rows are padded to 128 columns).
     return head_dim <= 64 ? TileShape{128, 64, 8, 3} : TileShape{128, 64, 8, 2};
   }
   if (pass == Pass::kBackwardDq) {
@@ -63,21 +64,25 @@ struct alignas(16) Chunk16 {
   uint32_t w[4];
 };
 
+__host__ __device__ constexpr int NextPowerOfTwo(int x) { return x <= 1 ? 1 : 2 * NextPowerOfTwo((x + 1) / 2); }
+
 // A ROWS x COLS tile of 16-bit elements in shared memory, row-major in 16-byte chunks, chunk c
 // of row r stored at chunk c ^ swizzle(r). ldmatrix reads 8 rows at one logical chunk and
 // cp.async writes 8 consecutive chunks; with the swizzle each 8 land in 8 different 16-byte
-// bank groups (of the 128-byte bank window), so neither has bank conflicts.
+// bank groups (of the 128-byte bank window), so neither has bank conflicts. Rows are padded
+// to a power-of-two number of chunks (H = 96: 12 chunks in a 16-chunk row) so that the XOR
+// stays inside the row.
 template <int ROWS, int COLS>
 struct SmemTile {
   static_assert(COLS % 32 == 0, "tile rows must hold a multiple of 4 chunks");
   static constexpr int kRows = ROWS;
   static constexpr int kCols = COLS;
-  static constexpr int kChunks = COLS / 8;  // 16-byte chunks per row
-  static constexpr int kRowBytes = COLS * 2;
+  static constexpr int kChunks = COLS / 8;                          // 16-byte chunks per row
+  static constexpr int kStrideChunks = NextPowerOfTwo(kChunks);  // ... and their storage
+  static constexpr int kRowBytes = kStrideChunks * 16;
   static constexpr int kBytes = ROWS * kRowBytes;
-  static_assert((kChunks & (kChunks - 1)) == 0, "rows of a power-of-two number of chunks (the swizzle XORs bits)");
   // Rows of 4 chunks (64 bytes) share a 128-byte window two by two.
-  __device__ __forceinline__ static int swizzle(int row) { return kChunks >= 8 ? (row & 7) : ((row >> 1) & 3); }
+  __device__ __forceinline__ static int swizzle(int row) { return kStrideChunks >= 8 ? (row & 7) : ((row >> 1) & 3); }
   // Byte offset of logical chunk `chunk` of row `row`.
   __device__ __forceinline__ static int chunk_offset(int row, int chunk) {
     return row * kRowBytes + ((chunk ^ swizzle(row)) << 4);
