@@ -92,22 +92,71 @@ def lookup(head_dim_padded: int, dtype: str, pass_: str, interpret: bool) -> Con
     return TABLE[(head_dim_padded, dtype, pass_)]
 
 
-def candidates(head_dim: int, dtype: str, pass_: str) -> list[Config]:
-    """The search space of `tune()`, pruned by a shared-memory estimate (~200 KB)."""
+def smem_budget(compute_capability: Optional[tuple[int, int]]) -> Optional[int]:
+    """Bytes of shared memory one block may use (CUDA C Programming Guide, compute
+    capabilities table), or None when unknown (no GPU here: use the table as it is)."""
+    if compute_capability is None:
+        return None
+    if compute_capability in ((8, 0), (8, 7)):
+        return 163 * 1024
+    if compute_capability[0] in (9, 10):
+        return 227 * 1024
+    return 99 * 1024  # sm_86, sm_89, sm_120 and anything not known to have more
+
+
+def smem_estimate(cfg: Config, head_dim: int, dtype: str, pass_: str, dense_bytes: int = 0) -> int:
+    """Shared memory of one launch: resident tiles plus `num_stages` copies of the streamed
+    ones (q·kᵀ operands, and dense bias/mask tiles of `dense_bytes` per element). Matches
+    what Triton allocates for the defaults within a few percent, erring high."""
     item = 4 if dtype == "float32" else 2
-    small = head_dim >= 256 or item == 4
-    rows = (32, 64, 128) if small else (64, 128)
+    bq, bk, st = cfg.block_q, cfg.block_k, cfg.num_stages
+    dense = min(st, 2) * bq * bk * dense_bytes  # dense tiles are double-buffered at most
+    if pass_ == "fwd":  # q resident; k, v streamed
+        return item * head_dim * (bq + 2 * bk * st) + dense
+    if pass_ == "dkdv":  # k, v resident; q, dO streamed, and each feeds two dots
+        return item * head_dim * (2 * bk + 2 * bq * (st + 1)) + dense
+    return item * head_dim * (2 * bq + 2 * bk * st) + dense  # dq: q, dO resident
+
+
+def fit(cfg: Config, head_dim: int, dtype: str, pass_: str, budget: Optional[int],
+        dense_bytes: int = 0) -> Config:
+    """Shrink `cfg` until it fits `budget` bytes of shared memory: first the pipeline depth
+    to 2, then the streamed tile, then the resident tile (to 32 rows), then one stage."""
+    if budget is None:
+        return cfg
+    stream = "block_q" if pass_ == "dkdv" else "block_k"
+    resident = "block_k" if pass_ == "dkdv" else "block_q"
+    steps = [
+        lambda c: dataclasses.replace(c, num_stages=2) if c.num_stages > 2 else None,
+        lambda c: dataclasses.replace(c, **{stream: getattr(c, stream) // 2})
+        if getattr(c, stream) > 32 else None,
+        lambda c: dataclasses.replace(c, **{resident: getattr(c, resident) // 2})
+        if getattr(c, resident) > 32 else None,
+        lambda c: dataclasses.replace(c, num_stages=1) if c.num_stages > 1 else None,
+        lambda c: dataclasses.replace(c, **{stream: getattr(c, stream) // 2})
+        if getattr(c, stream) > 16 else None,
+        lambda c: dataclasses.replace(c, **{resident: getattr(c, resident) // 2})
+        if getattr(c, resident) > 16 else None,
+    ]
+    for step in steps:
+        while smem_estimate(cfg, head_dim, dtype, pass_, dense_bytes) > budget:
+            smaller = step(cfg)
+            if smaller is None:
+                break
+            cfg = smaller
+    return cfg
+
+
+def candidates(head_dim: int, dtype: str, pass_: str, budget: int = 227 * 1024) -> list[Config]:
+    """The search space of `tune()`, pruned by the shared-memory estimate."""
+    small = head_dim >= 256 or dtype == "float32"
+    rows = (16, 32, 64, 128) if small else (64, 128)
     stages_ = (1, 2, 3) if small else (2, 3)
     out = []
     for bq, bk, warps, stages in itertools.product(rows, (32, 64, 128), (4, 8), stages_):
-        if pass_ == "fwd":  # q resident, k and v tiles per stage
-            smem = item * head_dim * (bq + 2 * bk * stages)
-        elif pass_ == "dkdv":  # k, v resident, q and dO tiles per stage
-            smem = item * head_dim * (2 * bk + 2 * bq * stages)
-        else:  # q, dO resident, k and v tiles per stage
-            smem = item * head_dim * (2 * bq + 2 * bk * stages)
-        if smem <= 200 * 1024 and bq * bk <= 128 * 128:
-            out.append(Config(bq, bk, warps, stages))
+        cfg = Config(bq, bk, warps, stages)
+        if bq * bk <= 128 * 128 and smem_estimate(cfg, head_dim, dtype, pass_) <= budget:
+            out.append(cfg)
     return out
 
 
@@ -182,7 +231,8 @@ def tune(
         out, lse = jax.jit(lambda q, k, v: pallas.forward(spec, q, k, v, masks))(q, k, v)
         dlse = jnp.zeros_like(lse)
         results = []
-        for cfg in candidates(hp, dtype, pass_):
+        budget = smem_budget(pallas._compute_capability()) or 227 * 1024
+        for cfg in candidates(hp, dtype, pass_, budget):
             over = {pass_: cfg}
             if pass_ == "fwd":
                 fn = jax.jit(
@@ -223,9 +273,3 @@ class _Table(dict):
         return format_table(self)
 
     __str__ = __repr__
-
-
-def override(configs: Optional[dict], pass_: str, default: Config) -> Config:
-    if configs and pass_ in configs:
-        return configs[pass_]
-    return default

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from jax_flash import _registry
 from jax_flash._pallas_kernels import LOG2E, Layout, dkdv_kernel, dq_kernel, forward_kernel
-from jax_flash._pallas_table import Config, lookup, override, padded_head_dim
+from jax_flash._pallas_table import Config, fit, lookup, padded_head_dim, smem_budget
 from jax_flash._pallas_table import TABLE, tune  # noqa: F401  (re-exported for the bench)
 from jax_flash._spec import AttentionSpec, MaskInputs
 
@@ -53,6 +53,29 @@ def _compiler_params(cfg: Config):
 
 def _interpret(interpret: Optional[bool]) -> bool:
     return _registry.platform() == "cpu" if interpret is None else interpret
+
+
+def _config(spec: AttentionSpec, masks: MaskInputs, hp: int, pass_: str, configs, interpret):
+    """The table's entry for this call, shrunk to the GPU's shared memory (sm_86/89/120 have
+    99 KB per block, the table is for sm_90); an explicit `configs` entry is used as is."""
+    if configs and pass_ in configs:
+        return configs[pass_]
+    cfg = lookup(hp, spec.dtype, pass_, interpret)
+    if interpret:
+        return cfg
+    dense_bytes = (0 if masks.bias is None else min(4, masks.bias.dtype.itemsize)) + (
+        0 if masks.mask is None else 1
+    )
+    return fit(cfg, hp, spec.dtype, pass_, smem_budget(_compute_capability()), dense_bytes)
+
+
+def _compute_capability():
+    """(major, minor) of the first device if it is an NVIDIA GPU, else None."""
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    if cc is None:
+        return None
+    major, minor = str(cc).split(".")[:2]
+    return int(major), int(minor)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -217,7 +240,7 @@ def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs=None, in
     interpret = _interpret(interpret)
     b, t, n, h = q.shape
     hp = padded_head_dim(h)
-    cfg = override(configs, "fwd", lookup(hp, spec.dtype, "fwd", interpret))
+    cfg = _config(spec, masks, hp, "fwd", configs, interpret)
     ((bq, bk),), t_pad, s_pad = _tiles(spec, [cfg])
     g = spec.group_size
     qp = _pad(_pad(q, 3, hp), 1, t_pad)
@@ -255,8 +278,8 @@ def backward(
     s = k.shape[1]
     kh, g = spec.num_kv_heads, spec.group_size
     hp = padded_head_dim(h)
-    cfg_kv = override(configs, "dkdv", lookup(hp, spec.dtype, "dkdv", interpret))
-    cfg_q = override(configs, "dq", lookup(hp, spec.dtype, "dq", interpret))
+    cfg_kv = _config(spec, masks, hp, "dkdv", configs, interpret)
+    cfg_q = _config(spec, masks, hp, "dq", configs, interpret)
     ((bq1, bk1), (bq2, bk2)), t_pad, s_pad = _tiles(spec, [cfg_kv, cfg_q])
 
     # D = rowsum(dO ∘ O) (FlashAttention-2 §3.2); the lse cotangent shifts it by -dlse

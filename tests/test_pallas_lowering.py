@@ -137,3 +137,18 @@ def test_gpu_tiles_interpreted(monkeypatch):
     want = jax.jit(lambda: run(xla))()
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias"), got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-4, rtol=2e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("dense_bytes", [0, 5])
+def test_tiles_fit_shared_memory(dense_bytes):
+    """sm_90's table is unchanged there; on 99 KB / 163 KB GPUs every entry shrinks to fit."""
+    from jax_flash._pallas_table import fit, smem_budget, smem_estimate
+
+    assert smem_budget(None) is None
+    for (h, dtype, pass_), cfg in TABLE.items():
+        assert fit(cfg, h, dtype, pass_, smem_budget((9, 0)), dense_bytes) == cfg
+        for cc in ((12, 0), (8, 6), (8, 0)):
+            budget = smem_budget(cc)
+            small = fit(cfg, h, dtype, pass_, budget, dense_bytes)
+            assert smem_estimate(small, h, dtype, pass_, dense_bytes) <= budget, (h, dtype, small)
+            assert min(small.block_q, small.block_k) >= 16
