@@ -19,7 +19,7 @@ from jax_flash._spec import AttentionSpec
 
 DTYPES = ("float16", "bfloat16")
 # Head dims with compiled instantiations (cuda/kernels, build/generate_kernels.py).
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (32, 64, 96, 128)
 MIN_COMPUTE_CAPABILITY = (8, 0)
 
 

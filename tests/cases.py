@@ -34,6 +34,8 @@ SMALL_SHAPES = {
     "small_mqa": Shape(1, 33, 47, 2, 1, 64),
     "small_gqa": Shape(2, 40, 40, 4, 2, 128),
     "small_tall": Shape(1, 70, 17, 2, 2, 64),
+    "small_h32": Shape(1, 50, 90, 2, 1, 32),
+    "small_h96": Shape(2, 37, 41, 2, 2, 96),
 }
 
 MASK_KINDS = (
@@ -87,6 +89,9 @@ def _cases():
     for dt in ("float16", "float32"):
         for kind in ("none", "window_causal", "lengths"):
             out.append(Case("small_tall", kind, dt, True))
+    for name, dt in (("small_h32", "float16"), ("small_h96", "bfloat16")):
+        for kind in ("none", "causal", "combo"):
+            out.append(Case(name, kind, dt, True))
     return out
 
 

@@ -258,3 +258,15 @@ def test_default_choice_on_cpu():
     q = jnp.zeros((1, 8, 2, 64), jnp.float32)
     e = jax_flash.explain(q, q, q)
     assert e.selected == ("cpu" if e.reasons["cpu"] is None else "xla")
+
+
+def test_cuda_head_dims_match_the_instantiations():
+    """jax_flash.cuda.HEAD_DIMS lists exactly the head dims with generated kernel files."""
+    import pathlib
+    import re
+
+    from jax_flash import cuda
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "cuda" / "kernels"
+    built = {int(m.group(1)) for f in root.glob("*.cu") if (m := re.search(r"hdim(\d+)\.cu$", f.name))}
+    assert built == set(cuda.HEAD_DIMS)
