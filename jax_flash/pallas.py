@@ -10,8 +10,12 @@ Kernels (`_pallas_kernels`): a forward over (query block, head, batch) with the 
 softmax; a dK/dV kernel over (key block, kv head, batch) that loops over the query blocks
 of every query head of its group (GQA without repeated K/V and without atomics); a dQ
 kernel over (query block, head, batch) that loops over key blocks and, when a bias is
-given, also writes dS for dbias. Tiles, warps and stages come from `_pallas_table.TABLE`;
-`tune()` searches its candidates on a GPU and prints a table to paste there.
+given, also writes dS for dbias (a [B, N, T, S] float32 buffer, summed over the axes the
+bias broadcasts along). D = rowsum(dO ∘ O) - dlse is one XLA reduction before them.
+
+Tiles, warps and stages come from `_pallas_table.TABLE` (made for sm_90), shrunk to the
+GPU's shared memory where it has less; `tune()` searches candidates on a GPU and prints a
+table to paste there.
 
 The wrapper pads what Triton needs powers of two for (the head dim, to at least 16) and
 the sequence lengths to whole tiles; padded keys are masked, padded rows sliced off, and
