@@ -105,11 +105,7 @@ inline void RecomputeTileGradient(const Problem& p, BackwardTiles& w, const Mask
 
 // Pass 2: dK and dV of one (b, kv head, key block).
 inline void KeyValueGradientTile(const Problem& p, int64_t item, float* workspace) {
-  const int64_t blocks = KeyBlocks(p);
-  const int64_t b = item / (p.kv_heads * blocks);
-  const int64_t g = item / blocks % p.kv_heads;
-  const int64_t s0 = item % blocks * kBlockK;
-  const int64_t keys = std::min(kBlockK, p.kv_len - s0);
+  const auto [b, g, s0, keys] = KeyBlockOf(p, item);
   const MaskGeometry mask(p, b);
   const int64_t cols = std::clamp<int64_t>(mask.kv_valid - s0, 0, keys);  // visible at all
   for (int64_t j = cols; j < keys; ++j) {  // keys past the length get no gradient
@@ -153,14 +149,8 @@ inline void KeyValueGradientTile(const Problem& p, int64_t item, float* workspac
 
 // Pass 3: dQ of one (b, head, query block); dq_accum receives it in float32.
 inline void QueryGradientTile(const Problem& p, int64_t item, float* workspace) {
-  const int64_t blocks = QueryBlocks(p);
-  const int64_t b = item / (p.q_heads * blocks);
-  const int64_t n = item / blocks % p.q_heads;
+  const auto [b, n, t0, rows] = QueryBlockOf(p, item, /*last_first=*/true);
   const int64_t g = n / p.group_size();
-  // Last query blocks first: under a causal mask they see the most keys, and the
-  // dynamic schedule balances best when the longest items start earliest.
-  const int64_t t0 = (blocks - 1 - item % blocks) * kBlockQ;
-  const int64_t rows = std::min(kBlockQ, p.q_len - t0);
   const MaskGeometry mask(p, b);
   const int64_t live_rows = std::clamp<int64_t>(mask.q_valid - t0, 0, rows);
   for (int64_t t = t0 + live_rows; t < t0 + rows; ++t) {  // padding rows get no gradient

@@ -70,14 +70,8 @@ inline void WriteOutputRows(const Problem& p, const ForwardTiles& w, int64_t b, 
 }
 
 inline void ForwardTile(const Problem& p, int64_t item, float* workspace) {
-  const int64_t blocks = QueryBlocks(p);
-  const int64_t b = item / (p.q_heads * blocks);
-  const int64_t n = item / blocks % p.q_heads;
+  const auto [b, n, t0, rows] = QueryBlockOf(p, item, /*last_first=*/true);
   const int64_t g = n / p.group_size();
-  // Last query blocks first: under a causal mask they see the most keys, and the
-  // dynamic schedule balances best when the longest items start earliest.
-  const int64_t t0 = (blocks - 1 - item % blocks) * kBlockQ;
-  const int64_t rows = std::min(kBlockQ, p.q_len - t0);
   const MaskGeometry mask(p, b);
   // Rows at or past the query length see nothing; the rest of the block is live.
   const int64_t live_rows = std::clamp<int64_t>(mask.q_valid - t0, 0, rows);

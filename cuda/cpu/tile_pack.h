@@ -58,11 +58,7 @@ JAX_FLASH_INLINE void PackTransposed(const RowBlock& src, int64_t padded_cols, i
 // problem asks for (the null ones are skipped). Runs once per call and key block,
 // before any tile that reads it. `row_buffer` holds H floats.
 inline void PackKeyBlock(const Problem& p, int64_t item, float* row_buffer) {
-  const int64_t blocks = KeyBlocks(p);
-  const int64_t b = item / (p.kv_heads * blocks);
-  const int64_t g = item / blocks % p.kv_heads;
-  const int64_t s0 = item % blocks * kBlockK;
-  const int64_t keys = std::min(kBlockK, p.kv_len - s0);
+  const auto [b, g, s0, keys] = KeyBlockOf(p, item);
   const int64_t offset = item * KeyBlockFloats(p);
   const int64_t ld = RowStride(p);
   const int64_t stride = p.kv_heads * p.head_dim;
@@ -78,11 +74,7 @@ inline void PackKeyBlock(const Problem& p, int64_t item, float* row_buffer) {
 // rows, and computes D = rowsum(dO ∘ O) − dlse (FlashAttention-2 Alg. 2, line 4) for
 // its rows. `row_buffer` holds H floats.
 inline void PackQueryBlock(const Problem& p, int64_t item, float* row_buffer) {
-  const int64_t blocks = QueryBlocks(p);
-  const int64_t b = item / (p.q_heads * blocks);
-  const int64_t n = item / blocks % p.q_heads;
-  const int64_t t0 = item % blocks * kBlockQ;
-  const int64_t rows = std::min(kBlockQ, p.q_len - t0);
+  const auto [b, n, t0, rows] = QueryBlockOf(p, item);
   const int64_t offset = item * QueryBlockFloats(p);
   const int64_t ld = RowStride(p);
   const int64_t stride = p.q_heads * p.head_dim;

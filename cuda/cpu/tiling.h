@@ -4,6 +4,7 @@
 // 128 × 128 measured a few percent faster than 64 × 128 and 64 × 64 on AVX-512.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cpu/problem.h"
@@ -24,6 +25,27 @@ inline int64_t QueryBlocks(const Problem& p) { return CeilDiv(p.q_len, kBlockQ);
 inline int64_t KeyBlocks(const Problem& p) { return CeilDiv(p.kv_len, kBlockK); }
 inline int64_t QueryItems(const Problem& p) { return p.batch * p.q_heads * QueryBlocks(p); }
 inline int64_t KeyItems(const Problem& p) { return p.batch * p.kv_heads * KeyBlocks(p); }
+
+// The block a work item owns. Items enumerate (b, head, block), the block fastest.
+struct QueryBlockItem {
+  int64_t b, n, t0, rows;  // batch, query head, first row, rows in the block (ragged tail)
+};
+struct KeyBlockItem {
+  int64_t b, g, s0, keys;  // batch, kv head, first key, keys in the block (ragged tail)
+};
+// last_first: under a causal mask the last query blocks see the most keys, and the
+// dynamic schedule balances best when the longest items start earliest.
+inline QueryBlockItem QueryBlockOf(const Problem& p, int64_t item, bool last_first = false) {
+  const int64_t blocks = QueryBlocks(p);
+  const int64_t block = last_first ? blocks - 1 - item % blocks : item % blocks;
+  const int64_t t0 = block * kBlockQ;
+  return {item / (p.q_heads * blocks), item / blocks % p.q_heads, t0, std::min(kBlockQ, p.q_len - t0)};
+}
+inline KeyBlockItem KeyBlockOf(const Problem& p, int64_t item) {
+  const int64_t blocks = KeyBlocks(p);
+  const int64_t s0 = item % blocks * kBlockK;
+  return {item / (p.kv_heads * blocks), item / blocks % p.kv_heads, s0, std::min(kBlockK, p.kv_len - s0)};
+}
 
 // Packed operand layouts. Rows are padded to a whole number of the widest vector
 // (16 floats) whatever the ISA, so one layout serves every kernel table.
