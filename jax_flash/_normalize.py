@@ -30,7 +30,6 @@ class Canonical(NamedTuple):
     v: jax.Array  # [B, S, K, H]
     masks: MaskInputs
     batch_shape: tuple[int, ...]  # the caller's leading batch axes (() for 3-D inputs)
-    bias_in_shape: Optional[tuple[int, ...]]
 
 
 def _shape_str(x) -> str:
@@ -266,7 +265,6 @@ def canonicalize(
         v=v.reshape(b, s, kh, h),
         masks=masks,
         batch_shape=batch_shape,
-        bias_in_shape=None if bias is None else tuple(jnp.shape(bias)),
     )
 
 

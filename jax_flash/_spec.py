@@ -18,7 +18,6 @@ import dataclasses
 from typing import NamedTuple, Optional
 
 import jax
-import numpy as np
 
 
 class MaskInputs(NamedTuple):
@@ -63,14 +62,6 @@ class AttentionSpec:
     @property
     def is_windowed(self) -> bool:
         return self.window_left is not None or self.window_right is not None
-
-    @property
-    def has_dense_inputs(self) -> bool:
-        return self.bias_shape is not None or self.mask_shape is not None
-
-    @property
-    def np_dtype(self) -> np.dtype:
-        return np.dtype(jax.numpy.dtype(self.dtype))
 
     def key_block_range(self, q_start, q_stop, block_k: int, num_k_blocks: int):
         """Key blocks [lo, hi) that queries [q_start, q_stop) can see through the window.

@@ -49,19 +49,11 @@ def availability(name: str):
 _REQUIRED = [n for n in os.environ.get("JAX_FLASH_REQUIRE", "").split(",") if n]
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "impl(name): test runs one implementation")
-
-
 def pytest_collection_modifyitems(config, items):
     for name in _REQUIRED:
         why = availability(name)
         if why is not None:
             raise pytest.UsageError(f"JAX_FLASH_REQUIRE lists {name!r}, which cannot run: {why}")
-
-
-def impl_params():
-    return [pytest.param(n, id=n) for n in ALL]
 
 
 @pytest.fixture(params=ALL)
