@@ -77,9 +77,6 @@ MUTATIONS = [
     Mutation("tail_zero_fill", K + "tile.h", "const bool inside = row < rows_valid;",
              "const bool inside = row <= rows_valid;", EDGES,
              what="ragged-tail guard of every tile copy: one row past the end is read"),
-    Mutation("tail_guard_off", K + "tile.h", "ptx::cp_async_16(tile + Tile::chunk_offset(row, chunk), src, inside ? 16 : 0);",
-             "ptx::cp_async_16(tile + Tile::chunk_offset(row, chunk), src, 16);", EDGES,
-             what="ragged tail copied instead of zero-filled (reads row 0 again)"),
     Mutation("store_rows_guard", K + "tile.h", "if (t0 + row < p.q_len) {", "if (t0 + row <= p.q_len) {", FWD,
              what="output tail guard: one row past the end of the block's rows is written"),
     Mutation("swizzle_off", K + "tile.h",
@@ -103,7 +100,7 @@ MUTATIONS = [
     Mutation("rows_of_keys_hi", K + "mask.h", "min(q_valid, s1 + window_left)", "min(q_valid, s1 + window_left - 1)",
              BWD, what="backward tile skipping: the last row that sees a key block dropped"),
     Mutation("segments_same_single", K + "mask.h", "return lo == hi && o.lo == o.hi && lo == o.lo;",
-             "return lo == hi && o.lo == o.hi;", ALL, what="two different single segments treated as one"),
+             "return lo == hi && lo == o.lo;", ALL, what="a tile whose keys span several segments treated as one segment"),
     Mutation("mask_fragment_row", K + "mask.h", "const int row = row0 + (lane >> 2) + 8 * (i >> 1);",
              "const int row = row0 + (lane >> 2) + 8 * (i & 1);", FWD, what="mask of the C fragment: wrong row"),
     # ---- softmax.h --------------------------------------------------------------------------
@@ -170,6 +167,10 @@ MUTATIONS = [
     Mutation("bwd_q_block_begin", K + "bwd.h", "const int q_block_begin = rows.lo / K::BLOCK_Q;",
              "const int q_block_begin = CeilDiv(rows.lo, K::BLOCK_Q);", BWD,
              what="backward tile skipping: the partly visible first query block dropped"),
+    Mutation("bwd_q_tail", K + "bwd.h",
+             "load_tile_async<typename K::QTile, K::THREADS>(stage, p.q + p.q_offset(batch, t0, n), q_stride, p.q_len - t0);",
+             "load_tile_async<typename K::QTile, K::THREADS>(stage, p.q + p.q_offset(batch, t0, n), q_stride, K::BLOCK_Q);",
+             BWD, what="backward: Q tile read past the end of the queries (no ragged-tail guard)"),
     Mutation("bwd_interior_rows", K + "bwd.h",
              "mask.is_interior(t0, K::BLOCK_Q, warp_s0, K::WARP_KV, segments_allow_all)",
              "mask.is_interior(t0, K::BLOCK_Q - 1, warp_s0, K::WARP_KV, segments_allow_all)", BWD,
@@ -278,6 +279,8 @@ class Scratch:
             first = failed[0].split("::")[-1] if failed else summary
             reason = re.findall(r"^E\s+(.*)$", out, re.M)
             return "fail", first + (f": {reason[0][:120]}" if reason else "")
+        if r.returncode < 0 or r.returncode >= 128:  # killed by a signal: a crash is a catch too
+            return "fail", f"the test run crashed (exit {r.returncode})"
         return "error", f"pytest exit {r.returncode}: {out[-1500:]}"
 
 

@@ -111,7 +111,7 @@ def _cases():
 
 # Mask kinds of the tile-edge shapes: every edge of the visible region (sequence ends, the
 # diagonal, window edges, lengths) lands at +1 / -1 of a tile boundary somewhere.
-TILE_EDGE_KINDS = ("none", "causal", "window", "tile_lengths", "segments")
+TILE_EDGE_KINDS = ("none", "causal", "tile_window", "tile_window_wide", "tile_lengths", "segments")
 SCALE_KINDS = ("zero_scale", "neg_zero_scale", "negative_scale")
 
 
@@ -184,6 +184,14 @@ def mask_kwargs(kind: str, shape: Shape, seed: int = 1) -> dict:
             query_seq_lengths=jnp.asarray(q_len[:b], jnp.int32),
             key_value_seq_lengths=jnp.asarray(kv_len[:b], jnp.int32),
         )
+    if kind == "tile_window":
+        # Window edges 1 past / before a tile boundary: left 78 = 14 (mod 16) puts the last
+        # row's first key at +1 of a tile's first key where the tile's other edge is inside
+        # every row's window; right 14 does the same at the far edge.
+        return dict(local_window_size=(78, 14))
+    if kind == "tile_window_wide":
+        # Left 65 = 1 (mod 64): the first row of a query block is the last to see a key block.
+        return dict(local_window_size=(65, 0))
     if kind == "zero_scale":
         return dict(scale=0.0, is_causal=True)
     if kind == "neg_zero_scale":

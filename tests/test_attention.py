@@ -106,7 +106,8 @@ def test_backward(impl, case):
 DETERMINISTIC_CASES = [
     pytest.param(c, id=str(c))
     for c in CASES
-    if (c.shape_name.startswith("tile_") and c.mask_kind in ("none", "causal", "tile_lengths", "segments"))
+    if (c.shape_name.startswith("tile_")
+        and c.mask_kind in ("none", "causal", "tile_window", "tile_lengths", "segments"))
     or (c.shape_name == "small_mqa" and c.mask_kind in ("window", "softcap", "combo", "zero_scale"))
     or (c.shape_name in ("small_h32", "small_h96") and c.mask_kind == "combo")
 ]

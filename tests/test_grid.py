@@ -33,7 +33,14 @@ PROGRAM = r"""
 using namespace jax_flash::kernels;
 
 static int failures = 0;
-#define CHECK(cond, ...) do { if (!(cond)) { ++failures; std::printf("FAIL " __VA_ARGS__); std::printf("\n"); } } while (0)
+#define CHECK(cond, ...) \
+  do {                    \
+    if (!(cond)) {        \
+      ++failures;         \
+      std::printf("FAIL " __VA_ARGS__); \
+      std::printf("\n");  \
+    }                     \
+  } while (0)
 
 // grid.x holds every CTA, y = z = 1, and index i -> (block, head, batch) is the 3-D order.
 static void check(const char* name, const FoldedGrid& g) {
@@ -41,14 +48,16 @@ static void check(const char* name, const FoldedGrid& g) {
   const LaunchError err = LinearGrid(g, &grid);
   const long long total = 1LL * g.blocks * g.heads * g.batch;
   CHECK(err.empty(), "%s: %s", name, err.c_str());
-  CHECK(grid.x == total && grid.y == 1 && grid.z == 1, "%s: grid %u %u %u for %lld CTAs", name, grid.x, grid.y, grid.z, total);
+  CHECK(grid.x == total && grid.y == 1 && grid.z == 1, "%s: grid %u %u %u for %lld CTAs", name, grid.x, grid.y,
+        grid.z, total);
   long long i = 0;
   for (int b = 0; b < g.batch; ++b)
     for (int h = 0; h < g.heads; ++h)
       for (int k = 0; k < g.blocks; ++k, ++i) {
         const GridIndex at = g.of(static_cast<int>(i));
         if (at.block != k || at.head != h || at.batch != b) {
-          CHECK(false, "%s: CTA %lld -> (%d, %d, %d), want (%d, %d, %d)", name, i, at.block, at.head, at.batch, k, h, b);
+          CHECK(false, "%s: CTA %lld -> (%d, %d, %d), want (%d, %d, %d)", name, i, at.block, at.head, at.batch, k, h,
+                b);
           return;
         }
       }
@@ -107,7 +116,10 @@ def test_emulated_grid_decoding(deterministic, monkeypatch):
               query_seq_lengths=jnp.asarray([130, 77, 100], jnp.int32))
 
     def loss(fn, **extra):
-        return lambda q, k, v: jnp.sum(fn(q, k, v, **kw, **extra).astype(jnp.float32) * jnp.cos(q.astype(jnp.float32)))
+        def f(q, k, v):
+            return jnp.sum(fn(q, k, v, **kw, **extra).astype(jnp.float32) * jnp.cos(q.astype(jnp.float32)))
+
+        return f
 
     out = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, implementation="cuda", **kw))(q, k, v)
     ref64 = attention_reference(q, k, v, compute_dtype=jnp.float64, **kw)
