@@ -1,6 +1,7 @@
 """Launch grids of the CUDA kernels (cuda/kernels/grid.h): every kernel with a CTA per
-(block, head, batch) folds the three into grid.x, so B·N (or B, or N) beyond grid.y/z's 65535
-launches; the CTA numbering is the 3-D grid's (block fastest), each CTA exactly once.
+(block, head, batch) folds the batch into grid.x and spans the heads over grid.y, then grid.z,
+so B·N (or B, or N) beyond grid.y/z's 65535 launches; every (block, head, batch) has exactly
+one CTA.
 
 The grid arithmetic is compiled for the host from the kernels' own traits and checked at sizes
 an emulated launch could not reach in CI (65536 CTAs take minutes there); an emulated run at a
@@ -42,25 +43,40 @@ static int failures = 0;
     }                     \
   } while (0)
 
-// grid.x holds every CTA, y = z = 1, and index i -> (block, head, batch) is the 3-D order.
+// grid.x = (block, batch), heads over grid.y then grid.z, all within the launch limits; every
+// (block, head, batch) is one CTA's, block fastest, and the CTAs past the last head are idle.
 static void check(const char* name, const FoldedGrid& g) {
   dim3 grid;
-  const LaunchError err = LinearGrid(g, &grid);
-  const long long total = 1LL * g.blocks * g.heads * g.batch;
+  const LaunchError err = g.dims(&grid);
   CHECK(err.empty(), "%s: %s", name, err.c_str());
-  CHECK(grid.x == total && grid.y == 1 && grid.z == 1, "%s: grid %u %u %u for %lld CTAs", name, grid.x, grid.y,
-        grid.z, total);
-  long long i = 0;
-  for (int b = 0; b < g.batch; ++b)
-    for (int h = 0; h < g.heads; ++h)
-      for (int k = 0; k < g.blocks; ++k, ++i) {
-        const GridIndex at = g.of(static_cast<int>(i));
-        if (at.block != k || at.head != h || at.batch != b) {
-          CHECK(false, "%s: CTA %lld -> (%d, %d, %d), want (%d, %d, %d)", name, i, at.block, at.head, at.batch, k, h,
-                b);
-          return;
+  if (!err.empty()) return;
+  CHECK(grid.x <= 2147483647u && grid.y <= 65535 && grid.z <= 65535, "%s: grid %u %u %u", name, grid.x, grid.y,
+        grid.z);
+  CHECK(1LL * grid.y * grid.z >= g.heads && 1LL * grid.y * (grid.z - 1) < g.heads, "%s: %u x %u for %d heads", name,
+        grid.y, grid.z, g.heads);
+  std::vector<unsigned char> seen(static_cast<size_t>(g.blocks) * g.heads * g.batch, 0);
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        const GridIndex at = g.of(x, y, z, grid.y);
+        if (!g.contains(at)) {
+          CHECK(z == grid.z - 1, "%s: CTA (%u, %u, %u) idle outside the last z slice", name, x, y, z);
+          continue;
         }
+        const bool in_range = at.block >= 0 && at.block < g.blocks && at.head >= 0 && at.batch >= 0 &&
+                              at.batch < g.batch;
+        CHECK(in_range, "%s: CTA (%u, %u, %u) -> (%d, %d, %d)", name, x, y, z, at.block, at.head, at.batch);
+        if (!in_range) return;
+        CHECK(x == static_cast<unsigned>(at.batch * g.blocks + at.block), "%s: block is not fastest in x", name);
+        unsigned char& s = seen[(static_cast<size_t>(at.batch) * g.heads + at.head) * g.blocks + at.block];
+        CHECK(s == 0, "%s: (%d, %d, %d) twice", name, at.block, at.head, at.batch);
+        s = 1;
       }
+  for (unsigned char s : seen)
+    if (!s) {
+      CHECK(false, "%s: a (block, head, batch) has no CTA", name);
+      return;
+    }
 }
 
 template <int H>
@@ -74,11 +90,13 @@ static void check_all(int B, int T, int S, int N, int KH) {
 
 int main() {
   check_all<64>(70000, 1, 1, 1, 1);      // B > 65535
-  check_all<128>(1, 1, 1, 70001, 70001); // N > 65535
-  check_all<32>(300, 200, 129, 300, 3);  // B·N > 65535, several blocks
+  check_all<128>(1, 1, 1, 70001, 70001); // N > 65535: two z slices, the second mostly idle
+  check_all<64>(2, 1, 1, 131070, 2);     // N = 2 x 65535 exactly
+  check_all<32>(300, 200, 129, 300, 3);  // B*N > 65535, several blocks
   check_all<96>(3, 130, 70, 5, 1);
   dim3 grid;
-  CHECK(!LinearGrid(FoldedGrid{65536, 65536, 1}, &grid).empty(), "2^32 CTAs must be refused");
+  CHECK(!(FoldedGrid{65536, 1, 32768}.dims(&grid)).empty(), "2^31 CTAs in grid.x must be refused");
+  CHECK((FoldedGrid{65535, 1, 32768}.dims(&grid)).empty() && grid.x == 2147450880u, "65535 x 32768 CTAs fit");
   CHECK(!LinearGrid(int64_t{1} << 31, &grid).empty(), "2^31 CTAs must be refused");
   CHECK(LinearGrid((int64_t{1} << 31) - 1, &grid).empty() && grid.x == 2147483647u, "2^31 - 1 CTAs fit");
   std::printf(failures ? "FAILED\n" : "OK\n");

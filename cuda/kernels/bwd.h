@@ -206,7 +206,9 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM>::THREADS, 1)
     attention_backward_kernel(const AttentionParams p) {
   using K = BackwardKernel<Elem, HEAD_DIM>;
   JAX_FLASH_DYNAMIC_SMEM(smem);
-  const GridIndex at = K::grid(p).index();
+  const FoldedGrid grid = K::grid(p);
+  const GridIndex at = grid.index();
+  if (!grid.contains(at)) return;  // past the last head (more than 65535 heads span grid.z)
   const int kv_block = at.block, kv_head = at.head, batch = at.batch;
   const int warp = static_cast<int>(threadIdx.x) / WARP_SIZE, lane = static_cast<int>(threadIdx.x) % WARP_SIZE;
   const int s0 = kv_block * K::BLOCK_KV;
@@ -375,7 +377,9 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM>::THREADS, 1)
     attention_backward_dq_kernel(const AttentionParams p) {
   using K = BackwardDqKernel<Elem, HEAD_DIM>;
   JAX_FLASH_DYNAMIC_SMEM(smem);
-  const GridIndex at = K::grid(p).index();
+  const FoldedGrid grid = K::grid(p);
+  const GridIndex at = grid.index();
+  if (!grid.contains(at)) return;  // past the last head (more than 65535 heads span grid.z)
   const int head = at.head, batch = at.batch;
   const int warp = static_cast<int>(threadIdx.x) / WARP_SIZE, lane = static_cast<int>(threadIdx.x) % WARP_SIZE;
   const int kv_head = head / (p.q_heads / p.kv_heads);
@@ -499,7 +503,7 @@ LaunchError LaunchBackward(const AttentionParams& p_in, bool deterministic, Stre
   const int64_t chunks = q_elements / 8;
   dim3 delta_grid, main_grid, dq_grid, convert_grid;
   for (const LaunchError& e : {LinearGrid((rows + D::ROWS_PER_BLOCK - 1) / D::ROWS_PER_BLOCK, &delta_grid),
-                               LinearGrid(K::grid(p), &main_grid), LinearGrid(Q::grid(p), &dq_grid),
+                               K::grid(p).dims(&main_grid), Q::grid(p).dims(&dq_grid),
                                LinearGrid((chunks + kConvertThreads - 1) / kConvertThreads, &convert_grid)}) {
     if (!e.empty()) return e;
   }

@@ -85,7 +85,9 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM>::THREADS, 1)
     attention_forward_kernel(const AttentionParams p) {
   using K = ForwardKernel<Elem, HEAD_DIM>;
   JAX_FLASH_DYNAMIC_SMEM(smem);
-  const GridIndex at = K::grid(p).index();
+  const FoldedGrid grid = K::grid(p);
+  const GridIndex at = grid.index();
+  if (!grid.contains(at)) return;  // past the last head (more than 65535 heads span grid.z)
   const int q_block = at.block, head = at.head, batch = at.batch;
   const int warp = static_cast<int>(threadIdx.x) / WARP_SIZE, lane = static_cast<int>(threadIdx.x) % WARP_SIZE;
   const int kv_head = head / (p.q_heads / p.kv_heads);
@@ -170,7 +172,7 @@ template <class Elem, int HEAD_DIM>
 LaunchError LaunchForward(const AttentionParams& p, Stream stream) {
   using K = ForwardKernel<Elem, HEAD_DIM>;
   dim3 grid;
-  if (LaunchError err = LinearGrid(K::grid(p), &grid); !err.empty()) return err;
+  if (LaunchError err = K::grid(p).dims(&grid); !err.empty()) return err;
   return Launch(attention_forward_kernel<Elem, HEAD_DIM>, grid, dim3(K::THREADS), K::kSmemBytes, stream, p);
 }
 
