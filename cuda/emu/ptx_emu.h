@@ -124,7 +124,9 @@ inline float ex2_approx(float x) {
 inline float tanh_approx(float x) {
   if (std::fpclassify(x) == FP_SUBNORMAL || x == 0.0f || std::isnan(x)) return x;
   if (std::isinf(x)) return std::copysign(1.0f, x);
-  const double t = std::tanh(static_cast<double>(x)) * (detail::approx_up(x) ? 1.0 + 0x1p-11 : 1.0 - 0x1p-11);
+  // 2^-11 less half an f32 ulp, so that the rounded result stays within the bound.
+  const double e = 0x1p-11 - 0x1p-24;
+  const double t = std::tanh(static_cast<double>(x)) * (detail::approx_up(x) ? 1.0 + e : 1.0 - e);
   return static_cast<float>(std::fmin(std::fmax(t, -1.0), 1.0));
 }
 

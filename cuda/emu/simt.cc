@@ -212,9 +212,13 @@ struct Runtime {
   uint32_t block_linear = 0;  // blockIdx as one number, for the global conflict check
   SmemByte* shadow = nullptr;   // per byte of smem (tls_smem_shadow)
   uint32_t epoch = 0;           // the block's barrier epoch (a new one per block and __syncthreads)
-  // Source sites (file, line) of the recorded accesses, by index (0: unknown).
-  std::vector<std::pair<const char*, int>> sites{{nullptr, 0}};
-  std::vector<std::pair<uint64_t, uint16_t>> site_cache;  // hash of (file, line) -> index
+  // Source sites (instruction, file, line) of the recorded accesses, by index (0: unknown).
+  struct Site {
+    const char* what;
+    const char* file;
+    int line;
+  };
+  std::vector<Site> sites{{nullptr, nullptr, 0}};
   // Global buffers of the launch (GlobalBufferScope) and, per writable one, who wrote each byte
   // in this launch: (CTA + 1) << 1 | atomic, allocated at the first store.
   std::vector<GlobalBuffer> buffers;
@@ -681,26 +685,28 @@ uint32_t vote(int op, uint32_t mask, bool predicate) {
 // ---- the race detector (shared memory) ----
 namespace {
 
-uint16_t intern_site(Runtime& rt, const char* file, int line) {
-  if (file == nullptr) return 0;
-  const uint64_t key = reinterpret_cast<uintptr_t>(file) * 1000003u + static_cast<uint64_t>(line);
-  for (const auto& e : rt.site_cache)
-    if (e.first == key) return e.second;
+uint16_t intern_site(Runtime& rt, const char* what, const char* file, int line) {
+  // A launch has a few dozen sites: a linear search from the most recent is enough.
+  for (size_t i = rt.sites.size(); i-- > 1;) {
+    const Runtime::Site& e = rt.sites[i];
+    if (e.line == line && e.file == file && e.what == what) return static_cast<uint16_t>(i);
+  }
   if (rt.sites.size() >= 0xffff) return 0;
-  rt.sites.push_back({file, line});
-  const uint16_t index = static_cast<uint16_t>(rt.sites.size() - 1);
-  rt.site_cache.push_back({key, index});
-  return index;
+  rt.sites.push_back({what, file, line});
+  return static_cast<uint16_t>(rt.sites.size() - 1);
 }
 
+// "ldmatrix at kernels/bwd.h:162" (the path from cuda/ on, or the file name).
 std::string site_str(const Runtime& rt, uint16_t site) {
-  if (site == 0 || site >= rt.sites.size()) return "";
-  std::string f = rt.sites[site].first;
-  // The path from cuda/ on (kernels/tile.h), or the file name.
+  if (site == 0 || site >= rt.sites.size()) return "?";
+  const Runtime::Site& e = rt.sites[site];
+  std::string s = e.what != nullptr ? e.what : "?";
+  if (e.file == nullptr) return s;
+  std::string f = e.file;
   size_t cut = f.rfind("/cuda/");
   if (cut != std::string::npos) f = f.substr(cut + 6);
   else if ((cut = f.rfind('/')) != std::string::npos) f = f.substr(cut + 1);
-  return " (" + f + ":" + std::to_string(rt.sites[site].second) + ")";
+  return s + " at " + f + ":" + std::to_string(e.line);
 }
 
 std::string thread_of(const Runtime& rt, int index) {
@@ -720,13 +726,13 @@ inline bool ordered(const Runtime& rt, const Fiber& me, uint16_t other, uint32_t
   return rt.warps[me.warp].vc[me.lane][of.lane] > gen;
 }
 
-std::string race(const Runtime& rt, const Fiber& me, const char* verb, const char* what, size_t offset,
-                 uint16_t site, int other, const char* other_verb, uint16_t other_site) {
+std::string race(const Runtime& rt, const Fiber& me, const char* verb, size_t offset, uint16_t site, int other,
+                 const char* other_verb, uint16_t other_site) {
   const Fiber& of = rt.fibers[other];
   const char* order = of.warp == me.warp ? "no __syncwarp or __syncthreads" : "no __syncthreads";
-  return "shared-memory race: " + std::string(what) + site_str(rt, site) + " by " + thread_of(rt, me.index) +
-         " " + verb + " byte " + std::to_string(offset) + " of shared memory, which " + thread_of(rt, other) + " " +
-         other_verb + site_str(rt, other_site) + " with " + order + " in between";
+  return "shared-memory race: " + site_str(rt, site) + " by " + thread_of(rt, me.index) + " " + verb + " byte " +
+         std::to_string(offset) + " of shared memory, which " + thread_of(rt, other) + " " + other_verb + " (" +
+         site_str(rt, other_site) + ") with " + order + " in between";
 }
 
 }  // namespace
@@ -738,15 +744,14 @@ std::string smem_access(int lane, const void* p, size_t bytes, MemOp op, const c
   const Warp& w = rt.warps[me.warp];
   const uint16_t self = static_cast<uint16_t>(me.index + 1);
   const uint32_t bit = 1u << me.lane;
-  const uint16_t site = intern_site(rt, file, line);
+  const uint16_t site = intern_site(rt, what, file, line);
   const size_t offset = static_cast<size_t>(static_cast<const char*>(p) - rt.smem);
   for (size_t i = offset; i < offset + bytes; ++i) {
     SmemByte& b = rt.shadow[i];
     if (!ordered(rt, me, b.w_thread, b.w_epoch, b.w_gen))
-      return race(rt, me, op == MemOp::kRead ? "reads" : "overwrites", what, i, site, b.w_thread - 1, "wrote",
-                  b.w_site);
+      return race(rt, me, op == MemOp::kRead ? "reads" : "overwrites", i, site, b.w_thread - 1, "wrote", b.w_site);
     if (rt.in_flight[i / 16] != 0)
-      return std::string(what) + site_str(rt, site) + " by " + thread_of(rt, me.index) + " " +
+      return site_str(rt, site) + " by " + thread_of(rt, me.index) + " " +
              (op == MemOp::kRead ? "reads" : "writes") + " shared memory offset " + std::to_string(i) +
              " while a cp.async into it has not been waited for (missing cp.async.wait_group or __syncthreads)";
     if (op == MemOp::kRead) {
@@ -802,7 +807,7 @@ std::string smem_access(int lane, const void* p, size_t bytes, MemOp op, const c
             if (w.vc[me.lane][l] <= b.r_gen) reader = me.warp * kWarpSize + l;
           }
         }
-        if (reader >= 0) return race(rt, me, "overwrites", what, i, site, reader, "read", reader_site);
+        if (reader >= 0) return race(rt, me, "overwrites", i, site, reader, "read", reader_site);
       }
       b.w_thread = self;
       b.w_epoch = rt.epoch;
@@ -821,7 +826,7 @@ void check_global(const void* p, size_t bytes, MemOp op, const char* what, const
   const char* c = static_cast<const char*>(p);
   if (c >= rt.smem && c < rt.smem + rt.smem_bytes) return;  // shared memory (atomics on it)
   const char* verb = op == MemOp::kRead ? "reads" : op == MemOp::kWrite ? "writes" : "atomically updates";
-  const std::string at = std::string(what) + site_str(rt, intern_site(rt, file, line)) + " " + verb + " " +
+  const std::string at = site_str(rt, intern_site(rt, what, file, line)) + " " + verb + " " +
                          std::to_string(bytes) + " bytes at " + hex(reinterpret_cast<uintptr_t>(p));
   size_t index = rt.buffers.size();
   for (size_t i = 0; i < rt.buffers.size(); ++i) {
@@ -840,8 +845,10 @@ void check_global(const void* p, size_t bytes, MemOp op, const char* what, const
       const uint64_t d = a >= hi ? a - hi : a < lo ? lo - a : 0;
       if (d < best) {
         best = d;
-        near = a >= lo ? std::to_string(a - lo) + " bytes into " + b.name + " (" + std::to_string(b.bytes) + " bytes)"
-                       : std::to_string(lo - a) + " bytes before " + b.name;
+        near = a >= hi  ? std::to_string(a - hi) + " bytes past the end of " + b.name + " (" +
+                             std::to_string(b.bytes) + " bytes)"
+               : a >= lo ? "the end of " + b.name + " (" + std::to_string(b.bytes) + " bytes)"
+                         : std::to_string(lo - a) + " bytes before " + b.name;
       }
     }
     fail(at + ", outside every buffer the launch declared (emu::GlobalBufferScope)" +
@@ -893,7 +900,7 @@ void cp_async_issue(size_t smem_offset, const void* src, int src_bytes, const ch
   // The copy may land at any time until its wait: it must be ordered after every access of
   // another thread to its destination, and no other copy into it may be in flight.
   if (rt.in_flight[smem_offset / 16] != 0)
-    fail("cp.async" + site_str(rt, intern_site(rt, file, line)) + " into shared memory offset " +
+    fail(site_str(rt, intern_site(rt, "cp.async", file, line)) + " into shared memory offset " +
          std::to_string(smem_offset) + ", where another cp.async has not landed yet");
   std::string err = smem_access(-1, rt.smem + smem_offset, 16, MemOp::kWrite, "cp.async", file, line);
   if (!err.empty()) fail(err);
@@ -903,7 +910,7 @@ void cp_async_issue(size_t smem_offset, const void* src, int src_bytes, const ch
   if (src_bytes > 0) std::memcpy(c.bytes, src, static_cast<size_t>(src_bytes));
   std::memcpy(c.before, rt.smem + smem_offset, 16);
   c.group = f.committed_groups;
-  c.site = intern_site(rt, file, line);
+  c.site = intern_site(rt, "cp.async", file, line);
   f.copies.push_back(c);
   ++rt.in_flight[smem_offset / 16];
 }
