@@ -311,13 +311,19 @@ step_ptx_selftest() {
     grep -q "ptx::${w}\b" build/ptx_selftest.cu || missing="$missing $w"
   done
   [ -n "$missing" ] && echo "FAIL coverage: wrappers of cuda/kernels/ptx.h that build/ptx_selftest.cu does not test:$missing"
-  echo "+ the emulated side (host compiler)"
+  echo "+ the emulated side, and the host driver (both sides emulated), with the host compiler"
   local cxx=${CXX:-g++} pids=() p ok=1
   "$cxx" -std=c++17 -O1 -DJAX_FLASH_EMULATE -Icuda -x c++ -c build/ptx_selftest.cu -o "$t/emu_side.o" & pids+=($!)
+  "$cxx" -std=c++17 -O1 -DJAX_FLASH_EMULATE -DJAX_FLASH_SELFTEST_HOST_DRIVER -Icuda -x c++ -c build/ptx_selftest.cu \
+    -o "$t/host_side.o" & pids+=($!)
   "$cxx" -std=c++17 -O1 -Icuda -c cuda/emu/simt.cc -o "$t/simt.o" & pids+=($!)
   "$cxx" -std=c++17 -O1 -Icuda -c cuda/emu/ptx_emu.cc -o "$t/ptx_emu.o" & pids+=($!)
   for p in "${pids[@]}"; do wait "$p" || ok=0; done
   ((ok)) || { echo "FAIL: the emulated side does not compile"; return 1; }
+  # The comparisons themselves: identical sides pass, a perturbed side fails every check.
+  "$cxx" "$t/host_side.o" "$t/emu_side.o" "$t/simt.o" "$t/ptx_emu.o" -o "$t/host_selftest" &&
+    "$t/host_selftest" | tail -1 && JAX_FLASH_SELFTEST_PERTURB=1 "$t/host_selftest" | tail -1 ||
+    { echo "FAIL: the self-test's host driver"; return 1; }
   if ! command -v nvcc >/dev/null; then
     echo "no nvcc: the GPU side is not built"
     [ "$DRY" = 1 ] && { [ -z "$missing" ] && return 77; return 1; }
