@@ -64,8 +64,8 @@ START_MS=$(now_ms)
 DEFAULT_BUDGET=480
 BUDGET=${DEVICE_CHECK_BUDGET_S:-$DEFAULT_BUDGET}
 STEPS=(machine build ptx_selftest correctness bench memcheck racecheck)
-declare -A BASE_CAP=([machine]=10 [build]=110 [ptx_selftest]=50 [correctness]=100 [bench]=150
-  [memcheck]=30 [racecheck]=30)
+declare -A BASE_CAP=([machine]=10 [build]=100 [ptx_selftest]=45 [correctness]=95 [bench]=140
+  [memcheck]=45 [racecheck]=45)
 declare -A ELASTIC=([correctness]=1 [bench]=1)
 declare -A NEEDS_BUILD=([correctness]=1 [bench]=1 [memcheck]=1 [racecheck]=1)
 declare -A CAP=()
@@ -361,7 +361,7 @@ step_bench() {
   if [ "$DRY" = 1 ]; then
     sizes="--impls jax.nn,jax.nn-cudnn,jax-pallas,cuda,xla --seq-lens 128 --head-dims 64 --batch 1 --heads 2 --reps 2 --max-seconds 0.5"
   else
-    sizes="--impls jax.nn,jax.nn-cudnn,jax-pallas,cuda,pallas --seq-lens 8k --head-dims 128,64 --batch 2 --heads 16 --reps 10 --max-seconds 1"
+    sizes="--impls jax.nn,jax.nn-cudnn,jax-pallas,cuda,pallas --seq-lens 8k --head-dims 128,64 --batch 2 --heads 16 --reps 10 --max-seconds 1 --max-temp-gib 64"
   fi
   # shellcheck disable=SC2086 # word splitting of the argument list is intended
   "$PY" -m jax_flash.bench --dtype bfloat16 --passes both --causal both ${DEVICE_CHECK_BENCH_ARGS:-$sizes} \
