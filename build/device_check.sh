@@ -35,7 +35,7 @@
 # last says which, with seconds. Exit status 0 when no step failed or was cut.
 #
 # Environment: OUT (default ./device_out), DEVICE_CHECK_BUDGET_S, DEVICE_CHECK_CAP_<step>
-# (seconds, replaces the scaled cap), DEVICE_CHECK_STEPS (comma list; others are skipped),
+# (seconds, replaces the scaled cap), DEVICE_CHECK_STEPS (comma list; others but machine skipped),
 # DEVICE_CHECK_DRY_RUN=1 (= --dry-run), DEVICE_CHECK_COMMIT (recorded; default git's),
 # DEVICE_CHECK_BENCH_ARGS (replaces the benchmark's size arguments), PYTHON, JAX_FLASH_CUDA_ARCHS.
 # DEVICE_CHECK_CMD_<step> replaces a step's command by a shell snippet (tests of the script).
@@ -187,14 +187,13 @@ print_summary() {
 
 # ---- running a step ------------------------------------------------------------------------------
 STEP_PID=""
-CURRENT=""
 on_signal() {
   trap - TERM INT HUP
   [ -n "$STEP_PID" ] && kill -TERM "$STEP_PID" 2>/dev/null && wait "$STEP_PID" 2>/dev/null
   local s
   for s in "${STEPS[@]}"; do
     case ${STATE[$s]} in
-      running) STATE[$s]=cut; NOTE[$s]="the run was stopped by a signal" ;;
+      running) STATE[$s]="cut"; NOTE[$s]="the run was stopped by a signal" ;;
       pending) STATE[$s]=skipped; NOTE[$s]="the run was stopped before this step" ;;
     esac
   done
@@ -219,7 +218,7 @@ last_line() { grep -v '^[[:space:]]*$' "$1" 2>/dev/null | tail -1 | tr -d '\r' |
 # run_step NAME: runs step_NAME (or $DEVICE_CHECK_CMD_NAME) under its time limit.
 run_step() {
   local name=$1 log="$OUT/$1.log"
-  if [[ $SELECTED != *",$name,"* ]]; then
+  if [[ $SELECTED != *",$name,"* && $name != machine ]]; then  # the machine's description always
     STATE[$name]=skipped; NOTE[$name]="not selected (DEVICE_CHECK_STEPS)"; write_json; return
   fi
   if [ -n "${NEEDS_BUILD[$name]:-}" ] && [[ ${STATE[build]} == failed || ${STATE[build]} == cut ]]; then
@@ -229,23 +228,23 @@ run_step() {
   local limit=$avail
   [ -z "${ELASTIC[$name]:-}" ] && ((limit > CAP[$name])) && limit=${CAP[$name]}
   if ((limit < 1)); then
-    STATE[$name]=cut; NOTE[$name]="no time left in the budget"; write_json; return
+    STATE[$name]="cut"; NOTE[$name]="no time left in the budget"; write_json; return
   fi
   local grace=0
   ((limit >= 4)) && grace=1
   ((limit >= 20)) && grace=5
   local cmd_var=DEVICE_CHECK_CMD_$name cmd="step_$name"
   [ -n "${!cmd_var:-}" ] && cmd=${!cmd_var}
-  LIMIT[$name]=$limit; STATE[$name]=running; CURRENT=$name
+  LIMIT[$name]=$limit; STATE[$name]=running
   write_json
   echo "==== $name: limit ${limit} s ($(elapsed_s) s of ${BUDGET} s used) ===="
   local t0 rc
   t0=$(now_ms)
   : >"$log"
   if ((grace > 0)); then
-    STEP_LIMIT=$limit timeout --kill-after="$grace" "$((limit - grace))" bash -c "$cmd" >"$log" 2>&1 &
+    STEP_LIMIT=$limit timeout --kill-after="$grace" "$((limit - grace))" bash -o pipefail -c "$cmd" >"$log" 2>&1 &
   else
-    STEP_LIMIT=$limit timeout --signal=KILL "$limit" bash -c "$cmd" >"$log" 2>&1 &
+    STEP_LIMIT=$limit timeout --signal=KILL "$limit" bash -o pipefail -c "$cmd" >"$log" 2>&1 &
   fi
   STEP_PID=$!
   tail --pid="$STEP_PID" -s 0.2 -n +1 -f "$log" &
@@ -261,12 +260,11 @@ run_step() {
   case $rc in
     0) STATE[$name]=passed ;;
     77) STATE[$name]=skipped ;;
-    124 | 137) STATE[$name]=cut; note="cut at its limit of ${limit} s; last: $note" ;;
+    124 | 137) STATE[$name]="cut"; note="cut at its limit of ${limit} s; last: $note" ;;
     *) STATE[$name]=failed ;;
   esac
   [ "$name" = machine ] && [ "$rc" = 0 ] && STATE[$name]=ran
   NOTE[$name]=$note
-  CURRENT=""
   write_json
   echo "---- $name: ${STATE[$name]} in ${SECS[$name]} s (rc $rc)"
 }
@@ -321,9 +319,11 @@ step_ptx_selftest() {
   for p in "${pids[@]}"; do wait "$p" || ok=0; done
   ((ok)) || { echo "FAIL: the emulated side does not compile"; return 1; }
   # The comparisons themselves: identical sides pass, a perturbed side fails every check.
-  "$cxx" "$t/host_side.o" "$t/emu_side.o" "$t/simt.o" "$t/ptx_emu.o" -o "$t/host_selftest" &&
-    "$t/host_selftest" | tail -1 && JAX_FLASH_SELFTEST_PERTURB=1 "$t/host_selftest" | tail -1 ||
-    { echo "FAIL: the self-test's host driver"; return 1; }
+  if ! { "$cxx" "$t/host_side.o" "$t/emu_side.o" "$t/simt.o" "$t/ptx_emu.o" -o "$t/host_selftest" &&
+    "$t/host_selftest" | tail -1 && JAX_FLASH_SELFTEST_PERTURB=1 "$t/host_selftest" | tail -1; }; then
+    echo "FAIL: the self-test's host driver"
+    return 1
+  fi
   if ! command -v nvcc >/dev/null; then
     echo "no nvcc: the GPU side is not built"
     [ "$DRY" = 1 ] && { [ -z "$missing" ] && return 77; return 1; }
@@ -336,7 +336,7 @@ step_ptx_selftest() {
   local rc=$?
   [ -n "$missing" ] && return 1
   if ((rc == 2)) && [ "$DRY" = 1 ]; then
-    echo "built both sides; not run: no GPU (dry run)"
+    echo "host driver passed; GPU side built, not run: no GPU (dry run)"
     return 77
   fi
   return $rc
