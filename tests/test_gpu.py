@@ -78,9 +78,10 @@ else:
 EMULATED = os.environ.get("JAX_FLASH_GPU_SUITE", "") == "emulated"
 HEAD_DIMS = (32, 64, 96, 128)
 DTYPES = ("bfloat16", "float16")
-# The mask kinds of the suite that the cuda kernels take (no dense bias or mask).
+# The mask kinds of the suite that the cuda kernels take (no dense bias or mask); query_offset
+# kinds skip (the suite's explain check) where the kernels do not take it.
 KINDS = ("none", "causal", "window", "window_causal", "lengths", "segments", "softcap", "combo",
-         "all_masked")
+         "all_masked") + cases.OFFSET_KINDS
 
 
 def _shapes(h: int) -> dict:
