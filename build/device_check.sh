@@ -121,8 +121,8 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PATH
 if [ "$DRY" = 1 ]; then
   export JAX_FLASH_EMULATE_CUDA=1 JAX_PLATFORMS=cpu
 fi
-COMMIT=${DEVICE_CHECK_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
-if [ "$COMMIT" != unknown ] && [ -z "${DEVICE_CHECK_COMMIT:-}" ] && ! git diff --quiet HEAD -- 2>/dev/null; then
+COMMIT=${DEVICE_CHECK_COMMIT:-$(timeout 5 git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
+if [ "$COMMIT" != unknown ] && [ -z "${DEVICE_CHECK_COMMIT:-}" ] && ! timeout 10 git diff --quiet HEAD -- 2>/dev/null; then
   COMMIT="$COMMIT+uncommitted changes"
 fi
 STARTED=$(date -u +%Y-%m-%dT%H:%M:%SZ)
