@@ -114,6 +114,7 @@ OUT=${OUT:-$REPO/device_out}
 mkdir -p "$OUT" || exit 2
 OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 [ -d /usr/local/cuda/bin ] && PATH=$PATH:/usr/local/cuda/bin
 JOBS=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
@@ -199,7 +200,6 @@ on_signal() {
   done
   write_json
   print_summary
-  rm -rf "$WORK"
   exit 143
 }
 trap on_signal TERM INT HUP
@@ -416,5 +416,4 @@ for s in "${STEPS[@]}"; do
   fi
 done
 print_summary
-rm -rf "$WORK"
 [ "$(overall)" = passed ]
