@@ -1,0 +1,431 @@
+"""Sharding rules for the compiled calls, so that they partition under plain `jax.jit`.
+
+XLA cannot partition a custom call (an FFI target, a Triton `pallas_call`) unless told how:
+left alone, it all-gathers every operand and each device computes the whole call. Here each
+compiled forward and backward is wrapped in `jax.experimental.custom_partitioning` with
+
+* a Shardy `sharding_rule` (einsum-like factors, one factory `sharding_rule` for every call):
+  q, out, dout `b t n h`; k, v `b s k h`; lse, dlse `b n t`; lengths and the query offset
+  `b`; segment ids `b t` / `b s`; a dense bias / mask `b n t s` (broadcast dims of size 1
+  get factors of their own);
+* the `partition` / `infer_sharding_from_operands` callbacks (GSPMD, when Shardy is off;
+  `partition` is also what Shardy calls to lower the call on each device's shard).
+
+What runs on local shards, with no collective in the forward:
+
+* batch `b` and heads `n`/`k` (GQA: K/V heads sharded with the query heads, N and K both
+  divisible by the axis size). If only the query heads are sharded and K/V are replicated
+  over that axis, each device slices the kv heads its query heads use (no communication);
+  the backward then all-reduces dK/dV over the head axis (each device holds a part of
+  the sum). When the local query heads do not map onto whole kv heads, the query heads
+  are gathered instead (reported, see below).
+* queries over `t` with K/V not sharded over `s`: each shard runs with its own query
+  offset (`q_offset + shard_index * T_local`, from `lax.axis_index`) and shard-local query
+  lengths. The backward all-reduces dK/dV over the sequence axis (a sum over query shards).
+  Masks that need positions (causal, window) need the canonical query offset; without it
+  the queries are gathered (reported).
+
+Everything else falls back to an all-gather that XLA inserts before the call, and is
+reported by a one-time `ShardingFallbackWarning` per cause naming the mesh axis and the
+dimension: K/V sharded over `s` (sequence-sharded keys: use `jax_flash.ring_attention`
+inside `jax.shard_map`), the head dim `h`, kv heads sharded differently from the query heads.
+
+The `xla` implementation is plain JAX and partitions without these rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import threading
+import warnings
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_batching import custom_vmap
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jax_flash._spec import AttentionSpec, MaskInputs
+
+
+class ShardingFallbackWarning(UserWarning):
+    """A sharded dimension that a compiled call cannot partition: XLA all-gathers it."""
+
+
+# Factors of each array (None: a broadcast dim of size 1).
+_Q = ("b", "t", "n", "h")
+_KV = ("b", "s", "k", "h")
+_STAT = ("b", "n", "t")
+_MASK_DIMS = {
+    "bias": ("b", "n", "t", "s"),
+    "mask": ("b", "n", "t", "s"),
+    "q_lengths": ("b",),
+    "kv_lengths": ("b",),
+    "q_segment_ids": ("b", "t"),
+    "kv_segment_ids": ("b", "s"),
+    "q_offset": ("b",),
+}
+# Whether this version of the canonical spec carries a query offset (causal/window masks
+# of a query shard need its position in the sequence).
+_HAS_OFFSET = "q_offset" in MaskInputs._fields
+
+_DIM_NAMES = {
+    "b": "the batch axis B",
+    "t": "the query sequence axis T",
+    "s": "the key/value sequence axis S",
+    "n": "the query heads axis N",
+    "k": "the key/value heads axis K",
+    "h": "the head dim H",
+}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Call:
+    """One compiled call: the per-shard function and the factors of its arrays."""
+
+    name: str  # implementation, for messages
+    backward: bool
+    fn: Callable  # fn(spec, q, k, v, masks[, out, lse, dout, dlse]) on local shards
+    spec: AttentionSpec  # the global call
+    fields: tuple  # the MaskInputs fields passed, in order
+    operand_dims: tuple  # per operand: tuple of factor names (None = broadcast dim)
+    result_dims: tuple
+
+
+# ----------------------------------------------------------------------------- public
+
+
+def forward(name: str, fn: Callable, spec: AttentionSpec, q, k, v, masks: MaskInputs):
+    """fn(spec, q, k, v, masks) -> (out, lse), partitioned over the inputs' shardings."""
+    return _wrapped(name, False, fn, spec, q, k, v, masks, ())
+
+
+def backward(
+    name: str, fn: Callable, spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout,
+    dlse,
+):
+    """fn(spec, q, k, v, masks, out, lse, dout, dlse) -> (dq, dk, dv, dbias or None)."""
+    return _wrapped(name, True, fn, spec, q, k, v, masks, (out, lse, dout, dlse))
+
+
+def sharding_rule(call: _Call, mesh=None, operand_types=None, result_types=None) -> str:
+    """The Shardy rule of `call`, e.g. "b t n h, b s k h, b s k h -> b t n h, b n t"."""
+    fresh = iter(f"one{i}" for i in range(10_000))
+
+    def spell(dims):
+        return " ".join(d if d is not None else next(fresh) for d in dims)
+
+    return (
+        ", ".join(spell(d) for d in call.operand_dims)
+        + " -> "
+        + ", ".join(spell(d) for d in call.result_dims)
+    )
+
+
+# ------------------------------------------------------------------------ the wrapping
+
+
+def _wrapped(name, is_backward, fn, spec, q, k, v, masks, rest):
+    fields = tuple(f for f in MaskInputs._fields if getattr(masks, f) is not None)
+    mask_arrays = tuple(getattr(masks, f) for f in fields)
+    operands = (q, k, v, *mask_arrays, *rest)
+    operand_dims = (_Q, _KV, _KV, *(_dims(_MASK_DIMS[f], getattr(masks, f)) for f in fields))
+    result_dims = (_Q, _STAT)
+    if is_backward:
+        operand_dims += (_Q, _STAT, _Q, _STAT)
+        result_dims = (_Q, _KV, _KV)
+        if masks.bias is not None:
+            result_dims += (_dims(_MASK_DIMS["bias"], masks.bias),)
+    call = _Call(name, is_backward, fn, spec, fields, operand_dims, result_dims)
+    # The dbias result has the batch extent of the bias operand (maybe a broadcast 1).
+    like = {3: 3 + fields.index("bias")} if is_backward and masks.bias is not None else {}
+    outs = _fold_vmap(functools.partial(_PARTITIONED, call), like)(*operands)
+    if is_backward:
+        dq, dk, dv, *dbias = outs
+        return dq, dk, dv, (dbias[0] if dbias else None)
+    return tuple(outs)
+
+
+def _dims(dims, x):
+    """Factor names of a dense [B|1, N|1, T|1, S|1] input: None where it broadcasts."""
+    if x.ndim != len(dims):
+        raise ValueError(f"expected rank {len(dims)}, got shape {x.shape}")
+    return tuple(None if (x.shape[i] == 1 and len(dims) == 4) else d for i, d in enumerate(dims))
+
+
+def _run(call: _Call, *arrays):
+    """The call on whole (unsharded, or already local) arrays."""
+    return _local(call, None, _Plan())(*arrays)
+
+
+_PARTITIONED = custom_partitioning(_run, static_argnums=(0,))
+
+
+# ------------------------------------------------------------------------------ plans
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Mesh axes per factor that the call runs sharded over (missing = replicated)."""
+
+    axes: tuple = ()  # ((factor, (axis, ...)), ...)
+    slice_kv_heads: bool = False  # n sharded, k replicated: take the local kv heads
+
+    def of(self, factor) -> tuple:
+        return dict(self.axes).get(factor, ())
+
+
+_warned: set = set()
+_warn_lock = threading.Lock()
+
+
+def _warn_once(call: _Call, factor: str, axes: tuple, why: str):
+    key = (factor, axes, why)
+    with _warn_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    names = ", ".join(repr(a) for a in axes)
+    warnings.warn(
+        f"jax_flash.attention (implementation={call.name!r}): {_DIM_NAMES[factor]} is "
+        f"sharded over mesh axis {names}, which this call cannot partition ({why}); XLA "
+        f"all-gathers it over {names} before the call (every device holds the whole axis).",
+        ShardingFallbackWarning,
+        stacklevel=2,
+    )
+
+
+def _axes(entry) -> tuple:
+    if entry is None:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    return tuple(entry)
+
+
+def _size(mesh, axes) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
+    """Which factors run sharded, from the operands' shardings; warns about the rest."""
+    found: dict = {}
+    for dims, arg in zip(call.operand_dims, arg_shapes):
+        pspec = getattr(arg.sharding, "spec", None)
+        if pspec is None:
+            continue
+        entries = tuple(pspec) + (None,) * (len(dims) - len(pspec))
+        for d, entry in zip(dims, entries):
+            a = _axes(entry)
+            if d is not None and a and d not in found:
+                found[d] = a
+    spec = call.spec
+    used: set = set()
+    plan: dict = {}
+
+    def take(factor, axes):
+        if any(a in used for a in axes):
+            _warn_once(call, factor, axes, "the mesh axis already shards another dimension")
+            return
+        used.update(axes)
+        plan[factor] = axes
+
+    if found.get("b"):
+        take("b", found["b"])
+    n_axes, k_axes = found.get("n", ()), found.get("k", ())
+    slice_kv = False
+    if k_axes and k_axes != n_axes:
+        _warn_once(
+            call, "k", k_axes,
+            "the key/value heads must be sharded over the same mesh axes as the query heads",
+        )
+        k_axes = ()
+    if n_axes:
+        group = spec.num_heads // spec.num_kv_heads
+        local = spec.num_heads // _size(mesh, n_axes)
+        if k_axes:
+            take("n", n_axes)
+            if "n" in plan:
+                plan["k"] = n_axes
+        elif local % group == 0 or group % local == 0:
+            # Only the query heads are sharded: each device slices the kv heads it uses.
+            take("n", n_axes)
+            slice_kv = "n" in plan
+        else:
+            _warn_once(
+                call, "n", n_axes,
+                f"{local} local query heads do not cover whole groups of {group} query heads "
+                "per kv head",
+            )
+    if found.get("t"):
+        if spec.is_windowed and not _HAS_OFFSET:
+            _warn_once(
+                call, "t", found["t"],
+                "causal and window masks of a query shard need its offset in the sequence",
+            )
+        else:
+            take("t", found["t"])
+    if found.get("s"):
+        _warn_once(
+            call, "s", found["s"],
+            "sequence-sharded keys and values need ring attention: use "
+            "jax_flash.ring_attention inside jax.shard_map",
+        )
+    if found.get("h"):
+        _warn_once(call, "h", found["h"], "the head dim is contracted inside the kernel")
+    return _Plan(tuple(sorted(plan.items())), slice_kv)
+
+
+def _sharding(mesh, plan: _Plan, dims) -> NamedSharding:
+    entries = []
+    for d in dims:
+        a = plan.of(d) if d is not None else ()
+        entries.append(None if not a else (a[0] if len(a) == 1 else a))
+    return NamedSharding(mesh, PartitionSpec(*entries))
+
+
+def _infer(call: _Call, mesh, arg_shapes, result_shape):
+    plan = _decide(call, mesh, arg_shapes)
+    return tuple(_sharding(mesh, plan, d) for d in call.result_dims)
+
+
+def _partition(call: _Call, mesh, arg_shapes, result_shape):
+    plan = _decide(call, mesh, arg_shapes)
+    args = tuple(_sharding(mesh, plan, d) for d in call.operand_dims)
+    results = tuple(_sharding(mesh, plan, d) for d in call.result_dims)
+    return mesh, _local(call, mesh, plan), results, args
+
+
+_PARTITIONED.def_partition(
+    partition=_partition,
+    infer_sharding_from_operands=_infer,
+    sharding_rule=sharding_rule,
+)
+
+
+# ---------------------------------------------------------------- the per-shard call
+
+
+def _shard_index(mesh, axes):
+    """Linear index of this device along `axes` (major to minor, as PartitionSpec)."""
+    idx = jnp.int32(0)
+    for a in axes:
+        idx = idx * mesh.shape[a] + lax.axis_index(a).astype(jnp.int32)
+    return idx
+
+
+def _local_spec(spec: AttentionSpec, q, k, masks: MaskInputs) -> AttentionSpec:
+    extra = {"has_q_offset": masks.q_offset is not None} if _HAS_OFFSET else {}
+    return dataclasses.replace(
+        spec,
+        batch=q.shape[0],
+        q_len=q.shape[1],
+        kv_len=k.shape[1],
+        num_heads=q.shape[2],
+        num_kv_heads=k.shape[2],
+        bias_shape=None if masks.bias is None else tuple(masks.bias.shape),
+        mask_shape=None if masks.mask is None else tuple(masks.mask.shape),
+        **extra,
+    )
+
+
+def _local(call: _Call, mesh, plan: _Plan):
+    """The function each device runs on its shards (collectives only where they are sums
+    over shards: dK/dV over query shards and over query-head shards)."""
+    spec = call.spec
+    nf = len(call.fields)
+
+    def run(*arrays):
+        q, k, v = arrays[:3]
+        masks = MaskInputs(**dict(zip(call.fields, arrays[3 : 3 + nf])))
+        rest = arrays[3 + nf :]
+        kv_start = None
+        if plan.slice_kv_heads:
+            # Local query heads [i·Nl, (i+1)·Nl) use kv heads [i·Nl // G, ...) of the
+            # replicated K/V: Nl / G of them, or one when G is a multiple of Nl.
+            n_local, group = q.shape[2], spec.group_size
+            k_local = max(1, n_local // group)
+            kv_start = (_shard_index(mesh, plan.of("n")) * n_local) // group
+            k = lax.dynamic_slice_in_dim(k, kv_start, k_local, axis=2)
+            v = lax.dynamic_slice_in_dim(v, kv_start, k_local, axis=2)
+        if plan.of("t"):
+            t_local = q.shape[1]
+            start = _shard_index(mesh, plan.of("t")) * t_local
+            if masks.q_lengths is not None:
+                masks = masks._replace(q_lengths=jnp.clip(masks.q_lengths - start, 0, t_local))
+            if spec.is_windowed:
+                off = masks.q_offset if masks.q_offset is not None else 0
+                masks = masks._replace(
+                    q_offset=(off + start + jnp.zeros((q.shape[0],), jnp.int32)).astype(jnp.int32)
+                )
+        local_spec = _local_spec(spec, q, k, masks)
+        results = call.fn(local_spec, q, k, v, masks, *rest)
+        if not call.backward:
+            return tuple(results)
+        dq, dk, dv, dbias = results
+        if kv_start is not None:
+            full = arrays[1].shape
+            dk = lax.dynamic_update_slice_in_dim(jnp.zeros(full, dk.dtype), dk, kv_start, 2)
+            dv = lax.dynamic_update_slice_in_dim(jnp.zeros(full, dv.dtype), dv, kv_start, 2)
+        results = [dq, dk, dv] + ([dbias] if masks.bias is not None else [])
+        return tuple(_sum_partials(plan, r, d) for r, d in zip(results, call.result_dims))
+
+    return run
+
+
+def _sum_partials(plan: _Plan, x, dims):
+    """A cotangent whose factors do not cover every sharded mesh axis holds this device's
+    part of a sum over those axes (dK/dV over query shards, dbias over broadcast dims)."""
+    present = {a for d in dims if d is not None for a in plan.of(d)}
+    missing = tuple(a for _, axes in plan.axes for a in axes if a not in present)
+    if not missing:
+        return x
+    return lax.psum(x.astype(jnp.float32), missing).astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------- vmap
+
+
+def _fold_vmap(fn, like: dict):
+    """Make `fn(*arrays)` (every operand and result has a leading batch axis of size B, or
+    1 where a dense bias/mask broadcasts) fold a vmapped axis into that batch axis:
+    [V, B, ...] -> [V·B, ...] -> fn -> [V, B, ...]: one call, never a loop over V.
+
+    like: {result index: operand index} for a result with the batch extent of an operand
+    (dbias of a bias): the operand is expanded to B rows and the result summed back.
+    """
+
+    @custom_vmap
+    def folded(*args):
+        return tuple(fn(*args))
+
+    @folded.def_vmap
+    def rule(axis_size, in_batched, *args):
+        b = args[0].shape[1] if in_batched[0] else args[0].shape[0]
+        expanded = set(like.values())
+        flat, broadcast = [], {}
+        for i, (a, batched) in enumerate(zip(args, in_batched)):
+            lead = a.shape[1] if batched else a.shape[0]
+            broadcast[i] = lead != b
+            if not batched and lead != b and i not in expanded:
+                flat.append(a)  # a batch-broadcast dense input stays broadcast
+                continue
+            if not batched:
+                a = jnp.broadcast_to(a, (axis_size, *a.shape))
+            if lead != b:
+                a = jnp.broadcast_to(a, (axis_size, b, *a.shape[2:]))
+            flat.append(a.reshape(axis_size * b, *a.shape[2:]))
+        outs = folded(*flat)
+        unfolded = []
+        for j, o in enumerate(outs):
+            o = o.reshape(axis_size, b, *o.shape[1:])
+            if j in like and broadcast[like[j]]:
+                o = jnp.sum(o, axis=1, keepdims=True)
+            unfolded.append(o)
+        return tuple(unfolded), (True,) * len(unfolded)
+
+    return folded
