@@ -40,11 +40,13 @@ SCRIPT = textwrap.dedent(
     COLL = re.compile(
         r"\b(all-gather|all-reduce|all-to-all|reduce-scatter|collective-permute)(?:-start)?\(")
 
-    def collectives(f, *args):
+    def compiled(f, *args):
+        # The compiled call and its collectives, counted on op names in the HLO.
+        c = jax.jit(f).lower(*args).compile()
         counts = {}
-        for m in COLL.finditer(jax.jit(f).lower(*args).compile().as_text()):
+        for m in COLL.finditer(c.as_text()):
             counts[m.group(1)] = counts.get(m.group(1), 0) + 1
-        return counts
+        return c, counts
 
     def data(b, t, s, n, kh, seed):
         ks = jax.random.split(jax.random.PRNGKey(seed), 4)
@@ -60,31 +62,34 @@ SCRIPT = textwrap.dedent(
         err = float(np.max(np.abs(got - want)))
         assert err <= tol * (1 + float(np.max(np.abs(want)))), f"{what}: max error {err}"
 
-    def check(name, mesh, q_spec, kv_spec, f, arrays, specs, allowed_bwd=(), fallback=False):
-        # f(q, k, v, *arrays) -> out; specs: the PartitionSpecs of `arrays`.
+    def check(name, mesh, q_spec, kv_spec, f, arrays, specs, expect, argnums=(0, 1, 2)):
+        # f(q, k, v, *arrays) -> out, arrays sharded by `specs`. expect: the collectives
+        # allowed: "none" (forward and backward), "sums" (the backward may all-reduce),
+        # "gathered" (a fallback: both all-gather), None (not checked).
         q, k, v, w = data(*SHAPES[name], seed=len(name))
         loss = lambda q, k, v, *a: jnp.sum(f(q, k, v, *a).astype(jnp.float32) * w)
-        grad = jax.grad(loss, (0, 1, 2))
+        grad = jax.grad(loss, argnums)
         want = jax.jit(f)(q, k, v, *arrays)
         want_g = jax.jit(grad)(q, k, v, *arrays)
         put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
         args = (put(q, q_spec), put(k, kv_spec), put(v, kv_spec),
                 *(put(a, s) for a, s in zip(arrays, specs)))
-        close(jax.jit(f)(*args), want, f"{name} forward")
-        for g, gw, which in zip(jax.jit(grad)(*args), want_g, "qkv"):
-            close(g, gw, f"{name} d{which}")
-        fwd, bwd = collectives(f, *args), collectives(grad, *args)
+        (cf, fwd), (cg, bwd) = compiled(f, *args), compiled(grad, *args)
+        close(cf(*args), want, f"{name} forward")
+        for i, g, gw in zip(argnums, cg(*args), want_g):
+            close(g, gw, f"{name} gradient of argument {i}")
         print(f"{impl} {partitioner} {name}: forward {fwd}, forward+backward {bwd}")
-        if fallback:  # gathered before the call (what the warning says)
+        if expect == "none":
+            assert fwd == {} and bwd == {}, (name, fwd, bwd)
+        elif expect == "sums":
+            assert fwd == {} and set(bwd) <= {"all-reduce"}, (name, fwd, bwd)
+        elif expect == "gathered":
             assert "all-gather" in fwd and "all-gather" in bwd, (name, fwd, bwd)
-            return
-        assert fwd == {}, (name, fwd)
-        assert set(bwd) <= set(allowed_bwd), (name, bwd)
 
     # (B, T, S, N, K) per case.
     SHAPES = {"batch": (4, 24, 40, 4, 2), "heads": (2, 24, 24, 8, 4), "2d": (2, 24, 24, 8, 4),
-              "query heads": (2, 24, 24, 8, 1), "T": (2, 32, 40, 2, 1), "T causal": (2, 32, 32, 2, 2),
-              "S": (2, 32, 32, 2, 2)}
+              "query heads": (2, 24, 24, 8, 2), "T": (2, 32, 40, 2, 1), "T causal": (2, 32, 32, 2, 2),
+              "S": (2, 32, 32, 2, 2), "bias": (4, 24, 24, 2, 2)}
 
     mesh4 = lambda name: Mesh(devs[:4], (name,))
     attend = lambda **kw: lambda q, k, v, *a: jax_flash.attention(
@@ -102,13 +107,13 @@ SCRIPT = textwrap.dedent(
             q, k, v, key_value_seq_lengths=lens, segment_ids=(sq, sk), is_causal=True,
             implementation=impl)
         check("batch", mesh4("batch"), P("batch"), P("batch"), f, (lens, seg_q, seg_k),
-              (P("batch"),) * 3)
+              (P("batch"),) * 3, "none")
 
         # Heads, GQA (K = 4 kv heads for N = 8), local window.
         f = lambda q, k, v: jax_flash.attention(
             q, k, v, local_window_size=(5, 2), implementation=impl)
         heads = P(None, None, "heads")
-        check("heads", mesh4("heads"), heads, heads, f, (), ())
+        check("heads", mesh4("heads"), heads, heads, f, (), (), "none")
 
         # Batch x heads on a 2-D mesh, causal with ragged query lengths.
         mesh2 = Mesh(devs.reshape(2, 4), ("batch", "heads"))
@@ -116,12 +121,12 @@ SCRIPT = textwrap.dedent(
         qlens = jnp.asarray([24, 9], jnp.int32)
         f = lambda q, k, v, ql: jax_flash.attention(
             q, k, v, query_seq_lengths=ql, is_causal=True, implementation=impl)
-        check("2d", mesh2, bh, bh, f, (qlens,), (P("batch"),))
+        check("2d", mesh2, bh, bh, f, (qlens,), (P("batch"),), "none")
 
-        # Query heads sharded, one kv head (MQA) replicated: each device uses its kv head;
+        # Query heads sharded, K = 2 kv heads replicated: each device slices its kv head;
         # the backward all-reduces dK/dV over the head axis.
         f = lambda q, k, v: jax_flash.attention(q, k, v, implementation=impl)
-        check("query heads", mesh4("heads"), heads, P(), f, (), (), allowed_bwd=("all-reduce",))
+        check("query heads", mesh4("heads"), heads, P(), f, (), (), "sums")
 
         # Queries over T, K/V replicated: shard-local query lengths and segment ids.
         qlens = jnp.asarray([29, 6], jnp.int32)
@@ -130,14 +135,23 @@ SCRIPT = textwrap.dedent(
         f = lambda q, k, v, ql, sq, sk: jax_flash.attention(
             q, k, v, query_seq_lengths=ql, segment_ids=(sq, sk), implementation=impl)
         check("T", mesh4("seq"), P(None, "seq"), P(), f, (qlens, seg_q, seg_k),
-              (P(), P(None, "seq"), P()), allowed_bwd=("all-reduce",))
+              (P(), P(None, "seq"), P()), "sums")
 
         f = lambda q, k, v: jax_flash.attention(q, k, v, is_causal=True, implementation=impl)
         if impl != "xla" and not partitioning._HAS_OFFSET:
             # Causal masks of a query shard need its offset: the queries are gathered.
-            check("T causal", mesh4("seq"), P(None, "seq"), P(), f, (), (), fallback=True)
+            check("T causal", mesh4("seq"), P(None, "seq"), P(), f, (), (), "gathered")
         # K/V sharded over S: gathered (ring attention is jax_flash.ring_attention).
-        check("S", mesh4("seq"), P(None, "seq"), P(None, "seq"), f, (), (), fallback=True)
+        check("S", mesh4("seq"), P(None, "seq"), P(None, "seq"), f, (), (),
+              None if impl == "xla" else "gathered")
+
+        if impl in ("xla", "pallas"):
+            # A dense bias broadcast over the batch: dbias sums over the batch shards.
+            bias = jax.random.normal(jax.random.PRNGKey(7), (1, 2, 24, 24), jnp.float32)
+            f = lambda q, k, v, bias: jax_flash.attention(q, k, v, bias=bias.astype(dt),
+                                                          implementation=impl)
+            check("bias", mesh4("batch"), P("batch"), P("batch"), f, (bias,), (P(),), "sums",
+                  argnums=(0, 1, 2, 3))
 
     ours = [w for w in caught if issubclass(w.category, partitioning.ShardingFallbackWarning)]
     for w in ours:
