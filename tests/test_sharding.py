@@ -2,12 +2,15 @@
 
 Each implementation's checks run in one subprocess (the device count is fixed when JAX
 starts). For every layout — batch-sharded, head-sharded (GQA), batch x head on a 2-D mesh,
-query heads only (MQA, K/V replicated), queries over T — forward and gradients equal the
-unsharded call, and the compiled HLO is counted for collectives: none at all for batch and
-heads; for query heads only and T-sharded queries the backward may only all-reduce (dK/dV
-are sums over the query shards). What cannot be partitioned (K/V sharded over S, causal
-masks of a query shard without query offsets) falls back to an all-gather with exactly one
-`ShardingFallbackWarning` per cause.
+query heads only (GQA, K/V replicated), queries over T (with lengths and segment ids, and
+causal), the whole sequence (Q and K/V over T and S) and a batch-broadcast dense bias —
+forward and gradients equal the unsharded call, and the compiled HLO is counted for
+collectives: none at all for batch and heads; for query heads only, query shards and the
+broadcast bias the backward may only all-reduce (dK/dV and dbias are sums over shards); the
+sequence-sharded call runs ring attention (collective-permutes only) where
+`jax_flash.parallel.ring` is available. What cannot be partitioned (causal query shards for
+an implementation without query offsets, K/V over S without the ring) falls back to an
+all-gather with exactly one `ShardingFallbackWarning` per cause.
 """
 
 from __future__ import annotations
@@ -30,6 +33,29 @@ SCRIPT = textwrap.dedent(
         jax.config.update("jax_use_shardy_partitioner", False)
     import jax_flash
     from jax_flash.parallel import partitioning
+
+    rules = impl == "xla-rules"
+    if rules:
+        # The xla implementation behind the same partitioning rules as the compiled calls:
+        # a plain-JAX body that takes query offsets, so the rules' offset arithmetic for
+        # query shards is checked wherever the kernels do not take offsets yet.
+        from jax_flash import xla as xla_module
+        plain = xla_module.IMPLEMENTATION
+
+        class Partitioned:
+            name = "xla"
+            unsupported = staticmethod(plain.unsupported)
+
+            def forward(self, spec, q, k, v, masks):
+                return partitioning.forward("xla", xla_module.forward, spec, q, k, v, masks)
+
+            def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
+                return partitioning.backward("xla", plain.backward, spec, q, k, v, masks, out,
+                                             lse, dout, dlse)
+
+        xla_module.IMPLEMENTATION = Partitioned()
+        impl = "xla"
+    plain_xla = impl == "xla" and not rules
 
     assert jax.device_count() == 8, jax.devices()
     devs = np.array(jax.devices())
@@ -65,7 +91,8 @@ SCRIPT = textwrap.dedent(
     def check(name, mesh, q_spec, kv_spec, f, arrays, specs, expect, argnums=(0, 1, 2)):
         # f(q, k, v, *arrays) -> out, arrays sharded by `specs`. expect: the collectives
         # allowed: "none" (forward and backward), "sums" (the backward may all-reduce),
-        # "gathered" (a fallback: both all-gather), None (not checked).
+        # "gathered" (a fallback: both all-gather), "ring" (collective-permutes only),
+        # None (not checked).
         q, k, v, w = data(*SHAPES[name], seed=len(name))
         loss = lambda q, k, v, *a: jnp.sum(f(q, k, v, *a).astype(jnp.float32) * w)
         grad = jax.grad(loss, argnums)
@@ -78,18 +105,20 @@ SCRIPT = textwrap.dedent(
         close(cf(*args), want, f"{name} forward")
         for i, g, gw in zip(argnums, cg(*args), want_g):
             close(g, gw, f"{name} gradient of argument {i}")
-        print(f"{impl} {partitioner} {name}: forward {fwd}, forward+backward {bwd}")
+        print(f"{sys.argv[1]} {partitioner} {name}: forward {fwd}, forward+backward {bwd}")
         if expect == "none":
             assert fwd == {} and bwd == {}, (name, fwd, bwd)
         elif expect == "sums":
             assert fwd == {} and set(bwd) <= {"all-reduce"}, (name, fwd, bwd)
         elif expect == "gathered":
             assert "all-gather" in fwd and "all-gather" in bwd, (name, fwd, bwd)
+        elif expect == "ring":
+            assert set(fwd) == set(bwd) == {"collective-permute"}, (name, fwd, bwd)
 
     # (B, T, S, N, K) per case.
     SHAPES = {"batch": (4, 24, 40, 4, 2), "heads": (2, 24, 24, 8, 4), "2d": (2, 24, 24, 8, 4),
               "query heads": (2, 24, 24, 8, 2), "T": (2, 32, 40, 2, 1), "T causal": (2, 32, 32, 2, 2),
-              "S": (2, 32, 32, 2, 2), "bias": (4, 24, 24, 2, 2)}
+              "S": (2, 32, 32, 4, 2), "bias": (4, 24, 24, 2, 2)}
 
     mesh4 = lambda name: Mesh(devs[:4], (name,))
     attend = lambda **kw: lambda q, k, v, *a: jax_flash.attention(
@@ -137,13 +166,27 @@ SCRIPT = textwrap.dedent(
         check("T", mesh4("seq"), P(None, "seq"), P(), f, (qlens, seg_q, seg_k),
               (P(), P(None, "seq"), P()), "sums")
 
-        f = lambda q, k, v: jax_flash.attention(q, k, v, is_causal=True, implementation=impl)
-        if impl != "xla" and not partitioning._HAS_OFFSET:
-            # Causal masks of a query shard need its offset: the queries are gathered.
-            check("T causal", mesh4("seq"), P(None, "seq"), P(), f, (), (), "gathered")
-        # K/V sharded over S: gathered (ring attention is jax_flash.ring_attention).
-        check("S", mesh4("seq"), P(None, "seq"), P(None, "seq"), f, (), (),
-              None if impl == "xla" else "gathered")
+        # Causal queries over T need each shard's query offset (with the user's per-row
+        # offsets on top) where the implementation takes offsets; else they are gathered.
+        probe = jnp.zeros((2, 8, 2, H), dt)
+        offsets_ok = jax_flash.explain(probe, probe, probe, query_offset=1,
+                                       implementation=impl).reasons[impl] is None
+        offset = jnp.asarray([0, 5], jnp.int32) if offsets_ok else None
+        f = lambda q, k, v: jax_flash.attention(q, k, v, is_causal=True, query_offset=offset,
+                                                implementation=impl)
+        check("T causal", mesh4("seq"), P(None, "seq"), P(), f, (), (),
+              None if plain_xla else "sums" if offsets_ok else "gathered")
+
+        # Q, K/V all sharded over the sequence: ring attention inside the partitioned call
+        # (collective-permutes only) where the ring is available, else K/V are gathered.
+        ring_ok = partitioning._ring() is not None
+        lens = jnp.asarray([32, 19], jnp.int32)
+        seg = (jnp.arange(32)[None, :] // 11 + jnp.arange(2)[:, None]).astype(jnp.int32)
+        f = lambda q, k, v, lens, seg: jax_flash.attention(
+            q, k, v, is_causal=True, key_value_seq_lengths=lens, segment_ids=seg,
+            implementation=impl)
+        check("S", mesh4("seq"), P(None, "seq"), P(None, "seq"), f, (lens, seg),
+              (P(), P(None, "seq")), None if plain_xla else "ring" if ring_ok else "gathered")
 
         if impl in ("xla", "pallas"):
             # A dense bias broadcast over the batch: dbias sums over the batch shards.
@@ -156,14 +199,15 @@ SCRIPT = textwrap.dedent(
     ours = [w for w in caught if issubclass(w.category, partitioning.ShardingFallbackWarning)]
     for w in ours:
         print("warning:", w.message)
-    if impl == "xla":
+    if plain_xla:
         assert not ours, [str(w.message) for w in ours]
     else:
         text = [str(w.message) for w in ours]
+        # Once per cause, though each is met in several compiles (forward and backward).
         s_warn = [t for t in text if "key/value sequence axis S" in t and "'seq'" in t]
-        assert len(s_warn) == 1, text  # once per cause, though S is sharded in four compiles
-        t_warn = [t for t in text if "query sequence axis T" in t]
-        assert len(t_warn) == (0 if partitioning._HAS_OFFSET else 1), text
+        assert len(s_warn) == (0 if ring_ok else 1), text
+        t_warn = [t for t in text if "query sequence axis T" in t and "'seq'" in t]
+        assert len(t_warn) == (0 if offsets_ok else 1), text
         assert len(text) == len(s_warn) + len(t_warn), text
     print("ok")
     """
@@ -183,15 +227,21 @@ def test_sharded_under_jit(impl):
     _run(impl, "shardy")
 
 
-@pytest.mark.parametrize("name", ["cpu", "xla"])
-def test_sharded_under_jit_gspmd(name):
-    """GSPMD (jax_use_shardy_partitioner=False): the partition/infer callbacks."""
+@pytest.mark.parametrize("partitioner", ["shardy", "gspmd"])
+def test_partitioning_rules_on_xla(partitioner):
+    """The rules around a plain-JAX body (the xla implementation), which takes query offsets:
+    causal query shards with per-row offsets run locally; both partitioners."""
+    _run("xla-rules", partitioner)
+
+
+def test_sharded_under_jit_gspmd():
+    """GSPMD (jax_use_shardy_partitioner=False) drives the partition/infer callbacks."""
     from conftest import availability
 
-    why = availability(name)
+    why = availability("cpu")
     if why is not None:
-        pytest.skip(f"{name} unavailable here: {why}")
-    _run(name, "gspmd")
+        pytest.skip(f"cpu unavailable here: {why}")
+    _run("cpu", "gspmd")
 
 
 SHARD_MAP_SCRIPT = textwrap.dedent(

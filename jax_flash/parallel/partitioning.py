@@ -49,6 +49,7 @@ from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jax_flash import _registry
 from jax_flash._spec import AttentionSpec, MaskInputs
 
 
@@ -69,9 +70,6 @@ _MASK_DIMS = {
     "kv_segment_ids": ("b", "s"),
     "q_offset": ("b",),
 }
-# Whether this version of the canonical spec carries a query offset (causal/window masks
-# of a query shard need its position in the sequence).
-_HAS_OFFSET = "q_offset" in MaskInputs._fields
 
 _DIM_NAMES = {
     "b": "the batch axis B",
@@ -174,6 +172,7 @@ class _Plan:
 
     axes: tuple = ()  # ((factor, (axis, ...)), ...)
     slice_kv_heads: bool = False  # n sharded, k replicated: take the local kv heads
+    ring_axis: Optional[str] = None  # T and S sharded over it: ring attention
 
     def of(self, factor) -> tuple:
         return dict(self.axes).get(factor, ())
@@ -261,23 +260,79 @@ def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
                 f"{local} local query heads do not cover whole groups of {group} query heads "
                 "per kv head",
             )
-    if found.get("t"):
-        if spec.is_windowed and not _HAS_OFFSET:
-            _warn_once(
-                call, "t", found["t"],
-                "causal and window masks of a query shard need its offset in the sequence",
-            )
+    t_axes, s_axes = found.get("t", ()), found.get("s", ())
+    ring_axis = None
+    if s_axes:
+        why = _ring_unavailable(call, mesh, t_axes, s_axes, plan)
+        if why is None:  # T and S over one axis: the ring of jax_flash.parallel.ring
+            take("t", t_axes)
+            plan["s"] = s_axes
+            ring_axis = s_axes[0]
         else:
-            take("t", found["t"])
-    if found.get("s"):
-        _warn_once(
-            call, "s", found["s"],
-            "sequence-sharded keys and values need ring attention: use "
-            "jax_flash.ring_attention inside jax.shard_map",
-        )
+            _warn_once(call, "s", s_axes, why)
+    if t_axes and ring_axis is None and "t" not in plan:
+        why = _query_shard_unsupported(call)
+        if why is None:
+            take("t", t_axes)
+        else:
+            _warn_once(call, "t", t_axes, why)
     if found.get("h"):
         _warn_once(call, "h", found["h"], "the head dim is contracted inside the kernel")
-    return _Plan(tuple(sorted(plan.items())), slice_kv)
+    return _Plan(tuple(sorted(plan.items())), slice_kv, ring_axis)
+
+
+def _ring():
+    """The ring module, or None where it is not part of this build."""
+    try:
+        from jax_flash.parallel import ring
+    except ImportError:
+        return None
+    return ring if hasattr(ring, "RingConfig") else None
+
+
+def _ring_config(call: _Call, mesh, axis: str):
+    return _ring().RingConfig(call.name, axis, mesh.shape[axis])
+
+
+def _ring_unavailable(call: _Call, mesh, t_axes, s_axes, plan) -> Optional[str]:
+    """None if K/V sharded over `s_axes` can run as a ring inside the partitioned call,
+    else why not."""
+    ring = _ring()
+    spec = call.spec
+    if ring is None:
+        return "sequence-sharded keys and values need ring attention (jax_flash.ring_attention)"
+    if len(s_axes) != 1:
+        return f"the ring runs over one mesh axis, not {len(s_axes)}"
+    if tuple(t_axes) != tuple(s_axes):
+        return (
+            f"the ring needs the queries sharded over T on the same mesh axis {s_axes[0]!r}; "
+            f"they are sharded over {t_axes or 'no axis'}"
+        )
+    if any(a in {x for v in plan.values() for x in v} for a in s_axes):
+        return "the mesh axis already shards another dimension"
+    if spec.bias_shape is not None or spec.mask_shape is not None:
+        return "the ring takes no dense bias or mask"
+    cfg = _ring_config(call, mesh, s_axes[0])
+    for block in ring.block_specs(spec, cfg, dynamic_offset=spec.has_q_offset):
+        why = _registry.reason(call.name, block)
+        if why is not None:
+            return f"a block of the ring cannot run: {call.name} {why}"
+    return None
+
+
+def _query_shard_unsupported(call: _Call) -> Optional[str]:
+    """None if a shard of the queries can run on its own (with its query offset when the
+    masks need positions), else why not."""
+    spec = call.spec
+    if not spec.is_windowed or spec.has_q_offset:
+        return None
+    why = _registry.reason(call.name, dataclasses.replace(spec, has_q_offset=True))
+    if why is not None:
+        return (
+            "causal and window masks of a query shard need its offset in the sequence, and "
+            f"{call.name} {why}"
+        )
+    return None
 
 
 def _sharding(mesh, plan: _Plan, dims) -> NamedSharding:
@@ -319,7 +374,6 @@ def _shard_index(mesh, axes):
 
 
 def _local_spec(spec: AttentionSpec, q, k, masks: MaskInputs) -> AttentionSpec:
-    extra = {"has_q_offset": masks.q_offset is not None} if _HAS_OFFSET else {}
     return dataclasses.replace(
         spec,
         batch=q.shape[0],
@@ -329,7 +383,7 @@ def _local_spec(spec: AttentionSpec, q, k, masks: MaskInputs) -> AttentionSpec:
         num_kv_heads=k.shape[2],
         bias_shape=None if masks.bias is None else tuple(masks.bias.shape),
         mask_shape=None if masks.mask is None else tuple(masks.mask.shape),
-        **extra,
+        has_q_offset=masks.q_offset is not None,
     )
 
 
@@ -352,7 +406,7 @@ def _local(call: _Call, mesh, plan: _Plan):
             kv_start = (_shard_index(mesh, plan.of("n")) * n_local) // group
             k = lax.dynamic_slice_in_dim(k, kv_start, k_local, axis=2)
             v = lax.dynamic_slice_in_dim(v, kv_start, k_local, axis=2)
-        if plan.of("t"):
+        if plan.of("t") and plan.ring_axis is None:
             t_local = q.shape[1]
             start = _shard_index(mesh, plan.of("t")) * t_local
             if masks.q_lengths is not None:
@@ -363,7 +417,10 @@ def _local(call: _Call, mesh, plan: _Plan):
                     q_offset=(off + start + jnp.zeros((q.shape[0],), jnp.int32)).astype(jnp.int32)
                 )
         local_spec = _local_spec(spec, q, k, masks)
-        results = call.fn(local_spec, q, k, v, masks, *rest)
+        if plan.ring_axis is not None:
+            results = _ring_call(call, mesh, plan.ring_axis, local_spec, q, k, v, masks, rest)
+        else:
+            results = call.fn(local_spec, q, k, v, masks, *rest)
         if not call.backward:
             return tuple(results)
         dq, dk, dv, dbias = results
@@ -375,6 +432,19 @@ def _local(call: _Call, mesh, plan: _Plan):
         return tuple(_sum_partials(plan, r, d) for r, d in zip(results, call.result_dims))
 
     return run
+
+
+def _ring_call(call: _Call, mesh, axis: str, local_spec, q, k, v, masks, rest):
+    """Ring attention over `axis` on this device's chunks (global lengths, offsets and
+    positions; segment ids are the local chunks)."""
+    ring = _ring()
+    p = mesh.shape[axis]
+    spec = dataclasses.replace(local_spec, q_len=local_spec.q_len * p, kv_len=local_spec.kv_len * p)
+    cfg = _ring_config(call, mesh, axis)
+    if not call.backward:
+        return ring._ring_forward(cfg, spec, q, k, v, masks)
+    dq, dk, dv = ring._ring_backward(cfg, spec, q, k, v, masks, *rest)
+    return dq, dk, dv, None
 
 
 def _sum_partials(plan: _Plan, x, dims):
