@@ -21,14 +21,23 @@ What runs on local shards, with no collective in the forward:
   are gathered instead (reported, see below).
 * queries over `t` with K/V not sharded over `s`: each shard runs with its own query
   offset (`q_offset + shard_index * T_local`, from `lax.axis_index`) and shard-local query
-  lengths. The backward all-reduces dK/dV over the sequence axis (a sum over query shards).
-  Masks that need positions (causal, window) need the canonical query offset; without it
-  the queries are gathered (reported).
+  lengths; segment ids shard with their sequence. The backward all-reduces dK/dV over the
+  sequence axis (a sum over query shards). Causal and window masks need the offset, so
+  this needs an implementation that takes `query_offset` (else the queries are gathered,
+  reported).
+* queries over `t` and K/V over `s` on one mesh axis (a sequence-sharded self-attention):
+  ring attention (`jax_flash.parallel.ring`) inside the partitioned call, the K/V chunks
+  rotating by collective-permute, forward and backward; lengths stay global, segment ids
+  travel with their chunk. The layout is contiguous (the order of a sharded global array).
 
-Everything else falls back to an all-gather that XLA inserts before the call, and is
-reported by a one-time `ShardingFallbackWarning` per cause naming the mesh axis and the
-dimension: K/V sharded over `s` (sequence-sharded keys: use `jax_flash.ring_attention`
-inside `jax.shard_map`), the head dim `h`, kv heads sharded differently from the query heads.
+Everything else falls back to an all-gather that XLA inserts before the call, reported by
+a one-time `ShardingFallbackWarning` per cause naming the mesh axis and the dimension:
+K/V over `s` where the ring cannot run (queries not sharded over the same single axis, a
+dense bias or mask, a block the implementation cannot serve), the head dim `h`, kv heads
+sharded over other axes than the query heads, one mesh axis on two dimensions.
+
+A dense bias broadcast along a sharded dim (e.g. `[1, N, T, S]` with the batch sharded)
+gets its gradient summed over those shards (an all-reduce in the backward).
 
 The `xla` implementation is plain JAX and partitions without these rules.
 """
@@ -37,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import threading
 import warnings
@@ -112,7 +122,7 @@ def backward(
 
 def sharding_rule(call: _Call, mesh=None, operand_types=None, result_types=None) -> str:
     """The Shardy rule of `call`, e.g. "b t n h, b s k h, b s k h -> b t n h, b n t"."""
-    fresh = iter(f"one{i}" for i in range(10_000))
+    fresh = (f"one{i}" for i in itertools.count())
 
     def spell(dims):
         return " ".join(d if d is not None else next(fresh) for d in dims)
@@ -149,10 +159,11 @@ def _wrapped(name, is_backward, fn, spec, q, k, v, masks, rest):
 
 
 def _dims(dims, x):
-    """Factor names of a dense [B|1, N|1, T|1, S|1] input: None where it broadcasts."""
-    if x.ndim != len(dims):
-        raise ValueError(f"expected rank {len(dims)}, got shape {x.shape}")
-    return tuple(None if (x.shape[i] == 1 and len(dims) == 4) else d for i, d in enumerate(dims))
+    """Factor names of an operand: a dense [B|1, N|1, T|1, S|1] input has None (a factor
+    of size 1 of its own) where it broadcasts."""
+    if len(dims) != 4:
+        return dims
+    return tuple(None if n == 1 else d for n, d in zip(x.shape, dims))
 
 
 def _run(call: _Call, *arrays):
