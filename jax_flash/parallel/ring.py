@@ -1,0 +1,615 @@
+"""Context parallelism: ring attention over one mesh axis, inside `jax.shard_map`.
+
+Each of the P devices of mesh axis `axis_name` holds a chunk of the query sequence and a
+chunk of the key/value sequence. K/V chunks travel around the ring with `lax.ppermute`
+(device j sends to j + 1), so at step s device i holds the chunk of device (i - s) mod P.
+Every step computes one (query chunk, key chunk) block with an ordinary implementation of
+the registry (`forward(spec, q, k, v, masks)` -> out, lse) and merges it into a running
+(out, lse) exactly, by log-sum-exp: the online-softmax identity of FlashAttention applied to
+whole blocks (as in Liu et al., "Ring Attention with Blockwise Transformers"). The next
+chunk's transfer is issued before the current block's compute, so XLA can overlap them.
+
+Backward is one `custom_vjp` for the whole ring. It saves only the local q, k, v, out and
+lse. The backward ring rotates each K/V chunk together with its dK/dV accumulators; each
+step calls the implementation's backward on one block with the *final* out and lse, which
+is exactly the FlashAttention-2 backward restricted to that block (P = exp(S - lse) with the
+global lse, D = rowsum(dO ∘ O) with the global O). After P steps the accumulators take one
+more hop, home to the device that owns the chunk. No device ever holds more than two K/V
+chunks (the current one and the one arriving) and its own queries: O(T/P) memory.
+
+Positions. Causal and window masks only need the relative offset of a block: queries that
+start at global position qs against keys that start at ks are called with
+`q_offset = qs - ks` (`MaskInputs.q_offset`), lengths are made chunk-local
+(`clip(len - start, 0, chunk)`) and segment ids travel with their chunk.
+
+Skipping. Where a block lies is static: for every (step, device) the schedule classifies
+each block as SKIP (entirely outside the causal/window band: no compute at all), FULL
+(entirely inside: no positional mask) or BAND (partly visible: the mask with its offset).
+A step whose class is the same on every device runs that branch directly; otherwise the
+class is read from the static table at `lax.axis_index` and `lax.switch` runs only its
+branch (SPMD programs are one program, so a per-device static choice becomes a switch on
+the device index). Data can also empty a block — every row past its length, or the query
+and key segment-id ranges disjoint — which is checked at run time and skips the compute too.
+
+Layouts. "contiguous": device i holds chunk i of P. "zigzag": the sequence is cut into 2P
+chunks and device i holds chunks i and 2P - 1 - i (concatenated), which gives every device
+the same causal work (`block_counts`); `zigzag` / `unzigzag` reorder global arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_flash import _registry
+from jax_flash._normalize import _window, canonicalize, restore
+from jax_flash._spec import AttentionSpec, MaskInputs
+
+__all__ = [
+    "ring_attention",
+    "ring_flash_attention",
+    "RingConfig",
+    "zigzag",
+    "unzigzag",
+    "block_counts",
+    "LAYOUTS",
+]
+
+LAYOUTS = ("contiguous", "zigzag")
+
+# Block classes of the static schedule.
+SKIP, FULL, BAND = 0, 1, 2
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+def _check_layout(layout) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return layout
+
+
+def _zigzag_order(axis_size: int) -> list[int]:
+    """Chunks of the zigzag layout in storage order: 0, 2P-1, 1, 2P-2, ..."""
+    return [c for i in range(axis_size) for c in (i, 2 * axis_size - 1 - i)]
+
+
+def _reorder(x, axis_size, axis, order, name):
+    if not isinstance(axis_size, int) or isinstance(axis_size, bool) or axis_size < 1:
+        raise ValueError(f"axis_size must be a positive int, got {axis_size!r}")
+    x = jnp.asarray(x)
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis {axis} is out of range for an array of rank {x.ndim}")
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    if n % (2 * axis_size):
+        raise ValueError(
+            f"{name}: the length {n} of axis {axis} must be a multiple of 2 * axis_size = "
+            f"{2 * axis_size} (shape {tuple(x.shape)})"
+        )
+    chunks = x.reshape(*x.shape[:axis], 2 * axis_size, n // (2 * axis_size), *x.shape[axis + 1 :])
+    chunks = jnp.take(chunks, jnp.asarray(order, jnp.int32), axis=axis)
+    return chunks.reshape(x.shape)
+
+
+def zigzag(x, axis_size: int, axis: int = 1):
+    """Reorder a global array along `axis` (the sequence; default 1 = BTNH's T) into the
+    zigzag layout: cut into 2·axis_size chunks, device i's shard is chunks (i, 2P-1-i).
+
+    Sharding the result over `axis` in equal contiguous pieces (e.g. `P(None, "seq")`) gives
+    device i exactly its zigzag chunks. Apply it to everything indexed by the sequence:
+    q, k, v, segment ids, position ids, targets. The inverse is `unzigzag`.
+    """
+    return _reorder(x, axis_size, axis, _zigzag_order(axis_size), "zigzag")
+
+
+def unzigzag(x, axis_size: int, axis: int = 1):
+    """Inverse of `zigzag`: back from the zigzag layout to sequence order along `axis`."""
+    order = np.argsort(_zigzag_order(axis_size))
+    return _reorder(x, axis_size, axis, [int(c) for c in order], "unzigzag")
+
+
+# ----------------------------------------------------------------------------- schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class RingConfig:
+    """Static description of one ring: which implementation computes each block, over which
+    mesh axis of how many devices, and how the sequences are laid out on them."""
+
+    implementation: str
+    axis_name: str
+    axis_size: int
+    layout: str = "contiguous"
+
+    @property
+    def pieces(self) -> int:
+        """Contiguous pieces of the sequence per device (2 for zigzag)."""
+        return 2 if self.layout == "zigzag" else 1
+
+
+def _piece_starts(layout: str, axis_size: int, length: int) -> tuple[int, tuple[tuple[int, ...], ...]]:
+    """(piece length, starts[piece][device]): global positions of each device's pieces of a
+    sequence of global `length`."""
+    if layout == "zigzag":
+        c = length // (2 * axis_size)
+        return c, (
+            tuple(i * c for i in range(axis_size)),
+            tuple((2 * axis_size - 1 - i) * c for i in range(axis_size)),
+        )
+    c = length // axis_size
+    return c, (tuple(i * c for i in range(axis_size)),)
+
+
+def _classify(spec: AttentionSpec, offset: int, tq: int, tk: int) -> int:
+    """SKIP, FULL or BAND for a block of tq queries at relative offset `offset` (query t sits
+    at key position offset + t) against tk keys, under the spec's window."""
+    left, right = spec.window_left, spec.window_right
+    # Query t sees key s iff offset - left <= s - t <= offset + right; s - t spans
+    # [-(tq - 1), tk - 1] over the block.
+    lo = -np.inf if left is None else offset - left
+    hi = np.inf if right is None else offset + right
+    if lo > tk - 1 or hi < -(tq - 1):
+        return SKIP
+    if lo <= -(tq - 1) and hi >= tk - 1:
+        return FULL
+    return BAND
+
+
+class _Block(NamedTuple):
+    """One (query piece, key piece) block of one ring step, for every device."""
+
+    q_piece: int
+    k_piece: int
+    kinds: tuple[int, ...]  # [device] SKIP / FULL / BAND
+    offsets: tuple[int, ...]  # [device] q_start - k_start (relative query offset)
+    q_starts: tuple[int, ...]  # [device] global position of the query piece
+    k_starts: tuple[int, ...]  # [device] global position of the key piece
+
+
+def _schedule(spec: AttentionSpec, cfg: RingConfig, dynamic_offset: bool) -> list[list[_Block]]:
+    """blocks[step]: the static classification of every block of every ring step.
+
+    `spec` is the global (gathered) spec. With a run-time query offset the band's place is
+    unknown: blocks are FULL without a window, BAND with one.
+    """
+    p = cfg.axis_size
+    tq, q_starts = _piece_starts(cfg.layout, p, spec.q_len)
+    tk, k_starts = _piece_starts(cfg.layout, p, spec.kv_len)
+    steps = []
+    for s in range(p):
+        blocks = []
+        for qp in range(cfg.pieces):
+            for kp in range(cfg.pieces):
+                qs = q_starts[qp]
+                ks = tuple(k_starts[kp][(i - s) % p] for i in range(p))
+                offsets = tuple(qs[i] - ks[i] for i in range(p))
+                if dynamic_offset:
+                    kinds = (BAND if spec.is_windowed else FULL,) * p
+                else:
+                    kinds = tuple(_classify(spec, d, tq, tk) for d in offsets)
+                blocks.append(_Block(qp, kp, kinds, offsets, qs, ks))
+        steps.append(blocks)
+    return steps
+
+
+def block_counts(
+    axis_size: int,
+    *,
+    layout: str = "contiguous",
+    is_causal: bool = False,
+    local_window_size=None,
+    q_len: Optional[int] = None,
+    kv_len: Optional[int] = None,
+) -> list[int]:
+    """Per device, how much attention the ring computes, in units of one
+    (T / 2P) × (S / 2P) block: a contiguous block is 4 units, a zigzag piece pair 1.
+
+    From the same static schedule `ring_attention` runs (blocks it skips are not counted;
+    a partly visible block counts whole). Causal on 4 devices: contiguous [4, 8, 12, 16],
+    zigzag [9, 9, 9, 9]. q_len / kv_len: global lengths (default 2P·16).
+    """
+    _check_layout(layout)
+    p = axis_size
+    q_len = 2 * p * 16 if q_len is None else q_len
+    kv_len = q_len if kv_len is None else kv_len
+    for name, n in (("q_len", q_len), ("kv_len", kv_len)):
+        if n % (2 * p):
+            raise ValueError(f"{name} must be a multiple of 2 * axis_size = {2 * p}, got {n}")
+    left, right = _window(local_window_size, is_causal)
+    spec = AttentionSpec(batch=1, q_len=q_len, kv_len=kv_len, num_heads=1, num_kv_heads=1,
+                         head_dim=1, dtype="float32", scale=1.0, window_left=left,
+                         window_right=right)
+    cfg = RingConfig("xla", "_", p, layout)
+    units = 4 if layout == "contiguous" else 1
+    counts = [0] * p
+    for blocks in _schedule(spec, cfg, dynamic_offset=False):
+        for blk in blocks:
+            for i in range(p):
+                if blk.kinds[i] != SKIP:
+                    counts[i] += units
+    return counts
+
+
+# ----------------------------------------------------------------------------- one block
+
+
+def _acc_dtype(dtype):
+    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+
+
+def _per_device(values: tuple[int, ...], index):
+    """values[index] for the static per-device table `values` (a Python int when uniform)."""
+    if len(set(values)) == 1:
+        return values[0]
+    return jnp.asarray(values, jnp.int32)[index]
+
+
+def _piece(x, piece: int, size: int, axis: int = 1):
+    if x is None:
+        return None
+    return lax.slice_in_dim(x, piece * size, (piece + 1) * size, axis=axis)
+
+
+class _BlockCall(NamedTuple):
+    """What an implementation needs for one block, and whether the data empties it."""
+
+    specs: dict  # kind -> AttentionSpec of the block
+    masks: dict  # kind -> MaskInputs of the block
+    kind: object  # int (static) or traced int32: the class at this device
+    empty: object  # None or a traced bool: the data makes every logit invisible
+
+
+def _block_call(spec, cfg, blk: _Block, masks: MaskInputs, q_seg, kv_seg, tq, tk, index):
+    """The per-block spec and masks (chunk-local lengths, relative offset) of block `blk`."""
+    q_start = _per_device(blk.q_starts, index)
+    k_start = _per_device(blk.k_starts, index)
+    kinds = sorted(set(blk.kinds) - {SKIP})
+    q_len = kv_len = None
+    empty = []
+    b = spec.batch
+    if masks.q_lengths is not None:
+        q_len = jnp.clip(masks.q_lengths - q_start, 0, tq).astype(jnp.int32)
+        empty.append(jnp.all(q_len == 0))
+    if masks.kv_lengths is not None:
+        kv_len = jnp.clip(masks.kv_lengths - k_start, 0, tk).astype(jnp.int32)
+        empty.append(jnp.all(kv_len == 0))
+    if q_seg is not None:
+        # Disjoint id ranges share no id: no query sees any key of the block.
+        disjoint = (jnp.max(q_seg, axis=1) < jnp.min(kv_seg, axis=1)) | (
+            jnp.min(q_seg, axis=1) > jnp.max(kv_seg, axis=1)
+        )
+        empty.append(jnp.all(disjoint))
+    local = dataclasses.replace(spec, q_len=tq, kv_len=tk)
+    base = masks._replace(
+        q_lengths=q_len, kv_lengths=kv_len, q_segment_ids=q_seg, kv_segment_ids=kv_seg
+    )
+    specs, block_masks = {}, {}
+    for kind in kinds:
+        if kind == FULL:
+            specs[kind] = dataclasses.replace(local, window_left=None, window_right=None)
+            block_masks[kind] = _without_offset(base)
+            continue
+        global_offset = getattr(masks, "q_offset", None)
+        band_offsets = {d for d, k in zip(blk.offsets, blk.kinds) if k == BAND}
+        if global_offset is None and band_offsets == {0}:
+            # Diagonal blocks of equal chunks: the implementation's own top-left alignment.
+            specs[kind] = local
+            block_masks[kind] = _without_offset(base)
+        else:
+            offset = jnp.asarray(_per_device(blk.offsets, index), jnp.int32)
+            offset = jnp.broadcast_to(offset, (b,))
+            if global_offset is not None:
+                offset = offset + global_offset
+            specs[kind] = dataclasses.replace(local, has_q_offset=True)
+            block_masks[kind] = base._replace(q_offset=offset)
+    kind = _per_device(blk.kinds, index)
+    any_empty = None
+    for e in empty:
+        any_empty = e if any_empty is None else any_empty | e
+    return _BlockCall(specs, block_masks, kind, any_empty)
+
+
+def _without_offset(masks: MaskInputs) -> MaskInputs:
+    if getattr(masks, "q_offset", None) is not None:
+        return masks._replace(q_offset=None)
+    return masks
+
+
+def _dispatch(call: _BlockCall, compute, skip, operands):
+    """Run `compute(kind, *operands)` for this device's block class, `skip(*operands)` when
+    the block is invisible: directly when the class is static, else by `lax.switch`."""
+    kinds = sorted(call.specs)
+    if not kinds:
+        return skip(*operands)
+    if isinstance(call.kind, int) and call.empty is None:
+        return skip(*operands) if call.kind == SKIP else compute(call.kind, *operands)
+    # Branch 0 skips; branch 1 + n computes kinds[n].
+    if isinstance(call.kind, int):
+        index = jnp.asarray(0 if call.kind == SKIP else 1 + kinds.index(call.kind), jnp.int32)
+    else:
+        table = np.zeros(BAND + 1, np.int32)
+        for n, kind in enumerate(kinds):
+            table[kind] = 1 + n
+        index = jnp.asarray(table)[call.kind]
+    if call.empty is not None:
+        index = jnp.where(call.empty, 0, index)
+    branches = [skip] + [functools.partial(compute, kind) for kind in kinds]
+    return lax.switch(index, branches, *operands)
+
+
+def _merge(o_acc, lse_acc, o, lse):
+    """Exact merge of two partial softmax results over disjoint key sets (by lse).
+
+    o [B, T, N, H], lse [B, N, T]; rows that saw nothing have lse = -inf in either part,
+    and keep output 0 / lse -inf when both did (no NaN).
+    """
+    lse = lse.astype(lse_acc.dtype)
+    m = jnp.maximum(lse_acc, lse)
+    m_safe = jnp.where(m == -jnp.inf, 0, m)
+    w_acc = jnp.exp(lse_acc - m_safe)
+    w = jnp.exp(lse - m_safe)
+    total = w_acc + w
+    seen = total > 0
+    total_safe = jnp.where(seen, total, 1)
+    new_lse = jnp.where(seen, m_safe + jnp.log(total_safe), -jnp.inf)
+    rows = lambda x: jnp.swapaxes(x, 1, 2)[..., None]  # [B, N, T] -> [B, T, N, 1]
+    o_new = (rows(w_acc) * o_acc + rows(w) * o.astype(o_acc.dtype)) / rows(total_safe)
+    return o_new, new_lse
+
+
+# ----------------------------------------------------------------------------- the ring
+
+
+def _rotate(xs, cfg: RingConfig):
+    """Send every array to the next device of the ring (j -> j + 1)."""
+    p = cfg.axis_size
+    perm = [(j, (j + 1) % p) for j in range(p)]
+    return jax.tree.map(lambda x: lax.ppermute(x, cfg.axis_name, perm), xs)
+
+
+def _sizes(spec: AttentionSpec, cfg: RingConfig) -> tuple[int, int]:
+    """Query and key piece lengths of one device."""
+    return spec.q_len // (cfg.axis_size * cfg.pieces), spec.kv_len // (cfg.axis_size * cfg.pieces)
+
+
+def _ring_forward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks: MaskInputs):
+    impl = _registry.get(cfg.implementation)
+    tq, tk = _sizes(spec, cfg)
+    acc_dt = _acc_dtype(q.dtype)
+    index = lax.axis_index(cfg.axis_name)
+    schedule = _schedule(spec, cfg, getattr(masks, "q_offset", None) is not None)
+    b, _, n, h = q.shape
+    o_acc = [jnp.zeros((b, tq, n, h), acc_dt) for _ in range(cfg.pieces)]
+    lse_acc = [jnp.full((b, n, tq), -jnp.inf, acc_dt) for _ in range(cfg.pieces)]
+    kv = (k, v, masks.kv_segment_ids)
+    for step, blocks in enumerate(schedule):
+        # Issue the next chunk's transfer before this block's compute (overlap).
+        arriving = _rotate(kv, cfg) if step + 1 < cfg.axis_size else None
+        k_cur, v_cur, seg_cur = kv
+        for blk in blocks:
+            qp, kp = blk.q_piece, blk.k_piece
+            q_seg = _piece(masks.q_segment_ids, qp, tq)
+            call = _block_call(spec, cfg, blk, masks, q_seg, _piece(seg_cur, kp, tk), tq, tk, index)
+
+            def compute(kind, o, lse, q_blk, k_blk, v_blk, call=call):
+                ob, lb = impl.forward(call.specs[kind], q_blk, k_blk, v_blk, call.masks[kind])
+                return _merge(o, lse, ob, lb)
+
+            o_acc[qp], lse_acc[qp] = _dispatch(
+                call,
+                compute,
+                lambda o, lse, *_: (o, lse),
+                (o_acc[qp], lse_acc[qp], _piece(q, qp, tq), _piece(k_cur, kp, tk), _piece(v_cur, kp, tk)),
+            )
+        kv = arriving
+    out = jnp.concatenate(o_acc, axis=1).astype(q.dtype)
+    lse = jnp.concatenate(lse_acc, axis=2)
+    return out, lse
+
+
+def _ring_backward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks, out, lse, dout, dlse):
+    impl = _registry.get(cfg.implementation)
+    tq, tk = _sizes(spec, cfg)
+    acc_dt = _acc_dtype(q.dtype)
+    index = lax.axis_index(cfg.axis_name)
+    schedule = _schedule(spec, cfg, getattr(masks, "q_offset", None) is not None)
+    dout = dout.astype(out.dtype)
+    dlse = dlse.astype(lse.dtype)
+    dq_acc = [jnp.zeros((q.shape[0], tq, *q.shape[2:]), acc_dt) for _ in range(cfg.pieces)]
+    kv = (k, v, masks.kv_segment_ids)
+    dkv = (jnp.zeros(k.shape, acc_dt), jnp.zeros(v.shape, acc_dt))
+    for step, blocks in enumerate(schedule):
+        arriving = _rotate(kv, cfg) if step + 1 < cfg.axis_size else None
+        k_cur, v_cur, seg_cur = kv
+        dk_acc = [_piece(dkv[0], kp, tk) for kp in range(cfg.pieces)]
+        dv_acc = [_piece(dkv[1], kp, tk) for kp in range(cfg.pieces)]
+        for blk in blocks:
+            qp, kp = blk.q_piece, blk.k_piece
+            q_seg = _piece(masks.q_segment_ids, qp, tq)
+            call = _block_call(spec, cfg, blk, masks, q_seg, _piece(seg_cur, kp, tk), tq, tk, index)
+            rows = (_piece(out, qp, tq), _piece(lse, qp, tq, axis=2), _piece(dout, qp, tq),
+                    _piece(dlse, qp, tq, axis=2))
+
+            def compute(kind, dq, dk, dv, q_blk, k_blk, v_blk, o_blk, l_blk, do_blk, dl_blk,
+                        call=call):
+                gq, gk, gv, _ = impl.backward(call.specs[kind], q_blk, k_blk, v_blk,
+                                              call.masks[kind], o_blk, l_blk, do_blk, dl_blk)
+                return dq + gq.astype(acc_dt), dk + gk.astype(acc_dt), dv + gv.astype(acc_dt)
+
+            dq_acc[qp], dk_acc[kp], dv_acc[kp] = _dispatch(
+                call,
+                compute,
+                lambda dq, dk, dv, *_: (dq, dk, dv),
+                (dq_acc[qp], dk_acc[kp], dv_acc[kp], _piece(q, qp, tq), _piece(k_cur, kp, tk),
+                 _piece(v_cur, kp, tk), *rows),
+            )
+        # The accumulators follow their chunk; after the last step this hop takes them home.
+        dkv = _rotate((jnp.concatenate(dk_acc, axis=1), jnp.concatenate(dv_acc, axis=1)), cfg)
+        kv = arriving
+    dq = jnp.concatenate(dq_acc, axis=1).astype(q.dtype)
+    return dq, dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def ring_flash_attention(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks: MaskInputs):
+    """Ring attention on canonical local chunks, differentiable in q, k, v.
+
+    For callers that already hold the canonical form (the sequence-sharding rule of
+    `jax_flash.parallel.partitioning`): run inside a `shard_map` (or a partitioned body)
+    whose mesh has axis `cfg.axis_name` of size `cfg.axis_size`.
+
+    Args:
+      cfg: the implementation, the mesh axis and the layout.
+      spec: the canonical spec of the *gathered* call (global T and S; no bias or dense
+        mask). Its window is the global one.
+      q: [B, T/P, N, H], k and v: [B, S/P, K, H]: this device's chunks in `cfg.layout`.
+      masks: q_lengths / kv_lengths [B] global lengths (the same on every device),
+        q_segment_ids [B, T/P] / kv_segment_ids [B, S/P] this device's chunks, and
+        optionally q_offset [B] (global query offset; disables static block skipping).
+
+    Returns:
+      out [B, T/P, N, H] (dtype of q) and lse [B, N, T/P] (float32; float64 for float64).
+    """
+    return _ring_forward(cfg, spec, q, k, v, masks)
+
+
+def _vjp_forward(cfg, spec, q, k, v, masks):
+    out, lse = _ring_forward(cfg, spec, q, k, v, masks)
+    return (out, lse), (q, k, v, masks, out, lse)
+
+
+def _vjp_backward(cfg, spec, residuals, cotangents):
+    q, k, v, masks, out, lse = residuals
+    dout, dlse = cotangents
+    dq, dk, dv = _ring_backward(cfg, spec, q, k, v, masks, out, lse, dout, dlse)
+    return dq, dk, dv, MaskInputs()  # lengths, segment ids and offsets: no cotangent
+
+
+ring_flash_attention.defvjp(_vjp_forward, _vjp_backward)
+
+
+def block_specs(spec: AttentionSpec, cfg: RingConfig, dynamic_offset: bool = False):
+    """The distinct per-block specs the ring hands to its implementation (for checking that
+    the implementation can serve every one of them)."""
+    tq, tk = _sizes(spec, cfg)
+    local = dataclasses.replace(spec, q_len=tq, kv_len=tk)
+    out = []
+    for blocks in _schedule(spec, cfg, dynamic_offset):
+        for blk in blocks:
+            for kind in set(blk.kinds) - {SKIP}:
+                if kind == FULL:
+                    s = dataclasses.replace(local, window_left=None, window_right=None)
+                elif not dynamic_offset and {
+                    d for d, kd in zip(blk.offsets, blk.kinds) if kd == BAND
+                } == {0}:
+                    s = local
+                else:
+                    s = dataclasses.replace(local, has_q_offset=True)
+                if s not in out:
+                    out.append(s)
+    return out
+
+
+# ----------------------------------------------------------------------------- public
+
+
+def _axis_size(axis_name) -> int:
+    if not isinstance(axis_name, str):
+        raise TypeError(f"axis_name must be the name (str) of a mesh axis, got {axis_name!r}")
+    try:
+        return int(lax.axis_size(axis_name))
+    except NameError as e:
+        raise ValueError(
+            f"axis_name {axis_name!r} is not an axis of the enclosing shard_map: call "
+            "ring_attention inside jax.shard_map over a mesh with that axis"
+        ) from e
+
+
+def ring_attention(
+    query,
+    key,
+    value,
+    *,
+    axis_name: str,
+    is_causal: bool = False,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    local_window_size=None,
+    segment_ids=None,
+    logits_soft_cap: Optional[float] = None,
+    scale: Optional[float] = None,
+    layout: str = "contiguous",
+    return_residual: bool = False,
+    implementation: Optional[str] = None,
+):
+    """Context-parallel attention inside `jax.shard_map`: the sequences are sharded over the
+    mesh axis `axis_name` (P devices) and K/V chunks rotate around the ring.
+
+    The result is exactly `jax_flash.attention` on the gathered arrays, sharded like the
+    queries; masks use global positions (top-left causal alignment, also for T != S).
+
+    Args:
+      query: this device's chunk [*B, T/P, N, H] of the queries.
+      key, value: this device's chunks [*B, S/P, K, H] (N % K == 0).
+      axis_name: the mesh axis the sequences are sharded over.
+      is_causal, local_window_size, logits_soft_cap, scale: as in `jax_flash.attention`,
+        in global positions.
+      query_seq_lengths, key_value_seq_lengths: [*B] int32 *global* lengths (replicated
+        over the axis, as `P()` or batch-sharded only).
+      segment_ids: this device's chunk [*B, T/P] (self-attention) or a pair
+        (q_ids [*B, T/P], kv_ids [*B, S/P]); ids travel with their K/V chunk.
+      layout: "contiguous" (device i holds chunk i of P) or "zigzag" (device i holds chunks
+        i and 2P-1-i of 2P, concatenated; balances causal work — reorder global arrays with
+        `jax_flash.zigzag` / `jax_flash.unzigzag`).
+      return_residual: also return this device's lse [*B, T/P, N].
+      implementation: the implementation of each block (as in `jax_flash.attention`).
+
+    Differentiable in query, key and value by reverse mode (one custom_vjp for the ring).
+    """
+    _check_layout(layout)
+    p = _axis_size(axis_name)
+    c = canonicalize(
+        query,
+        key,
+        value,
+        scale=scale,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
+        segment_ids=segment_ids,
+        logits_soft_cap=logits_soft_cap,
+        implementation=implementation,
+    )
+    if layout == "zigzag" and (c.spec.q_len % 2 or c.spec.kv_len % 2):
+        raise ValueError(
+            'layout="zigzag" needs even local sequence lengths (two chunks per device), got '
+            f"query {tuple(c.q.shape)} and key {tuple(c.k.shape)}"
+        )
+    spec = dataclasses.replace(c.spec, q_len=c.spec.q_len * p, kv_len=c.spec.kv_len * p)
+    name = _select(spec, RingConfig("xla", axis_name, p, layout), implementation)
+    cfg = RingConfig(name, axis_name, p, layout)
+    out, lse = ring_flash_attention(cfg, spec, c.q, c.k, c.v, c.masks)
+    out, lse = restore(c, out, lse)
+    return (out, lse) if return_residual else out
+
+
+def _select(spec: AttentionSpec, cfg: RingConfig, requested: Optional[str]) -> str:
+    """The implementation that can serve every block spec of the ring."""
+    specs = block_specs(spec, cfg)
+    if not specs:  # nothing visible at all: any implementation will do (none is called)
+        specs = [dataclasses.replace(spec, q_len=_sizes(spec, cfg)[0], kv_len=_sizes(spec, cfg)[1])]
+    name = _registry.select(specs[0], requested)
+    for s in specs[1:]:
+        why = _registry.reason(name, s)
+        if why is not None:
+            raise ValueError(f'implementation="{name}" cannot run a block of this ring: {why}')
+    return name
