@@ -164,40 +164,39 @@ def _classify(spec: AttentionSpec, offset: int, tq: int, tk: int) -> int:
 
 
 class _Block(NamedTuple):
-    """One (query piece, key piece) block of one ring step, for every device."""
+    """One (query piece, key piece) pair: its class and positions at every (step, device)."""
 
     q_piece: int
     k_piece: int
-    kinds: tuple[int, ...]  # [device] SKIP / FULL / BAND
-    offsets: tuple[int, ...]  # [device] q_start - k_start (relative query offset)
-    q_starts: tuple[int, ...]  # [device] global position of the query piece
-    k_starts: tuple[int, ...]  # [device] global position of the key piece
+    kinds: np.ndarray  # [step, device] SKIP / FULL / BAND
+    offsets: np.ndarray  # [step, device] q_start - k_start (relative query offset)
+    q_starts: np.ndarray  # [step, device] global position of the query piece
+    k_starts: np.ndarray  # [step, device] global position of the key piece
 
 
-def _schedule(spec: AttentionSpec, cfg: RingConfig, dynamic_offset: bool) -> list[list[_Block]]:
-    """blocks[step]: the static classification of every block of every ring step.
+def _schedule(spec: AttentionSpec, cfg: RingConfig, dynamic_offset: bool) -> list[_Block]:
+    """The static classification of every block at every ring step on every device.
 
-    `spec` is the global (gathered) spec. With a run-time query offset the band's place is
-    unknown: blocks are FULL without a window, BAND with one.
+    `spec` is the global (gathered) spec. At step s device i holds the key chunk of device
+    (i - s) mod P. With a run-time query offset the band's place is unknown: blocks are FULL
+    without a window, BAND with one.
     """
     p = cfg.axis_size
     tq, q_starts = _piece_starts(cfg.layout, p, spec.q_len)
     tk, k_starts = _piece_starts(cfg.layout, p, spec.kv_len)
-    steps = []
-    for s in range(p):
-        blocks = []
-        for qp in range(cfg.pieces):
-            for kp in range(cfg.pieces):
-                qs = q_starts[qp]
-                ks = tuple(k_starts[kp][(i - s) % p] for i in range(p))
-                offsets = tuple(qs[i] - ks[i] for i in range(p))
-                if dynamic_offset:
-                    kinds = (BAND if spec.is_windowed else FULL,) * p
-                else:
-                    kinds = tuple(_classify(spec, d, tq, tk) for d in offsets)
-                blocks.append(_Block(qp, kp, kinds, offsets, qs, ks))
-        steps.append(blocks)
-    return steps
+    source = (np.arange(p)[None, :] - np.arange(p)[:, None]) % p  # [step, device]
+    blocks = []
+    for qp in range(cfg.pieces):
+        for kp in range(cfg.pieces):
+            qs = np.broadcast_to(np.asarray(q_starts[qp]), (p, p))
+            ks = np.asarray(k_starts[kp])[source]
+            offsets = qs - ks
+            if dynamic_offset:
+                kinds = np.full((p, p), BAND if spec.is_windowed else FULL)
+            else:
+                kinds = np.vectorize(lambda d: _classify(spec, int(d), tq, tk))(offsets)
+            blocks.append(_Block(qp, kp, kinds, offsets, qs, ks))
+    return blocks
 
 
 def block_counts(
@@ -229,13 +228,10 @@ def block_counts(
                          window_right=right)
     cfg = RingConfig("xla", "_", p, layout)
     units = 4 if layout == "contiguous" else 1
-    counts = [0] * p
-    for blocks in _schedule(spec, cfg, dynamic_offset=False):
-        for blk in blocks:
-            for i in range(p):
-                if blk.kinds[i] != SKIP:
-                    counts[i] += units
-    return counts
+    counts = np.zeros(p, np.int64)
+    for blk in _schedule(spec, cfg, dynamic_offset=False):
+        counts += units * np.sum(blk.kinds != SKIP, axis=0)
+    return [int(c) for c in counts]
 
 
 # ----------------------------------------------------------------------------- one block
@@ -245,11 +241,26 @@ def _acc_dtype(dtype):
     return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
 
-def _per_device(values: tuple[int, ...], index):
-    """values[index] for the static per-device table `values` (a Python int when uniform)."""
-    if len(set(values)) == 1:
-        return values[0]
-    return jnp.asarray(values, jnp.int32)[index]
+class _At(NamedTuple):
+    """Where in the schedule a block is computed: the steps [lo, hi) one piece of code
+    serves (one step, or the steps of a loop) and the step itself (int or traced)."""
+
+    lo: int
+    hi: int
+    step: object
+    device: object  # lax.axis_index
+
+    def rows(self, table: np.ndarray) -> np.ndarray:
+        return table[self.lo : self.hi]
+
+    def value(self, table: np.ndarray):
+        """table[step, device]: a Python int when it is the same everywhere in [lo, hi)."""
+        rows = self.rows(table)
+        if (rows == rows.flat[0]).all():
+            return int(rows.flat[0])
+        if self.hi - self.lo == 1:
+            return jnp.asarray(rows[0], jnp.int32)[self.device]
+        return jnp.asarray(rows, jnp.int32)[self.step - self.lo, self.device]
 
 
 def _piece(x, piece: int, size: int, axis: int = 1):
@@ -263,23 +274,29 @@ class _BlockCall(NamedTuple):
 
     specs: dict  # kind -> AttentionSpec of the block
     masks: dict  # kind -> MaskInputs of the block
-    kind: object  # int (static) or traced int32: the class at this device
+    kind: object  # int (static) or traced int32: the class at this (step, device)
     empty: object  # None or a traced bool: the data makes every logit invisible
 
 
-def _block_call(spec, cfg, blk: _Block, masks: MaskInputs, q_seg, kv_seg, tq, tk, index):
-    """The per-block spec and masks (chunk-local lengths, relative offset) of block `blk`."""
-    q_start = _per_device(blk.q_starts, index)
-    k_start = _per_device(blk.k_starts, index)
-    kinds = sorted(set(blk.kinds) - {SKIP})
+def _band_spec(local: AttentionSpec, blk: _Block, at: _At, dynamic_offset: bool):
+    """The spec of the BAND blocks at `at`, and whether they need a query offset: not when
+    every one of them is a diagonal block of equal chunks (offset 0)."""
+    kinds, offsets = at.rows(blk.kinds), at.rows(blk.offsets)
+    if not dynamic_offset and set(offsets[kinds == BAND].tolist()) <= {0}:
+        return local, False
+    return dataclasses.replace(local, has_q_offset=True), True
+
+
+def _block_call(spec, blk: _Block, at: _At, masks: MaskInputs, q_seg, kv_seg, tq, tk):
+    """The per-block specs and masks (chunk-local lengths, relative offset) of block `blk`."""
+    global_offset = getattr(masks, "q_offset", None)
     q_len = kv_len = None
     empty = []
-    b = spec.batch
     if masks.q_lengths is not None:
-        q_len = jnp.clip(masks.q_lengths - q_start, 0, tq).astype(jnp.int32)
+        q_len = jnp.clip(masks.q_lengths - at.value(blk.q_starts), 0, tq).astype(jnp.int32)
         empty.append(jnp.all(q_len == 0))
     if masks.kv_lengths is not None:
-        kv_len = jnp.clip(masks.kv_lengths - k_start, 0, tk).astype(jnp.int32)
+        kv_len = jnp.clip(masks.kv_lengths - at.value(blk.k_starts), 0, tk).astype(jnp.int32)
         empty.append(jnp.all(kv_len == 0))
     if q_seg is not None:
         # Disjoint id ranges share no id: no query sees any key of the block.
@@ -288,33 +305,27 @@ def _block_call(spec, cfg, blk: _Block, masks: MaskInputs, q_seg, kv_seg, tq, tk
         )
         empty.append(jnp.all(disjoint))
     local = dataclasses.replace(spec, q_len=tq, kv_len=tk)
-    base = masks._replace(
+    base = _without_offset(masks)._replace(
         q_lengths=q_len, kv_lengths=kv_len, q_segment_ids=q_seg, kv_segment_ids=kv_seg
     )
     specs, block_masks = {}, {}
-    for kind in kinds:
+    for kind in sorted(set(at.rows(blk.kinds).flat) - {SKIP}):
         if kind == FULL:
             specs[kind] = dataclasses.replace(local, window_left=None, window_right=None)
-            block_masks[kind] = _without_offset(base)
+            block_masks[kind] = base
             continue
-        global_offset = getattr(masks, "q_offset", None)
-        band_offsets = {d for d, k in zip(blk.offsets, blk.kinds) if k == BAND}
-        if global_offset is None and band_offsets == {0}:
-            # Diagonal blocks of equal chunks: the implementation's own top-left alignment.
-            specs[kind] = local
-            block_masks[kind] = _without_offset(base)
-        else:
-            offset = jnp.asarray(_per_device(blk.offsets, index), jnp.int32)
-            offset = jnp.broadcast_to(offset, (b,))
+        specs[kind], needs_offset = _band_spec(local, blk, at, global_offset is not None)
+        block_masks[kind] = base
+        if needs_offset:
+            offset = jnp.asarray(at.value(blk.offsets), jnp.int32)
+            offset = jnp.broadcast_to(offset, (spec.batch,))
             if global_offset is not None:
                 offset = offset + global_offset
-            specs[kind] = dataclasses.replace(local, has_q_offset=True)
             block_masks[kind] = base._replace(q_offset=offset)
-    kind = _per_device(blk.kinds, index)
     any_empty = None
     for e in empty:
         any_empty = e if any_empty is None else any_empty | e
-    return _BlockCall(specs, block_masks, kind, any_empty)
+    return _BlockCall(specs, block_masks, at.value(blk.kinds), any_empty)
 
 
 def _without_offset(masks: MaskInputs) -> MaskInputs:
@@ -380,24 +391,54 @@ def _sizes(spec: AttentionSpec, cfg: RingConfig) -> tuple[int, int]:
     return spec.q_len // (cfg.axis_size * cfg.pieces), spec.kv_len // (cfg.axis_size * cfg.pieces)
 
 
+def _ring_loop(cfg: RingConfig, step, kv, state, rotate_after=None):
+    """Run `state = step(at, kv, state)` for the P ring steps while K/V rotate.
+
+    The next chunk's transfer is issued before each step's compute. Step 0 and step P - 1
+    are traced on their own (their block classes are usually uniform: the diagonal, the
+    farthest chunk); the steps in between run in one `lax.fori_loop`, which also bounds the
+    memory: each iteration holds its chunk and the one arriving, never more (an unrolled
+    ring lets the scheduler issue every transfer up front and keep all P chunks alive).
+    `rotate_after(state)` moves part of the state along the ring after every step (the
+    backward's dK/dV accumulators).
+    """
+    p = cfg.axis_size
+    device = lax.axis_index(cfg.axis_name)
+    after = rotate_after or (lambda state: state)
+
+    def one(lo, hi, s, kv, state, last):
+        arriving = None if last else _rotate(kv, cfg)
+        state = after(step(_At(lo, hi, s, device), kv, state))
+        return arriving, state
+
+    for lo, hi in _step_ranges(p):
+        if hi - lo == 1:
+            kv, state = one(lo, hi, lo, kv, state, last=hi == p)
+        else:
+            body = lambda s, carry, lo=lo, hi=hi: one(lo, hi, s, *carry, last=False)
+            kv, state = lax.fori_loop(lo, hi, body, (kv, state))
+    return state
+
+
 def _ring_forward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks: MaskInputs):
     impl = _registry.get(cfg.implementation)
     tq, tk = _sizes(spec, cfg)
     acc_dt = _acc_dtype(q.dtype)
-    index = lax.axis_index(cfg.axis_name)
     schedule = _schedule(spec, cfg, getattr(masks, "q_offset", None) is not None)
     b, _, n, h = q.shape
-    o_acc = [jnp.zeros((b, tq, n, h), acc_dt) for _ in range(cfg.pieces)]
-    lse_acc = [jnp.full((b, n, tq), -jnp.inf, acc_dt) for _ in range(cfg.pieces)]
-    kv = (k, v, masks.kv_segment_ids)
-    for step, blocks in enumerate(schedule):
-        # Issue the next chunk's transfer before this block's compute (overlap).
-        arriving = _rotate(kv, cfg) if step + 1 < cfg.axis_size else None
+    # Accumulators made from q keep its varying-over-the-mesh type (shard_map's check_vma).
+    init = (
+        tuple(jnp.zeros_like(q, acc_dt, (b, tq, n, h)) for _ in range(cfg.pieces)),
+        tuple(jnp.full_like(q, -jnp.inf, acc_dt, (b, n, tq)) for _ in range(cfg.pieces)),
+    )
+
+    def step(at, kv, state):
+        o_acc, lse_acc = map(list, state)
         k_cur, v_cur, seg_cur = kv
-        for blk in blocks:
+        for blk in schedule:
             qp, kp = blk.q_piece, blk.k_piece
             q_seg = _piece(masks.q_segment_ids, qp, tq)
-            call = _block_call(spec, cfg, blk, masks, q_seg, _piece(seg_cur, kp, tk), tq, tk, index)
+            call = _block_call(spec, blk, at, masks, q_seg, _piece(seg_cur, kp, tk), tq, tk)
 
             def compute(kind, o, lse, q_blk, k_blk, v_blk, call=call):
                 ob, lb = impl.forward(call.specs[kind], q_blk, k_blk, v_blk, call.masks[kind])
@@ -407,9 +448,12 @@ def _ring_forward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks: MaskInpu
                 call,
                 compute,
                 lambda o, lse, *_: (o, lse),
-                (o_acc[qp], lse_acc[qp], _piece(q, qp, tq), _piece(k_cur, kp, tk), _piece(v_cur, kp, tk)),
+                (o_acc[qp], lse_acc[qp], _piece(q, qp, tq), _piece(k_cur, kp, tk),
+                 _piece(v_cur, kp, tk)),
             )
-        kv = arriving
+        return tuple(o_acc), tuple(lse_acc)
+
+    o_acc, lse_acc = _ring_loop(cfg, step, (k, v, masks.kv_segment_ids), init)
     out = jnp.concatenate(o_acc, axis=1).astype(q.dtype)
     lse = jnp.concatenate(lse_acc, axis=2)
     return out, lse
@@ -419,22 +463,25 @@ def _ring_backward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks, out, ls
     impl = _registry.get(cfg.implementation)
     tq, tk = _sizes(spec, cfg)
     acc_dt = _acc_dtype(q.dtype)
-    index = lax.axis_index(cfg.axis_name)
     schedule = _schedule(spec, cfg, getattr(masks, "q_offset", None) is not None)
     dout = dout.astype(out.dtype)
     dlse = dlse.astype(lse.dtype)
-    dq_acc = [jnp.zeros((q.shape[0], tq, *q.shape[2:]), acc_dt) for _ in range(cfg.pieces)]
-    kv = (k, v, masks.kv_segment_ids)
-    dkv = (jnp.zeros(k.shape, acc_dt), jnp.zeros(v.shape, acc_dt))
-    for step, blocks in enumerate(schedule):
-        arriving = _rotate(kv, cfg) if step + 1 < cfg.axis_size else None
+    init = (
+        jnp.zeros_like(q, acc_dt),  # dQ of this device's queries
+        jnp.zeros_like(k, acc_dt),  # dK of the chunk currently held (travels with it)
+        jnp.zeros_like(v, acc_dt),
+    )
+
+    def step(at, kv, state):
+        dq, dk, dv = state
+        dq_acc = [_piece(dq, qp, tq) for qp in range(cfg.pieces)]
+        dk_acc = [_piece(dk, kp, tk) for kp in range(cfg.pieces)]
+        dv_acc = [_piece(dv, kp, tk) for kp in range(cfg.pieces)]
         k_cur, v_cur, seg_cur = kv
-        dk_acc = [_piece(dkv[0], kp, tk) for kp in range(cfg.pieces)]
-        dv_acc = [_piece(dkv[1], kp, tk) for kp in range(cfg.pieces)]
-        for blk in blocks:
+        for blk in schedule:
             qp, kp = blk.q_piece, blk.k_piece
             q_seg = _piece(masks.q_segment_ids, qp, tq)
-            call = _block_call(spec, cfg, blk, masks, q_seg, _piece(seg_cur, kp, tk), tq, tk, index)
+            call = _block_call(spec, blk, at, masks, q_seg, _piece(seg_cur, kp, tk), tq, tk)
             rows = (_piece(out, qp, tq), _piece(lse, qp, tq, axis=2), _piece(dout, qp, tq),
                     _piece(dlse, qp, tq, axis=2))
 
@@ -451,11 +498,16 @@ def _ring_backward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks, out, ls
                 (dq_acc[qp], dk_acc[kp], dv_acc[kp], _piece(q, qp, tq), _piece(k_cur, kp, tk),
                  _piece(v_cur, kp, tk), *rows),
             )
+        cat = lambda xs: jnp.concatenate(xs, axis=1)
+        return cat(dq_acc), cat(dk_acc), cat(dv_acc)
+
+    def carry_home(state):
         # The accumulators follow their chunk; after the last step this hop takes them home.
-        dkv = _rotate((jnp.concatenate(dk_acc, axis=1), jnp.concatenate(dv_acc, axis=1)), cfg)
-        kv = arriving
-    dq = jnp.concatenate(dq_acc, axis=1).astype(q.dtype)
-    return dq, dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+        dq, dk, dv = state
+        return (dq, *_rotate((dk, dv), cfg))
+
+    dq, dk, dv = _ring_loop(cfg, step, (k, v, masks.kv_segment_ids), init, carry_home)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -496,23 +548,30 @@ def _vjp_backward(cfg, spec, residuals, cotangents):
 ring_flash_attention.defvjp(_vjp_forward, _vjp_backward)
 
 
+def _step_ranges(p: int) -> list[tuple[int, int]]:
+    """The step ranges `_ring_loop` traces as one piece of code each."""
+    ranges = [(0, 1)]
+    if p > 2:
+        ranges.append((1, p - 1))
+    if p > 1:
+        ranges.append((p - 1, p))
+    return ranges
+
+
 def block_specs(spec: AttentionSpec, cfg: RingConfig, dynamic_offset: bool = False):
     """The distinct per-block specs the ring hands to its implementation (for checking that
     the implementation can serve every one of them)."""
     tq, tk = _sizes(spec, cfg)
     local = dataclasses.replace(spec, q_len=tq, kv_len=tk)
     out = []
-    for blocks in _schedule(spec, cfg, dynamic_offset):
-        for blk in blocks:
-            for kind in set(blk.kinds) - {SKIP}:
+    for blk in _schedule(spec, cfg, dynamic_offset):
+        for lo, hi in _step_ranges(cfg.axis_size):
+            at = _At(lo, hi, None, None)
+            for kind in set(at.rows(blk.kinds).flat) - {SKIP}:
                 if kind == FULL:
                     s = dataclasses.replace(local, window_left=None, window_right=None)
-                elif not dynamic_offset and {
-                    d for d, kd in zip(blk.offsets, blk.kinds) if kd == BAND
-                } == {0}:
-                    s = local
                 else:
-                    s = dataclasses.replace(local, has_q_offset=True)
+                    s = _band_spec(local, blk, at, dynamic_offset)[0]
                 if s not in out:
                     out.append(s)
     return out
