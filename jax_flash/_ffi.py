@@ -152,6 +152,8 @@ def compiled_kernel_reason(spec: AttentionSpec, dtypes: tuple[str, ...]) -> Opti
     """Limits common to the compiled implementations."""
     if spec.dtype not in dtypes:
         return f"supports dtypes {', '.join(dtypes)}, got {spec.dtype}"
+    if spec.has_q_offset:
+        return "query_offset not supported yet"
     if spec.bias_shape is not None:
         return "does not take a dense bias (use implementation='xla' or 'pallas')"
     if spec.mask_shape is not None:

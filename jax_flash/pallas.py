@@ -387,6 +387,8 @@ class PallasImplementation:
             return f"supports dtypes {DTYPES}, got {spec.dtype}"
         if spec.head_dim > MAX_HEAD_DIM:
             return f"supports head dims up to {MAX_HEAD_DIM}, got {spec.head_dim}"
+        if spec.has_q_offset:
+            return "query_offset not supported yet"
         return None
 
     def forward(self, spec, q, k, v, masks):
