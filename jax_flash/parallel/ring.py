@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import NamedTuple, Optional
 
 import jax
@@ -128,6 +129,9 @@ class RingConfig:
     axis_name: str
     axis_size: int
     layout: str = "contiguous"
+    # A static global query offset (query t sits at key position query_offset + t): folded
+    # into the static schedule. A run-time one comes as MaskInputs.q_offset instead.
+    query_offset: int = 0
 
     @property
     def pieces(self) -> int:
@@ -190,7 +194,7 @@ def _schedule(spec: AttentionSpec, cfg: RingConfig, dynamic_offset: bool) -> lis
         for kp in range(cfg.pieces):
             qs = np.broadcast_to(np.asarray(q_starts[qp]), (p, p))
             ks = np.asarray(k_starts[kp])[source]
-            offsets = qs - ks
+            offsets = qs - ks + cfg.query_offset
             if dynamic_offset:
                 kinds = np.full((p, p), BAND if spec.is_windowed else FULL)
             else:
@@ -289,7 +293,7 @@ def _band_spec(local: AttentionSpec, blk: _Block, at: _At, dynamic_offset: bool)
 
 def _block_call(spec, blk: _Block, at: _At, masks: MaskInputs, q_seg, kv_seg, tq, tk):
     """The per-block specs and masks (chunk-local lengths, relative offset) of block `blk`."""
-    global_offset = getattr(masks, "q_offset", None)
+    global_offset = masks.q_offset
     q_len = kv_len = None
     empty = []
     if masks.q_lengths is not None:
@@ -304,7 +308,7 @@ def _block_call(spec, blk: _Block, at: _At, masks: MaskInputs, q_seg, kv_seg, tq
             jnp.min(q_seg, axis=1) > jnp.max(kv_seg, axis=1)
         )
         empty.append(jnp.all(disjoint))
-    local = dataclasses.replace(spec, q_len=tq, kv_len=tk)
+    local = dataclasses.replace(spec, q_len=tq, kv_len=tk, has_q_offset=False)
     base = _without_offset(masks)._replace(
         q_lengths=q_len, kv_lengths=kv_len, q_segment_ids=q_seg, kv_segment_ids=kv_seg
     )
@@ -329,9 +333,7 @@ def _block_call(spec, blk: _Block, at: _At, masks: MaskInputs, q_seg, kv_seg, tq
 
 
 def _without_offset(masks: MaskInputs) -> MaskInputs:
-    if getattr(masks, "q_offset", None) is not None:
-        return masks._replace(q_offset=None)
-    return masks
+    return masks._replace(q_offset=None)
 
 
 def _dispatch(call: _BlockCall, compute, skip, operands):
@@ -424,7 +426,7 @@ def _ring_forward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks: MaskInpu
     impl = _registry.get(cfg.implementation)
     tq, tk = _sizes(spec, cfg)
     acc_dt = _acc_dtype(q.dtype)
-    schedule = _schedule(spec, cfg, getattr(masks, "q_offset", None) is not None)
+    schedule = _schedule(spec, cfg, masks.q_offset is not None)
     b, _, n, h = q.shape
     # Accumulators made from q keep its varying-over-the-mesh type (shard_map's check_vma).
     init = (
@@ -463,7 +465,7 @@ def _ring_backward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks, out, ls
     impl = _registry.get(cfg.implementation)
     tq, tk = _sizes(spec, cfg)
     acc_dt = _acc_dtype(q.dtype)
-    schedule = _schedule(spec, cfg, getattr(masks, "q_offset", None) is not None)
+    schedule = _schedule(spec, cfg, masks.q_offset is not None)
     dout = dout.astype(out.dtype)
     dlse = dlse.astype(lse.dtype)
     init = (
@@ -519,13 +521,15 @@ def ring_flash_attention(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks: M
     whose mesh has axis `cfg.axis_name` of size `cfg.axis_size`.
 
     Args:
-      cfg: the implementation, the mesh axis and the layout.
+      cfg: the implementation, the mesh axis, the layout and a static query offset.
       spec: the canonical spec of the *gathered* call (global T and S; no bias or dense
         mask). Its window is the global one.
       q: [B, T/P, N, H], k and v: [B, S/P, K, H]: this device's chunks in `cfg.layout`.
       masks: q_lengths / kv_lengths [B] global lengths (the same on every device),
         q_segment_ids [B, T/P] / kv_segment_ids [B, S/P] this device's chunks, and
-        optionally q_offset [B] (global query offset; disables static block skipping).
+        optionally q_offset [B], a run-time global query offset (added to
+        cfg.query_offset; blocks are then classified by the window alone). spec.has_q_offset
+        says whether it is there.
 
     Returns:
       out [B, T/P, N, H] (dtype of q) and lse [B, N, T/P] (float32; float64 for float64).
@@ -562,7 +566,7 @@ def block_specs(spec: AttentionSpec, cfg: RingConfig, dynamic_offset: bool = Fal
     """The distinct per-block specs the ring hands to its implementation (for checking that
     the implementation can serve every one of them)."""
     tq, tk = _sizes(spec, cfg)
-    local = dataclasses.replace(spec, q_len=tq, kv_len=tk)
+    local = dataclasses.replace(spec, q_len=tq, kv_len=tk, has_q_offset=False)
     out = []
     for blk in _schedule(spec, cfg, dynamic_offset):
         for lo, hi in _step_ranges(cfg.axis_size):
@@ -606,6 +610,7 @@ def ring_attention(
     logits_soft_cap: Optional[float] = None,
     scale: Optional[float] = None,
     layout: str = "contiguous",
+    query_offset=None,
     return_residual: bool = False,
     implementation: Optional[str] = None,
 ):
@@ -628,6 +633,9 @@ def ring_attention(
       layout: "contiguous" (device i holds chunk i of P) or "zigzag" (device i holds chunks
         i and 2P-1-i of 2P, concatenated; balances causal work — reorder global arrays with
         `jax_flash.zigzag` / `jax_flash.unzigzag`).
+      query_offset: as in `jax_flash.attention`, global: query t of the gathered sequence
+        sits at key position query_offset + t. A Python int keeps the static block skipping;
+        an array [*B] is a run-time value (every block in the window is then computed).
       return_residual: also return this device's lse [*B, T/P, N].
       implementation: the implementation of each block (as in `jax_flash.attention`).
 
@@ -646,29 +654,52 @@ def ring_attention(
         local_window_size=local_window_size,
         segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap,
+        query_offset=query_offset,
         implementation=implementation,
     )
+    masks, static_offset = c.masks, 0
+    if isinstance(query_offset, numbers.Integral):  # validated by canonicalize
+        masks, static_offset = masks._replace(q_offset=None), int(query_offset)
     if layout == "zigzag" and (c.spec.q_len % 2 or c.spec.kv_len % 2):
         raise ValueError(
             'layout="zigzag" needs even local sequence lengths (two chunks per device), got '
             f"query {tuple(c.q.shape)} and key {tuple(c.k.shape)}"
         )
-    spec = dataclasses.replace(c.spec, q_len=c.spec.q_len * p, kv_len=c.spec.kv_len * p)
-    name = _select(spec, RingConfig("xla", axis_name, p, layout), implementation)
-    cfg = RingConfig(name, axis_name, p, layout)
-    out, lse = ring_flash_attention(cfg, spec, c.q, c.k, c.v, c.masks)
+    spec = dataclasses.replace(
+        c.spec,
+        q_len=c.spec.q_len * p,
+        kv_len=c.spec.kv_len * p,
+        has_q_offset=masks.q_offset is not None,
+    )
+    cfg = RingConfig("xla", axis_name, p, layout, static_offset)
+    cfg = dataclasses.replace(cfg, implementation=_select(spec, cfg, implementation))
+    out, lse = ring_flash_attention(cfg, spec, c.q, c.k, c.v, masks)
     out, lse = restore(c, out, lse)
     return (out, lse) if return_residual else out
 
 
 def _select(spec: AttentionSpec, cfg: RingConfig, requested: Optional[str]) -> str:
-    """The implementation that can serve every block spec of the ring."""
-    specs = block_specs(spec, cfg)
-    if not specs:  # nothing visible at all: any implementation will do (none is called)
-        specs = [dataclasses.replace(spec, q_len=_sizes(spec, cfg)[0], kv_len=_sizes(spec, cfg)[1])]
-    name = _registry.select(specs[0], requested)
-    for s in specs[1:]:
-        why = _registry.reason(name, s)
+    """The implementation that can serve every block spec of the ring: the requested one
+    (or ValueError saying why not), else the first of this platform's preference order."""
+    specs = block_specs(spec, cfg, spec.has_q_offset) or [
+        dataclasses.replace(spec, q_len=_sizes(spec, cfg)[0], kv_len=_sizes(spec, cfg)[1])
+    ]  # nothing visible at all: no block is computed, any implementation will do
+
+    def why_not(name):
+        for s in specs:
+            why = _registry.reason(name, s)
+            if why is not None:
+                return why
+        return None
+
+    if requested is not None:
+        why = why_not(requested)
         if why is not None:
-            raise ValueError(f'implementation="{name}" cannot run a block of this ring: {why}')
-    return name
+            raise ValueError(f'implementation="{requested}" cannot run a block of this ring: {why}')
+        return requested
+    reasons = {}
+    for name in _registry._PREFERENCE.get(_registry.platform(), ("xla",)):
+        reasons[name] = why_not(name)
+        if reasons[name] is None:
+            return name
+    raise ValueError(f"no implementation can run the blocks of this ring: {reasons}")
