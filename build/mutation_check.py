@@ -52,7 +52,7 @@ class Mutation:
     what: str = ""
 
 
-TEST_FILES = ("tests/test_attention.py",)
+TEST_FILES = ("tests/test_attention.py", "tests/test_grid.py")
 
 # Test selections (implementation "cuda" runs on the emulation here).
 FWD = "cuda and test_forward"
@@ -82,9 +82,11 @@ MUTATIONS = [
     Mutation("swizzle_off", K + "tile.h",
              "return kStrideChunks >= 8 ? (row & 7) : ((row >> 1) & 3);", "return 0;", FWD, kind="speed",
              what="no XOR swizzle: bank conflicts only (the same function places and finds chunks)"),
-    Mutation("grid_decode", K + "grid.h", "return {i % blocks, (i / blocks) % heads, i / blocks / heads};",
-             "return {i % blocks, i / blocks / batch, (i / blocks) % batch};", ALL,
-             what="CTA index folded into grid.x decoded with head and batch swapped"),
+    Mutation("grid_decode", K + "grid.h", "return {i % blocks, static_cast<int>(y + grid_y * z), i / blocks};",
+             "return {i / batch, static_cast<int>(y + grid_y * z), i % batch};", FWD,
+             what="grid.x decoded batch-fastest while the launch numbers it block-fastest"),
+    Mutation("grid_heads_z", K + "grid.h", "static_cast<int>(y + grid_y * z)", "static_cast<int>(y)",
+             "grid_folds", what="heads past 65535 (grid.z) decoded as the first 65535 again"),
     # ---- mask.h -----------------------------------------------------------------------------
     Mutation("is_interior_cols", K + "mask.h", "key_hi(t0) >= s0 + cols;", "key_hi(t0) >= s0 + cols - 1;", ALL,
              what="Mask::is_interior off by one at the keys' end"),
@@ -147,17 +149,18 @@ MUTATIONS = [
     Mutation("bwd_ring_barrier", K + "bwd.h",
              "__syncthreads();  // this block's tiles landed; the slot and dSᵀ tile reused next are free",
              "// (barrier removed)", BWD, what="backward: next query block's copy and dSᵀ overwrite unsynchronised"),
-    Mutation("dq_atomic", K + "bwd.h", "atomicAdd(row + col, dq[j][2 * r]);", "row[col] += dq[j][2 * r];", BWD,
+    Mutation("dq_atomic", K + "bwd.h", "ptx::red_global_add_f32(row + col, dq[j][2 * r]);",
+             "ptx::st_global_f32(row + col, ptx::ld_global_f32(row + col) + dq[j][2 * r]);", BWD,
              what="dQ accumulated with a plain read-modify-write instead of an atomic"),
     Mutation("dq_rows_guard", K + "bwd.h", "if (t >= p.q_len) continue;", "if (t > p.q_len) continue;", BWD,
              what="dQ atomics one row past the end of the query rows"),
     Mutation("ds_store_row", K + "bwd.h", "const int row = warp * K::WARP_KV + (lane >> 2) + 8 * r;",
              "const int row = warp * K::WARP_KV + (lane >> 2) + 4 * r;", BWD, what="dSᵀ stored to the wrong rows"),
-    Mutation("ds_sign", K + "bwd.h", "dp[j][i] = prob * (dp[j][i] - delta[col]) * scaling.cap_derivative(x);",
-             "dp[j][i] = prob * (delta[col] - dp[j][i]) * scaling.cap_derivative(x);", BWD,
+    Mutation("ds_sign", K + "bwd.h", "prob * (dp[j][i] - ptx::ld_shared_f32(delta + col))",
+             "prob * (ptx::ld_shared_f32(delta + col) - dp[j][i])", BWD,
              what="backward: sign of dS = P (dP - D)"),
-    Mutation("delta_dlse_sign", K + "bwd.h", "p.delta[stat] = dot - p.dlse[stat];", "p.delta[stat] = dot + p.dlse[stat];",
-             BWD, what="D = rowsum(dO O) - dlse: sign of the lse cotangent"),
+    Mutation("delta_dlse_sign", K + "bwd.h", "dot - ptx::ld_global_f32(p.dlse + stat)",
+             "dot + ptx::ld_global_f32(p.dlse + stat)", BWD, what="D = rowsum(dO O) - dlse: sign of the lse cotangent"),
     Mutation("delta_chunks", K + "bwd.h", "if (row < rows && sub < K::CHUNKS) {", "if (row < rows && sub <= K::CHUNKS) {",
              BWD, what="delta kernel: one chunk past the row (H = 96)"),
     Mutation("dk_scale", K + "bwd.h", "Elem::pack(p.scale * dk[j][2 * r], p.scale * dk[j][2 * r + 1])",
