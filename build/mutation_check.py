@@ -378,6 +378,10 @@ def main() -> int:
     def log(msg):
         print(msg, flush=True)
 
+    # The tree as copied (taken now: HEAD may move while the check runs).
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
     # A terminated check still removes its scratch copy.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     start = time.monotonic()
@@ -406,9 +410,6 @@ def main() -> int:
         else:
             shutil.rmtree(base, ignore_errors=True)
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
     header = (f"Mutation check, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit "
               f"{commit.strip()}{' + local changes' if dirty else ''}, {time.monotonic() - start:.0f} s")
     if args.markdown:
