@@ -24,6 +24,7 @@ def attention(
     local_window_size=None,
     segment_ids=None,
     logits_soft_cap: Optional[float] = None,
+    query_offset=None,
     return_residual: bool = False,
     implementation: Optional[str] = None,
 ):
@@ -37,13 +38,20 @@ def attention(
       bias: optional additive logits bias, broadcastable to [*B, N, T, S]. Differentiable.
       mask: optional boolean, broadcastable to [*B, N, T, S]; True = may attend.
       scale: logits scale; default 1 / sqrt(H).
-      is_causal: query t sees keys s <= t (top-left aligned, also for T != S).
+      is_causal: query t sees keys s <= t (top-left aligned, also for T != S; see
+        query_offset for other alignments).
       query_seq_lengths: [*B] int32; query rows t >= length are padding (output 0).
       key_value_seq_lengths: [*B] int32; keys s >= length are ignored.
       local_window_size: int w or (left, right): query t sees keys t - left <= s <= t + right.
       segment_ids: [*B, T] int32 (self-attention) or (q_ids [*B, T], kv_ids [*B, S]): query t
         sees key s only when their ids are equal (packed sequences).
       logits_soft_cap: float c > 0: logits -> c·tanh(logits / c), after bias, before masking.
+      query_offset: int o, or an integer array broadcastable to [*B] (one offset per batch
+        row): query t sits at key position o + t for is_causal and local_window_size, so
+        causal sees s <= o + t and the window o + t - left <= s <= o + t + right. Default 0
+        (jax.nn's top-left alignment); o = S - T aligns the last query with the last key
+        (FlashAttention's bottom-right alignment, a decode step over a cache). Negative and
+        beyond-S offsets are allowed; lengths and segment ids are not shifted by it.
       return_residual: also return lse [*B, T, N], float32 natural-log log-sum-exp of the
         visible logits (-inf for rows that see no key).
       implementation: None (best available), "cuda", "pallas", "cpu" or "xla". A requested
@@ -69,6 +77,7 @@ def attention(
         local_window_size=local_window_size,
         segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap,
+        query_offset=query_offset,
         implementation=implementation,
     )
     name = _registry.select(c.spec, implementation)

@@ -6,7 +6,8 @@ the same rules in `cuda/`; the shared test suite holds them to these.)
 
 All functions broadcast: `rows` is an int32 array of query positions shaped [..., tq, 1],
 `cols` of key positions shaped [..., 1, tk]; per-batch inputs come already indexed for the
-batch element(s) at hand and shaped to broadcast against [..., tq, tk].
+batch element(s) at hand and shaped to broadcast against [..., tq, tk]. Rows and columns
+index the arrays; the query offset only moves the causal/window band (`AttentionSpec.band`).
 """
 
 from __future__ import annotations
@@ -26,19 +27,29 @@ def visible(
     q_segment_ids=None,
     kv_segment_ids=None,
     kv_limit=None,
+    band=None,
 ):
     """Boolean visibility of keys `cols` to queries `rows`; masks combine by AND.
 
     kv_limit: keys >= kv_limit do not exist (the ragged tail of a padded key block).
+    band: `spec.band(q_offset)` (shaped like the per-batch inputs); required when the spec
+    has a query offset, else it defaults to `spec.band()` (offset 0).
     Returns None when nothing is masked.
     """
+    if band is None:
+        if spec.has_q_offset:
+            raise ValueError("visible: the spec has a query offset but no band was given")
+        band = spec.band()
+    band_lo, band_hi = band
     conds = []
     if kv_limit is not None:
         conds.append(cols < kv_limit)
-    if spec.window_left is not None:
-        conds.append(cols >= rows - spec.window_left)
-    if spec.window_right is not None:
-        conds.append(cols <= rows + spec.window_right)
+    if band_lo is not None or band_hi is not None:
+        diagonal = cols - rows  # s - t: the window is a band of diagonals
+    if band_lo is not None:
+        conds.append(diagonal >= band_lo)
+    if band_hi is not None:
+        conds.append(diagonal <= band_hi)
     if q_lengths is not None:
         conds.append(rows < q_lengths)
     if kv_lengths is not None:

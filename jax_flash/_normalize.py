@@ -55,6 +55,51 @@ def _check_int_array(name: str, x, shape: tuple[int, ...], alt_shapes=()) -> jax
     return x.astype(jnp.int32).reshape(shape)
 
 
+def _query_offset(query_offset, batch_shape, b: int) -> jax.Array:
+    """int, or an integer array broadcastable to [*batch]: -> [B] int32."""
+    name = "query_offset"
+    if isinstance(query_offset, bool) or isinstance(query_offset, np.bool_):
+        raise TypeError(f"{name} must be an int or an integer array [*B], got {query_offset!r}")
+    if isinstance(query_offset, numbers.Integral):
+        o = int(query_offset)
+        if not _INT32_MIN <= o <= _INT32_MAX:
+            raise ValueError(f"{name} must fit in int32, got {o}")
+        return jnp.full((b,), o, jnp.int32)
+    x = _as_array(name, query_offset)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an int or an integer array [*B] (int32), got {_shape_str(x)}")
+    shape = tuple(x.shape)
+    target = tuple(batch_shape)
+    ok = len(shape) <= max(len(target), 1) and all(
+        d == 1 or d == want for d, want in zip(shape[::-1], target[::-1])
+    )
+    if ok and not target:
+        ok = shape in ((), (1,))
+    if not ok:
+        raise ValueError(
+            f"{name} must be an int or an integer array broadcastable to [*B] = {target}, "
+            f"got {_shape_str(x)}"
+        )
+    if x.dtype.itemsize > 4 or jnp.issubdtype(x.dtype, jnp.unsignedinteger):
+        try:
+            values = np.asarray(query_offset)
+        except jax.errors.TracerArrayConversionError:
+            values = None  # traced: converted below like any int32 input
+        if values is not None and values.size and (
+            values.min() < _INT32_MIN or values.max() > _INT32_MAX
+        ):
+            raise ValueError(
+                f"{name} must fit in int32, got values in [{values.min()}, {values.max()}]"
+            )
+    x = x.astype(jnp.int32)
+    if not target:
+        return x.reshape(1)
+    return jnp.broadcast_to(x, target).reshape(b)
+
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
 def _window(local_window_size, is_causal) -> tuple[Optional[int], Optional[int]]:
     left = right = None
     if local_window_size is not None:
@@ -133,6 +178,7 @@ def canonicalize(
     local_window_size=None,
     segment_ids=None,
     logits_soft_cap=None,
+    query_offset=None,
     implementation=None,
 ) -> Canonical:
     """Check every argument and build the canonical call."""
@@ -239,6 +285,8 @@ def canonicalize(
         q_seg = _check_int_array("segment_ids (query)", q_ids, (*batch_shape, t)).reshape(b, t)
         kv_seg = _check_int_array("segment_ids (key/value)", kv_ids, (*batch_shape, s)).reshape(b, s)
 
+    q_off = None if query_offset is None else _query_offset(query_offset, batch_shape, b)
+
     spec = AttentionSpec(
         batch=b,
         q_len=t,
@@ -256,8 +304,9 @@ def canonicalize(
         has_q_lengths=q_len is not None,
         has_kv_lengths=kv_len is not None,
         has_segment_ids=q_seg is not None,
+        has_q_offset=q_off is not None,
     )
-    masks = MaskInputs(bias_c, mask_c, q_len, kv_len, q_seg, kv_seg)
+    masks = MaskInputs(bias_c, mask_c, q_len, kv_len, q_seg, kv_seg, q_off)
     return Canonical(
         spec=spec,
         q=q.reshape(b, t, n, h),

@@ -29,6 +29,8 @@ class MaskInputs(NamedTuple):
     kv_lengths: Optional[jax.Array] = None  # [B] int32
     q_segment_ids: Optional[jax.Array] = None  # [B, T] int32
     kv_segment_ids: Optional[jax.Array] = None  # [B, S] int32
+    # [B] int32: query t of row b sits at key position q_offset[b] + t (causal/window only).
+    q_offset: Optional[jax.Array] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +45,8 @@ class AttentionSpec:
     head_dim: int  # H
     dtype: str  # numpy name of q/k/v's dtype
     scale: float
-    # Visible keys of query t: t - window_left <= s <= t + window_right; None = unbounded.
-    # Causal attention is the window (None, 0).
+    # Visible keys of query t at position p = q_offset + t: p - window_left <= s <= p +
+    # window_right; None = unbounded. Causal attention is the window (None, 0).
     window_left: Optional[int] = None
     window_right: Optional[int] = None
     soft_cap: Optional[float] = None
@@ -53,6 +55,7 @@ class AttentionSpec:
     has_q_lengths: bool = False
     has_kv_lengths: bool = False
     has_segment_ids: bool = False
+    has_q_offset: bool = False  # MaskInputs.q_offset is given (else the offset is 0)
 
     @property
     def group_size(self) -> int:
@@ -63,27 +66,61 @@ class AttentionSpec:
     def is_windowed(self) -> bool:
         return self.window_left is not None or self.window_right is not None
 
-    def key_block_range(self, q_start, q_stop, block_k: int, num_k_blocks: int):
-        """Key blocks [lo, hi) that queries [q_start, q_stop) can see through the window.
+    def band(self, q_offset=0):
+        """(lo, hi): query t sees key s through the window iff lo <= s - t <= hi.
 
-        Works on Python ints and on traced int32 scalars alike (floor division).
+        lo = q_offset - window_left and hi = q_offset + window_right, clipped to [-T, S]
+        (which changes nothing, since -T < s - t < S) and computed without int32
+        wrap-around for any window size; None for an unbounded side. q_offset: a Python
+        int (the result is then Python ints), or an int32 array or traced scalar
+        (elementwise).
         """
-        lo = 0
-        hi = num_k_blocks
+        lo = hi = None
         if self.window_left is not None:
-            lo = _maximum(0, (q_start - self.window_left) // block_k)
+            lo = _offset_clip(q_offset, -self.window_left, -self.q_len, self.kv_len)
         if self.window_right is not None:
-            hi = _minimum(num_k_blocks, (q_stop - 1 + self.window_right) // block_k + 1)
+            hi = _offset_clip(q_offset, self.window_right, -self.q_len, self.kv_len)
         return lo, hi
 
-    def query_block_range(self, k_start, k_stop, block_q: int, num_q_blocks: int):
-        """Query blocks [lo, hi) that can see any key of [k_start, k_stop)."""
+    def _widest_band(self, q_offset):
+        """`band` of the union over a [B] array of offsets (an empty batch: no key)."""
+        lo, hi = self.band(q_offset)
+        if lo is not None and getattr(lo, "ndim", 0) > 0:
+            lo = jax.numpy.min(lo, initial=self.kv_len)
+        if hi is not None and getattr(hi, "ndim", 0) > 0:
+            hi = jax.numpy.max(hi, initial=-self.q_len)
+        return lo, hi
+
+    def key_block_range(self, q_start, q_stop, block_k: int, num_k_blocks: int, q_offset=0):
+        """Key blocks [lo, hi) holding a key that one of the queries [q_start, q_stop) sees
+        through the window (exactly those: rows >= T and keys >= S do not count).
+
+        q_offset: as for `band`; a [B] array gives the blocks any of the B rows can see.
+        Works on Python ints and on traced int32 scalars alike (floor division).
+        """
+        band_lo, band_hi = self._widest_band(q_offset)
+        lo = 0
+        hi = num_k_blocks
+        if band_lo is not None:  # the first visible key, q_start + band_lo
+            first = q_start + band_lo
+            lo = _select(first >= self.kv_len, num_k_blocks, _maximum(0, first // block_k))
+        if band_hi is not None:  # the last visible key
+            last = _minimum(q_stop, self.q_len) - 1 + band_hi
+            hi = _minimum(num_k_blocks, last // block_k + 1)
+        return lo, hi
+
+    def query_block_range(self, k_start, k_stop, block_q: int, num_q_blocks: int, q_offset=0):
+        """Query blocks [lo, hi) holding a query that sees one of the keys [k_start, k_stop)
+        (exactly those; q_offset as for `key_block_range`)."""
+        band_lo, band_hi = self._widest_band(q_offset)
         lo = 0
         hi = num_q_blocks
-        if self.window_right is not None:
-            lo = _maximum(0, (k_start - self.window_right) // block_q)
-        if self.window_left is not None:
-            hi = _minimum(num_q_blocks, (k_stop - 1 + self.window_left) // block_q + 1)
+        if band_hi is not None:  # the first query that sees k_start
+            first = k_start - band_hi
+            lo = _select(first >= self.q_len, num_q_blocks, _maximum(0, first // block_q))
+        if band_lo is not None:  # the last query that sees the last key
+            last = _minimum(k_stop, self.kv_len) - 1 - band_lo
+            hi = _minimum(num_q_blocks, last // block_q + 1)
         return lo, hi
 
     def flops(self, backward: bool = False) -> float:
@@ -94,10 +131,37 @@ class AttentionSpec:
         return f * 2.5 if backward else f
 
 
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def _offset_clip(offset, delta: int, lo: int, hi: int):
+    """clip(offset + delta, lo, hi), exact for an int32 `offset` and any Python int `delta`
+    (int32 sums saturate instead of wrapping around; lo, hi are int32)."""
+    if isinstance(offset, int):
+        return min(max(offset + delta, lo), hi)
+    x = jax.numpy.asarray(offset, jax.numpy.int32)
+    if abs(delta) >= 2**32:  # offset + delta lies outside int32, so outside [lo, hi]
+        return jax.numpy.full(x.shape, lo if delta < 0 else hi, jax.numpy.int32)
+    while delta != 0:  # at most three saturating steps of less than 2**31
+        step = max(min(delta, _INT32_MAX), -_INT32_MAX)
+        if step > 0:
+            x = jax.numpy.where(x > _INT32_MAX - step, _INT32_MAX, x + step)
+        else:
+            x = jax.numpy.where(x < _INT32_MIN - step, _INT32_MIN, x + step)
+        delta -= step
+    return jax.numpy.clip(x, lo, hi).astype(jax.numpy.int32)
+
+
 def _maximum(a, b):
     if isinstance(a, int) and isinstance(b, int):
         return max(a, b)
     return jax.numpy.maximum(a, b)
+
+
+def _select(cond, a, b):
+    if isinstance(cond, bool):
+        return a if cond else b
+    return jax.numpy.where(cond, a, b)
 
 
 def _minimum(a, b):

@@ -28,6 +28,7 @@ def attention_reference(
     local_window_size=None,
     segment_ids=None,
     logits_soft_cap=None,
+    query_offset=None,
     return_residual=False,
     compute_dtype=None,
 ):
@@ -50,6 +51,7 @@ def attention_reference(
         local_window_size=local_window_size,
         segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap,
+        query_offset=query_offset,
     )
     out, lse = reference_canonical(c.spec, c.q, c.k, c.v, c.masks, compute_dtype)
     out, lse = restore(c, out.astype(query.dtype if compute_dtype is None else compute_dtype), lse)
@@ -74,10 +76,13 @@ def reference_canonical(
     logits = logits.astype(dt).astype(stat_dt)
     rows = jnp.arange(t, dtype=jnp.int32)[:, None]
     cols = jnp.arange(s, dtype=jnp.int32)[None, :]
+    # Query t of row b sits at key position q_offset[b] + t for the causal/window band.
+    q_offset = 0 if masks.q_offset is None else masks.q_offset[:, None, None, None]
     vis = _masking.visible(
         spec,
         rows,
         cols,
+        band=spec.band(q_offset),
         q_lengths=None if masks.q_lengths is None else masks.q_lengths[:, None, None, None],
         kv_lengths=None if masks.kv_lengths is None else masks.kv_lengths[:, None, None, None],
         q_segment_ids=None

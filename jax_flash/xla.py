@@ -8,7 +8,8 @@ see it, recompute P = exp(S - lse) tile by tile and accumulate dK, dV for the bl
 dQ accumulates across key blocks. Memory is O(T·block); the T×S matrix never exists.
 
 Key blocks entirely outside a causal/window band are never visited (the inner loop has
-per-block bounds), so causal at T == S costs about half of full attention.
+per-block bounds), so causal at T == S costs about half of full attention. With per-row
+query offsets one loop serves the whole batch, so it visits the union of the rows' bands.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ class _Tiles:
             if masks.kv_segment_ids is None
             else _pad_axis(masks.kv_segment_ids, 1, self.s_pad),
         )
+        # The causal/window band of every batch row, shaped [B|1, 1, 1, 1, 1] like a tile.
+        q_offset = 0 if masks.q_offset is None else masks.q_offset[:, None, None, None, None]
+        self.band = spec.band(q_offset)
 
     def _pad_dense(self, x, value):
         if x is None:
@@ -119,6 +123,7 @@ class _Tiles:
             q_segment_ids=q_seg,
             kv_segment_ids=kv_seg,
             kv_limit=spec.kv_len if self.s_pad != spec.kv_len else None,
+            band=self.band,
         )
         dense = self.dense_tile(m.mask, i, j)
         if dense is not None:
@@ -150,6 +155,7 @@ def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, block_q=BLOCK_Q, bl
     qp = _split_heads(_pad_axis(q, 1, tiles.t_pad), spec)
     kp = _pad_axis(k, 1, tiles.s_pad)
     vp = _pad_axis(v, 1, tiles.s_pad)
+    q_offset = 0 if masks.q_offset is None else masks.q_offset  # key blocks: union over B
 
     def query_block(i):
         q_blk = lax.dynamic_slice_in_dim(qp, i * bq, bq, axis=1)  # [B, bq, K, G, H]
@@ -174,7 +180,7 @@ def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, block_q=BLOCK_Q, bl
             )
             return m_new, l, alpha[..., None] * acc + pv
 
-        lo, hi = spec.key_block_range(i * bq, (i + 1) * bq, bk, nk)
+        lo, hi = spec.key_block_range(i * bq, (i + 1) * bq, bk, nk, q_offset)
         init = (
             jnp.full((b, kh, g, bq), -jnp.inf, acc_dt),
             jnp.zeros((b, kh, g, bq), acc_dt),
@@ -219,6 +225,7 @@ def backward(
     dop = _split_heads(_pad_axis(dout, 1, tiles.t_pad), spec)
     kp = _pad_axis(k, 1, tiles.s_pad)
     vp = _pad_axis(v, 1, tiles.s_pad)
+    q_offset = 0 if masks.q_offset is None else masks.q_offset  # query blocks: union over B
 
     def per_row(x):  # [B, N, T] -> [B, K, G, T_pad]
         return _pad_axis(x.astype(acc_dt), 2, tiles.t_pad).reshape(b, kh, g, tiles.t_pad)
@@ -267,7 +274,7 @@ def backward(
             dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", ds, q_blk, preferred_element_type=acc_dt)
             return dk, dv, dq_acc, dbias
 
-        lo, hi = spec.query_block_range(j * bk, (j + 1) * bk, bq, nq)
+        lo, hi = spec.query_block_range(j * bk, (j + 1) * bk, bq, nq, q_offset)
         zeros_kv = jnp.zeros((b, bk, kh, h), acc_dt)
         dk, dv, dq_acc, dbias = lax.fori_loop(
             lo, jnp.maximum(lo, hi), query_block, (zeros_kv, zeros_kv, dq_acc, dbias)

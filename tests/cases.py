@@ -53,6 +53,8 @@ MASK_KINDS = (
     "combo",
     "all_masked",
 )
+# query_offset: query t sits at key position offset + t for the causal/window band.
+OFFSET_KINDS = ("offset_causal", "offset_window", "offset_rows", "offset_combo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +96,20 @@ def _cases():
     for name, dt in (("small_h32", "float16"), ("small_h96", "bfloat16")):
         for kind in ("none", "causal", "combo"):
             out.append(Case(name, kind, dt, True))
+    # query_offset: bottom-right causal for T < S, T > S and a decode step (T = 1), windows
+    # moved by per-row offsets, negative / beyond-S offsets, with lengths and segments.
+    for kind in OFFSET_KINDS:
+        out.append(Case("ragged", kind, "float32", False))
+        out.append(Case("small_mqa", kind, "bfloat16", True))
+    out.append(Case("ragged", "offset_combo", "bfloat16", False))
+    for kind in ("offset_causal", "offset_window"):
+        out.append(Case("odd_h", kind, "float32", False))
+    out.append(Case("one_query", "offset_causal", "float32", False))
+    for kind in ("offset_causal", "offset_rows"):
+        out.append(Case("small_tall", kind, "float16", True))
+    for kind in ("offset_rows", "offset_combo"):
+        out.append(Case("small_h96", kind, "bfloat16", True))
+    out.append(Case("small_gqa", "offset_window", "float16", True))
     return out
 
 
@@ -157,6 +173,29 @@ def mask_kwargs(kind: str, shape: Shape, seed: int = 1) -> dict:
         else:
             kw["segment_ids"] = (_segments(rng, b, t, 3), _segments(rng, b, s, 3))
         return kw
+    if kind == "offset_causal":  # bottom-right aligned (FlashAttention's causal)
+        return dict(is_causal=True, query_offset=s - t)
+    if kind == "offset_window":  # one offset per batch row, as an array
+        return dict(
+            local_window_size=(7, 3),
+            query_offset=jnp.asarray([s - t, (s - t) // 2 + 5][:b], jnp.int32),
+        )
+    if kind == "offset_rows":
+        # Negative (the first t//2 rows see nothing) and beyond S (every key visible).
+        offsets = [-(t // 2), s + 3, s - t][:b]
+        return dict(is_causal=True, query_offset=jnp.asarray(offsets, jnp.int32))
+    if kind == "offset_combo":
+        # Lengths and segment ids index the arrays as given: the offset does not shift them.
+        q_len = [max(1, t - 5)] + [t] * (b - 1)
+        kv_len = [s] * (b - 1) + [max(1, (3 * s) // 4)]
+        return dict(
+            is_causal=True,
+            local_window_size=(s // 3, 5),
+            query_offset=jnp.asarray([s - t, 3, -2][:b], jnp.int32),
+            query_seq_lengths=jnp.asarray(q_len, jnp.int32),
+            key_value_seq_lengths=jnp.asarray(kv_len, jnp.int32),
+            segment_ids=(_segments(rng, b, t, 3), _segments(rng, b, s, 3)),
+        )
     if kind == "all_masked":
         # The first batch element sees no key at all; the second has padded query rows.
         return dict(

@@ -219,6 +219,13 @@ KV = jnp.zeros((2, 10, 2, 16), jnp.float32)
         ((Q, KV, KV), dict(scale=math.inf), ValueError, r"scale must be finite"),
         ((Q, KV, KV), dict(is_causal=1), TypeError, r"is_causal must be a Python bool"),
         ((Q, KV, KV), dict(implementation="triton"), ValueError, r"implementation must be None or one of"),
+        ((Q, KV, KV), dict(query_offset=1.5), TypeError, r"query_offset must be an int or an integer array"),
+        ((Q, KV, KV), dict(query_offset=True), TypeError, r"query_offset must be an int or an integer array"),
+        ((Q, KV, KV), dict(query_offset=jnp.ones((2,), jnp.float32)), TypeError, r"query_offset must be an int or an integer array"),
+        ((Q, KV, KV), dict(query_offset=jnp.ones((3,), jnp.int32)), ValueError, r"query_offset must be an int or an integer array broadcastable to \[\*B\] = \(2,\)"),
+        ((Q, KV, KV), dict(query_offset=jnp.ones((2, 8), jnp.int32)), ValueError, r"query_offset .*broadcastable"),
+        ((Q, KV, KV), dict(query_offset=2**31), ValueError, r"query_offset must fit in int32"),
+        ((Q, KV, KV), dict(query_offset=np.asarray([0, 2**40])), ValueError, r"query_offset must fit in int32"),
     ],
 )
 def test_validation_errors(args, kwargs, exc, match):
@@ -227,6 +234,28 @@ def test_validation_errors(args, kwargs, exc, match):
     # Raised at trace time, before anything runs.
     with pytest.raises(exc, match=match):
         jax.jit(lambda *a: jax_flash.attention(*a, **kwargs)).trace(*args)
+
+
+def test_query_offset_forms():
+    """An int, a scalar array, [*B] and broadcastable [*B] arrays all mean one offset per
+    batch row; 3-D inputs take an int or a one-element array."""
+    q, k, v = make_qkv(Shape(6, 9, 14, 2, 1, 16), jnp.float32)
+    r = lambda x: x.reshape(2, 3, *x.shape[1:])
+    kw = dict(is_causal=True, implementation="xla")
+    per_row = jax_flash.attention(q, k, v, query_offset=jnp.asarray([5, 5, -2, 5, 9, 5]), **kw)
+    grid = jax_flash.attention(
+        r(q), r(k), r(v), query_offset=jnp.asarray([[5, 5, -2], [5, 9, 5]], jnp.int16), **kw
+    )
+    _close(grid.reshape(per_row.shape), per_row, 1e-6)
+    same = jax_flash.attention(r(q), r(k), r(v), query_offset=5, **kw)
+    for offset in (jnp.asarray(5), jnp.asarray([5, 5, 5]), jnp.asarray([[5], [5]])):
+        _close(jax_flash.attention(r(q), r(k), r(v), query_offset=offset, **kw), same, 1e-6)
+    assert not np.allclose(np.asarray(per_row[2]), np.asarray(same.reshape(per_row.shape)[2]))
+    three = jax_flash.attention(q[0], k[0], v[0], query_offset=jnp.asarray([5]), **kw)
+    _close(three, same.reshape(per_row.shape)[0], 1e-6)
+    # Traced offsets (a decode loop's step counter) under jit.
+    step = jax.jit(lambda o: jax_flash.attention(r(q), r(k), r(v), query_offset=o, **kw))
+    _close(step(jnp.int32(5)), same, 1e-6)
 
 
 def test_requested_implementation_never_falls_back():
