@@ -155,7 +155,8 @@ SCRIPT = textwrap.dedent(
         # Query heads sharded, K = 2 kv heads replicated: each device slices its kv head;
         # the backward all-reduces dK/dV over the head axis.
         f = lambda q, k, v: jax_flash.attention(q, k, v, implementation=impl)
-        check("query heads", mesh4("heads"), heads, P(), f, (), (), "sums")
+        # (Plain xla is partitioned by XLA itself, which gathers here in the backward.)
+        check("query heads", mesh4("heads"), heads, P(), f, (), (), None if plain_xla else "sums")
 
         # Queries over T, K/V replicated: shard-local query lengths and segment ids.
         qlens = jnp.asarray([29, 6], jnp.int32)
