@@ -178,16 +178,18 @@ SCRIPT = textwrap.dedent(
         check("T causal", mesh4("seq"), P(None, "seq"), P(), f, (), (),
               None if plain_xla else "sums" if offsets_ok else "gathered")
 
-        # Q, K/V all sharded over the sequence: ring attention inside the partitioned call
-        # (collective-permutes only) where the ring is available, else K/V are gathered.
+        # Q, K/V all sharded over the sequence (and the batch, a 2-D mesh): ring attention
+        # inside the partitioned call (collective-permutes only) where the ring is
+        # available, else K/V are gathered.
         ring_ok = partitioning._ring() is not None
         lens = jnp.asarray([32, 19], jnp.int32)
         seg = (jnp.arange(32)[None, :] // 11 + jnp.arange(2)[:, None]).astype(jnp.int32)
         f = lambda q, k, v, lens, seg: jax_flash.attention(
             q, k, v, is_causal=True, key_value_seq_lengths=lens, segment_ids=seg,
-            implementation=impl)
-        check("S", mesh4("seq"), P(None, "seq"), P(None, "seq"), f, (lens, seg),
-              (P(), P(None, "seq")), None if plain_xla else "ring" if ring_ok else "gathered")
+            query_offset=offset, implementation=impl)
+        mesh_bs = Mesh(devs.reshape(2, 4), ("batch", "seq"))
+        check("S", mesh_bs, P("batch", "seq"), P("batch", "seq"), f, (lens, seg),
+              (P("batch"), P("batch", "seq")), None if plain_xla else "ring" if ring_ok else "gathered")
 
         if impl in ("xla", "pallas"):
             # A dense bias broadcast over the batch: dbias sums over the batch shards.
