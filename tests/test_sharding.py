@@ -296,3 +296,36 @@ def test_shard_map(impl):
     r = subprocess.run([sys.executable, "-c", SHARD_MAP_SCRIPT, impl], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_vmap_folds_a_broadcast_bias():
+    """Under vmap the partitioned calls fold the mapped axis into the batch (custom_partitioning
+    has no batching rule): a bias broadcast over the batch, unbatched or batched, keeps its
+    per-instance gradient (pallas against xla)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_flash
+    from conftest import availability
+
+    why = availability("pallas")
+    if why is not None:
+        pytest.skip(f"pallas unavailable here: {why}")
+    ks = jax.random.split(jax.random.PRNGKey(0), 5)
+    v_, b, t, n, h = 2, 2, 16, 2, 16
+    q, k, v = (jax.random.normal(key, (v_, b, t, n, h), jnp.float32) for key in ks[:3])
+    mask = jax.random.uniform(ks[3], (1, 1, t, t)) > 0.2
+
+    def loss(q, k, v, bias, impl):
+        o = jax_flash.attention(q, k, v, bias=bias, mask=mask, implementation=impl)
+        return jnp.sum(o * jnp.cos(o))
+
+    for bias, axis in ((jax.random.normal(ks[4], (1, n, t, t), jnp.float32), None),
+                       (jax.random.normal(ks[4], (v_, 1, 1, t, t), jnp.float32), 0)):
+        g = jax.vmap(jax.value_and_grad(loss, (0, 1, 2, 3)), in_axes=(0, 0, 0, axis, None))
+        got = jax.jit(g, static_argnums=4)(q, k, v, bias, "pallas")
+        want = jax.jit(g, static_argnums=4)(q, k, v, bias, "xla")
+        assert got[1][3].shape == (v_, *bias.shape[(0 if axis is None else 1):])
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert x.shape == y.shape
+            assert float(jnp.max(jnp.abs(x - y))) < 1e-4 * (1 + float(jnp.max(jnp.abs(y))))

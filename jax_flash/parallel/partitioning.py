@@ -120,7 +120,7 @@ def backward(
     return _wrapped(name, True, fn, spec, q, k, v, masks, (out, lse, dout, dlse))
 
 
-def sharding_rule(call: _Call, mesh=None, operand_types=None, result_types=None) -> str:
+def sharding_rule(call: _Call, *_) -> str:
     """The Shardy rule of `call`, e.g. "b t n h, b s k h, b s k h -> b t n h, b n t"."""
     fresh = (f"one{i}" for i in itertools.count())
 
