@@ -155,7 +155,8 @@ SCRIPT = textwrap.dedent(
         # Query heads sharded, K = 2 kv heads replicated: each device slices its kv head;
         # the backward all-reduces dK/dV over the head axis.
         f = lambda q, k, v: jax_flash.attention(q, k, v, implementation=impl)
-        check("query heads", mesh4("heads"), heads, P(), f, (), (), "sums")
+        # (Plain xla is partitioned by XLA itself, which gathers here in the backward.)
+        check("query heads", mesh4("heads"), heads, P(), f, (), (), None if plain_xla else "sums")
 
         # Queries over T, K/V replicated: shard-local query lengths and segment ids.
         qlens = jnp.asarray([29, 6], jnp.int32)
@@ -177,16 +178,18 @@ SCRIPT = textwrap.dedent(
         check("T causal", mesh4("seq"), P(None, "seq"), P(), f, (), (),
               None if plain_xla else "sums" if offsets_ok else "gathered")
 
-        # Q, K/V all sharded over the sequence: ring attention inside the partitioned call
-        # (collective-permutes only) where the ring is available, else K/V are gathered.
+        # Q, K/V all sharded over the sequence (and the batch, a 2-D mesh): ring attention
+        # inside the partitioned call (collective-permutes only) where the ring is
+        # available, else K/V are gathered.
         ring_ok = partitioning._ring() is not None
         lens = jnp.asarray([32, 19], jnp.int32)
         seg = (jnp.arange(32)[None, :] // 11 + jnp.arange(2)[:, None]).astype(jnp.int32)
         f = lambda q, k, v, lens, seg: jax_flash.attention(
             q, k, v, is_causal=True, key_value_seq_lengths=lens, segment_ids=seg,
-            implementation=impl)
-        check("S", mesh4("seq"), P(None, "seq"), P(None, "seq"), f, (lens, seg),
-              (P(), P(None, "seq")), None if plain_xla else "ring" if ring_ok else "gathered")
+            query_offset=offset, implementation=impl)
+        mesh_bs = Mesh(devs.reshape(2, 4), ("batch", "seq"))
+        check("S", mesh_bs, P("batch", "seq"), P("batch", "seq"), f, (lens, seg),
+              (P("batch"), P("batch", "seq")), None if plain_xla else "ring" if ring_ok else "gathered")
 
         if impl in ("xla", "pallas"):
             # A dense bias broadcast over the batch: dbias sums over the batch shards.
@@ -293,3 +296,36 @@ def test_shard_map(impl):
     r = subprocess.run([sys.executable, "-c", SHARD_MAP_SCRIPT, impl], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_vmap_folds_a_broadcast_bias():
+    """Under vmap the partitioned calls fold the mapped axis into the batch (custom_partitioning
+    has no batching rule): a bias broadcast over the batch, unbatched or batched, keeps its
+    per-instance gradient (pallas against xla)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_flash
+    from conftest import availability
+
+    why = availability("pallas")
+    if why is not None:
+        pytest.skip(f"pallas unavailable here: {why}")
+    ks = jax.random.split(jax.random.PRNGKey(0), 5)
+    v_, b, t, n, h = 2, 2, 16, 2, 16
+    q, k, v = (jax.random.normal(key, (v_, b, t, n, h), jnp.float32) for key in ks[:3])
+    mask = jax.random.uniform(ks[3], (1, 1, t, t)) > 0.2
+
+    def loss(q, k, v, bias, impl):
+        o = jax_flash.attention(q, k, v, bias=bias, mask=mask, implementation=impl)
+        return jnp.sum(o * jnp.cos(o))
+
+    for bias, axis in ((jax.random.normal(ks[4], (1, n, t, t), jnp.float32), None),
+                       (jax.random.normal(ks[4], (v_, 1, 1, t, t), jnp.float32), 0)):
+        g = jax.vmap(jax.value_and_grad(loss, (0, 1, 2, 3)), in_axes=(0, 0, 0, axis, None))
+        got = jax.jit(g, static_argnums=4)(q, k, v, bias, "pallas")
+        want = jax.jit(g, static_argnums=4)(q, k, v, bias, "xla")
+        assert got[1][3].shape == (v_, *bias.shape[(0 if axis is None else 1):])
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert x.shape == y.shape
+            assert float(jnp.max(jnp.abs(x - y))) < 1e-4 * (1 + float(jnp.max(jnp.abs(y))))

@@ -120,7 +120,7 @@ def backward(
     return _wrapped(name, True, fn, spec, q, k, v, masks, (out, lse, dout, dlse))
 
 
-def sharding_rule(call: _Call, mesh=None, operand_types=None, result_types=None) -> str:
+def sharding_rule(call: _Call, *_) -> str:
     """The Shardy rule of `call`, e.g. "b t n h, b s k h, b s k h -> b t n h, b n t"."""
     fresh = (f"one{i}" for i in itertools.count())
 
@@ -224,7 +224,9 @@ def _size(mesh, axes) -> int:
 def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
     """Which factors run sharded, from the operands' shardings; warns about the rest."""
     found: dict = {}
+    sizes: dict = {}
     for dims, arg in zip(call.operand_dims, arg_shapes):
+        sizes.update((d, n) for d, n in zip(dims, arg.shape) if d is not None)
         pspec = getattr(arg.sharding, "spec", None)
         if pspec is None:
             continue
@@ -236,6 +238,10 @@ def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
     spec = call.spec
     used: set = set()
     plan: dict = {}
+    for d, axes in list(found.items()):
+        if sizes[d] % _size(mesh, axes):
+            _warn_once(call, d, axes, f"{sizes[d]} is not a multiple of {_size(mesh, axes)} devices")
+            del found[d]
 
     def take(factor, axes):
         if any(a in used for a in axes):
@@ -452,6 +458,8 @@ def _ring_call(call: _Call, mesh, axis: str, local_spec, q, k, v, masks, rest):
     p = mesh.shape[axis]
     spec = dataclasses.replace(local_spec, q_len=local_spec.q_len * p, kv_len=local_spec.kv_len * p)
     cfg = _ring_config(call, mesh, axis)
+    # This runs as the primal forward or backward inside the one custom_vjp (_vjp.py), so
+    # it takes the ring's forward and backward directly, not its own custom_vjp.
     if not call.backward:
         return ring._ring_forward(cfg, spec, q, k, v, masks)
     dq, dk, dv = ring._ring_backward(cfg, spec, q, k, v, masks, *rest)
