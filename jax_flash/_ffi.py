@@ -95,7 +95,8 @@ def _attributes(spec: AttentionSpec) -> dict:
 
 
 def _mask_operands(spec: AttentionSpec, masks: MaskInputs):
-    """Lengths and segment ids are always passed: full lengths / zero ids when absent."""
+    """Lengths, segment ids and query offsets are always passed: full lengths, zero ids and
+    zero offsets when absent."""
     b, t, s = spec.batch, spec.q_len, spec.kv_len
     q_len = masks.q_lengths if masks.q_lengths is not None else jnp.full((b,), t, jnp.int32)
     kv_len = masks.kv_lengths if masks.kv_lengths is not None else jnp.full((b,), s, jnp.int32)
@@ -103,20 +104,23 @@ def _mask_operands(spec: AttentionSpec, masks: MaskInputs):
     kv_seg = (
         masks.kv_segment_ids if masks.kv_segment_ids is not None else jnp.zeros((b, s), jnp.int32)
     )
-    return q_len, kv_len, q_seg, kv_seg
+    q_off = masks.q_offset if masks.q_offset is not None else jnp.zeros((b,), jnp.int32)
+    return q_len, kv_len, q_seg, kv_seg, q_off
 
 
 def forward(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):
     """Call `target` (a forward target): out [B, T, N, H], lse [B, N, T] float32."""
     attrs = _attributes(spec)
 
-    def call(q, k, v, q_len, kv_len, q_seg, kv_seg):
+    def call(q, k, v, q_len, kv_len, q_seg, kv_seg, q_off):
         b, t, n, _ = q.shape
         shapes = (
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((b, n, t), jnp.float32),
         )
-        return jax.ffi.ffi_call(target, shapes)(q, k, v, q_len, kv_len, q_seg, kv_seg, **attrs)
+        return jax.ffi.ffi_call(target, shapes)(
+            q, k, v, q_len, kv_len, q_seg, kv_seg, q_off, **attrs
+        )
 
     return tuple(_fold_vmap(call)(q, k, v, *_mask_operands(spec, masks)))
 
@@ -128,7 +132,7 @@ def backward(
     """Call `target` (a backward target): dq, dk, dv (workspaces dropped), dbias None."""
     attrs = dict(_attributes(spec), deterministic=bool(deterministic))
 
-    def call(q, k, v, out, dout, lse, dlse, q_len, kv_len, q_seg, kv_seg):
+    def call(q, k, v, out, dout, lse, dlse, q_len, kv_len, q_seg, kv_seg, q_off):
         b, t, n, h = q.shape
         shapes = (
             jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -138,7 +142,7 @@ def backward(
             jax.ShapeDtypeStruct((b, n, t), jnp.float32),  # delta workspace
         )
         return jax.ffi.ffi_call(target, shapes)(
-            q, k, v, out, dout, lse, dlse, q_len, kv_len, q_seg, kv_seg, **attrs
+            q, k, v, out, dout, lse, dlse, q_len, kv_len, q_seg, kv_seg, q_off, **attrs
         )
 
     dq, dk, dv, _, _ = _fold_vmap(call)(
@@ -152,8 +156,6 @@ def compiled_kernel_reason(spec: AttentionSpec, dtypes: tuple[str, ...]) -> Opti
     """Limits common to the compiled implementations."""
     if spec.dtype not in dtypes:
         return f"supports dtypes {', '.join(dtypes)}, got {spec.dtype}"
-    if spec.has_q_offset:
-        return "query_offset not supported yet"
     if spec.bias_shape is not None:
         return "does not take a dense bias (use implementation='xla' or 'pallas')"
     if spec.mask_shape is not None:
