@@ -1,0 +1,235 @@
+"""Ring attention (context parallelism) inside `jax.shard_map` on 2, 4 and 8 host devices,
+against `jax_flash.reference` on the gathered arrays.
+
+Each test runs one subprocess (the device count is fixed when JAX starts) that checks many
+cases; a case prints one line and a failing one raises with its name.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from jax_flash.parallel.ring import block_counts
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Shared by every subprocess: one case = one ring configuration checked against the
+# reference (f64 for xla, f32 for cpu): out and lse, and the VJP of a random-weighted loss
+# of both (so dlse is exercised too); optionally jax.test_util.check_grads.
+PRELUDE = textwrap.dedent(
+    """
+    import sys, time
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    import jax.test_util
+    import jax_flash
+
+    jax.config.update("jax_enable_x64", True)
+    assert jax.device_count() == 8, jax.devices()
+    SEQ = P(None, "sp")
+
+    def shard_map(f, mesh, in_specs, out_specs):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)
+
+    def inputs(seed, b, t, s, n, kh, h, dtype):
+        r = np.random.default_rng(seed)
+        q = r.normal(size=(b, t, n, h)) + 0.3  # off-zero mean: P·V is not ~0
+        k = r.normal(size=(b, s, kh, h)) - 0.2
+        v = r.normal(size=(b, s, kh, h)) + 0.5
+        return [jnp.asarray(x, dtype) for x in (q, k, v)]
+
+    def case(name, p, layout="contiguous", b=2, t=16, s=None, n=2, kh=None, h=8,
+             dtype=jnp.float64, impl="xla", tol=1e-9, grad_tol=None, check_grads=False,
+             q_lengths=None, kv_lengths=None, segment_ids=None, **kw):
+        start = time.perf_counter()
+        s = t if s is None else s
+        kh = n if kh is None else kh
+        mesh = Mesh(np.array(jax.devices()[:p]), ("sp",))
+        q, k, v = inputs(len(name), b, t, s, n, kh, h, dtype)
+        zz = layout == "zigzag"
+        tr = (lambda x: jax_flash.zigzag(x, p)) if zz else (lambda x: x)
+        un = (lambda x: jax_flash.unzigzag(x, p)) if zz else (lambda x: x)
+        ql = None if q_lengths is None else jnp.asarray(q_lengths, jnp.int32)
+        kl = None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32)
+        pair = isinstance(segment_ids, tuple)
+        qs = ks = None
+        if segment_ids is not None:
+            qs, ks = (jnp.asarray(x, jnp.int32) for x in (segment_ids if pair else (segment_ids,) * 2))
+
+        def seg_arg(qs, ks):
+            if qs is None:
+                return None
+            return (qs, ks) if pair else qs
+
+        def local(q, k, v, ql, kl, qs, ks):
+            return jax_flash.ring_attention(
+                q, k, v, axis_name="sp", layout=layout, implementation=impl,
+                query_seq_lengths=ql, key_value_seq_lengths=kl, segment_ids=seg_arg(qs, ks),
+                return_residual=True, **kw)
+
+        seq = lambda x: None if x is None else SEQ
+        rep = lambda x: None if x is None else P()
+        ring = shard_map(local, mesh, (SEQ, SEQ, SEQ, rep(ql), rep(kl), seq(qs), seq(ks)),
+                         (SEQ, SEQ))
+        masks = (ql, kl, None if qs is None else tr(qs), None if ks is None else tr(ks))
+
+        def ring_global(q, k, v):
+            out, lse = ring(tr(q), tr(k), tr(v), *masks)
+            return un(out), un(lse)
+
+        def ref_global(q, k, v):
+            return jax_flash.reference(
+                q, k, v, query_seq_lengths=ql, key_value_seq_lengths=kl,
+                segment_ids=seg_arg(qs, ks), return_residual=True,
+                compute_dtype=jnp.float64, **kw)
+
+        r = np.random.default_rng(1)
+        w_out = jnp.asarray(r.normal(size=q.shape), dtype)
+        w_lse = jnp.asarray(r.normal(size=(b, t, n)), jnp.float32 if dtype != jnp.float64 else dtype)
+
+        def with_vjp(f):
+            def g(q, k, v):
+                (out, lse), vjp = jax.vjp(f, q, k, v)
+                return out, lse, vjp((w_out.astype(out.dtype), w_lse.astype(lse.dtype)))
+            return jax.jit(g)
+
+        out, lse, grads = with_vjp(ring_global)(q, k, v)
+        f64 = [x.astype(jnp.float64) for x in (q, k, v)]
+        want, want_lse, want_grads = with_vjp(ref_global)(*f64)
+        assert not np.isnan(np.asarray(out)).any(), name
+        np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=tol, rtol=tol,
+                                   err_msg=name + ": out")
+        np.testing.assert_allclose(np.asarray(lse, np.float64), want_lse, atol=tol, rtol=tol,
+                                   err_msg=name + ": lse")
+        gt = tol if grad_tol is None else grad_tol
+        for label, got, exp in zip(("dq", "dk", "dv"), grads, want_grads):
+            assert not np.isnan(np.asarray(got)).any(), name + label
+            np.testing.assert_allclose(np.asarray(got, np.float64), exp, atol=gt, rtol=gt,
+                                       err_msg=f"{name}: {label}")
+        if check_grads:
+            jax.test_util.check_grads(jax.jit(lambda q, k, v: ring_global(q, k, v)[0]),
+                                      (q, k, v), order=1, modes=["rev"])
+        print(f"ok {name} ({time.perf_counter() - start:.1f}s)", flush=True)
+    """
+)
+
+# Positions, lengths and segment ids: every mask kind on 2, 4 and 8 devices, both layouts.
+MASKS = textwrap.dedent(
+    """
+    B = 2
+    # Segment ids that cross every chunk boundary (runs of 5 and 3 over 32 positions) and a
+    # second row with one long segment then short ones.
+    seg32 = np.stack([np.arange(32) // 5, np.minimum(np.arange(32) // 3, 4) + 7])
+    case("full p2 gqa", 2, n=4, kh=2, check_grads=True)
+    case("causal p2 zigzag", 2, "zigzag", is_causal=True, check_grads=True)
+    case("causal p4 contiguous", 4, t=32, is_causal=True)
+    case("causal p4 zigzag gqa", 4, "zigzag", t=32, n=6, kh=2, is_causal=True)
+    case("causal p8 zigzag", 8, "zigzag", t=32, is_causal=True, scale=0.3)
+    case("causal p8 contiguous softcap", 8, t=32, is_causal=True, logits_soft_cap=2.0)
+    case("ragged p4 contiguous", 4, t=32, q_lengths=[21, 0], kv_lengths=[9, 32],
+         is_causal=True)
+    case("ragged p4 zigzag", 4, "zigzag", t=32, q_lengths=[32, 5], kv_lengths=[30, 17],
+         is_causal=True, check_grads=True)
+    case("segments p4 contiguous", 4, t=32, segment_ids=seg32, is_causal=True)
+    case("segments p8 zigzag ragged", 8, "zigzag", t=32, segment_ids=seg32,
+         kv_lengths=[27, 32], is_causal=True)
+    case("segments pair t!=s p2 full", 2, t=16, s=32, n=4, kh=1,
+         segment_ids=(seg32[:, :16], np.sort(seg32, axis=1)))
+    case("t!=s p4 full zigzag gqa", 4, "zigzag", t=16, s=32, n=4, kh=2, kv_lengths=[32, 11])
+    """
+)
+
+# Blocks at non-zero relative offsets need `MaskInputs.q_offset`: windows, T != S causal.
+OFFSETS = textwrap.dedent(
+    """
+    case("window p4 contiguous", 4, t=32, local_window_size=(5, 3), check_grads=True)
+    case("window p8 zigzag causal", 8, "zigzag", t=32, local_window_size=(6, 0),
+         is_causal=True)
+    case("causal t<s p4 contiguous", 4, t=16, s=32, is_causal=True)
+    case("causal t>s p2 zigzag gqa", 2, "zigzag", t=32, s=16, n=4, kh=2, is_causal=True,
+         kv_lengths=[16, 9])
+    case("bottom-right causal t<s p4 zigzag", 4, "zigzag", t=16, s=32, is_causal=True,
+         query_offset=16)
+    case("per-row offsets window p4", 4, t=32, query_offset=np.array([3, -5]),
+         local_window_size=(4, 2), q_lengths=[32, 29])
+    """
+)
+
+# The compiled `cpu` kernels as the block implementation (float32), a few cases.
+CPU = textwrap.dedent(
+    """
+    seg32 = np.stack([np.arange(32) // 5, np.arange(32) // 9])
+    case("cpu causal p4 zigzag segments", 4, "zigzag", t=32, n=4, kh=2, h=16,
+         dtype=jnp.float32, impl="cpu", tol=2e-5, segment_ids=seg32, is_causal=True,
+         kv_lengths=[32, 23])
+    case("cpu full p2 ragged", 2, t=32, h=16, dtype=jnp.float32, impl="cpu", tol=2e-5,
+         q_lengths=[30, 7], logits_soft_cap=3.0)
+    """
+)
+
+
+def _run(body: str, timeout: int = 600) -> str:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", PRELUDE + body + "\nprint('done')\n"], env=env,
+                       cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0 and r.stdout.strip().endswith("done"), r.stdout + r.stderr[-6000:]
+    return r.stdout
+
+
+def test_ring_masks_layouts_devices():
+    out = _run(MASKS)
+    assert out.count("ok ") == MASKS.count('case("'), out
+
+
+def test_ring_query_offsets():
+    from jax_flash._spec import MaskInputs
+
+    if "q_offset" not in MaskInputs._fields:
+        pytest.fail("MaskInputs.q_offset is missing: windows and T != S rings need it")
+    out = _run(OFFSETS)
+    assert out.count("ok ") == OFFSETS.count('case("'), out
+
+
+def test_ring_cpu_kernels():
+    out = _run(CPU)
+    assert out.count("ok ") == CPU.count('case("'), out
+
+
+def test_block_counts_balance():
+    # Causal: contiguous grows with the device index, zigzag is flat with the same total.
+    assert block_counts(4, is_causal=True) == [4, 8, 12, 16]
+    assert block_counts(4, layout="zigzag", is_causal=True) == [9, 9, 9, 9]
+    assert block_counts(8, layout="zigzag", is_causal=True) == [17] * 8
+    assert block_counts(2) == [8, 8]
+    # A narrow window skips every block further than one chunk away.
+    assert block_counts(4, local_window_size=(8, 8), q_len=64) == [8, 12, 12, 8]
+
+
+def test_zigzag_roundtrip_and_errors():
+    import jax.numpy as jnp
+
+    import jax_flash
+
+    x = jnp.arange(2 * 24 * 3).reshape(2, 24, 3)
+    z = jax_flash.zigzag(x, 3)
+    # Device 1 of 3 holds chunks 1 and 4 of 6 (4 positions each).
+    np.testing.assert_array_equal(z[0, 8:16, 0], x[0, [4, 5, 6, 7, 16, 17, 18, 19], 0])
+    np.testing.assert_array_equal(jax_flash.unzigzag(z, 3), x)
+    y = jnp.arange(3 * 8).reshape(3, 8)
+    np.testing.assert_array_equal(jax_flash.zigzag(y, 2, axis=-1)[0], [0, 1, 6, 7, 2, 3, 4, 5])
+    np.testing.assert_array_equal(jax_flash.unzigzag(jax_flash.zigzag(y, 2, axis=-1), 2, axis=-1), y)
+    with pytest.raises(ValueError, match="multiple of 2 \\* axis_size"):
+        jax_flash.zigzag(x, 5)
+    with pytest.raises(ValueError, match="axis_size"):
+        jax_flash.zigzag(x, 0)
+    with pytest.raises(ValueError, match="layout"):
+        block_counts(2, layout="striped")
