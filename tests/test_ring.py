@@ -36,8 +36,9 @@ PRELUDE = textwrap.dedent(
     SEQ = P(None, "sp")
 
     def shard_map(f, mesh, in_specs, out_specs):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=False)
+        # The default check_vma=True: the ring's loop carries are typed as varying over
+        # the mesh axis like its inputs.
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
     def inputs(seed, b, t, s, n, kh, h, dtype):
         r = np.random.default_rng(seed)
