@@ -97,7 +97,7 @@ def compile_objects(sources, workdir: pathlib.Path, nvcc: str) -> tuple[dict, di
 
     def one(src):
         obj = workdir / (src.name + ".o")
-        cmd = [nvcc, "-c", "-std=c++17", "-O3", "--use_fast_math", "-I", str(CUDA), *gencode,
+        cmd = [nvcc, "-c", "-std=c++17", "-O3", "-I", str(CUDA), *gencode,
                "-Xptxas", "-v", "-o", str(obj), str(src)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:

@@ -1,162 +1,419 @@
 #!/usr/bin/env bash
-# One run on a GPU machine: build, check the PTX wrappers against the emulation, run the GPU
-# tests, memcheck a small case, benchmark. Written for an H200 (sm_90, jax 0.11.2, Python 3.12,
-# no package index: everything needed must already be installed); fits one 8-minute run.
+# One GPU run that cannot be wasted: build, PTX self-test, a short correctness pass, the
+# benchmark, compute-sanitizer; in that order of priority, within one time budget.
 #
-#   OUT=/some/dir bash build/device_check.sh
+#   OUT=/some/dir bash build/device_check.sh            # on the GPU machine, from any directory
+#   bash build/device_check.sh --dry-run                # on a CPU machine: the same logic, emulated
+#   bash build/device_check.sh --plan                   # print the steps and their caps, run nothing
 #
-# Writes logs and JSON (device_check.json, bench.json, ...) under $OUT and prints a summary
-# table last. Exit status: 0 when every step that ran passed.
+# Written for an H200 (sm_90, jax 0.11.2, Python 3.12, nvcc 13.0, no package index: everything
+# must already be installed) and one 8-minute run. Steps, each with its own time cap:
+#   machine       GPU, driver, nvcc, Python and jax versions (into device_check.json)
+#   build         the extension in place, for this GPU's architecture only (nvidia-smi's
+#                 compute capability, e.g. JAX_FLASH_CUDA_ARCHS=90-real)
+#   ptx_selftest  build/ptx_selftest.cu: every wrapper of cuda/kernels/ptx.h on the real
+#                 instruction against the emulation, lane by lane (and a check that it covers
+#                 every wrapper)
+#   correctness   tests/test_gpu.py (-m gpu): a subset of the shared suite at full size,
+#                 forward, backward, deterministic mode; plain runner if pytest is missing
+#   bench         python -m jax_flash.bench at T=S=8k, H=128/64, causal or not, fwd and fwd+bwd:
+#                 jax.nn (xla), jax.nn cuDNN, JAX's Pallas mha, cuda, pallas
+#   memcheck      compute-sanitizer --tool memcheck on build/sanitizer_case.py (tiny)
+#   racecheck     compute-sanitizer --tool racecheck on the same
+# The caps sum to the budget (DEVICE_CHECK_BUDGET_S, default 480 s; each cap scales with it),
+# which the script asserts before it starts. Time a step leaves unused goes to the next
+# elastic step (correctness, bench); no step can take time from the steps after it.
+#
+# Nothing is lost when the run is killed: each step's output goes to $OUT/<step>.log as it is
+# written (and to stdout), $OUT/device_check.json is rewritten at every change of state
+# (the step running, each result), bench.json after every benchmark case. A failing step does
+# not stop the next ones; the steps that need the build are skipped when it failed. At most 8
+# files are written under $OUT: device_check.json, bench.json and the six step logs.
+#
+# Results per step: ran (information only), passed, failed, cut (its time cap ran out),
+# skipped (not applicable here, not selected, or its prerequisite failed). The table printed
+# last says which, with seconds. Exit status 0 when no step failed or was cut.
+#
+# Environment: OUT (default ./device_out), DEVICE_CHECK_BUDGET_S, DEVICE_CHECK_CAP_<step>
+# (seconds, replaces the scaled cap), DEVICE_CHECK_STEPS (comma list; others but machine skipped),
+# DEVICE_CHECK_DRY_RUN=1 (= --dry-run), DEVICE_CHECK_COMMIT (recorded; default git's),
+# DEVICE_CHECK_BENCH_ARGS (replaces the benchmark's size arguments), PYTHON, JAX_FLASH_CUDA_ARCHS.
+# DEVICE_CHECK_CMD_<step> replaces a step's command by a shell snippet (tests of the script).
 set -u -o pipefail
 
-REPO=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${OUT:-$REPO/device_out}
-mkdir -p "$OUT"
-WORK=$(mktemp -d)
-START=$(date +%s)
-BUDGET=${DEVICE_CHECK_BUDGET_S:-460}  # seconds for all steps together
-PY=${PYTHON:-python}
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO" || exit 2
 
-NAMES=() STATES=() SECONDS_TAKEN=() NOTES=()
-record() {  # name state seconds note
-  NAMES+=("$1"); STATES+=("$2"); SECONDS_TAKEN+=("$3"); NOTES+=("$4")
+usage() { sed -n '2,8p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+
+DRY=${DEVICE_CHECK_DRY_RUN:-0}
+PLAN_ONLY=0
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY=1 ;;
+    --plan) PLAN_ONLY=1 ;;
+    -h | --help) usage; exit 0 ;;
+    *) echo "device_check: unknown argument $arg" >&2; usage >&2; exit 2 ;;
+  esac
+done
+
+now_ms() { date +%s%3N; }
+START_MS=$(now_ms)
+
+# ---- the plan: steps in priority order, caps in seconds at the default budget --------------------
+DEFAULT_BUDGET=480
+BUDGET=${DEVICE_CHECK_BUDGET_S:-$DEFAULT_BUDGET}
+STEPS=(machine build ptx_selftest correctness bench memcheck racecheck)
+declare -A BASE_CAP=([machine]=10 [build]=100 [ptx_selftest]=45 [correctness]=95 [bench]=140
+  [memcheck]=45 [racecheck]=45)
+declare -A ELASTIC=([correctness]=1 [bench]=1)
+declare -A NEEDS_BUILD=([correctness]=1 [bench]=1 [memcheck]=1 [racecheck]=1)
+declare -A CAP=()
+
+if ! [[ $BUDGET =~ ^[0-9]+$ ]] || ((BUDGET < 1)); then
+  echo "device_check: DEVICE_CHECK_BUDGET_S must be a positive number of seconds, got '$BUDGET'" >&2
+  exit 2
+fi
+base_total=0
+total=0
+for s in "${STEPS[@]}"; do
+  base_total=$((base_total + BASE_CAP[$s]))
+  override_var=DEVICE_CHECK_CAP_$s
+  scaled=$((BASE_CAP[$s] * BUDGET / DEFAULT_BUDGET))
+  CAP[$s]=${!override_var:-$((scaled > 0 ? scaled : 1))}
+  if ! [[ ${CAP[$s]} =~ ^[0-9]+$ ]]; then
+    echo "device_check: $override_var must be a number of seconds, got '${CAP[$s]}'" >&2
+    exit 2
+  fi
+  total=$((total + CAP[$s]))
+done
+
+print_plan() {
+  echo "plan: budget ${BUDGET} s, dry run: $([ "$DRY" = 1 ] && echo yes || echo no)"
+  local i=0 s
+  for s in "${STEPS[@]}"; do
+    i=$((i + 1))
+    printf '  %d %-13s %4d s%s\n' "$i" "$s" "${CAP[$s]}" "${ELASTIC[$s]:+  + time unused by earlier steps}"
+  done
+  echo "total of caps: ${total} s of budget ${BUDGET} s"
 }
-# run_step NAME CAP_SECONDS COMMAND...: runs with a timeout of min(CAP, time left), logs to $OUT/NAME.log
+# By construction: the base caps sum to the default budget and scale down with it.
+((base_total == DEFAULT_BUDGET)) || { echo "device_check: base caps sum to $base_total, not $DEFAULT_BUDGET" >&2; exit 2; }
+if ((total > BUDGET)); then
+  print_plan >&2
+  echo "device_check: the caps sum to ${total} s, over the budget of ${BUDGET} s: nothing was run" >&2
+  exit 2
+fi
+if ((PLAN_ONLY)); then
+  print_plan
+  exit 0
+fi
+
+# ---- the environment -----------------------------------------------------------------------------
+OUT=${OUT:-$REPO/device_out}
+mkdir -p "$OUT" || exit 2
+OUT=$(cd "$OUT" && pwd)
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+PY=${PYTHON:-$(command -v python3 || command -v python)}
+[ -d /usr/local/cuda/bin ] && PATH=$PATH:/usr/local/cuda/bin
+JOBS=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PATH
+if [ "$DRY" = 1 ]; then
+  export JAX_FLASH_EMULATE_CUDA=1 JAX_PLATFORMS=cpu
+fi
+COMMIT=${DEVICE_CHECK_COMMIT:-$(timeout 5 git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
+if [ "$COMMIT" != unknown ] && [ -z "${DEVICE_CHECK_COMMIT:-}" ] && ! timeout 10 git diff --quiet HEAD -- 2>/dev/null; then
+  COMMIT="$COMMIT+uncommitted changes"
+fi
+STARTED=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+SELECTED=",${DEVICE_CHECK_STEPS:-$(IFS=,; echo "${STEPS[*]}")},"
+
+declare -A STATE=() SECS=() LIMIT=() RC=() NOTE=()
+for s in "${STEPS[@]}"; do STATE[$s]=pending; SECS[$s]=0; LIMIT[$s]=0; RC[$s]=""; NOTE[$s]=""; done
+MACHINE_TEXT=""
+GPU_NAME=""
+CC=""
+
+json_str() {
+  local s=$1
+  s=${s//\\/\\\\}
+  s=${s//\"/\\\"}
+  s=${s//$'\t'/ }
+  s=${s//$'\r'/}
+  s=${s//$'\n'/\\n}
+  printf '"%s"' "$(printf '%s' "$s" | tr -d '\000-\037')"
+}
+
+elapsed_s() { echo $((($(now_ms) - START_MS) / 1000)); }
+
+overall() {  # passed, failed or running
+  local s bad=0
+  for s in "${STEPS[@]}"; do
+    case ${STATE[$s]} in pending | running) echo running; return ;; failed | cut) bad=1 ;; esac
+  done
+  ((bad)) && echo failed || echo passed
+}
+
+write_json() {  # rewritten whole at every change, renamed into place
+  local s first=1 tmp="$OUT/device_check.json.tmp"
+  {
+    printf '{\n "tool": "build/device_check.sh",\n "dry_run": %s,\n' "$([ "$DRY" = 1 ] && echo true || echo false)"
+    printf ' "commit": %s,\n "started": "%s",\n "budget_s": %d,\n "elapsed_s": %d,\n "result": "%s",\n' \
+      "$(json_str "$COMMIT")" "$STARTED" "$BUDGET" "$(elapsed_s)" "$(overall)"
+    printf ' "machine": {"gpu": %s, "compute_capability": %s, "archs": %s, "text": %s},\n' \
+      "$(json_str "$GPU_NAME")" "$(json_str "$CC")" "$(json_str "${JAX_FLASH_CUDA_ARCHS:-}")" "$(json_str "$MACHINE_TEXT")"
+    printf ' "steps": ['
+    for s in "${STEPS[@]}"; do
+      ((first)) || printf ','
+      first=0
+      printf '\n  {"step": "%s", "state": "%s", "seconds": %d, "cap_s": %d, "limit_s": %d, "elastic": %s, "rc": %s, "note": %s, "log": %s}' \
+        "$s" "${STATE[$s]}" "${SECS[$s]}" "${CAP[$s]}" "${LIMIT[$s]}" "$([ -n "${ELASTIC[$s]:-}" ] && echo true || echo false)" \
+        "${RC[$s]:-null}" "$(json_str "${NOTE[$s]}")" "$([ -f "$OUT/$s.log" ] && json_str "$s.log" || echo null)"
+    done
+    printf '\n ]\n}\n'
+  } >"$tmp" && mv -f "$tmp" "$OUT/device_check.json"
+}
+
+print_summary() {
+  local s gpu=${GPU_NAME:-no GPU}
+  echo
+  echo "---- device_check: $(overall) in $(elapsed_s) s of ${BUDGET} s; commit $COMMIT; $gpu${CC:+ (sm_$CC)}$([ "$DRY" = 1 ] && echo ', dry run') ----"
+  printf '%-13s %-8s %7s %6s  %s\n' step state seconds limit note
+  for s in "${STEPS[@]}"; do
+    printf '%-13s %-8s %7s %6s  %s\n' "$s" "${STATE[$s]}" "${SECS[$s]}" "${LIMIT[$s]}" "${NOTE[$s]:0:100}"
+  done
+  echo "logs and JSON: $OUT"
+}
+
+# ---- running a step ------------------------------------------------------------------------------
+STEP_PID=""
+on_signal() {
+  trap - TERM INT HUP
+  [ -n "$STEP_PID" ] && kill -TERM "$STEP_PID" 2>/dev/null && wait "$STEP_PID" 2>/dev/null
+  local s
+  for s in "${STEPS[@]}"; do
+    case ${STATE[$s]} in
+      running) STATE[$s]="cut"; NOTE[$s]="the run was stopped by a signal" ;;
+      pending) STATE[$s]=skipped; NOTE[$s]="the run was stopped before this step" ;;
+    esac
+  done
+  write_json
+  print_summary
+  exit 143
+}
+trap on_signal TERM INT HUP
+
+later_caps() {  # the caps of the steps after $1
+  local s seen=0 sum=0
+  for s in "${STEPS[@]}"; do
+    ((seen)) && sum=$((sum + CAP[$s]))
+    [ "$s" = "$1" ] && seen=1
+  done
+  echo $sum
+}
+
+last_line() { grep -v '^[[:space:]]*$' "$1" 2>/dev/null | tail -1 | tr -d '\r' | cut -c1-160; }
+
+# run_step NAME: runs step_NAME (or $DEVICE_CHECK_CMD_NAME) under its time limit.
 run_step() {
-  local name=$1 cap=$2; shift 2
-  local left=$((BUDGET - ($(date +%s) - START)))
-  local limit=$((cap < left ? cap : left))
-  if ((limit < 10)); then
-    record "$name" "SKIP" 0 "no time left"
+  local name=$1 log="$OUT/$1.log"
+  if [[ $SELECTED != *",$name,"* && $name != machine ]]; then  # the machine's description always
+    STATE[$name]=skipped; NOTE[$name]="not selected (DEVICE_CHECK_STEPS)"; write_json; return
+  fi
+  if [ -n "${NEEDS_BUILD[$name]:-}" ] && [[ ${STATE[build]} == failed || ${STATE[build]} == cut ]]; then
+    STATE[$name]=skipped; NOTE[$name]="needs the build, which ${STATE[build]}"; write_json; return
+  fi
+  local avail=$((BUDGET - $(elapsed_s) - $(later_caps "$name")))
+  local limit=$avail
+  [ -z "${ELASTIC[$name]:-}" ] && ((limit > CAP[$name])) && limit=${CAP[$name]}
+  if ((limit < 1)); then
+    STATE[$name]="cut"; NOTE[$name]="no time left in the budget"; write_json; return
+  fi
+  local grace=0
+  ((limit >= 4)) && grace=1
+  ((limit >= 20)) && grace=5
+  local cmd_var=DEVICE_CHECK_CMD_$name cmd="step_$name"
+  [ -n "${!cmd_var:-}" ] && cmd=${!cmd_var}
+  LIMIT[$name]=$limit; STATE[$name]=running
+  write_json
+  echo "==== $name: limit ${limit} s ($(elapsed_s) s of ${BUDGET} s used) ===="
+  local t0 rc
+  t0=$(now_ms)
+  : >"$log"
+  if ((grace > 0)); then
+    STEP_LIMIT=$limit timeout --kill-after="$grace" "$((limit - grace))" bash -o pipefail -c "$cmd" >"$log" 2>&1 &
+  else
+    STEP_LIMIT=$limit timeout --signal=KILL "$limit" bash -o pipefail -c "$cmd" >"$log" 2>&1 &
+  fi
+  STEP_PID=$!
+  tail --pid="$STEP_PID" -s 0.2 -n +1 -f "$log" &
+  local tail_pid=$!
+  wait "$STEP_PID"
+  rc=$?
+  STEP_PID=""
+  wait "$tail_pid" 2>/dev/null
+  SECS[$name]=$((($(now_ms) - t0 + 500) / 1000))
+  RC[$name]=$rc
+  local note
+  note=$(last_line "$log")
+  case $rc in
+    0) STATE[$name]=passed ;;
+    77) STATE[$name]=skipped ;;
+    124 | 137) STATE[$name]="cut"; note="cut at its limit of ${limit} s; last: $note" ;;
+    *) STATE[$name]=failed ;;
+  esac
+  [ "$name" = machine ] && [ "$rc" = 0 ] && STATE[$name]=ran
+  NOTE[$name]=$note
+  write_json
+  echo "---- $name: ${STATE[$name]} in ${SECS[$name]} s (rc $rc)"
+}
+
+# ---- the steps (each runs in its own bash under `timeout`) -------------------------------------
+step_machine() {
+  if command -v nvidia-smi >/dev/null; then
+    timeout 8 nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+  else
+    echo "nvidia-smi: not found"
+  fi
+  command -v nvcc >/dev/null && timeout 5 nvcc --version | tail -2
+  echo "python: $("$PY" --version 2>&1) at $PY"
+  timeout 8 "$PY" -c "import jax, jaxlib, numpy; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'numpy', numpy.__version__)"
+  "$PY" -c "import importlib.util as u
+print('installed:', ', '.join(f'{m} ' + ('yes' if u.find_spec(m) else 'NO') for m in
+      ('pytest', 'pytest_timeout', 'triton', 'flax', 'nanobind', 'scikit_build_core', 'matplotlib')))"
+  echo "cmake: $(cmake --version 2>/dev/null | head -1), ninja: $(ninja --version 2>/dev/null || echo none), $(nproc) CPUs"
+  command -v compute-sanitizer >/dev/null && echo "compute-sanitizer: $(compute-sanitizer --version 2>/dev/null | tail -1)"
+  [ "$DRY" = 1 ] && echo "dry run: no GPU used; archs $JAX_FLASH_CUDA_ARCHS as if sm_$CC"
+  return 0
+}
+
+step_build() {
+  local cuda=ON want=True bdir="_skbuild/device-check-sm$CC"
+  if [ "$DRY" = 1 ]; then cuda=OFF want=False bdir=_skbuild/device-check-emulated; fi
+  local gen=()
+  command -v ninja >/dev/null && gen=(-G Ninja)
+  echo "+ cmake: JAX_FLASH_CUDA=$cuda JAX_FLASH_CUDA_ARCHS=$JAX_FLASH_CUDA_ARCHS in $bdir, $JOBS jobs"
+  cmake -S cuda -B "$bdir" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DJAX_FLASH_CUDA="$cuda" \
+    -DJAX_FLASH_CUDA_ARCHS="$JAX_FLASH_CUDA_ARCHS" -DPython_EXECUTABLE="$PY" || return 1
+  cmake --build "$bdir" -j "$JOBS" || return 1
+  cp "$bdir"/_jax_flash_ext*.so jax_flash/ || return 1
+  "$PY" -c "import jax_flash._jax_flash_ext as e; print('built', e.__file__, '- cuda kernels:', e.has_cuda()); assert e.has_cuda() == $want"
+}
+
+step_ptx_selftest() {
+  local t=$WORK/selftest w missing=""
+  mkdir -p "$t"
+  # Every wrapper of ptx.h (each has an emulation: emu::NAME) must be exercised by the self-test.
+  for w in $(grep -o 'emu::[A-Za-z0-9_]*' cuda/kernels/ptx.h | sed 's/^emu:://' | sort -u); do
+    grep -q "ptx::${w}\b" build/ptx_selftest.cu || missing="$missing $w"
+  done
+  [ -n "$missing" ] && echo "FAIL coverage: wrappers of cuda/kernels/ptx.h that build/ptx_selftest.cu does not test:$missing"
+  echo "+ the emulated side, and the host driver (both sides emulated), with the host compiler"
+  local cxx=${CXX:-g++} pids=() p ok=1
+  "$cxx" -std=c++17 -O1 -DJAX_FLASH_EMULATE -Icuda -x c++ -c build/ptx_selftest.cu -o "$t/emu_side.o" & pids+=($!)
+  "$cxx" -std=c++17 -O1 -DJAX_FLASH_EMULATE -DJAX_FLASH_SELFTEST_HOST_DRIVER -Icuda -x c++ -c build/ptx_selftest.cu \
+    -o "$t/host_side.o" & pids+=($!)
+  "$cxx" -std=c++17 -O1 -Icuda -c cuda/emu/simt.cc -o "$t/simt.o" & pids+=($!)
+  "$cxx" -std=c++17 -O1 -Icuda -c cuda/emu/ptx_emu.cc -o "$t/ptx_emu.o" & pids+=($!)
+  for p in "${pids[@]}"; do wait "$p" || ok=0; done
+  ((ok)) || { echo "FAIL: the emulated side does not compile"; return 1; }
+  # The comparisons themselves: identical sides pass, a perturbed side fails every check.
+  if ! { "$cxx" "$t/host_side.o" "$t/emu_side.o" "$t/simt.o" "$t/ptx_emu.o" -o "$t/host_selftest" &&
+    "$t/host_selftest" | tail -1 && JAX_FLASH_SELFTEST_PERTURB=1 "$t/host_selftest" | tail -1; }; then
+    echo "FAIL: the self-test's host driver"
     return 1
   fi
-  local t0=$(date +%s)
-  timeout --signal=KILL "$limit" "$@" >"$OUT/$name.log" 2>&1
+  if ! command -v nvcc >/dev/null; then
+    echo "no nvcc: the GPU side is not built"
+    [ "$DRY" = 1 ] && { [ -z "$missing" ] && return 77; return 1; }
+    return 1
+  fi
+  echo "+ nvcc -arch=sm_$CC: the GPU side and the driver"
+  nvcc -std=c++17 -O2 -arch="sm_$CC" -Icuda build/ptx_selftest.cu "$t/emu_side.o" "$t/simt.o" "$t/ptx_emu.o" \
+    -o "$t/ptx_selftest" || return 1
+  "$t/ptx_selftest"
   local rc=$?
-  local dt=$(($(date +%s) - t0))
-  local note
-  note=$(grep -v '^\s*$' "$OUT/$name.log" | tail -1 | cut -c1-70)
-  if ((rc == 0)); then record "$name" "PASS" "$dt" "$note"
-  elif ((rc == 137 || rc == 124)); then record "$name" "TIMEOUT" "$dt" "after ${limit}s: $note"
-  else record "$name" "FAIL($rc)" "$dt" "$note"
+  [ -n "$missing" ] && return 1
+  if ((rc == 2)) && [ "$DRY" = 1 ]; then
+    echo "host driver passed; GPU side built, not run: no GPU (dry run)"
+    return 77
   fi
   return $rc
 }
 
-# ---- 0. the machine ------------------------------------------------------------------------------
-CC=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' .')
-CC=${CC:-90}
-{
-  nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv 2>&1
-  nvcc --version 2>&1 | tail -2
-  "$PY" -c "import sys, jax; print(sys.version.split()[0], 'jax', jax.__version__, jax.devices())" 2>&1
-} >"$OUT/machine.log"
-record machine "INFO" 0 "$(head -2 "$OUT/machine.log" | tail -1 | cut -c1-70)"
-
-# ---- 1. build and install (this GPU's architecture only) -----------------------------------------
-export JAX_FLASH_CUDA_ARCHS=${JAX_FLASH_CUDA_ARCHS:-${CC}-real}
-export JAX_FLASH_CUDA=ON
-export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
-run_step build 240 "$PY" -m pip install --no-build-isolation --no-deps --no-index -v "$REPO"
-BUILD_OK=$?
-
-# ---- 2. PTX wrappers: real instruction vs emulation, lane by lane --------------------------------
-selftest() {
-  cd "$REPO" &&
-    g++ -std=c++17 -O1 -DJAX_FLASH_EMULATE -Icuda -x c++ -c build/ptx_selftest.cu -o "$WORK/emu_side.o" &&
-    g++ -std=c++17 -O1 -Icuda -c cuda/emu/simt.cc -o "$WORK/simt.o" &&
-    g++ -std=c++17 -O1 -Icuda -c cuda/emu/ptx_emu.cc -o "$WORK/ptx_emu.o" &&
-    nvcc -std=c++17 -O2 -arch=sm_"$CC" -Icuda build/ptx_selftest.cu "$WORK/emu_side.o" "$WORK/simt.o" \
-      "$WORK/ptx_emu.o" -o "$WORK/ptx_selftest" &&
-    "$WORK/ptx_selftest"
-}
-run_step ptx_selftest 90 bash -c "$(declare -f selftest); REPO='$REPO' WORK='$WORK' CC='$CC' selftest"
-
-# Tests and benchmarks import the installed package: run them from outside the source tree.
-cd "$WORK" || exit 1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-if ((BUILD_OK == 0)); then
-  # ---- 3. GPU tests: the shared suite for the cuda implementation (full sizes), then -m gpu ------
-  # JAX_FLASH_REQUIRE: a cuda implementation that cannot run fails the step instead of skipping.
-  JAX_FLASH_REQUIRE=cuda run_step gpu_tests_cuda 120 "$PY" -m pytest "$REPO/tests/test_attention.py" -k cuda -q -x -p no:cacheprovider \
-    --junitxml="$OUT/gpu_tests_cuda.xml"
-  run_step gpu_tests_marked 60 bash -c "'$PY' -m pytest '$REPO/tests' -m gpu -q -p no:cacheprovider \
-    --junitxml='$OUT/gpu_tests_marked.xml'; rc=\$?; [ \$rc -eq 5 ] && echo 'no tests marked gpu' && rc=0; exit \$rc"
-
-  # ---- 4. a small case (forward + backward, ragged, GQA, causal, deterministic mode), then the
-  #         same under compute-sanitizer memcheck ---------------------------------------------------
-  cat >"$WORK/small_case.py" <<'PYEOF'
-# Forward and backward of the cuda kernels on a small ragged GQA causal case, against the
-# float32 reference; deterministic mode twice, bit-identical.
-import os
-import jax, jax.numpy as jnp, numpy as np
-import jax_flash
-from jax_flash.reference import attention_reference
-
-def grads(fn, q, k, v, cot):
-    f = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * cot)
-    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(q, k, v)
-
-QUICK = os.environ.get("SMALL_CASE_QUICK") == "1"  # under compute-sanitizer: one configuration
-for dtype in (jnp.bfloat16,) if QUICK else (jnp.bfloat16, jnp.float16):
-    for h in (64,) if QUICK else (64, 128):
-        kq, kk, kv, kc = jax.random.split(jax.random.PRNGKey(h), 4)
-        q = jax.random.normal(kq, (2, 97, 4, h), dtype)
-        k = jax.random.normal(kk, (2, 130, 2, h), dtype)
-        v = jax.random.normal(kv, (2, 130, 2, h), dtype)
-        cot = jax.random.normal(kc, q.shape, jnp.float32)
-        cuda = lambda q, k, v: jax_flash.attention(q, k, v, is_causal=True, implementation="cuda")
-        ref = lambda q, k, v: attention_reference(q, k, v, is_causal=True, compute_dtype=jnp.float32)
-        (val, g), (rval, rg) = grads(cuda, q, k, v, cot), grads(ref, q, k, v, cot)
-        errs = [float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)))) for a, b in zip(g, rg)]
-        scale = max(float(np.max(np.abs(np.asarray(b, np.float32)))) for b in rg)
-        assert all(np.isfinite(e) and e <= 0.05 * scale for e in errs), (dtype, h, errs, scale)
-        os.environ["JAX_FLASH_DETERMINISTIC"] = "1"
-        d1 = grads(lambda q, k, v: jax_flash.attention(q, k, v, is_causal=True, implementation="cuda"), q, k, v, cot)[1]
-        d2 = grads(lambda q, k, v: jax_flash.attention(q, k, v, is_causal=True, implementation="cuda"), q, k, v, cot)[1]
-        del os.environ["JAX_FLASH_DETERMINISTIC"]
-        assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(d1, d2)), "deterministic differs"
-        print(dtype.__name__, h, "grad errors", ["%.3g" % e for e in errs], "of", "%.3g" % scale, "deterministic ok")
-PYEOF
-  run_step small_case 60 "$PY" "$WORK/small_case.py"
-  SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
-  if [ -n "$SANITIZER" ]; then
-    SMALL_CASE_QUICK=1 run_step memcheck 120 "$SANITIZER" --tool memcheck --error-exitcode 1 --target-processes all "$PY" "$WORK/small_case.py"
+step_correctness() {
+  export JAX_FLASH_REQUIRE=cuda
+  [ "$DRY" = 1 ] && export JAX_FLASH_GPU_SUITE=emulated
+  if "$PY" -c "import pytest" 2>/dev/null; then
+    "$PY" -m pytest tests/test_gpu.py -m gpu -v -p no:cacheprovider -rfEs --durations=5
   else
-    record memcheck "SKIP" 0 "compute-sanitizer not found"
+    echo "pytest is not installed: tests/test_gpu.py's own runner"
+    "$PY" tests/test_gpu.py
   fi
+}
 
-  # ---- 5. benchmark ------------------------------------------------------------------------------
-  # The cuda kernels against cuDNN (through jax.nn) and the Pallas kernels: 16 cases x 3.
-  run_step bench 200 "$PY" -m jax_flash.bench --impls cuda,jax.nn-cudnn,pallas --seq-lens 2k,8k --head-dims 64,128 \
-    --dtype bfloat16 --passes both --causal both --max-seconds 1 --json "$OUT/bench.json"
+step_bench() {
+  # The benchmark stops starting cases at 3/4 of the step's limit, so that the case under way
+  # can finish and bench.json is complete; cases not started are reported as cut.
+  local budget=$((STEP_LIMIT * 3 / 4)) sizes
+  ((budget < 1)) && budget=1
+  if [ "$DRY" = 1 ]; then
+    sizes="--impls jax.nn,jax.nn-cudnn,jax-pallas,cuda,xla --seq-lens 128 --head-dims 64 --batch 1 --heads 2 --reps 2 --max-seconds 0.5"
+  else
+    sizes="--impls jax.nn,jax.nn-cudnn,jax-pallas,cuda,pallas --seq-lens 8k --head-dims 128,64 --batch 2 --heads 16 --reps 10 --max-seconds 1 --max-temp-gib 64"
+  fi
+  # shellcheck disable=SC2086 # word splitting of the argument list is intended
+  "$PY" -m jax_flash.bench --dtype bfloat16 --passes both --causal both ${DEVICE_CHECK_BENCH_ARGS:-$sizes} \
+    --time-budget "$budget" --json "$OUT/bench.json"
+}
+
+sanitize() {  # memcheck or racecheck of build/sanitizer_case.py
+  local tool=$1
+  if [ "$DRY" = 1 ]; then
+    echo "dry run: build/sanitizer_case.py emulated, without compute-sanitizer ($tool)"
+    "$PY" build/sanitizer_case.py
+    return
+  fi
+  local san
+  san=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null) ||
+    { echo "compute-sanitizer: not found"; return 77; }
+  # One cudaMalloc per buffer (XLA's platform allocator), so that memcheck sees each buffer's
+  # bounds; only the jax_flash kernels are instrumented.
+  local extra=()
+  [ "$tool" = memcheck ] && extra=(--padding 256)
+  XLA_PYTHON_CLIENT_ALLOCATOR=platform "$san" --tool "$tool" --error-exitcode 1 --target-processes application-only \
+    --report-api-errors no --kernel-name kns=jax_flash --print-limit 20 "${extra[@]}" "$PY" build/sanitizer_case.py
+}
+step_memcheck() { sanitize memcheck; }
+step_racecheck() { sanitize racecheck; }
+
+export -f step_machine step_build step_ptx_selftest step_correctness step_bench sanitize step_memcheck step_racecheck
+export DRY PY WORK OUT JOBS
+
+# ---- the run ---------------------------------------------------------------------------------------
+if [ "$DRY" = 1 ]; then
+  CC=${DEVICE_CHECK_CC:-90}
 else
-  for s in gpu_tests_cuda gpu_tests_marked small_case memcheck bench; do record "$s" "SKIP" 0 "build failed"; done
+  CC=$(timeout 8 nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' .')
+  GPU_NAME=$(timeout 8 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  if [ -z "$CC" ]; then
+    CC=90
+    echo "device_check: nvidia-smi gave no compute capability: building for sm_90" >&2
+  fi
 fi
+export CC JAX_FLASH_CUDA_ARCHS=${JAX_FLASH_CUDA_ARCHS:-${CC}-real}
 
-# ---- summary -------------------------------------------------------------------------------------
-FAILED=0
-{
-  printf '{"compute_capability": "%s", "archs": "%s", "steps": [' "$CC" "$JAX_FLASH_CUDA_ARCHS"
-  for i in "${!NAMES[@]}"; do
-    ((i > 0)) && printf ', '
-    note=${NOTES[$i]//\\/\\\\}
-    note=${note//\"/\\\"}
-    printf '{"step": "%s", "state": "%s", "seconds": %s, "note": "%s"}' "${NAMES[$i]}" "${STATES[$i]}" \
-      "${SECONDS_TAKEN[$i]}" "$note"
-  done
-  printf ']}\n'
-} >"$OUT/device_check.json"
-if [ -f "$OUT/bench.log" ]; then
-  echo "---- bench (from $OUT/bench.log) ----"
-  tail -40 "$OUT/bench.log"
-fi
-echo
-echo "---- device_check summary ($(($(date +%s) - START)) s; logs and JSON in $OUT) ----"
-printf '%-18s %-10s %6s  %s\n' step state seconds note
-for i in "${!NAMES[@]}"; do
-  printf '%-18s %-10s %6s  %s\n' "${NAMES[$i]}" "${STATES[$i]}" "${SECONDS_TAKEN[$i]}" "${NOTES[$i]}"
-  case "${STATES[$i]}" in FAIL*|TIMEOUT) FAILED=1 ;; esac
+print_plan
+write_json
+for s in "${STEPS[@]}"; do
+  run_step "$s"
+  if [ "$s" = machine ] && [ -f "$OUT/machine.log" ]; then
+    MACHINE_TEXT=$(cat "$OUT/machine.log")
+    rm -f "$OUT/machine.log"  # kept in device_check.json: $OUT holds at most 8 files
+    NOTE[machine]="${GPU_NAME:-no GPU}; $(grep -m1 '^jax ' <<<"$MACHINE_TEXT")"
+    write_json
+  fi
 done
-rm -rf "$WORK"
-exit $FAILED
+print_summary
+[ "$(overall)" = passed ]

@@ -4,6 +4,11 @@
 //
 // The same file is compiled twice: by nvcc for the GPU side (with main), and by the host
 // compiler with JAX_FLASH_EMULATE for the emulated side; the test kernels below are shared.
+// With JAX_FLASH_SELFTEST_HOST_DRIVER as well, the host compiler builds the driver too, with
+// both sides emulated: no GPU needed, every comparison must pass, and the approximate
+// instructions' emulation is checked against the documented bounds
+// (build/device_check.sh --dry-run). JAX_FLASH_SELFTEST_PERTURB=1 then changes one element of
+// every output of one side, and every comparison must fail: the self-test can fail.
 // Build and run from the repository root (sm_80 or newer; pick -arch for the GPU at hand):
 //
 //   T=$(mktemp -d)
@@ -15,12 +20,15 @@
 //   $T/ptx_selftest
 //
 // Comparisons: bit-exact for ldmatrix, cp.async, cvt and shfl, and for mma on integer-valued
-// inputs (every partial sum exact); mma on random inputs within 16 f32 ulps of the case's
-// largest output (the tensor core's accumulation order and rounding are not specified);
-// ex2.approx within 4 ulps (the ISA allows 2 ulps of approximation error). NaNs compare as NaN.
+// inputs (every partial sum exact); mma on random inputs within 16 f32 ulps of the case's largest output (the tensor
+// core's accumulation order and rounding are not specified). The approximate instructions are
+// checked on each side against the exact result (double precision) and the PTX ISA's bound:
+// ex2.approx.ftz within 2 ulp of the correctly rounded result (results below 2^-126 may be
+// flushed to zero); the GPU's largest error is printed. NaNs compare as NaN.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -32,7 +40,7 @@ namespace selftest {
 constexpr int kMmaCases = 16;  // per dtype; cases 0..3 integer-valued, 4 with inf/NaN, rest random
 constexpr int kLdRows = 32;    // 16-byte rows of the ldmatrix source
 constexpr int kCpThreads = 64;
-constexpr int kPerLane = 64;          // values per lane for ex2 / cvt_pack
+constexpr int kPerLane = 64;          // values per lane for ex2, cvt_pack
 constexpr int kCvtF16PerLane = 2048;  // 32 x 2048 = every f16 bit pattern
 
 struct Inputs {
@@ -58,10 +66,11 @@ struct Outputs {
 
 }  // namespace selftest
 
-#ifdef JAX_FLASH_EMULATE
+#if defined(JAX_FLASH_EMULATE) && !defined(JAX_FLASH_SELFTEST_HOST_DRIVER)
 #define SELFTEST_SIDE emu_side
 #else
-#define SELFTEST_SIDE gpu_side
+#define SELFTEST_SIDE gpu_side  // compiled by nvcc, or emulated as well with the host driver
+#define SELFTEST_DRIVER 1
 #endif
 
 namespace SELFTEST_SIDE {
@@ -267,7 +276,7 @@ std::string run_all(const Inputs& in, Outputs* out) {
 
 }  // namespace SELFTEST_SIDE
 
-#ifndef JAX_FLASH_EMULATE
+#ifdef SELFTEST_DRIVER
 // ---- the GPU side also has the driver: inputs, both runs, comparison -----------------------------
 namespace emu_side {
 std::string run_all(const selftest::Inputs& in, selftest::Outputs* out);
@@ -404,10 +413,11 @@ Inputs make_inputs() {
   return in;
 }
 
-int g_failed = 0;
-void verdict(const char* name, int mismatches, const std::string& first) {
+int g_failed = 0, g_verdicts = 0;
+void verdict(const char* name, int mismatches, const std::string& first, const std::string& figure = "") {
+  ++g_verdicts;
   if (mismatches == 0) {
-    std::printf("PASS %s\n", name);
+    std::printf("PASS %s%s\n", name, figure.c_str());
   } else {
     ++g_failed;
     std::printf("FAIL %s: %d mismatches; first: %s\n", name, mismatches, first.c_str());
@@ -482,18 +492,47 @@ int ulp_distance(float a, float b) {
   return static_cast<int>(d < 0 ? (-d > 1000000 ? 1000000 : -d) : (d > 1000000 ? 1000000 : d));
 }
 
-void compare_scalars(const Inputs& in, const Outputs& g, const Outputs& e) {
-  {
-    int bad = 0;
-    std::string first;
-    for (int i = 0; i < 32 * kPerLane; ++i) {
-      const float gv = g.ex2[i], ev = e.ex2[i];
-      bool ok = (std::isnan(gv) && std::isnan(ev)) || gv == ev || (ulp_distance(gv, ev) <= 4) ||
-                (std::fabs(gv - ev) <= 0x1p-125f);
-      if (!ok && bad++ == 0) first = fmt("x = %.9g: ", in.ex2_in[i], 0) + fmt("gpu %.9g emu %.9g", gv, ev);
-    }
-    verdict("ex2_approx", bad, first);
+// ex2.approx.ftz.f32: the error of y = 2^x in ulps of the correctly rounded result (0 when
+// exact), or a large number when y is off; results below 2^-126 may be flushed to zero.
+double ex2_error_ulps(float x, float y) {
+  if (std::isnan(x)) return std::isnan(y) ? 0 : 1e9;
+  if (std::fpclassify(x) == FP_SUBNORMAL) x = 0.0f;  // ftz input
+  const double exact = std::exp2(static_cast<double>(x));
+  const float rounded = static_cast<float>(exact);
+  // Flushed: a result within 2 ulp of the correctly rounded one may lie below 2^-126.
+  if (y == 0.0f && exact < 0x1p-126 * (1 + 0x1p-22)) return 0;
+  if (exact < 0x1p-126) return (y >= 0.0f && y <= 0x1p-126f) ? 0 : 1e9;
+  if (std::isinf(rounded) || std::isinf(y)) return (y == rounded || exact >= 0x1.fffffcp127) ? 0 : 1e9;
+  return std::isnan(y) ? 1e9 : ulp_distance(y, rounded);
+}
+
+// Each side against the exact result and the bound; the emulation (libm's result moved by the
+// bound) may add libm's own error, and so may the first side when the host driver emulates it.
+void compare_approx(const char* name, const char* unit, const std::vector<float>& x, const std::vector<float>& g,
+                    const std::vector<float>& e, double (*error)(float, float), double gpu_bound, double emu_bound) {
+#ifdef JAX_FLASH_EMULATE
+  const double bound = emu_bound;
+  (void)gpu_bound;
+#else
+  const double bound = gpu_bound;
+#endif
+  int bad = 0;
+  std::string first;
+  double worst_gpu = 0, worst_emu = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double eg = error(x[i], g[i]), ee = error(x[i], e[i]);
+    worst_gpu = std::fmax(worst_gpu, eg), worst_emu = std::fmax(worst_emu, ee);
+    if ((eg > bound || ee > emu_bound) && bad++ == 0)
+      first = fmt("x = %.9g: ", x[i], 0) + fmt("gpu %.9g emu %.9g", g[i], e[i]) +
+              fmt(" (errors %.3g and %.3g ", eg, ee) + unit + fmt("; bounds %g and %g)", bound, emu_bound);
   }
+  verdict(name, bad, first,
+          fmt(" (largest error: gpu %.3g, emulation %.3g ", worst_gpu, worst_emu) + unit +
+              fmt("; bounds %g and %g)", bound, emu_bound));
+}
+
+void compare_scalars(const Inputs& in, const Outputs& g, const Outputs& e) {
+  compare_approx("ex2_approx", "ulp", in.ex2_in, g.ex2, e.ex2, ex2_error_ulps, 2, 3);
   for (int which = 0; which < 2; ++which) {
     const auto& gv = which ? g.cvt_f16 : g.cvt_bf16;
     const auto& ev = which ? e.cvt_f16 : e.cvt_bf16;
@@ -526,11 +565,29 @@ void compare_scalars(const Inputs& in, const Outputs& g, const Outputs& e) {
   }
 }
 
+// JAX_FLASH_SELFTEST_PERTURB=1 (host driver): one element of every output of the first side
+// changed, so that every comparison must fail.
+void perturb(Outputs* o) {
+  auto flip = [](float& f, int bit) { f = bitsf(fbits(f) ^ (1u << bit)); };
+  flip(o->mma_d[0][0], 22), flip(o->mma_d[1][0], 22);  // case 0 is integer-valued: compared exactly
+  for (auto& v : o->ld) v[0] ^= 1;
+  o->cp[0] ^= 1;
+  flip(o->ex2[0], 20);  // 2^0 = 1: far outside the bound
+  o->cvt_bf16[0] ^= 1, o->cvt_f16[0] ^= 1;
+  flip(o->cvt_f32_f16[0], 20), flip(o->shfl[0], 0);
+}
+
 }  // namespace
 }  // namespace selftest
 
 int main() {
   using namespace selftest;
+#ifdef JAX_FLASH_EMULATE
+  const char* p = std::getenv("JAX_FLASH_SELFTEST_PERTURB");
+  const bool perturbed = p != nullptr && std::string(p) == "1";
+  std::printf("host driver: both sides emulated%s\n", perturbed ? ", one side perturbed: every check must fail" : "");
+#else
+  const bool perturbed = false;
   int count = 0;
   cudaDeviceProp prop;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0 || cudaGetDeviceProperties(&prop, 0) != cudaSuccess) {
@@ -542,6 +599,7 @@ int main() {
     return 2;
   }
   std::printf("device: %s (sm_%d%d)\n", prop.name, prop.major, prop.minor);
+#endif
   const Inputs in = make_inputs();
   Outputs gpu, emu;
   std::string err = gpu_side::run_all(in, &gpu);
@@ -549,6 +607,7 @@ int main() {
     std::printf("FAIL gpu run: %s\n", err.c_str());
     return 1;
   }
+  if (perturbed) perturb(&gpu);
   err = emu_side::run_all(in, &emu);
   if (!err.empty()) {
     std::printf("FAIL emulated run: %s\n", err.c_str());
@@ -559,7 +618,13 @@ int main() {
   compare_ldmatrix(gpu, emu);
   compare_bytes("cp_async_16 + commit_group + wait_group", gpu.cp, emu.cp);
   compare_scalars(in, gpu, emu);
-  std::printf("%s: %d wrapper(s) differ between the GPU and the emulation\n", g_failed ? "FAIL" : "PASS", g_failed);
+  if (perturbed) {
+    const bool all = g_failed == g_verdicts;
+    std::printf("%s: %d of %d checks failed on the perturbed outputs\n", all ? "PASS" : "FAIL", g_failed, g_verdicts);
+    return all ? 0 : 1;
+  }
+  std::printf("%s: %d of %d checks differ between the GPU and the emulation\n", g_failed ? "FAIL" : "PASS", g_failed,
+              g_verdicts);
   return g_failed ? 1 : 0;
 }
 #endif

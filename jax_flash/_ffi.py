@@ -1,8 +1,10 @@
 """Calls into the compiled extension's FFI targets (see cuda/README.md for the contract).
 
-One `jax.ffi.ffi_call` per target serves every platform the target is registered for. The
-targets take one batch axis; under `jax.vmap` the mapped axis is folded into it (one call,
-never a loop over the mapped axis) by a `custom_vmap` rule.
+One `jax.ffi.ffi_call` per target serves every platform the target is registered for. Each
+call goes through `jax_flash.parallel.partitioning`: sharded over batch, heads or queries
+under `jax.jit`, it runs on each device's shards (a `custom_partitioning` rule); under
+`jax.vmap` the mapped axis is folded into the targets' one batch axis (one call, never a
+loop over the mapped axis).
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_batching import custom_vmap
 
+from jax_flash import _registry
 from jax_flash._spec import AttentionSpec, MaskInputs
+from jax_flash.parallel import partitioning
 
 _lock = threading.Lock()
 _registered: Optional[dict] = None  # platform -> set of target names
@@ -61,28 +64,6 @@ def has_cuda_kernels() -> bool:
     return bool(ext.has_cuda())
 
 
-def _fold_vmap(fn):
-    """Make `fn(*arrays)` (every operand and result has a leading batch axis) fold a vmapped
-    axis into that batch axis: [V, B, ...] -> [V·B, ...] -> fn -> [V, B, ...]."""
-
-    @custom_vmap
-    def folded(*args):
-        return tuple(fn(*args))
-
-    @folded.def_vmap
-    def rule(axis_size, in_batched, *args):
-        args = [
-            a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
-            for a, batched in zip(args, in_batched)
-        ]
-        flat = [a.reshape(axis_size * a.shape[1], *a.shape[2:]) for a in args]
-        outs = folded(*flat)
-        outs = tuple(o.reshape(axis_size, o.shape[0] // axis_size, *o.shape[1:]) for o in outs)
-        return outs, (True,) * len(outs)
-
-    return folded
-
-
 def _attributes(spec: AttentionSpec) -> dict:
     # Floats as np.float32: a Python float becomes an f64 attribute, which Attr<float> rejects.
     return dict(
@@ -108,17 +89,9 @@ def _mask_operands(spec: AttentionSpec, masks: MaskInputs):
 
 def forward(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):
     """Call `target` (a forward target): out [B, T, N, H], lse [B, N, T] float32."""
-    attrs = _attributes(spec)
-
-    def call(q, k, v, q_len, kv_len, q_seg, kv_seg):
-        b, t, n, _ = q.shape
-        shapes = (
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((b, n, t), jnp.float32),
-        )
-        return jax.ffi.ffi_call(target, shapes)(q, k, v, q_len, kv_len, q_seg, kv_seg, **attrs)
-
-    return tuple(_fold_vmap(call)(q, k, v, *_mask_operands(spec, masks)))
+    return partitioning.forward(
+        _impl_name(target), functools.partial(_forward_call, target), spec, q, k, v, masks
+    )
 
 
 def backward(
@@ -126,24 +99,48 @@ def backward(
     deterministic: bool = False,
 ):
     """Call `target` (a backward target): dq, dk, dv (workspaces dropped), dbias None."""
-    attrs = dict(_attributes(spec), deterministic=bool(deterministic))
+    call = functools.partial(_backward_call, target, bool(deterministic))
+    return partitioning.backward(
+        _impl_name(target), call, spec, q, k, v, masks,
+        out, lse.astype(jnp.float32), dout, dlse.astype(jnp.float32),
+    )
 
-    def call(q, k, v, out, dout, lse, dlse, q_len, kv_len, q_seg, kv_seg):
-        b, t, n, h = q.shape
-        shapes = (
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct(k.shape, k.dtype),
-            jax.ShapeDtypeStruct(v.shape, v.dtype),
-            jax.ShapeDtypeStruct((b, t, n, h), jnp.float32),  # dq_accum workspace
-            jax.ShapeDtypeStruct((b, n, t), jnp.float32),  # delta workspace
-        )
-        return jax.ffi.ffi_call(target, shapes)(
-            q, k, v, out, dout, lse, dlse, q_len, kv_len, q_seg, kv_seg, **attrs
-        )
 
-    dq, dk, dv, _, _ = _fold_vmap(call)(
-        q, k, v, out, dout, lse.astype(jnp.float32), dlse.astype(jnp.float32),
-        *_mask_operands(spec, masks),
+def _impl_name(target: str) -> str:
+    """The implementation a target serves (for messages): emulated or GPU targets are cuda."""
+    return "cuda" if target.startswith("jax_flash_emu") or _registry.platform() == "gpu" else "cpu"
+
+
+def _forward_call(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):
+    """The forward custom call on (local) canonical arrays; `spec` describes them."""
+    b, t, n, _ = q.shape
+    shapes = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((b, n, t), jnp.float32),
+    )
+    return tuple(
+        jax.ffi.ffi_call(target, shapes)(
+            q, k, v, *_mask_operands(spec, masks), **_attributes(spec)
+        )
+    )
+
+
+def _backward_call(
+    target: str, deterministic: bool, spec: AttentionSpec, q, k, v, masks: MaskInputs,
+    out, lse, dout, dlse,
+):
+    """The backward custom call on (local) canonical arrays: dq, dk, dv, None."""
+    b, t, n, h = q.shape
+    shapes = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct(k.shape, k.dtype),
+        jax.ShapeDtypeStruct(v.shape, v.dtype),
+        jax.ShapeDtypeStruct((b, t, n, h), jnp.float32),  # dq_accum workspace
+        jax.ShapeDtypeStruct((b, n, t), jnp.float32),  # delta workspace
+    )
+    dq, dk, dv, _, _ = jax.ffi.ffi_call(target, shapes)(
+        q, k, v, out, dout, lse, dlse, *_mask_operands(spec, masks),
+        **_attributes(spec), deterministic=deterministic,
     )
     return dq, dk, dv, None
 

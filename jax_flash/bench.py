@@ -10,10 +10,14 @@ measured in the same run, and the compiled temporary memory
 (`jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes`).
 
 A case that fails, runs out of memory, or whose compiled temporary memory exceeds
-`--max-temp-gib` is reported as such in the table; the run goes on.
+`--max-temp-gib` is reported as such in the table; the run goes on. With `--time-budget`
+no case starts once that many seconds have passed: the cases left are reported as
+"cut: --time-budget". `--json` is rewritten after every case, so a run that is killed
+still leaves the cases it finished. The last line counts the cells by status.
 
     python -m jax_flash.bench                                   # CPU defaults: f32, T=1k,4k
     python -m jax_flash.bench --impls xla,jax.nn --seq-lens 1024,4096,16384 --json out.json
+    python -m jax_flash.bench --seq-lens 8k --head-dims 128,64 --time-budget 120 --json b.json
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class Result:
     time_s: Optional[float] = None
     flops_per_s: Optional[float] = None
     temp_bytes: Optional[int] = None
+    compile_s: Optional[float] = None  # lowering + compilation
     vs_jax_nn: Optional[float] = None  # jax.nn time / this time (>1: faster than jax.nn)
     reps: int = 0
 
@@ -133,8 +138,8 @@ def _device_memory_bytes() -> Optional[int]:
         return None
 
 
-def _prepare(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, max_temp_bytes):
-    """Compile one cell: (Result, compiled or None, args). A failure is the result's status."""
+def _cell(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype) -> Result:
+    """The not yet measured Result of one cell (its model FLOPs filled in)."""
     spec = AttentionSpec(
         batch=batch,
         q_len=seq_len,
@@ -146,9 +151,14 @@ def _prepare(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, max_te
         scale=1.0 / math.sqrt(head_dim),
         window_right=0 if causal else None,
     )
-    r = Result(
+    return Result(
         impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, spec.flops(pass_ == "fwdbwd")
     )
+
+
+def _prepare(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, max_temp_bytes):
+    """Compile one cell: (Result, compiled or None, args). A failure is the result's status."""
+    r = _cell(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype)
     shape = (batch, seq_len, heads, head_dim)
     keys = jax.random.split(jax.random.key(0), 4)
     args = [jax.random.normal(kk, shape, jnp.float32).astype(dtype) for kk in keys[:3]]
@@ -156,7 +166,9 @@ def _prepare(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, max_te
         args.append(jax.random.normal(keys[3], shape, jnp.float32).astype(dtype))
     try:
         fn = _pass_fn(_attention_fn(impl, causal, head_dim), pass_)
+        t0 = time.perf_counter()
         compiled = jax.jit(fn).lower(*args).compile()
+        r.compile_s = time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - reported in the table
         r.status = "OOM" if _is_oom(e) else f"failed: {_short(e)}"
         return r, None, None
@@ -283,7 +295,7 @@ def format_table(results: list[Result], on_gpu: bool) -> str:
     unit, div = ("TFLOP/s", 1e12) if on_gpu else ("GFLOP/s", 1e9)
     header = (
         f"{'impl':13s} {'pass':6s} {'causal':6s} {'H':>4s} {'T=S':>6s} {'time ms':>10s} "
-        f"{unit:>9s} {'x jax.nn':>9s} {'temp MiB':>10s}  status"
+        f"{unit:>9s} {'x jax.nn':>9s} {'temp MiB':>10s} {'compile s':>9s}  status"
     )
     lines = [header, "-" * len(header)]
     for r in results:
@@ -291,9 +303,10 @@ def format_table(results: list[Result], on_gpu: bool) -> str:
         tput = "" if r.flops_per_s is None else f"{r.flops_per_s / div:.2f}"
         ratio = "" if r.vs_jax_nn is None else f"{r.vs_jax_nn:.2f}"
         temp = "" if r.temp_bytes is None else f"{r.temp_bytes / 2**20:.1f}"
+        comp = "" if r.compile_s is None else f"{r.compile_s:.1f}"
         lines.append(
             f"{r.impl:13s} {r.pass_:6s} {'yes' if r.causal else 'no':6s} {r.head_dim:4d} "
-            f"{_fmt_seq(r.seq_len):>6s} {time_ms:>10s} {tput:>9s} {ratio:>9s} {temp:>10s}  "
+            f"{_fmt_seq(r.seq_len):>6s} {time_ms:>10s} {tput:>9s} {ratio:>9s} {temp:>10s} {comp:>9s}  "
             f"{r.status}"
         )
     return "\n".join(lines)
@@ -440,7 +453,20 @@ def parse_args(argv=None):
         help="skip a case whose compiled temporary memory exceeds this "
         "(default: 25%% of the memory of the device, or of the host on CPU)",
     )
-    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="start no case after this many seconds from the start; the cases left are "
+        "reported as cut (default: no limit)",
+    )
+    p.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="write the results as JSON (rewritten after every case)",
+    )
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG plot (matplotlib)")
     p.add_argument(
         "--tune-pallas",
@@ -454,7 +480,35 @@ def parse_args(argv=None):
     return args
 
 
+CUT = "cut: --time-budget"
+
+
+def status_counts(results: list[Result]) -> dict[str, int]:
+    """{"ok": n, "failed": n, "OOM": n, "skipped": n, "cut": n} over the cells."""
+    counts = {"ok": 0, "failed": 0, "OOM": 0, "skipped": 0, "cut": 0}
+    for r in results:
+        key = r.status.split(":")[0]
+        counts[key if key in counts else "failed"] += 1
+    return counts
+
+
+def _write_json(path: str, env: dict, args, skipped: dict, results: list[Result], done: bool):
+    data = {
+        "environment": env,
+        "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
+        "not_measured": skipped,
+        "complete": done,
+        "counts": status_counts(results),
+        "results": [r.to_json() for r in results],
+    }
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)  # a reader (or a kill) never sees half a file
+
+
 def main(argv=None) -> list[Result]:
+    start = time.monotonic()
     args = parse_args(argv)
     on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
     env = environment()
@@ -482,50 +536,37 @@ def main(argv=None) -> list[Result]:
     )
     print(flush=True)
 
+    # jax.nn first: the others are compared with it.
+    ordered = sorted(impls, key=lambda n: n != PEER_JAX_NN)
     results = []
     for head_dim in args.head_dims:
         for seq_len in args.seq_lens:
             for causal in causals:
                 for pass_ in passes:
-                    # jax.nn first: the others are compared with it.
-                    case = measure_case(
-                        sorted(impls, key=lambda n: n != PEER_JAX_NN),
-                        pass_,
-                        causal,
-                        head_dim,
-                        seq_len,
-                        args.batch,
-                        args.heads,
-                        args.dtype,
-                        args.reps,
-                        max_temp,
-                        args.max_seconds,
-                    )
+                    config = (pass_, causal, head_dim, seq_len, args.batch, args.heads, args.dtype)
+                    if args.time_budget is not None and time.monotonic() - start >= args.time_budget:
+                        case = [_cell(impl, *config) for impl in ordered]
+                        for r in case:
+                            r.status = CUT
+                    else:
+                        case = measure_case(
+                            ordered, *config, args.reps, max_temp, args.max_seconds
+                        )
                     results.extend(case)
                     _attach_ratios(results)
                     for line in format_table(case, on_gpu).splitlines()[2:]:
                         print(line, flush=True)
+                    if args.json:
+                        _write_json(args.json, env, args, skipped, results, done=False)
     _attach_ratios(results)
     print()
     print(format_table(results, on_gpu))
     print(
         "\nx jax.nn: jax.nn.dot_product_attention(implementation='xla') time / this time "
-        "(> 1 is faster). temp: compiled temporary memory."
+        "(> 1 is faster). temp: compiled temporary memory. compile: lowering + compilation."
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "environment": env,
-                    "config": {
-                        k: v for k, v in vars(args).items() if k not in ("json", "plot")
-                    },
-                    "not_measured": skipped,
-                    "results": [r.to_json() for r in results],
-                },
-                f,
-                indent=1,
-            )
+        _write_json(args.json, env, args, skipped, results, done=True)
         print(f"wrote {args.json}")
     if args.plot:
         try:
@@ -533,6 +574,13 @@ def main(argv=None) -> list[Result]:
             print(f"wrote {args.plot}")
         except ImportError as e:
             print(f"--plot needs matplotlib ({e}); pip install matplotlib", file=sys.stderr)
+    counts = status_counts(results)
+    print(
+        f"bench: {counts['ok']} of {len(results)} cells measured"
+        + "".join(f", {n} {k}" for k, n in counts.items() if k != "ok" and n),
+        f"in {time.monotonic() - start:.0f} s",
+        flush=True,
+    )
     return results
 
 

@@ -35,6 +35,7 @@ from jax_flash._pallas_kernels import LOG2E, Layout, dkdv_kernel, dq_kernel, for
 from jax_flash._pallas_table import Config, fit, lookup, padded_head_dim, smem_budget
 from jax_flash._pallas_table import TABLE, tune  # noqa: F401  (re-exported for the bench)
 from jax_flash._spec import AttentionSpec, MaskInputs
+from jax_flash.parallel import partitioning
 
 DTYPES = ("float16", "bfloat16", "float32")
 MAX_HEAD_DIM = 256
@@ -239,7 +240,24 @@ def _tiles(spec: AttentionSpec, cfgs):
 
 
 def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs=None, interpret=None):
-    """out [B, T, N, H] (dtype of q), lse [B, N, T] float32 natural log."""
+    """out [B, T, N, H] (dtype of q), lse [B, N, T] float32 natural log; partitioned over
+    the inputs' shardings (`jax_flash.parallel.partitioning`)."""
+    call = functools.partial(_forward_call, configs=configs, interpret=interpret)
+    return partitioning.forward("pallas", call, spec, q, k, v, masks)
+
+
+def backward(
+    spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout, dlse, *,
+    configs=None, interpret=None,
+):
+    """dq, dk, dv (input dtypes), dbias (shape and dtype of masks.bias, or None);
+    partitioned over the inputs' shardings."""
+    call = functools.partial(_backward_call, configs=configs, interpret=interpret)
+    return partitioning.backward("pallas", call, spec, q, k, v, masks, out, lse, dout, dlse)
+
+
+def _forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, interpret):
+    """The forward kernel on (local) canonical arrays; `spec` describes them."""
     pl, _ = _triton()
     interpret = _interpret(interpret)
     b, t, n, h = q.shape
@@ -271,11 +289,10 @@ def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs=None, in
     return out[:, :t, :, :h], lse[:, :, :t]
 
 
-def backward(
-    spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout, dlse, *,
-    configs=None, interpret=None,
+def _backward_call(
+    spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout, dlse, *, configs, interpret,
 ):
-    """dq, dk, dv (input dtypes), dbias (shape and dtype of masks.bias, or None)."""
+    """The dK/dV and dQ kernels on (local) canonical arrays; `spec` describes them."""
     pl, _ = _triton()
     interpret = _interpret(interpret)
     b, t, n, h = q.shape

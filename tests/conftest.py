@@ -63,3 +63,30 @@ def impl(request):
     if why is not None:
         pytest.skip(f"{name} unavailable here: {why}")
     return name
+
+
+# ---- `-m gpu`: the GPU correctness pass (tests/test_gpu.py) must run something -------------
+# An expression that selects the gpu marker (not `not gpu`) fails the session when no gpu test
+# passed: a GPU run that selected nothing, or skipped everything, is not a pass.
+_gpu_passed = 0
+
+
+def _selects_gpu(config) -> bool:
+    import re
+
+    expr = config.getoption("markexpr", "") or ""
+    return re.search(r"(?<!not )\bgpu\b", expr) is not None
+
+
+def pytest_runtest_logreport(report):
+    global _gpu_passed
+    if report.when == "call" and report.passed and "gpu" in report.keywords:
+        _gpu_passed += 1
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _selects_gpu(session.config) and _gpu_passed == 0:
+        print(f"\n-m {session.config.getoption('markexpr')!r}: no gpu test passed "
+              f"({session.testscollected} collected); that is a failure")
+        if exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -71,3 +71,28 @@ def test_bench_module_entry_point_help():
         [sys.executable, "-m", "jax_flash.bench", "--help"], capture_output=True, text=True, check=True
     ).stdout
     assert "--tune-pallas" in out and "--json" in out
+
+
+def test_bench_time_budget_cuts_cases_and_json_says_so(tmp_path, capsys):
+    # A budget already spent: no case starts, every cell is reported as cut, and the JSON
+    # (rewritten after every case) is complete and counts them.
+    json_path = tmp_path / "bench.json"
+    results = bench.main(
+        ["--impls", "xla,jax.nn", "--seq-lens", "64", "--head-dims", "16", "--heads", "1",
+         "--passes", "both", "--causal", "no", "--time-budget", "0", "--json", str(json_path)]
+    )
+    assert len(results) == 4 and all(r.status == bench.CUT and r.time_s is None for r in results)
+    assert all(r.flops > 0 for r in results)
+    data = json.loads(json_path.read_text())
+    assert data["complete"] is True and data["counts"]["cut"] == 4 and data["counts"]["ok"] == 0
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("bench: 0 of 4 cells measured, 4 cut")
+
+
+def test_bench_time_budget_not_reached_measures_everything(tmp_path):
+    json_path = tmp_path / "bench.json"
+    results = bench.main(
+        ["--impls", "xla", "--seq-lens", "64", "--head-dims", "16", "--heads", "1", "--passes", "fwd",
+         "--causal", "both", "--reps", "1", "--time-budget", "600", "--json", str(json_path)]
+    )
+    assert [r.status for r in results] == ["ok", "ok"] and all(r.compile_s > 0 for r in results)
+    assert json.loads(json_path.read_text())["counts"] == {"ok": 2, "failed": 0, "OOM": 0, "skipped": 0, "cut": 0}

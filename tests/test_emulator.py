@@ -130,3 +130,21 @@ def test_ptx_selftest_builds(objects, tmp_path):
     if run.returncode == 2 and "NO DEVICE" in run.stdout:
         pytest.skip(f"built with nvcc; not run: {run.stdout.strip()}")
     assert run.returncode == 0, f"GPU and emulation differ:\n{run.stdout}{run.stderr}"
+
+
+def test_ptx_selftest_host_driver(objects, tmp_path):
+    """build/ptx_selftest.cu with both sides emulated (JAX_FLASH_SELFTEST_HOST_DRIVER): its
+    comparisons pass on identical sides, and the emulated approximate instructions stay within
+    their documented bounds; with one side perturbed every check fails (the self-test can fail)."""
+    _, objs = objects
+    sides = _compile_all(tmp_path, {
+        "emu_side": (SELFTEST, ["-DJAX_FLASH_EMULATE", "-x", "c++"]),
+        "host_side": (SELFTEST, ["-DJAX_FLASH_EMULATE", "-DJAX_FLASH_SELFTEST_HOST_DRIVER", "-x", "c++"]),
+    })
+    exe = _link(tmp_path, "host_selftest", [sides["host_side"], sides["emu_side"], objs["simt"], objs["ptx_emu"]])
+    for perturb in ("0", "1"):
+        run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, JAX_FLASH_SELFTEST_PERTURB=perturb))
+        assert run.returncode == 0, run.stdout + run.stderr
+        checks = [line for line in run.stdout.splitlines() if line.startswith(("PASS ", "FAIL "))]
+        assert len(checks) >= 12 and all(c.startswith("FAIL " if perturb == "1" else "PASS ") for c in checks), run.stdout

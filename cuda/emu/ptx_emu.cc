@@ -4,6 +4,7 @@
 #include "emu/ptx_emu.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 namespace jax_flash {
@@ -12,7 +13,7 @@ namespace detail {
 // simt.cc
 bool smem_range_ok(const void* p, size_t bytes, size_t* offset);
 bool smem_in_flight(size_t offset);  // a cp.async into these 16 bytes has not landed yet
-void cp_async_issue(size_t smem_offset, const void* src, int src_bytes);
+void cp_async_issue(size_t smem_offset, const void* src, int src_bytes, const char* file, int line);
 void cp_async_commit();
 void cp_async_wait(int n);
 }  // namespace detail
@@ -95,13 +96,20 @@ const detail::CollectiveKind kMmaBf16{"mma.sync.aligned.m16n8k16.row.col.f32.bf1
 // i (the lower column in the low half). With .trans the matrix is read column-major: lane l
 // receives the elements at stored rows 2*(l%4), 2*(l%4)+1 of stored column l/4. For .x1/.x2
 // the addresses of lanes 8*num..31 are not used (sm_80+).
+struct LdmatrixIn {
+  const void* row;
+  const char* file;
+  int line;
+};
+
 template <int kNum, bool kTrans>
 std::string compute_ldmatrix(uint32_t, const void* const* in, void* const* out, void*) {
   uint16_t M[4][8][8];
   for (int m = 0; m < kNum; ++m)
     for (int row = 0; row < 8; ++row) {
       const int lane = m * 8 + row;
-      const void* p = *static_cast<const void* const*>(in[lane]);
+      const LdmatrixIn& x = *static_cast<const LdmatrixIn*>(in[lane]);
+      const void* p = x.row;
       size_t offset;
       if (!detail::smem_range_ok(p, 16, &offset))
         return std::string("ldmatrix: lane ") + std::to_string(lane) + " row address " + hex_ptr(p) +
@@ -115,6 +123,9 @@ std::string compute_ldmatrix(uint32_t, const void* const* in, void* const* out, 
                std::to_string(offset) +
                " while a cp.async into it has not been waited for (missing "
                "cp.async.wait_group or __syncthreads)";
+      // The lanes of one ldmatrix read together; each row is read by the lane that addresses it.
+      std::string race = detail::smem_access(lane, p, 16, detail::MemOp::kRead, "ldmatrix", x.file, x.line);
+      if (!race.empty()) return race;
       std::memcpy(M[m][row], p, 16);
     }
   for (int lane = 0; lane < kWarp; ++lane) {
@@ -147,20 +158,24 @@ void mma_m16n8k16_bf16(float d[4], const uint32_t a[4], const uint32_t b[2], con
   detail::warp_collective(kMmaBf16, 0xffffffffu, &in, d);
 }
 
-void ldmatrix_x4(uint32_t r[4], const void* smem_row_ptr) {
-  detail::warp_collective(kLdmatrixX4, 0xffffffffu, &smem_row_ptr, r);
+void ldmatrix_x4(uint32_t r[4], const void* smem_row_ptr, const char* file, int line) {
+  LdmatrixIn in{smem_row_ptr, file, line};
+  detail::warp_collective(kLdmatrixX4, 0xffffffffu, &in, r);
 }
-void ldmatrix_x4_trans(uint32_t r[4], const void* smem_row_ptr) {
-  detail::warp_collective(kLdmatrixX4T, 0xffffffffu, &smem_row_ptr, r);
+void ldmatrix_x4_trans(uint32_t r[4], const void* smem_row_ptr, const char* file, int line) {
+  LdmatrixIn in{smem_row_ptr, file, line};
+  detail::warp_collective(kLdmatrixX4T, 0xffffffffu, &in, r);
 }
-void ldmatrix_x2(uint32_t r[2], const void* smem_row_ptr) {
-  detail::warp_collective(kLdmatrixX2, 0xffffffffu, &smem_row_ptr, r);
+void ldmatrix_x2(uint32_t r[2], const void* smem_row_ptr, const char* file, int line) {
+  LdmatrixIn in{smem_row_ptr, file, line};
+  detail::warp_collective(kLdmatrixX2, 0xffffffffu, &in, r);
 }
-void ldmatrix_x2_trans(uint32_t r[2], const void* smem_row_ptr) {
-  detail::warp_collective(kLdmatrixX2T, 0xffffffffu, &smem_row_ptr, r);
+void ldmatrix_x2_trans(uint32_t r[2], const void* smem_row_ptr, const char* file, int line) {
+  LdmatrixIn in{smem_row_ptr, file, line};
+  detail::warp_collective(kLdmatrixX2T, 0xffffffffu, &in, r);
 }
 
-void cp_async_16(void* smem_dst, const void* gmem_src, int src_bytes) {
+void cp_async_16(void* smem_dst, const void* gmem_src, int src_bytes, const char* file, int line) {
   size_t offset;
   if (!detail::smem_range_ok(smem_dst, 16, &offset))
     detail::fail("cp.async: destination " + hex_ptr(smem_dst) +
@@ -171,13 +186,97 @@ void cp_async_16(void* smem_dst, const void* gmem_src, int src_bytes) {
     detail::fail("cp.async: src-size " + std::to_string(src_bytes) + " is outside [0, 16]");
   if (src_bytes > 0 && reinterpret_cast<uintptr_t>(gmem_src) % 16 != 0)
     detail::fail("cp.async: source " + hex_ptr(gmem_src) + " is not 16-byte aligned");
-  detail::cp_async_issue(offset, gmem_src, src_bytes);
+  detail::cp_async_issue(offset, gmem_src, src_bytes, file, line);
 }
 void cp_async_commit_group() { detail::cp_async_commit(); }
 void cp_async_wait_group_n(int n) {
   if (n < 0) detail::fail("cp.async.wait_group: negative count");
   detail::cp_async_wait(n);
 }
+
+// ---- ld/st.shared, ld/st.global, red.global ----
+namespace {
+
+void check_shared(const char* what, const void* p, size_t bytes, detail::MemOp op, const char* file, int line) {
+  size_t offset;
+  if (!detail::smem_range_ok(p, bytes, &offset))
+    detail::fail(std::string(what) + ": address " + hex_ptr(p) + " (" + std::to_string(bytes) +
+                 " bytes) is outside the block's dynamic shared memory [" + hex_ptr(dynamic_smem()) + ", +" +
+                 std::to_string(dynamic_smem_size()) + " bytes)");
+  if (offset % bytes != 0)
+    detail::fail(std::string(what) + ": shared memory offset " + std::to_string(offset) + " is not " +
+                 std::to_string(bytes) + "-byte aligned");
+  std::string race = detail::smem_access(-1, p, bytes, op, what, file, line);
+  if (!race.empty()) detail::fail(race);
+}
+
+void check_global(const char* what, const void* p, size_t bytes, detail::MemOp op, const char* file, int line) {
+  if (reinterpret_cast<uintptr_t>(p) % bytes != 0)
+    detail::fail(std::string(what) + ": address " + hex_ptr(p) + " is not " + std::to_string(bytes) +
+                 "-byte aligned");
+  detail::check_global(p, bytes, op, what, file, line);
+}
+
+}  // namespace
+
+float ld_shared_f32(const float* p, const char* file, int line) {
+  check_shared("ld.shared.f32", p, 4, detail::MemOp::kRead, file, line);
+  float v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+void ld_shared_v4_b32(uint32_t r[4], const void* p, const char* file, int line) {
+  check_shared("ld.shared.v4.b32", p, 16, detail::MemOp::kRead, file, line);
+  std::memcpy(r, p, 16);
+}
+void st_shared_b32(void* p, uint32_t v, const char* file, int line) {
+  check_shared("st.shared.b32", p, 4, detail::MemOp::kWrite, file, line);
+  std::memcpy(p, &v, 4);
+}
+void st_shared_f32(float* p, float v, const char* file, int line) {
+  check_shared("st.shared.f32", p, 4, detail::MemOp::kWrite, file, line);
+  std::memcpy(p, &v, 4);
+}
+
+float ld_global_f32(const float* p, const char* file, int line) {
+  check_global("ld.global.f32", p, 4, detail::MemOp::kRead, file, line);
+  float v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+void ld_global_v4_b32(uint32_t r[4], const void* p, const char* file, int line) {
+  check_global("ld.global.v4.b32", p, 16, detail::MemOp::kRead, file, line);
+  std::memcpy(r, p, 16);
+}
+void st_global_f32(float* p, float v, const char* file, int line) {
+  check_global("st.global.f32", p, 4, detail::MemOp::kWrite, file, line);
+  std::memcpy(p, &v, 4);
+}
+void st_global_b32(void* p, uint32_t v, const char* file, int line) {
+  check_global("st.global.b32", p, 4, detail::MemOp::kWrite, file, line);
+  std::memcpy(p, &v, 4);
+}
+void st_global_v4_b32(void* p, const uint32_t v[4], const char* file, int line) {
+  check_global("st.global.v4.b32", p, 16, detail::MemOp::kWrite, file, line);
+  std::memcpy(p, v, 16);
+}
+void red_global_add_f32(float* p, float v, const char* file, int line) {
+  check_global("red.global.add.f32", p, 4, detail::MemOp::kAtomic, file, line);
+  float old;
+  std::memcpy(&old, p, 4);
+  old += v;
+  std::memcpy(p, &old, 4);
+}
+
+namespace detail {
+uint32_t approx_seed() {
+  static const uint32_t seed = [] {
+    const char* s = std::getenv("JAX_FLASH_EMU_APPROX_SEED");
+    return s != nullptr ? static_cast<uint32_t>(std::strtoul(s, nullptr, 10)) : 0u;
+  }();
+  return seed;
+}
+}  // namespace detail
 
 }  // namespace emu
 }  // namespace jax_flash

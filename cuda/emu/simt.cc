@@ -107,6 +107,21 @@ struct PendingCopy {
   unsigned char bytes[16];   // what lands
   unsigned char before[16];  // the destination when the copy was issued
   uint64_t group;
+  uint16_t site;  // where it was issued
+};
+
+// The race detector's record of one byte of shared memory. Accesses are ordered by program
+// order within a thread, by __syncthreads (the block's barrier epoch changes) and, between lanes
+// of one warp, by __syncwarp (the warp's clocks below); nothing else orders them (not shuffles,
+// ldmatrix or mma: PTX ISA memory consistency model, only barriers synchronize).
+struct SmemByte {
+  uint32_t w_epoch = 0, w_gen = 0;  // the last write: barrier epoch and writer warp's generation
+  uint32_t r_epoch = 0, r_gen = 0;  // reads since that write, in epoch r_epoch: the latest generation
+  uint32_t r_lanes = 0;             // ... the lanes of r_thread's warp that read
+  uint16_t w_thread = 0;            // writer thread + 1 (0: never written)
+  uint16_t r_thread = 0;            // a reader + 1
+  uint16_t r_other = 0;             // a reader in another warp than r_thread's + 1 (0: none)
+  uint16_t w_site = 0, r_site = 0, r_other_site = 0;
 };
 
 struct Fiber {
@@ -121,6 +136,10 @@ struct Fiber {
 };
 
 struct Warp {
+  // Vector clocks of the lanes for __syncwarp: gen counts the warp's completed __syncwarps;
+  // vc[l][m] > g when an access of lane m at generation g is ordered before lane l's present.
+  uint32_t gen = 0;
+  uint32_t vc[kWarpSize][kWarpSize] = {};
   uint32_t exists = 0;                   // lanes that exist (a block may end in a partial warp)
   uint32_t exited = 0;                   // lanes that have returned from the kernel
   uint32_t at_barrier = 0;               // lanes waiting at __syncthreads
@@ -163,6 +182,10 @@ struct StackPool {
   ~StackPool() { release(); }
 };
 thread_local StackPool tls_stacks;
+// The race detector's shadow of shared memory, reused by the launches of this host thread;
+// barrier epochs only grow, so the records of earlier blocks and launches are never current.
+thread_local std::vector<SmemByte> tls_smem_shadow;
+thread_local uint32_t tls_epoch = 0;
 
 struct Runtime {
   LaunchSpec spec;
@@ -186,6 +209,20 @@ struct Runtime {
   bool aborted = false;
   uint64_t rng = 1;
   uint3 block_idx{0, 0, 0};
+  uint32_t block_linear = 0;  // blockIdx as one number, for the global conflict check
+  SmemByte* shadow = nullptr;   // per byte of smem (tls_smem_shadow)
+  uint32_t epoch = 0;           // the block's barrier epoch (a new one per block and __syncthreads)
+  // Source sites (instruction, file, line) of the recorded accesses, by index (0: unknown).
+  struct Site {
+    const char* what;
+    const char* file;
+    int line;
+  };
+  std::vector<Site> sites{{nullptr, nullptr, 0}};
+  // Global buffers of the launch (GlobalBufferScope) and, per writable one, who wrote each byte
+  // in this launch: (CTA + 1) << 1 | atomic, allocated at the first store.
+  std::vector<GlobalBuffer> buffers;
+  std::vector<std::vector<uint32_t>> global_writers;
 
   uint64_t next_random() {  // splitmix64
     uint64_t z = (rng += 0x9e3779b97f4a7c15ull);
@@ -211,7 +248,7 @@ struct Runtime {
 };
 thread_local Runtime* tls_runtime = nullptr;
 // Declared by GlobalBufferScope: where cp.async may read from (empty: anywhere).
-thread_local std::vector<std::pair<const void*, size_t>> tls_global_buffers;
+thread_local std::vector<GlobalBuffer> tls_global_buffers;
 
 std::string hex(uint64_t v) {
   char buf[32];
@@ -307,8 +344,12 @@ void on_exit(Runtime& rt, Fiber& f) {
 // Thrown by fail() in a kernel thread, so that its frames unwind; caught in fiber_main.
 struct KernelAbort {};
 
+std::string kernel_prefix(const Runtime& rt) {
+  return rt.options.kernel != nullptr ? std::string(rt.options.kernel) + ": " : std::string();
+}
+
 void record_error(Runtime& rt, const std::string& message) {
-  if (rt.error.empty()) rt.error = thread_str(rt, *rt.current) + ": " + message;
+  if (rt.error.empty()) rt.error = kernel_prefix(rt) + thread_str(rt, *rt.current) + ": " + message;
   rt.aborted = true;
 }
 
@@ -379,6 +420,8 @@ std::string describe_deadlock(const Runtime& rt) {
 
 bool run_block(Runtime& rt, uint3 block_idx) {
   rt.block_idx = block_idx;
+  rt.block_linear = block_idx.x + rt.spec.grid.x * (block_idx.y + rt.spec.grid.y * block_idx.z);
+  rt.epoch = ++tls_epoch;
   std::memset(rt.smem_storage.data(), kRedZoneByte, rt.smem_storage.size());
   std::memset(rt.smem, kPoison, rt.smem_bytes);
   std::fill(rt.in_flight.begin(), rt.in_flight.end(), 0);
@@ -403,7 +446,7 @@ bool run_block(Runtime& rt, uint3 block_idx) {
   while (!rt.aborted && rt.exited < rt.nthreads) {
     int next = rt.pop();
     if (next < 0) {
-      rt.error = describe_deadlock(rt);
+      rt.error = kernel_prefix(rt) + describe_deadlock(rt);
       rt.aborted = true;
       break;
     }
@@ -429,14 +472,14 @@ bool run_block(Runtime& rt, uint3 block_idx) {
   const unsigned char* end = lo + rt.smem_storage.size();
   for (const unsigned char* p = lo; p < reinterpret_cast<unsigned char*>(rt.smem); ++p)
     if (*p != kRedZoneByte) {
-      rt.error = "block " + dim_str(block_idx) + ": a store landed " +
+      rt.error = kernel_prefix(rt) + "block " + dim_str(block_idx) + ": a store landed " +
                  std::to_string(reinterpret_cast<unsigned char*>(rt.smem) - p) +
                  " bytes before the start of dynamic shared memory";
       return false;
     }
   for (const unsigned char* p = hi; p < end; ++p)
     if (*p != kRedZoneByte) {
-      rt.error = "block " + dim_str(block_idx) + ": a store landed at byte " +
+      rt.error = kernel_prefix(rt) + "block " + dim_str(block_idx) + ": a store landed at byte " +
                  std::to_string(p - reinterpret_cast<unsigned char*>(rt.smem)) +
                  " of dynamic shared memory, past its " + std::to_string(rt.smem_bytes) + " bytes";
       return false;
@@ -520,6 +563,7 @@ void syncthreads() {
   ++rt.at_barrier;
   if (rt.at_barrier == rt.nthreads) {
     rt.at_barrier = 0;
+    rt.epoch = ++tls_epoch;  // every access before the barrier is ordered before every one after
     for (auto& ww : rt.warps) ww.at_barrier = 0;
     if (rt.options.schedule == Schedule::kReverse) {
       for (int i = rt.nthreads - 1; i >= 0; --i)
@@ -536,7 +580,21 @@ void syncthreads() {
 }
 
 namespace {
-std::string compute_syncwarp(uint32_t, const void* const*, void* const*, void*) { return {}; }
+// __syncwarp(mask) orders the accesses of the lanes in mask before it before their accesses
+// after it (CUDA: "guarantees memory ordering among threads participating in the barrier").
+std::string compute_syncwarp(uint32_t mask, const void* const*, void* const*, void* arg) {
+  Warp& w = *static_cast<Warp*>(arg);
+  uint32_t joined[kWarpSize] = {};
+  for (int l = 0; l < kWarpSize; ++l)
+    if (mask & (1u << l))
+      for (int m = 0; m < kWarpSize; ++m) joined[m] = std::max(joined[m], w.vc[l][m]);
+  ++w.gen;
+  for (int m = 0; m < kWarpSize; ++m)
+    if (mask & (1u << m)) joined[m] = w.gen;
+  for (int l = 0; l < kWarpSize; ++l)
+    if (mask & (1u << l)) std::memcpy(w.vc[l], joined, sizeof joined);
+  return {};
+}
 const CollectiveKind kSyncwarp{"__syncwarp", &compute_syncwarp};
 
 struct ShflIn {
@@ -606,7 +664,10 @@ const CollectiveKind kVoteKinds[3] = {
 };
 }  // namespace
 
-void syncwarp(uint32_t mask) { warp_collective(kSyncwarp, mask, nullptr, nullptr); }
+void syncwarp(uint32_t mask) {
+  Runtime& rt = runtime("__syncwarp");
+  warp_collective(kSyncwarp, mask, nullptr, nullptr, &rt.warps[rt.current->warp]);
+}
 
 uint64_t shfl(ShflMode mode, uint32_t mask, uint64_t value, int lane_arg, int width) {
   ShflIn in{value, lane_arg, width};
@@ -619,6 +680,203 @@ uint32_t vote(int op, uint32_t mask, bool predicate) {
   uint32_t out = 0;
   warp_collective(kVoteKinds[op], mask, &predicate, &out);
   return out;
+}
+
+// ---- the race detector (shared memory) ----
+namespace {
+
+uint16_t intern_site(Runtime& rt, const char* what, const char* file, int line) {
+  // A launch has a few dozen sites: a linear search from the most recent is enough.
+  for (size_t i = rt.sites.size(); i-- > 1;) {
+    const Runtime::Site& e = rt.sites[i];
+    if (e.line == line && e.file == file && e.what == what) return static_cast<uint16_t>(i);
+  }
+  if (rt.sites.size() >= 0xffff) return 0;
+  rt.sites.push_back({what, file, line});
+  return static_cast<uint16_t>(rt.sites.size() - 1);
+}
+
+// "ldmatrix at kernels/bwd.h:162" (the path from cuda/ on, or the file name).
+std::string site_str(const Runtime& rt, uint16_t site) {
+  if (site == 0 || site >= rt.sites.size()) return "?";
+  const Runtime::Site& e = rt.sites[site];
+  std::string s = e.what != nullptr ? e.what : "?";
+  if (e.file == nullptr) return s;
+  std::string f = e.file;
+  size_t cut = f.rfind("/cuda/");
+  if (cut != std::string::npos) f = f.substr(cut + 6);
+  else if ((cut = f.rfind('/')) != std::string::npos) f = f.substr(cut + 1);
+  return s + " at " + f + ":" + std::to_string(e.line);
+}
+
+std::string thread_of(const Runtime& rt, int index) {
+  const Fiber& f = rt.fibers[index];
+  return "thread " + dim_str(f.view.thread_idx) + " (warp " + std::to_string(f.warp) + " lane " +
+         std::to_string(f.lane) + ")";
+}
+
+// Whether an access of thread `other` (index + 1; 0: none) at (epoch, gen) is ordered before
+// the present of thread `me`.
+inline bool ordered(const Runtime& rt, const Fiber& me, uint16_t other, uint32_t epoch, uint32_t gen) {
+  if (other == 0 || epoch != rt.epoch) return true;
+  const int o = other - 1;
+  if (o == me.index) return true;
+  const Fiber& of = rt.fibers[o];
+  if (of.warp != me.warp) return false;
+  return rt.warps[me.warp].vc[me.lane][of.lane] > gen;
+}
+
+std::string race(const Runtime& rt, const Fiber& me, const char* verb, size_t offset, uint16_t site, int other,
+                 const char* other_verb, uint16_t other_site) {
+  const Fiber& of = rt.fibers[other];
+  const char* order = of.warp == me.warp ? "no __syncwarp or __syncthreads" : "no __syncthreads";
+  return "shared-memory race: " + site_str(rt, site) + " by " + thread_of(rt, me.index) + " " + verb + " byte " +
+         std::to_string(offset) + " of shared memory, which " + thread_of(rt, other) + " " + other_verb + " (" +
+         site_str(rt, other_site) + ") with " + order + " in between";
+}
+
+}  // namespace
+
+std::string smem_access(int lane, const void* p, size_t bytes, MemOp op, const char* what, const char* file,
+                        int line) {
+  Runtime& rt = runtime(what);
+  const Fiber& me = lane < 0 ? *rt.current : rt.fibers[rt.current->warp * kWarpSize + lane];
+  const Warp& w = rt.warps[me.warp];
+  const uint16_t self = static_cast<uint16_t>(me.index + 1);
+  const uint32_t bit = 1u << me.lane;
+  const uint16_t site = intern_site(rt, what, file, line);
+  const size_t offset = static_cast<size_t>(static_cast<const char*>(p) - rt.smem);
+  for (size_t i = offset; i < offset + bytes; ++i) {
+    SmemByte& b = rt.shadow[i];
+    if (!ordered(rt, me, b.w_thread, b.w_epoch, b.w_gen))
+      return race(rt, me, op == MemOp::kRead ? "reads" : "overwrites", i, site, b.w_thread - 1, "wrote", b.w_site);
+    if (rt.in_flight[i / 16] != 0)
+      return site_str(rt, site) + " by " + thread_of(rt, me.index) + " " +
+             (op == MemOp::kRead ? "reads" : "writes") + " shared memory offset " + std::to_string(i) +
+             " while a cp.async into it has not been waited for (missing cp.async.wait_group or __syncthreads)";
+    if (op == MemOp::kRead) {
+      if (b.r_epoch != rt.epoch) {
+        b.r_epoch = rt.epoch;
+        b.r_thread = self;
+        b.r_lanes = bit;
+        b.r_gen = w.gen;
+        b.r_other = 0;
+        b.r_site = site;
+      } else if (b.r_other == 0) {
+        const Fiber& rf = rt.fibers[b.r_thread - 1];
+        if (rf.warp != me.warp) {
+          b.r_other = self;
+          b.r_other_site = site;
+        } else if (b.r_lanes == bit) {
+          b.r_gen = w.gen;
+          b.r_site = site;
+        } else {
+          // Readers all ordered before this one are covered by it (clocks are transitive).
+          bool all_before = true;
+          for (uint32_t m = b.r_lanes & ~bit; m != 0; m &= m - 1)
+            all_before = all_before && w.vc[me.lane][__builtin_ctz(m)] > b.r_gen;
+          if (all_before) {
+            b.r_lanes = bit;
+            b.r_thread = self;
+            b.r_gen = w.gen;
+            b.r_site = site;
+          } else {
+            b.r_lanes |= bit;
+            b.r_gen = std::max(b.r_gen, w.gen);
+          }
+        }
+      }
+    } else {
+      if (b.r_epoch == rt.epoch) {
+        int reader = -1;
+        uint16_t reader_site = b.r_site;
+        const Fiber& rf = rt.fibers[b.r_thread - 1];
+        if (b.r_other != 0) {
+          // Readers in two warps: one of them is in another warp than this writer.
+          if (rf.warp != me.warp) {
+            reader = rf.index;
+          } else {
+            reader = b.r_other - 1;
+            reader_site = b.r_other_site;
+          }
+        } else if (rf.warp != me.warp) {
+          reader = rf.index;
+        } else {
+          for (uint32_t m = b.r_lanes & ~bit; m != 0 && reader < 0; m &= m - 1) {
+            const int l = __builtin_ctz(m);
+            if (w.vc[me.lane][l] <= b.r_gen) reader = me.warp * kWarpSize + l;
+          }
+        }
+        if (reader >= 0) return race(rt, me, "overwrites", i, site, reader, "read", reader_site);
+      }
+      b.w_thread = self;
+      b.w_epoch = rt.epoch;
+      b.w_gen = w.gen;
+      b.w_site = site;
+      b.r_epoch = 0;
+    }
+  }
+  return {};
+}
+
+// ---- global memory: declared buffers and conflicts between CTAs ----
+void check_global(const void* p, size_t bytes, MemOp op, const char* what, const char* file, int line) {
+  Runtime& rt = runtime(what);
+  if (rt.buffers.empty()) return;
+  const char* c = static_cast<const char*>(p);
+  if (c >= rt.smem && c < rt.smem + rt.smem_bytes) return;  // shared memory (atomics on it)
+  const char* verb = op == MemOp::kRead ? "reads" : op == MemOp::kWrite ? "writes" : "atomically updates";
+  const std::string at = site_str(rt, intern_site(rt, what, file, line)) + " " + verb + " " +
+                         std::to_string(bytes) + " bytes at " + hex(reinterpret_cast<uintptr_t>(p));
+  size_t index = rt.buffers.size();
+  for (size_t i = 0; i < rt.buffers.size(); ++i) {
+    const char* lo = static_cast<const char*>(rt.buffers[i].ptr);
+    if (c >= lo && c + bytes <= lo + rt.buffers[i].bytes && c + bytes >= c) {
+      index = i;
+      break;
+    }
+  }
+  if (index == rt.buffers.size()) {
+    // Name the nearest buffer: most out-of-bounds accesses are just past one.
+    std::string near;
+    uint64_t best = UINT64_MAX;
+    for (const auto& b : rt.buffers) {
+      const uintptr_t lo = reinterpret_cast<uintptr_t>(b.ptr), hi = lo + b.bytes, a = reinterpret_cast<uintptr_t>(c);
+      const uint64_t d = a >= hi ? a - hi : a < lo ? lo - a : 0;
+      if (d < best) {
+        best = d;
+        near = a >= hi  ? std::to_string(a - hi) + " bytes past the end of " + b.name + " (" +
+                             std::to_string(b.bytes) + " bytes)"
+               : a >= lo ? "the end of " + b.name + " (" + std::to_string(b.bytes) + " bytes)"
+                         : std::to_string(lo - a) + " bytes before " + b.name;
+      }
+    }
+    fail(at + ", outside every buffer the launch declared (emu::GlobalBufferScope)" +
+         (near.empty() ? std::string() : ": " + near));
+  }
+  const GlobalBuffer& buf = rt.buffers[index];
+  if (op != MemOp::kRead && !buf.writable) fail(at + " in " + buf.name + ", which the kernel may only read");
+  std::vector<uint32_t>& writers = rt.global_writers[index];
+  if (writers.empty()) {
+    if (op == MemOp::kRead || !buf.writable) return;  // nothing written to it yet in this launch
+    writers.assign(buf.bytes, 0);
+  }
+  const size_t offset = static_cast<size_t>(c - static_cast<const char*>(buf.ptr));
+  const uint32_t me = rt.block_linear + 1;
+  for (size_t i = offset; i < offset + bytes; ++i) {
+    const uint32_t wr = writers[i];
+    const uint32_t cta = wr >> 1;
+    const bool atomic = wr & 1;
+    if (wr != 0 && cta != me && !(op == MemOp::kAtomic && atomic)) {
+      const uint32_t other = cta - 1, gx = rt.spec.grid.x, gy = rt.spec.grid.y;
+      const std::string other_block = dim_str({other % gx, (other / gx) % gy, other / (gx * gy)});
+      fail(at + " (byte " + std::to_string(i) + " of " + buf.name + "), which block " + other_block +
+           (atomic ? " updated atomically" : " wrote") +
+           " in the same launch: the CTAs of a launch are not ordered" +
+           (op == MemOp::kAtomic || atomic ? " (mixing atomic and plain accesses)" : " (use an atomic)"));
+    }
+    if (op != MemOp::kRead) writers[i] = me << 1 | (op == MemOp::kAtomic || (atomic && cta == me) ? 1u : 0u);
+  }
 }
 
 // ---- used by ptx_emu.cc ----
@@ -635,29 +893,24 @@ bool smem_in_flight(size_t smem_offset) {
   return rt.in_flight[smem_offset / 16] != 0;
 }
 
-void cp_async_issue(size_t smem_offset, const void* src, int src_bytes) {
+void cp_async_issue(size_t smem_offset, const void* src, int src_bytes, const char* file, int line) {
   Runtime& rt = runtime("cp.async");
   Fiber& f = *rt.current;
-  if (src_bytes > 0 && !tls_global_buffers.empty()) {
-    const char* p = static_cast<const char*>(src);
-    bool inside = false;
-    for (const auto& b : tls_global_buffers) {
-      const char* lo = static_cast<const char*>(b.first);
-      if (p >= lo && p + src_bytes <= lo + b.second) {
-        inside = true;
-        break;
-      }
-    }
-    if (!inside)
-      fail("cp.async: source " + hex(reinterpret_cast<uintptr_t>(src)) + " (" + std::to_string(src_bytes) +
-           " bytes) is outside every buffer the launch declared (emu::GlobalBufferScope)");
-  }
+  if (src_bytes > 0) check_global(src, static_cast<size_t>(src_bytes), MemOp::kRead, "cp.async", file, line);
+  // The copy may land at any time until its wait: it must be ordered after every access of
+  // another thread to its destination, and no other copy into it may be in flight.
+  if (rt.in_flight[smem_offset / 16] != 0)
+    fail(site_str(rt, intern_site(rt, "cp.async", file, line)) + " into shared memory offset " +
+         std::to_string(smem_offset) + ", where another cp.async has not landed yet");
+  std::string err = smem_access(-1, rt.smem + smem_offset, 16, MemOp::kWrite, "cp.async", file, line);
+  if (!err.empty()) fail(err);
   PendingCopy c;
   c.smem_offset = smem_offset;
   std::memset(c.bytes, 0, sizeof c.bytes);
   if (src_bytes > 0) std::memcpy(c.bytes, src, static_cast<size_t>(src_bytes));
   std::memcpy(c.before, rt.smem + smem_offset, 16);
   c.group = f.committed_groups;
+  c.site = intern_site(rt, "cp.async", file, line);
   f.copies.push_back(c);
   ++rt.in_flight[smem_offset / 16];
 }
@@ -684,6 +937,16 @@ void cp_async_wait(int n) {
              " were written while a cp.async into them (group " + std::to_string(c.group) + ") was in flight");
       std::memcpy(rt.smem + c.smem_offset, c.bytes, 16);
       --rt.in_flight[c.smem_offset / 16];
+      // The copy lands here: a write of the issuing thread, which other threads must not read
+      // before a barrier orders them after this wait.
+      for (size_t b = c.smem_offset; b < c.smem_offset + 16; ++b) {
+        SmemByte& s = rt.shadow[b];
+        s.w_thread = static_cast<uint16_t>(f.index + 1);
+        s.w_epoch = rt.epoch;
+        s.w_gen = rt.warps[f.warp].gen;
+        s.w_site = c.site;
+        s.r_epoch = 0;
+      }
     } else {
       f.copies[kept++] = c;
     }
@@ -733,6 +996,10 @@ Status run_launch(const LaunchSpec& spec, const LaunchOptions& options) {
   rt.smem = reinterpret_cast<char*>(base);
   rt.smem_bytes = spec.smem_bytes;
   rt.in_flight.assign(spec.smem_bytes / 16 + 1, 0);
+  if (tls_smem_shadow.size() < spec.smem_bytes) tls_smem_shadow.resize(spec.smem_bytes);
+  rt.shadow = tls_smem_shadow.data();
+  rt.buffers = tls_global_buffers;
+  rt.global_writers.resize(rt.buffers.size());
   for (uint64_t i = 0; i < nthreads; ++i) {
     Fiber& f = rt.fibers[i];
     f.index = static_cast<int>(i);
@@ -776,7 +1043,13 @@ Status run_launch(const LaunchSpec& spec, const LaunchOptions& options) {
 
 GlobalBufferScope::GlobalBufferScope(std::initializer_list<std::pair<const void*, size_t>> buffers)
     : saved_(detail::tls_global_buffers) {
-  detail::tls_global_buffers.assign(buffers.begin(), buffers.end());
+  detail::tls_global_buffers.clear();
+  for (const auto& b : buffers)
+    detail::tls_global_buffers.push_back(
+        {b.first, b.second, "buffer " + std::to_string(detail::tls_global_buffers.size()), true});
+}
+GlobalBufferScope::GlobalBufferScope(std::vector<GlobalBuffer> buffers) : saved_(detail::tls_global_buffers) {
+  detail::tls_global_buffers = std::move(buffers);
 }
 GlobalBufferScope::~GlobalBufferScope() { detail::tls_global_buffers = saved_; }
 

@@ -82,25 +82,42 @@ enum class Schedule {
 struct LaunchOptions {
   Schedule schedule = Schedule::kForward;
   uint64_t seed = 1;                     // for kShuffle
+  const char* kernel = nullptr;          // the kernel's name, for error messages
   size_t stack_bytes = 256 * 1024;       // per thread (fiber)
   size_t max_dynamic_smem = 227 * 1024;  // the largest opt-in of any supported arch
   // Read JAX_FLASH_EMU_SCHEDULE / JAX_FLASH_EMU_STACK_KB from the environment.
   static LaunchOptions FromEnvironment();
 };
 
-// While alive, cp.async copies launched from this host thread must read inside one of these
-// global-memory buffers (pointer, bytes); a read outside them (a ragged tail not masked with
-// src-size 0) is an error instead of a silent read of neighbouring host memory. Scopes nest.
-//   emu::GlobalBufferScope scope({{q, q_bytes}, {k, k_bytes}, {v, v_bytes}});
+// A global-memory buffer a launch may touch: [ptr, ptr + bytes), named for error messages;
+// a store or atomic into a buffer that is not writable is an error.
+struct GlobalBuffer {
+  const void* ptr;
+  size_t bytes;
+  std::string name;
+  bool writable;
+};
+
+// While alive, the kernels launched from this host thread may access global memory only
+// inside these buffers: every access through the PTX wrappers (ld/st.global, red.global,
+// cp.async sources) outside all of them is an error instead of a silent read or write of
+// neighbouring host memory. Scopes nest; with none, global accesses are not checked.
+//   emu::GlobalBufferScope scope({{q, q_bytes}, {k, k_bytes}, {v, v_bytes}});  // writable, unnamed
+//   emu::GlobalBufferScope scope(std::vector<emu::GlobalBuffer>{{q, q_bytes, "q", false}, ...});
+// Within one launch, the checked accesses are also checked between CTAs (which the GPU does not
+// order): two CTAs storing to the same byte, a CTA reading a byte another CTA stored or added
+// to, or a plain store mixed with atomics of another CTA, are errors. Atomics (red/atom) of
+// several CTAs on the same bytes are fine.
 class GlobalBufferScope {
  public:
   GlobalBufferScope(std::initializer_list<std::pair<const void*, size_t>> buffers);
+  explicit GlobalBufferScope(std::vector<GlobalBuffer> buffers);
   ~GlobalBufferScope();
   GlobalBufferScope(const GlobalBufferScope&) = delete;
   GlobalBufferScope& operator=(const GlobalBufferScope&) = delete;
 
  private:
-  std::vector<std::pair<const void*, size_t>> saved_;
+  std::vector<GlobalBuffer> saved_;
 };
 
 // The block's dynamic shared memory (what JAX_FLASH_DYNAMIC_SMEM gives the kernel).
@@ -150,6 +167,19 @@ void warp_collective(const CollectiveKind& kind, uint32_t mask, const void* in, 
 enum class ShflMode : int { kIdx = 0, kUp = 1, kDown = 2, kXor = 3 };
 uint64_t shfl(ShflMode mode, uint32_t mask, uint64_t value, int lane_arg, int width);
 uint32_t vote(int op, uint32_t mask, bool predicate);  // 0: ballot, 1: any, 2: all
+
+// ---- memory checks (used by the emulated PTX instructions, ptx_emu.cc) ----
+enum class MemOp { kRead, kWrite, kAtomic };
+// A global-memory access of the running thread: inside a declared buffer (GlobalBufferScope),
+// writable for kWrite/kAtomic, and no conflict with another CTA of the launch. Fails the
+// launch (does not return) otherwise. `what` names the instruction; file:line the call site.
+void check_global(const void* p, size_t bytes, MemOp op, const char* what, const char* file, int line);
+// A shared-memory access by lane `lane` of the running thread's warp (-1: the running thread
+// itself), for the race detector (simt.cc): returns an error message, empty when the access is
+// ordered after every conflicting access of another thread. `p` must be inside the block's
+// dynamic shared memory (smem_range_ok).
+std::string smem_access(int lane, const void* p, size_t bytes, MemOp op, const char* what, const char* file,
+                        int line);
 
 // ---- block barrier, errors ----
 void syncthreads();
@@ -250,43 +280,62 @@ inline int __all_sync(unsigned mask, int predicate) {
   return static_cast<int>(::jax_flash::emu::detail::vote(2, mask, predicate != 0));
 }
 
-// ---- atomics: the blocks and threads of a launch run on one host thread, one at a time ------
+// ---- atomics: the blocks and threads of a launch run on one host thread, one at a time; ------
+// global ones are recorded as atomic accesses (GlobalBufferScope's conflict check between CTAs).
+namespace jax_flash {
+namespace emu {
+namespace detail {
+template <class T>
+inline void atomic_access(T* address) {
+  check_global(address, sizeof(T), MemOp::kAtomic, "atomic", __FILE__, __LINE__);
+}
+}  // namespace detail
+}  // namespace emu
+}  // namespace jax_flash
 inline float atomicAdd(float* address, float val) {
+  ::jax_flash::emu::detail::atomic_access(address);
   float old = *address;
   *address = old + val;
   return old;
 }
 inline double atomicAdd(double* address, double val) {
+  ::jax_flash::emu::detail::atomic_access(address);
   double old = *address;
   *address = old + val;
   return old;
 }
 inline int atomicAdd(int* address, int val) {
+  ::jax_flash::emu::detail::atomic_access(address);
   int old = *address;
   *address = old + val;
   return old;
 }
 inline unsigned int atomicAdd(unsigned int* address, unsigned int val) {
+  ::jax_flash::emu::detail::atomic_access(address);
   unsigned int old = *address;
   *address = old + val;
   return old;
 }
 inline int atomicMax(int* address, int val) {
+  ::jax_flash::emu::detail::atomic_access(address);
   int old = *address;
   *address = old > val ? old : val;
   return old;
 }
 inline int atomicMin(int* address, int val) {
+  ::jax_flash::emu::detail::atomic_access(address);
   int old = *address;
   *address = old < val ? old : val;
   return old;
 }
 inline int atomicCAS(int* address, int compare, int val) {
+  ::jax_flash::emu::detail::atomic_access(address);
   int old = *address;
   if (old == compare) *address = val;
   return old;
 }
 inline int atomicExch(int* address, int val) {
+  ::jax_flash::emu::detail::atomic_access(address);
   int old = *address;
   *address = val;
   return old;

@@ -18,8 +18,33 @@ namespace jax_flash {
 namespace kernels {
 namespace {
 
-constexpr auto kForward = [](auto... args) { return Forward("jax_flash_emu_fwd", nullptr, args...); };
-constexpr auto kBackward = [](auto... args) { return Backward("jax_flash_emu_bwd", nullptr, args...); };
+// Every operand and result of the call, declared to the emulation as the only global memory
+// its kernels may touch (operands read-only, results writable): each access of the kernels
+// outside them, or a write into an operand, is an error (emu::GlobalBufferScope).
+void Declare(std::vector<emu::GlobalBuffer>& out, const ffi::AnyBuffer& b) {
+  out.push_back({b.untyped_data(), b.size_bytes(), "operand " + std::to_string(out.size()) + " " + Describe(b), false});
+}
+void Declare(std::vector<emu::GlobalBuffer>& out, ffi::Result<ffi::AnyBuffer> b) {
+  out.push_back({b->untyped_data(), b->size_bytes(), "result " + std::to_string(out.size()) + " " + Describe(*b), true});
+}
+template <class T>
+void Declare(std::vector<emu::GlobalBuffer>&, const T&) {}  // attributes
+
+template <class... Args>
+std::vector<emu::GlobalBuffer> BuffersOf(Args... args) {
+  std::vector<emu::GlobalBuffer> buffers;
+  (Declare(buffers, args), ...);
+  return buffers;
+}
+
+constexpr auto kForward = [](auto... args) {
+  emu::GlobalBufferScope scope(BuffersOf(args...));
+  return Forward("jax_flash_emu_fwd", nullptr, args...);
+};
+constexpr auto kBackward = [](auto... args) {
+  emu::GlobalBufferScope scope(BuffersOf(args...));
+  return Backward("jax_flash_emu_bwd", nullptr, args...);
+};
 
 }  // namespace
 }  // namespace kernels

@@ -77,8 +77,9 @@ __global__ void __launch_bounds__(DeltaKernel<HEAD_DIM>::THREADS) attention_back
   float dot = 0.0f;
   if (row < rows && sub < K::CHUNKS) {
     const int64_t offset = row * HEAD_DIM + sub * 8;
-    const Chunk16 o = *reinterpret_cast<const Chunk16*>(p.out + offset);
-    const Chunk16 d = *reinterpret_cast<const Chunk16*>(p.dout + offset);
+    Chunk16 o, d;
+    ptx::ld_global_v4_b32(o.w, p.out + offset);
+    ptx::ld_global_v4_b32(d.w, p.dout + offset);
     JAX_FLASH_UNROLL
     for (int i = 0; i < 4; ++i) {
       dot += Elem::to_float(static_cast<uint16_t>(o.w[i])) * Elem::to_float(static_cast<uint16_t>(d.w[i]));
@@ -93,7 +94,7 @@ __global__ void __launch_bounds__(DeltaKernel<HEAD_DIM>::THREADS) attention_back
     const int t = static_cast<int>((row / p.q_heads) % p.q_len);
     const int b = static_cast<int>(row / (static_cast<int64_t>(p.q_heads) * p.q_len));
     const int64_t stat = p.stat_offset(b, n, t);
-    p.delta[stat] = dot - p.dlse[stat];
+    ptx::st_global_f32(p.delta + stat, dot - ptx::ld_global_f32(p.dlse + stat));
   }
 }
 
@@ -107,8 +108,8 @@ __device__ __forceinline__ void load_statistics(float* lse2, float* delta, const
   for (int i = static_cast<int>(threadIdx.x); i < K::BLOCK_Q; i += K::THREADS) {
     const int t = t0 + i;
     const bool inside = t < p.q_len;
-    lse2[i] = inside ? lse_to_log2(p.lse_in[p.stat_offset(b, n, t)]) : INFINITY;
-    delta[i] = inside ? p.delta[p.stat_offset(b, n, t)] : 0.0f;
+    ptx::st_shared_f32(lse2 + i, inside ? lse_to_log2(ptx::ld_global_f32(p.lse_in + p.stat_offset(b, n, t))) : INFINITY);
+    ptx::st_shared_f32(delta + i, inside ? ptx::ld_global_f32(p.delta + p.stat_offset(b, n, t)) : 0.0f);
   }
 }
 
@@ -124,8 +125,8 @@ __device__ __forceinline__ void probabilities_and_ds(float (&s)[N_BLOCKS][4], fl
     for (int i = 0; i < 4; ++i) {
       const int col = 8 * j + 2 * (lane & 3) + (i & 1);
       const float x = s[j][i];
-      const float prob = ptx::ex2_approx(fmaf(x, scaling.exp_scale, -lse2[col]));
-      dp[j][i] = prob * (dp[j][i] - delta[col]) * scaling.cap_derivative(x);
+      const float prob = ptx::ex2_approx(fmaf(x, scaling.exp_scale, -ptx::ld_shared_f32(lse2 + col)));
+      dp[j][i] = prob * (dp[j][i] - ptx::ld_shared_f32(delta + col)) * scaling.cap_derivative(x);
       s[j][i] = prob;
     }
   }
@@ -141,8 +142,7 @@ __device__ __forceinline__ void store_ds(char* ds_tile, const float (&ds)[K::BLO
     for (int r = 0; r < 2; ++r) {
       const int row = warp * K::WARP_KV + (lane >> 2) + 8 * r;
       const int col = 8 * j + 2 * (lane & 3);
-      *reinterpret_cast<uint32_t*>(ds_tile + K::DsTile::element_offset(row, col)) =
-          Elem::pack(ds[j][2 * r], ds[j][2 * r + 1]);
+      ptx::st_shared_b32(ds_tile + K::DsTile::element_offset(row, col), Elem::pack(ds[j][2 * r], ds[j][2 * r + 1]));
     }
   }
 }
@@ -170,8 +170,8 @@ __device__ __forceinline__ void accumulate_dq(const AttentionParams& p, const ch
     JAX_FLASH_UNROLL
     for (int j = 0; j < K::DQ_COLS / MMA_N; ++j) {
       const int col = 8 * j + 2 * (lane & 3);
-      atomicAdd(row + col, dq[j][2 * r]);
-      atomicAdd(row + col + 1, dq[j][2 * r + 1]);
+      ptx::red_global_add_f32(row + col, dq[j][2 * r]);
+      ptx::red_global_add_f32(row + col + 1, dq[j][2 * r + 1]);
     }
   }
 }
@@ -189,8 +189,8 @@ __device__ __forceinline__ void store_dk_dv(const AttentionParams& p, const floa
     JAX_FLASH_UNROLL
     for (int j = 0; j < HEAD_DIM / MMA_N; ++j) {
       const int col = 8 * j + 2 * (lane & 3);
-      *reinterpret_cast<uint32_t*>(p.dk + offset + col) = Elem::pack(p.scale * dk[j][2 * r], p.scale * dk[j][2 * r + 1]);
-      *reinterpret_cast<uint32_t*>(p.dv + offset + col) = Elem::pack(dv[j][2 * r], dv[j][2 * r + 1]);
+      ptx::st_global_b32(p.dk + offset + col, Elem::pack(p.scale * dk[j][2 * r], p.scale * dk[j][2 * r + 1]));
+      ptx::st_global_b32(p.dv + offset + col, Elem::pack(dv[j][2 * r], dv[j][2 * r + 1]));
     }
   }
 }
@@ -320,15 +320,16 @@ __global__ void __launch_bounds__(kConvertThreads) attention_backward_convert_dq
                                                                                         int64_t chunks) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kConvertThreads + threadIdx.x;
   if (i >= chunks) return;
-  const Chunk16 lo = reinterpret_cast<const Chunk16*>(p.dq_accum)[2 * i];
-  const Chunk16 hi = reinterpret_cast<const Chunk16*>(p.dq_accum)[2 * i + 1];
+  Chunk16 lo, hi;
+  ptx::ld_global_v4_b32(lo.w, p.dq_accum + 8 * i);
+  ptx::ld_global_v4_b32(hi.w, p.dq_accum + 8 * i + 4);
   Chunk16 out;
   JAX_FLASH_UNROLL
   for (int j = 0; j < 2; ++j) {
     out.w[j] = Elem::pack(p.scale * __uint_as_float(lo.w[2 * j]), p.scale * __uint_as_float(lo.w[2 * j + 1]));
     out.w[2 + j] = Elem::pack(p.scale * __uint_as_float(hi.w[2 * j]), p.scale * __uint_as_float(hi.w[2 * j + 1]));
   }
-  reinterpret_cast<Chunk16*>(p.dq)[i] = out;
+  ptx::st_global_v4_b32(p.dq + 8 * i, out.w);
 }
 
 // ---- 2b. dQ without atomics (deterministic mode) ---------------------------------------------
@@ -399,8 +400,8 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM>::THREADS, 1)
     JAX_FLASH_UNROLL
     for (int r = 0; r < 2; ++r) {
       const int t = warp_t0 + (lane >> 2) + 8 * r;
-      lse2[r] = t < p.q_len ? lse_to_log2(p.lse_in[p.stat_offset(batch, head, t)]) : INFINITY;
-      delta[r] = t < p.q_len ? p.delta[p.stat_offset(batch, head, t)] : 0.0f;
+      lse2[r] = t < p.q_len ? lse_to_log2(ptx::ld_global_f32(p.lse_in + p.stat_offset(batch, head, t))) : INFINITY;
+      delta[r] = t < p.q_len ? ptx::ld_global_f32(p.delta + p.stat_offset(batch, head, t)) : 0.0f;
     }
     const SegmentRange warp_ids = mask.q_segments != nullptr
                                       ? warp_segment_range(mask.q_segments, warp_t0, K::WARP_Q, mask.q_valid, lane)
@@ -486,19 +487,19 @@ LaunchError LaunchBackward(const AttentionParams& p_in, bool deterministic, Stre
   LaunchError err = FillAsync(p.dq_accum, 0, q_elements * sizeof(float), stream);
   if (!err.empty()) return err;
   const int64_t rows = static_cast<int64_t>(p.batch) * p.q_len * p.q_heads;
-  err = Launch(attention_backward_delta_kernel<Elem, HEAD_DIM>,
+  err = Launch("attention_backward_delta_kernel", attention_backward_delta_kernel<Elem, HEAD_DIM>,
                dim3(static_cast<unsigned>((rows + D::ROWS_PER_BLOCK - 1) / D::ROWS_PER_BLOCK)), dim3(D::THREADS), 0,
                stream, p);
   if (!err.empty()) return err;
-  err = Launch(attention_backward_kernel<Elem, HEAD_DIM>, dim3(CeilDiv(p.kv_len, K::BLOCK_KV), p.kv_heads, p.batch),
+  err = Launch("attention_backward_kernel", attention_backward_kernel<Elem, HEAD_DIM>, dim3(CeilDiv(p.kv_len, K::BLOCK_KV), p.kv_heads, p.batch),
                dim3(K::THREADS), K::kSmemBytes, stream, p);
   if (!err.empty()) return err;
   if (deterministic) {
-    return Launch(attention_backward_dq_kernel<Elem, HEAD_DIM>, dim3(CeilDiv(p.q_len, Q::BLOCK_Q), p.q_heads, p.batch),
+    return Launch("attention_backward_dq_kernel", attention_backward_dq_kernel<Elem, HEAD_DIM>, dim3(CeilDiv(p.q_len, Q::BLOCK_Q), p.q_heads, p.batch),
                   dim3(Q::THREADS), Q::kSmemBytes, stream, p);
   }
   const int64_t chunks = q_elements / 8;
-  return Launch(attention_backward_convert_dq_kernel<Elem>,
+  return Launch("attention_backward_convert_dq_kernel", attention_backward_convert_dq_kernel<Elem>,
                 dim3(static_cast<unsigned>((chunks + kConvertThreads - 1) / kConvertThreads)), dim3(kConvertThreads), 0,
                 stream, p, chunks);
 }

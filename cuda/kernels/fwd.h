@@ -69,7 +69,7 @@ __device__ __forceinline__ void store_output(const AttentionParams& p, const flo
   JAX_FLASH_UNROLL
   for (int r = 0; r < 2; ++r) {
     const int t = t0 + (lane >> 2) + 8 * r;
-    if ((lane & 3) == 0 && t < p.q_len) p.lse[p.stat_offset(b, n, t)] = lse[r];
+    if ((lane & 3) == 0 && t < p.q_len) ptx::st_global_f32(p.lse + p.stat_offset(b, n, t), lse[r]);
   }
   store_warp_rows<Elem, typename K::QTile>(p.out, p, o, q_tile, b, n, warp * K::WARP_Q, t0, lane);
 }
@@ -163,7 +163,7 @@ template <class Elem, int HEAD_DIM>
 LaunchError LaunchForward(const AttentionParams& p, Stream stream) {
   using K = ForwardKernel<Elem, HEAD_DIM>;
   const dim3 grid(CeilDiv(p.q_len, K::BLOCK_Q), p.q_heads, p.batch);
-  return Launch(attention_forward_kernel<Elem, HEAD_DIM>, grid, dim3(K::THREADS), K::kSmemBytes, stream, p);
+  return Launch("attention_forward_kernel", attention_forward_kernel<Elem, HEAD_DIM>, grid, dim3(K::THREADS), K::kSmemBytes, stream, p);
 }
 
 }  // namespace kernels

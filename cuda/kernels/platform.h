@@ -29,17 +29,21 @@ using Stream = cudaStream_t;
 // Empty on success, else what went wrong (the FFI handlers turn it into ffi::Error).
 using LaunchError = std::string;
 
-// Launches kernel<<<grid, block, smem_bytes, stream>>>(args...). Kernels that use more than
-// the default 48 KB of dynamic shared memory opt in first (sm_80+: up to 99 KB on sm_120).
+// Launches kernel<<<grid, block, smem_bytes, stream>>>(args...); `name` names the kernel in the
+// emulation's error reports. Kernels that use more than the default 48 KB of dynamic shared
+// memory opt in first (sm_80+: up to 99 KB on sm_120).
 template <class... Params, class... Args>
-LaunchError Launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes, Stream stream,
-                   Args... args) {
+LaunchError Launch(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
+                   Stream stream, Args... args) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return {};
 #ifdef JAX_FLASH_EMULATE
   (void)stream;
-  emu::Status st = emu::launch(grid, block, smem_bytes, kernel, static_cast<Params>(args)...);
+  emu::LaunchOptions options = emu::LaunchOptions::FromEnvironment();
+  options.kernel = name;
+  emu::Status st = emu::launch_with(options, grid, block, smem_bytes, kernel, static_cast<Params>(args)...);
   return st.error;
 #else
+  (void)name;
   if (smem_bytes > 48 * 1024) {
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem_bytes));
@@ -50,6 +54,11 @@ LaunchError Launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
   if (err != cudaSuccess) return std::string("kernel launch: ") + cudaGetErrorString(err);
   return {};
 #endif
+}
+template <class... Params, class... Args>
+LaunchError Launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes, Stream stream,
+                   Args... args) {
+  return Launch("kernel", kernel, grid, block, smem_bytes, stream, args...);
 }
 
 // Fills `bytes` bytes at device address `ptr` with `byte`, ordered on `stream` (no host sync).

@@ -6,6 +6,10 @@
 // exp_scale = scale · log2(e) folded into that FFMA. With a soft cap (or a negative scale,
 // where max(s) would not give max(x)) the tile is transformed first and exp_scale is 1.
 // lse leaves the kernels in natural-log units: lse = ln 2 · (m + log2(l)).
+//
+// Approximate math only where it is per score and its error is documented: ex2.approx (2 ulp)
+// and tanh.approx (relative 2^-11); once-per-row operations (1/l, log2f) and the soft cap's
+// derivative stay IEEE (the kernels are built without --use_fast_math).
 #pragma once
 
 #include <cmath>
@@ -24,11 +28,13 @@ struct LogitScaling {
   float exp_scale;  // p = exp2(x · exp_scale − m)
   float pre_scale;  // transformed: x = cap_log2 · tanh(s · pre_scale), or x = s · pre_scale
   float cap_log2;   // softcap · log2(e); 0 when the soft cap is off
+  float inv_cap_log2;  // 1 / cap_log2 (0 when the soft cap is off)
   bool transformed;
 
   __device__ __forceinline__ static LogitScaling of(const AttentionParams& p) {
     LogitScaling l;
     l.cap_log2 = p.softcap > 0.0f ? p.softcap * kLog2e : 0.0f;
+    l.inv_cap_log2 = p.softcap > 0.0f ? 1.0f / l.cap_log2 : 0.0f;
     l.transformed = p.softcap > 0.0f || p.scale < 0.0f;
     l.pre_scale = p.softcap > 0.0f ? p.scale / p.softcap : p.scale * kLog2e;
     l.exp_scale = l.transformed ? 1.0f : p.scale * kLog2e;
@@ -36,14 +42,14 @@ struct LogitScaling {
   }
 
   __device__ __forceinline__ float transform(float s) const {
-    return cap_log2 > 0.0f ? cap_log2 * tanhf(s * pre_scale) : s * pre_scale;
+    return cap_log2 > 0.0f ? cap_log2 * ptx::tanh_approx(s * pre_scale) : s * pre_scale;
   }
 
   // d(capped logit)/d(logit) = 1 − tanh², at transformed x; 1 when the soft cap is off.
   // tanh is clamped so that a masked x = −inf gives 0, not NaN.
   __device__ __forceinline__ float cap_derivative(float x) const {
     if (cap_log2 == 0.0f) return 1.0f;
-    const float th = fminf(fmaxf(x / cap_log2, -1.0f), 1.0f);
+    const float th = fminf(fmaxf(x * inv_cap_log2, -1.0f), 1.0f);
     return 1.0f - th * th;
   }
 

@@ -219,8 +219,8 @@ __device__ __forceinline__ void store_warp_rows(uint16_t* dst, const Params& p, 
     const int row = row0 + (lane >> 2) + 8 * r;
     JAX_FLASH_UNROLL
     for (int j = 0; j < O_BLOCKS; ++j) {
-      *reinterpret_cast<uint32_t*>(tile + Tile::element_offset(row, 8 * j + 2 * (lane & 3))) =
-          Elem::pack(o[j][2 * r], o[j][2 * r + 1]);
+      ptx::st_shared_b32(tile + Tile::element_offset(row, 8 * j + 2 * (lane & 3)),
+                         Elem::pack(o[j][2 * r], o[j][2 * r + 1]));
     }
   }
   __syncwarp();
@@ -228,8 +228,9 @@ __device__ __forceinline__ void store_warp_rows(uint16_t* dst, const Params& p, 
   for (int i = lane; i < MMA_M * Tile::kChunks; i += WARP_SIZE) {
     const int row = i / Tile::kChunks, chunk = i % Tile::kChunks;
     if (t0 + row < p.q_len) {
-      *reinterpret_cast<Chunk16*>(dst + p.q_offset(b, t0 + row, n) + chunk * 8) =
-          *reinterpret_cast<const Chunk16*>(tile + Tile::chunk_offset(row0 + row, chunk));
+      Chunk16 c;
+      ptx::ld_shared_v4_b32(c.w, tile + Tile::chunk_offset(row0 + row, chunk));
+      ptx::st_global_v4_b32(dst + p.q_offset(b, t0 + row, n) + chunk * 8, c.w);
     }
   }
 }

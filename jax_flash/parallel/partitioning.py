@@ -1,0 +1,512 @@
+"""Sharding rules for the compiled calls, so that they partition under plain `jax.jit`.
+
+XLA cannot partition a custom call (an FFI target, a Triton `pallas_call`) unless told how:
+left alone, it all-gathers every operand and each device computes the whole call. Here each
+compiled forward and backward is wrapped in `jax.experimental.custom_partitioning` with
+
+* a Shardy `sharding_rule` (einsum-like factors, one factory `sharding_rule` for every call):
+  q, out, dout `b t n h`; k, v `b s k h`; lse, dlse `b n t`; lengths and the query offset
+  `b`; segment ids `b t` / `b s`; a dense bias / mask `b n t s` (broadcast dims of size 1
+  get factors of their own);
+* the `partition` / `infer_sharding_from_operands` callbacks (GSPMD, when Shardy is off;
+  `partition` is also what Shardy calls to lower the call on each device's shard).
+
+What runs on local shards, with no collective in the forward:
+
+* batch `b` and heads `n`/`k` (GQA: K/V heads sharded with the query heads, N and K both
+  divisible by the axis size). If only the query heads are sharded and K/V are replicated
+  over that axis, each device slices the kv heads its query heads use (no communication);
+  the backward then all-reduces dK/dV over the head axis (each device holds a part of
+  the sum). When the local query heads do not map onto whole kv heads, the query heads
+  are gathered instead (reported, see below).
+* queries over `t` with K/V not sharded over `s`: each shard runs with its own query
+  offset (`q_offset + shard_index * T_local`, from `lax.axis_index`) and shard-local query
+  lengths; segment ids shard with their sequence. The backward all-reduces dK/dV over the
+  sequence axis (a sum over query shards). Causal and window masks need the offset, so
+  this needs an implementation that takes `query_offset` (else the queries are gathered,
+  reported).
+* queries over `t` and K/V over `s` on one mesh axis (a sequence-sharded self-attention):
+  ring attention (`jax_flash.parallel.ring`) inside the partitioned call, the K/V chunks
+  rotating by collective-permute, forward and backward; lengths stay global, segment ids
+  travel with their chunk. The layout is contiguous (the order of a sharded global array).
+
+Everything else falls back to an all-gather that XLA inserts before the call, reported by
+a one-time `ShardingFallbackWarning` per cause naming the mesh axis and the dimension:
+K/V over `s` where the ring cannot run (queries not sharded over the same single axis, a
+dense bias or mask, a block the implementation cannot serve), the head dim `h`, kv heads
+sharded over other axes than the query heads, one mesh axis on two dimensions.
+
+A dense bias broadcast along a sharded dim (e.g. `[1, N, T, S]` with the batch sharded)
+gets its gradient summed over those shards (an all-reduce in the backward).
+
+The `xla` implementation is plain JAX and partitions without these rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import threading
+import warnings
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_batching import custom_vmap
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jax_flash import _registry
+from jax_flash._spec import AttentionSpec, MaskInputs
+
+
+class ShardingFallbackWarning(UserWarning):
+    """A sharded dimension that a compiled call cannot partition: XLA all-gathers it."""
+
+
+# Factors of each array (None: a broadcast dim of size 1).
+_Q = ("b", "t", "n", "h")
+_KV = ("b", "s", "k", "h")
+_STAT = ("b", "n", "t")
+_MASK_DIMS = {
+    "bias": ("b", "n", "t", "s"),
+    "mask": ("b", "n", "t", "s"),
+    "q_lengths": ("b",),
+    "kv_lengths": ("b",),
+    "q_segment_ids": ("b", "t"),
+    "kv_segment_ids": ("b", "s"),
+    "q_offset": ("b",),
+}
+
+_DIM_NAMES = {
+    "b": "the batch axis B",
+    "t": "the query sequence axis T",
+    "s": "the key/value sequence axis S",
+    "n": "the query heads axis N",
+    "k": "the key/value heads axis K",
+    "h": "the head dim H",
+}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Call:
+    """One compiled call: the per-shard function and the factors of its arrays."""
+
+    name: str  # implementation, for messages
+    backward: bool
+    fn: Callable  # fn(spec, q, k, v, masks[, out, lse, dout, dlse]) on local shards
+    spec: AttentionSpec  # the global call
+    fields: tuple  # the MaskInputs fields passed, in order
+    operand_dims: tuple  # per operand: tuple of factor names (None = broadcast dim)
+    result_dims: tuple
+
+
+# ----------------------------------------------------------------------------- public
+
+
+def forward(name: str, fn: Callable, spec: AttentionSpec, q, k, v, masks: MaskInputs):
+    """fn(spec, q, k, v, masks) -> (out, lse), partitioned over the inputs' shardings."""
+    return _wrapped(name, False, fn, spec, q, k, v, masks, ())
+
+
+def backward(
+    name: str, fn: Callable, spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout,
+    dlse,
+):
+    """fn(spec, q, k, v, masks, out, lse, dout, dlse) -> (dq, dk, dv, dbias or None)."""
+    return _wrapped(name, True, fn, spec, q, k, v, masks, (out, lse, dout, dlse))
+
+
+def sharding_rule(call: _Call, mesh=None, operand_types=None, result_types=None) -> str:
+    """The Shardy rule of `call`, e.g. "b t n h, b s k h, b s k h -> b t n h, b n t"."""
+    fresh = (f"one{i}" for i in itertools.count())
+
+    def spell(dims):
+        return " ".join(d if d is not None else next(fresh) for d in dims)
+
+    return (
+        ", ".join(spell(d) for d in call.operand_dims)
+        + " -> "
+        + ", ".join(spell(d) for d in call.result_dims)
+    )
+
+
+# ------------------------------------------------------------------------ the wrapping
+
+
+def _wrapped(name, is_backward, fn, spec, q, k, v, masks, rest):
+    fields = tuple(f for f in MaskInputs._fields if getattr(masks, f) is not None)
+    mask_arrays = tuple(getattr(masks, f) for f in fields)
+    operands = (q, k, v, *mask_arrays, *rest)
+    operand_dims = (_Q, _KV, _KV, *(_dims(_MASK_DIMS[f], getattr(masks, f)) for f in fields))
+    result_dims = (_Q, _STAT)
+    if is_backward:
+        operand_dims += (_Q, _STAT, _Q, _STAT)
+        result_dims = (_Q, _KV, _KV)
+        if masks.bias is not None:
+            result_dims += (_dims(_MASK_DIMS["bias"], masks.bias),)
+    call = _Call(name, is_backward, fn, spec, fields, operand_dims, result_dims)
+    # The dbias result has the batch extent of the bias operand (maybe a broadcast 1).
+    like = {3: 3 + fields.index("bias")} if is_backward and masks.bias is not None else {}
+    outs = _fold_vmap(functools.partial(_PARTITIONED, call), like)(*operands)
+    if is_backward:
+        dq, dk, dv, *dbias = outs
+        return dq, dk, dv, (dbias[0] if dbias else None)
+    return tuple(outs)
+
+
+def _dims(dims, x):
+    """Factor names of an operand: a dense [B|1, N|1, T|1, S|1] input has None (a factor
+    of size 1 of its own) where it broadcasts."""
+    if len(dims) != 4:
+        return dims
+    return tuple(None if n == 1 else d for n, d in zip(x.shape, dims))
+
+
+def _run(call: _Call, *arrays):
+    """The call on whole (unsharded, or already local) arrays."""
+    return _local(call, None, _Plan())(*arrays)
+
+
+_PARTITIONED = custom_partitioning(_run, static_argnums=(0,))
+
+
+# ------------------------------------------------------------------------------ plans
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Mesh axes per factor that the call runs sharded over (missing = replicated)."""
+
+    axes: tuple = ()  # ((factor, (axis, ...)), ...)
+    slice_kv_heads: bool = False  # n sharded, k replicated: take the local kv heads
+    ring_axis: Optional[str] = None  # T and S sharded over it: ring attention
+
+    def of(self, factor) -> tuple:
+        return dict(self.axes).get(factor, ())
+
+
+_warned: set = set()
+_warn_lock = threading.Lock()
+
+
+def _warn_once(call: _Call, factor: str, axes: tuple, why: str):
+    key = (factor, axes, why)
+    with _warn_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    names = ", ".join(repr(a) for a in axes)
+    warnings.warn(
+        f"jax_flash.attention (implementation={call.name!r}): {_DIM_NAMES[factor]} is "
+        f"sharded over mesh axis {names}, which this call cannot partition ({why}); XLA "
+        f"all-gathers it over {names} before the call (every device holds the whole axis).",
+        ShardingFallbackWarning,
+        stacklevel=2,
+    )
+
+
+def _axes(entry) -> tuple:
+    if entry is None:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    return tuple(entry)
+
+
+def _size(mesh, axes) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
+    """Which factors run sharded, from the operands' shardings; warns about the rest."""
+    found: dict = {}
+    for dims, arg in zip(call.operand_dims, arg_shapes):
+        pspec = getattr(arg.sharding, "spec", None)
+        if pspec is None:
+            continue
+        entries = tuple(pspec) + (None,) * (len(dims) - len(pspec))
+        for d, entry in zip(dims, entries):
+            a = _axes(entry)
+            if d is not None and a and d not in found:
+                found[d] = a
+    spec = call.spec
+    used: set = set()
+    plan: dict = {}
+
+    def take(factor, axes):
+        if any(a in used for a in axes):
+            _warn_once(call, factor, axes, "the mesh axis already shards another dimension")
+            return
+        used.update(axes)
+        plan[factor] = axes
+
+    if found.get("b"):
+        take("b", found["b"])
+    n_axes, k_axes = found.get("n", ()), found.get("k", ())
+    slice_kv = False
+    if k_axes and k_axes != n_axes:
+        _warn_once(
+            call, "k", k_axes,
+            "the key/value heads must be sharded over the same mesh axes as the query heads",
+        )
+        k_axes = ()
+    if n_axes:
+        group = spec.num_heads // spec.num_kv_heads
+        local = spec.num_heads // _size(mesh, n_axes)
+        if k_axes:
+            take("n", n_axes)
+            if "n" in plan:
+                plan["k"] = n_axes
+        elif local % group == 0 or group % local == 0:
+            # Only the query heads are sharded: each device slices the kv heads it uses.
+            take("n", n_axes)
+            slice_kv = "n" in plan
+        else:
+            _warn_once(
+                call, "n", n_axes,
+                f"{local} local query heads do not cover whole groups of {group} query heads "
+                "per kv head",
+            )
+    t_axes, s_axes = found.get("t", ()), found.get("s", ())
+    ring_axis = None
+    if s_axes:
+        why = _ring_unavailable(call, mesh, t_axes, s_axes, plan)
+        if why is None:  # T and S over one axis: the ring of jax_flash.parallel.ring
+            take("t", t_axes)
+            plan["s"] = s_axes
+            ring_axis = s_axes[0]
+        else:
+            _warn_once(call, "s", s_axes, why)
+    if t_axes and ring_axis is None and "t" not in plan:
+        why = _query_shard_unsupported(call)
+        if why is None:
+            take("t", t_axes)
+        else:
+            _warn_once(call, "t", t_axes, why)
+    if found.get("h"):
+        _warn_once(call, "h", found["h"], "the head dim is contracted inside the kernel")
+    return _Plan(tuple(sorted(plan.items())), slice_kv, ring_axis)
+
+
+def _ring():
+    """The ring module, or None where it is not part of this build."""
+    try:
+        from jax_flash.parallel import ring
+    except ImportError:
+        return None
+    return ring if hasattr(ring, "RingConfig") else None
+
+
+def _ring_config(call: _Call, mesh, axis: str):
+    return _ring().RingConfig(call.name, axis, mesh.shape[axis])
+
+
+def _ring_unavailable(call: _Call, mesh, t_axes, s_axes, plan) -> Optional[str]:
+    """None if K/V sharded over `s_axes` can run as a ring inside the partitioned call,
+    else why not."""
+    ring = _ring()
+    spec = call.spec
+    if ring is None:
+        return "sequence-sharded keys and values need ring attention (jax_flash.ring_attention)"
+    if len(s_axes) != 1:
+        return f"the ring runs over one mesh axis, not {len(s_axes)}"
+    if tuple(t_axes) != tuple(s_axes):
+        return (
+            f"the ring needs the queries sharded over T on the same mesh axis {s_axes[0]!r}; "
+            f"they are sharded over {t_axes or 'no axis'}"
+        )
+    if any(a in {x for v in plan.values() for x in v} for a in s_axes):
+        return "the mesh axis already shards another dimension"
+    if spec.bias_shape is not None or spec.mask_shape is not None:
+        return "the ring takes no dense bias or mask"
+    cfg = _ring_config(call, mesh, s_axes[0])
+    for block in ring.block_specs(spec, cfg, dynamic_offset=spec.has_q_offset):
+        why = _registry.reason(call.name, block)
+        if why is not None:
+            return f"a block of the ring cannot run: {call.name} {why}"
+    return None
+
+
+def _query_shard_unsupported(call: _Call) -> Optional[str]:
+    """None if a shard of the queries can run on its own (with its query offset when the
+    masks need positions), else why not."""
+    spec = call.spec
+    if not spec.is_windowed or spec.has_q_offset:
+        return None
+    why = _registry.reason(call.name, dataclasses.replace(spec, has_q_offset=True))
+    if why is not None:
+        return (
+            "causal and window masks of a query shard need its offset in the sequence, and "
+            f"{call.name} {why}"
+        )
+    return None
+
+
+def _sharding(mesh, plan: _Plan, dims) -> NamedSharding:
+    entries = []
+    for d in dims:
+        a = plan.of(d) if d is not None else ()
+        entries.append(None if not a else (a[0] if len(a) == 1 else a))
+    return NamedSharding(mesh, PartitionSpec(*entries))
+
+
+def _infer(call: _Call, mesh, arg_shapes, result_shape):
+    plan = _decide(call, mesh, arg_shapes)
+    return tuple(_sharding(mesh, plan, d) for d in call.result_dims)
+
+
+def _partition(call: _Call, mesh, arg_shapes, result_shape):
+    plan = _decide(call, mesh, arg_shapes)
+    args = tuple(_sharding(mesh, plan, d) for d in call.operand_dims)
+    results = tuple(_sharding(mesh, plan, d) for d in call.result_dims)
+    return mesh, _local(call, mesh, plan), results, args
+
+
+_PARTITIONED.def_partition(
+    partition=_partition,
+    infer_sharding_from_operands=_infer,
+    sharding_rule=sharding_rule,
+)
+
+
+# ---------------------------------------------------------------- the per-shard call
+
+
+def _shard_index(mesh, axes):
+    """Linear index of this device along `axes` (major to minor, as PartitionSpec)."""
+    idx = jnp.int32(0)
+    for a in axes:
+        idx = idx * mesh.shape[a] + lax.axis_index(a).astype(jnp.int32)
+    return idx
+
+
+def _local_spec(spec: AttentionSpec, q, k, masks: MaskInputs) -> AttentionSpec:
+    return dataclasses.replace(
+        spec,
+        batch=q.shape[0],
+        q_len=q.shape[1],
+        kv_len=k.shape[1],
+        num_heads=q.shape[2],
+        num_kv_heads=k.shape[2],
+        bias_shape=None if masks.bias is None else tuple(masks.bias.shape),
+        mask_shape=None if masks.mask is None else tuple(masks.mask.shape),
+        has_q_offset=masks.q_offset is not None,
+    )
+
+
+def _local(call: _Call, mesh, plan: _Plan):
+    """The function each device runs on its shards (collectives only where they are sums
+    over shards: dK/dV over query shards and over query-head shards)."""
+    spec = call.spec
+    nf = len(call.fields)
+
+    def run(*arrays):
+        q, k, v = arrays[:3]
+        masks = MaskInputs(**dict(zip(call.fields, arrays[3 : 3 + nf])))
+        rest = arrays[3 + nf :]
+        kv_start = None
+        if plan.slice_kv_heads:
+            # Local query heads [i·Nl, (i+1)·Nl) use kv heads [i·Nl // G, ...) of the
+            # replicated K/V: Nl / G of them, or one when G is a multiple of Nl.
+            n_local, group = q.shape[2], spec.group_size
+            k_local = max(1, n_local // group)
+            kv_start = (_shard_index(mesh, plan.of("n")) * n_local) // group
+            k = lax.dynamic_slice_in_dim(k, kv_start, k_local, axis=2)
+            v = lax.dynamic_slice_in_dim(v, kv_start, k_local, axis=2)
+        if plan.of("t") and plan.ring_axis is None:
+            t_local = q.shape[1]
+            start = _shard_index(mesh, plan.of("t")) * t_local
+            if masks.q_lengths is not None:
+                masks = masks._replace(q_lengths=jnp.clip(masks.q_lengths - start, 0, t_local))
+            if spec.is_windowed:
+                off = masks.q_offset if masks.q_offset is not None else 0
+                masks = masks._replace(
+                    q_offset=(off + start + jnp.zeros((q.shape[0],), jnp.int32)).astype(jnp.int32)
+                )
+        local_spec = _local_spec(spec, q, k, masks)
+        if plan.ring_axis is not None:
+            results = _ring_call(call, mesh, plan.ring_axis, local_spec, q, k, v, masks, rest)
+        else:
+            results = call.fn(local_spec, q, k, v, masks, *rest)
+        if not call.backward:
+            return tuple(results)
+        dq, dk, dv, dbias = results
+        if kv_start is not None:
+            full = arrays[1].shape
+            dk = lax.dynamic_update_slice_in_dim(jnp.zeros(full, dk.dtype), dk, kv_start, 2)
+            dv = lax.dynamic_update_slice_in_dim(jnp.zeros(full, dv.dtype), dv, kv_start, 2)
+        results = [dq, dk, dv] + ([dbias] if masks.bias is not None else [])
+        return tuple(_sum_partials(plan, r, d) for r, d in zip(results, call.result_dims))
+
+    return run
+
+
+def _ring_call(call: _Call, mesh, axis: str, local_spec, q, k, v, masks, rest):
+    """Ring attention over `axis` on this device's chunks (global lengths, offsets and
+    positions; segment ids are the local chunks)."""
+    ring = _ring()
+    p = mesh.shape[axis]
+    spec = dataclasses.replace(local_spec, q_len=local_spec.q_len * p, kv_len=local_spec.kv_len * p)
+    cfg = _ring_config(call, mesh, axis)
+    if not call.backward:
+        return ring._ring_forward(cfg, spec, q, k, v, masks)
+    dq, dk, dv = ring._ring_backward(cfg, spec, q, k, v, masks, *rest)
+    return dq, dk, dv, None
+
+
+def _sum_partials(plan: _Plan, x, dims):
+    """A cotangent whose factors do not cover every sharded mesh axis holds this device's
+    part of a sum over those axes (dK/dV over query shards, dbias over broadcast dims)."""
+    present = {a for d in dims if d is not None for a in plan.of(d)}
+    missing = tuple(a for _, axes in plan.axes for a in axes if a not in present)
+    if not missing:
+        return x
+    return lax.psum(x.astype(jnp.float32), missing).astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------- vmap
+
+
+def _fold_vmap(fn, like: dict):
+    """Make `fn(*arrays)` (every operand and result has a leading batch axis of size B, or
+    1 where a dense bias/mask broadcasts) fold a vmapped axis into that batch axis:
+    [V, B, ...] -> [V·B, ...] -> fn -> [V, B, ...]: one call, never a loop over V.
+
+    like: {result index: operand index} for a result with the batch extent of an operand
+    (dbias of a bias): the operand is expanded to B rows and the result summed back.
+    """
+
+    @custom_vmap
+    def folded(*args):
+        return tuple(fn(*args))
+
+    @folded.def_vmap
+    def rule(axis_size, in_batched, *args):
+        b = args[0].shape[1] if in_batched[0] else args[0].shape[0]
+        expanded = set(like.values())
+        flat, broadcast = [], {}
+        for i, (a, batched) in enumerate(zip(args, in_batched)):
+            lead = a.shape[1] if batched else a.shape[0]
+            broadcast[i] = lead != b
+            if not batched and lead != b and i not in expanded:
+                flat.append(a)  # a batch-broadcast dense input stays broadcast
+                continue
+            if not batched:
+                a = jnp.broadcast_to(a, (axis_size, *a.shape))
+            if lead != b:
+                a = jnp.broadcast_to(a, (axis_size, b, *a.shape[2:]))
+            flat.append(a.reshape(axis_size * b, *a.shape[2:]))
+        outs = folded(*flat)
+        unfolded = []
+        for j, o in enumerate(outs):
+            o = o.reshape(axis_size, b, *o.shape[1:])
+            if j in like and broadcast[like[j]]:
+                o = jnp.sum(o, axis=1, keepdims=True)
+            unfolded.append(o)
+        return tuple(unfolded), (True,) * len(unfolded)
+
+    return folded

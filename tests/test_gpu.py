@@ -1,0 +1,232 @@
+"""The GPU correctness pass (`pytest -m gpu`, run by build/device_check.sh): a subset of the
+shared suite (tests/test_attention.py, same checks and tolerances) for `implementation="cuda"`
+at full size, forward and backward, and the backward in deterministic mode
+(JAX_FLASH_DETERMINISTIC=1) with bitwise-equal gradients run to run.
+
+Every mask kind the kernels take, every head dim with kernels (32, 64, 96, 128) and both
+dtypes appear, each (head dim, dtype) pair with the combined mask; T and S are ≡ −1 or +1
+modulo every tile size of the kernels (16, 32, 64, 128), so partial tiles, the ring wrap and
+the interior test meet their edges.
+
+Where the tests run:
+- on a GPU: full size, against the compiled kernels;
+- JAX_FLASH_GPU_SUITE=emulated on the CPU backend (`build/device_check.sh --dry-run`): small
+  shapes with the same residues, against the emulated kernels;
+- elsewhere they skip. `-m gpu` fails when no gpu test passed (tests/conftest.py), so a GPU
+  run in which nothing ran cannot count as a pass.
+
+Without pytest: `python tests/test_gpu.py [-k SUBSTRING]` runs the same checks (exit status
+0 when all that ran passed, 1 on a failure, 5 when none passed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+import traceback
+
+if __name__ == "__main__":  # run as a script: the package of this tree, as under pytest
+    sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import cases  # noqa: E402
+import jax_flash  # noqa: E402
+
+try:
+    import pytest
+except ImportError:  # the runner at the bottom works without pytest
+    pytest = None
+
+if pytest is None:
+    # A stand-in with what conftest and test_attention use, seen by those two imports only
+    # (other libraries look for pytest too, and must not find this).
+    import types
+
+    class _Skipped(Exception):
+        pass
+
+    def _skip(reason=""):
+        raise _Skipped(reason)
+
+    def _decorator(*args, **kwargs):
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return args[0]
+        return lambda fn: fn
+
+    pytest = types.ModuleType("pytest")
+    pytest.skip = _skip
+    pytest.skip.Exception = _Skipped
+    pytest.fixture = _decorator
+    pytest.param = lambda *values, **kwargs: values
+    pytest.UsageError = RuntimeError
+    pytest.mark = types.SimpleNamespace(parametrize=_decorator, gpu=_decorator)
+    sys.modules["pytest"] = pytest
+    try:
+        import conftest
+        import test_attention as suite
+    finally:
+        del sys.modules["pytest"]
+else:
+    import conftest
+    import test_attention as suite
+
+EMULATED = os.environ.get("JAX_FLASH_GPU_SUITE", "") == "emulated"
+HEAD_DIMS = (32, 64, 96, 128)
+DTYPES = ("bfloat16", "float16")
+# The mask kinds of the suite that the cuda kernels take (no dense bias or mask); query_offset
+# kinds skip (the suite's explain check) where the kernels do not take it.
+KINDS = ("none", "causal", "window", "window_causal", "lengths", "segments", "softcap", "combo",
+         "all_masked") + cases.OFFSET_KINDS
+
+
+def _shapes(h: int) -> dict:
+    if EMULATED:  # the emulation is slow: still several tiles, same residues mod 16 and 64
+        return {"ragged": cases.Shape(1, 63, 129, 2, 1, h), "tall": cases.Shape(1, 65, 31, 2, 2, h)}
+    return {
+        # T ≡ −1 and S ≡ +1 modulo 16, 32, 64 and 128; GQA.
+        "ragged": cases.Shape(2, 255, 1025, 4, 2, h),
+        # T > S, T ≡ +1 and S ≡ −1; MQA.
+        "tall": cases.Shape(1, 513, 127, 4, 1, h),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuCase(cases.Case):
+    """A case of the shared suite with its own shape."""
+
+    gpu_shape: cases.Shape = None
+
+    @property
+    def shape(self) -> cases.Shape:
+        return self.gpu_shape
+
+    def __str__(self):
+        return f"{self.shape_name}-{self.mask_kind}-{self.dtype}-H{self.gpu_shape.h}"
+
+
+def _case(shape_name: str, kind: str, dtype: str, h: int) -> GpuCase:
+    return GpuCase(shape_name, kind, dtype, EMULATED, _shapes(h)[shape_name])
+
+
+def _cases() -> list[GpuCase]:
+    out = []
+    # Each mask kind once, cycling through head dims and dtypes so that every pair appears.
+    for i, kind in enumerate(KINDS):
+        h, dtype = HEAD_DIMS[i % 4], DTYPES[(i + i // 4) % 2]
+        out.append(_case("tall" if i % 3 == 1 else "ragged", kind, dtype, h))
+    # The combined mask (causal, soft cap, lengths, segments) for every instantiation.
+    for h in HEAD_DIMS:
+        for dtype in DTYPES:
+            out.append(_case("ragged", "combo", dtype, h))
+    return list(dict.fromkeys(out))
+
+
+CASES = _cases()
+# Deterministic mode: the backward of every instantiation.
+DETERMINISTIC = [_case("ragged", "causal" if h % 64 else "lengths", d, h) for h in HEAD_DIMS for d in DTYPES]
+
+
+def _impl() -> str:
+    """'cuda' where this pass runs, else skip."""
+    if not conftest.on_gpu() and not EMULATED:
+        pytest.skip("needs a GPU (or JAX_FLASH_GPU_SUITE=emulated on the CPU)")
+    why = conftest.availability("cuda")
+    if why is not None:
+        pytest.skip(f"cuda unavailable here: {why}")
+    return "cuda"
+
+
+class _Deterministic:
+    """JAX_FLASH_DETERMINISTIC=1 within the block (the variable is read when tracing)."""
+
+    def __enter__(self):
+        self.old = os.environ.get("JAX_FLASH_DETERMINISTIC")
+        os.environ["JAX_FLASH_DETERMINISTIC"] = "1"
+
+    def __exit__(self, *exc):
+        if self.old is None:
+            del os.environ["JAX_FLASH_DETERMINISTIC"]
+        else:
+            os.environ["JAX_FLASH_DETERMINISTIC"] = self.old
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_gpu_forward(case):
+    suite.test_forward(_impl(), case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_gpu_backward(case):
+    suite.test_backward(_impl(), case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", DETERMINISTIC, ids=str)
+def test_gpu_backward_deterministic(case):
+    impl = _impl()
+    with _Deterministic():
+        suite.test_backward(impl, case)  # against the reference
+        q, k, v, kw = suite._check_case(impl, case)
+        cot = jax.random.normal(jax.random.PRNGKey(3), q.shape, jnp.float32)
+
+        def loss(q, k, v):
+            out = jax_flash.attention(q, k, v, implementation=impl, **kw)
+            return jnp.sum(out.astype(jnp.float32) * cot)
+
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        first = [np.asarray(g) for g in grads(q, k, v)]
+        for _ in range(2):
+            again = [np.asarray(g) for g in grads(q, k, v)]
+            for name, a, b in zip(("dq", "dk", "dv"), first, again):
+                assert a.tobytes() == b.tobytes(), f"{name} differs between two runs in deterministic mode"
+
+
+# ----------------------------------------------------------------------------- without pytest
+
+
+def _all_tests():
+    for fn, params in ((test_gpu_forward, CASES), (test_gpu_backward, CASES),
+                       (test_gpu_backward_deterministic, DETERMINISTIC)):
+        for case in params:
+            yield f"{fn.__name__}[{case}]", fn, case
+
+
+def main(argv: list[str]) -> int:
+    pattern = argv[argv.index("-k") + 1] if "-k" in argv else ""
+    required = [n for n in os.environ.get("JAX_FLASH_REQUIRE", "").split(",") if n]
+    for name in required:
+        why = conftest.availability(name)
+        if why is not None:
+            print(f"JAX_FLASH_REQUIRE lists {name!r}, which cannot run: {why}")
+            return 4
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    start = time.monotonic()
+    for name, fn, case in _all_tests():
+        if pattern not in name:
+            continue
+        t0 = time.monotonic()
+        try:
+            fn(case)
+            outcome, detail = "passed", ""
+        except pytest.skip.Exception as e:
+            outcome, detail = "skipped", f" ({e})"
+        except Exception:  # noqa: BLE001 - reported, and the run goes on
+            outcome, detail = "failed", "\n" + traceback.format_exc()
+        counts[outcome] += 1
+        print(f"{name} {outcome.upper()} {time.monotonic() - t0:.1f}s{detail}", flush=True)
+    summary = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
+    print(f"== {summary or 'no tests ran'} in {time.monotonic() - start:.1f}s ==")
+    if counts["failed"]:
+        return 1
+    return 0 if counts["passed"] else 5
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
