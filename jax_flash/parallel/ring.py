@@ -55,6 +55,9 @@ from jax_flash._spec import AttentionSpec, MaskInputs
 __all__ = [
     "ring_attention",
     "ring_flash_attention",
+    "ring_forward",
+    "ring_backward",
+    "block_specs",
     "RingConfig",
     "zigzag",
     "unzigzag",
@@ -422,7 +425,10 @@ def _ring_loop(cfg: RingConfig, step, kv, state, rotate_after=None):
     return state
 
 
-def _ring_forward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks: MaskInputs):
+def ring_forward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks: MaskInputs):
+    """The ring's forward on canonical local chunks (arguments as `ring_flash_attention`):
+    out [B, T/P, N, H], lse [B, N, T/P]. Not differentiable by itself: for a partitioned
+    body that pairs it with `ring_backward` in its own custom_vjp."""
     impl = _registry.get(cfg.implementation)
     tq, tk = _sizes(spec, cfg)
     acc_dt = _acc_dtype(q.dtype)
@@ -461,7 +467,9 @@ def _ring_forward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks: MaskInpu
     return out, lse
 
 
-def _ring_backward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks, out, lse, dout, dlse):
+def ring_backward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks, out, lse, dout, dlse):
+    """The ring's backward: dq, dk, dv of this device's chunks, from the saved local q, k,
+    v, out, lse and the cotangents dout [B, T/P, N, H], dlse [B, N, T/P]."""
     impl = _registry.get(cfg.implementation)
     tq, tk = _sizes(spec, cfg)
     acc_dt = _acc_dtype(q.dtype)
@@ -534,22 +542,25 @@ def ring_flash_attention(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks: M
     Returns:
       out [B, T/P, N, H] (dtype of q) and lse [B, N, T/P] (float32; float64 for float64).
     """
-    return _ring_forward(cfg, spec, q, k, v, masks)
+    return ring_forward(cfg, spec, q, k, v, masks)
 
 
 def _vjp_forward(cfg, spec, q, k, v, masks):
-    out, lse = _ring_forward(cfg, spec, q, k, v, masks)
+    out, lse = ring_forward(cfg, spec, q, k, v, masks)
     return (out, lse), (q, k, v, masks, out, lse)
 
 
 def _vjp_backward(cfg, spec, residuals, cotangents):
     q, k, v, masks, out, lse = residuals
     dout, dlse = cotangents
-    dq, dk, dv = _ring_backward(cfg, spec, q, k, v, masks, out, lse, dout, dlse)
+    dq, dk, dv = ring_backward(cfg, spec, q, k, v, masks, out, lse, dout, dlse)
     return dq, dk, dv, MaskInputs()  # lengths, segment ids and offsets: no cotangent
 
 
 ring_flash_attention.defvjp(_vjp_forward, _vjp_backward)
+
+# Earlier names, still used by jax_flash.parallel.partitioning.
+_ring_forward, _ring_backward = ring_forward, ring_backward
 
 
 def _step_ranges(p: int) -> list[tuple[int, int]]:
