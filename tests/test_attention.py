@@ -63,8 +63,8 @@ def test_forward(impl, case):
         assert np.all(np.asarray(lse)[dead] == -np.inf)
 
 
-@pytest.mark.parametrize("case", ALL_CASES)
-def test_backward(impl, case):
+def _check_backward(impl, case):
+    """Gradients of out and lse against the reference; returns them."""
     q, k, v, kw = _check_case(impl, case)
     dtype = q.dtype
     cot = jax.random.normal(jax.random.PRNGKey(7), q.shape, jnp.float32).astype(dtype)
@@ -92,3 +92,37 @@ def test_backward(impl, case):
         tol = FACTOR * max_err(rlo, r64) + GRAD_EPS[case.dtype]
         err = max_err(a, r64)
         assert err <= tol, f"{name} error {err:.3g} > {tol:.3g}"
+    return g, lambda: grads(jax_flash.attention)
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_backward(impl, case):
+    _check_backward(impl, case)
+
+
+# Deterministic mode (JAX_FLASH_DETERMINISTIC=1, read when the backward is traced) runs the
+# cuda backward's dQ kernel instead of the atomics: every tile-edge shape (both backward
+# query-block sizes), and causal, window, lengths, segment ids and the soft cap.
+DETERMINISTIC_CASES = [
+    pytest.param(c, id=str(c))
+    for c in CASES
+    if (c.shape_name.startswith("tile_")
+        and c.mask_kind in ("none", "causal", "tile_window", "tile_lengths", "segments"))
+    or (c.shape_name == "small_mqa" and c.mask_kind in ("window", "softcap", "combo", "zero_scale"))
+    or (c.shape_name in ("small_h32", "small_h96") and c.mask_kind == "combo")
+]
+
+
+@pytest.mark.parametrize("case", DETERMINISTIC_CASES)
+def test_backward_deterministic(impl, case, monkeypatch):
+    if impl != "cuda":
+        pytest.skip("JAX_FLASH_DETERMINISTIC selects the cuda backward's dQ kernel")
+    monkeypatch.setenv("JAX_FLASH_DETERMINISTIC", "1")
+    q, k, v, kw = _check_case(impl, case)
+    f = lambda q: jax_flash.attention(q, k, v, implementation=impl, **kw).astype(jnp.float32).sum()
+    assert "deterministic = true" in jax.jit(jax.grad(f)).lower(q).as_text(), "the mode did not reach the call"
+    g, again = _check_backward(impl, case)
+    # Bitwise equal run to run: twice more, each traced and compiled afresh.
+    for other in (again(), again()):
+        for name, a, b in zip(("dq", "dk", "dv"), g, other):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f"{name} differs between runs"
