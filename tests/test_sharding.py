@@ -3,14 +3,14 @@
 Each implementation's checks run in one subprocess (the device count is fixed when JAX
 starts). For every layout — batch-sharded, head-sharded (GQA), batch x head on a 2-D mesh,
 query heads only (GQA, K/V replicated), queries over T (with lengths and segment ids, and
-causal), the whole sequence (Q and K/V over T and S) and a batch-broadcast dense bias —
-forward and gradients equal the unsharded call, and the compiled HLO is counted for
-collectives: none at all for batch and heads; for query heads only, query shards and the
-broadcast bias the backward may only all-reduce (dK/dV and dbias are sums over shards); the
-sequence-sharded call runs ring attention (collective-permutes only) where
-`jax_flash.parallel.ring` is available. What cannot be partitioned (causal query shards for
-an implementation without query offsets, K/V over S without the ring) falls back to an
-all-gather with exactly one `ShardingFallbackWarning` per cause.
+causal with per-row query offsets), the whole sequence (Q and K/V over T and S, on a
+batch x seq mesh) and a batch-broadcast dense bias — forward and gradients equal the
+unsharded call, and the compiled HLO is counted for collectives: none at all for batch and
+heads; for query heads only, query shards and the broadcast bias the backward may only
+all-reduce (dK/dV and dbias are sums over shards); the sequence-sharded call runs ring
+attention inside the partitioned call (collective-permutes only, no all-gather of K/V).
+What cannot be partitioned (K/V over S with replicated queries, a sharded head dim) falls
+back to an all-gather with exactly one `ShardingFallbackWarning` per cause.
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ SCRIPT = textwrap.dedent(
     # (B, T, S, N, K) per case.
     SHAPES = {"batch": (4, 24, 40, 4, 2), "heads": (2, 24, 24, 8, 4), "2d": (2, 24, 24, 8, 4),
               "query heads": (2, 24, 24, 8, 2), "T": (2, 32, 40, 2, 1), "T causal": (2, 32, 32, 2, 2),
-              "S": (2, 32, 32, 4, 2), "bias": (4, 24, 24, 2, 2)}
+              "S": (2, 32, 32, 4, 2), "bias": (4, 24, 24, 2, 2),
+              "S only": (2, 8, 32, 2, 2), "H": (2, 16, 16, 2, 2)}
 
     mesh4 = lambda name: Mesh(devs[:4], (name,))
     attend = lambda **kw: lambda q, k, v, *a: jax_flash.attention(
@@ -179,9 +180,7 @@ SCRIPT = textwrap.dedent(
               None if plain_xla else "sums" if offsets_ok else "gathered")
 
         # Q, K/V all sharded over the sequence (and the batch, a 2-D mesh): ring attention
-        # inside the partitioned call (collective-permutes only) where the ring is
-        # available, else K/V are gathered.
-        ring_ok = partitioning._ring() is not None
+        # inside the partitioned call, collective-permutes only (no all-gather of K/V).
         lens = jnp.asarray([32, 19], jnp.int32)
         seg = (jnp.arange(32)[None, :] // 11 + jnp.arange(2)[:, None]).astype(jnp.int32)
         f = lambda q, k, v, lens, seg: jax_flash.attention(
@@ -189,7 +188,15 @@ SCRIPT = textwrap.dedent(
             query_offset=offset, implementation=impl)
         mesh_bs = Mesh(devs.reshape(2, 4), ("batch", "seq"))
         check("S", mesh_bs, P("batch", "seq"), P("batch", "seq"), f, (lens, seg),
-              (P("batch"), P("batch", "seq")), None if plain_xla else "ring" if ring_ok else "gathered")
+              (P("batch"), P("batch", "seq")), None if plain_xla else "ring")
+
+        # Fallbacks (gathered, reported once per cause): K/V over S with the queries not
+        # sharded over the same axis (the ring needs both), and a sharded head dim.
+        f = lambda q, k, v: jax_flash.attention(q, k, v, is_causal=True, implementation=impl)
+        fallback = None if plain_xla else "gathered"
+        check("S only", mesh4("seq"), P(), P(None, "seq"), f, (), (), fallback)
+        check("H", mesh4("model"), P(None, None, None, "model"), P(None, None, None, "model"),
+              f, (), (), fallback)
 
         if impl in ("xla", "pallas"):
             # A dense bias broadcast over the batch: dbias sums over the batch shards.
@@ -207,11 +214,12 @@ SCRIPT = textwrap.dedent(
     else:
         text = [str(w.message) for w in ours]
         # Once per cause, though each is met in several compiles (forward and backward).
-        s_warn = [t for t in text if "key/value sequence axis S" in t and "'seq'" in t]
-        assert len(s_warn) == (0 if ring_ok else 1), text
         t_warn = [t for t in text if "query sequence axis T" in t and "'seq'" in t]
         assert len(t_warn) == (0 if offsets_ok else 1), text
-        assert len(text) == len(s_warn) + len(t_warn), text
+        s_warn = [t for t in text if "key/value sequence axis S" in t and "'seq'" in t]
+        h_warn = [t for t in text if "head dim H" in t and "'model'" in t]
+        assert len(s_warn) == len(h_warn) == 1, text
+        assert len(text) == len(t_warn) + 2, text
     print("ok")
     """
 )
