@@ -149,12 +149,14 @@ def test_query_offset_traced_and_vmapped(impl):
         return lambda q, k, v, o: (f(q, k, v, o), jax.grad(loss(fn, **extra), (0, 1, 2))(q, k, v, o))
 
     step = jax.jit(out_and_grads(jax_flash.attention, implementation=impl))
+    step64 = jax.jit(out_and_grads(attention_reference, compute_dtype=jnp.float64))
+    step_lo = jax.jit(out_and_grads(attention_reference))
     name = jnp.dtype(dtype).name
-    for offset in ([0, 0], [65, 30], [-3, 70], [40, -9]):
+    for offset in ([0, 0], [65, -3], [40, 70]):
         o = jnp.asarray(offset, jnp.int32)
         got = jax.tree.leaves(step(q, k, v, o))
-        ref64 = jax.tree.leaves(out_and_grads(attention_reference, compute_dtype=jnp.float64)(q, k, v, o))
-        ref_lo = jax.tree.leaves(out_and_grads(attention_reference)(q, k, v, o))
+        ref64 = jax.tree.leaves(step64(q, k, v, o))
+        ref_lo = jax.tree.leaves(step_lo(q, k, v, o))
         for i, (a, r64, rlo) in enumerate(zip(got, ref64, ref_lo)):
             tol = FACTOR * max_err(rlo, r64) + (EPS if i == 0 else GRAD_EPS)[name]
             assert max_err(a, r64) <= tol, (offset, ("out", "dq", "dk", "dv")[i])
