@@ -173,6 +173,8 @@ CPU = textwrap.dedent(
          kv_lengths=[32, 23])
     case("cpu full p2 ragged", 2, t=32, h=16, dtype=jnp.float32, impl="cpu", tol=2e-5,
          q_lengths=[30, 7], logits_soft_cap=3.0)
+    case("cpu window t<s p4 contiguous", 4, t=16, s=32, h=16, dtype=jnp.float32,
+         impl="cpu", tol=2e-5, local_window_size=(7, 2), is_causal=True, query_offset=16)
     """
 )
 
