@@ -370,3 +370,13 @@ def test_bench_multi_device_section(tmp_path):
             assert c["all-reduce"] == 0 and c["all-to-all"] == 0, ring
             assert ring["temp_bytes"] < gather["temp_bytes"], (ring, gather)
             assert ring["arg_bytes"] * 4 == rows["one device", pass_]["arg_bytes"], ring
+
+
+def test_flax_ring_attention_fn_rejects_dense_masks():
+    import jax.numpy as jnp
+
+    import jax_flash.flax
+
+    q = jnp.ones((1, 8, 2, 4))
+    with pytest.raises(ValueError, match="takes no dense mask or bias"):
+        jax_flash.flax.attention_fn(q, q, q, mask=jnp.ones((1, 2, 8, 8)), axis_name="seq")
