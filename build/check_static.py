@@ -7,7 +7,8 @@ For every kernel of every generated instantiation (cuda/kernels/{fwd,bwd}_*.cu):
     size comes from the kernels' own tile traits, compiled for the host),
 and for the main kernels (forward, backward) the SASS of every architecture contains the
 mma.sync / ldmatrix / cp.async instructions (HMMA.16816.F32, LDSM.16.M88.4, LDSM.16.MT88.4,
-LDGSTS.E.BYPASS.128) and the PTX has no wmma.* instruction. Prints a table of registers,
+LDGSTS.E.BYPASS.128), the PTX has no wmma.* instruction and every object carries the PTX
+images of compute_80 (which sm_100/103 and later JIT-compile) and compute_120. Prints a table of registers,
 shared memory and spills; exits 1 on any violation.
 
 By default the objects of the last extension build (_skbuild/*/.../jax_flash_cuda.dir) are
@@ -33,6 +34,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CUDA = ROOT / "cuda"
 KERNELS = CUDA / "kernels"
 ARCHS = (80, 90, 120)
+# PTX images (JAX_FLASH_CUDA_ARCHS' virtual entries): compute_80 is what GPUs without a cubin
+# here (sm_100/103 and later) JIT-compile, compute_120 the newest.
+PTX_ARCHS = (80, 120)
 SMEM_LIMIT = 101376
 # sm_90 and newer reserve 1 KB of shared memory per block for the system; cuobjdump counts it in
 # SHARED, the opt-in limit (cudaDevAttrMaxSharedMemoryPerBlockOptin = 101376 on sm_120) does not.
@@ -93,7 +97,8 @@ def compile_objects(sources, workdir: pathlib.Path, nvcc: str) -> tuple[dict, di
     gencode = []
     for a in ARCHS:
         gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
-    gencode += ["-gencode", f"arch=compute_{ARCHS[-1]},code=compute_{ARCHS[-1]}"]
+    for a in PTX_ARCHS:
+        gencode += ["-gencode", f"arch=compute_{a},code=compute_{a}"]
 
     def one(src):
         obj = workdir / (src.name + ".o")
@@ -162,6 +167,12 @@ def sass_opcodes(obj: pathlib.Path, cuobjdump: str) -> dict:
     return out
 
 
+def ptx_images(obj: pathlib.Path, cuobjdump: str) -> set[int]:
+    """The compute_XY of every PTX image in the object (cuobjdump -lptx: "... .sm_80.ptx")."""
+    text = subprocess.run([cuobjdump, "-lptx", str(obj)], capture_output=True, text=True).stdout
+    return {int(a) for a in re.findall(r"\.sm_(\d+)[af]?\.ptx", text)}
+
+
 def ptx_has_wmma(obj: pathlib.Path, cuobjdump: str) -> bool:
     text = subprocess.run([cuobjdump, "--dump-ptx", str(obj)], capture_output=True, text=True).stdout
     return "wmma." in text
@@ -210,8 +221,10 @@ def main() -> int:
     objs = None if args.compile else build_objects(sources)
     with tempfile.TemporaryDirectory() as tmp:
         if objs is not None:
-            usage_probe = resource_usage(next(iter(objs.values())), cuobjdump)
-            if not all(any(a == arch for a, _ in usage_probe) for arch in ARCHS):
+            probe = next(iter(objs.values()))
+            usage_probe = resource_usage(probe, cuobjdump)
+            if not all(any(a == arch for a, _ in usage_probe) for arch in ARCHS) or not set(PTX_ARCHS) <= ptx_images(
+                    probe, cuobjdump):
                 objs = None
         if objs is None:
             print(f"compiling {len(sources)} instantiations for sm_{', sm_'.join(map(str, ARCHS))} (2 jobs)...")
@@ -230,6 +243,9 @@ def main() -> int:
             spills = ptxas_spills(logs.get(src, ""))
             if ptx_has_wmma(obj, cuobjdump):
                 problems.append(f"{src.name}: the PTX contains wmma instructions")
+            missing_ptx = set(PTX_ARCHS) - ptx_images(obj, cuobjdump)
+            if missing_ptx:
+                problems.append(f"{src.name}: no PTX image for compute_{', compute_'.join(map(str, sorted(missing_ptx)))}")
             for arch in ARCHS:
                 kinds = sorted(k for a, k in usage if a == arch)
                 if not kinds:
@@ -269,7 +285,8 @@ def main() -> int:
             print("  " + p, file=sys.stderr)
         return 1
     print(f"\nOK: {len(rows)} kernels, no spills, no stack, shared memory <= {SMEM_LIMIT}, "
-          "HMMA/LDSM/LDGSTS in every main kernel on every arch, no wmma")
+          "HMMA/LDSM/LDGSTS in every main kernel on every arch, no wmma, "
+          f"PTX for compute_{', compute_'.join(map(str, PTX_ARCHS))}")
     return 0
 
 

@@ -113,6 +113,8 @@ fi
 OUT=${OUT:-$REPO/device_out}
 mkdir -p "$OUT" || exit 2
 OUT=$(cd "$OUT" && pwd)
+for s in "${STEPS[@]}"; do rm -f "$OUT/$s.log"; done  # this run's files only, no stale ones
+rm -f "$OUT"/device_check.json "$OUT"/device_check.json.tmp "$OUT"/bench.json "$OUT"/bench.json.tmp
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 PY=${PYTHON:-$(command -v python3 || command -v python)}

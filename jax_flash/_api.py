@@ -92,12 +92,14 @@ class Explanation:
 
     selected: Optional[str]
     reasons: dict  # name -> None (can run) or the reason it cannot
+    notes: dict = dataclasses.field(default_factory=dict)  # name -> how it runs (e.g. the kernel image)
 
     def __str__(self) -> str:
         lines = [f"jax_flash.attention would run: {self.selected or 'nothing'}"]
         for name, why in self.reasons.items():
             mark = "*" if name == self.selected else " "
-            lines.append(f" {mark} {name:7s} {'available' if why is None else why}")
+            text = why if why is not None else "available" + (f" ({self.notes[name]})" if name in self.notes else "")
+            lines.append(f" {mark} {name:7s} {text}")
         return "\n".join(lines)
 
 
@@ -112,4 +114,4 @@ def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
         selected = _registry.select(c.spec, requested)
     except ValueError:
         selected = None
-    return Explanation(selected=selected, reasons=reasons)
+    return Explanation(selected=selected, reasons=reasons, notes=_registry.notes(c.spec, reasons))

@@ -76,6 +76,19 @@ def explain(spec: AttentionSpec, requested: Optional[str] = None) -> dict[str, O
     return {name: reason(name, spec) for name in order}
 
 
+def notes(spec: AttentionSpec, reasons: dict[str, Optional[str]]) -> dict[str, str]:
+    """{name: how it would run} for the implementations in `reasons` that can run `spec` and
+    have something to say (an optional `note(spec)`: e.g. which kernel image a GPU runs)."""
+    out = {}
+    for name, why in reasons.items():
+        if why is None:
+            note = getattr(get(name), "note", None)
+            text = note(spec) if note is not None else None
+            if text:
+                out[name] = text
+    return out
+
+
 def select(spec: AttentionSpec, requested: Optional[str]) -> str:
     """The name of the implementation that runs `spec`."""
     if requested is not None:

@@ -5,6 +5,13 @@ against an emulation of the SIMT model and of each PTX instruction runs instead 
 `jax_flash_emu_*`): slow, for testing the kernels without a GPU.
 
 JAX_FLASH_DETERMINISTIC=1 makes the backward accumulate dQ without racing atomics.
+
+Architectures: the extension holds the images its build listed (JAX_FLASH_CUDA_ARCHS; by
+default cubins for sm_80, sm_90, sm_120 and PTX for compute_80 and compute_120). A GPU runs
+the cubin of its own major version and an equal or lower minor, else the newest PTX image it
+can JIT-compile (sm_100/103 and later run the compute_80 PTX, compiled by the driver at first
+use); with neither, `unsupported` says so before any launch, and `explain` names the image a
+GPU would run.
 """
 
 from __future__ import annotations
@@ -33,6 +40,63 @@ def deterministic() -> bool:
 
 def _prefix() -> str:
     return "jax_flash_emu" if emulated() else "jax_flash"
+
+
+def _architectures() -> tuple[str, ...]:
+    """The CUDA architectures of the build's images, as CMake spells them ("80-real", ...)."""
+    try:
+        from jax_flash import _jax_flash_ext as ext
+    except ImportError:
+        return ()
+    text = getattr(ext, "cuda_architectures", lambda: "")()
+    return tuple(a for a in text.split(",") if a)
+
+
+def _parse_arch(entry: str) -> Optional[tuple[int, int, str, bool, bool]]:
+    """(major, minor, suffix, cubin, ptx) of a CMake CUDA architecture such as "80-real",
+    "90a-virtual" or "120"; None for the symbolic ones ("native", "all", "all-major")."""
+    import re
+
+    m = re.fullmatch(r"(\d+)(\d)([af]?)(?:-(real|virtual))?", entry.strip())
+    if m is None:
+        return None
+    kind = m.group(4)
+    return int(m.group(1)), int(m.group(2)), m.group(3), kind != "virtual", kind != "real"
+
+
+def _runs_on(cc, major: int, minor: int, suffix: str, *, ptx: bool) -> bool:
+    if suffix == "a":  # architecture-specific: that capability only
+        return cc == (major, minor)
+    if suffix == "f" or not ptx:  # family-specific, or a cubin: the same major version
+        return cc[0] == major and cc[1] >= minor
+    return cc >= (major, minor)  # PTX: JIT-compiled for any later capability
+
+
+def kernel_image(cc: tuple[int, int], architectures) -> Optional[str]:
+    """The image of the build that a GPU of compute capability `cc` runs: "sm_XY" (a cubin),
+    "compute_XY PTX" (JIT-compiled by the driver), "unknown" when the build's architectures
+    are symbolic ("native", "all"), or None when no image can run there.
+
+    A cubin sm_XY runs on X.Z for Z >= Y (sm_XYa only on X.Y, sm_XYf on X.Z, Z >= Y); PTX
+    compute_XY is JIT-compiled on any capability >= X.Y (compute_XYa/f like their cubins)."""
+    cubins, ptx, symbolic = [], [], False
+    for entry in architectures:
+        parsed = _parse_arch(entry)
+        if parsed is None:
+            symbolic = True
+            continue
+        major, minor, suffix, cubin, virtual = parsed
+        if cubin and _runs_on(cc, major, minor, suffix, ptx=False):
+            cubins.append((major, minor, suffix))
+        if virtual and _runs_on(cc, major, minor, suffix, ptx=True):
+            ptx.append((major, minor, suffix))
+    if cubins:
+        major, minor, suffix = max(cubins)
+        return f"sm_{major}{minor}{suffix}"
+    if ptx:
+        major, minor, suffix = max(ptx)
+        return f"compute_{major}{minor}{suffix} PTX"
+    return "unknown" if symbolic else None
 
 
 def _compute_capability() -> Optional[tuple[int, int]]:
@@ -65,9 +129,32 @@ class CudaImplementation:
                 return "the GPU is not an NVIDIA CUDA device"
             if cc < MIN_COMPUTE_CAPABILITY:
                 return f"needs compute capability 8.0 or newer, the GPU has {cc[0]}.{cc[1]}"
+            archs = _architectures()
+            if archs and kernel_image(cc, archs) is None:
+                return (
+                    f"the extension has no kernel image for compute capability {cc[0]}.{cc[1]} "
+                    f"(built for {';'.join(archs)}): rebuild with JAX_FLASH_CUDA_ARCHS including "
+                    f'"{cc[0]}{cc[1]}-real" or a PTX image such as "80-virtual"'
+                )
         if spec.head_dim not in HEAD_DIMS:
             return f"has kernels for head dims {HEAD_DIMS}, got {spec.head_dim}"
         return _ffi.compiled_kernel_reason(spec, DTYPES)
+
+    def note(self, spec: AttentionSpec) -> Optional[str]:
+        """What `explain` adds when the kernels can run: the host emulation, or which image
+        of the build this GPU runs (a cubin, or PTX that the driver JIT-compiles)."""
+        if emulated():
+            return "on the host emulation of the kernels: JAX_FLASH_EMULATE_CUDA=1"
+        cc = _compute_capability()
+        if cc is None:
+            return None
+        image = kernel_image(cc, _architectures())
+        if image is None or image == "unknown":
+            return None
+        if image.endswith("PTX"):
+            return (f"compute capability {cc[0]}.{cc[1]} has no cubin in this build: it runs the {image} image, "
+                    "JIT-compiled by the driver at first use")
+        return f"runs the {image} cubin"
 
     def forward(self, spec, q, k, v, masks):
         return _ffi.forward(f"{_prefix()}_fwd", spec, q, k, v, masks)

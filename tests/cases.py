@@ -38,6 +38,11 @@ SMALL_SHAPES = {
     "small_tall": Shape(1, 140, 17, 2, 2, 64),
     "small_h32": Shape(1, 100, 260, 2, 1, 32),
     "small_h96": Shape(2, 37, 200, 2, 2, 96),
+    # T and S = +1 and -1 modulo every tile size of the CUDA kernels (16 rows or keys per
+    # warp, 32- and 64-row backward query blocks, 64-key tiles, 128-row forward query blocks):
+    # a tile bound, tail guard or interior test that is off by one shows up in one of them.
+    "tile_plus": Shape(2, 129, 127, 2, 1, 64),  # T = +1, S = -1 (mod 16, 32, 64, 128)
+    "tile_minus": Shape(2, 127, 129, 2, 2, 128),  # T = -1, S = +1; H=128: 32-row backward blocks
 }
 
 MASK_KINDS = (
@@ -96,6 +101,13 @@ def _cases():
     for name, dt in (("small_h32", "float16"), ("small_h96", "bfloat16")):
         for kind in ("none", "causal", "combo"):
             out.append(Case(name, kind, dt, True))
+    for name, dt in (("tile_plus", "float16"), ("tile_minus", "bfloat16")):
+        for kind in TILE_EDGE_KINDS:
+            out.append(Case(name, kind, dt, True))
+    # Scales that are not positive (zero, -0.0, negative), with masked elements.
+    for kind in SCALE_KINDS:
+        out.append(Case("ragged", kind, "float32", False))
+        out.append(Case("small_mqa", kind, "bfloat16", True))
     # query_offset: bottom-right causal for T < S, T > S and a decode step (T = 1), windows
     # moved by per-row offsets, negative / beyond-S offsets, with lengths and segments.
     for kind in OFFSET_KINDS:
@@ -111,6 +123,12 @@ def _cases():
         out.append(Case("small_h96", kind, "bfloat16", True))
     out.append(Case("small_gqa", "offset_window", "float16", True))
     return out
+
+
+# Mask kinds of the tile-edge shapes: every edge of the visible region (sequence ends, the
+# diagonal, window edges, lengths) lands at +1 / -1 of a tile boundary somewhere.
+TILE_EDGE_KINDS = ("none", "causal", "tile_window", "tile_window_wide", "tile_lengths", "segments")
+SCALE_KINDS = ("zero_scale", "neg_zero_scale", "negative_scale")
 
 
 CASES = _cases()
@@ -173,6 +191,30 @@ def mask_kwargs(kind: str, shape: Shape, seed: int = 1) -> dict:
         else:
             kw["segment_ids"] = (_segments(rng, b, t, 3), _segments(rng, b, s, 3))
         return kw
+    if kind == "tile_lengths":
+        # Lengths at +1 / -1 of the tile boundaries (clipped to the shape): batch row 0 has
+        # T = 65 valid queries and S = 63 valid keys, row 1 the other way round.
+        q_len = [min(t, 65), min(t, 63)] + [t] * (b - 2)
+        kv_len = [min(s, 63), min(s, 65)] + [s] * (b - 2)
+        return dict(
+            query_seq_lengths=jnp.asarray(q_len[:b], jnp.int32),
+            key_value_seq_lengths=jnp.asarray(kv_len[:b], jnp.int32),
+        )
+    if kind == "tile_window":
+        # Window edges 1 past / before a tile boundary: left 78 = 14 (mod 16) puts the last
+        # row's first key at +1 of a tile's first key where the tile's other edge is inside
+        # every row's window; right 14 does the same at the far edge.
+        return dict(local_window_size=(78, 14))
+    if kind == "tile_window_wide":
+        # Left 65 = 1 (mod 64): the first row of a query block is the last to see a key block.
+        return dict(local_window_size=(65, 0))
+    if kind == "zero_scale":
+        return dict(scale=0.0, is_causal=True)
+    if kind == "neg_zero_scale":
+        return dict(scale=-0.0, local_window_size=(5, 2))
+    if kind == "negative_scale":
+        kv_len = [s] * (b - 1) + [max(1, s // 2)]
+        return dict(scale=-0.3, is_causal=True, key_value_seq_lengths=jnp.asarray(kv_len, jnp.int32))
     if kind == "offset_causal":  # bottom-right aligned (FlashAttention's causal)
         return dict(is_causal=True, query_offset=s - t)
     if kind == "offset_window":  # one offset per batch row, as an array

@@ -15,7 +15,7 @@ import pytest
 import jax_flash
 from jax_flash.reference import attention_reference
 
-from cases import CASES, EPS, FACTOR, GRAD_EPS, make_qkv, mask_kwargs, max_err
+from cases import CASES, EPS, FACTOR, GRAD_EPS, Shape, make_qkv, mask_kwargs, max_err
 from conftest import slow_impl
 
 
@@ -63,8 +63,8 @@ def test_forward(impl, case):
         assert np.all(np.asarray(lse)[dead] == -np.inf)
 
 
-@pytest.mark.parametrize("case", ALL_CASES)
-def test_backward(impl, case):
+def _check_backward(impl, case):
+    """Gradients of out and lse against the reference; returns them."""
     q, k, v, kw = _check_case(impl, case)
     dtype = q.dtype
     cot = jax.random.normal(jax.random.PRNGKey(7), q.shape, jnp.float32).astype(dtype)
@@ -92,3 +92,80 @@ def test_backward(impl, case):
         tol = FACTOR * max_err(rlo, r64) + GRAD_EPS[case.dtype]
         err = max_err(a, r64)
         assert err <= tol, f"{name} error {err:.3g} > {tol:.3g}"
+    return g, lambda: grads(jax_flash.attention)
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_backward(impl, case):
+    _check_backward(impl, case)
+
+
+# Deterministic mode (JAX_FLASH_DETERMINISTIC=1, read when the backward is traced) runs the
+# cuda backward's dQ kernel instead of the atomics: every tile-edge shape (both backward
+# query-block sizes), and causal, window, lengths, segment ids and the soft cap.
+DETERMINISTIC_CASES = [
+    pytest.param(c, id=str(c))
+    for c in CASES
+    if (c.shape_name.startswith("tile_")
+        and c.mask_kind in ("none", "causal", "tile_window", "tile_lengths", "segments"))
+    or (c.shape_name == "small_mqa" and c.mask_kind in ("window", "softcap", "combo", "zero_scale"))
+    or (c.shape_name in ("small_h32", "small_h96") and c.mask_kind == "combo")
+]
+
+
+@pytest.mark.parametrize("case", DETERMINISTIC_CASES)
+def test_backward_deterministic(impl, case, monkeypatch):
+    if impl != "cuda":
+        pytest.skip("JAX_FLASH_DETERMINISTIC selects the cuda backward's dQ kernel")
+    monkeypatch.setenv("JAX_FLASH_DETERMINISTIC", "1")
+    q, k, v, kw = _check_case(impl, case)
+    f = lambda q: jax_flash.attention(q, k, v, implementation=impl, **kw).astype(jnp.float32).sum()
+    assert "deterministic = true" in jax.jit(jax.grad(f)).lower(q).as_text(), "the mode did not reach the call"
+    g, again = _check_backward(impl, case)
+    # Bitwise equal run to run: twice more, each traced and compiled afresh.
+    for other in (again(), again()):
+        for name, a, b in zip(("dq", "dk", "dv"), g, other):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f"{name} differs between runs"
+
+
+def test_query_offset_traced_and_vmapped(impl):
+    """A decode loop's offset is a traced value: one jitted function serves every step,
+    forward and backward; vmap over calls with different per-row offsets folds them into
+    one batch."""
+    dtype = jnp.bfloat16 if impl == "cuda" else jnp.float32
+    shape = Shape(2, 5, 70, 2, 1, 64)
+    q, k, v = make_qkv(shape, dtype)
+    kw = dict(is_causal=True, local_window_size=(24, 3))
+    _needs_skip(impl, q, k, v, dict(kw, query_offset=0))
+    cot = jax.random.normal(jax.random.PRNGKey(7), q.shape, jnp.float32).astype(dtype)
+
+    def loss(fn, **extra):
+        return lambda q, k, v, o: jnp.sum(
+            fn(q, k, v, query_offset=o, **kw, **extra).astype(jnp.float32) * cot.astype(jnp.float32)
+        )
+
+    def out_and_grads(fn, **extra):
+        f = lambda q, k, v, o: fn(q, k, v, query_offset=o, **kw, **extra)
+        return lambda q, k, v, o: (f(q, k, v, o), jax.grad(loss(fn, **extra), (0, 1, 2))(q, k, v, o))
+
+    step = jax.jit(out_and_grads(jax_flash.attention, implementation=impl))
+    name = jnp.dtype(dtype).name
+    for offset in ([0, 0], [65, 30], [-3, 70], [40, -9]):
+        o = jnp.asarray(offset, jnp.int32)
+        got = jax.tree.leaves(step(q, k, v, o))
+        ref64 = jax.tree.leaves(out_and_grads(attention_reference, compute_dtype=jnp.float64)(q, k, v, o))
+        ref_lo = jax.tree.leaves(out_and_grads(attention_reference)(q, k, v, o))
+        for i, (a, r64, rlo) in enumerate(zip(got, ref64, ref_lo)):
+            tol = FACTOR * max_err(rlo, r64) + (EPS if i == 0 else GRAD_EPS)[name]
+            assert max_err(a, r64) <= tol, (offset, ("out", "dq", "dk", "dv")[i])
+
+    offsets = jnp.asarray([[65, 30], [-3, 70], [12, 12]], jnp.int32)  # [V, B]
+    stack = lambda x: jnp.stack([x, x[::-1], x])
+    f = lambda q, k, v, o: jax_flash.attention(q, k, v, query_offset=o, implementation=impl, **kw)
+    mapped = jax.jit(jax.vmap(f))(stack(q), stack(k), stack(v), offsets)
+    for i in range(3):
+        one = f(stack(q)[i], stack(k)[i], stack(v)[i], offsets[i])
+        # The same numbers up to summation order (xla visits the union of a batch's bands).
+        np.testing.assert_allclose(
+            np.asarray(mapped[i], np.float32), np.asarray(one, np.float32), atol=1e-5, rtol=0
+        )

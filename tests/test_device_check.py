@@ -124,6 +124,10 @@ def test_stubbed_run_elastic_steps_take_unused_time(tmp_path):
 
 
 def test_failed_build_skips_the_steps_that_need_it(tmp_path):
+    stale = tmp_path / "out"
+    stale.mkdir()
+    for name in ("bench.json", "bench.log", "correctness.log"):  # a previous run's
+        (stale / name).write_text("old")
     proc, _, out = _stubbed_run(
         tmp_path, machine="true", build="echo 'nvcc: error'; exit 2", ptx_selftest="echo PASS",
         correctness="echo ran", bench="echo ran", memcheck="echo ran", racecheck="echo ran",
@@ -135,6 +139,7 @@ def test_failed_build_skips_the_steps_that_need_it(tmp_path):
     for step in ("correctness", "bench", "memcheck", "racecheck"):
         assert states[step] == ("skipped", "needs the build, which failed")
         assert not (out / f"{step}.log").exists()
+    assert not (out / "bench.json").exists()
 
 
 def test_a_stopped_run_leaves_its_summary(tmp_path):

@@ -181,6 +181,7 @@ def test_gpu_backward_deterministic(case):
             return jnp.sum(out.astype(jnp.float32) * cot)
 
         grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        assert "deterministic = true" in grads.lower(q, k, v).as_text(), "the mode did not reach the call"
         first = [np.asarray(g) for g in grads(q, k, v)]
         for _ in range(2):
             again = [np.asarray(g) for g in grads(q, k, v)]

@@ -1,6 +1,9 @@
 // The nanobind module: exposes every FFI handler as a PyCapsule for
 // jax.ffi.register_ffi_target. Handlers live beside their implementations.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <string>
 
 #include "ffi/targets.h"
 
@@ -33,4 +36,15 @@ NB_MODULE(_jax_flash_ext, m) {
 #endif
       },
       "Whether the CUDA kernels were compiled into this module.");
+  m.def(
+      "cuda_architectures",
+      []() {
+#ifdef JAX_FLASH_CUDA_ARCHS_TEXT
+        return std::string(JAX_FLASH_CUDA_ARCHS_TEXT);
+#else
+        return std::string();
+#endif
+      },
+      "The CUDA architectures of the kernels' images, comma-separated as CMake spells them "
+      "(\"80-real,80-virtual,...\"); empty without CUDA kernels.");
 }

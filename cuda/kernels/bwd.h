@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "kernels/grid.h"
 #include "kernels/mask.h"
 #include "kernels/params.h"
 #include "kernels/platform.h"
@@ -50,6 +51,11 @@ struct BackwardKernel {
   static constexpr int DQ_ROW_GROUPS = BLOCK_Q / MMA_M;
   static constexpr int DQ_WARPS_PER_GROUP = WARPS / DQ_ROW_GROUPS;
   static constexpr int DQ_COLS = HEAD_DIM / DQ_WARPS_PER_GROUP;
+
+  // One CTA per (key block, kv head, batch).
+  __host__ __device__ static FoldedGrid grid(const AttentionParams& p) {
+    return {CeilDiv(p.kv_len, BLOCK_KV), p.kv_heads, p.batch};
+  }
 
   static_assert(BLOCK_KV == WARPS * WARP_KV, "each warp owns 16 keys");
   static_assert(WARPS % DQ_ROW_GROUPS == 0 && DQ_COLS % 16 == 0, "dQ work splits evenly over the warps");
@@ -200,8 +206,10 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM>::THREADS, 1)
     attention_backward_kernel(const AttentionParams p) {
   using K = BackwardKernel<Elem, HEAD_DIM>;
   JAX_FLASH_DYNAMIC_SMEM(smem);
-  const int kv_block = blockIdx.x;
-  const int kv_head = blockIdx.y, batch = blockIdx.z;
+  const FoldedGrid grid = K::grid(p);
+  const GridIndex at = grid.index();
+  if (!grid.contains(at)) return;  // past the last head (more than 65535 heads span grid.z)
+  const int kv_block = at.block, kv_head = at.head, batch = at.batch;
   const int warp = static_cast<int>(threadIdx.x) / WARP_SIZE, lane = static_cast<int>(threadIdx.x) % WARP_SIZE;
   const int s0 = kv_block * K::BLOCK_KV;
   const int warp_s0 = s0 + warp * K::WARP_KV;
@@ -355,6 +363,11 @@ struct BackwardDqKernel {
   static constexpr int kStageBytes = 2 * KVTile::kBytes;
   static constexpr int kSmemBytes = 2 * QTile::kBytes + STAGES * kStageBytes;
 
+  // One CTA per (query block, head, batch).
+  __host__ __device__ static FoldedGrid grid(const AttentionParams& p) {
+    return {CeilDiv(p.q_len, BLOCK_Q), p.q_heads, p.batch};
+  }
+
   static_assert(BLOCK_Q == WARPS * WARP_Q, "each warp owns 16 query rows");
   static_assert(STAGES >= 2, "the ring overlaps the next tile's copy with this tile's math");
   static_assert(kSmemBytes <= kMaxSmemBytes, "dQ tile does not fit 99 KB of shared memory");
@@ -365,10 +378,13 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM>::THREADS, 1)
     attention_backward_dq_kernel(const AttentionParams p) {
   using K = BackwardDqKernel<Elem, HEAD_DIM>;
   JAX_FLASH_DYNAMIC_SMEM(smem);
-  const int head = blockIdx.y, batch = blockIdx.z;
+  const FoldedGrid grid = K::grid(p);
+  const GridIndex at = grid.index();
+  if (!grid.contains(at)) return;  // past the last head (more than 65535 heads span grid.z)
+  const int head = at.head, batch = at.batch;
   const int warp = static_cast<int>(threadIdx.x) / WARP_SIZE, lane = static_cast<int>(threadIdx.x) % WARP_SIZE;
   const int kv_head = head / (p.q_heads / p.kv_heads);
-  const int t0 = blockIdx.x * K::BLOCK_Q;
+  const int t0 = at.block * K::BLOCK_Q;
   const int warp_t0 = t0 + warp * K::WARP_Q;
 
   const Mask mask = Mask::of(p, batch);
@@ -484,24 +500,28 @@ LaunchError LaunchBackward(const AttentionParams& p_in, bool deterministic, Stre
   AttentionParams p = p_in;
   p.accumulate_dq = !deterministic;
   const int64_t q_elements = static_cast<int64_t>(p.batch) * p.q_len * p.q_heads * HEAD_DIM;
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.q_len * p.q_heads;
+  const int64_t chunks = q_elements / 8;
+  dim3 delta_grid, main_grid, dq_grid, convert_grid;
+  for (const LaunchError& e : {LinearGrid((rows + D::ROWS_PER_BLOCK - 1) / D::ROWS_PER_BLOCK, &delta_grid),
+                               K::grid(p).dims(&main_grid), Q::grid(p).dims(&dq_grid),
+                               LinearGrid((chunks + kConvertThreads - 1) / kConvertThreads, &convert_grid)}) {
+    if (!e.empty()) return e;
+  }
   LaunchError err = FillAsync(p.dq_accum, 0, q_elements * sizeof(float), stream);
   if (!err.empty()) return err;
-  const int64_t rows = static_cast<int64_t>(p.batch) * p.q_len * p.q_heads;
-  err = Launch("attention_backward_delta_kernel", attention_backward_delta_kernel<Elem, HEAD_DIM>,
-               dim3(static_cast<unsigned>((rows + D::ROWS_PER_BLOCK - 1) / D::ROWS_PER_BLOCK)), dim3(D::THREADS), 0,
-               stream, p);
+  err = Launch("attention_backward_delta_kernel", attention_backward_delta_kernel<Elem, HEAD_DIM>, delta_grid,
+               dim3(D::THREADS), 0, stream, p);
   if (!err.empty()) return err;
-  err = Launch("attention_backward_kernel", attention_backward_kernel<Elem, HEAD_DIM>, dim3(CeilDiv(p.kv_len, K::BLOCK_KV), p.kv_heads, p.batch),
-               dim3(K::THREADS), K::kSmemBytes, stream, p);
+  err = Launch("attention_backward_kernel", attention_backward_kernel<Elem, HEAD_DIM>, main_grid, dim3(K::THREADS),
+               K::kSmemBytes, stream, p);
   if (!err.empty()) return err;
   if (deterministic) {
-    return Launch("attention_backward_dq_kernel", attention_backward_dq_kernel<Elem, HEAD_DIM>, dim3(CeilDiv(p.q_len, Q::BLOCK_Q), p.q_heads, p.batch),
+    return Launch("attention_backward_dq_kernel", attention_backward_dq_kernel<Elem, HEAD_DIM>, dq_grid,
                   dim3(Q::THREADS), Q::kSmemBytes, stream, p);
   }
-  const int64_t chunks = q_elements / 8;
-  return Launch("attention_backward_convert_dq_kernel", attention_backward_convert_dq_kernel<Elem>,
-                dim3(static_cast<unsigned>((chunks + kConvertThreads - 1) / kConvertThreads)), dim3(kConvertThreads), 0,
-                stream, p, chunks);
+  return Launch("attention_backward_convert_dq_kernel", attention_backward_convert_dq_kernel<Elem>, convert_grid,
+                dim3(kConvertThreads), 0, stream, p, chunks);
 }
 
 }  // namespace kernels

@@ -136,8 +136,9 @@ inline ffi::Error CheckOperands(const char* target, const ffi::AnyBuffer& q, con
   if (K <= 0 || N % K != 0)
     return ffi::Error::InvalidArgument(where + ": query heads N=" + std::to_string(N) +
                                        " must be a multiple of kv heads K=" + std::to_string(K));
-  if (B > 65535 || N > 65535 || T >= (int64_t{1} << 30) || S >= (int64_t{1} << 30))
-    return ffi::Error::InvalidArgument(where + ": batch and heads must be <= 65535 and T, S < 2^30, got q " +
+  // Batch and heads fold into grid.x (kernels/grid.h): only the kernels' int arithmetic bounds them.
+  if (B >= (int64_t{1} << 31) || N >= (int64_t{1} << 31) || T >= (int64_t{1} << 30) || S >= (int64_t{1} << 30))
+    return ffi::Error::InvalidArgument(where + ": batch and heads must be < 2^31 and T, S < 2^30, got q " +
                                        Describe(q) + ", k " + Describe(k));
   // A window wider than 2^32 reaches past any int32 offset: the same as 2^32, which keeps
   // offset ± window exact in 64 bits.

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "kernels/grid.h"
 #include "kernels/mask.h"
 #include "kernels/params.h"
 #include "kernels/platform.h"
@@ -30,6 +31,11 @@ struct ForwardKernel {
   // Shared memory: [Q][K_0][V_0][K_1][V_1]...: one Q tile and a ring of STAGES (K, V) tiles.
   static constexpr int kStageBytes = 2 * KVTile::kBytes;
   static constexpr int kSmemBytes = QTile::kBytes + STAGES * kStageBytes;
+
+  // One CTA per (query block, head, batch).
+  __host__ __device__ static FoldedGrid grid(const AttentionParams& p) {
+    return {CeilDiv(p.q_len, BLOCK_Q), p.q_heads, p.batch};
+  }
 
   static_assert(BLOCK_Q == WARPS * WARP_Q, "each warp owns 16 query rows");
   static_assert(HEAD_DIM % 32 == 0 && BLOCK_KV % 16 == 0, "fragments come in 16x16 blocks");
@@ -63,9 +69,9 @@ __device__ __forceinline__ void accumulate_pv(float (&o)[HEAD_DIM / MMA_N][4],
 // out (16-bit) and lse (natural log) of the warp's rows, written once.
 template <class Elem, int HEAD_DIM, class K>
 __device__ __forceinline__ void store_output(const AttentionParams& p, const float (&o)[HEAD_DIM / MMA_N][4],
-                                             const float lse[2], char* q_tile, int b, int n, int warp,
-                                             int lane) {
-  const int t0 = blockIdx.x * K::BLOCK_Q + warp * K::WARP_Q;
+                                             const float lse[2], char* q_tile, int b, int n, int q_block,
+                                             int warp, int lane) {
+  const int t0 = q_block * K::BLOCK_Q + warp * K::WARP_Q;
   JAX_FLASH_UNROLL
   for (int r = 0; r < 2; ++r) {
     const int t = t0 + (lane >> 2) + 8 * r;
@@ -79,7 +85,10 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM>::THREADS, 1)
     attention_forward_kernel(const AttentionParams p) {
   using K = ForwardKernel<Elem, HEAD_DIM>;
   JAX_FLASH_DYNAMIC_SMEM(smem);
-  const int q_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  const FoldedGrid grid = K::grid(p);
+  const GridIndex at = grid.index();
+  if (!grid.contains(at)) return;  // past the last head (more than 65535 heads span grid.z)
+  const int q_block = at.block, head = at.head, batch = at.batch;
   const int warp = static_cast<int>(threadIdx.x) / WARP_SIZE, lane = static_cast<int>(threadIdx.x) % WARP_SIZE;
   const int kv_head = head / (p.q_heads / p.kv_heads);
   const int t0 = q_block * K::BLOCK_Q;
@@ -155,15 +164,17 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM>::THREADS, 1)
 
   float lse[2];
   softmax.finish(o, scaling.exp_scale, lse);
-  store_output<Elem, HEAD_DIM, K>(p, o, lse, smem, batch, head, warp, lane);
+  store_output<Elem, HEAD_DIM, K>(p, o, lse, smem, batch, head, q_block, warp, lane);
 }
 
 // Host side: one launch per call.
 template <class Elem, int HEAD_DIM>
 LaunchError LaunchForward(const AttentionParams& p, Stream stream) {
   using K = ForwardKernel<Elem, HEAD_DIM>;
-  const dim3 grid(CeilDiv(p.q_len, K::BLOCK_Q), p.q_heads, p.batch);
-  return Launch("attention_forward_kernel", attention_forward_kernel<Elem, HEAD_DIM>, grid, dim3(K::THREADS), K::kSmemBytes, stream, p);
+  dim3 grid;
+  if (LaunchError err = K::grid(p).dims(&grid); !err.empty()) return err;
+  return Launch("attention_forward_kernel", attention_forward_kernel<Elem, HEAD_DIM>, grid, dim3(K::THREADS),
+                K::kSmemBytes, stream, p);
 }
 
 }  // namespace kernels

@@ -3,8 +3,9 @@
 //
 // Units: the kernels work with x = log2(e) · logit, so that p = exp2(x − m) is one FFMA and
 // one ex2.approx. Without a soft cap the raw score s = q·k is kept and x = s · exp_scale with
-// exp_scale = scale · log2(e) folded into that FFMA. With a soft cap (or a negative scale,
-// where max(s) would not give max(x)) the tile is transformed first and exp_scale is 1.
+// exp_scale = scale · log2(e) folded into that FFMA. That needs scale > 0: with a soft cap, or
+// a scale that is not positive (negative: max(s) would not give max(x); zero or −0: a masked
+// s = −inf times exp_scale = 0 is NaN), the tile is transformed first and exp_scale is 1.
 // lse leaves the kernels in natural-log units: lse = ln 2 · (m + log2(l)).
 //
 // Approximate math only where it is per score and its error is documented: ex2.approx (2 ulp)
@@ -35,7 +36,7 @@ struct LogitScaling {
     LogitScaling l;
     l.cap_log2 = p.softcap > 0.0f ? p.softcap * kLog2e : 0.0f;
     l.inv_cap_log2 = p.softcap > 0.0f ? 1.0f / l.cap_log2 : 0.0f;
-    l.transformed = p.softcap > 0.0f || p.scale < 0.0f;
+    l.transformed = p.softcap > 0.0f || !(p.scale > 0.0f);
     l.pre_scale = p.softcap > 0.0f ? p.scale / p.softcap : p.scale * kLog2e;
     l.exp_scale = l.transformed ? 1.0f : p.scale * kLog2e;
     return l;

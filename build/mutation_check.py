@@ -1,0 +1,424 @@
+#!/usr/bin/env python3
+"""Mutation check of the CUDA kernels: do the emulated tests notice a one-line bug?
+
+Each mutation below changes one line of the kernel source (cuda/kernels/) the way a real bug
+would: a fragment row, a barrier, a cp.async wait count, a tile bound, the interior test, a
+ragged-tail guard, a sign, the dQ atomic, the deterministic dQ kernel. For each one the check
+  1. applies it to a scratch copy of the tree (never this tree: the tracked and untracked,
+     not ignored files are copied to a temporary directory),
+  2. rebuilds the extension there (emulation only: CUDA off; cmake -S cuda, the module is
+     copied into the copy's jax_flash/),
+  3. runs the tests that should notice it (a pytest -k selection, `implementation="cuda"` on
+     the emulation), and reports it caught (some test failed or the run hung) or survived.
+A mutation that only changes speed (kind "speed", e.g. the swizzle disabled) must survive; a
+mutation whose original text is no longer found exactly `count` times is "stale". The check
+fails (exit 1) on any survivor, stale mutation, unexpected catch of a speed-only mutation,
+build error or empty selection; before the mutations the unmutated copy must pass every
+selection (baseline).
+
+  python build/mutation_check.py            # every mutation (about 20-40 min on 2 cores)
+  python build/mutation_check.py --fast     # a few, for CI (tests/test_mutation_check.py)
+  python build/mutation_check.py --only is_interior_cols --list --markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str  # relative to the repository root
+    original: str  # exact text, found `count` times in the file
+    replacement: str
+    tests: str  # pytest -k selection over TEST_FILES
+    kind: str = "bug"  # "bug": must be caught; "speed": changes speed only, must survive
+    count: int = 1  # occurrences of `original` expected in the file
+    nth: int = 1  # which occurrence is mutated (1-based)
+    what: str = ""
+
+
+TEST_FILES = ("tests/test_attention.py", "tests/test_grid.py")
+
+# Test selections (implementation "cuda" runs on the emulation here).
+FWD = "cuda and test_forward"
+BWD = "cuda and test_backward and not deterministic"
+DET = "cuda and test_backward_deterministic"
+ALL = "cuda"
+EDGES = "cuda and (tile_plus or tile_minus)"
+
+K = "cuda/kernels/"
+MUTATIONS = [
+    # ---- tile.h: fragments, copies, swizzle -------------------------------------------------
+    Mutation("a_fragment_rows", K + "tile.h", "return fragment_row<Tile>(tile, row0, chunk0, lane & 15, lane >> 4);",
+             "return fragment_row<Tile>(tile, row0, chunk0, lane & 7, lane >> 4);", FWD,
+             what="ldmatrix A operand: lanes 8-15 address rows 0-7"),
+    Mutation("bt_fragment_chunk", K + "tile.h",
+             "return fragment_row<Tile>(tile, row0, chunk0, (((lane >> 3) & 1) << 3) + (lane & 7), lane >> 4);",
+             "return fragment_row<Tile>(tile, row0, chunk0, (((lane >> 3) & 1) << 3) + (lane & 7), (lane >> 3) & 1);",
+             FWD, what="ldmatrix.trans B operand: wrong column chunk"),
+    Mutation("accumulator_as_a_order", K + "tile.h", "a[1] = Elem::pack(acc[2 * kk][2], acc[2 * kk][3]);",
+             "a[1] = Elem::pack(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);", FWD,
+             what="P repacked as an A operand: a1/a2 swapped"),
+    Mutation("tail_zero_fill", K + "tile.h", "const bool inside = row < rows_valid;",
+             "const bool inside = row <= rows_valid;", EDGES,
+             what="ragged-tail guard of every tile copy: one row past the end is read"),
+    Mutation("store_rows_guard", K + "tile.h", "if (t0 + row < p.q_len) {", "if (t0 + row <= p.q_len) {", FWD,
+             what="output tail guard: one row past the end of the block's rows is written"),
+    Mutation("swizzle_off", K + "tile.h",
+             "return kStrideChunks >= 8 ? (row & 7) : ((row >> 1) & 3);", "return 0;", FWD, kind="speed",
+             what="no XOR swizzle: bank conflicts only (the same function places and finds chunks)"),
+    Mutation("grid_decode", K + "grid.h", "return {i % blocks, static_cast<int>(y + grid_y * z), i / blocks};",
+             "return {i / batch, static_cast<int>(y + grid_y * z), i % batch};", FWD,
+             what="grid.x decoded batch-fastest while the launch numbers it block-fastest"),
+    Mutation("grid_heads_z", K + "grid.h", "static_cast<int>(y + grid_y * z)", "static_cast<int>(y)",
+             "grid_folds", what="heads past 65535 (grid.z) decoded as the first 65535 again"),
+    # ---- mask.h -----------------------------------------------------------------------------
+    Mutation("is_interior_cols", K + "mask.h", "key_hi(t0) >= s0 + cols;", "key_hi(t0) >= s0 + cols - 1;", ALL,
+             what="Mask::is_interior off by one at the keys' end"),
+    Mutation("is_interior_rows", K + "mask.h", "t_last < q_valid &&", "t_last <= q_valid &&", ALL,
+             what="Mask::is_interior off by one at the valid rows' end"),
+    Mutation("is_interior_lo", K + "mask.h", "key_lo(t_last) <= s0 &&", "key_lo(t_last) <= s0 + 1 &&", ALL,
+             what="Mask::is_interior off by one at the window's left edge"),
+    Mutation("key_hi_window", K + "mask.h", "return window_right >= 0 ? min(kv_valid, t + window_right + 1) : kv_valid;",
+             "return window_right >= 0 ? min(kv_valid, t + window_right) : kv_valid;", FWD,
+             what="right edge of the visible interval (causal diagonal) one key short"),
+    Mutation("keys_of_rows_hi", K + "mask.h", "return {key_lo(t0), key_hi(t1 - 1)};",
+             "return {key_lo(t0), key_hi(t0)};", FWD, what="tile skipping: the block's keys taken from its first row"),
+    Mutation("rows_of_keys_hi", K + "mask.h", "min(q_valid, s1 + window_left)", "min(q_valid, s1 + window_left - 1)",
+             BWD, what="backward tile skipping: the last row that sees a key block dropped"),
+    Mutation("segments_same_single", K + "mask.h", "return lo == hi && o.lo == o.hi && lo == o.lo;",
+             "return lo == hi && lo == o.lo;", ALL, what="a tile whose keys span several segments treated as one segment"),
+    Mutation("mask_fragment_row", K + "mask.h", "const int row = row0 + (lane >> 2) + 8 * (i >> 1);",
+             "const int row = row0 + (lane >> 2) + 8 * (i & 1);", FWD, what="mask of the C fragment: wrong row"),
+    # ---- softmax.h --------------------------------------------------------------------------
+    Mutation("rescale_o", K + "softmax.h", "o[j][2 * r] *= alpha;", "o[j][2 * r] *= 1.0f;", FWD,
+             what="online softmax: O not rescaled when the max grows"),
+    Mutation("dead_row_guard", K + "softmax.h", "const float m_scaled = m == -INFINITY ? 0.0f : m * exp_scale;",
+             "const float m_scaled = m * exp_scale;", FWD, what="rows that saw nothing yet: exp2(-inf + inf) = NaN"),
+    Mutation("quad_sum_lanes", K + "softmax.h", "x += __shfl_xor_sync(0xffffffffu, x, 1);",
+             "x += __shfl_xor_sync(0xffffffffu, x, 4);", FWD, what="row sum over the wrong lanes"),
+    Mutation("lse_sign", K + "softmax.h", "(row_max[r] * exp_scale + log2f(l)) * kLn2", "(row_max[r] * exp_scale - log2f(l)) * kLn2",
+             FWD, what="sign of log l in lse"),
+    Mutation("nonpositive_scale", K + "softmax.h", "l.transformed = p.softcap > 0.0f || !(p.scale > 0.0f);",
+             "l.transformed = p.softcap > 0.0f || p.scale < 0.0f;", ALL + " and scale",
+             what="scale = 0 / -0.0 folded into exp_scale: fmaf(-inf, 0, .) = NaN"),
+    Mutation("cap_derivative_sign", K + "softmax.h", "return 1.0f - th * th;", "return 1.0f + th * th;", BWD,
+             what="soft cap derivative sign"),
+    Mutation("lse_to_log2_dead", K + "softmax.h", "return lse == -INFINITY ? INFINITY : lse * kLog2e;",
+             "return lse * kLog2e;", BWD, what="backward: rows that saw nothing recompute P = NaN"),
+    # ---- fwd.h ------------------------------------------------------------------------------
+    Mutation("fwd_wait_count", K + "fwd.h", "ptx::cp_async_wait_group<K::STAGES - 2>();",
+             "ptx::cp_async_wait_group<K::STAGES - 1>();", FWD, what="forward: one cp.async group too few awaited"),
+    Mutation("fwd_ring_barrier", K + "fwd.h", "      __syncthreads();\n", "      \n", FWD,
+             what="forward: no barrier between the ring slot's readers and the next copy into it"),
+    Mutation("fwd_commit", K + "fwd.h", "      ptx::cp_async_commit_group();\n", "      \n", FWD,
+             what="forward: the loop's copy not committed (the wait then covers the wrong groups)"),
+    Mutation("fwd_tile_end", K + "fwd.h", "const int tile_end = CeilDiv(keys.hi, K::BLOCK_KV);",
+             "const int tile_end = keys.hi / K::BLOCK_KV;", FWD, what="forward: ragged last key tile dropped"),
+    Mutation("fwd_grid_rows", K + "fwd.h", "return {CeilDiv(p.q_len, BLOCK_Q), p.q_heads, p.batch};",
+             "return {p.q_len / BLOCK_Q, p.q_heads, p.batch};", FWD,
+             what="forward grid: the ragged last query block not launched"),
+    Mutation("fwd_kv_tail", K + "fwd.h",
+             "load_tile_async<typename K::KVTile, K::THREADS>(stage, k_base + s0 * kv_stride, kv_stride, p.kv_len - s0);",
+             "load_tile_async<typename K::KVTile, K::THREADS>(stage, k_base + s0 * kv_stride, kv_stride, K::BLOCK_KV);",
+             FWD, what="forward: K tile read past the end of the keys (no ragged-tail guard)"),
+    # ---- bwd.h: main kernel -----------------------------------------------------------------
+    Mutation("bwd_wait_count", K + "bwd.h", "ptx::cp_async_wait_group<K::STAGES - 2>();",
+             "ptx::cp_async_wait_group<K::STAGES - 1>();", BWD, count=2, nth=1,
+             what="backward: one cp.async group too few awaited"),
+    Mutation("bwd_grid_keys", K + "bwd.h", "return {CeilDiv(p.kv_len, BLOCK_KV), p.kv_heads, p.batch};",
+             "return {p.kv_len / BLOCK_KV, p.kv_heads, p.batch};", BWD,
+             what="backward grid: the ragged last key block not launched"),
+    Mutation("bwd_ds_barrier", K + "bwd.h", "__syncthreads();  // dSᵀ of every warp is in shared memory",
+             "// (barrier removed)", BWD, what="backward: dQ ldmatrix of dSᵀ before every warp stored it"),
+    Mutation("bwd_ring_barrier", K + "bwd.h",
+             "__syncthreads();  // this block's tiles landed; the slot and dSᵀ tile reused next are free",
+             "// (barrier removed)", BWD, what="backward: next query block's copy and dSᵀ overwrite unsynchronised"),
+    Mutation("dq_atomic", K + "bwd.h", "ptx::red_global_add_f32(row + col, dq[j][2 * r]);",
+             "ptx::st_global_f32(row + col, ptx::ld_global_f32(row + col) + dq[j][2 * r]);", BWD,
+             what="dQ accumulated with a plain read-modify-write instead of an atomic"),
+    Mutation("dq_rows_guard", K + "bwd.h", "if (t >= p.q_len) continue;", "if (t > p.q_len) continue;", BWD,
+             what="dQ atomics one row past the end of the query rows"),
+    Mutation("ds_store_row", K + "bwd.h", "const int row = warp * K::WARP_KV + (lane >> 2) + 8 * r;",
+             "const int row = warp * K::WARP_KV + (lane >> 2) + 4 * r;", BWD, what="dSᵀ stored to the wrong rows"),
+    Mutation("ds_sign", K + "bwd.h", "prob * (dp[j][i] - ptx::ld_shared_f32(delta + col))",
+             "prob * (ptx::ld_shared_f32(delta + col) - dp[j][i])", BWD,
+             what="backward: sign of dS = P (dP - D)"),
+    Mutation("delta_dlse_sign", K + "bwd.h", "dot - ptx::ld_global_f32(p.dlse + stat)",
+             "dot + ptx::ld_global_f32(p.dlse + stat)", BWD, what="D = rowsum(dO O) - dlse: sign of the lse cotangent"),
+    Mutation("delta_chunks", K + "bwd.h", "if (row < rows && sub < K::CHUNKS) {", "if (row < rows && sub <= K::CHUNKS) {",
+             BWD, what="delta kernel: one chunk past the row (H = 96)"),
+    Mutation("dk_scale", K + "bwd.h", "Elem::pack(p.scale * dk[j][2 * r], p.scale * dk[j][2 * r + 1])",
+             "Elem::pack(dk[j][2 * r], p.scale * dk[j][2 * r + 1])", BWD, what="dK: scale missing on even columns"),
+    Mutation("dkdv_rows_guard", K + "bwd.h", "if (s >= p.kv_len) continue;", "if (s > p.kv_len) continue;", BWD,
+             what="dK, dV stores one key past the end"),
+    Mutation("bwd_q_block_begin", K + "bwd.h", "const int q_block_begin = rows.lo / K::BLOCK_Q;",
+             "const int q_block_begin = CeilDiv(rows.lo, K::BLOCK_Q);", BWD,
+             what="backward tile skipping: the partly visible first query block dropped"),
+    Mutation("bwd_q_tail", K + "bwd.h",
+             "load_tile_async<typename K::QTile, K::THREADS>(stage, p.q + p.q_offset(batch, t0, n), q_stride, p.q_len - t0);",
+             "load_tile_async<typename K::QTile, K::THREADS>(stage, p.q + p.q_offset(batch, t0, n), q_stride, K::BLOCK_Q);",
+             BWD, what="backward: Q tile read past the end of the queries (no ragged-tail guard)"),
+    Mutation("bwd_interior_rows", K + "bwd.h",
+             "mask.is_interior(t0, K::BLOCK_Q, warp_s0, K::WARP_KV, segments_allow_all)",
+             "mask.is_interior(t0, K::BLOCK_Q - 1, warp_s0, K::WARP_KV, segments_allow_all)", BWD,
+             what="backward interior test over one row too few"),
+    Mutation("convert_bound", K + "bwd.h", "if (i >= chunks) return;", "if (i > chunks) return;", BWD,
+             what="dQ conversion one chunk past the end"),
+    # ---- bwd.h: deterministic dQ kernel -----------------------------------------------------
+    Mutation("det_ds_sign", K + "bwd.h", "dp[j][i] = prob * (dp[j][i] - delta[i >> 1]) * scaling.cap_derivative(x);",
+             "dp[j][i] = prob * (delta[i >> 1] - dp[j][i]) * scaling.cap_derivative(x);", DET,
+             what="deterministic dQ kernel: sign of dS"),
+    Mutation("det_dq_scale_sign", K + "bwd.h", "for (int i = 0; i < 4; ++i) dq[j][i] *= p.scale;",
+             "for (int i = 0; i < 4; ++i) dq[j][i] *= -p.scale;", DET, what="deterministic dQ kernel: sign of scale"),
+    Mutation("det_stat_rows", K + "bwd.h", "-lse2[i >> 1]", "-lse2[i & 1]", DET,
+             what="deterministic dQ kernel: statistics of the wrong fragment row"),
+    Mutation("det_wait_count", K + "bwd.h", "ptx::cp_async_wait_group<K::STAGES - 2>();",
+             "ptx::cp_async_wait_group<K::STAGES - 1>();", DET, count=2, nth=2,
+             what="deterministic dQ kernel: one cp.async group too few awaited"),
+    Mutation("det_tile_end", K + "bwd.h", "const int tile_end = CeilDiv(keys.hi, K::BLOCK_KV);",
+             "const int tile_end = keys.hi / K::BLOCK_KV;", DET, what="deterministic dQ kernel: ragged last key tile dropped"),
+]
+
+# CI (--fast): quick to catch, one of each kind of fault, and the speed-only one.
+FAST = ("is_interior_cols", "det_ds_sign", "fwd_tile_end", "swizzle_off")
+FAST_TESTS = {  # narrower selections for --fast (the full check uses each mutation's own)
+    "is_interior_cols": "cuda and test_forward and tile_plus-none",
+    "det_ds_sign": "cuda and test_backward_deterministic and tile_plus-causal",
+    "fwd_tile_end": "cuda and test_forward and tile_plus-none",
+    "swizzle_off": "cuda and test_forward and tile_minus-causal",
+}
+
+
+@dataclasses.dataclass
+class Result:
+    mutation: Mutation
+    status: str  # caught, survived, stale, build error, selection error
+    seconds: float = 0.0
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        if self.mutation.kind == "speed":
+            return self.status == "survived"
+        return self.status == "caught"
+
+
+def copy_tree(dst: pathlib.Path) -> None:
+    """The tracked and untracked, not ignored files of this tree (the working state)."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           check=True, capture_output=True).stdout.decode().split("\0")
+    for rel in files:
+        src = ROOT / rel
+        if not rel or not src.is_file():  # deleted but still in the index, or a submodule
+            continue
+        out = dst / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, out)
+
+
+class Scratch:
+    def __init__(self, base: pathlib.Path, jobs: int):
+        self.tree = base / "tree"
+        self.build_dir = base / "build"
+        self.jobs = jobs
+        self.tree.mkdir(parents=True)
+        copy_tree(self.tree)
+
+    def build(self, configure: bool = False) -> str:
+        """Empty on success, else the compiler's complaint."""
+        if configure:
+            r = subprocess.run(["cmake", "-S", str(self.tree / "cuda"), "-B", str(self.build_dir), "-G", "Ninja",
+                                "-DCMAKE_BUILD_TYPE=Release", "-DJAX_FLASH_CUDA=OFF",
+                                f"-DPython_EXECUTABLE={sys.executable}"], capture_output=True, text=True)
+            if r.returncode != 0:
+                return r.stdout + r.stderr
+        r = subprocess.run(["cmake", "--build", str(self.build_dir), f"-j{self.jobs}"], capture_output=True, text=True)
+        if r.returncode != 0:
+            return (r.stdout + r.stderr)[-3000:]
+        modules = sorted(self.build_dir.glob("_jax_flash_ext*.so"))
+        if not modules:
+            return "the build produced no _jax_flash_ext module"
+        for old in (self.tree / "jax_flash").glob("_jax_flash_ext*.so"):
+            old.unlink()
+        shutil.copy2(modules[0], self.tree / "jax_flash" / modules[0].name)
+        return ""
+
+    def run_tests(self, selection: str, timeout: float) -> tuple[str, str]:
+        """(outcome, detail): outcome is 'pass', 'fail', 'timeout' or 'error'."""
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("JAX_FLASH_") and k not in ("PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST")}
+        env["JAX_FLASH_REQUIRE"] = "cuda"  # the emulated kernels must load: no pass by skipping
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rf", "-p", "no:cacheprovider", *TEST_FILES,
+               "-k", selection]
+        try:
+            r = subprocess.run(cmd, cwd=self.tree, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "timeout", f"no result within {timeout:.0f} s"
+        out = r.stdout + r.stderr
+        failed = re.findall(r"^FAILED (\S+)", out, re.M)
+        summary = out.strip().splitlines()[-1] if out.strip() else ""
+        if r.returncode == 0:
+            if not re.search(r"\d+ passed", summary):
+                return "error", f"the selection ran no test: {summary}"
+            return "pass", summary
+        if r.returncode == 1:
+            first = failed[0].split("::")[-1] if failed else summary
+            reason = re.findall(r"^E\s+(.*)$", out, re.M)
+            return "fail", first + (f": {reason[0][:120]}" if reason else "")
+        if r.returncode < 0 or r.returncode >= 128:  # killed by a signal: a crash is a catch too
+            return "fail", f"the test run crashed (exit {r.returncode})"
+        return "error", f"pytest exit {r.returncode}: {out[-1500:]}"
+
+
+def locate(m: Mutation, text: str) -> int | None:
+    """Offset of the occurrence to mutate, or None when the text is stale."""
+    if text.count(m.original) != m.count:
+        return None
+    at = -1
+    for _ in range(m.nth):
+        at = text.index(m.original, at + 1)
+    return at
+
+
+def check(mutations, scratch: Scratch, timeout: float, selections: dict, log) -> list[Result]:
+    results = []
+    for m in mutations:
+        path = scratch.tree / m.file
+        t0 = time.monotonic()
+        original = path.read_text() if path.exists() else ""
+        at = locate(m, original)
+        if at is None:
+            found = original.count(m.original)
+            results.append(Result(m, "stale", 0.0, f"original text found {found} times, expected {m.count}"))
+            log(f"{m.name:24s} STALE ({results[-1].detail})")
+            continue
+        mutated = original[:at] + m.replacement + original[at + len(m.original):]
+        try:
+            path.write_text(mutated)
+            err = scratch.build()
+            if err:
+                results.append(Result(m, "build error", time.monotonic() - t0, err.strip().splitlines()[-1][:200]))
+            else:
+                outcome, detail = scratch.run_tests(selections.get(m.name, m.tests), timeout)
+                status = {"fail": "caught", "timeout": "caught", "pass": "survived"}.get(outcome, "selection error")
+                results.append(Result(m, status, time.monotonic() - t0, detail))
+        finally:
+            path.write_text(original)
+        r = results[-1]
+        mark = "ok" if r.ok else "FAIL"
+        speed = " (speed-only)" if m.kind == "speed" else ""
+        log(f"{m.name:24s} {r.status}{speed} in {r.seconds:.0f} s [{mark}] {r.detail[:160]}")
+    return results
+
+
+def markdown(results, header: str) -> str:
+    lines = [header, "", "| mutation | file | what | tests (-k) | result |", "|---|---|---|---|---|"]
+    for r in results:
+        m = r.mutation
+        status = r.status + (" (speed-only)" if m.kind == "speed" else "")
+        lines.append(f"| `{m.name}` | {pathlib.Path(m.file).name} | {m.what} | `{m.tests}` | {status} |")
+    caught = sum(r.status == "caught" for r in results if r.mutation.kind == "bug")
+    bugs = sum(r.mutation.kind == "bug" for r in results)
+    lines += ["", f"{caught} of {bugs} bug mutations caught; "
+                  f"{sum(r.ok for r in results if r.mutation.kind == 'speed')} of "
+                  f"{sum(r.mutation.kind == 'speed' for r in results)} speed-only mutations survive as they should."]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fast", action="store_true", help=f"only {', '.join(FAST)} (CI)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="these mutations only")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--markdown", action="store_true", help="print the result table as markdown")
+    parser.add_argument("--jobs", type=int, default=int(os.environ.get("JOBS", "2")))
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per test run (a hang counts as caught)")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    args = parser.parse_args()
+
+    names = [m.name for m in MUTATIONS]
+    assert len(set(names)) == len(names), "mutation names must be unique"
+    chosen = MUTATIONS
+    selections = {}
+    if args.fast:
+        chosen = [m for m in MUTATIONS if m.name in FAST]
+        selections = FAST_TESTS
+    if args.only:
+        unknown = set(args.only) - set(names)
+        if unknown:
+            parser.error(f"unknown mutations: {', '.join(sorted(unknown))}")
+        chosen = [m for m in chosen if m.name in args.only]
+    if args.list:  # also checks, without building, that every mutation still applies
+        stale = 0
+        for m in chosen:
+            path = ROOT / m.file
+            applies = path.exists() and locate(m, path.read_text()) is not None
+            stale += not applies
+            print(f"{m.name:24s} {m.kind:5s} {'' if applies else 'STALE '}{m.file}: {m.what}  "
+                  f"[-k {selections.get(m.name, m.tests)!r}]")
+        return 1 if stale else 0
+
+    def log(msg):
+        print(msg, flush=True)
+
+    # A terminated check still removes its scratch copy.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    start = time.monotonic()
+    base = pathlib.Path(tempfile.mkdtemp(prefix="jax_flash_mutation_"))
+    try:
+        scratch = Scratch(base, args.jobs)
+        log(f"scratch copy: {scratch.tree}")
+        err = scratch.build(configure=True)
+        if err:
+            log(f"the unmutated copy does not build:\n{err}")
+            return 1
+        log(f"built in {time.monotonic() - start:.0f} s")
+        # Baseline: every selection passes before anything is mutated (else "caught" means
+        # nothing); one run of their union.
+        union = " or ".join(f"({sel})" for sel in sorted({selections.get(m.name, m.tests) for m in chosen}))
+        t0 = time.monotonic()
+        outcome, detail = scratch.run_tests(union, 4 * args.timeout)
+        log(f"baseline: {outcome} in {time.monotonic() - t0:.0f} s ({detail})")
+        if outcome != "pass":
+            log("the unmutated tree fails its own tests: fix that first")
+            return 1
+        results = check(chosen, scratch, args.timeout, selections, log)
+    finally:
+        if args.keep:
+            print(f"kept {base}")
+        else:
+            shutil.rmtree(base, ignore_errors=True)
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    header = (f"Mutation check, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit "
+              f"{commit.strip()}{' + local changes' if dirty else ''}, {time.monotonic() - start:.0f} s")
+    if args.markdown:
+        print()
+        print(markdown(results, header))
+    bad = [r for r in results if not r.ok]
+    print(f"\n{header}: {len(results) - len(bad)} of {len(results)} as expected"
+          + (f"; not: {', '.join(f'{r.mutation.name} ({r.status})' for r in bad)}" if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Which kernel image a GPU runs (jax_flash.cuda.kernel_image), and the default architectures:
+every capability from 8.0 up has an image (a cubin, or the compute_80 PTX the driver
+JIT-compiles, e.g. on sm_100/103), and a build without one for the GPU is refused before any
+launch, with the reason in `explain`."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import tomllib
+
+import jax.numpy as jnp
+import pytest
+
+import jax_flash
+from jax_flash import _ffi, _registry
+from jax_flash import cuda as jf_cuda
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _defaults():
+    cmake = (ROOT / "cuda" / "CMakeLists.txt").read_text()
+    in_cmake = re.search(r'set\(JAX_FLASH_CUDA_ARCHS "([^"]+)"', cmake).group(1)
+    toml = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    in_toml = toml["tool"]["scikit-build"]["cmake"]["define"]["JAX_FLASH_CUDA_ARCHS"]["default"]
+    return in_cmake, in_toml
+
+
+def test_default_architectures_agree_and_cover_every_later_gpu():
+    in_cmake, in_toml = _defaults()
+    assert in_cmake == in_toml
+    archs = in_cmake.split(";")
+    assert "80-virtual" in archs
+    for major in range(8, 16):
+        for minor in range(10):
+            assert jf_cuda.kernel_image((major, minor), archs) is not None, (major, minor)
+
+
+@pytest.mark.parametrize(
+    "cc, archs, image",
+    [
+        ((8, 0), "80-real,80-virtual,90-real,120-real,120-virtual", "sm_80"),
+        ((8, 9), "80-real,80-virtual,90-real,120-real,120-virtual", "sm_80"),
+        ((9, 0), "80-real,80-virtual,90-real,120-real,120-virtual", "sm_90"),
+        ((10, 0), "80-real,80-virtual,90-real,120-real,120-virtual", "compute_80 PTX"),
+        ((10, 3), "80-real,80-virtual,90-real,120-real,120-virtual", "compute_80 PTX"),
+        ((12, 1), "80-real,80-virtual,90-real,120-real,120-virtual", "sm_120"),
+        ((13, 0), "80-real,80-virtual,90-real,120-real,120-virtual", "compute_120 PTX"),
+        ((10, 0), "80-real,90-real,120-real,120-virtual", None),  # the old default
+        ((9, 0), "90a-real", "sm_90a"),
+        ((10, 0), "90a-real,90a-virtual", None),
+        ((8, 6), "86", "sm_86"),
+        ((8, 0), "86", None),
+        ((9, 0), "native", "unknown"),
+    ],
+)
+def test_kernel_image(cc, archs, image):
+    assert jf_cuda.kernel_image(cc, archs.split(",")) == image
+
+
+def _pretend_gpu(monkeypatch, cc, archs):
+    monkeypatch.delenv("JAX_FLASH_EMULATE_CUDA", raising=False)
+    monkeypatch.setattr(_registry, "platform", lambda: "gpu")
+    monkeypatch.setattr(_ffi, "has_cuda_kernels", lambda: True)
+    monkeypatch.setattr(jf_cuda, "_compute_capability", lambda: cc)
+    monkeypatch.setattr(jf_cuda, "_architectures", lambda: tuple(archs.split(",")))
+
+
+def _spec():
+    q = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
+    from jax_flash._normalize import canonicalize
+
+    return canonicalize(q, q, q, None, None).spec
+
+
+def test_gpu_without_an_image_is_refused(monkeypatch):
+    _pretend_gpu(monkeypatch, (10, 0), "80-real,90-real,120-real,120-virtual")
+    why = jf_cuda.IMPLEMENTATION.unsupported(_spec())
+    assert why is not None and "no kernel image for compute capability 10.0" in why and "80-virtual" in why
+
+
+def test_gpu_that_jits_the_ptx_is_explained(monkeypatch):
+    _pretend_gpu(monkeypatch, (10, 3), "80-real,80-virtual,90-real,120-real,120-virtual")
+    spec = _spec()
+    assert jf_cuda.IMPLEMENTATION.unsupported(spec) is None
+    note = jf_cuda.IMPLEMENTATION.note(spec)
+    assert "compute_80 PTX" in note and "JIT" in note
+    notes = _registry.notes(spec, {"cuda": None})
+    assert notes["cuda"] == note
+    _pretend_gpu(monkeypatch, (9, 0), "80-real,80-virtual,90-real,120-real,120-virtual")
+    assert jf_cuda.IMPLEMENTATION.note(spec) == "runs the sm_90 cubin"
+
+
+def test_explain_prints_the_note(monkeypatch):
+    monkeypatch.setenv("JAX_FLASH_EMULATE_CUDA", "1")
+    q = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
+    e = jax_flash.explain(q, q, q, implementation="cuda")
+    if e.reasons["cuda"] is not None:
+        pytest.skip(e.reasons["cuda"])
+    assert "emulation" in e.notes["cuda"] and e.notes["cuda"] in str(e)
+
+
+def test_extension_reports_its_architectures():
+    try:
+        from jax_flash import _jax_flash_ext as ext
+    except ImportError as e:
+        pytest.skip(f"extension not built: {e}")
+    text = ext.cuda_architectures()
+    assert (text != "") == bool(ext.has_cuda())
+    if text:
+        assert all(jf_cuda._parse_arch(a) is not None or a in ("native", "all", "all-major") for a in text.split(","))
