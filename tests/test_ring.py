@@ -173,6 +173,8 @@ CPU = textwrap.dedent(
          kv_lengths=[32, 23])
     case("cpu full p2 ragged", 2, t=32, h=16, dtype=jnp.float32, impl="cpu", tol=2e-5,
          q_lengths=[30, 7], logits_soft_cap=3.0)
+    case("cpu window t<s p4 contiguous", 4, t=16, s=32, h=16, dtype=jnp.float32,
+         impl="cpu", tol=2e-5, local_window_size=(7, 2), is_causal=True, query_offset=16)
     """
 )
 
@@ -368,3 +370,13 @@ def test_bench_multi_device_section(tmp_path):
             assert c["all-reduce"] == 0 and c["all-to-all"] == 0, ring
             assert ring["temp_bytes"] < gather["temp_bytes"], (ring, gather)
             assert ring["arg_bytes"] * 4 == rows["one device", pass_]["arg_bytes"], ring
+
+
+def test_flax_ring_attention_fn_rejects_dense_masks():
+    import jax.numpy as jnp
+
+    import jax_flash.flax
+
+    q = jnp.ones((1, 8, 2, 4))
+    with pytest.raises(ValueError, match="takes no dense mask or bias"):
+        jax_flash.flax.attention_fn(q, q, q, mask=jnp.ones((1, 2, 8, 8)), axis_name="seq")

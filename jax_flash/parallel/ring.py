@@ -8,6 +8,9 @@ the registry (`forward(spec, q, k, v, masks)` -> out, lse) and merges it into a 
 (out, lse) exactly, by log-sum-exp: the online-softmax identity of FlashAttention applied to
 whole blocks (as in Liu et al., "Ring Attention with Blockwise Transformers"). The next
 chunk's transfer is issued before the current block's compute, so XLA can overlap them.
+Steps 1 .. P-2 run in one `lax.fori_loop`, so each device holds two K/V chunks at a time
+(the one computed and the one arriving); an unrolled ring lets XLA's scheduler issue every
+transfer up front and keep all P chunks alive.
 
 Backward is one `custom_vjp` for the whole ring. It saves only the local q, k, v, out and
 lse. The backward ring rotates each K/V chunk together with its dK/dV accumulators; each
