@@ -83,7 +83,7 @@ MUTATIONS = [
              "return kStrideChunks >= 8 ? (row & 7) : ((row >> 1) & 3);", "return 0;", FWD, kind="speed",
              what="no XOR swizzle: bank conflicts only (the same function places and finds chunks)"),
     Mutation("grid_decode", K + "grid.h", "return {i % blocks, static_cast<int>(y + grid_y * z), i / blocks};",
-             "return {i / batch, static_cast<int>(y + grid_y * z), i % batch};", FWD,
+             "return {i / batch, static_cast<int>(y + grid_y * z), i % batch};", "grid",
              what="grid.x decoded batch-fastest while the launch numbers it block-fastest"),
     Mutation("grid_heads_z", K + "grid.h", "static_cast<int>(y + grid_y * z)", "static_cast<int>(y)",
              "grid_folds", what="heads past 65535 (grid.z) decoded as the first 65535 again"),

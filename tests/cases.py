@@ -122,7 +122,8 @@ def _cases():
 
 # Mask kinds of the tile-edge shapes: every edge of the visible region (sequence ends, the
 # diagonal, window edges, lengths) lands at +1 / -1 of a tile boundary somewhere.
-TILE_EDGE_KINDS = ("none", "causal", "tile_window", "tile_window_wide", "tile_lengths", "segments")
+TILE_EDGE_KINDS = ("none", "causal", "tile_window", "tile_window_wide", "tile_lengths", "tile_causal_lengths",
+                   "segments")
 SCALE_KINDS = ("zero_scale", "neg_zero_scale", "negative_scale")
 
 
@@ -195,6 +196,11 @@ def mask_kwargs(kind: str, shape: Shape, seed: int = 1) -> dict:
             query_seq_lengths=jnp.asarray(q_len[:b], jnp.int32),
             key_value_seq_lengths=jnp.asarray(kv_len[:b], jnp.int32),
         )
+    if kind == "tile_causal_lengths":
+        # Causal with 65 valid queries and every key valid: the diagonal of the last valid row
+        # (64) crosses into the second key tile by one key.
+        q_len = [min(t, 65), min(t, 63)] + [t] * (b - 2)
+        return dict(is_causal=True, query_seq_lengths=jnp.asarray(q_len[:b], jnp.int32))
     if kind == "tile_window":
         # Window edges 1 past / before a tile boundary: left 78 = 14 (mod 16) puts the last
         # row's first key at +1 of a tile's first key where the tile's other edge is inside
