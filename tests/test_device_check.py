@@ -13,6 +13,7 @@ import pathlib
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -182,3 +183,14 @@ def test_ptx_selftest_covers_every_wrapper():
     selftest = (ROOT / "build" / "ptx_selftest.cu").read_text()
     untested = sorted(w for w in wrappers if not re.search(rf"ptx::{w}\b", selftest))
     assert not untested, f"build/ptx_selftest.cu does not run these wrappers of ptx.h: {untested}"
+
+
+def test_gpu_pass_runs_without_pytest():
+    # tests/test_gpu.py's own runner, with pytest hidden: conftest and the shared suite import
+    # through its stand-in, and a selection that runs nothing exits 5 (not a pass).
+    code = ("import runpy, sys; sys.modules['pytest'] = None; sys.path.insert(0, 'tests'); "
+            "sys.argv = ['tests/test_gpu.py', '-k', 'no such test']; "
+            "runpy.run_path('tests/test_gpu.py', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 5, proc.stdout + proc.stderr
+    assert "no tests ran" in proc.stdout
