@@ -603,7 +603,7 @@ def _axis_size(axis_name) -> int:
         raise TypeError(f"axis_name must be the name (str) of a mesh axis, got {axis_name!r}")
     try:
         return int(lax.axis_size(axis_name))
-    except NameError as e:
+    except (NameError, KeyError) as e:  # an axis name that is not bound here
         raise ValueError(
             f"axis_name {axis_name!r} is not an axis of the enclosing shard_map: call "
             "ring_attention inside jax.shard_map over a mesh with that axis"
