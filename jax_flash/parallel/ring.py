@@ -575,9 +575,6 @@ def _vjp_backward(cfg, spec, residuals, cotangents):
 
 ring_flash_attention.defvjp(_vjp_forward, _vjp_backward)
 
-# Earlier names, still used by jax_flash.parallel.partitioning.
-_ring_forward, _ring_backward = ring_forward, ring_backward
-
 
 def _step_ranges(p: int) -> list[tuple[int, int]]:
     """The step ranges `_ring_loop` traces as one piece of code each."""
