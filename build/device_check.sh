@@ -113,6 +113,8 @@ fi
 OUT=${OUT:-$REPO/device_out}
 mkdir -p "$OUT" || exit 2
 OUT=$(cd "$OUT" && pwd)
+for s in "${STEPS[@]}"; do rm -f "$OUT/$s.log"; done  # this run's files only, no stale ones
+rm -f "$OUT"/device_check.json "$OUT"/device_check.json.tmp "$OUT"/bench.json "$OUT"/bench.json.tmp
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 PY=${PYTHON:-$(command -v python3 || command -v python)}
@@ -361,7 +363,7 @@ step_bench() {
   if [ "$DRY" = 1 ]; then
     sizes="--impls jax.nn,jax.nn-cudnn,jax-pallas,cuda,xla --seq-lens 128 --head-dims 64 --batch 1 --heads 2 --reps 2 --max-seconds 0.5"
   else
-    sizes="--impls jax.nn,jax.nn-cudnn,jax-pallas,cuda,pallas --seq-lens 8k --head-dims 128,64 --batch 2 --heads 16 --reps 10 --max-seconds 1 --max-temp-gib 64"
+    sizes="--impls jax.nn,jax.nn-cudnn,jax-pallas,cuda,pallas --seq-lens 8k --head-dims 128,64 --batch 2 --heads 16 --reps 20 --max-seconds 1 --max-temp-gib 64"
   fi
   # shellcheck disable=SC2086 # word splitting of the argument list is intended
   "$PY" -m jax_flash.bench --dtype bfloat16 --passes both --causal both ${DEVICE_CHECK_BENCH_ARGS:-$sizes} \

@@ -19,12 +19,14 @@
 //   nvcc -std=c++17 -O2 -arch=sm_90 -Icuda build/ptx_selftest.cu $OBJS -o $T/ptx_selftest
 //   $T/ptx_selftest
 //
-// Comparisons: bit-exact for ldmatrix, cp.async, cvt and shfl, and for mma on integer-valued
-// inputs (every partial sum exact); mma on random inputs within 16 f32 ulps of the case's largest output (the tensor
+// Comparisons: bit-exact for ldmatrix, cp.async, cvt, shfl, ld/st (shared and global) and
+// red.global.add on integer-valued sums, and for mma on integer-valued inputs (every partial
+// sum exact); mma on random inputs within 16 f32 ulps of the case's largest output (the tensor
 // core's accumulation order and rounding are not specified). The approximate instructions are
 // checked on each side against the exact result (double precision) and the PTX ISA's bound:
 // ex2.approx.ftz within 2 ulp of the correctly rounded result (results below 2^-126 may be
-// flushed to zero); the GPU's largest error is printed. NaNs compare as NaN.
+// flushed to zero), tanh.approx within a relative error of 2^-11; the GPU's largest error is
+// printed. NaNs compare as NaN.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -40,7 +42,10 @@ namespace selftest {
 constexpr int kMmaCases = 16;  // per dtype; cases 0..3 integer-valued, 4 with inf/NaN, rest random
 constexpr int kLdRows = 32;    // 16-byte rows of the ldmatrix source
 constexpr int kCpThreads = 64;
-constexpr int kPerLane = 64;          // values per lane for ex2, cvt_pack
+constexpr int kPerLane = 64;          // values per lane for ex2, tanh, cvt_pack
+constexpr int kMemBlocks = 4, kMemThreads = 64;  // ld/st/red: several CTAs add to the same words
+constexpr int kMemTotal = kMemBlocks * kMemThreads;
+constexpr int kAccumulators = 5;
 constexpr int kCvtF16PerLane = 2048;  // 32 x 2048 = every f16 bit pattern
 
 struct Inputs {
@@ -49,19 +54,23 @@ struct Inputs {
   std::vector<uint16_t> ld_src;              // [kLdRows * 8]
   std::vector<int> ld_row_of_lane;           // [32]
   std::vector<uint8_t> cp_src;               // [2][kCpThreads][16]
-  std::vector<float> ex2_in;                 // [32][kPerLane]
+  std::vector<float> ex2_in, tanh_in;        // [32][kPerLane]
   std::vector<float> cvt_lo, cvt_hi;         // [32][kPerLane]
   std::vector<float> shfl_in;                // [32]
+  std::vector<float> mem_src;                // [kMemTotal * 4]
 };
 
 struct Outputs {
   std::vector<float> mma_d[2];              // [dtype][case][lane][4]
   std::vector<uint32_t> ld[4];              // [variant][lane][4]: x4, x4.trans, x2, x2.trans
   std::vector<uint8_t> cp;                  // [3][kCpThreads][16]
-  std::vector<float> ex2;                   // [32][kPerLane]
+  std::vector<float> ex2, tanh;             // [32][kPerLane]
   std::vector<uint32_t> cvt_bf16, cvt_f16;  // [32][kPerLane]
   std::vector<float> cvt_f32_f16;           // [65536]
   std::vector<float> shfl;                  // [32][6]
+  std::vector<float> mem_f32;               // [kMemTotal]: ld.global -> st/ld.shared -> st.global
+  std::vector<uint32_t> mem_b32;            // [kMemTotal][8]: v4 global and shared round trips
+  std::vector<float> mem_acc;               // [kAccumulators]: red.global.add
 };
 
 }  // namespace selftest
@@ -131,12 +140,14 @@ __global__ void cp_async_kernel(const uint8_t* src, uint8_t* out) {
   for (int i = 0; i < 16; ++i) out[(2 * kCpThreads + t) * 16 + i] = static_cast<uint8_t>(smem[u * 16 + i]);
 }
 
-__global__ void scalar_kernel(const float* ex2_in, const float* lo, const float* hi, float* ex2_out,
-                              uint32_t* bf16_out, uint32_t* f16_out, float* f32_out) {
+__global__ void scalar_kernel(const float* ex2_in, const float* tanh_in, const float* lo, const float* hi,
+                              float* ex2_out, float* tanh_out, uint32_t* bf16_out, uint32_t* f16_out,
+                              float* f32_out) {
   const int lane = threadIdx.x;
   for (int i = 0; i < kPerLane; ++i) {
     const int at = lane * kPerLane + i;
     ex2_out[at] = ptx::ex2_approx(ex2_in[at]);
+    tanh_out[at] = ptx::tanh_approx(tanh_in[at]);
     bf16_out[at] = ptx::cvt_pack_bf16x2(lo[at], hi[at]);
     f16_out[at] = ptx::cvt_pack_f16x2(lo[at], hi[at]);
   }
@@ -157,6 +168,29 @@ __global__ void shfl_kernel(const float* in, float* out) {
   o[3] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
   o[4] = __shfl_sync(0xffffffffu, v, 7);
   o[5] = __shfl_xor_sync(0xffffffffu, v, 4, 8);
+}
+
+// Every ld/st wrapper, shared and global, and red.global.add: values make a round trip
+// global -> registers -> shared (another thread's words) -> global; the red adds are small
+// integers (every sum exact in any order) from every thread of every CTA.
+__global__ void memory_kernel(const float* src, float* out_f32, uint32_t* out_b32, float* acc) {
+  JAX_FLASH_DYNAMIC_SMEM(smem);
+  float* sf = reinterpret_cast<float*>(smem);  // [kMemThreads] floats, then [kMemThreads] words
+  const int t = threadIdx.x, g = blockIdx.x * kMemThreads + t;
+  const float x = ptx::ld_global_f32(src + g);
+  uint32_t v[4];
+  ptx::ld_global_v4_b32(v, src + kMemTotal + 4 * (g % (kMemTotal - kMemTotal / 4)));
+  ptx::st_shared_f32(sf + t, x);
+  ptx::st_shared_b32(sf + kMemThreads + t, v[t % 4] ^ 0x5a5a5a5au);
+  __syncthreads();
+  const float y = ptx::ld_shared_f32(sf + (t * 7 + 3) % kMemThreads);
+  uint32_t w[4];
+  ptx::ld_shared_v4_b32(w, sf + kMemThreads + 4 * ((t + 5) % (kMemThreads / 4)));
+  ptx::st_global_f32(out_f32 + g, y);
+  ptx::st_global_v4_b32(out_b32 + 8 * g, v);
+  for (int i = 0; i < 4; ++i) ptx::st_global_b32(out_b32 + 8 * g + 4 + i, w[i]);
+  ptx::red_global_add_f32(acc + g % 4, static_cast<float>(g % 13) - 6.0f);
+  ptx::red_global_add_f32(acc + 4, 1.0f);
 }
 
 // ---- memory and launches on each side ---------------------------------------------------------
@@ -251,18 +285,34 @@ std::string run_all(const Inputs& in, Outputs* out) {
   }
   {
     float* ex2_in = upload(in.ex2_in);
+    float* tanh_in = upload(in.tanh_in);
     float* lo = upload(in.cvt_lo);
     float* hi = upload(in.cvt_hi);
     float* ex2_out = alloc<float>(32 * kPerLane);
+    float* tanh_out = alloc<float>(32 * kPerLane);
     uint32_t* bf = alloc<uint32_t>(32 * kPerLane);
     uint32_t* f16 = alloc<uint32_t>(32 * kPerLane);
     float* f32 = alloc<float>(65536);
-    note("scalar", run(scalar_kernel, dim3(1), dim3(32), 0, ex2_in, lo, hi, ex2_out, bf, f16, f32));
+    note("scalar",
+         run(scalar_kernel, dim3(1), dim3(32), 0, ex2_in, tanh_in, lo, hi, ex2_out, tanh_out, bf, f16, f32));
     download(out->ex2, ex2_out, 32 * kPerLane);
+    download(out->tanh, tanh_out, 32 * kPerLane);
     download(out->cvt_bf16, bf, 32 * kPerLane);
     download(out->cvt_f16, f16, 32 * kPerLane);
     download(out->cvt_f32_f16, f32, 65536);
-    release(ex2_in), release(lo), release(hi), release(ex2_out), release(bf), release(f16), release(f32);
+    release(ex2_in), release(tanh_in), release(lo), release(hi), release(ex2_out), release(tanh_out);
+    release(bf), release(f16), release(f32);
+  }
+  {
+    float* src = upload(in.mem_src);
+    float* f32 = alloc<float>(kMemTotal);
+    uint32_t* b32 = alloc<uint32_t>(kMemTotal * 8);
+    float* acc = alloc<float>(kAccumulators);
+    note("memory", run(memory_kernel, dim3(kMemBlocks), dim3(kMemThreads), 2 * kMemThreads * 4, src, f32, b32, acc));
+    download(out->mem_f32, f32, kMemTotal);
+    download(out->mem_b32, b32, kMemTotal * 8);
+    download(out->mem_acc, acc, kAccumulators);
+    release(src), release(f32), release(b32), release(acc);
   }
   {
     float* i = upload(in.shfl_in);
@@ -408,8 +458,22 @@ Inputs make_inputs() {
     in.cvt_hi[i] = i < ns ? specials[ns - 1 - i] : static_cast<float>((r.uniform() - 0.5) * 1e5);
     if (i >= ns && i % 5 == 0) in.cvt_lo[i] = static_cast<float>((r.uniform() - 0.5) * 100);
   }
+  // tanh: its own specials (saturation, tiny and subnormal inputs), then |x| spread over 2^-30..2^5.
+  const float tanh_specials[] = {0.5f, -0.5f, 0.0f, -0.0f, 1.0f, -1.0f, 4.0f, 9.0f, -9.5f, 20.0f, 1e-3f,
+                                 -1e-6f, 0x1p-20f, bitsf(0x00000010), bitsf(0x80400000), 0x1p-126f,
+                                 INFINITY, -INFINITY, NAN, bitsf(0x7f7fffff)};
+  const int nt = sizeof(tanh_specials) / sizeof(tanh_specials[0]);
+  in.tanh_in.resize(32 * kPerLane);
+  for (int i = 0; i < 32 * kPerLane; ++i) {
+    const float mag = std::exp2(static_cast<float>(r.uniform() * 35 - 30));
+    in.tanh_in[i] = i < nt ? tanh_specials[i] : (r.u32() & 1 ? mag : -mag);
+    if (i >= nt && i % 3 == 0) in.tanh_in[i] = static_cast<float>(r.uniform() * 12 - 6);
+  }
   in.shfl_in.resize(32);
   for (int l = 0; l < 32; ++l) in.shfl_in[l] = 0.25f * ((l * 11) % 32) - 3.0f;
+  // ld/st/red: any bit patterns (NaN payloads, -0, subnormals) must move unchanged.
+  in.mem_src.resize(kMemTotal * 4);
+  for (size_t i = 0; i < in.mem_src.size(); ++i) in.mem_src[i] = i < ns ? specials[i] : bitsf(r.u32());
   return in;
 }
 
@@ -506,6 +570,16 @@ double ex2_error_ulps(float x, float y) {
   return std::isnan(y) ? 1e9 : ulp_distance(y, rounded);
 }
 
+// tanh.approx.f32: |y - tanh(x)| / (2^-11 |tanh(x)|), the error in units of the documented bound,
+// less the float rounding of the result (2^-24 relative) and a subnormal floor (2^-126).
+double tanh_error_bounds(float x, float y) {
+  if (std::isnan(x)) return std::isnan(y) ? 0 : 1e9;
+  if (std::isnan(y)) return 1e9;
+  const double exact = std::tanh(static_cast<double>(x));
+  const double err = std::fabs(static_cast<double>(y) - exact) - 0x1p-24 * std::fabs(exact) - 0x1p-126;
+  return err <= 0 ? 0 : err / (0x1p-11 * std::fabs(exact));
+}
+
 // Each side against the exact result and the bound; the emulation (libm's result moved by the
 // bound) may add libm's own error, and so may the first side when the host driver emulates it.
 void compare_approx(const char* name, const char* unit, const std::vector<float>& x, const std::vector<float>& g,
@@ -533,6 +607,7 @@ void compare_approx(const char* name, const char* unit, const std::vector<float>
 
 void compare_scalars(const Inputs& in, const Outputs& g, const Outputs& e) {
   compare_approx("ex2_approx", "ulp", in.ex2_in, g.ex2, e.ex2, ex2_error_ulps, 2, 3);
+  compare_approx("tanh_approx", "x 2^-11 relative", in.tanh_in, g.tanh, e.tanh, tanh_error_bounds, 1, 1);
   for (int which = 0; which < 2; ++which) {
     const auto& gv = which ? g.cvt_f16 : g.cvt_bf16;
     const auto& ev = which ? e.cvt_f16 : e.cvt_bf16;
@@ -565,6 +640,24 @@ void compare_scalars(const Inputs& in, const Outputs& g, const Outputs& e) {
   }
 }
 
+void compare_memory(const Outputs& g, const Outputs& e) {
+  auto words = [](const std::vector<float>& v) {
+    std::vector<uint32_t> w(v.size());
+    for (size_t i = 0; i < v.size(); ++i) w[i] = fbits(v[i]);
+    return w;
+  };
+  auto exact = [](const char* name, const std::vector<uint32_t>& gv, const std::vector<uint32_t>& ev) {
+    int bad = 0;
+    std::string first;
+    for (size_t i = 0; i < gv.size(); ++i)
+      if (gv[i] != ev[i] && bad++ == 0) first = "word " + std::to_string(i) + ": " + hex2("gpu", gv[i], "emu", ev[i]);
+    verdict(name, bad, first);
+  };
+  exact("ld_global_f32, st_shared_f32, ld_shared_f32, st_global_f32", words(g.mem_f32), words(e.mem_f32));
+  exact("ld_global_v4_b32, st_shared_b32, ld_shared_v4_b32, st_global_v4_b32, st_global_b32", g.mem_b32, e.mem_b32);
+  exact("red_global_add_f32", words(g.mem_acc), words(e.mem_acc));
+}
+
 // JAX_FLASH_SELFTEST_PERTURB=1 (host driver): one element of every output of the first side
 // changed, so that every comparison must fail.
 void perturb(Outputs* o) {
@@ -572,9 +665,10 @@ void perturb(Outputs* o) {
   flip(o->mma_d[0][0], 22), flip(o->mma_d[1][0], 22);  // case 0 is integer-valued: compared exactly
   for (auto& v : o->ld) v[0] ^= 1;
   o->cp[0] ^= 1;
-  flip(o->ex2[0], 20);  // 2^0 = 1: far outside the bound
+  flip(o->ex2[0], 20), flip(o->tanh[0], 20);  // 2^0 = 1 and tanh(0.5): far outside the bounds
   o->cvt_bf16[0] ^= 1, o->cvt_f16[0] ^= 1;
   flip(o->cvt_f32_f16[0], 20), flip(o->shfl[0], 0);
+  flip(o->mem_f32[0], 0), o->mem_b32[0] ^= 1, flip(o->mem_acc[0], 0);
 }
 
 }  // namespace
@@ -618,6 +712,7 @@ int main() {
   compare_ldmatrix(gpu, emu);
   compare_bytes("cp_async_16 + commit_group + wait_group", gpu.cp, emu.cp);
   compare_scalars(in, gpu, emu);
+  compare_memory(gpu, emu);
   if (perturbed) {
     const bool all = g_failed == g_verdicts;
     std::printf("%s: %d of %d checks failed on the perturbed outputs\n", all ? "PASS" : "FAIL", g_failed, g_verdicts);

@@ -76,7 +76,8 @@ def _attributes(spec: AttentionSpec) -> dict:
 
 
 def _mask_operands(spec: AttentionSpec, masks: MaskInputs):
-    """Lengths and segment ids are always passed: full lengths / zero ids when absent."""
+    """Lengths, segment ids and query offsets are always passed: full lengths, zero ids and
+    zero offsets when absent."""
     b, t, s = spec.batch, spec.q_len, spec.kv_len
     q_len = masks.q_lengths if masks.q_lengths is not None else jnp.full((b,), t, jnp.int32)
     kv_len = masks.kv_lengths if masks.kv_lengths is not None else jnp.full((b,), s, jnp.int32)
@@ -84,7 +85,8 @@ def _mask_operands(spec: AttentionSpec, masks: MaskInputs):
     kv_seg = (
         masks.kv_segment_ids if masks.kv_segment_ids is not None else jnp.zeros((b, s), jnp.int32)
     )
-    return q_len, kv_len, q_seg, kv_seg
+    q_off = masks.q_offset if masks.q_offset is not None else jnp.zeros((b,), jnp.int32)
+    return q_len, kv_len, q_seg, kv_seg, q_off
 
 
 def forward(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):
@@ -149,8 +151,6 @@ def compiled_kernel_reason(spec: AttentionSpec, dtypes: tuple[str, ...]) -> Opti
     """Limits common to the compiled implementations."""
     if spec.dtype not in dtypes:
         return f"supports dtypes {', '.join(dtypes)}, got {spec.dtype}"
-    if spec.has_q_offset:
-        return "query_offset not supported yet"
     if spec.bias_shape is not None:
         return "does not take a dense bias (use implementation='xla' or 'pallas')"
     if spec.mask_shape is not None:

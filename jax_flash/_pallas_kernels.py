@@ -36,6 +36,7 @@ class Layout:
     s_pad: int
     has_lengths: bool = False
     has_segments: bool = False
+    has_q_offset: bool = False  # a [1] query offset per program (its batch row)
     bias_rows: Optional[bool] = None  # None: no bias; else whether the bias varies along T
     bias_cols: Optional[bool] = None  # ... and along S
     mask_rows: Optional[bool] = None
@@ -75,10 +76,13 @@ class Inputs:
         for name in names:
             setattr(self, name, refs.pop(0))
         self.q_len = self.kv_len = self.q_seg = self.kv_seg = self.bias = self.mask = None
+        self.q_offset = None
         if layout.has_lengths:
             self.q_len, self.kv_len = refs.pop(0), refs.pop(0)
         if layout.has_segments:
             self.q_seg, self.kv_seg = refs.pop(0), refs.pop(0)
+        if layout.has_q_offset:
+            self.q_offset = refs.pop(0)
         if layout.has_bias:
             self.bias = refs.pop(0)
         if layout.has_mask:
@@ -113,6 +117,10 @@ class TileMath:
         self.q_len = None if inputs.q_len is None else inputs.q_len[0]
         self.kv_len = None if inputs.kv_len is None else inputs.kv_len[0]
         self.kv_limit = spec.kv_len if layout.ragged_keys else None
+        # Query t sits at key position q_offset + t: the window is the band of diagonals
+        # band[0] <= s - t <= band[1] (Python ints when there is no offset).
+        self.q_offset = 0 if inputs.q_offset is None else inputs.q_offset[0]
+        self.band = spec.band(self.q_offset)
 
     def visible(self, q0, k0, q_seg, kv_seg, mask_tile, bq: int, bk: int):
         """Bool [bq, bk] (or None): the one definition in `_masking`, plus the dense mask."""
@@ -127,6 +135,7 @@ class TileMath:
             q_segment_ids=None if q_seg is None else q_seg[:, None],
             kv_segment_ids=None if kv_seg is None else kv_seg[None, :],
             kv_limit=self.kv_limit,
+            band=self.band,
         )
         if mask_tile is not None:
             m = mask_tile != 0
@@ -158,7 +167,8 @@ def key_segments(layout: Layout, tm: "TileMath", q0, q1, nk: int):
     are never visited.
     """
     spec, bk = layout.spec, layout.block_k
-    lo, hi = spec.key_block_range(q0, q1, bk, nk)
+    band_lo, band_hi = tm.band
+    lo, hi = spec.key_block_range(q0, q1, bk, nk, tm.q_offset)
     lo = jnp.asarray(lo, jnp.int32)
     hi = jnp.asarray(hi, jnp.int32)
     if tm.kv_len is not None:
@@ -171,10 +181,10 @@ def key_segments(layout: Layout, tm: "TileMath", q0, q1, nk: int):
     if not spec.is_windowed and not layout.ragged_keys:
         return ((lo, hi, False),)
     full_lo, full_hi = lo, hi
-    if spec.window_left is not None:  # every key >= (q1 - 1) - left
-        full_lo = (q1 - 1 - spec.window_left + bk - 1) // bk
-    if spec.window_right is not None:  # every key <= q0 + right
-        full_hi = (q0 + spec.window_right + 1) // bk
+    if band_lo is not None:  # every key >= (q1 - 1) + band_lo
+        full_lo = (q1 - 1 + band_lo + bk - 1) // bk
+    if band_hi is not None:  # every key <= q0 + band_hi
+        full_hi = (q0 + band_hi + 1) // bk
     if layout.ragged_keys:
         full_hi = jnp.minimum(full_hi, spec.kv_len // bk)
     return band_segments(lo, hi, full_lo, full_hi)
@@ -183,7 +193,8 @@ def key_segments(layout: Layout, tm: "TileMath", q0, q1, nk: int):
 def query_segments(layout: Layout, tm: "TileMath", k0, k1, nq: int, ragged_block):
     """Query-block loop ranges for keys [k0, k1) (the dK/dV kernel), as `key_segments`."""
     spec, bq = layout.spec, layout.block_q
-    lo, hi = spec.query_block_range(k0, k1, bq, nq)
+    band_lo, band_hi = tm.band
+    lo, hi = spec.query_block_range(k0, k1, bq, nq, tm.q_offset)
     lo = jnp.asarray(lo, jnp.int32)
     hi = jnp.asarray(hi, jnp.int32)
     if tm.q_len is not None:
@@ -196,10 +207,10 @@ def query_segments(layout: Layout, tm: "TileMath", k0, k1, nq: int, ragged_block
     if not spec.is_windowed and not layout.ragged_keys:
         return ((lo, hi, False),)
     full_lo, full_hi = lo, hi
-    if spec.window_right is not None:  # every query t >= (k1 - 1) - right
-        full_lo = (k1 - 1 - spec.window_right + bq - 1) // bq
-    if spec.window_left is not None:  # every query t <= k0 + left
-        full_hi = (k0 + spec.window_left + 1) // bq
+    if band_hi is not None:  # every query t >= (k1 - 1) - band_hi
+        full_lo = (k1 - 1 - band_hi + bq - 1) // bq
+    if band_lo is not None:  # every query t <= k0 - band_lo
+        full_hi = (k0 - band_lo + 1) // bq
     if layout.ragged_keys:  # the block holding the ragged key tail is masked throughout
         full_hi = jnp.where(ragged_block, full_lo, full_hi)
     return band_segments(lo, hi, full_lo, full_hi)

@@ -21,6 +21,14 @@ Flax's conventions, and how they map onto `jax_flash.attention`:
 * `module` is only passed when attention weights are to be sown (`sow_weights=True`);
   they are never materialised, so that raises NotImplementedError too.
 * `precision` is accepted and ignored: softmax statistics and accumulators are float32.
+
+Context parallelism: with `axis_name=` the module runs inside `jax.shard_map` on this
+device's chunk of a sequence sharded over that mesh axis, and attention is
+`jax_flash.ring_attention` (no dense `mask`/`bias`: use is_causal, windows, segment ids).
+With `layout="zigzag"` the activations are expected already in the zigzag order
+(`jax_flash.zigzag` applied to the tokens, positions and targets before sharding).
+
+    attn = jax_flash.flax.make_attention_fn(is_causal=True, axis_name="seq", layout="zigzag")
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from typing import Any, Optional
 import jax.numpy as jnp
 
 from jax_flash._api import attention
+from jax_flash.parallel.ring import ring_attention
 
 __all__ = ["attention_fn", "make_attention_fn"]
 
@@ -63,6 +72,8 @@ def attention_fn(
     scale: Optional[float] = None,
     local_window_size=None,
     segment_ids=None,
+    axis_name: Optional[str] = None,
+    layout: str = "contiguous",
     **kwargs: Any,
 ):
     """`flax.linen.dot_product_attention`-compatible attention computed by jax_flash.
@@ -71,7 +82,8 @@ def attention_fn(
     signature); `**kwargs` takes the extras newer flax versions may pass and ignores them.
     Options of `jax_flash.attention` (implementation, logits_soft_cap, is_causal, scale,
     local_window_size, segment_ids) are chosen with `functools.partial` or
-    `make_attention_fn`.
+    `make_attention_fn`. `axis_name` / `layout`: the sequence is sharded over that mesh
+    axis (inside `jax.shard_map`) and attention runs as `jax_flash.ring_attention`.
 
     Returns [batch..., T, N, H] in the dtype of query (after promotion to `dtype`).
     """
@@ -90,6 +102,26 @@ def attention_fn(
     if dtype is None:
         dtype = jnp.result_type(query, key, value)
     query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+    if axis_name is not None:
+        if bias is not None or mask is not None:
+            raise ValueError(
+                f"jax_flash.flax.attention_fn with axis_name={axis_name!r} (ring attention) "
+                "takes no dense mask or bias: express the mask with is_causal, "
+                "local_window_size or segment_ids"
+            )
+        return ring_attention(
+            query,
+            key,
+            value,
+            axis_name=axis_name,
+            layout=layout,
+            scale=scale,
+            is_causal=bool(is_causal),
+            local_window_size=local_window_size,
+            segment_ids=segment_ids,
+            logits_soft_cap=logits_soft_cap,
+            implementation=implementation,
+        )
     return attention(
         query,
         key,
@@ -112,8 +144,11 @@ def make_attention_fn(
     logits_soft_cap: Optional[float] = None,
     scale: Optional[float] = None,
     local_window_size=None,
+    axis_name: Optional[str] = None,
+    layout: str = "contiguous",
 ):
-    """An `attention_fn` with jax_flash options bound.
+    """An `attention_fn` with jax_flash options bound (`axis_name`, `layout`: ring
+    attention over a sequence sharded over that mesh axis, see the module docstring).
 
     Unlike `functools.partial(attention_fn, is_causal=True)`, a causal function made here
     stays causal when `flax.nnx.MultiHeadAttention` passes its own `is_causal=False`
@@ -156,6 +191,8 @@ def make_attention_fn(
             logits_soft_cap=logits_soft_cap,
             scale=scale,
             local_window_size=local_window_size,
+            axis_name=axis_name,
+            layout=layout,
             **kwargs,
         )
 

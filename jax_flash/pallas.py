@@ -125,6 +125,7 @@ def _layout(spec: AttentionSpec, masks: MaskInputs, bq, bk, t_pad, s_pad, **kw) 
         s_pad=s_pad,
         has_lengths=masks.q_lengths is not None or masks.kv_lengths is not None,
         has_segments=masks.q_segment_ids is not None,
+        has_q_offset=masks.q_offset is not None,
         bias_rows=bias_rows,
         bias_cols=bias_cols,
         mask_rows=mask_rows,
@@ -164,6 +165,8 @@ class _Extras:
                 _pad(masks.q_segment_ids.astype(jnp.int32), 1, t_pad),
                 _pad(masks.kv_segment_ids.astype(jnp.int32), 1, s_pad),
             )
+        # One query offset per batch row: the programs of row b read q_offset[b].
+        self.q_offset = None if masks.q_offset is None else masks.q_offset.astype(jnp.int32)[:, None]
         f64_bias = masks.bias is not None and masks.bias.dtype == jnp.float64
         self.bias = _dense(masks.bias, t_pad, s_pad, 0, jnp.float32 if f64_bias else None)
         # Booleans travel as int8 (Triton has no i1 memory type).
@@ -182,6 +185,9 @@ class _Extras:
                 pl.BlockSpec((None, bq), lambda i, n, b: (b, i)),
                 pl.BlockSpec((None, s_pad), lambda i, n, b: (b, 0)),
             ]
+        if self.q_offset is not None:
+            args.append(self.q_offset)
+            specs.append(pl.BlockSpec((None, 1), lambda i, n, b: (b, 0)))
         for x in (self.bias, self.mask):
             if x is None:
                 continue
@@ -212,6 +218,9 @@ class _Extras:
                 pl.BlockSpec((None, t_pad), lambda j, h, b: (b, 0)),
                 pl.BlockSpec((None, bk), lambda j, h, b: (b, j)),
             ]
+        if self.q_offset is not None:
+            args.append(self.q_offset)
+            specs.append(pl.BlockSpec((None, 1), lambda j, h, b: (b, 0)))
         for x in (self.bias, self.mask):
             if x is None:
                 continue
@@ -404,8 +413,6 @@ class PallasImplementation:
             return f"supports dtypes {DTYPES}, got {spec.dtype}"
         if spec.head_dim > MAX_HEAD_DIM:
             return f"supports head dims up to {MAX_HEAD_DIM}, got {spec.head_dim}"
-        if spec.has_q_offset:
-            return "query_offset not supported yet"
         return None
 
     def forward(self, spec, q, k, v, masks):

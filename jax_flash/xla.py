@@ -49,6 +49,15 @@ def _index(*xs):
     return tuple(jnp.asarray(x, jnp.int32) for x in xs)
 
 
+def _full(shape, value, dtype, *like):
+    """jnp.full whose result varies over the same mesh axes as `like` (inside shard_map a
+    loop carry must start as varying as what the loop makes of it: check_vma)."""
+    x = jnp.full_like(like[0], value, dtype, shape)
+    for y in like[1:]:
+        x = x + jnp.zeros_like(y, dtype, ())
+    return x
+
+
 def _pad_axis(x, axis: int, size: int, value=0):
     if x.shape[axis] == size:
         return x
@@ -182,9 +191,9 @@ def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, block_q=BLOCK_Q, bl
 
         lo, hi = spec.key_block_range(i * bq, (i + 1) * bq, bk, nk, q_offset)
         init = (
-            jnp.full((b, kh, g, bq), -jnp.inf, acc_dt),
-            jnp.zeros((b, kh, g, bq), acc_dt),
-            jnp.zeros((b, kh, g, bq, h), acc_dt),
+            _full((b, kh, g, bq), -jnp.inf, acc_dt, q, k, v),
+            _full((b, kh, g, bq), 0, acc_dt, q, k, v),
+            _full((b, kh, g, bq, h), 0, acc_dt, q, k, v),
         )
         m, l, acc = lax.fori_loop(lo, jnp.maximum(lo, hi), key_block, init)
         seen = l > 0
@@ -240,7 +249,7 @@ def backward(
     seen = jnp.isfinite(lse)
 
     bias = tiles.masks.bias
-    dbias0 = None if bias is None else jnp.zeros(bias.shape, acc_dt)
+    dbias0 = None if bias is None else _full(bias.shape, 0, acc_dt, q, k, v, dout)
     cdt = q.dtype  # matmul operand dtype for P and dS, as the kernels use
 
     def key_block(carry, j):
@@ -275,13 +284,13 @@ def backward(
             return dk, dv, dq_acc, dbias
 
         lo, hi = spec.query_block_range(j * bk, (j + 1) * bk, bq, nq, q_offset)
-        zeros_kv = jnp.zeros((b, bk, kh, h), acc_dt)
+        zeros_kv = _full((b, bk, kh, h), 0, acc_dt, q, k, v, dout)
         dk, dv, dq_acc, dbias = lax.fori_loop(
             lo, jnp.maximum(lo, hi), query_block, (zeros_kv, zeros_kv, dq_acc, dbias)
         )
         return (dq_acc, dbias), (dk.astype(k.dtype), dv.astype(v.dtype))
 
-    dq0 = jnp.zeros((b, tiles.t_pad, kh, g, h), acc_dt)
+    dq0 = _full((b, tiles.t_pad, kh, g, h), 0, acc_dt, q, k, v, dout)
     (dq_acc, dbias), (dk, dv) = lax.scan(
         key_block, (dq0, dbias0), jnp.arange(nk, dtype=jnp.int32)
     )

@@ -6,11 +6,17 @@ emulated on the host (JAX_FLASH_EMULATE_CUDA=1); on a GPU: `xla`, `cuda`, `palla
 
 JAX_FLASH_REQUIRE=xla,cpu,... makes the run fail (instead of skip) when one of the listed
 implementations is unavailable, so a broken build cannot pass as "skipped" in CI.
+
+Emulated CUDA kernels run under one thread schedule per test (cuda/emu/README.md): forward,
+reverse or shuffle:<seed>, chosen from a hash of the test's id (and JAX_FLASH_EMU_SEED, 0 by
+default), so that a run of the suite covers every schedule and a failure reproduces; a failing
+test's report names its schedule. An explicit JAX_FLASH_EMU_SCHEDULE applies to every test.
 """
 
 from __future__ import annotations
 
 import os
+import zlib
 
 import jax
 
@@ -47,6 +53,34 @@ def availability(name: str):
 
 
 _REQUIRED = [n for n in os.environ.get("JAX_FLASH_REQUIRE", "").split(",") if n]
+_USER_SCHEDULE = os.environ.get("JAX_FLASH_EMU_SCHEDULE")
+_RUN_SEED = os.environ.get("JAX_FLASH_EMU_SEED", "0")
+
+
+def emu_schedule(nodeid: str) -> str:
+    """The emulation's schedule for one test: forward, reverse or a seeded shuffle."""
+    h = zlib.crc32(f"{_RUN_SEED}:{nodeid}".encode())
+    kind = h % 4
+    return "forward" if kind == 0 else "reverse" if kind == 1 else f"shuffle:{h >> 2}"
+
+
+@pytest.fixture(autouse=True)
+def _emulated_schedule(request):
+    schedule = _USER_SCHEDULE or emu_schedule(request.node.nodeid)
+    os.environ["JAX_FLASH_EMU_SCHEDULE"] = schedule
+    request.node.user_properties.append(("emu_schedule", schedule))
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        schedule = dict(item.user_properties).get("emu_schedule")
+        if schedule is not None:
+            report.sections.append(
+                ("emulated CUDA schedule", f"JAX_FLASH_EMU_SCHEDULE={schedule} (reproduce with this variable set)"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,7 +15,7 @@ import pytest
 import jax_flash
 from jax_flash.reference import attention_reference
 
-from cases import CASES, EPS, FACTOR, GRAD_EPS, make_qkv, mask_kwargs, max_err
+from cases import CASES, EPS, FACTOR, GRAD_EPS, Shape, make_qkv, mask_kwargs, max_err
 from conftest import slow_impl
 
 
@@ -126,3 +126,48 @@ def test_backward_deterministic(impl, case, monkeypatch):
     for other in (again(), again()):
         for name, a, b in zip(("dq", "dk", "dv"), g, other):
             assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f"{name} differs between runs"
+
+
+def test_query_offset_traced_and_vmapped(impl):
+    """A decode loop's offset is a traced value: one jitted function serves every step,
+    forward and backward; vmap over calls with different per-row offsets folds them into
+    one batch."""
+    dtype = jnp.bfloat16 if impl == "cuda" else jnp.float32
+    shape = Shape(2, 5, 70, 2, 1, 64)
+    q, k, v = make_qkv(shape, dtype)
+    kw = dict(is_causal=True, local_window_size=(24, 3))
+    _needs_skip(impl, q, k, v, dict(kw, query_offset=0))
+    cot = jax.random.normal(jax.random.PRNGKey(7), q.shape, jnp.float32).astype(dtype)
+
+    def loss(fn, **extra):
+        return lambda q, k, v, o: jnp.sum(
+            fn(q, k, v, query_offset=o, **kw, **extra).astype(jnp.float32) * cot.astype(jnp.float32)
+        )
+
+    def out_and_grads(fn, **extra):
+        f = lambda q, k, v, o: fn(q, k, v, query_offset=o, **kw, **extra)
+        return lambda q, k, v, o: (f(q, k, v, o), jax.grad(loss(fn, **extra), (0, 1, 2))(q, k, v, o))
+
+    step = jax.jit(out_and_grads(jax_flash.attention, implementation=impl))
+    step64 = jax.jit(out_and_grads(attention_reference, compute_dtype=jnp.float64))
+    step_lo = jax.jit(out_and_grads(attention_reference))
+    name = jnp.dtype(dtype).name
+    for offset in ([0, 0], [65, -3], [40, 70]):
+        o = jnp.asarray(offset, jnp.int32)
+        got = jax.tree.leaves(step(q, k, v, o))
+        ref64 = jax.tree.leaves(step64(q, k, v, o))
+        ref_lo = jax.tree.leaves(step_lo(q, k, v, o))
+        for i, (a, r64, rlo) in enumerate(zip(got, ref64, ref_lo)):
+            tol = FACTOR * max_err(rlo, r64) + (EPS if i == 0 else GRAD_EPS)[name]
+            assert max_err(a, r64) <= tol, (offset, ("out", "dq", "dk", "dv")[i])
+
+    offsets = jnp.asarray([[65, 30], [-3, 70], [12, 12]], jnp.int32)  # [V, B]
+    stack = lambda x: jnp.stack([x, x[::-1], x])
+    f = lambda q, k, v, o: jax_flash.attention(q, k, v, query_offset=o, implementation=impl, **kw)
+    mapped = jax.jit(jax.vmap(f))(stack(q), stack(k), stack(v), offsets)
+    for i in range(3):
+        one = f(stack(q)[i], stack(k)[i], stack(v)[i], offsets[i])
+        # The same numbers up to summation order (xla visits the union of a batch's bands).
+        np.testing.assert_allclose(
+            np.asarray(mapped[i], np.float32), np.asarray(one, np.float32), atol=1e-5, rtol=0
+        )

@@ -45,6 +45,7 @@ class Config:
     kv_lengths: Optional[tuple] = None
     segments: bool = False
     softcap: float = 0.0
+    offsets: Optional[tuple] = None  # q_offset per batch row (None: zeros)
 
 
 CONFIGS = {
@@ -62,6 +63,15 @@ CONFIGS = {
     "mqa_wide": Config(b=1, t=65, s=200, n=3, kh=1, h=64, window=(40, 3)),
     "combo": Config(
         window=(48, 0), q_lengths=(90, 97), kv_lengths=(120, 77), segments=True, softcap=3.0
+    ),
+    # q_offset: query t sits at key position q_offset[b] + t for the window.
+    "bottom_right": Config(window=(-1, 0), offsets=(130 - 97, 130 - 97)),
+    "offset_rows": Config(window=(20, 3), offsets=(-40, 120)),
+    "offset_tall": Config(t=130, s=97, window=(-1, 0), offsets=(-33, 200)),
+    "offset_extremes": Config(window=(2**31 - 1, 2**62), offsets=(2**31 - 1, -(2**31))),
+    "offset_combo": Config(
+        window=(48, 0), q_lengths=(90, 97), kv_lengths=(120, 77), segments=True,
+        offsets=(40, -7),
     ),
 }
 
@@ -87,8 +97,9 @@ def make_inputs(cfg: Config, dtype: str, seed: int = 0):
     else:
         q_seg = np.zeros((cfg.b, cfg.t), np.int32)
         kv_seg = np.zeros((cfg.b, cfg.s), np.int32)
+    q_off = np.array(cfg.offsets or (0,) * cfg.b, np.int32)
     return dict(q=q, k=k, v=v, dout=dout, dlse=dlse, q_len=q_len, kv_len=kv_len,
-                q_seg=q_seg, kv_seg=kv_seg)
+                q_seg=q_seg, kv_seg=kv_seg, q_off=q_off)
 
 
 def attributes(cfg: Config) -> dict:
@@ -106,7 +117,7 @@ def call_forward(x: dict, attrs: dict):
     b, t, n, _ = q.shape
     shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32))
     return jax.ffi.ffi_call("jax_flash_fwd", shapes)(
-        q, k, x["v"], x["q_len"], x["kv_len"], x["q_seg"], x["kv_seg"], **attrs
+        q, k, x["v"], x["q_len"], x["kv_len"], x["q_seg"], x["kv_seg"], x["q_off"], **attrs
     )
 
 
@@ -122,7 +133,7 @@ def call_backward(x: dict, out, lse, attrs: dict):
     )
     return jax.ffi.ffi_call("jax_flash_bwd", shapes)(
         q, k, x["v"], out, x["dout"], lse, x["dlse"], x["q_len"], x["kv_len"], x["q_seg"],
-        x["kv_seg"], **attrs, deterministic=True,
+        x["kv_seg"], x["q_off"], **attrs, deterministic=True,
     )
 
 
@@ -151,14 +162,14 @@ def environment(**values):
 
 def visible(cfg: Config, x: dict) -> np.ndarray:
     """[B, T, S] bool: which keys each query row sees."""
-    t = np.arange(cfg.t)[:, None]
-    s = np.arange(cfg.s)[None, :]
-    vis = np.ones((cfg.t, cfg.s), bool)
+    # Key positions of the queries, in Python ints (exact for any offset and window).
+    pos = x["q_off"].astype(object)[:, None, None] + np.arange(cfg.t, dtype=object)[:, None]
+    s = np.arange(cfg.s, dtype=object)[None, None, :]
+    vis = np.ones((cfg.b, cfg.t, cfg.s), bool)
     if cfg.window[0] >= 0:
-        vis &= s >= t - cfg.window[0]
+        vis &= (s >= pos - cfg.window[0]).astype(bool)
     if cfg.window[1] >= 0:
-        vis &= s <= t + cfg.window[1]
-    vis = np.broadcast_to(vis, (cfg.b, cfg.t, cfg.s)).copy()
+        vis &= (s <= pos + cfg.window[1]).astype(bool)
     vis &= np.arange(cfg.t)[None, :, None] < x["q_len"][:, None, None]
     vis &= np.arange(cfg.s)[None, None, :] < x["kv_len"][:, None, None]
     if cfg.segments:
@@ -349,6 +360,8 @@ def bad_call(target: str, **changes):
         ("jax_flash_fwd", dict(q_seg=np.zeros((1, 7), np.int32)), r"q_segment_ids has shape \[1, 7\]"),
         ("jax_flash_fwd", dict(q_len=np.zeros((1,), np.float32)), "q_lengths has dtype f32, expected s32"),
         ("jax_flash_fwd", dict(window_left=np.int64(-2)), "window_left and window_right"),
+        ("jax_flash_fwd", dict(q_off=np.zeros((3,), np.int32)), r"q_offset has shape \[3\]"),
+        ("jax_flash_bwd", dict(q_off=np.zeros((1,), np.int64)), "q_offset has dtype"),
         ("jax_flash_fwd", dict(softcap=np.float32(-1.0)), "softcap must be >= 0"),
         ("jax_flash_bwd", dict(dlse=np.zeros((1, 8, 2), np.float32)), r"dlse has shape \[1, 8, 2\]"),
         ("jax_flash_bwd", dict(dout=np.zeros((1, 8, 2, 16), np.float16)), "dout has dtype f16"),
@@ -367,7 +380,7 @@ def test_wrong_result_shape_is_an_error():
     with pytest.raises(Exception, match=r"lse has shape \[1, 8, 2\], expected \[1, 2, 8\]"):
         jax.block_until_ready(jax.ffi.ffi_call("jax_flash_fwd", shapes)(
             x["q"], x["k"], x["v"], x["q_len"], x["kv_len"], x["q_seg"], x["kv_seg"],
-            **attributes(cfg)))
+            x["q_off"], **attributes(cfg)))
 
 
 def test_unknown_isa_is_an_error():

@@ -13,6 +13,7 @@ import pathlib
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -124,6 +125,10 @@ def test_stubbed_run_elastic_steps_take_unused_time(tmp_path):
 
 
 def test_failed_build_skips_the_steps_that_need_it(tmp_path):
+    stale = tmp_path / "out"
+    stale.mkdir()
+    for name in ("bench.json", "bench.log", "correctness.log"):  # a previous run's
+        (stale / name).write_text("old")
     proc, _, out = _stubbed_run(
         tmp_path, machine="true", build="echo 'nvcc: error'; exit 2", ptx_selftest="echo PASS",
         correctness="echo ran", bench="echo ran", memcheck="echo ran", racecheck="echo ran",
@@ -135,6 +140,7 @@ def test_failed_build_skips_the_steps_that_need_it(tmp_path):
     for step in ("correctness", "bench", "memcheck", "racecheck"):
         assert states[step] == ("skipped", "needs the build, which failed")
         assert not (out / f"{step}.log").exists()
+    assert not (out / "bench.json").exists()
 
 
 def test_a_stopped_run_leaves_its_summary(tmp_path):
@@ -177,3 +183,14 @@ def test_ptx_selftest_covers_every_wrapper():
     selftest = (ROOT / "build" / "ptx_selftest.cu").read_text()
     untested = sorted(w for w in wrappers if not re.search(rf"ptx::{w}\b", selftest))
     assert not untested, f"build/ptx_selftest.cu does not run these wrappers of ptx.h: {untested}"
+
+
+def test_gpu_pass_runs_without_pytest():
+    # tests/test_gpu.py's own runner, with pytest hidden: conftest and the shared suite import
+    # through its stand-in, and a selection that runs nothing exits 5 (not a pass).
+    code = ("import runpy, sys; sys.modules['pytest'] = None; sys.path.insert(0, 'tests'); "
+            "sys.argv = ['tests/test_gpu.py', '-k', 'no such test']; "
+            "runpy.run_path('tests/test_gpu.py', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 5, proc.stdout + proc.stderr
+    assert "no tests ran" in proc.stdout

@@ -3,8 +3,13 @@
 Compiles cuda/emu/tests/emu_test.cc with the emulator's sources and runs it: every emulated
 PTX wrapper against the PTX ISA's fragment tables, the fiber runtime, and the strictness
 checks (poisoned shared memory, cp.async landing only at wait_group, missing lanes, partial
-__syncthreads). Needs only a C++17 host compiler; no GPU, no extension build. Also builds
-build/ptx_selftest.cu, and runs it where there is a GPU.
+__syncthreads), the race detector (a racy kernel per kind: RAW and WAR between warps and inside
+a warp, a missing __syncwarp, ldmatrix and cp.async, and their correct variants, under four
+schedules), the global-memory checks (out-of-bounds reads and writes, stores into operands, two
+CTAs storing to one address, a read-modify-write in place of an atomic, atomics that are fine,
+a plain access through a tagged pointer) and the approximate instructions' error bounds. Needs
+only a C++17 host compiler; no GPU, no extension build. Also builds build/ptx_selftest.cu, and
+runs it where there is a GPU.
 """
 
 import concurrent.futures

@@ -42,3 +42,14 @@ def test_train_haiku_lm():
     out = _run("train_haiku_lm.py", "--implementation=xla")
     assert "jax_flash implementation: xla" in out
     assert re.search(r"loss [0-9.]+ -> [0-9.]+", out), out
+
+
+def test_context_parallel_matches_one_device():
+    pytest.importorskip("flax")
+    pytest.importorskip("optax")
+    out = _run("context_parallel.py", "--layout=zigzag")
+    assert "8 devices" in out, out
+    assert "zigzag    : [17, 17, 17, 17, 17, 17, 17, 17]" in out, out
+    diff = re.search(r"vs 1 device: max abs diff ([0-9.e+-]+)", out)
+    assert diff, out
+    assert float(diff.group(1)) < 1e-4

@@ -82,6 +82,12 @@ MASK_CASES = {
     "key_bias": (dict(bias_shape=(1, 4, 1, 300)), dict(bias=_sds((1, 4, 1, 300), np.float32))),
     "mask": (dict(mask_shape=(2, 4, 200, 300)), dict(mask=_sds((2, 4, 200, 300), np.bool_))),
     "row_mask": (dict(mask_shape=(1, 1, 200, 1)), dict(mask=_sds((1, 1, 200, 1), np.bool_))),
+    # A runtime query offset per batch row moves the band (and the skipped tiles); a huge
+    # window exercises the saturating band arithmetic.
+    "offset_window": (dict(window_left=7, window_right=3, has_q_offset=True),
+                      dict(q_offset=_sds((2,), np.int32))),
+    "offset_huge_window": (dict(window_left=2**31 - 1, window_right=2**33, has_q_offset=True),
+                           dict(q_offset=_sds((2,), np.int32))),
     # G = 1: one dK/dV program per kv head, no partial sums.
     "mha_bias": (dict(num_kv_heads=4, bias_shape=(2, 4, 200, 300)),
                  dict(bias=_sds((2, 4, 200, 300), np.float32))),

@@ -36,8 +36,9 @@ PRELUDE = textwrap.dedent(
     SEQ = P(None, "sp")
 
     def shard_map(f, mesh, in_specs, out_specs):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=False)
+        # The default check_vma=True: the ring's loop carries are typed as varying over
+        # the mesh axis like its inputs.
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
     def inputs(seed, b, t, s, n, kh, h, dtype):
         r = np.random.default_rng(seed)
@@ -172,6 +173,106 @@ CPU = textwrap.dedent(
          kv_lengths=[32, 23])
     case("cpu full p2 ragged", 2, t=32, h=16, dtype=jnp.float32, impl="cpu", tol=2e-5,
          q_lengths=[30, 7], logits_soft_cap=3.0)
+    case("cpu window t<s p4 contiguous", 4, t=16, s=32, h=16, dtype=jnp.float32,
+         impl="cpu", tol=2e-5, local_window_size=(7, 2), is_causal=True, query_offset=16)
+    """
+)
+
+
+# The compiled program: transfers issued before the block compute they overlap, no gather
+# of K/V, per-device temporary memory O(T/P); and argument errors.
+COMPILED = textwrap.dedent(
+    r"""
+    import re
+
+    def ring_fn(p, impl, **kw):
+        mesh = Mesh(np.array(jax.devices()[:p]), ("sp",))
+        f = lambda q, k, v: jax_flash.ring_attention(q, k, v, axis_name="sp",
+                                                     implementation=impl, **kw)
+        return shard_map(f, mesh, (SEQ,) * 3, SEQ)
+
+    def computations(hlo):
+        # name -> list of op names in schedule order (compiled modules are scheduled).
+        comps, name = {}, None
+        for line in hlo.splitlines():
+            m = re.match(r"^(?:ENTRY )?%(\S+) .*\{$", line)
+            if m:
+                name = "ENTRY" if line.startswith("ENTRY") else m.group(1)
+                comps[name] = []
+                continue
+            m = re.search(r"= .*? ([a-z][a-z0-9-]*)\(", line)
+            if name and m:
+                op = m.group(1)
+                if op == "custom-call":
+                    op = "custom-call:" + re.search(r'custom_call_target="([^"]+)"', line).group(1)
+                comps[name].append(op)
+        return comps
+
+    COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter")
+
+    # Forward and forward+backward, causal, 4 devices, the cpu kernels (their custom calls
+    # are the block compute). Collective-permute precedes the compute it overlaps: in the
+    # entry computation (step 0) and in the ring loop's body (the middle steps).
+    q = jnp.ones((1, 64, 2, 16), jnp.float32)
+    g = ring_fn(4, "cpu", is_causal=True)
+    for label, fn, target in (
+        ("fwd", g, "jax_flash_fwd"),
+        ("fwdbwd", jax.grad(lambda q, k, v: g(q, k, v).sum(), (0, 1, 2)), "jax_flash_bwd"),
+    ):
+        hlo = jax.jit(fn).lower(q, q, q).compile().as_text()
+        comps = computations(hlo)
+        ops = [o for c in comps.values() for o in c]
+        for c in COLLECTIVES:
+            assert not any(o.startswith(c) for o in ops), (label, c)
+        entry = comps["ENTRY"]
+        cp = [i for i, o in enumerate(entry) if o.startswith("collective-permute")]
+        calls = [i for i, o in enumerate(entry) if o == "custom-call:" + target]
+        assert cp and calls and cp[0] < calls[0], (label, entry)
+        bodies = [b for b in re.findall(r"body=%([\w.-]+)", hlo)]
+        assert bodies, label
+        body = comps[bodies[0]]
+        cp = [i for i, o in enumerate(body) if o.startswith("collective-permute")]
+        compute = [i for i, o in enumerate(body) if o == "conditional"]
+        assert cp and compute and cp[0] < compute[0], (label, body)
+        print("ok hlo", label, flush=True)
+
+    # Per-device temporary memory at a fixed global T shrinks like 1/P (the cpu kernels keep
+    # their scratch outside XLA, so the figure is the ring's own buffers).
+    B, T, N, H = 1, 2048, 4, 64
+    q = jnp.ones((B, T, N, H), jnp.float32)
+    temps = {}
+    for p in (2, 8):
+        g = ring_fn(p, "cpu", is_causal=True)
+        chunk = q.nbytes // p
+        fb = jax.grad(lambda q, k, v: g(q, k, v).sum(), (0, 1, 2))
+        for label, fn, limit in (("fwd", g, 6), ("fwdbwd", fb, 12)):
+            temp = jax.jit(fn).lower(q, q, q).compile().memory_analysis().temp_size_in_bytes
+            temps[p, label] = temp
+            print(f"temp p={p} {label}: {temp / chunk:.2f} chunks", flush=True)
+            assert temp <= limit * chunk, (p, label, temp, chunk)
+    for label in ("fwd", "fwdbwd"):
+        assert temps[8, label] < temps[2, label] / 2, temps
+    print("ok memory", flush=True)
+
+    # Errors name the argument.
+    def raises(exc, match, fn):
+        try:
+            fn()
+        except exc as e:
+            assert re.search(match, str(e)), (match, str(e))
+            return
+        raise AssertionError(f"no {exc.__name__} matching {match!r}")
+
+    q = jnp.ones((1, 16, 2, 8))
+    raises(ValueError, "layout", lambda: ring_fn(2, "xla", layout="striped")(q, q, q))
+    raises(ValueError, "zigzag.*even", lambda: ring_fn(8, "xla", layout="zigzag")(
+        jnp.ones((1, 24, 2, 8)), jnp.ones((1, 24, 2, 8)), jnp.ones((1, 24, 2, 8))))
+    raises(ValueError, "axis_name 'nope'", lambda: shard_map(
+        lambda q: jax_flash.ring_attention(q, q, q, axis_name="nope"),
+        Mesh(np.array(jax.devices()[:2]), ("sp",)), (SEQ,), SEQ)(q))
+    raises(TypeError, "axis_name", lambda: jax_flash.ring_attention(q, q, q, axis_name=3))
+    raises(ValueError, "implementation must be", lambda: ring_fn(2, "tpu")(q, q, q))
+    print("ok errors", flush=True)
     """
 )
 
@@ -204,6 +305,12 @@ def test_ring_cpu_kernels():
     assert out.count("ok ") == CPU.count('case("'), out
 
 
+def test_ring_compiled_overlap_memory_errors():
+    out = _run(COMPILED)
+    assert "ok hlo fwd" in out and "ok hlo fwdbwd" in out and "ok memory" in out, out
+    assert "ok errors" in out, out
+
+
 def test_block_counts_balance():
     # Causal: contiguous grows with the device index, zigzag is flat with the same total.
     assert block_counts(4, is_causal=True) == [4, 8, 12, 16]
@@ -233,3 +340,43 @@ def test_zigzag_roundtrip_and_errors():
         jax_flash.zigzag(x, 0)
     with pytest.raises(ValueError, match="layout"):
         block_counts(2, layout="striped")
+
+
+def test_bench_multi_device_section(tmp_path):
+    """`python -m jax_flash.bench --multi-device` (its own process: it asks for host devices
+    before JAX starts): every variant runs, the ring moves K/V by collective-permute only
+    and holds less per device than the all-gather fallback."""
+    import json
+
+    path = tmp_path / "md.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    r = subprocess.run(
+        [sys.executable, "-m", "jax_flash.bench", "--multi-device", "--devices", "4",
+         "--seq-len", "512", "--heads", "2", "--reps", "1", "--json", str(path)],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    assert "zigzag    : [9, 9, 9, 9]" in r.stdout, r.stdout
+    rows = {(x["variant"], x["pass"]): x for x in json.loads(path.read_text())["results"]}
+    assert len(rows) == 8 and all(x["status"] == "ok" for x in rows.values()), r.stdout
+    for pass_ in ("fwd", "fwdbwd"):
+        gather = rows["all-gather K/V", pass_]
+        assert gather["collectives"]["all-gather"] >= 2, gather
+        for layout in ("contiguous", "zigzag"):
+            ring = rows[f"ring {layout}", pass_]
+            c = ring["collectives"]
+            assert c["collective-permute"] > 0 and c["all-gather"] == 0, ring
+            assert c["all-reduce"] == 0 and c["all-to-all"] == 0, ring
+            assert ring["temp_bytes"] < gather["temp_bytes"], (ring, gather)
+            assert ring["arg_bytes"] * 4 == rows["one device", pass_]["arg_bytes"], ring
+
+
+def test_flax_ring_attention_fn_rejects_dense_masks():
+    import jax.numpy as jnp
+
+    import jax_flash.flax
+
+    q = jnp.ones((1, 8, 2, 4))
+    with pytest.raises(ValueError, match="takes no dense mask or bias"):
+        jax_flash.flax.attention_fn(q, q, q, mask=jnp.ones((1, 2, 8, 8)), axis_name="seq")

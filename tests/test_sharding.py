@@ -3,14 +3,14 @@
 Each implementation's checks run in one subprocess (the device count is fixed when JAX
 starts). For every layout — batch-sharded, head-sharded (GQA), batch x head on a 2-D mesh,
 query heads only (GQA, K/V replicated), queries over T (with lengths and segment ids, and
-causal), the whole sequence (Q and K/V over T and S) and a batch-broadcast dense bias —
-forward and gradients equal the unsharded call, and the compiled HLO is counted for
-collectives: none at all for batch and heads; for query heads only, query shards and the
-broadcast bias the backward may only all-reduce (dK/dV and dbias are sums over shards); the
-sequence-sharded call runs ring attention (collective-permutes only) where
-`jax_flash.parallel.ring` is available. What cannot be partitioned (causal query shards for
-an implementation without query offsets, K/V over S without the ring) falls back to an
-all-gather with exactly one `ShardingFallbackWarning` per cause.
+causal with per-row query offsets), the whole sequence (Q and K/V over T and S, on a
+batch x seq mesh) and a batch-broadcast dense bias — forward and gradients equal the
+unsharded call, and the compiled HLO is counted for collectives: none at all for batch and
+heads; for query heads only, query shards and the broadcast bias the backward may only
+all-reduce (dK/dV and dbias are sums over shards); the sequence-sharded call runs ring
+attention inside the partitioned call (collective-permutes only, no all-gather of K/V).
+What cannot be partitioned (K/V over S with replicated queries, a sharded head dim) falls
+back to an all-gather with exactly one `ShardingFallbackWarning` per cause.
 """
 
 from __future__ import annotations
@@ -34,28 +34,9 @@ SCRIPT = textwrap.dedent(
     import jax_flash
     from jax_flash.parallel import partitioning
 
-    rules = impl == "xla-rules"
-    if rules:
-        # The xla implementation behind the same partitioning rules as the compiled calls:
-        # a plain-JAX body that takes query offsets, so the rules' offset arithmetic for
-        # query shards is checked wherever the kernels do not take offsets yet.
-        from jax_flash import xla as xla_module
-        plain = xla_module.IMPLEMENTATION
-
-        class Partitioned:
-            name = "xla"
-            unsupported = staticmethod(plain.unsupported)
-
-            def forward(self, spec, q, k, v, masks):
-                return partitioning.forward("xla", xla_module.forward, spec, q, k, v, masks)
-
-            def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
-                return partitioning.backward("xla", plain.backward, spec, q, k, v, masks, out,
-                                             lse, dout, dlse)
-
-        xla_module.IMPLEMENTATION = Partitioned()
-        impl = "xla"
-    plain_xla = impl == "xla" and not rules
+    plain_xla = impl == "xla"
+    # The fallbacks are decided before any kernel runs: checked on cpu (fast) only.
+    fallbacks = impl == "cpu"
 
     assert jax.device_count() == 8, jax.devices()
     devs = np.array(jax.devices())
@@ -118,11 +99,60 @@ SCRIPT = textwrap.dedent(
     # (B, T, S, N, K) per case.
     SHAPES = {"batch": (4, 24, 40, 4, 2), "heads": (2, 24, 24, 8, 4), "2d": (2, 24, 24, 8, 4),
               "query heads": (2, 24, 24, 8, 2), "T": (2, 32, 40, 2, 1), "T causal": (2, 32, 32, 2, 2),
-              "S": (2, 32, 32, 4, 2), "bias": (4, 24, 24, 2, 2)}
+              "S": (2, 32, 32, 4, 2), "bias": (4, 24, 24, 2, 2),
+              "S only": (2, 8, 32, 2, 2), "H": (2, 16, 16, 2, 2)}
 
     mesh4 = lambda name: Mesh(devs[:4], (name,))
-    attend = lambda **kw: lambda q, k, v, *a: jax_flash.attention(
-        q, k, v, implementation=impl, **{key: fn(*a) for key, fn in kw.items()})
+    heads = P(None, None, "heads")
+
+    def rules():
+        # Query heads sharded, K = 2 kv heads replicated: each device slices its kv head;
+        # the backward all-reduces dK/dV over the head axis.
+        f = lambda q, k, v: jax_flash.attention(q, k, v, implementation=impl)
+        check("query heads", mesh4("heads"), heads, P(), f, (), (), "sums")
+
+        # Queries over T, K/V replicated: shard-local query lengths and segment ids.
+        qlens = jnp.asarray([29, 6], jnp.int32)
+        seg_q = (jnp.arange(32)[None, :] // 5).repeat(2, 0).astype(jnp.int32)
+        seg_k = (jnp.arange(40)[None, :] // 6).repeat(2, 0).astype(jnp.int32)
+        f = lambda q, k, v, ql, sq, sk: jax_flash.attention(
+            q, k, v, query_seq_lengths=ql, segment_ids=(sq, sk), implementation=impl)
+        check("T", mesh4("seq"), P(None, "seq"), P(), f, (qlens, seg_q, seg_k),
+              (P(), P(None, "seq"), P()), "sums")
+
+        # Causal queries over T: each shard's query offset on top of the user's per-row one.
+        offset = jnp.asarray([0, 5], jnp.int32)
+        f = lambda q, k, v, off: jax_flash.attention(q, k, v, is_causal=True, query_offset=off,
+                                                     implementation=impl)
+        check("T causal", mesh4("seq"), P(None, "seq"), P(), f, (offset,), (P(),), "sums")
+
+        # Q, K/V all sharded over the sequence (and the batch, a 2-D mesh): ring attention
+        # inside the partitioned call, collective-permutes only (no all-gather of K/V).
+        lens = jnp.asarray([32, 19], jnp.int32)
+        seg = (jnp.arange(32)[None, :] // 11 + jnp.arange(2)[:, None]).astype(jnp.int32)
+        f = lambda q, k, v, lens, seg, off: jax_flash.attention(
+            q, k, v, is_causal=True, key_value_seq_lengths=lens, segment_ids=seg,
+            query_offset=off, implementation=impl)
+        mesh_bs = Mesh(devs.reshape(2, 4), ("batch", "seq"))
+        check("S", mesh_bs, P("batch", "seq"), P("batch", "seq"), f, (lens, seg, offset),
+              (P("batch"), P("batch", "seq"), P("batch")), "ring")
+
+        if fallbacks:
+            # Gathered, reported once per cause: K/V over S with the queries not sharded
+            # over the same axis (the ring needs both), and a sharded head dim.
+            f = lambda q, k, v: jax_flash.attention(q, k, v, is_causal=True,
+                                                    implementation=impl)
+            check("S only", mesh4("seq"), P(), P(None, "seq"), f, (), (), "gathered")
+            model = P(None, None, None, "model")
+            check("H", mesh4("model"), model, model, f, (), (), "gathered")
+
+        if impl == "pallas":
+            # A dense bias broadcast over the batch: dbias sums over the batch shards.
+            bias = jax.random.normal(jax.random.PRNGKey(7), (1, 2, 24, 24), jnp.float32)
+            f = lambda q, k, v, bias: jax_flash.attention(q, k, v, bias=bias.astype(dt),
+                                                          implementation=impl)
+            check("bias", mesh4("batch"), P("batch"), P("batch"), f, (bias,), (P(),), "sums",
+                  argnums=(0, 1, 2, 3))
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -141,7 +171,6 @@ SCRIPT = textwrap.dedent(
         # Heads, GQA (K = 4 kv heads for N = 8), local window.
         f = lambda q, k, v: jax_flash.attention(
             q, k, v, local_window_size=(5, 2), implementation=impl)
-        heads = P(None, None, "heads")
         check("heads", mesh4("heads"), heads, heads, f, (), (), "none")
 
         # Batch x heads on a 2-D mesh, causal with ragged query lengths.
@@ -152,63 +181,22 @@ SCRIPT = textwrap.dedent(
             q, k, v, query_seq_lengths=ql, is_causal=True, implementation=impl)
         check("2d", mesh2, bh, bh, f, (qlens,), (P("batch"),), "none")
 
-        # Query heads sharded, K = 2 kv heads replicated: each device slices its kv head;
-        # the backward all-reduces dK/dV over the head axis.
-        f = lambda q, k, v: jax_flash.attention(q, k, v, implementation=impl)
-        check("query heads", mesh4("heads"), heads, P(), f, (), (), "sums")
+        # XLA partitions plain JAX itself: batch and heads collective-free (above), its
+        # other layouts are XLA's choice. The rules of the compiled calls:
+        if not plain_xla:
+            rules()
 
-        # Queries over T, K/V replicated: shard-local query lengths and segment ids.
-        qlens = jnp.asarray([29, 6], jnp.int32)
-        seg_q = (jnp.arange(32)[None, :] // 5).repeat(2, 0).astype(jnp.int32)
-        seg_k = (jnp.arange(40)[None, :] // 6).repeat(2, 0).astype(jnp.int32)
-        f = lambda q, k, v, ql, sq, sk: jax_flash.attention(
-            q, k, v, query_seq_lengths=ql, segment_ids=(sq, sk), implementation=impl)
-        check("T", mesh4("seq"), P(None, "seq"), P(), f, (qlens, seg_q, seg_k),
-              (P(), P(None, "seq"), P()), "sums")
-
-        # Causal queries over T need each shard's query offset (with the user's per-row
-        # offsets on top) where the implementation takes offsets; else they are gathered.
-        probe = jnp.zeros((2, 8, 2, H), dt)
-        offsets_ok = jax_flash.explain(probe, probe, probe, query_offset=1,
-                                       implementation=impl).reasons[impl] is None
-        offset = jnp.asarray([0, 5], jnp.int32) if offsets_ok else None
-        f = lambda q, k, v: jax_flash.attention(q, k, v, is_causal=True, query_offset=offset,
-                                                implementation=impl)
-        check("T causal", mesh4("seq"), P(None, "seq"), P(), f, (), (),
-              None if plain_xla else "sums" if offsets_ok else "gathered")
-
-        # Q, K/V all sharded over the sequence: ring attention inside the partitioned call
-        # (collective-permutes only) where the ring is available, else K/V are gathered.
-        ring_ok = partitioning._ring() is not None
-        lens = jnp.asarray([32, 19], jnp.int32)
-        seg = (jnp.arange(32)[None, :] // 11 + jnp.arange(2)[:, None]).astype(jnp.int32)
-        f = lambda q, k, v, lens, seg: jax_flash.attention(
-            q, k, v, is_causal=True, key_value_seq_lengths=lens, segment_ids=seg,
-            implementation=impl)
-        check("S", mesh4("seq"), P(None, "seq"), P(None, "seq"), f, (lens, seg),
-              (P(), P(None, "seq")), None if plain_xla else "ring" if ring_ok else "gathered")
-
-        if impl in ("xla", "pallas"):
-            # A dense bias broadcast over the batch: dbias sums over the batch shards.
-            bias = jax.random.normal(jax.random.PRNGKey(7), (1, 2, 24, 24), jnp.float32)
-            f = lambda q, k, v, bias: jax_flash.attention(q, k, v, bias=bias.astype(dt),
-                                                          implementation=impl)
-            check("bias", mesh4("batch"), P("batch"), P("batch"), f, (bias,), (P(),), "sums",
-                  argnums=(0, 1, 2, 3))
-
-    ours = [w for w in caught if issubclass(w.category, partitioning.ShardingFallbackWarning)]
-    for w in ours:
-        print("warning:", w.message)
-    if plain_xla:
-        assert not ours, [str(w.message) for w in ours]
-    else:
-        text = [str(w.message) for w in ours]
+    ours = [str(w.message) for w in caught
+            if issubclass(w.category, partitioning.ShardingFallbackWarning)]
+    for text in ours:
+        print("warning:", text)
+    if fallbacks:
         # Once per cause, though each is met in several compiles (forward and backward).
-        s_warn = [t for t in text if "key/value sequence axis S" in t and "'seq'" in t]
-        assert len(s_warn) == (0 if ring_ok else 1), text
-        t_warn = [t for t in text if "query sequence axis T" in t and "'seq'" in t]
-        assert len(t_warn) == (0 if offsets_ok else 1), text
-        assert len(text) == len(s_warn) + len(t_warn), text
+        s_warn = [t for t in ours if "key/value sequence axis S" in t and "'seq'" in t]
+        h_warn = [t for t in ours if "head dim H" in t and "'model'" in t]
+        assert len(s_warn) == len(h_warn) == 1 and len(ours) == 2, ours
+    else:
+        assert not ours, ours
     print("ok")
     """
 )
@@ -225,13 +213,6 @@ def _run(impl, partitioner):
 def test_sharded_under_jit(impl):
     """Shardy (the default partitioner): sharding rules."""
     _run(impl, "shardy")
-
-
-@pytest.mark.parametrize("partitioner", ["shardy", "gspmd"])
-def test_partitioning_rules_on_xla(partitioner):
-    """The rules around a plain-JAX body (the xla implementation), which takes query offsets:
-    causal query shards with per-row offsets run locally; both partitioners."""
-    _run("xla-rules", partitioner)
 
 
 def test_sharded_under_jit_gspmd():
@@ -293,3 +274,36 @@ def test_shard_map(impl):
     r = subprocess.run([sys.executable, "-c", SHARD_MAP_SCRIPT, impl], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_vmap_folds_a_broadcast_bias():
+    """Under vmap the partitioned calls fold the mapped axis into the batch (custom_partitioning
+    has no batching rule): a bias broadcast over the batch, unbatched or batched, keeps its
+    per-instance gradient (pallas against xla)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_flash
+    from conftest import availability
+
+    why = availability("pallas")
+    if why is not None:
+        pytest.skip(f"pallas unavailable here: {why}")
+    ks = jax.random.split(jax.random.PRNGKey(0), 5)
+    v_, b, t, n, h = 2, 2, 16, 2, 16
+    q, k, v = (jax.random.normal(key, (v_, b, t, n, h), jnp.float32) for key in ks[:3])
+    mask = jax.random.uniform(ks[3], (1, 1, t, t)) > 0.2
+
+    def loss(q, k, v, bias, impl):
+        o = jax_flash.attention(q, k, v, bias=bias, mask=mask, implementation=impl)
+        return jnp.sum(o * jnp.cos(o))
+
+    for bias, axis in ((jax.random.normal(ks[4], (1, n, t, t), jnp.float32), None),
+                       (jax.random.normal(ks[4], (v_, 1, 1, t, t), jnp.float32), 0)):
+        g = jax.vmap(jax.value_and_grad(loss, (0, 1, 2, 3)), in_axes=(0, 0, 0, axis, None))
+        got = jax.jit(g, static_argnums=4)(q, k, v, bias, "pallas")
+        want = jax.jit(g, static_argnums=4)(q, k, v, bias, "xla")
+        assert got[1][3].shape == (v_, *bias.shape[(0 if axis is None else 1):])
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert x.shape == y.shape
+            assert float(jnp.max(jnp.abs(x - y))) < 1e-4 * (1 + float(jnp.max(jnp.abs(y))))

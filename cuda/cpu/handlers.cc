@@ -74,12 +74,12 @@ class Checker {
 };
 
 // Reads the shapes from q and k, checks the operands every target shares (q, k, v,
-// lengths, segment ids) and the attributes, and fills the problem description.
+// lengths, segment ids, query offsets) and the attributes, and fills the problem description.
 void DescribeProblem(Checker& check, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
-                     ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, float scale,
-                     int64_t window_left, int64_t window_right, float softcap,
-                     bool use_segment_ids, Problem* p) {
+                     ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
+                     ffi::AnyBuffer q_offsets, float scale, int64_t window_left,
+                     int64_t window_right, float softcap, bool use_segment_ids, Problem* p) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   if (qd.size() != 4) return check.Fail("q must have rank 4 [B, T, N, H], got shape " + ShapeString(qd));
@@ -111,6 +111,7 @@ void DescribeProblem(Checker& check, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
   // Always passed (zeros when unused), so always checked.
   check.Expect("q_segment_ids", q_segment_ids, {p->batch, p->q_len}, ffi::DataType::S32);
   check.Expect("kv_segment_ids", kv_segment_ids, {p->batch, p->kv_len}, ffi::DataType::S32);
+  check.Expect("q_offset", q_offsets, {p->batch}, ffi::DataType::S32);
   if (!std::isfinite(scale)) check.Fail("scale must be finite, got " + std::to_string(scale));
   if (!(softcap >= 0.0f) || !std::isfinite(softcap))
     check.Fail("softcap must be >= 0 (0 = off), got " + std::to_string(softcap));
@@ -130,6 +131,7 @@ void DescribeProblem(Checker& check, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
   p->kv_lengths = static_cast<const int32_t*>(kv_lengths.untyped_data());
   p->q_segment_ids = static_cast<const int32_t*>(q_segment_ids.untyped_data());
   p->kv_segment_ids = static_cast<const int32_t*>(kv_segment_ids.untyped_data());
+  p->q_offsets = static_cast<const int32_t*>(q_offsets.untyped_data());
 }
 
 // JAX_FLASH_POISON_OUTPUTS=1 (set by the test suite) fills every result with NaN
@@ -160,13 +162,13 @@ ffi::Error RunTiles(ffi::ThreadPool& pool, const char* target, int64_t items, in
 ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                    ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, float scale,
-                   int64_t window_left, int64_t window_right, float softcap,
-                   bool use_segment_ids) {
+                   ffi::AnyBuffer q_offsets, ffi::Result<ffi::AnyBuffer> out,
+                   ffi::Result<ffi::AnyBuffer> lse, float scale, int64_t window_left,
+                   int64_t window_right, float softcap, bool use_segment_ids) {
   Checker check("jax_flash_fwd");
   Problem p;
-  DescribeProblem(check, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, scale,
-                  window_left, window_right, softcap, use_segment_ids, &p);
+  DescribeProblem(check, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+                  q_offsets, scale, window_left, window_right, softcap, use_segment_ids, &p);
   if (!check.ok()) return check.error();
   check.Expect("out", *out, {p.batch, p.q_len, p.q_heads, p.head_dim}, q.element_type());
   check.Expect("lse", *lse, {p.batch, p.q_heads, p.q_len}, ffi::DataType::F32);
@@ -199,8 +201,9 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
                     ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse,
                     ffi::AnyBuffer dlse, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                     ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                    ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dq_accum,
+                    ffi::AnyBuffer q_offsets, ffi::Result<ffi::AnyBuffer> dq,
+                    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                    ffi::Result<ffi::AnyBuffer> dq_accum,
                     ffi::Result<ffi::AnyBuffer> delta, float scale, int64_t window_left,
                     int64_t window_right, float softcap, bool use_segment_ids,
                     bool deterministic) {
@@ -208,8 +211,8 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
   // always deterministic (no atomics).
   Checker check("jax_flash_bwd");
   Problem p;
-  DescribeProblem(check, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, scale,
-                  window_left, window_right, softcap, use_segment_ids, &p);
+  DescribeProblem(check, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+                  q_offsets, scale, window_left, window_right, softcap, use_segment_ids, &p);
   if (!check.ok()) return check.error();
   const ffi::DataType dtype = q.element_type();
   const std::initializer_list<int64_t> q_shape = {p.batch, p.q_len, p.q_heads, p.head_dim};
@@ -283,6 +286,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuForward, Forward,
                                   .Arg<ffi::AnyBuffer>()  // kv_lengths [B] s32
                                   .Arg<ffi::AnyBuffer>()  // q_segment_ids [B, T] s32
                                   .Arg<ffi::AnyBuffer>()  // kv_segment_ids [B, S] s32
+                                  .Arg<ffi::AnyBuffer>()  // q_offset [B] s32
                                   .Ret<ffi::AnyBuffer>()  // out [B, T, N, H]
                                   .Ret<ffi::AnyBuffer>()  // lse [B, N, T] f32
                                   .Attr<float>("scale")
@@ -305,6 +309,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuBackward, Backward,
                                   .Arg<ffi::AnyBuffer>()  // kv_lengths [B] s32
                                   .Arg<ffi::AnyBuffer>()  // q_segment_ids [B, T] s32
                                   .Arg<ffi::AnyBuffer>()  // kv_segment_ids [B, S] s32
+                                  .Arg<ffi::AnyBuffer>()  // q_offset [B] s32
                                   .Ret<ffi::AnyBuffer>()  // dq [B, T, N, H]
                                   .Ret<ffi::AnyBuffer>()  // dk [B, S, K, H]
                                   .Ret<ffi::AnyBuffer>()  // dv [B, S, K, H]

@@ -27,14 +27,18 @@ struct Problem {
 
   float scale = 1.0f;     // logits = scale * q.k
   float softcap = 0.0f;   // > 0: logits -> softcap * tanh(logits / softcap)
-  int64_t window_left = -1;   // key s visible from query t iff s >= t - window_left (-1: unbounded)
-  int64_t window_right = -1;  // ... and s <= t + window_right (-1: unbounded; causal is 0)
+  // Query t of row b sits at key position p = q_offset[b] + t; key s is visible iff
+  // s >= p - window_left (-1: unbounded) and s <= p + window_right (-1: unbounded;
+  // causal is 0).
+  int64_t window_left = -1;
+  int64_t window_right = -1;
   bool use_segment_ids = false;
 
   const int32_t* q_lengths = nullptr;       // [B]
   const int32_t* kv_lengths = nullptr;      // [B]
   const int32_t* q_segment_ids = nullptr;   // [B, T]
   const int32_t* kv_segment_ids = nullptr;  // [B, S]
+  const int32_t* q_offsets = nullptr;       // [B]
 
   // Forward operands and results.
   const void* q = nullptr;
@@ -89,22 +93,38 @@ struct KeyInterval {
   bool empty() const { return hi <= lo; }
 };
 
-// The per-batch view of the mask: valid lengths and segment ids of one sequence.
+// The window of one batch row as a band of diagonals: query t sees key s iff
+// lo <= s - t <= hi, where lo = q_offset - window_left and hi = q_offset + window_right.
+// Both are clipped to [-T, S], which changes nothing (-T < s - t < S) and keeps every
+// index computed from them small, whatever the window attributes and the offset.
+struct Band {
+  int64_t lo = 0;
+  int64_t hi = 0;
+
+  Band(const Problem& p, int64_t b) {
+    // A window longer than 2^40 is as unbounded as -1 next to int32 offsets and lengths.
+    constexpr int64_t kUnbounded = int64_t{1} << 40;
+    const int64_t offset = p.q_offsets == nullptr ? 0 : p.q_offsets[b];
+    const int64_t left = p.window_left < 0 ? kUnbounded : std::min(p.window_left, kUnbounded);
+    const int64_t right = p.window_right < 0 ? kUnbounded : std::min(p.window_right, kUnbounded);
+    lo = std::clamp<int64_t>(offset - left, -p.q_len, p.kv_len);
+    hi = std::clamp<int64_t>(offset + right, -p.q_len, p.kv_len);
+  }
+};
+
+// The per-batch view of the mask: valid lengths, the band and the segment ids of one
+// sequence.
 struct MaskGeometry {
   int64_t q_valid = 0;   // rows t >= q_valid see nothing
   int64_t kv_valid = 0;  // keys s >= kv_valid are invisible
-  int64_t window_left = -1;
-  int64_t window_right = -1;
+  Band band;
   const int32_t* q_segments = nullptr;   // [T] or null when segment ids are off
   const int32_t* kv_segments = nullptr;  // [S] or null when segment ids are off
 
   MaskGeometry(const Problem& p, int64_t b)
       : q_valid(std::clamp<int64_t>(p.q_lengths[b], 0, p.q_len)),
         kv_valid(std::clamp<int64_t>(p.kv_lengths[b], 0, p.kv_len)),
-        // A window at least as long as the sequences is unbounded; saying so keeps
-        // t ± window from overflowing for huge attribute values.
-        window_left(p.window_left >= p.q_len ? -1 : p.window_left),
-        window_right(p.window_right >= p.kv_len ? -1 : p.window_right) {
+        band(p, b) {
     if (p.use_segment_ids) {
       q_segments = p.q_segment_ids + b * p.q_len;
       kv_segments = p.kv_segment_ids + b * p.kv_len;
@@ -113,10 +133,7 @@ struct MaskGeometry {
 
   KeyInterval keys_of_row(int64_t t) const {
     if (t < 0 || t >= q_valid) return {0, 0};
-    KeyInterval r{0, kv_valid};
-    if (window_left >= 0) r.lo = std::max<int64_t>(0, t - window_left);
-    if (window_right >= 0 && t + window_right + 1 < r.hi) r.hi = t + window_right + 1;
-    return r;
+    return {std::max<int64_t>(0, t + band.lo), std::min<int64_t>(kv_valid, t + band.hi + 1)};
   }
 
   // Rows that see at least one key in [s0, s1) (ignoring segment ids): the inverse of
@@ -124,10 +141,7 @@ struct MaskGeometry {
   KeyInterval rows_of_keys(int64_t s0, int64_t s1) const {
     s1 = std::min(s1, kv_valid);
     if (s1 <= s0) return {0, 0};
-    KeyInterval r{0, q_valid};
-    if (window_right >= 0) r.lo = std::max<int64_t>(0, s0 - window_right);
-    if (window_left >= 0 && s1 + window_left < r.hi) r.hi = s1 + window_left;
-    return r;
+    return {std::max<int64_t>(0, s0 - band.hi), std::min<int64_t>(q_valid, s1 - band.lo)};
   }
 };
 

@@ -184,6 +184,7 @@ void cp_async_16(void* smem_dst, const void* gmem_src, int src_bytes, const char
   if (offset % 16 != 0) detail::fail("cp.async: destination " + hex_ptr(smem_dst) + " is not 16-byte aligned");
   if (src_bytes < 0 || src_bytes > 16)
     detail::fail("cp.async: src-size " + std::to_string(src_bytes) + " is outside [0, 16]");
+  gmem_src = untag_global(gmem_src);
   if (src_bytes > 0 && reinterpret_cast<uintptr_t>(gmem_src) % 16 != 0)
     detail::fail("cp.async: source " + hex_ptr(gmem_src) + " is not 16-byte aligned");
   detail::cp_async_issue(offset, gmem_src, src_bytes, file, line);
@@ -210,11 +211,15 @@ void check_shared(const char* what, const void* p, size_t bytes, detail::MemOp o
   if (!race.empty()) detail::fail(race);
 }
 
-void check_global(const char* what, const void* p, size_t bytes, detail::MemOp op, const char* file, int line) {
+// Returns p without its tag (tag_global), checked.
+template <class T>
+T* check_global(const char* what, T* p, size_t bytes, detail::MemOp op, const char* file, int line) {
+  p = untag_global(p);
   if (reinterpret_cast<uintptr_t>(p) % bytes != 0)
     detail::fail(std::string(what) + ": address " + hex_ptr(p) + " is not " + std::to_string(bytes) +
                  "-byte aligned");
   detail::check_global(p, bytes, op, what, file, line);
+  return p;
 }
 
 }  // namespace
@@ -239,29 +244,29 @@ void st_shared_f32(float* p, float v, const char* file, int line) {
 }
 
 float ld_global_f32(const float* p, const char* file, int line) {
-  check_global("ld.global.f32", p, 4, detail::MemOp::kRead, file, line);
+  p = check_global("ld.global.f32", p, 4, detail::MemOp::kRead, file, line);
   float v;
   std::memcpy(&v, p, 4);
   return v;
 }
 void ld_global_v4_b32(uint32_t r[4], const void* p, const char* file, int line) {
-  check_global("ld.global.v4.b32", p, 16, detail::MemOp::kRead, file, line);
+  p = check_global("ld.global.v4.b32", p, 16, detail::MemOp::kRead, file, line);
   std::memcpy(r, p, 16);
 }
 void st_global_f32(float* p, float v, const char* file, int line) {
-  check_global("st.global.f32", p, 4, detail::MemOp::kWrite, file, line);
+  p = check_global("st.global.f32", p, 4, detail::MemOp::kWrite, file, line);
   std::memcpy(p, &v, 4);
 }
 void st_global_b32(void* p, uint32_t v, const char* file, int line) {
-  check_global("st.global.b32", p, 4, detail::MemOp::kWrite, file, line);
+  p = check_global("st.global.b32", p, 4, detail::MemOp::kWrite, file, line);
   std::memcpy(p, &v, 4);
 }
 void st_global_v4_b32(void* p, const uint32_t v[4], const char* file, int line) {
-  check_global("st.global.v4.b32", p, 16, detail::MemOp::kWrite, file, line);
+  p = check_global("st.global.v4.b32", p, 16, detail::MemOp::kWrite, file, line);
   std::memcpy(p, v, 16);
 }
 void red_global_add_f32(float* p, float v, const char* file, int line) {
-  check_global("red.global.add.f32", p, 4, detail::MemOp::kAtomic, file, line);
+  p = check_global("red.global.add.f32", p, 4, detail::MemOp::kAtomic, file, line);
   float old;
   std::memcpy(&old, p, 4);
   old += v;

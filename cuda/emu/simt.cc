@@ -10,6 +10,8 @@
 #endif
 #include "emu/simt.h"
 
+#include <setjmp.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -17,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <mutex>
 #include <stdexcept>
 #include <vector>
 
@@ -133,6 +136,7 @@ struct Fiber {
   size_t stack_bytes = 0;
   std::vector<PendingCopy> copies;  // cp.async copies not yet landed, in issue order
   uint64_t committed_groups = 0;    // cp.async groups committed so far; the open group's index
+  sigjmp_buf fault;                 // where a memory fault in the kernel code lands (fiber_main)
 };
 
 struct Warp {
@@ -357,6 +361,15 @@ void record_error(Runtime& rt, const std::string& message) {
   after_switch(nullptr);
   Runtime& rt = *tls_runtime;
   Fiber* self = rt.current;
+  if (sigsetjmp(self->fault, 0) != 0) {
+    // on_fault jumped here: the kernel's frames are abandoned (kernels hold no resources).
+    record_error(rt, "memory fault in the kernel: a plain C++ load or store of global memory (the kernels "
+                     "access it only through the PTX wrappers of kernels/ptx.h: ld/st.global, red.global, "
+                     "cp.async), or a wild pointer");
+    self->state = State::kExited;
+    switch_away(rt, self);
+    std::abort();
+  }
   try {
     rt.spec.run(rt.spec.ctx);
     on_exit(rt, *self);
@@ -375,6 +388,48 @@ void record_error(Runtime& rt, const std::string& message) {
 #if !JAX_FLASH_EMU_ASM_SWITCH
 void fiber_main_uc() { fiber_main(); }
 #endif
+
+// SIGSEGV/SIGBUS in a kernel thread (a plain access through a tagged global pointer, see
+// tag_global): back to that thread's fiber_main, which records the error. Elsewhere the signal
+// goes to the handler that was installed before (or the default action).
+struct sigaction g_previous[2];
+std::mutex g_signal_mutex;
+
+void on_fault(int sig, siginfo_t* info, void* context) {
+  Runtime* rt = tls_runtime;
+  if (rt != nullptr && rt->current != nullptr) siglongjmp(rt->current->fault, 1);
+  const struct sigaction& prev = g_previous[sig == SIGSEGV ? 0 : 1];
+  if (prev.sa_flags & SA_SIGINFO) {
+    if (prev.sa_sigaction != nullptr) prev.sa_sigaction(sig, info, context);
+    return;
+  }
+  if (prev.sa_handler == SIG_IGN) return;
+  if (prev.sa_handler == SIG_DFL || prev.sa_handler == nullptr) {
+    sigaction(sig, &prev, nullptr);  // the faulting instruction runs again, with the default action
+    return;
+  }
+  prev.sa_handler(sig);
+}
+
+// Installs on_fault for SIGSEGV and SIGBUS unless it is already the handler (called at each
+// launch: a library may have installed its own since).
+void install_fault_handler() {
+  std::lock_guard<std::mutex> lock(g_signal_mutex);
+  const int sigs[2] = {SIGSEGV, SIGBUS};
+  for (int i = 0; i < 2; ++i) {
+    struct sigaction cur;
+    if (sigaction(sigs[i], nullptr, &cur) != 0) continue;
+    if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == &on_fault) continue;
+    struct sigaction mine;
+    std::memset(&mine, 0, sizeof mine);
+    mine.sa_sigaction = &on_fault;
+    sigemptyset(&mine.sa_mask);
+    // SA_NODEFER: the handler leaves by siglongjmp without restoring the signal mask.
+    mine.sa_flags = SA_SIGINFO | SA_NODEFER;
+    g_previous[i] = cur;
+    sigaction(sigs[i], &mine, nullptr);
+  }
+}
 
 void init_fiber_context(Runtime& rt, Fiber& f) {
 #if JAX_FLASH_EMU_ASAN
@@ -1027,6 +1082,7 @@ Status run_launch(const LaunchSpec& spec, const LaunchOptions& options) {
     rt.scheduler_stack_bytes = bytes;
   }
 #endif
+  install_fault_handler();
   tls_runtime = &rt;
   for (unsigned z = 0; z < g.z && !rt.aborted; ++z)
     for (unsigned y = 0; y < g.y && !rt.aborted; ++y)

@@ -11,10 +11,16 @@
 //     exited, or waits at another collective or at __syncthreads, is an error.
 //   - A __syncthreads that not every thread of the block reaches (some exited) is an error.
 //   - cp.async lands only when a wait_group covering its group runs in the issuing thread
-//     (see ptx_emu.h); ldmatrix reading bytes with a copy still in flight, and a store to a
-//     copy's destination while it is in flight, are errors; shared-memory accesses of
-//     ldmatrix/cp.async outside the dynamic allocation are errors; cp.async sources can be
-//     confined to declared buffers (GlobalBufferScope).
+//     (see ptx_emu.h); reading bytes with a copy still in flight, and a store to a copy's
+//     destination while it is in flight, are errors; shared-memory accesses outside the
+//     dynamic allocation are errors.
+//   - Races in shared memory: every access through the PTX wrappers is checked, per byte,
+//     against the other threads' accesses since the last __syncthreads (or __syncwarp, within
+//     a warp); an unordered read-after-write, write-after-read or write-after-write is an error
+//     naming both threads, the offset and both source lines (simt.cc, smem_access).
+//   - Global memory: accesses through the wrappers must stay inside the buffers the host code
+//     declared (GlobalBufferScope), and CTAs of a launch must not store to (or read) bytes
+//     another CTA stores to, except with atomics.
 // Errors never abort the process: the first one (with block, thread and what) stops the
 // launch and is returned by emu::launch.
 //
@@ -119,6 +125,24 @@ class GlobalBufferScope {
  private:
   std::vector<GlobalBuffer> saved_;
 };
+
+// Tagged global pointers: a pointer with tag_global() applied still supports pointer arithmetic
+// and is accepted by every global-memory wrapper of ptx_emu.h (which strips the tag), but a plain
+// C++ load or store through it faults (the tag makes the address non-canonical). The emulation
+// turns that fault, inside a kernel, into the launch's error ("a plain access of global
+// memory"), so kernels cannot bypass the wrappers unseen. Host code must not dereference a
+// tagged pointer; untag_global() gives the plain one back.
+constexpr uintptr_t kGlobalTag = uintptr_t{0x5a} << 48;  // bits 48..55: not ignored by arm64's TBI
+constexpr uintptr_t kGlobalTagMask = uintptr_t{0xff} << 48;
+template <class T>
+inline T* tag_global(T* p) {
+  return p == nullptr ? p : reinterpret_cast<T*>(reinterpret_cast<uintptr_t>(p) | kGlobalTag);
+}
+template <class T>
+inline T* untag_global(T* p) {
+  const uintptr_t u = reinterpret_cast<uintptr_t>(p);
+  return (u & kGlobalTagMask) == kGlobalTag ? reinterpret_cast<T*>(u & ~kGlobalTagMask) : p;
+}
 
 // The block's dynamic shared memory (what JAX_FLASH_DYNAMIC_SMEM gives the kernel).
 char* dynamic_smem();
@@ -286,56 +310,58 @@ namespace jax_flash {
 namespace emu {
 namespace detail {
 template <class T>
-inline void atomic_access(T* address) {
+inline T* atomic_access(T* address) {
+  address = untag_global(address);
   check_global(address, sizeof(T), MemOp::kAtomic, "atomic", __FILE__, __LINE__);
+  return address;
 }
 }  // namespace detail
 }  // namespace emu
 }  // namespace jax_flash
 inline float atomicAdd(float* address, float val) {
-  ::jax_flash::emu::detail::atomic_access(address);
+  address = ::jax_flash::emu::detail::atomic_access(address);
   float old = *address;
   *address = old + val;
   return old;
 }
 inline double atomicAdd(double* address, double val) {
-  ::jax_flash::emu::detail::atomic_access(address);
+  address = ::jax_flash::emu::detail::atomic_access(address);
   double old = *address;
   *address = old + val;
   return old;
 }
 inline int atomicAdd(int* address, int val) {
-  ::jax_flash::emu::detail::atomic_access(address);
+  address = ::jax_flash::emu::detail::atomic_access(address);
   int old = *address;
   *address = old + val;
   return old;
 }
 inline unsigned int atomicAdd(unsigned int* address, unsigned int val) {
-  ::jax_flash::emu::detail::atomic_access(address);
+  address = ::jax_flash::emu::detail::atomic_access(address);
   unsigned int old = *address;
   *address = old + val;
   return old;
 }
 inline int atomicMax(int* address, int val) {
-  ::jax_flash::emu::detail::atomic_access(address);
+  address = ::jax_flash::emu::detail::atomic_access(address);
   int old = *address;
   *address = old > val ? old : val;
   return old;
 }
 inline int atomicMin(int* address, int val) {
-  ::jax_flash::emu::detail::atomic_access(address);
+  address = ::jax_flash::emu::detail::atomic_access(address);
   int old = *address;
   *address = old < val ? old : val;
   return old;
 }
 inline int atomicCAS(int* address, int compare, int val) {
-  ::jax_flash::emu::detail::atomic_access(address);
+  address = ::jax_flash::emu::detail::atomic_access(address);
   int old = *address;
   if (old == compare) *address = val;
   return old;
 }
 inline int atomicExch(int* address, int val) {
-  ::jax_flash::emu::detail::atomic_access(address);
+  address = ::jax_flash::emu::detail::atomic_access(address);
   int old = *address;
   *address = val;
   return old;

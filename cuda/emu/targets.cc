@@ -13,6 +13,7 @@
 #include "kernels/ffi_attention.h"  // first: it includes the XLA headers before emu/simt.h
 #include "kernels/bwd.h"
 #include "kernels/fwd.h"
+#include "emu/kernel_arguments.h"  // before the launches are instantiated: tags their pointers
 
 namespace jax_flash {
 namespace kernels {

@@ -30,6 +30,7 @@ auto WithMaskOperandsAndAttributes(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // kv_lengths [B] s32
       .template Arg<ffi::AnyBuffer>()  // q_segment_ids [B, T] s32
       .template Arg<ffi::AnyBuffer>()  // kv_segment_ids [B, S] s32
+      .template Arg<ffi::AnyBuffer>()  // q_offset [B] s32
       .template Attr<float>("scale")
       .template Attr<int64_t>("window_left")
       .template Attr<int64_t>("window_right")
@@ -108,7 +109,8 @@ inline ffi::Error Expect(const char* target, const char* name, const ffi::AnyBuf
 inline ffi::Error CheckOperands(const char* target, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                                 const ffi::AnyBuffer& v, const ffi::AnyBuffer& q_lengths,
                                 const ffi::AnyBuffer& kv_lengths, const ffi::AnyBuffer& q_segment_ids,
-                                const ffi::AnyBuffer& kv_segment_ids, float scale, int64_t window_left,
+                                const ffi::AnyBuffer& kv_segment_ids, const ffi::AnyBuffer& q_offsets,
+                                float scale, int64_t window_left,
                                 int64_t window_right, float softcap, bool use_segment_ids, AttentionParams* p,
                                 ElementType* dtype) {
   const std::string where = target;
@@ -127,6 +129,7 @@ inline ffi::Error CheckOperands(const char* target, const ffi::AnyBuffer& q, con
   if (auto e = Expect(target, "kv_lengths", kv_lengths, {B}, ffi::DataType::S32); e.failure()) return e;
   if (auto e = Expect(target, "q_segment_ids", q_segment_ids, {B, T}, ffi::DataType::S32); e.failure()) return e;
   if (auto e = Expect(target, "kv_segment_ids", kv_segment_ids, {B, S}, ffi::DataType::S32); e.failure()) return e;
+  if (auto e = Expect(target, "q_offset", q_offsets, {B}, ffi::DataType::S32); e.failure()) return e;
   if (!HasHeadDim(static_cast<int>(H)))
     return ffi::Error::InvalidArgument(where + ": head dim " + std::to_string(H) +
                                        " has no compiled kernel (32, 64, 96 and 128 do)");
@@ -137,8 +140,9 @@ inline ffi::Error CheckOperands(const char* target, const ffi::AnyBuffer& q, con
   if (B >= (int64_t{1} << 31) || N >= (int64_t{1} << 31) || T >= (int64_t{1} << 30) || S >= (int64_t{1} << 30))
     return ffi::Error::InvalidArgument(where + ": batch and heads must be < 2^31 and T, S < 2^30, got q " +
                                        Describe(q) + ", k " + Describe(k));
-  // Windows wider than any sequence are unbounded; keeps the kernels' int arithmetic exact.
-  auto window = [](int64_t w) { return w < 0 ? -1 : static_cast<int>(w < (int64_t{1} << 30) ? w : (int64_t{1} << 30)); };
+  // A window wider than 2^32 reaches past any int32 offset: the same as 2^32, which keeps
+  // offset ± window exact in 64 bits.
+  auto window = [](int64_t w) { return w < 0 ? int64_t{-1} : (w < (int64_t{1} << 32) ? w : (int64_t{1} << 32)); };
   p->batch = static_cast<int>(B);
   p->q_len = static_cast<int>(T);
   p->kv_len = static_cast<int>(S);
@@ -154,6 +158,7 @@ inline ffi::Error CheckOperands(const char* target, const ffi::AnyBuffer& q, con
   p->kv_lengths = static_cast<const int32_t*>(kv_lengths.untyped_data());
   p->q_segment_ids = static_cast<const int32_t*>(q_segment_ids.untyped_data());
   p->kv_segment_ids = static_cast<const int32_t*>(kv_segment_ids.untyped_data());
+  p->q_offsets = static_cast<const int32_t*>(q_offsets.untyped_data());
   p->q = static_cast<const uint16_t*>(q.untyped_data());
   p->k = static_cast<const uint16_t*>(k.untyped_data());
   p->v = static_cast<const uint16_t*>(v.untyped_data());
@@ -176,13 +181,13 @@ inline ffi::Error ToError(const char* target, const LaunchError& err) {
 
 inline ffi::Error Forward(const char* target, Stream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                           ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
-                          ffi::AnyBuffer kv_segment_ids, float scale, int64_t window_left, int64_t window_right,
-                          float softcap, bool use_segment_ids, ffi::Result<ffi::AnyBuffer> out,
+                          ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_offsets, float scale, int64_t window_left,
+                          int64_t window_right, float softcap, bool use_segment_ids, ffi::Result<ffi::AnyBuffer> out,
                           ffi::Result<ffi::AnyBuffer> lse) {
   AttentionParams p;
   ElementType dtype;
-  if (auto e = CheckOperands(target, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, scale,
-                             window_left, window_right, softcap, use_segment_ids, &p, &dtype);
+  if (auto e = CheckOperands(target, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, q_offsets,
+                             scale, window_left, window_right, softcap, use_segment_ids, &p, &dtype);
       e.failure())
     return e;
   const int64_t B = p.batch, T = p.q_len, N = p.q_heads, H = p.head_dim;
@@ -200,14 +205,15 @@ inline ffi::Error Forward(const char* target, Stream stream, ffi::AnyBuffer q, f
 inline ffi::Error Backward(const char* target, Stream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer dlse,
                            ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
-                           ffi::AnyBuffer kv_segment_ids, float scale, int64_t window_left, int64_t window_right,
-                           float softcap, bool use_segment_ids, bool deterministic, ffi::Result<ffi::AnyBuffer> dq,
+                           ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_offsets, float scale, int64_t window_left,
+                           int64_t window_right, float softcap, bool use_segment_ids, bool deterministic,
+                           ffi::Result<ffi::AnyBuffer> dq,
                            ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                            ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> delta) {
   AttentionParams p;
   ElementType dtype;
-  if (auto e = CheckOperands(target, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, scale,
-                             window_left, window_right, softcap, use_segment_ids, &p, &dtype);
+  if (auto e = CheckOperands(target, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, q_offsets,
+                             scale, window_left, window_right, softcap, use_segment_ids, &p, &dtype);
       e.failure())
     return e;
   const int64_t B = p.batch, T = p.q_len, S = p.kv_len, N = p.q_heads, K = p.kv_heads, H = p.head_dim;

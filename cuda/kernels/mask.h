@@ -1,5 +1,9 @@
 // The attention mask, one definition for the forward and the backward: sequence lengths, a
-// local window (causal is the window (unbounded, 0)), and segment ids, combined by AND.
+// local window (causal is the window (unbounded, 0)) placed by the query offset, and segment
+// ids, combined by AND. The window is a band of diagonals: query t sees key s iff
+// band_lo <= s - t <= band_hi, with band_lo = q_offset - window_left and band_hi = q_offset +
+// window_right computed per batch element in 64 bits and clipped to [-T, S] (which changes
+// nothing, as -T < s - t < S), so every index derived from them stays a small int.
 //
 // For a query t the visible keys before segment ids are one interval [key_lo(t), key_hi(t)),
 // and both ends are non-decreasing in t. So the keys seen by a block of queries, and the
@@ -23,11 +27,16 @@ struct Range {
   __device__ __forceinline__ bool empty() const { return hi <= lo; }
 };
 
+// x clipped to [lo, hi], as an int.
+__device__ __forceinline__ int clip_to(int64_t x, int lo, int hi) {
+  return x < lo ? lo : x > hi ? hi : static_cast<int>(x);
+}
+
 struct Mask {
-  int q_valid;       // rows t >= q_valid see nothing
-  int kv_valid;      // keys s >= kv_valid are invisible
-  int window_left;   // -1: unbounded
-  int window_right;  // -1: unbounded
+  int q_valid;   // rows t >= q_valid see nothing
+  int kv_valid;  // keys s >= kv_valid are invisible
+  int band_lo;   // the window: band_lo <= s - t <= band_hi
+  int band_hi;
   const int32_t* q_segments;   // [T] of this batch element, or null when segment ids are off
   const int32_t* kv_segments;  // [S]
 
@@ -35,18 +44,17 @@ struct Mask {
     Mask m;
     m.q_valid = min(max(p.q_lengths[b], 0), p.q_len);
     m.kv_valid = min(max(p.kv_lengths[b], 0), p.kv_len);
-    m.window_left = p.window_left;
-    m.window_right = p.window_right;
+    const int64_t offset = p.q_offsets[b];
+    m.band_lo = p.window_left < 0 ? -p.q_len : clip_to(offset - p.window_left, -p.q_len, p.kv_len);
+    m.band_hi = p.window_right < 0 ? p.kv_len : clip_to(offset + p.window_right, -p.q_len, p.kv_len);
     m.q_segments = p.use_segment_ids ? p.q_segment_ids + static_cast<int64_t>(b) * p.q_len : nullptr;
     m.kv_segments = p.use_segment_ids ? p.kv_segment_ids + static_cast<int64_t>(b) * p.kv_len : nullptr;
     return m;
   }
 
   // Keys [key_lo(t), key_hi(t)) are visible from a valid query row t (before segment ids).
-  __device__ __forceinline__ int key_lo(int t) const { return window_left >= 0 ? max(0, t - window_left) : 0; }
-  __device__ __forceinline__ int key_hi(int t) const {
-    return window_right >= 0 ? min(kv_valid, t + window_right + 1) : kv_valid;
-  }
+  __device__ __forceinline__ int key_lo(int t) const { return max(0, t + band_lo); }
+  __device__ __forceinline__ int key_hi(int t) const { return min(kv_valid, t + band_hi + 1); }
 
   // The keys that some row of [t0, t1) may see.
   __device__ __forceinline__ Range keys_of_rows(int t0, int t1) const {
@@ -59,9 +67,7 @@ struct Mask {
   __device__ __forceinline__ Range rows_of_keys(int s0, int s1) const {
     s1 = min(s1, kv_valid);
     if (s1 <= s0) return {};
-    const int lo = window_right >= 0 ? max(0, s0 - window_right) : 0;
-    const int hi = window_left >= 0 ? min(q_valid, s1 + window_left) : q_valid;
-    return {lo, hi};
+    return {max(0, s0 - band_hi), min(q_valid, s1 - band_lo)};
   }
 
   // Whether every (t, s) of rows [t0, t0 + rows) x keys [s0, s0 + cols) is visible, given
@@ -74,8 +80,7 @@ struct Mask {
 
   __device__ __forceinline__ bool visible(int t, int s) const {
     if (t >= q_valid || s >= kv_valid) return false;
-    if (window_left >= 0 && s < t - window_left) return false;
-    if (window_right >= 0 && s > t + window_right) return false;
+    if (s - t < band_lo || s - t > band_hi) return false;
     return q_segments == nullptr || q_segments[t] == kv_segments[s];
   }
 };

@@ -22,14 +22,18 @@ struct AttentionParams {
 
   float scale = 1.0f;      // logits = scale * q.k
   float softcap = 0.0f;    // > 0: logits -> softcap * tanh(logits / softcap), before masking
-  int window_left = -1;    // key s visible from query t iff s >= t - window_left (-1: unbounded)
-  int window_right = -1;   // ... and s <= t + window_right (-1: unbounded; causal is 0)
+  // Query t of batch b sits at key position p = q_offsets[b] + t; key s is visible iff
+  // s >= p - window_left (-1: unbounded) and s <= p + window_right (-1: unbounded; causal
+  // is 0). Windows are at most 2^32: wider ones are unbounded next to int32 offsets.
+  int64_t window_left = -1;
+  int64_t window_right = -1;
   bool use_segment_ids = false;
 
   const int32_t* q_lengths = nullptr;       // [B]: rows t >= q_lengths[b] see nothing
   const int32_t* kv_lengths = nullptr;      // [B]: keys s >= kv_lengths[b] are invisible
   const int32_t* q_segment_ids = nullptr;   // [B, T]
   const int32_t* kv_segment_ids = nullptr;  // [B, S]
+  const int32_t* q_offsets = nullptr;       // [B]
 
   const uint16_t* q = nullptr;
   const uint16_t* k = nullptr;

@@ -29,6 +29,15 @@ using Stream = cudaStream_t;
 // Empty on success, else what went wrong (the FFI handlers turn it into ffi::Error).
 using LaunchError = std::string;
 
+#ifdef JAX_FLASH_EMULATE
+// Each kernel argument on its way into an emulated launch; AttentionParams overloads it to tag
+// its global pointers (emu/kernel_arguments.h).
+template <class T>
+T EmuArgument(T x) {
+  return x;
+}
+#endif
+
 // Launches kernel<<<grid, block, smem_bytes, stream>>>(args...); `name` names the kernel in the
 // emulation's error reports. Kernels that use more than the default 48 KB of dynamic shared
 // memory opt in first (sm_80+: up to 99 KB on sm_120).
@@ -40,7 +49,8 @@ LaunchError Launch(const char* name, void (*kernel)(Params...), dim3 grid, dim3 
   (void)stream;
   emu::LaunchOptions options = emu::LaunchOptions::FromEnvironment();
   options.kernel = name;
-  emu::Status st = emu::launch_with(options, grid, block, smem_bytes, kernel, static_cast<Params>(args)...);
+  emu::Status st =
+      emu::launch_with(options, grid, block, smem_bytes, kernel, EmuArgument(static_cast<Params>(args))...);
   return st.error;
 #else
   (void)name;

@@ -266,7 +266,9 @@ __device__ __forceinline__ float ex2_approx(float x) {
 }
 
 // tanh.approx.f32: tanh(x) with a relative error of at most 2^-11 (§9.7.3.22 "Floating Point
-// Instructions: tanh", sm_75+). The soft cap's transform, once per score.
+// Instructions: tanh", sm_75+). Not used for the soft cap: 2^-11 relative is too coarse for
+// capped logits (softmax.h builds tanh from ex2.approx instead); kept, and self-tested, as the
+// fast alternative a benchmark can weigh.
 __device__ __forceinline__ float tanh_approx(float x) {
 #ifndef JAX_FLASH_EMULATE
   float y;

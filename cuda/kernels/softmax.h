@@ -8,9 +8,11 @@
 // s = −inf times exp_scale = 0 is NaN), the tile is transformed first and exp_scale is 1.
 // lse leaves the kernels in natural-log units: lse = ln 2 · (m + log2(l)).
 //
-// Approximate math only where it is per score and its error is documented: ex2.approx (2 ulp)
-// and tanh.approx (relative 2^-11); once-per-row operations (1/l, log2f) and the soft cap's
-// derivative stay IEEE (the kernels are built without --use_fast_math).
+// Approximate math only where it is per score and its error is documented: ex2.approx (2 ulp);
+// once-per-row operations (1/l, log2f) and the soft cap's derivative stay IEEE (the kernels
+// are built without --use_fast_math). The soft cap's tanh is built from ex2.approx and an
+// IEEE division (`tanh_of`), not tanh.approx: a relative 2^-11 moves a capped logit by up to
+// cap · 2^-11 (0.024 at cap = 50), more than a float16 reference's own error.
 #pragma once
 
 #include <cmath>
@@ -24,6 +26,13 @@ namespace kernels {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+
+// tanh(x) = sign(x) · (1 − 2 / (e^{2|x|} + 1)): one ex2.approx and one IEEE division, an
+// absolute error of a few 2^-24 over the whole range (e^{2|x|} = inf gives ±1; NaN stays NaN).
+__device__ __forceinline__ float tanh_of(float x) {
+  const float e = ptx::ex2_approx(2.0f * kLog2e * fabsf(x));
+  return copysignf(1.0f - 2.0f / (e + 1.0f), x);
+}
 
 struct LogitScaling {
   float exp_scale;  // p = exp2(x · exp_scale − m)
@@ -43,7 +52,7 @@ struct LogitScaling {
   }
 
   __device__ __forceinline__ float transform(float s) const {
-    return cap_log2 > 0.0f ? cap_log2 * ptx::tanh_approx(s * pre_scale) : s * pre_scale;
+    return cap_log2 > 0.0f ? cap_log2 * tanh_of(s * pre_scale) : s * pre_scale;
   }
 
   // d(capped logit)/d(logit) = 1 − tanh², at transformed x; 1 when the soft cap is off.

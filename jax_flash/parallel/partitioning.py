@@ -22,9 +22,8 @@ What runs on local shards, with no collective in the forward:
 * queries over `t` with K/V not sharded over `s`: each shard runs with its own query
   offset (`q_offset + shard_index * T_local`, from `lax.axis_index`) and shard-local query
   lengths; segment ids shard with their sequence. The backward all-reduces dK/dV over the
-  sequence axis (a sum over query shards). Causal and window masks need the offset, so
-  this needs an implementation that takes `query_offset` (else the queries are gathered,
-  reported).
+  sequence axis (a sum over query shards). Causal and window masks need the offset (an
+  implementation that does not take `query_offset` gets its queries gathered, reported).
 * queries over `t` and K/V over `s` on one mesh axis (a sequence-sharded self-attention):
   ring attention (`jax_flash.parallel.ring`) inside the partitioned call, the K/V chunks
   rotating by collective-permute, forward and backward; lengths stay global, segment ids
@@ -34,7 +33,8 @@ Everything else falls back to an all-gather that XLA inserts before the call, re
 a one-time `ShardingFallbackWarning` per cause naming the mesh axis and the dimension:
 K/V over `s` where the ring cannot run (queries not sharded over the same single axis, a
 dense bias or mask, a block the implementation cannot serve), the head dim `h`, kv heads
-sharded over other axes than the query heads, one mesh axis on two dimensions.
+sharded over other axes than the query heads, one mesh axis on two dimensions, a dim that
+is not a multiple of its mesh axes' size.
 
 A dense bias broadcast along a sharded dim (e.g. `[1, N, T, S]` with the batch sharded)
 gets its gradient summed over those shards (an all-reduce in the backward).
@@ -61,6 +61,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_flash import _registry
 from jax_flash._spec import AttentionSpec, MaskInputs
+from jax_flash.parallel import ring
 
 
 class ShardingFallbackWarning(UserWarning):
@@ -120,7 +121,7 @@ def backward(
     return _wrapped(name, True, fn, spec, q, k, v, masks, (out, lse, dout, dlse))
 
 
-def sharding_rule(call: _Call, mesh=None, operand_types=None, result_types=None) -> str:
+def sharding_rule(call: _Call, *_) -> str:
     """The Shardy rule of `call`, e.g. "b t n h, b s k h, b s k h -> b t n h, b n t"."""
     fresh = (f"one{i}" for i in itertools.count())
 
@@ -224,7 +225,9 @@ def _size(mesh, axes) -> int:
 def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
     """Which factors run sharded, from the operands' shardings; warns about the rest."""
     found: dict = {}
+    sizes: dict = {}
     for dims, arg in zip(call.operand_dims, arg_shapes):
+        sizes.update((d, n) for d, n in zip(dims, arg.shape) if d is not None)
         pspec = getattr(arg.sharding, "spec", None)
         if pspec is None:
             continue
@@ -236,6 +239,10 @@ def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
     spec = call.spec
     used: set = set()
     plan: dict = {}
+    for d, axes in list(found.items()):
+        if sizes[d] % _size(mesh, axes):
+            _warn_once(call, d, axes, f"{sizes[d]} is not a multiple of {_size(mesh, axes)} devices")
+            del found[d]
 
     def take(factor, axes):
         if any(a in used for a in axes):
@@ -292,26 +299,14 @@ def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
     return _Plan(tuple(sorted(plan.items())), slice_kv, ring_axis)
 
 
-def _ring():
-    """The ring module, or None where it is not part of this build."""
-    try:
-        from jax_flash.parallel import ring
-    except ImportError:
-        return None
-    return ring if hasattr(ring, "RingConfig") else None
-
-
 def _ring_config(call: _Call, mesh, axis: str):
-    return _ring().RingConfig(call.name, axis, mesh.shape[axis])
+    return ring.RingConfig(call.name, axis, mesh.shape[axis])
 
 
 def _ring_unavailable(call: _Call, mesh, t_axes, s_axes, plan) -> Optional[str]:
     """None if K/V sharded over `s_axes` can run as a ring inside the partitioned call,
     else why not."""
-    ring = _ring()
     spec = call.spec
-    if ring is None:
-        return "sequence-sharded keys and values need ring attention (jax_flash.ring_attention)"
     if len(s_axes) != 1:
         return f"the ring runs over one mesh axis, not {len(s_axes)}"
     if tuple(t_axes) != tuple(s_axes):
@@ -448,13 +443,14 @@ def _local(call: _Call, mesh, plan: _Plan):
 def _ring_call(call: _Call, mesh, axis: str, local_spec, q, k, v, masks, rest):
     """Ring attention over `axis` on this device's chunks (global lengths, offsets and
     positions; segment ids are the local chunks)."""
-    ring = _ring()
     p = mesh.shape[axis]
     spec = dataclasses.replace(local_spec, q_len=local_spec.q_len * p, kv_len=local_spec.kv_len * p)
     cfg = _ring_config(call, mesh, axis)
+    # This runs as the primal forward or backward inside the one custom_vjp (_vjp.py), so
+    # it takes the ring's forward and backward, not the ring's own custom_vjp.
     if not call.backward:
-        return ring._ring_forward(cfg, spec, q, k, v, masks)
-    dq, dk, dv = ring._ring_backward(cfg, spec, q, k, v, masks, *rest)
+        return ring.ring_forward(cfg, spec, q, k, v, masks)
+    dq, dk, dv = ring.ring_backward(cfg, spec, q, k, v, masks, *rest)
     return dq, dk, dv, None
 
 

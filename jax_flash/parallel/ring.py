@@ -8,6 +8,9 @@ the registry (`forward(spec, q, k, v, masks)` -> out, lse) and merges it into a 
 (out, lse) exactly, by log-sum-exp: the online-softmax identity of FlashAttention applied to
 whole blocks (as in Liu et al., "Ring Attention with Blockwise Transformers"). The next
 chunk's transfer is issued before the current block's compute, so XLA can overlap them.
+Steps 1 .. P-2 run in one `lax.fori_loop`, so each device holds two K/V chunks at a time
+(the one computed and the one arriving); an unrolled ring lets XLA's scheduler issue every
+transfer up front and keep all P chunks alive.
 
 Backward is one `custom_vjp` for the whole ring. It saves only the local q, k, v, out and
 lse. The backward ring rotates each K/V chunk together with its dK/dV accumulators; each
@@ -55,6 +58,9 @@ from jax_flash._spec import AttentionSpec, MaskInputs
 __all__ = [
     "ring_attention",
     "ring_flash_attention",
+    "ring_forward",
+    "ring_backward",
+    "block_specs",
     "RingConfig",
     "zigzag",
     "unzigzag",
@@ -422,12 +428,26 @@ def _ring_loop(cfg: RingConfig, step, kv, state, rotate_after=None):
     return state
 
 
-def _ring_forward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks: MaskInputs):
+def _pieces(x, n: int, size: int, axis: int = 1) -> tuple:
+    """A device's chunk as its n contiguous pieces (None stays None)."""
+    if x is None:
+        return (None,) * n
+    return tuple(_piece(x, i, size, axis) for i in range(n))
+
+
+def ring_forward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks: MaskInputs):
+    """The ring's forward on canonical local chunks (arguments as `ring_flash_attention`):
+    out [B, T/P, N, H], lse [B, N, T/P]. Not differentiable by itself: for a partitioned
+    body that pairs it with `ring_backward` in its own custom_vjp."""
     impl = _registry.get(cfg.implementation)
     tq, tk = _sizes(spec, cfg)
     acc_dt = _acc_dtype(q.dtype)
     schedule = _schedule(spec, cfg, masks.q_offset is not None)
     b, _, n, h = q.shape
+    # Pieces are cut once: the ring moves and computes them as they are (no copies per step).
+    q_p = _pieces(q, cfg.pieces, tq)
+    q_seg = _pieces(masks.q_segment_ids, cfg.pieces, tq)
+    kv = tuple(_pieces(x, cfg.pieces, tk) for x in (k, v, masks.kv_segment_ids))
     # Accumulators made from q keep its varying-over-the-mesh type (shard_map's check_vma).
     init = (
         tuple(jnp.zeros_like(q, acc_dt, (b, tq, n, h)) for _ in range(cfg.pieces)),
@@ -439,8 +459,7 @@ def _ring_forward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks: MaskInpu
         k_cur, v_cur, seg_cur = kv
         for blk in schedule:
             qp, kp = blk.q_piece, blk.k_piece
-            q_seg = _piece(masks.q_segment_ids, qp, tq)
-            call = _block_call(spec, blk, at, masks, q_seg, _piece(seg_cur, kp, tk), tq, tk)
+            call = _block_call(spec, blk, at, masks, q_seg[qp], seg_cur[kp], tq, tk)
 
             def compute(kind, o, lse, q_blk, k_blk, v_blk, call=call):
                 ob, lb = impl.forward(call.specs[kind], q_blk, k_blk, v_blk, call.masks[kind])
@@ -450,42 +469,47 @@ def _ring_forward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks: MaskInpu
                 call,
                 compute,
                 lambda o, lse, *_: (o, lse),
-                (o_acc[qp], lse_acc[qp], _piece(q, qp, tq), _piece(k_cur, kp, tk),
-                 _piece(v_cur, kp, tk)),
+                (o_acc[qp], lse_acc[qp], q_p[qp], k_cur[kp], v_cur[kp]),
             )
         return tuple(o_acc), tuple(lse_acc)
 
-    o_acc, lse_acc = _ring_loop(cfg, step, (k, v, masks.kv_segment_ids), init)
+    o_acc, lse_acc = _ring_loop(cfg, step, kv, init)
     out = jnp.concatenate(o_acc, axis=1).astype(q.dtype)
     lse = jnp.concatenate(lse_acc, axis=2)
     return out, lse
 
 
-def _ring_backward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks, out, lse, dout, dlse):
+def ring_backward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks, out, lse, dout, dlse):
+    """The ring's backward: dq, dk, dv of this device's chunks, from the saved local q, k,
+    v, out, lse and the cotangents dout [B, T/P, N, H], dlse [B, N, T/P]."""
     impl = _registry.get(cfg.implementation)
     tq, tk = _sizes(spec, cfg)
     acc_dt = _acc_dtype(q.dtype)
     schedule = _schedule(spec, cfg, masks.q_offset is not None)
-    dout = dout.astype(out.dtype)
-    dlse = dlse.astype(lse.dtype)
-    init = (
-        jnp.zeros_like(q, acc_dt),  # dQ of this device's queries
-        jnp.zeros_like(k, acc_dt),  # dK of the chunk currently held (travels with it)
-        jnp.zeros_like(v, acc_dt),
+    n_p = cfg.pieces
+    rows = tuple(
+        zip(
+            _pieces(q, n_p, tq),
+            _pieces(masks.q_segment_ids, n_p, tq),
+            _pieces(out, n_p, tq),
+            _pieces(lse, n_p, tq, axis=2),
+            _pieces(dout.astype(out.dtype), n_p, tq),
+            _pieces(dlse.astype(lse.dtype), n_p, tq, axis=2),
+        )
     )
+    kv = tuple(_pieces(x, n_p, tk) for x in (k, v, masks.kv_segment_ids))
+    zeros = lambda x, size: tuple(jnp.zeros_like(x, acc_dt, (x.shape[0], size, *x.shape[2:]))
+                                  for _ in range(n_p))
+    # dQ of this device's queries; dK, dV of the chunk currently held (they travel with it).
+    init = (zeros(q, tq), zeros(k, tk), zeros(v, tk))
 
     def step(at, kv, state):
-        dq, dk, dv = state
-        dq_acc = [_piece(dq, qp, tq) for qp in range(cfg.pieces)]
-        dk_acc = [_piece(dk, kp, tk) for kp in range(cfg.pieces)]
-        dv_acc = [_piece(dv, kp, tk) for kp in range(cfg.pieces)]
+        dq_acc, dk_acc, dv_acc = map(list, state)
         k_cur, v_cur, seg_cur = kv
         for blk in schedule:
             qp, kp = blk.q_piece, blk.k_piece
-            q_seg = _piece(masks.q_segment_ids, qp, tq)
-            call = _block_call(spec, blk, at, masks, q_seg, _piece(seg_cur, kp, tk), tq, tk)
-            rows = (_piece(out, qp, tq), _piece(lse, qp, tq, axis=2), _piece(dout, qp, tq),
-                    _piece(dlse, qp, tq, axis=2))
+            q_blk, q_seg, o_blk, l_blk, do_blk, dl_blk = rows[qp]
+            call = _block_call(spec, blk, at, masks, q_seg, seg_cur[kp], tq, tk)
 
             def compute(kind, dq, dk, dv, q_blk, k_blk, v_blk, o_blk, l_blk, do_blk, dl_blk,
                         call=call):
@@ -497,19 +521,19 @@ def _ring_backward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks, out, ls
                 call,
                 compute,
                 lambda dq, dk, dv, *_: (dq, dk, dv),
-                (dq_acc[qp], dk_acc[kp], dv_acc[kp], _piece(q, qp, tq), _piece(k_cur, kp, tk),
-                 _piece(v_cur, kp, tk), *rows),
+                (dq_acc[qp], dk_acc[kp], dv_acc[kp], q_blk, k_cur[kp], v_cur[kp], o_blk, l_blk,
+                 do_blk, dl_blk),
             )
-        cat = lambda xs: jnp.concatenate(xs, axis=1)
-        return cat(dq_acc), cat(dk_acc), cat(dv_acc)
+        return tuple(dq_acc), tuple(dk_acc), tuple(dv_acc)
 
     def carry_home(state):
         # The accumulators follow their chunk; after the last step this hop takes them home.
         dq, dk, dv = state
         return (dq, *_rotate((dk, dv), cfg))
 
-    dq, dk, dv = _ring_loop(cfg, step, (k, v, masks.kv_segment_ids), init, carry_home)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    dq, dk, dv = _ring_loop(cfg, step, kv, init, carry_home)
+    cat = lambda xs, dtype: jnp.concatenate(xs, axis=1).astype(dtype)
+    return cat(dq, q.dtype), cat(dk, k.dtype), cat(dv, v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -534,18 +558,18 @@ def ring_flash_attention(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks: M
     Returns:
       out [B, T/P, N, H] (dtype of q) and lse [B, N, T/P] (float32; float64 for float64).
     """
-    return _ring_forward(cfg, spec, q, k, v, masks)
+    return ring_forward(cfg, spec, q, k, v, masks)
 
 
 def _vjp_forward(cfg, spec, q, k, v, masks):
-    out, lse = _ring_forward(cfg, spec, q, k, v, masks)
+    out, lse = ring_forward(cfg, spec, q, k, v, masks)
     return (out, lse), (q, k, v, masks, out, lse)
 
 
 def _vjp_backward(cfg, spec, residuals, cotangents):
     q, k, v, masks, out, lse = residuals
     dout, dlse = cotangents
-    dq, dk, dv = _ring_backward(cfg, spec, q, k, v, masks, out, lse, dout, dlse)
+    dq, dk, dv = ring_backward(cfg, spec, q, k, v, masks, out, lse, dout, dlse)
     return dq, dk, dv, MaskInputs()  # lengths, segment ids and offsets: no cotangent
 
 
@@ -589,7 +613,7 @@ def _axis_size(axis_name) -> int:
         raise TypeError(f"axis_name must be the name (str) of a mesh axis, got {axis_name!r}")
     try:
         return int(lax.axis_size(axis_name))
-    except NameError as e:
+    except (NameError, KeyError) as e:  # an axis name that is not bound here
         raise ValueError(
             f"axis_name {axis_name!r} is not an axis of the enclosing shard_map: call "
             "ring_attention inside jax.shard_map over a mesh with that axis"

@@ -978,7 +978,14 @@ __global__ void memcheck_kernel(MemParams p) {
       }
       break;
     case 17:  // every access in bounds, each CTA on its own half: fine
-      ptx::st_global_f32(p.out + b * 32 + lane, ptx::ld_global_f32(p.in + t));
+      if (t < 32) ptx::st_global_f32(p.out + b * 32 + lane, ptx::ld_global_f32(p.in + t));
+      break;
+    case 18:  // tagged pointers (emu::tag_global) through the wrappers: fine
+      if (t < 16) ptx::st_global_f32(emu::tag_global(p.out) + b * 32 + t, ptx::ld_global_f32(emu::tag_global(p.in) + t));
+      if (t == 40) ptx::red_global_add_f32(emu::tag_global(p.out) + b * 32 + 20, 1.0f);
+      break;
+    case 19:  // a plain read-modify-write through a tagged pointer: faults, reported
+      if (t == 3) emu::tag_global(p.out)[b * 32 + 3] += 1.0f;
       break;
   }
 }
@@ -1068,11 +1075,21 @@ void test_global_checks() {
   st = run_memcheck(16, fwd);
   CHECK(!st.ok() && st.error.find("mixing atomic and plain") != std::string::npos, "plain store and atomic: " + st.error);
   st = run_memcheck(17, fwd, &out);
-  CHECK(st.ok() && out[40] == 40.0f, "accesses in bounds: " + st.error);
-  // Without declared buffers, global accesses are not checked (the unit tests above).
-  std::vector<float> a(4, 1.0f);
-  float dst = 0;
-  (void)a, (void)dst;
+  CHECK(st.ok() && out[40] == 8.0f, "accesses in bounds: " + st.error);
+  st = run_memcheck(18, fwd, &out);
+  CHECK(st.ok() && out[35] == 3.0f && out[52] == 1.0f, "tagged pointers through the wrappers: " + st.error);
+#if !defined(__SANITIZE_ADDRESS__)
+  // (AddressSanitizer keeps SIGSEGV to itself.)
+  for (const auto& opt : all_schedules()) {
+    st = run_memcheck(19, opt, &out);
+    CHECK(!st.ok() && st.error.find("thread (3,0,0)") != std::string::npos &&
+              st.error.find("plain C++ load or store of global memory") != std::string::npos,
+          "a plain access through a tagged pointer: " + st.error);
+  }
+  // The emulator still works after a fault.
+  st = run_memcheck(17, fwd, &out);
+  CHECK(st.ok() && out[40] == 8.0f, "a clean launch after a fault: " + st.error);
+#endif
 }
 
 // =================================================================================================

@@ -1,0 +1,175 @@
+r"""Context parallelism: train the flax LM of train_flax_lm.py with its sequence sharded over
+8 devices (host devices on a CPU), and check it learns exactly what one device learns.
+
+Every activation is [batch, T/8, ...] on each device: the model runs inside `jax.shard_map`
+over a mesh axis "seq", its attention is `jax_flash.ring_attention` (through
+`jax_flash.flax.make_attention_fn(axis_name="seq")`), and the loss is summed over the
+devices with `lax.psum`. With `--layout=zigzag` (the default) tokens, positions and targets
+are reordered by `jax_flash.zigzag` first, so every device does the same causal work.
+
+    python examples/context_parallel.py                        # 8 host devices, zigzag
+    python examples/context_parallel.py --layout=contiguous --steps=50
+
+Prints the per-device causal block counts of both layouts, the two loss curves (one device,
+8 devices) side by side and their max abs difference.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Host devices must be requested before JAX starts.
+_DEVICES = 8
+for _arg in sys.argv[1:]:
+    if _arg.startswith("--devices="):
+        _DEVICES = int(_arg.split("=", 1)[1])
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_DEVICES}"
+).strip()
+
+import time  # noqa: E402
+
+from absl import app, flags  # noqa: E402
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import jax_flash  # noqa: E402
+import jax_flash.flax  # noqa: E402
+from jax_flash.parallel.ring import block_counts  # noqa: E402
+import train_flax_lm as lm  # noqa: E402  (the model, data and flags of the main example)
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("devices", 8, "Devices of the sequence axis (host devices on a CPU).")
+flags.DEFINE_enum("layout", "zigzag", ["zigzag", "contiguous"], "Sequence layout of the ring.")
+FLAGS.set_default("steps", 60)
+FLAGS.set_default("log_every", 10)
+
+
+class SeqShardedCharTransformer(lm.CharTransformer):
+    """The same model (same parameter tree) on a chunk of the sequence: the positions of
+    the chunk's tokens come in explicitly instead of 0..T-1."""
+
+    @nn.compact
+    def __call__(self, tokens, positions):
+        x = nn.Embed(self.vocab_size, self.d_model)(tokens)
+        pos = self.param("pos_embedding", nn.initializers.normal(0.02),
+                         (self.max_len, self.d_model))
+        x = x + pos[positions]
+        for _ in range(self.num_layers):
+            x = lm.Block(self.num_heads, self.attention_fn)(x)
+        return nn.Dense(self.vocab_size)(nn.LayerNorm()(x))
+
+
+def optimizer():
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, FLAGS.learning_rate, max(1, FLAGS.steps // 10), max(2, FLAGS.steps))
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+
+
+def one_device_loss(model):
+    def loss(params, inputs, targets):
+        logits = model.apply(params, inputs)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    return loss
+
+
+def sequence_parallel_loss(model, mesh):
+    """Mean token loss with every [B, T] array sharded over "seq" (in the ring's layout)."""
+    seq = P(None, "seq")
+
+    def local(params, inputs, targets, positions):
+        logits = model.apply(params, inputs, positions)  # [B, T/P, vocab] on this device
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        return lax.psum(nll.sum(), "seq")
+
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), seq, seq, seq), out_specs=P())
+
+    def loss(params, inputs, targets, positions):
+        return sharded(params, inputs, targets, positions) / inputs.size
+    return loss
+
+
+def train(loss_fn, params, batches, prepare, label):
+    tx = optimizer()
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, *batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses, t0 = [], None
+    for i in range(FLAGS.steps):
+        inputs, targets = next(batches)
+        params, opt_state, loss = step(params, opt_state, *prepare(inputs, targets))
+        losses.append(float(loss))
+        if i == 0:
+            t0 = time.perf_counter()
+        if FLAGS.log_every and (i % FLAGS.log_every == 0 or i == FLAGS.steps - 1):
+            print(f"[{label}] step {i:4d}  loss {losses[-1]:.4f}", flush=True)
+    elapsed = time.perf_counter() - t0
+    tokens = (FLAGS.steps - 1) * FLAGS.batch_size * FLAGS.seq_len
+    return np.array(losses), tokens / elapsed if elapsed > 0 else float("nan")
+
+
+def main(argv):
+    del argv
+    p, layout = FLAGS.devices, FLAGS.layout
+    if jax.device_count() < p:
+        raise SystemExit(f"need {p} devices, have {jax.device_count()}: {jax.devices()}")
+    if FLAGS.seq_len % (2 * p):
+        raise SystemExit(f"--seq_len must be a multiple of 2 * devices = {2 * p}")
+    text = open(FLAGS.text_file, encoding="utf-8").read() if FLAGS.text_file else lm.builtin_text()
+    data = lm.CharData(text, FLAGS.seq_len)
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} devices")
+    print(f"model d={FLAGS.d_model}, {FLAGS.num_layers} layers, {FLAGS.num_heads} heads; batch "
+          f"{FLAGS.batch_size} x {FLAGS.seq_len}, sequence sharded over {p} devices "
+          f"({FLAGS.seq_len // p} tokens each, layout {layout})")
+    for name in ("contiguous", "zigzag"):
+        print(f"causal blocks per device, {name:10s}: "
+              f"{block_counts(p, layout=name, is_causal=True)}")
+
+    mesh = Mesh(np.array(jax.devices()[:p]), ("seq",))
+    flash = jax_flash.flax.make_attention_fn(is_causal=True, implementation=FLAGS.implementation)
+    ring = jax_flash.flax.make_attention_fn(is_causal=True, implementation=FLAGS.implementation,
+                                            axis_name="seq", layout=layout)
+    dims = (data.vocab_size, FLAGS.d_model, FLAGS.num_heads, FLAGS.num_layers, FLAGS.seq_len)
+    model_1 = lm.CharTransformer(*dims, flash)
+    model_p = SeqShardedCharTransformer(*dims, ring)
+    params = model_1.init(jax.random.key(FLAGS.seed),
+                          jnp.zeros((FLAGS.batch_size, FLAGS.seq_len), jnp.int32))
+
+    losses_1, tps_1 = train(one_device_loss(model_1), params,
+                            data.batches(FLAGS.seed, FLAGS.batch_size),
+                            lambda x, y: (x, y), "1 device")
+
+    shard = NamedSharding(mesh, P(None, "seq"))
+    order = (lambda x: jax_flash.zigzag(x, p)) if layout == "zigzag" else (lambda x: x)
+    positions = np.broadcast_to(np.arange(FLAGS.seq_len), (FLAGS.batch_size, FLAGS.seq_len))
+
+    def prepare(inputs, targets):
+        return tuple(jax.device_put(order(jnp.asarray(x, jnp.int32)), shard)
+                     for x in (inputs, targets, positions))
+
+    replicated = jax.device_put(params, NamedSharding(mesh, P()))
+    losses_p, tps_p = train(sequence_parallel_loss(model_p, mesh), replicated,
+                            data.batches(FLAGS.seed, FLAGS.batch_size), prepare,
+                            f"{p} devices, ring {layout}")
+
+    print("step   1 device   ring")
+    for i in range(0, FLAGS.steps, max(1, FLAGS.log_every)):
+        print(f"{i:4d}   {losses_1[i]:.5f}    {losses_p[i]:.5f}")
+    diff = np.abs(losses_1 - losses_p)
+    print(f"loss curves, {p} devices (ring_attention, {layout}) vs 1 device: max abs diff "
+          f"{diff.max():.2e} (step {int(diff.argmax())}); tokens/s {tps_p:,.0f} vs {tps_1:,.0f}")
+
+
+if __name__ == "__main__":
+    app.run(main)
