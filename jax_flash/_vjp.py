@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import jax
+from jax import lax
 
 from jax_flash import _registry
 from jax_flash._spec import AttentionSpec, MaskInputs
@@ -18,11 +19,15 @@ from jax_flash._spec import AttentionSpec, MaskInputs
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def flash_attention(impl_name: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):
     """(out [B, T, N, H], lse [B, N, T]) for canonical inputs, differentiable in q, k, v, bias."""
-    return _registry.get(impl_name).forward(spec, q, k, v, masks)
+    return _forward(impl_name, spec, q, k, v, masks)[0]
 
 
 def _forward(impl_name, spec, q, k, v, masks):
     out, lse = _registry.get(impl_name).forward(spec, q, k, v, masks)
+    # Inside shard_map the results vary over every mesh axis any input varies over; a
+    # compiled call's results are typed invariant, so say it (check_vma).
+    axes = _vma(q, k, v, *jax.tree.leaves(masks))
+    out, lse = _vary(out, axes), _vary(lse, axes)
     return (out, lse), (q, k, v, masks, out, lse)
 
 
@@ -32,9 +37,40 @@ def _backward(impl_name, spec, residuals, cotangents):
     dq, dk, dv, dbias = _registry.get(impl_name).backward(
         spec, q, k, v, masks, out, lse, dout.astype(out.dtype), dlse.astype(lse.dtype)
     )
+    # Inside shard_map an input that is the same on every device of a mesh axis (K/V
+    # gathered, queries sharded) gets the sum of the devices' cotangents over that axis.
+    axes = _vma(q, k, v, *jax.tree.leaves(masks), dout, dlse)
+    dq, dk, dv = (_cotangent(d, x, axes) for d, x in ((dq, q), (dk, k), (dv, v)))
+    if dbias is not None:
+        dbias = _cotangent(dbias, masks.bias, axes)
     # Masks, lengths and segment ids are not differentiable (None = zero cotangent).
     dmasks = MaskInputs(bias=dbias)
     return dq, dk, dv, dmasks
+
+
+def _vma(*xs) -> frozenset:
+    """The mesh axes (inside shard_map) over which any of `xs` varies; empty elsewhere."""
+    axes = set()
+    for x in xs:
+        aval = jax.typeof(x)
+        vma = getattr(aval, "vma", None)  # named manual_axis_type.varying in jax 0.10
+        if vma is None:
+            vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+        axes.update(vma or ())
+    return frozenset(axes)
+
+
+def _vary(x, axes):
+    """`x` typed as varying over `axes` (it already does in value)."""
+    missing = tuple(sorted(a for a in axes if a not in _vma(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _cotangent(d, primal, axes):
+    """The cotangent of `primal`, typed like it: summed over the axes it does not vary on."""
+    d = _vary(d, axes)
+    extra = tuple(sorted(a for a in axes if a not in _vma(primal)))
+    return lax.psum(d, extra) if extra else d
 
 
 flash_attention.defvjp(_forward, _backward)

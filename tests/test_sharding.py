@@ -263,6 +263,26 @@ SHARD_MAP_SCRIPT = textwrap.dedent(
     dq = jax.grad(loss)(*args[:3])
     dq_want = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v, lens).astype(jnp.float32)))(q, k, v)
     np.testing.assert_allclose(np.asarray(dq, np.float32), np.asarray(dq_want, np.float32), atol=tol)
+
+    # The default shard_map (check_vma=True) with queries sharded over the sequence and K/V
+    # gathered, the same on every device: the results vary like the queries and the
+    # cotangents of K/V are the sums of every device's part (interpret-mode pallas_call
+    # does not take check_vma, see TOOLCHAIN).
+    if impl != "pallas":
+        seq = Mesh(np.array(jax.devices()), ("seq",))
+        full = lambda q, k, v, lens: jax_flash.attention(
+            q, k, v, key_value_seq_lengths=lens, implementation=impl)
+        def body(q, k, v, lens):
+            gather = lambda x: jax.lax.all_gather(x, "seq", axis=1, tiled=True)
+            return full(q, gather(k), gather(v), lens)
+        h = smap(body, mesh=seq, in_specs=(P(None, "seq"),) * 3 + (P(),), out_specs=P(None, "seq"))
+        cot = jax.random.normal(jax.random.PRNGKey(9), q.shape).astype(dt)
+        loss = lambda fn: lambda q, k, v: jnp.sum((fn(q, k, v, lens) * cot).astype(jnp.float32))
+        got = jax.jit(jax.grad(loss(h), (0, 1, 2)))(q, k, v)
+        want = jax.jit(jax.grad(loss(full), (0, 1, 2)))(q, k, v)
+        for name, a, b in zip(("dq", "dk", "dv"), got, want):
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                       atol=5 * tol, err_msg=name)
     print("ok")
     """
 )
