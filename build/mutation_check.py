@@ -265,8 +265,8 @@ class Scratch:
                if not k.startswith("JAX_FLASH_") and k not in ("PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST")}
         env["JAX_FLASH_REQUIRE"] = "cuda"  # the emulated kernels must load: no pass by skipping
         env["PYTHONDONTWRITEBYTECODE"] = "1"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rf", "-p", "no:cacheprovider", *TEST_FILES,
-               "-k", selection]
+        cmd = [sys.executable, "-c", _PYTEST_IN_TREE, "-q", "-x", "-rf", "-p", "no:cacheprovider",
+               *TEST_FILES, "-k", selection]
         try:
             r = subprocess.run(cmd, cwd=self.tree, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -285,6 +285,21 @@ class Scratch:
         if r.returncode < 0 or r.returncode >= 128:  # killed by a signal: a crash is a catch too
             return "fail", f"the test run crashed (exit {r.returncode})"
         return "error", f"pytest exit {r.returncode}: {out[-1500:]}"
+
+
+# pytest on the scratch copy's own jax_flash: an editable install of the real tree (its import
+# finder sits in front of sys.path) would otherwise serve every mutated run the unmutated code.
+_PYTEST_IN_TREE = """
+import importlib.util, os, sys
+sys.meta_path[:] = [f for f in sys.meta_path
+                    if "jax_flash" not in getattr(f, "known_source_files", {})
+                    and "jax_flash" not in getattr(f, "known_packages", ())]
+origin = importlib.util.find_spec("jax_flash").origin
+if not os.path.realpath(origin).startswith(os.path.realpath(os.getcwd()) + os.sep):
+    sys.exit(f"jax_flash would be imported from {origin}, not from the scratch copy")
+import pytest
+sys.exit(pytest.main(sys.argv[1:]))
+"""
 
 
 def locate(m: Mutation, text: str) -> int | None:
