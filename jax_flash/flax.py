@@ -102,32 +102,7 @@ def attention_fn(
     if dtype is None:
         dtype = jnp.result_type(query, key, value)
     query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
-    if axis_name is not None:
-        if bias is not None or mask is not None:
-            raise ValueError(
-                f"jax_flash.flax.attention_fn with axis_name={axis_name!r} (ring attention) "
-                "takes no dense mask or bias: express the mask with is_causal, "
-                "local_window_size or segment_ids"
-            )
-        return ring_attention(
-            query,
-            key,
-            value,
-            axis_name=axis_name,
-            layout=layout,
-            scale=scale,
-            is_causal=bool(is_causal),
-            local_window_size=local_window_size,
-            segment_ids=segment_ids,
-            logits_soft_cap=logits_soft_cap,
-            implementation=implementation,
-        )
-    return attention(
-        query,
-        key,
-        value,
-        bias=bias,
-        mask=_as_bool_mask(mask),
+    common = dict(
         scale=scale,
         is_causal=bool(is_causal),
         local_window_size=local_window_size,
@@ -135,6 +110,15 @@ def attention_fn(
         logits_soft_cap=logits_soft_cap,
         implementation=implementation,
     )
+    if axis_name is not None:
+        if bias is not None or mask is not None:
+            raise ValueError(
+                f"jax_flash.flax.attention_fn with axis_name={axis_name!r} (ring attention) "
+                "takes no dense mask or bias: express the mask with is_causal, "
+                "local_window_size or segment_ids"
+            )
+        return ring_attention(query, key, value, axis_name=axis_name, layout=layout, **common)
+    return attention(query, key, value, bias=bias, mask=_as_bool_mask(mask), **common)
 
 
 def make_attention_fn(
