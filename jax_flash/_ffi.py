@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _registry
 from jax_flash._spec import AttentionSpec, MaskInputs
 from jax_flash.parallel import partitioning
 
@@ -89,28 +88,24 @@ def _mask_operands(spec: AttentionSpec, masks: MaskInputs):
     return q_len, kv_len, q_seg, kv_seg, q_off
 
 
-def forward(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):
-    """Call `target` (a forward target): out [B, T, N, H], lse [B, N, T] float32."""
+def forward(impl: str, target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):
+    """Call `target` (a forward target of implementation `impl`): out [B, T, N, H], lse
+    [B, N, T] float32."""
     return partitioning.forward(
-        _impl_name(target), functools.partial(_forward_call, target), spec, q, k, v, masks
+        impl, functools.partial(_forward_call, target), spec, q, k, v, masks
     )
 
 
 def backward(
-    target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout, dlse,
+    impl: str, target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout, dlse,
     deterministic: bool = False,
 ):
     """Call `target` (a backward target): dq, dk, dv (workspaces dropped), dbias None."""
     call = functools.partial(_backward_call, target, bool(deterministic))
     return partitioning.backward(
-        _impl_name(target), call, spec, q, k, v, masks,
+        impl, call, spec, q, k, v, masks,
         out, lse.astype(jnp.float32), dout, dlse.astype(jnp.float32),
     )
-
-
-def _impl_name(target: str) -> str:
-    """The implementation a target serves (for messages): emulated or GPU targets are cuda."""
-    return "cuda" if target.startswith("jax_flash_emu") or _registry.platform() == "gpu" else "cpu"
 
 
 def _forward_call(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):

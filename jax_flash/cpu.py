@@ -25,10 +25,10 @@ class CpuImplementation:
         return _ffi.compiled_kernel_reason(spec, DTYPES)
 
     def forward(self, spec, q, k, v, masks):
-        return _ffi.forward("jax_flash_fwd", spec, q, k, v, masks)
+        return _ffi.forward(self.name, "jax_flash_fwd", spec, q, k, v, masks)
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
-        return _ffi.backward("jax_flash_bwd", spec, q, k, v, masks, out, lse, dout, dlse)
+        return _ffi.backward(self.name, "jax_flash_bwd", spec, q, k, v, masks, out, lse, dout, dlse)
 
 
 IMPLEMENTATION = CpuImplementation()

@@ -157,11 +157,11 @@ class CudaImplementation:
         return f"runs the {image} cubin"
 
     def forward(self, spec, q, k, v, masks):
-        return _ffi.forward(f"{_prefix()}_fwd", spec, q, k, v, masks)
+        return _ffi.forward(self.name, f"{_prefix()}_fwd", spec, q, k, v, masks)
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
         return _ffi.backward(
-            f"{_prefix()}_bwd", spec, q, k, v, masks, out, lse, dout, dlse,
+            self.name, f"{_prefix()}_bwd", spec, q, k, v, masks, out, lse, dout, dlse,
             deterministic=deterministic(),
         )
 
