@@ -1,10 +1,13 @@
 """jax_flash: exact tiled softmax attention for JAX (FlashAttention), four implementations
 behind one function and one custom_vjp. See `attention`; `ring_attention` for sequences
-sharded over a mesh axis (context parallelism)."""
+sharded over a mesh axis (context parallelism); `paged_attention` and `paged_cache_write`
+for decoding with a paged KV cache."""
 
 from jax_flash._api import Explanation, attention, explain
+from jax_flash.inference.paged import explain_paged, paged_attention, paged_cache_write
 from jax_flash.parallel.ring import ring_attention, unzigzag, zigzag
 from jax_flash.reference import attention_reference as reference
+from jax_flash.reference import paged_attention_reference as paged_reference
 
 __version__ = "0.1.0"
 __all__ = [
@@ -12,6 +15,10 @@ __all__ = [
     "explain",
     "Explanation",
     "reference",
+    "paged_attention",
+    "paged_cache_write",
+    "explain_paged",
+    "paged_reference",
     "ring_attention",
     "zigzag",
     "unzigzag",

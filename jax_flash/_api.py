@@ -93,9 +93,10 @@ class Explanation:
     selected: Optional[str]
     reasons: dict  # name -> None (can run) or the reason it cannot
     notes: dict = dataclasses.field(default_factory=dict)  # name -> how it runs (e.g. the kernel image)
+    op: str = "jax_flash.attention"  # the function explained
 
     def __str__(self) -> str:
-        lines = [f"jax_flash.attention would run: {self.selected or 'nothing'}"]
+        lines = [f"{self.op} would run: {self.selected or 'nothing'}"]
         for name, why in self.reasons.items():
             mark = "*" if name == self.selected else " "
             text = why if why is not None else "available" + (f" ({self.notes[name]})" if name in self.notes else "")

@@ -105,3 +105,54 @@ def reference_canonical(
     out = jnp.einsum("bnts,bsnh->btnh", p.astype(dt), vv)
     lse = jnp.where(l[..., 0] > 0, (m_safe + jnp.log(jnp.where(l > 0, l, 1)))[..., 0], -jnp.inf)
     return out, lse.astype(stat_dt)
+
+
+def gather_pages(pages, page_table):
+    """The contiguous cache [B, max_pages·page_size, K, H] of a paged one: pages
+    [num_pages, page_size, K, H] read in page_table [B, max_pages] order. Ids out of range
+    read page 0 (`paged_attention_reference` masks those keys). For tests and references
+    only: the kernels never build this copy."""
+    pages = jnp.asarray(pages)
+    table = jnp.asarray(page_table, jnp.int32)
+    ids = jnp.where((table >= 0) & (table < pages.shape[0]), table, 0)
+    g = jnp.take(pages, ids, axis=0)  # [B, max_pages, page_size, K, H]
+    return g.reshape(table.shape[0], -1, *pages.shape[2:])
+
+
+def paged_attention_reference(
+    query,
+    key_pages,
+    value_pages,
+    page_table,
+    kv_lengths,
+    *,
+    scale=None,
+    is_causal=True,
+    local_window_size=None,
+    logits_soft_cap=None,
+    return_residual=False,
+    compute_dtype=None,
+):
+    """The specification of `jax_flash.paged_attention`: `attention_reference` on the
+    gathered cache, with key_value_seq_lengths = kv_lengths and query_offset = kv_lengths - T
+    (the queries are the last T positions), keys of out-of-range page ids masked and a
+    negative length counted as 0. compute_dtype as for `attention_reference`."""
+    q = jnp.asarray(query)
+    table = jnp.asarray(page_table, jnp.int32)
+    num_pages, page_size = jnp.shape(key_pages)[:2]
+    valid = jnp.repeat((table >= 0) & (table < num_pages), page_size, axis=1)  # [B, S]
+    lengths = jnp.maximum(jnp.asarray(kv_lengths, jnp.int32), 0)
+    return attention_reference(
+        q,
+        gather_pages(key_pages, table),
+        gather_pages(value_pages, table),
+        mask=valid[:, None, None, :],
+        scale=scale,
+        is_causal=is_causal,
+        key_value_seq_lengths=lengths,
+        query_offset=lengths - q.shape[1],
+        local_window_size=local_window_size,
+        logits_soft_cap=logits_soft_cap,
+        return_residual=return_residual,
+        compute_dtype=compute_dtype,
+    )

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_flash import _masking
+from jax_flash import _masking, _registry
 from jax_flash._spec import AttentionSpec, MaskInputs
 
 # Tile sizes: large enough that each step is a few hundred MFLOPs of dense matmul.
@@ -146,24 +146,96 @@ class _Tiles:
         return _masking.transform_logits(self.spec, s, self.dense_tile(self.masks.bias, i, j))
 
 
+def online_softmax_init(rows: tuple, head_dim: int, acc_dt, *like):
+    """The running (m, l, acc) of FlashAttention-2 Alg. 1 for `rows` query rows: m = -inf,
+    l = 0, acc = 0 [*rows, head_dim] (varying like `like`, see `_full`)."""
+    return (
+        _full(rows, -jnp.inf, acc_dt, *like),
+        _full(rows, 0, acc_dt, *like),
+        _full((*rows, head_dim), 0, acc_dt, *like),
+    )
+
+
+def online_softmax_step(carry, logits, vis, v_blk):
+    """One key tile of the online softmax (FlashAttention-2 Alg. 1, inner loop).
+
+    carry: (m, l, acc) [..., q], [..., q], [..., q, H] (m: running max, l: running sum,
+    acc: unnormalised output, all in the accumulator dtype); logits [B, K, G, q, s] (scaled,
+    biased, capped); vis: bool broadcastable to logits, or None; v_blk [B, s, K, H]."""
+    m, l, acc = carry
+    if vis is not None:
+        logits = jnp.where(vis, logits, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
+    # A row that has seen nothing yet keeps m = -inf; exponentiate against 0 so
+    # exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN.
+    m_safe = jnp.where(m_new == -jnp.inf, 0, m_new)
+    p = jnp.exp(logits - m_safe[..., None])
+    alpha = jnp.exp(m - m_safe)
+    l = alpha * l + jnp.sum(p, axis=-1)
+    pv = jnp.einsum(
+        "bkgqs,bskh->bkgqh", p.astype(v_blk.dtype), v_blk, preferred_element_type=acc.dtype
+    )
+    return m_new, l, alpha[..., None] * acc + pv
+
+
+def online_softmax_finish(carry):
+    """(out, lse) from the running (m, l, acc): out = acc / l (accumulator dtype), lse =
+    m + log l; a row that saw no key gets out 0 and lse -inf."""
+    m, l, acc = carry
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1)
+    out = jnp.where(seen[..., None], acc / l_safe[..., None], 0)
+    lse = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
+    return out, lse
+
+
 def _split_heads(x, spec: AttentionSpec):
     """[B, L, N, H] -> [B, L, K, G, H]: query head n = k·G + g uses kv head k."""
     b, l, _, h = x.shape
     return x.reshape(b, l, spec.num_kv_heads, spec.group_size, h)
 
 
-def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, block_q=BLOCK_Q, block_k=BLOCK_K):
-    """out [B, T, N, H] (dtype of q), lse [B, N, T] (float32; float64 for float64 inputs)."""
+def forward(
+    spec: AttentionSpec,
+    q,
+    k,
+    v,
+    masks: MaskInputs,
+    block_q=BLOCK_Q,
+    block_k=BLOCK_K,
+    *,
+    kv_blocks=None,
+    out_dtype=None,
+):
+    """out [B, T, N, H] (dtype of q), lse [B, N, T] (float32; float64 for float64 inputs).
+
+    kv_blocks: None (k, v are [B, S, K, H] arrays), or (bk, fetch) where fetch(j) returns
+    (k_blk, v_blk [B, bk, K, H], vis: bool broadcastable to [B, 1, 1, 1, bk] or None): key
+    block j = keys [j·bk, (j+1)·bk) read by the caller (a paged cache reads them through its
+    page table); k and v are then None. out_dtype: the dtype of out (default q's; the
+    accumulator dtype keeps a partial result exact for a later merge by lse)."""
     b, t, n, h = q.shape
-    s = k.shape[1]
+    s = spec.kv_len
     kh, g = spec.num_kv_heads, spec.group_size
     acc_dt = _acc_dtype(q.dtype)
+    out_dtype = q.dtype if out_dtype is None else out_dtype
     bq, nq = _blocks(t, block_q)
-    bk, nk = _blocks(s, block_k)
+    if kv_blocks is None:
+        bk, nk = _blocks(s, block_k)
+    else:
+        bk, fetch = kv_blocks
+        nk = -(-s // bk)
     tiles = _Tiles(spec, masks, bq, nq, bk, nk)
     qp = _split_heads(_pad_axis(q, 1, tiles.t_pad), spec)
-    kp = _pad_axis(k, 1, tiles.s_pad)
-    vp = _pad_axis(v, 1, tiles.s_pad)
+    if kv_blocks is None:
+        kp = _pad_axis(k, 1, tiles.s_pad)
+        vp = _pad_axis(v, 1, tiles.s_pad)
+
+        def fetch(j):
+            k_blk = lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1)  # [B, bk, K, H]
+            return k_blk, lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1), None
+
+    like = tuple(x for x in (q, k, v) if x is not None)
     q_offset = 0 if masks.q_offset is None else masks.q_offset  # key blocks: union over B
 
     def query_block(i):
@@ -171,36 +243,18 @@ def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, block_q=BLOCK_Q, bl
 
         def key_block(j, carry):
             m, l, acc = carry  # [B, K, G, bq], [B, K, G, bq], [B, K, G, bq, H]
-            k_blk = lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1)  # [B, bk, K, H]
-            v_blk = lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1)
+            k_blk, v_blk, fetched_vis = fetch(j)
             logits = tiles.logits(q_blk, k_blk, i, j, acc_dt)
             vis = tiles.visibility(i, j)
-            if vis is not None:
-                logits = jnp.where(vis, logits, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
-            # A row that has seen nothing yet keeps m = -inf; exponentiate against 0 so
-            # exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN.
-            m_safe = jnp.where(m_new == -jnp.inf, 0, m_new)
-            p = jnp.exp(logits - m_safe[..., None])
-            alpha = jnp.exp(m - m_safe)
-            l = alpha * l + jnp.sum(p, axis=-1)
-            pv = jnp.einsum(
-                "bkgqs,bskh->bkgqh", p.astype(v.dtype), v_blk, preferred_element_type=acc_dt
-            )
-            return m_new, l, alpha[..., None] * acc + pv
+            if fetched_vis is not None:
+                vis = fetched_vis if vis is None else vis & fetched_vis
+            return online_softmax_step((m, l, acc), logits, vis, v_blk)
 
         lo, hi = spec.key_block_range(i * bq, (i + 1) * bq, bk, nk, q_offset)
-        init = (
-            _full((b, kh, g, bq), -jnp.inf, acc_dt, q, k, v),
-            _full((b, kh, g, bq), 0, acc_dt, q, k, v),
-            _full((b, kh, g, bq, h), 0, acc_dt, q, k, v),
-        )
+        init = online_softmax_init((b, kh, g, bq), h, acc_dt, *like)
         m, l, acc = lax.fori_loop(lo, jnp.maximum(lo, hi), key_block, init)
-        seen = l > 0
-        l_safe = jnp.where(seen, l, 1)
-        out = jnp.where(seen[..., None], acc / l_safe[..., None], 0)
-        lse = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
-        return out.astype(q.dtype), lse
+        out, lse = online_softmax_finish((m, l, acc))
+        return out.astype(out_dtype), lse
 
     out, lse = lax.map(query_block, jnp.arange(nq, dtype=jnp.int32))
     # out: [nq, B, K, G, bq, H] -> [B, T, N, H];  lse: [nq, B, K, G, bq] -> [B, N, T]
@@ -323,7 +377,16 @@ class XlaImplementation:
         return None
 
     def forward(self, spec, q, k, v, masks):
-        return forward(spec, q, k, v, masks)
+        from jax_flash.inference import split_kv  # split-KV decoding: few queries, long S
+
+        return split_kv.forward(spec, q, k, v, masks, split_kv.num_splits(spec, _registry.platform()))
+
+    def note(self, spec) -> str:
+        from jax_flash.inference import split_kv
+
+        c = split_kv.num_splits(spec, _registry.platform())
+        chosen = f"split-KV over {c} key chunks" if c > 1 else "no split-KV"
+        return f"{chosen}; rule: {split_kv.rule()}"
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
         return backward(spec, q, k, v, masks, out, lse, dout, dlse)

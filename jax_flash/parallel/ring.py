@@ -52,6 +52,7 @@ import numpy as np
 from jax import lax
 
 from jax_flash import _registry
+from jax_flash._merge import merge_partials
 from jax_flash._normalize import _window, canonicalize, restore
 from jax_flash._spec import AttentionSpec, MaskInputs
 
@@ -368,20 +369,10 @@ def _merge(o_acc, lse_acc, o, lse):
     """Exact merge of two partial softmax results over disjoint key sets (by lse).
 
     o [B, T, N, H], lse [B, N, T]; rows that saw nothing have lse = -inf in either part,
-    and keep output 0 / lse -inf when both did (no NaN).
+    and keep output 0 / lse -inf when both did (no NaN). The library's one merge
+    (`_merge.merge_partials`) on the two parts, running accumulator first.
     """
-    lse = lse.astype(lse_acc.dtype)
-    m = jnp.maximum(lse_acc, lse)
-    m_safe = jnp.where(m == -jnp.inf, 0, m)
-    w_acc = jnp.exp(lse_acc - m_safe)
-    w = jnp.exp(lse - m_safe)
-    total = w_acc + w
-    seen = total > 0
-    total_safe = jnp.where(seen, total, 1)
-    new_lse = jnp.where(seen, m_safe + jnp.log(total_safe), -jnp.inf)
-    rows = lambda x: jnp.swapaxes(x, 1, 2)[..., None]  # [B, N, T] -> [B, T, N, 1]
-    o_new = (rows(w_acc) * o_acc + rows(w) * o.astype(o_acc.dtype)) / rows(total_safe)
-    return o_new, new_lse
+    return merge_partials((o_acc, o.astype(o_acc.dtype)), (lse_acc, lse.astype(lse_acc.dtype)))
 
 
 # ----------------------------------------------------------------------------- the ring

@@ -1,0 +1,1 @@
+"""Inference: split-KV decoding (`split_kv`) and the paged KV cache (`paged`)."""

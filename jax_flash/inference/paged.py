@@ -1,0 +1,402 @@
+"""Attention over a paged KV cache, and appending to it.
+
+A paged cache stores K and V in fixed-size pages `[num_pages, page_size, K, H]` shared by
+all sequences; `page_table[b]` lists the pages of sequence b in order, so position p of
+sequence b is slot p % page_size of page page_table[b, p // page_size]. Sequences grow by
+pages without moving anything, and a server allocates pages instead of max-length buffers.
+
+`paged_attention` is attention of the last T positions of each sequence (a decode step:
+T = 1; speculative / chunked prefill: T > 1) against that sequence's first kv_lengths[b]
+positions. The xla implementation runs the blockwise forward (`xla.forward`, the same
+online softmax and masks as `jax_flash.attention`) with its key blocks read through the
+page table: block j is the pages page_table[:, j·pp : (j+1)·pp], gathered page by page
+into one [B, pp·page_size, K, H] tile. The cache is never copied into a contiguous array.
+On a GPU/TPU the pages are split into chunks processed in parallel and merged by lse
+(split-KV, `split_kv`), by the same rule as `attention`.
+
+Bad ids and lengths: checked at trace time where the values are concrete (not traced):
+a length outside [0, max_pages·page_size] or a page id outside [0, num_pages) among the
+pages a sequence uses raises ValueError. At run time nothing is read out of bounds: keys
+of pages whose id is out of range are masked (invisible), a length beyond the table counts
+only the table's keys, a negative length counts as 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_flash import _registry, xla
+from jax_flash._normalize import IMPLEMENTATIONS, canonicalize
+from jax_flash._spec import AttentionSpec, MaskInputs
+from jax_flash.inference import split_kv
+
+# Implementations that serve paged_attention today, and why the others do not.
+SERVED_BY = ("xla",)
+_NOT_SERVED = {
+    "cuda": "no paged kernel yet (paged_attention is served by xla)",
+    "cpu": "no paged kernel yet (paged_attention is served by xla)",
+    "pallas": "no paged kernel yet (paged_attention is served by xla)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedSpec:
+    """Static description of one paged_attention call."""
+
+    attention: AttentionSpec  # B, T, S = max_pages·page_size (the table's capacity), masks
+    num_pages: int
+    page_size: int
+    max_pages: int
+    splits: int  # split-KV chunks of the page table (1: none)
+
+    @property
+    def capacity(self) -> int:
+        return self.max_pages * self.page_size
+
+
+def _shape_str(x) -> str:
+    return f"shape {tuple(x.shape)} and dtype {x.dtype}"
+
+
+def _int_array(name: str, x, shape) -> jax.Array:
+    if x is None:
+        raise TypeError(f"{name} must be an int32 array of shape {shape}, got None")
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array (int32) of shape {shape}, got {_shape_str(x)}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {_shape_str(x)}")
+    return x.astype(jnp.int32)
+
+
+def _concrete(x) -> Optional[np.ndarray]:
+    """The values of `x` when they are known at trace time, else None."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def _check_pages(key_pages, value_pages, head_dim: int, dtype, what: str):
+    for name, x in (("key_pages", key_pages), ("value_pages", value_pages)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have shape [num_pages, page_size, K, H], got {_shape_str(x)}")
+        if x.dtype != dtype:
+            raise TypeError(f"{name} must have the dtype of {what} ({dtype}), got {_shape_str(x)}")
+    if key_pages.shape != value_pages.shape:
+        raise ValueError(
+            "key_pages and value_pages must have the same shape [num_pages, page_size, K, H], "
+            f"got {tuple(key_pages.shape)} and {tuple(value_pages.shape)}"
+        )
+    p, ps, kh, h = key_pages.shape
+    if p == 0 or ps == 0 or kh == 0:
+        raise ValueError(f"key_pages must have non-zero num_pages, page_size and K, got {_shape_str(key_pages)}")
+    if h != head_dim:
+        raise ValueError(
+            f"key_pages must have the head dim H={head_dim} of {what}, got {_shape_str(key_pages)}"
+        )
+
+
+def _check_values(table: np.ndarray, lengths: np.ndarray, num_pages: int, page_size: int, extra: int = 0):
+    """Trace-time checks of concrete page ids and lengths (`extra`: tokens about to be
+    appended, which must fit too)."""
+    capacity = table.shape[1] * page_size
+    for b, length in enumerate(lengths.tolist()):
+        if not 0 <= length + extra <= capacity or length < 0:
+            raise ValueError(
+                f"kv_lengths[{b}] = {length}" + (f" plus {extra} new tokens" if extra else "")
+                + f" must lie in [0, max_pages·page_size] = [0, {capacity}] (page_table has "
+                f"{table.shape[1]} pages of {page_size})"
+            )
+        used = table[b, : -(-(length + extra) // page_size)]
+        bad = (used < 0) | (used >= num_pages)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"page_table[{b}, {i}] = {int(used[i])} is not a page id in [0, num_pages) = "
+                f"[0, {num_pages}) (sequence {b} uses its first {used.size} pages)"
+            )
+
+
+def canonicalize_paged(
+    query,
+    key_pages,
+    value_pages,
+    page_table,
+    kv_lengths,
+    *,
+    scale=None,
+    is_causal=True,
+    local_window_size=None,
+    logits_soft_cap=None,
+    implementation=None,
+):
+    """Validate a paged_attention call: (PagedSpec, q, key_pages, value_pages, table, lengths)."""
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
+    q = jnp.asarray(query)
+    if q.ndim != 4:
+        raise ValueError(f"query must have shape [B, T, N, H], got {_shape_str(q)}")
+    b, t, n, h = q.shape
+    key_pages, value_pages = jnp.asarray(key_pages), jnp.asarray(value_pages)
+    _check_pages(key_pages, value_pages, h, q.dtype, "query")
+    num_pages, page_size, kh, _ = key_pages.shape
+    if page_table is None or jnp.ndim(page_table) != 2 or jnp.shape(page_table)[0] != b:
+        got = "None" if page_table is None else _shape_str(jnp.asarray(page_table))
+        raise ValueError(f"page_table must have shape [B, max_pages] with B={b}, got {got}")
+    table = _int_array("page_table", page_table, (b, jnp.shape(page_table)[1]))
+    max_pages = table.shape[1]
+    if max_pages == 0:
+        raise ValueError("page_table must have at least one page per sequence, got max_pages = 0")
+    lengths = _int_array("kv_lengths", kv_lengths, (b,))
+    # Everything else (dtypes, N % K, scale, window, soft cap) as jax_flash.attention checks
+    # it, on the gathered cache's shapes (nothing is computed or gathered here).
+    holder = {}
+
+    def check(q, k, lens):
+        holder["c"] = canonicalize(
+            q, k, k, scale=scale, is_causal=is_causal, key_value_seq_lengths=lens,
+            query_offset=lens, local_window_size=local_window_size,
+            logits_soft_cap=logits_soft_cap,
+        )
+        return lens
+
+    cap = max_pages * page_size
+    jax.eval_shape(
+        check,
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((b, cap, kh, h), q.dtype),
+        jax.ShapeDtypeStruct((b,), jnp.int32),
+    )
+    spec = holder["c"].spec
+    # Queries are the last T positions: q_offset = L - T. Without causality they see every
+    # key < L, which is the window's right side T - 1 (with the length mask): a finite right
+    # side lets the key loop stop at the last key instead of the table's end.
+    right = spec.window_right
+    right = t - 1 if right is None else min(right, t - 1)
+    spec = dataclasses.replace(spec, window_right=right)
+    tv, lv = _concrete(table), _concrete(lengths)
+    if tv is not None and lv is not None:
+        _check_values(tv, lv, num_pages, page_size)
+    elif lv is not None and ((lv < 0) | (lv > cap)).any():
+        i = int(np.argmax((lv < 0) | (lv > cap)))
+        raise ValueError(f"kv_lengths[{i}] = {int(lv[i])} must lie in [0, max_pages·page_size] = [0, {cap}]")
+    splits = split_kv.num_splits(spec, _registry.platform())
+    splits = max(1, min(splits, max_pages))
+    pspec = PagedSpec(spec, num_pages, page_size, max_pages, splits)
+    return pspec, q, key_pages, value_pages, table, lengths
+
+
+def paged_attention(
+    query,
+    key_pages,
+    value_pages,
+    page_table,
+    kv_lengths,
+    *,
+    scale: Optional[float] = None,
+    is_causal: bool = True,
+    local_window_size=None,
+    logits_soft_cap: Optional[float] = None,
+    return_residual: bool = False,
+    implementation: Optional[str] = None,
+):
+    """Attention of the newest T positions of each sequence against its paged KV cache.
+
+    Args:
+      query: [B, T, N, H]; the last T positions of each sequence: query t of sequence b sits
+        at position kv_lengths[b] - T + t (its own K/V already written to the cache).
+      key_pages, value_pages: [num_pages, page_size, K, H], N % K == 0, dtype of query. Any
+        page_size.
+      page_table: [B, max_pages] int32; page_table[b, i] holds positions
+        [i·page_size, (i+1)·page_size) of sequence b. Entries past a sequence's length are
+        never read (any value).
+      kv_lengths: [B] int32, the number of valid positions of each sequence (0 allowed: the
+        rows see nothing, output 0).
+      scale: logits scale; default 1 / sqrt(H).
+      is_causal: query t sees positions <= kv_lengths[b] - T + t (default True); False:
+        every position < kv_lengths[b].
+      local_window_size: int w or (left, right), around each query's position.
+      logits_soft_cap: c > 0: logits -> c·tanh(logits / c).
+      return_residual: also return lse [B, T, N] (float32 natural log; -inf for rows that see
+        nothing).
+      implementation: None or "xla" (the implementations that serve it today; see
+        `explain_paged`); another name raises ValueError saying why.
+
+    Page ids and lengths that are concrete at trace time are checked (ValueError naming the
+    entry); traced ones are masked at run time (never read out of bounds, see the module
+    docs). Forward only: an inference op; jax.grad through it raises NotImplementedError.
+    Equal to `jax_flash.attention` on the gathered cache with key_value_seq_lengths =
+    kv_lengths and query_offset = kv_lengths - T (`jax_flash.paged_reference`).
+
+    Returns:
+      out [B, T, N, H] in the dtype of query, or (out, lse) with return_residual=True.
+    """
+    pspec, q, kp, vp, table, lengths = canonicalize_paged(
+        query, key_pages, value_pages, page_table, kv_lengths, scale=scale,
+        is_causal=is_causal, local_window_size=local_window_size,
+        logits_soft_cap=logits_soft_cap, implementation=implementation,
+    )
+    if implementation is not None and implementation not in SERVED_BY:
+        raise ValueError(f'implementation="{implementation}" cannot run paged_attention: {_NOT_SERVED[implementation]}')
+    out, lse = _paged(pspec, q, kp, vp, table, lengths)
+    lse = jnp.swapaxes(lse, 1, 2)  # [B, N, T] -> [B, T, N]
+    return (out, lse) if return_residual else out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _paged(pspec: PagedSpec, q, key_pages, value_pages, table, lengths):
+    return forward(pspec, q, key_pages, value_pages, table, lengths)
+
+
+def _paged_fwd(pspec, q, key_pages, value_pages, table, lengths):
+    return forward(pspec, q, key_pages, value_pages, table, lengths), None
+
+
+def _paged_bwd(pspec, residuals, cotangents):
+    raise NotImplementedError(
+        "jax_flash.paged_attention is an inference op (forward only) and has no gradient; to "
+        "differentiate, gather the cache (jax_flash.paged_reference shows how) and use "
+        "jax_flash.attention with key_value_seq_lengths and query_offset"
+    )
+
+
+_paged.defvjp(_paged_fwd, _paged_bwd)
+
+
+def forward(pspec: PagedSpec, q, key_pages, value_pages, table, lengths, splits=None):
+    """The xla forward: out [B, T, N, H] (dtype of q), lse [B, N, T]. splits: the number of
+    split-KV chunks of the page table (default pspec.splits)."""
+    spec = pspec.attention
+    b, t, n, h = q.shape
+    ps, cap = pspec.page_size, pspec.capacity
+    c = pspec.splits if splits is None else max(1, min(splits, pspec.max_pages))
+    lengths = jnp.maximum(lengths, 0)
+    key_len = jnp.minimum(lengths, cap)  # keys beyond the table do not exist
+    offset = lengths - t  # >= -T: no int32 wrap-around below
+    # Chunk c of sequence b is row b·C + c: pages [c·pc, (c+1)·pc) of its table.
+    pc = -(-pspec.max_pages // c)
+    pp = max(1, min(xla.BLOCK_K // ps, pc))  # pages per key block
+    pc = -(-pc // pp) * pp
+    table = xla._pad_axis(table, 1, c * pc, -1).reshape(b * c, pc)
+    base = jnp.arange(c, dtype=jnp.int32) * (pc * ps)  # position of each chunk's first key
+    row_len = jnp.clip(key_len[:, None] - base, 0, pc * ps).reshape(b * c)
+    row_offset = (offset[:, None] - base).reshape(b * c)
+    rows_q = q if c == 1 else jnp.broadcast_to(q[:, None], (b, c, t, n, h)).reshape(b * c, t, n, h)
+    local = dataclasses.replace(spec, batch=b * c, kv_len=pc * ps, has_kv_lengths=True, has_q_offset=True)
+    num_pages = pspec.num_pages
+
+    def fetch(j):
+        ids = lax.dynamic_slice_in_dim(table, j * pp, pp, axis=1)  # [R, pp]
+        valid = (ids >= 0) & (ids < num_pages)
+        ids = jnp.where(valid, ids, 0)  # an invalid id reads page 0, masked below
+        k_blk = jnp.take(key_pages, ids, axis=0).reshape(b * c, pp * ps, *key_pages.shape[2:])
+        v_blk = jnp.take(value_pages, ids, axis=0).reshape(b * c, pp * ps, *value_pages.shape[2:])
+        vis = jnp.repeat(valid, ps, axis=1)[:, None, None, None, :]  # [R, 1, 1, 1, pp·ps]
+        return k_blk, v_blk, vis
+
+    masks = MaskInputs(kv_lengths=row_len, q_offset=row_offset)
+    acc_dt = xla._acc_dtype(q.dtype)
+    out, lse = xla.forward(
+        local, rows_q, None, None, masks, kv_blocks=(pp * ps, fetch),
+        out_dtype=q.dtype if c == 1 else acc_dt,
+    )
+    if c == 1:
+        return out, lse
+    from jax_flash._merge import merge_partials
+
+    out = out.reshape(b, c, t, n, h)
+    lse = lse.reshape(b, c, n, t)
+    out, lse = merge_partials([out[:, i] for i in range(c)], [lse[:, i] for i in range(c)])
+    return out.astype(q.dtype), lse
+
+
+def paged_cache_write(key_pages, value_pages, page_table, kv_lengths, new_k, new_v, num_new=None):
+    """Append new tokens' K/V to a paged cache: (key_pages, value_pages) with new_k[b, t]
+    written at position kv_lengths[b] + t of sequence b (page page_table[b, pos //
+    page_size], slot pos % page_size).
+
+    Args:
+      key_pages, value_pages: [num_pages, page_size, K, H].
+      page_table: [B, max_pages] int32; kv_lengths: [B] int32 (positions already filled).
+      new_k, new_v: [B, T_new, K, H], cast to the cache's dtype.
+      num_new: optional [B] int32: only tokens t < num_new[b] of row b are written (ragged
+        appends; default all T_new).
+
+    Under `jax.jit(..., donate_argnums=(0, 1))` the pages are updated in place (one scatter,
+    no copy of the cache). The caller advances its lengths (kv_lengths + T_new or + num_new).
+    Concrete values are checked at trace time (ValueError: lengths + new tokens beyond the
+    table, page ids out of range); at run time a token whose position lies beyond the table
+    or whose page id is out of range is dropped (nothing is written out of bounds). Pages
+    written must belong to one sequence each (two rows writing one slot: either may win).
+    """
+    key_pages, value_pages = jnp.asarray(key_pages), jnp.asarray(value_pages)
+    if key_pages.ndim != 4:
+        raise ValueError(f"key_pages must have shape [num_pages, page_size, K, H], got {_shape_str(key_pages)}")
+    _check_pages(key_pages, value_pages, key_pages.shape[3], key_pages.dtype, "key_pages")
+    num_pages, ps, kh, h = key_pages.shape
+    new_k, new_v = jnp.asarray(new_k), jnp.asarray(new_v)
+    for name, x in (("new_k", new_k), ("new_v", new_v)):
+        if x.ndim != 4 or x.shape[2:] != (kh, h):
+            raise ValueError(f"{name} must have shape [B, T_new, K={kh}, H={h}], got {_shape_str(x)}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must be a floating-point array, got {_shape_str(x)}")
+    if new_k.shape != new_v.shape:
+        raise ValueError(f"new_k and new_v must have the same shape, got {tuple(new_k.shape)} and {tuple(new_v.shape)}")
+    b, tn = new_k.shape[:2]
+    if page_table is None or jnp.ndim(page_table) != 2 or jnp.shape(page_table)[0] != b:
+        got = "None" if page_table is None else _shape_str(jnp.asarray(page_table))
+        raise ValueError(f"page_table must have shape [B, max_pages] with B={b} (new_k's batch), got {got}")
+    table = _int_array("page_table", page_table, (b, jnp.shape(page_table)[1]))
+    lengths = _int_array("kv_lengths", kv_lengths, (b,))
+    count = None if num_new is None else _int_array("num_new", num_new, (b,))
+    tv, lv = _concrete(table), _concrete(lengths)
+    cv = tn if count is None else _concrete(count)
+    if tv is not None and lv is not None and cv is not None:
+        if np.any(np.asarray(cv) < 0) or np.any(np.asarray(cv) > tn):
+            raise ValueError(f"num_new must lie in [0, T_new] = [0, {tn}], got {np.asarray(cv).tolist()}")
+        for row in range(b):
+            extra = int(np.asarray(cv).reshape(-1)[row] if count is not None else tn)
+            _check_values(tv[row : row + 1], lv[row : row + 1], num_pages, ps, extra)
+    pos = jnp.maximum(lengths, 0)[:, None] + jnp.arange(tn, dtype=jnp.int32)  # [B, T_new]
+    col = pos // ps
+    inside = (col < table.shape[1]) & (pos >= 0)  # pos < 0: int32 wrap-around of a huge length
+    page = jnp.take_along_axis(table, jnp.clip(col, 0, table.shape[1] - 1), axis=1)
+    keep = inside & (page >= 0) & (page < num_pages)
+    if count is not None:
+        keep = keep & (jnp.arange(tn, dtype=jnp.int32) < count[:, None])
+    page = jnp.where(keep, page, num_pages)  # out of range: the scatter drops it
+    slot = pos % ps
+    key_pages = key_pages.at[page, slot].set(new_k.astype(key_pages.dtype), mode="drop")
+    value_pages = value_pages.at[page, slot].set(new_v.astype(value_pages.dtype), mode="drop")
+    return key_pages, value_pages
+
+
+def explain_paged(query, key_pages, value_pages, page_table, kv_lengths, **kwargs):
+    """Same arguments as `paged_attention`; which implementation would run it and why each
+    other one would not (today only xla serves paged_attention)."""
+    from jax_flash._api import Explanation
+
+    kwargs.pop("return_residual", None)
+    requested = kwargs.get("implementation")
+    pspec = canonicalize_paged(query, key_pages, value_pages, page_table, kv_lengths, **kwargs)[0]
+    order = list(_registry.explain(pspec.attention).keys())
+    reasons = {name: (None if name in SERVED_BY else _NOT_SERVED[name]) for name in order}
+    selected = requested if requested is None or requested in SERVED_BY else None
+    selected = "xla" if requested is None else selected
+    pp = max(1, min(xla.BLOCK_K // pspec.page_size, pspec.max_pages))
+    note = (
+        f"reads {pp} page(s) of {pspec.page_size} per key block through the table; "
+        + (f"split-KV over {pspec.splits} page chunks" if pspec.splits > 1 else "no split-KV")
+        + f"; rule: {split_kv.rule()}"
+    )
+    return Explanation(selected=selected, reasons=reasons, notes={"xla": note}, op="jax_flash.paged_attention")

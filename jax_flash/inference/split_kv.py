@@ -1,0 +1,128 @@
+"""Split-KV decoding (flash-decoding): few queries against many keys, in parallel over S.
+
+A decode step has T from 1 to a few dozen queries and a cache of up to ~100k keys: one
+query block, so the blockwise forward walks the keys one block after another with most of
+a GPU idle. Split-KV cuts S into C chunks, computes each chunk's partial (out, lse) as an
+independent row of one batched forward (the chunks are folded into the batch axis: chunk c
+of batch row b is row b·C + c), then merges the C partials by lse (`_merge.merge_partials`,
+the same merge ring attention uses): exact, and deterministic (a fixed split and a fixed
+merge order, no atomics).
+
+Every mask keeps its meaning in a chunk: key positions move by the chunk's start c·Sc, so
+key lengths become clip(L - c·Sc, 0, Sc), the causal/window offset o becomes o - c·Sc and
+dense bias/mask and key segment ids are cut like K/V; query-side inputs repeat per chunk.
+
+The rule (`num_splits`) is static, from the spec and the platform, and `explain` states it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jax_flash import xla
+from jax_flash._merge import merge_partials
+from jax_flash._spec import AttentionSpec, MaskInputs
+
+# Split only few-query calls: T <= DECODE_MAX_QUERIES (one query block of every kernel).
+DECODE_MAX_QUERIES = 64
+# Each chunk holds at least MIN_CHUNK keys (one key block of the xla forward).
+MIN_CHUNK = 512
+# Enough independent (batch row, kv head, chunk) units to fill a GPU: ~2 per SM of an H200.
+TARGET_UNITS = 256
+MAX_SPLITS = 64
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def rule() -> str:
+    """The rule in words (for `explain`)."""
+    return (
+        f"split-KV when T <= {DECODE_MAX_QUERIES} and S >= {2 * MIN_CHUNK} on a GPU/TPU: "
+        f"C = min(ceil({TARGET_UNITS} / (B·K)), S // {MIN_CHUNK}, {MAX_SPLITS}) key chunks; "
+        "never on a CPU, where XLA's blockwise loop is faster (jax_flash.bench --decode)"
+    )
+
+
+def num_splits(spec: AttentionSpec, platform: str) -> int:
+    """C >= 1 key chunks for the xla forward of `spec` on `platform` ('cpu', 'gpu', ...)."""
+    if platform == "cpu":
+        return 1
+    return max_splits(spec, min(MAX_SPLITS, -(-TARGET_UNITS // max(1, spec.batch * spec.num_kv_heads))))
+
+
+def max_splits(spec: AttentionSpec, wanted: int) -> int:
+    """`wanted` clipped to what `spec` allows: 1 when T > DECODE_MAX_QUERIES, S < 2·MIN_CHUNK
+    or when the window's right side is so large (>= 2**31 - T) that shifting the offset by a
+    chunk start could not be exact in int32."""
+    if spec.q_len > DECODE_MAX_QUERIES or spec.kv_len < 2 * MIN_CHUNK:
+        return 1
+    if spec.window_right is not None and spec.window_right >= 2**31 - spec.q_len:
+        return 1
+    return max(1, min(wanted, spec.kv_len // MIN_CHUNK))
+
+
+def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, splits: int):
+    """xla forward of `spec` over `splits` key chunks, merged by lse: out [B, T, N, H] (dtype
+    of q), lse [B, N, T]. splits = 1 is the plain blockwise forward."""
+    if splits <= 1:
+        return xla.forward(spec, q, k, v, masks)
+    b, c = spec.batch, splits
+    s = spec.kv_len
+    sc = xla._round_up(-(-s // c), 8)  # keys per chunk
+    s_pad = c * sc
+
+    def per_chunk(x):  # [B, ...] -> [B·C, ...]: the same for every chunk of a batch row
+        return jnp.broadcast_to(x[:, None], (b, c, *x.shape[1:])).reshape(b * c, *x.shape[1:])
+
+    def cut(x, axis, value=0):  # [B|1, ..., S (axis), ...] -> [B·C, ..., Sc, ...]
+        x = xla._pad_axis(x, axis, s_pad, value)
+        x = x.reshape(*x.shape[:axis], c, sc, *x.shape[axis + 1 :])
+        x = jnp.moveaxis(x, axis, 1)  # [B|1, C, ...]
+        x = jnp.broadcast_to(x, (b, *x.shape[1:]))
+        return x.reshape(b * c, *x.shape[2:])
+
+    def dense(x, value):  # bias / mask [B|1, N|1, T|1, S|1]
+        if x is None:
+            return None
+        if x.shape[3] != 1:
+            return cut(x, 3, value)
+        return x if x.shape[0] == 1 else per_chunk(x)
+
+    starts = jnp.arange(c, dtype=jnp.int32) * sc  # key position of each chunk's first key
+    lengths = jnp.full((b,), s, jnp.int32) if masks.kv_lengths is None else jnp.clip(masks.kv_lengths, 0, s)
+    kv_lengths = jnp.clip(lengths[:, None] - starts, 0, sc).reshape(b * c)
+    q_offset = None
+    if spec.is_windowed:
+        o = jnp.zeros((b,), jnp.int32) if masks.q_offset is None else masks.q_offset
+        # o - start, saturating at int32's minimum: exact for the band because the window's
+        # right side is < 2**31 - T (`max_splits`), so a saturated row sees no key either way.
+        o = o[:, None]
+        q_offset = jnp.where(o < _INT32_MIN + starts, _INT32_MIN, o - starts).reshape(b * c)
+    chunk_masks = MaskInputs(
+        bias=dense(masks.bias, 0),
+        mask=dense(masks.mask, False),
+        q_lengths=None if masks.q_lengths is None else per_chunk(masks.q_lengths),
+        kv_lengths=kv_lengths,
+        q_segment_ids=None if masks.q_segment_ids is None else per_chunk(masks.q_segment_ids),
+        kv_segment_ids=None if masks.kv_segment_ids is None else cut(masks.kv_segment_ids, 1),
+        q_offset=q_offset,
+    )
+    chunk_spec = dataclasses.replace(
+        spec,
+        batch=b * c,
+        kv_len=sc,
+        bias_shape=None if chunk_masks.bias is None else tuple(chunk_masks.bias.shape),
+        mask_shape=None if chunk_masks.mask is None else tuple(chunk_masks.mask.shape),
+        has_kv_lengths=True,
+        has_q_offset=q_offset is not None,
+    )
+    acc_dt = xla._acc_dtype(q.dtype)
+    out, lse = xla.forward(
+        chunk_spec, per_chunk(q), cut(k, 1), cut(v, 1), chunk_masks, out_dtype=acc_dt
+    )
+    t, n, h = q.shape[1:]
+    out = out.reshape(b, c, t, n, h)
+    lse = lse.reshape(b, c, n, t)
+    out, lse = merge_partials([out[:, i] for i in range(c)], [lse[:, i] for i in range(c)])
+    return out.astype(q.dtype), lse
