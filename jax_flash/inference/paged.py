@@ -106,18 +106,19 @@ def _check_pages(key_pages, value_pages, head_dim: int, dtype, what: str):
         )
 
 
-def _check_values(table: np.ndarray, lengths: np.ndarray, num_pages: int, page_size: int, extra: int = 0):
+def _check_values(table: np.ndarray, lengths: np.ndarray, num_pages: int, page_size: int, extra=0, first_row=0):
     """Trace-time checks of concrete page ids and lengths (`extra`: tokens about to be
-    appended, which must fit too)."""
+    appended, which must fit too; rows are numbered from `first_row` in messages)."""
     capacity = table.shape[1] * page_size
-    for b, length in enumerate(lengths.tolist()):
+    for i, length in enumerate(lengths.tolist()):
+        b = first_row + i
         if not 0 <= length + extra <= capacity or length < 0:
             raise ValueError(
                 f"kv_lengths[{b}] = {length}" + (f" plus {extra} new tokens" if extra else "")
                 + f" must lie in [0, max_pages·page_size] = [0, {capacity}] (page_table has "
                 f"{table.shape[1]} pages of {page_size})"
             )
-        used = table[b, : -(-(length + extra) // page_size)]
+        used = table[i, : -(-(length + extra) // page_size)]
         bad = (used < 0) | (used >= num_pages)
         if bad.any():
             i = int(np.argmax(bad))
@@ -366,7 +367,7 @@ def paged_cache_write(key_pages, value_pages, page_table, kv_lengths, new_k, new
             raise ValueError(f"num_new must lie in [0, T_new] = [0, {tn}], got {np.asarray(cv).tolist()}")
         for row in range(b):
             extra = int(np.asarray(cv).reshape(-1)[row] if count is not None else tn)
-            _check_values(tv[row : row + 1], lv[row : row + 1], num_pages, ps, extra)
+            _check_values(tv[row : row + 1], lv[row : row + 1], num_pages, ps, extra, row)
     pos = jnp.maximum(lengths, 0)[:, None] + jnp.arange(tn, dtype=jnp.int32)  # [B, T_new]
     col = pos // ps
     inside = (col < table.shape[1]) & (pos >= 0)  # pos < 0: int32 wrap-around of a huge length

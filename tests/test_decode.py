@@ -1,0 +1,241 @@
+"""Decoding: split-KV attention and the paged KV cache against the float64 reference.
+
+Tolerance as in the shared suite: err(impl, f64 reference) <= FACTOR·err(reference at the
+input dtype) + EPS. Paged results are compared with `jax_flash.paged_reference`, i.e.
+`jax_flash.reference` on the gathered cache with key_value_seq_lengths = L and
+query_offset = L - T. Inputs are random and off zero, lengths ragged (0 included), pages in
+shuffled order with unused pages holding poison (NaN), so a read of the wrong page shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash._normalize import canonicalize, restore
+from jax_flash.inference import paged, split_kv
+from jax_flash.reference import gather_pages
+
+from cases import EPS, FACTOR, max_err
+
+
+def _paged_cache(rng, b, kh, h, page_size, max_pages, dtype, spare=3):
+    """Pages in shuffled order: sequence b uses pages table[b]; `spare` pages per sequence
+    are never referenced and hold NaN."""
+    num_pages = b * max_pages + spare
+    kp = rng.normal(size=(num_pages, page_size, kh, h)) - 0.1
+    vp = rng.normal(size=(num_pages, page_size, kh, h)) + 0.2
+    table = rng.permutation(num_pages)[: b * max_pages].reshape(b, max_pages)
+    unused = np.setdiff1d(np.arange(num_pages), table)
+    kp[unused] = np.nan
+    vp[unused] = np.nan
+    return (jnp.asarray(kp, dtype), jnp.asarray(vp, dtype), jnp.asarray(table, jnp.int32))
+
+
+def _references(fn, *args, **kw):
+    """(float64 reference, reference at the input dtype), each (out, lse), jitted."""
+    run = lambda compute_dtype: jax.jit(
+        lambda *a: fn(*a, return_residual=True, compute_dtype=compute_dtype, **kw))(*args)
+    return run(jnp.float64), run(None)
+
+
+def _check(out, lse, q, refs, dtype):
+    (ref64, lse64), (ref_lo, _) = refs
+    assert out.shape == q.shape and out.dtype == q.dtype
+    tol = FACTOR * max_err(ref_lo, ref64) + EPS[jnp.dtype(dtype).name]
+    err = max_err(out, ref64)
+    assert err <= tol, f"out error {err:.3g} > {tol:.3g}"
+    lse_err = max_err(lse, lse64)
+    assert lse_err <= 1e-4, f"lse error {lse_err:.3g}"
+    dead = ~np.isfinite(np.asarray(lse64))
+    assert np.all(np.asarray(out, np.float32)[dead] == 0)  # rows that see nothing: exactly 0
+
+
+# T in {1, 3, 16}; GQA group sizes 1, 4, 8; page sizes 16 and 64; caches up to 5k keys.
+PAGED = [
+    # (B, T, N, K, H, page_size, max_pages, lengths, dtype, kwargs)
+    (3, 1, 8, 1, 64, 16, 20, [0, 37, 320], "float32", {}),
+    (3, 3, 8, 2, 64, 64, 80, [5120, 0, 1234], "float32", {}),
+    (2, 16, 8, 8, 128, 16, 12, [16, 191], "bfloat16", {}),
+    (2, 3, 4, 1, 64, 64, 10, [640, 70], "float16", dict(is_causal=False)),
+    (2, 16, 8, 2, 64, 16, 16, [250, 9], "float32", dict(local_window_size=(40, 0), logits_soft_cap=5.0)),
+]
+
+
+@pytest.mark.parametrize("case", PAGED, ids=lambda c: f"T{c[1]}G{c[2] // c[3]}P{c[5]}S{c[5] * c[6]}-{c[8]}")
+def test_paged_attention_matches_reference(case):
+    b, t, n, kh, h, ps, mp, lengths, dtype, kw = case
+    rng = np.random.default_rng(0)
+    kp, vp, table = _paged_cache(rng, b, kh, h, ps, mp, dtype)
+    q = jnp.asarray(rng.normal(size=(b, t, n, h)) + 0.1, dtype)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    fn = jax.jit(lambda *a: jax_flash.paged_attention(*a, return_residual=True, **kw))
+    out, lse = fn(q, kp, vp, table, lengths)
+    assert lse.shape == (b, t, n) and lse.dtype == jnp.float32
+    ref = _references(jax_flash.paged_reference, q, kp, vp, table, lengths, **kw)
+    _check(out, lse, q, ref, dtype)
+    # Split over page chunks (what a GPU runs): the same within tolerance, finite.
+    pspec = paged.canonicalize_paged(q, kp, vp, table, lengths, **kw)[0]
+    out_s, lse_s = jax.jit(lambda *a: paged.forward(pspec, *a, splits=3))(q, kp, vp, table, lengths)
+    _check(out_s, jnp.swapaxes(lse_s, 1, 2), q, ref, dtype)
+
+
+def _decode_inputs(b, t, s, n, kh, h, lengths, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(b, t, n, h)) + 0.1, dtype)
+    k = jnp.asarray(rng.normal(size=(b, s, kh, h)) - 0.1, dtype)
+    v = jnp.asarray(rng.normal(size=(b, s, kh, h)) + 0.2, dtype)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    # A decode step over a contiguous cache filled to L: the last T positions are the queries.
+    kw = dict(is_causal=True, key_value_seq_lengths=lengths, query_offset=lengths - t)
+    return q, k, v, kw
+
+
+DECODE = [
+    # (B, T, S, N, K, H, lengths, dtype, extra kwargs)
+    (2, 1, 5000, 8, 8, 64, [5000, 0], "float32", {}),
+    (2, 3, 4099, 8, 2, 64, [4099, 1500], "bfloat16", {}),
+    (1, 16, 2048, 8, 1, 128, [1999], "float32", dict(local_window_size=(700, 0))),
+    (2, 1, 3000, 4, 1, 64, [2500, 7], "float16", dict(logits_soft_cap=4.0)),
+]
+
+
+@pytest.mark.parametrize("case", DECODE, ids=lambda c: f"T{c[1]}S{c[2]}G{c[3] // c[4]}-{c[7]}")
+def test_split_kv_matches_reference_and_unsplit(case):
+    b, t, s, n, kh, h, lengths, dtype, extra = case
+    q, k, v, kw = _decode_inputs(b, t, s, n, kh, h, lengths, dtype)
+    kw.update(extra)
+    c = canonicalize(q, k, v, **kw)
+    ref = _references(jax_flash.reference, q, k, v, **kw)
+    results = {}
+    for splits in (1, 8):
+        fn = jax.jit(lambda q, k, v, m, splits=splits: split_kv.forward(c.spec, q, k, v, m, splits))
+        out, lse = restore(c, *fn(c.q, c.k, c.v, c.masks))
+        _check(out, lse, q, ref, dtype)
+        results[splits] = np.asarray(out, np.float32)
+    # Split and unsplit agree within the suite's tolerance of each other.
+    (ref64, _), (ref_lo, _) = ref
+    tol = 2 * (FACTOR * max_err(ref_lo, ref64) + EPS[dtype])
+    assert np.max(np.abs(results[1] - results[8])) <= tol
+
+
+def test_split_kv_combine_is_bitwise_reproducible():
+    q, k, v, kw = _decode_inputs(2, 3, 4096, 8, 2, 64, [4096, 3001], "float32", seed=3)
+    c = canonicalize(q, k, v, **kw)
+    run = lambda: jax.jit(lambda q, k, v, m: split_kv.forward(c.spec, q, k, v, m, 16))(
+        c.q, c.k, c.v, c.masks)
+    first = run()
+    for _ in range(2):  # same compiled step, then a fresh trace and compilation
+        again = run()
+        for a, b in zip(first, again):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+    jax.clear_caches()
+    for a, b in zip(first, run()):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_split_kv_rule():
+    q = jnp.zeros((1, 1, 32, 128), jnp.float32)
+    k = jnp.zeros((1, 32768, 8, 128), jnp.float32)
+    spec = canonicalize(q, k, k).spec
+    assert split_kv.num_splits(spec, "cpu") == 1
+    assert split_kv.num_splits(spec, "gpu") == 32  # ceil(256 / (B·K)) = 32 chunks of 1024
+    assert split_kv.num_splits(dataclasses.replace(spec, batch=32), "gpu") == 1
+    assert split_kv.num_splits(dataclasses.replace(spec, q_len=65), "gpu") == 1
+    assert split_kv.num_splits(dataclasses.replace(spec, kv_len=1000), "gpu") == 1
+    note = jax_flash.explain(q, k, k).notes["xla"]
+    assert "no split-KV" in note and "T <= 64" in note  # the rule, stated
+
+
+def test_paged_grad_raises():
+    rng = np.random.default_rng(1)
+    kp, vp, table = _paged_cache(rng, 1, 1, 32, 16, 2, "float32")
+    q = jnp.ones((1, 1, 2, 32), jnp.float32)
+    lengths = jnp.asarray([20], jnp.int32)
+    with pytest.raises(NotImplementedError, match="inference op"):
+        jax.grad(lambda q: jax_flash.paged_attention(q, kp, vp, table, lengths).sum())(q)
+
+
+def test_paged_bad_inputs():
+    rng = np.random.default_rng(2)
+    kp, vp, table = _paged_cache(rng, 2, 2, 32, 16, 4, "float32", spare=0)
+    q = jnp.ones((2, 1, 4, 32), jnp.float32)
+    ok = jnp.asarray([5, 64], jnp.int32)
+    call = lambda **over: jax_flash.paged_attention(
+        *(over.get(n, d) for n, d in (("q", q), ("kp", kp), ("vp", vp), ("table", table), ("lengths", ok))),
+        **over.get("kw", {}))
+    with pytest.raises(ValueError, match=r"kv_lengths\[1\] = 65"):
+        call(lengths=jnp.asarray([5, 65], jnp.int32))
+    with pytest.raises(ValueError, match=r"kv_lengths\[0\] = -1"):
+        call(lengths=jnp.asarray([-1, 3], jnp.int32))
+    with pytest.raises(ValueError, match=r"page_table\[0, 0\] = 8 is not a page id"):
+        call(table=table.at[0, 0].set(8))
+    call(table=table.at[0, 3].set(99))  # an unused entry (row 0 uses 1 page): any value
+    with pytest.raises(ValueError, match="page_table must have shape"):
+        call(table=table[:1])
+    with pytest.raises(TypeError, match="page_table must be an integer"):
+        call(table=table.astype(jnp.float32))
+    with pytest.raises(ValueError, match="kv_lengths must have shape"):
+        call(lengths=ok[:1])
+    with pytest.raises(TypeError, match="value_pages must have the dtype"):
+        call(vp=vp.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="key_pages must have the head dim"):
+        call(kp=kp[..., :16], vp=vp[..., :16])
+    with pytest.raises(ValueError, match="multiple of the number of key/value heads"):
+        call(q=jnp.ones((2, 1, 3, 32), jnp.float32))
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        call(kw=dict(logits_soft_cap=-1.0))
+    with pytest.raises(ValueError, match='implementation="cuda" cannot run paged_attention: no paged kernel'):
+        call(kw=dict(implementation="cuda"))
+    with pytest.raises(ValueError, match="implementation must be"):
+        call(kw=dict(implementation="tpu"))
+
+
+def test_paged_traced_bad_ids_and_lengths_are_masked():
+    """Under jit the values are not known at trace time: bad page ids read nothing (their
+    keys are masked, never read out of bounds), a length beyond the table counts the table's
+    keys only, a negative one counts as 0 — as the reference defines it."""
+    rng = np.random.default_rng(3)
+    kp, vp, table = _paged_cache(rng, 3, 2, 32, 16, 4, "float32", spare=0)
+    table = table.at[0, 1].set(-7).at[1, 2].set(10_000)
+    lengths = jnp.asarray([50, 1000, -4], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(3, 2, 4, 32)), jnp.float32)
+    out, lse = jax.jit(lambda *a: jax_flash.paged_attention(*a, return_residual=True))(
+        q, kp, vp, table, lengths)
+    ref = _references(jax_flash.paged_reference, q, kp, vp, table, lengths)
+    _check(out, lse, q, ref, "float32")
+    assert np.all(np.asarray(out[2]) == 0)
+
+
+def test_paged_cache_write_in_place_under_jit_with_donation():
+    b, kh, h, ps, mp = 3, 2, 32, 16, 6
+    rng = np.random.default_rng(4)
+    kp, vp, table = _paged_cache(rng, b, kh, h, ps, mp, "float32", spare=0)
+    lengths = jnp.asarray([0, 15, 40], jnp.int32)
+    new_k = jnp.asarray(rng.normal(size=(b, 3, kh, h)), jnp.float32)
+    new_v = jnp.asarray(rng.normal(size=(b, 3, kh, h)), jnp.float32)
+    num_new = jnp.asarray([3, 2, 3], jnp.int32)
+    expect_k = np.array(gather_pages(kp, table))
+    expect_v = np.array(gather_pages(vp, table))
+    for row, (length, count) in enumerate(zip([0, 15, 40], [3, 2, 3])):
+        expect_k[row, length : length + count] = np.asarray(new_k[row, :count])
+        expect_v[row, length : length + count] = np.asarray(new_v[row, :count])
+    write = jax.jit(jax_flash.paged_cache_write, donate_argnums=(0, 1))
+    k_ptr, v_ptr = kp.unsafe_buffer_pointer(), vp.unsafe_buffer_pointer()
+    kp2, vp2 = write(kp, vp, table, lengths, new_k, new_v, num_new)
+    assert kp.is_deleted() and vp.is_deleted()  # donated
+    assert kp2.unsafe_buffer_pointer() == k_ptr and vp2.unsafe_buffer_pointer() == v_ptr  # in place
+    np.testing.assert_array_equal(np.asarray(gather_pages(kp2, table)), expect_k)
+    np.testing.assert_array_equal(np.asarray(gather_pages(vp2, table)), expect_v)
+    # Concrete overflow is a trace-time error; traced, the tokens past the table are dropped.
+    with pytest.raises(ValueError, match=r"kv_lengths\[2\] = 95 plus 3 new tokens"):
+        jax_flash.paged_cache_write(kp2, vp2, table, jnp.asarray([0, 0, 95]), new_k, new_v)
+    expect_k[:2, :3] = np.asarray(new_k[:2])
+    expect_k[2, 95] = np.asarray(new_k[2, 0])  # tokens 1, 2 of row 2 fall past the table
+    kp3, _ = jax.jit(jax_flash.paged_cache_write)(kp2, vp2, table, jnp.asarray([0, 0, 95]), new_k, new_v)
+    np.testing.assert_array_equal(np.asarray(gather_pages(kp3, table)), expect_k)
