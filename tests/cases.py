@@ -59,7 +59,7 @@ MASK_KINDS = (
     "all_masked",
 )
 # query_offset: query t sits at key position offset + t for the causal/window band.
-OFFSET_KINDS = ("offset_causal", "offset_window", "offset_rows", "offset_combo")
+OFFSET_KINDS = ("offset_causal", "offset_window", "offset_rows", "offset_combo", "offset_decode")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +112,7 @@ def _cases():
     # moved by per-row offsets, negative / beyond-S offsets, with lengths and segments.
     for kind in OFFSET_KINDS:
         out.append(Case("ragged", kind, "float32", False))
-        out.append(Case("small_mqa", kind, "bfloat16", True))
+        out.append(Case("small_mqa" if kind != "offset_decode" else "small_h96", kind, "bfloat16", True))
     out.append(Case("odd_h", "offset_causal", "float32", False))
     out.append(Case("one_query", "offset_causal", "float32", False))
     out.append(Case("small_tall", "offset_causal", "float16", True))
@@ -239,6 +239,11 @@ def mask_kwargs(kind: str, shape: Shape, seed: int = 1) -> dict:
             key_value_seq_lengths=jnp.asarray(kv_len, jnp.int32),
             segment_ids=(_segments(rng, b, t, 3), _segments(rng, b, s, 3)),
         )
+    if kind == "offset_decode":
+        # A decode step over caches filled to L[b] (one of them empty): the queries are the
+        # last T positions, query_offset = L - T, bottom-right causal per row.
+        lengths = jnp.asarray([max(1, s - 7), 0, s][:b], jnp.int32)
+        return dict(is_causal=True, key_value_seq_lengths=lengths, query_offset=lengths - t)
     if kind == "all_masked":
         # The first batch element sees no key at all; the second has padded query rows.
         return dict(
