@@ -728,6 +728,10 @@ def main(argv=None) -> list[Result]:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--multi-device" in argv:
         return multi_device_main(argv)
+    if "--decode" in argv:  # one decode step against a KV cache (jax_flash/inference/bench_decode.py)
+        from jax_flash.inference import bench_decode
+
+        return bench_decode.main(argv)
     args = parse_args(argv)
     on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
     env = environment()

@@ -96,3 +96,28 @@ def test_bench_time_budget_not_reached_measures_everything(tmp_path):
     )
     assert [r.status for r in results] == ["ok", "ok"] and all(r.compile_s > 0 for r in results)
     assert json.loads(json_path.read_text())["counts"] == {"ok": 2, "failed": 0, "OOM": 0, "skipped": 0, "cut": 0}
+
+
+def test_bench_decode_tiny_run(tmp_path, capsys):
+    json_path = tmp_path / "decode.json"
+    results = bench.main(["--decode", "--batch", "1,2", "--seq-lens", "300", "--heads", "4",
+                          "--kv-heads", "2", "--head-dim", "32", "--page-size", "16", "--reps", "1",
+                          "--json", str(json_path)])
+    out = capsys.readouterr().out
+    assert "GB/s" in out and "x jax.nn" in out and "memory bandwidth" in out
+    impls = {r["impl"] for r in results}
+    assert {"jax.nn", "xla", "xla-split", "xla-unsplit", "paged-xla"} <= impls
+    assert len(results) == 2 * len(impls)
+    for r in results:
+        assert r["status"] == "ok", r
+        assert r["kv_bytes"] == 2 * r["batch"] * 300 * 2 * 32 * 4
+        assert r["kv_bytes_per_s"] > 0 and r["vs_jax_nn"] > 0
+        assert 0 < r["peak_fraction"]
+    data = json.loads(json_path.read_text())
+    assert data["peak_bytes_per_s"] > 0 and len(data["results"]) == len(results)
+
+
+def test_bench_decode_skips_caches_over_the_memory_cap(capsys):
+    results = bench.main(["--decode", "--batch", "1", "--seq-lens", "4k", "--heads", "2",
+                          "--kv-heads", "1", "--head-dim", "16", "--max-cache-gib", "0.0001"])
+    assert results and all(r["status"].startswith("skipped: K+V") for r in results)
