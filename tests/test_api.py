@@ -279,6 +279,18 @@ def test_explain_names_every_implementation():
     assert with_bias.reasons["xla"] is None
 
 
+def test_explain_says_pallas_is_interpreted_on_a_cpu():
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU backend only")
+    q = jnp.zeros((1, 8, 2, 64), jnp.float32)
+    e = jax_flash.explain(q, q, q)
+    if e.reasons["pallas"] is not None:
+        pytest.skip(f"pallas cannot run here: {e.reasons['pallas']}")
+    assert "interpreted (slow)" in e.notes["pallas"]
+    line = [l for l in str(e).splitlines() if "pallas" in l][0]
+    assert "available (interpreted (slow)" in line
+
+
 def test_default_choice_on_cpu():
     if jax.default_backend() != "cpu":
         pytest.skip("CPU backend only")
