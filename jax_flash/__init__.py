@@ -4,6 +4,7 @@ sharded over a mesh axis (context parallelism); `paged_attention` and `paged_cac
 for decoding with a paged KV cache."""
 
 from jax_flash._api import Explanation, attention, explain
+from jax_flash._export import export_disabled_checks
 from jax_flash.inference.paged import explain_paged, paged_attention, paged_cache_write
 from jax_flash.parallel.ring import ring_attention, unzigzag, zigzag
 from jax_flash.reference import attention_reference as reference
@@ -14,6 +15,7 @@ __all__ = [
     "attention",
     "explain",
     "Explanation",
+    "export_disabled_checks",
     "reference",
     "paged_attention",
     "paged_cache_write",
