@@ -19,6 +19,7 @@ It checks that both give the same tokens and prints tokens/s for each.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 import time
@@ -129,6 +130,7 @@ def timed(fn, *args):
 
 def main(argv):
     del argv
+    logging.getLogger("jax").setLevel(logging.WARNING)  # not absl's INFO about absent backends
     text = open(FLAGS.text_file, encoding="utf-8").read() if FLAGS.text_file else lm.builtin_text()
     data = lm.CharData(text, FLAGS.seq_len)
     flash_fn = jax_flash.flax.make_attention_fn(implementation=FLAGS.implementation, is_causal=True)

@@ -156,12 +156,14 @@ def online_softmax_init(rows: tuple, head_dim: int, acc_dt, *like):
     )
 
 
-def online_softmax_step(carry, logits, vis, v_blk):
+def online_softmax_step(carry, logits, vis, v_blk, pv=None):
     """One key tile of the online softmax (FlashAttention-2 Alg. 1, inner loop).
 
     carry: (m, l, acc) [..., q], [..., q], [..., q, H] (m: running max, l: running sum,
     acc: unnormalised output, all in the accumulator dtype); logits [B, K, G, q, s] (scaled,
-    biased, capped); vis: bool broadcastable to logits, or None; v_blk [B, s, K, H]."""
+    biased, capped); vis: bool broadcastable to logits, or None; v_blk [B, s, K, H].
+    pv: optional P·V for other layouts, pv(p, v_blk) -> [..., q, H] in the accumulator
+    dtype (a kernel's 2-D tiles: logits [q, s], v_blk [s, H])."""
     m, l, acc = carry
     if vis is not None:
         logits = jnp.where(vis, logits, -jnp.inf)
@@ -172,10 +174,11 @@ def online_softmax_step(carry, logits, vis, v_blk):
     p = jnp.exp(logits - m_safe[..., None])
     alpha = jnp.exp(m - m_safe)
     l = alpha * l + jnp.sum(p, axis=-1)
-    pv = jnp.einsum(
-        "bkgqs,bskh->bkgqh", p.astype(v_blk.dtype), v_blk, preferred_element_type=acc.dtype
-    )
-    return m_new, l, alpha[..., None] * acc + pv
+    if pv is None:
+        pv = lambda p, v: jnp.einsum(
+            "bkgqs,bskh->bkgqh", p.astype(v.dtype), v, preferred_element_type=acc.dtype
+        )
+    return m_new, l, alpha[..., None] * acc + pv(p, v_blk)
 
 
 def online_softmax_finish(carry):

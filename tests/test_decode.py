@@ -196,17 +196,22 @@ def test_paged_bad_inputs():
         call(kw=dict(implementation="tpu"))
 
 
-def test_paged_traced_bad_ids_and_lengths_are_masked():
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_paged_traced_bad_ids_and_lengths_are_masked(impl):
     """Under jit the values are not known at trace time: bad page ids read nothing (their
     keys are masked, never read out of bounds), a length beyond the table counts the table's
     keys only, a negative one counts as 0 — as the reference defines it."""
     rng = np.random.default_rng(3)
     kp, vp, table = _paged_cache(rng, 3, 2, 32, 16, 4, "float32", spare=0)
+    why = jax_flash.explain_paged(jnp.zeros((3, 2, 4, 32), jnp.float32), kp, vp, table, jnp.zeros((3,), jnp.int32),
+                                  implementation=impl).reasons[impl]
+    if why is not None:
+        pytest.skip(f"{impl}: {why}")
     table = table.at[0, 1].set(-7).at[1, 2].set(10_000)
     lengths = jnp.asarray([50, 1000, -4], jnp.int32)
     q = jnp.asarray(rng.normal(size=(3, 2, 4, 32)), jnp.float32)
-    out, lse = jax.jit(lambda *a: jax_flash.paged_attention(*a, return_residual=True))(
-        q, kp, vp, table, lengths)
+    out, lse = jax.jit(lambda *a: jax_flash.paged_attention(
+        *a, return_residual=True, implementation=impl))(q, kp, vp, table, lengths)
     ref = _references(jax_flash.paged_reference, q, kp, vp, table, lengths)
     _check(out, lse, q, ref, "float32")
     assert np.all(np.asarray(out[2]) == 0)
@@ -239,3 +244,44 @@ def test_paged_cache_write_in_place_under_jit_with_donation():
     expect_k[2, 95] = np.asarray(new_k[2, 0])  # tokens 1, 2 of row 2 fall past the table
     kp3, _ = jax.jit(jax_flash.paged_cache_write)(kp2, vp2, table, jnp.asarray([0, 0, 95]), new_k, new_v)
     np.testing.assert_array_equal(np.asarray(gather_pages(kp3, table)), expect_k)
+
+
+PALLAS = [
+    # (B, T, N, K, H, page_size, max_pages, lengths, dtype, kwargs): small, interpreted on a CPU
+    (2, 1, 8, 1, 64, 16, 6, [0, 81], "float32", {}),
+    (2, 3, 8, 2, 32, 64, 3, [150, 3], "bfloat16", dict(logits_soft_cap=5.0)),
+    (1, 16, 2, 2, 16, 16, 4, [40], "float16", dict(local_window_size=(20, 0))),
+]
+
+
+@pytest.mark.parametrize("case", PALLAS, ids=lambda c: f"T{c[1]}G{c[2] // c[3]}P{c[5]}-{c[8]}")
+def test_pallas_paged_decode_kernel(case):
+    from jax_flash.inference import pallas_decode
+
+    b, t, n, kh, h, ps, mp, lengths, dtype, kw = case
+    rng = np.random.default_rng(5)
+    kp, vp, table = _paged_cache(rng, b, kh, h, ps, mp, dtype)
+    q = jnp.asarray(rng.normal(size=(b, t, n, h)) + 0.1, dtype)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    why = jax_flash.explain_paged(q, kp, vp, table, lengths, implementation="pallas", **kw).reasons["pallas"]
+    if why is not None:
+        pytest.skip(f"pallas: {why}")
+    ref = _references(jax_flash.paged_reference, q, kp, vp, table, lengths, **kw)
+    out, lse = jax.jit(lambda *a: jax_flash.paged_attention(
+        *a, implementation="pallas", return_residual=True, **kw))(q, kp, vp, table, lengths)
+    _check(out, lse, q, ref, dtype)
+    pspec = paged.canonicalize_paged(q, kp, vp, table, lengths, **kw)[0]
+    out_s, lse_s = jax.jit(lambda *a: pallas_decode.paged_forward(pspec, *a, splits=2))(
+        q, kp, vp, table, lengths)
+    _check(out_s, jnp.swapaxes(lse_s, 1, 2), q, ref, dtype)
+
+
+def test_pallas_paged_limits_are_stated():
+    kp = jnp.zeros((4, 8, 1, 32), jnp.float32)  # page_size 8: not a Triton tile
+    q = jnp.zeros((1, 1, 2, 32), jnp.float32)
+    table, lengths = jnp.zeros((1, 2), jnp.int32), jnp.asarray([3], jnp.int32)
+    e = jax_flash.explain_paged(q, kp, kp, table, lengths, implementation="pallas")
+    assert e.selected is None and "page_size a power of two" in e.reasons["pallas"]
+    with pytest.raises(ValueError, match='implementation="pallas" cannot run paged_attention: needs page_size'):
+        jax_flash.paged_attention(q, kp, kp, table, lengths, implementation="pallas")
+    assert jax_flash.explain_paged(q, kp, kp, table, lengths).selected == "xla"

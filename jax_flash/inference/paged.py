@@ -12,7 +12,8 @@ online softmax and masks as `jax_flash.attention`) with its key blocks read thro
 page table: block j is the pages page_table[:, j·pp : (j+1)·pp], gathered page by page
 into one [B, pp·page_size, K, H] tile. The cache is never copied into a contiguous array.
 On a GPU/TPU the pages are split into chunks processed in parallel and merged by lse
-(split-KV, `split_kv`), by the same rule as `attention`.
+(split-KV, `split_kv`), by the same rule as `attention`. `implementation="pallas"` runs a
+decode kernel instead (`pallas_decode`); cuda and cpu have no paged kernel yet.
 
 Bad ids and lengths: checked at trace time where the values are concrete (not traced):
 a length outside [0, max_pages·page_size] or a page id outside [0, num_pages) among the
@@ -39,13 +40,24 @@ from jax_flash._normalize import IMPLEMENTATIONS, canonicalize
 from jax_flash._spec import AttentionSpec, MaskInputs
 from jax_flash.inference import split_kv
 
-# Implementations that serve paged_attention today, and why the others do not.
-SERVED_BY = ("xla",)
+# Implementations that serve paged_attention today, and why the others do not. None picks
+# xla everywhere: the pallas decode kernel is opt-in until it has been measured on a GPU.
+SERVED_BY = ("xla", "pallas")
 _NOT_SERVED = {
-    "cuda": "no paged kernel yet (paged_attention is served by xla)",
-    "cpu": "no paged kernel yet (paged_attention is served by xla)",
-    "pallas": "no paged kernel yet (paged_attention is served by xla)",
+    "cuda": "no paged kernel yet (paged_attention is served by xla, and pallas on request)",
+    "cpu": "no paged kernel yet (paged_attention is served by xla, and pallas on request)",
 }
+
+
+def reason(name: str, pspec: "PagedSpec") -> Optional[str]:
+    """Why implementation `name` cannot serve this paged call, or None."""
+    if name == "xla":
+        return None
+    if name == "pallas":
+        from jax_flash.inference import pallas_decode
+
+        return pallas_decode.unsupported(pspec)
+    return _NOT_SERVED[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,8 +242,9 @@ def paged_attention(
       logits_soft_cap: c > 0: logits -> c·tanh(logits / c).
       return_residual: also return lse [B, T, N] (float32 natural log; -inf for rows that see
         nothing).
-      implementation: None or "xla" (the implementations that serve it today; see
-        `explain_paged`); another name raises ValueError saying why.
+      implementation: None (xla), "xla" or "pallas" (a decode kernel on the Triton backend,
+        interpreted on a CPU); see `explain_paged`. "cuda" and "cpu" have no paged kernel yet
+        and raise ValueError saying so.
 
     Page ids and lengths that are concrete at trace time are checked (ValueError naming the
     entry); traced ones are masked at run time (never read out of bounds, see the module
@@ -247,23 +260,33 @@ def paged_attention(
         is_causal=is_causal, local_window_size=local_window_size,
         logits_soft_cap=logits_soft_cap, implementation=implementation,
     )
-    if implementation is not None and implementation not in SERVED_BY:
-        raise ValueError(f'implementation="{implementation}" cannot run paged_attention: {_NOT_SERVED[implementation]}')
-    out, lse = _paged(pspec, q, kp, vp, table, lengths)
+    name = implementation or "xla"
+    why = reason(name, pspec)
+    if why is not None:
+        raise ValueError(f'implementation="{name}" cannot run paged_attention: {why}')
+    out, lse = _paged(name, pspec, q, kp, vp, table, lengths)
     lse = jnp.swapaxes(lse, 1, 2)  # [B, N, T] -> [B, T, N]
     return (out, lse) if return_residual else out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _paged(pspec: PagedSpec, q, key_pages, value_pages, table, lengths):
-    return forward(pspec, q, key_pages, value_pages, table, lengths)
+def _run(name: str, pspec: PagedSpec, *args):
+    if name == "pallas":
+        from jax_flash.inference import pallas_decode
+
+        return pallas_decode.paged_forward(pspec, *args)
+    return forward(pspec, *args)
 
 
-def _paged_fwd(pspec, q, key_pages, value_pages, table, lengths):
-    return forward(pspec, q, key_pages, value_pages, table, lengths), None
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _paged(name: str, pspec: PagedSpec, q, key_pages, value_pages, table, lengths):
+    return _run(name, pspec, q, key_pages, value_pages, table, lengths)
 
 
-def _paged_bwd(pspec, residuals, cotangents):
+def _paged_fwd(name, pspec, q, key_pages, value_pages, table, lengths):
+    return _run(name, pspec, q, key_pages, value_pages, table, lengths), None
+
+
+def _paged_bwd(name, pspec, residuals, cotangents):
     raise NotImplementedError(
         "jax_flash.paged_attention is an inference op (forward only) and has no gradient; to "
         "differentiate, gather the cache (jax_flash.paged_reference shows how) and use "
@@ -390,14 +413,18 @@ def explain_paged(query, key_pages, value_pages, page_table, kv_lengths, **kwarg
     kwargs.pop("return_residual", None)
     requested = kwargs.get("implementation")
     pspec = canonicalize_paged(query, key_pages, value_pages, page_table, kv_lengths, **kwargs)[0]
+    from jax_flash.inference import pallas_decode
+
     order = list(_registry.explain(pspec.attention).keys())
-    reasons = {name: (None if name in SERVED_BY else _NOT_SERVED[name]) for name in order}
-    selected = requested if requested is None or requested in SERVED_BY else None
-    selected = "xla" if requested is None else selected
+    reasons = {name: reason(name, pspec) for name in order}
+    name = requested or "xla"
+    selected = name if reasons[name] is None else None
     pp = max(1, min(xla.BLOCK_K // pspec.page_size, pspec.max_pages))
-    note = (
-        f"reads {pp} page(s) of {pspec.page_size} per key block through the table; "
-        + (f"split-KV over {pspec.splits} page chunks" if pspec.splits > 1 else "no split-KV")
-        + f"; rule: {split_kv.rule()}"
-    )
-    return Explanation(selected=selected, reasons=reasons, notes={"xla": note}, op="jax_flash.paged_attention")
+    split = f"split-KV over {pspec.splits} page chunks" if pspec.splits > 1 else "no split-KV"
+    notes = {"xla": f"reads {pp} page(s) of {pspec.page_size} per key block through the table; "
+                    f"{split}; rule: {split_kv.rule()}"}
+    if reasons.get("pallas") is None:
+        extra = pallas_decode.note()
+        notes["pallas"] = ("on request only (implementation=None picks xla); decode kernel, one "
+                           f"page per key block, GQA-packed rows; {split}" + (f"; {extra}" if extra else ""))
+    return Explanation(selected=selected, reasons=reasons, notes=notes, op="jax_flash.paged_attention")
