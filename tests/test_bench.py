@@ -136,10 +136,16 @@ def test_bench_decode_tiny_run(tmp_path, capsys):
     for r in results:
         assert r["status"] == "ok", r
         assert r["kv_bytes"] == 2 * r["batch"] * 300 * 2 * 32 * 4
-        assert r["kv_bytes_per_s"] > 0 and r["vs_jax_nn"] > 0
-        assert 0 < r["peak_fraction"]
+        assert r["kv_bytes_per_s"] > 0 and 0 < r["peak_fraction"]
+        assert (r["vs_jax_nn"] is None) == (r["impl"] == "copy")
+    import jax
+
+    if jax.default_backend() == "cpu":  # the copy bandwidth of the same cell is the peak
+        for r in results:
+            copy = next(c for c in results if c["impl"] == "copy" and c["batch"] == r["batch"])
+            assert r["peak_bytes_per_s"] == copy["kv_bytes_per_s"]
     data = json.loads(json_path.read_text())
-    assert data["peak_bytes_per_s"] > 0 and len(data["results"]) == len(results)
+    assert len(data["results"]) == len(results)
 
 
 def test_bench_decode_skips_caches_over_the_memory_cap(capsys):

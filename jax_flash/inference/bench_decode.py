@@ -14,10 +14,11 @@ heads, H=128; bfloat16 on a GPU, float32 on a CPU). Measured in the same run, in
   shuffled order.
 
 For each: the median time, the K/V read bandwidth (bytes of K and V read / time) and its
-fraction of the machine's memory bandwidth: on a CPU the copy bandwidth (`x + 1` over a
-buffer larger than the caches, bytes read + written / time) measured in the same run, on a
-GPU the device's nominal figure (--peak-gbs; H200: 4800 GB/s). A cell whose cache would
-exceed --max-cache-gib is skipped and says so.
+fraction of the machine's memory bandwidth: on a CPU the copy bandwidth (the row "copy":
+`x + 1` over a float32 buffer as large as the cell's K and V, bytes read + written / time)
+measured in the same cell, its repetitions interleaved with the others' so that a change of
+load on a shared machine hits both alike; on a GPU the device's nominal figure (--peak-gbs;
+H200: 4800 GB/s). A cell whose cache would exceed --max-cache-gib is skipped and says so.
 """
 
 from __future__ import annotations
@@ -37,19 +38,6 @@ from jax_flash._normalize import canonicalize
 from jax_flash.inference import split_kv
 
 NOMINAL_GBS = {"H200": 4800.0, "H100": 3350.0, "B200": 8000.0, "A100": 2039.0}
-
-
-def copy_bandwidth(nbytes: int, reps: int = 5) -> float:
-    """Bytes per second of a jitted elementwise copy (x + 1: read once, written once)."""
-    x = jnp.zeros((nbytes // 4,), jnp.float32)
-    f = jax.jit(lambda x: x + 1)
-    jax.block_until_ready(f(x))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x))
-        times.append(time.perf_counter() - t0)
-    return 2 * x.nbytes / min(times)
 
 
 def _cache(b, s, kh, h, dtype, seed=0):
@@ -90,6 +78,8 @@ def _step_fns(names, k, n, dtype):
             spec, masks = c.spec, c.masks
             fns[name] = (None, lambda q, k, v, spec=spec, masks=masks, splits=splits:
                          split_kv.forward(spec, q, k, v, masks, splits)[0])
+        elif name == "copy":
+            fns[name] = ("copy", lambda x: x + 1)
         elif name == "paged-xla":
             fns[name] = ("paged", lambda q, kp, vp, table: jax_flash.paged_attention(q, kp, vp, table, lengths))
         else:
@@ -134,11 +124,10 @@ def main(argv) -> list[dict]:
         peak = None if peak is None else peak * 1e9
         peak_what = "nominal" if peak else "unknown (--peak-gbs)"
     else:
-        largest = min(max_cache, max(kv_bytes(b, s) for b in args.batch for s in args.seq_lens))
-        peak = copy_bandwidth(max(largest, 256 * 2**20))
-        peak_what = "copy, measured now"
+        peak = None  # measured per cell: the "copy" row
+        peak_what = "copy bandwidth of the same cell"
     print(f"decode: T=1, N={args.heads}, K={args.kv_heads}, H={args.head_dim}, {args.dtype}, "
-          f"page_size {args.page_size}; memory bandwidth "
+          f"page_size {args.page_size}; memory bandwidth: "
           + (f"{peak / 1e9:.1f} GB/s ({peak_what})" if peak else peak_what))
 
     probe = jnp.zeros((1, 64, args.kv_heads, args.head_dim), args.dtype)
@@ -150,6 +139,8 @@ def main(argv) -> list[dict]:
     names += ["xla", "xla-unsplit", "xla-split", "paged-xla"]
     if args.impls:
         names = [n.strip() for n in args.impls.split(",") if n.strip()]
+    if not on_gpu:
+        names.append("copy")
     results = []
     header = f"{'B':>3} {'S':>6} {'impl':13} {'time ms':>9} {'K/V GB/s':>9} {'of peak':>8} {'x jax.nn':>9}"
     print(header)
@@ -161,10 +152,10 @@ def main(argv) -> list[dict]:
                 print(_format(r), flush=True)
             if args.json:
                 with open(args.json, "w") as f:
-                    json.dump({"environment": env, "peak_bytes_per_s": peak, "peak": peak_what,
-                               "results": results}, f, indent=1)
-    print("\nK/V GB/s: bytes of K and V read (2·B·S·K·H·itemsize) / time; of peak: that over the "
-          f"memory bandwidth ({peak_what}); x jax.nn: jax.nn.dot_product_attention(xla) time / this time.")
+                    json.dump({"environment": env, "peak": peak_what, "results": results}, f, indent=1)
+    print("\nK/V GB/s: bytes of K and V read (2·B·S·K·H·itemsize) / time (copy: bytes read + "
+          f"written / time); of peak: that over the memory bandwidth ({peak_what}); x jax.nn: "
+          "jax.nn.dot_product_attention(xla) time / this time.")
     return results
 
 
@@ -193,6 +184,8 @@ def _measure_cell(names, b, s, args, nbytes, max_cache, peak) -> list[dict]:
         if kind == "paged" and paged is None:
             paged = _paged(k, v, args.page_size)
         operands = (q, *paged) if kind == "paged" else (q, k, v)
+        if kind == "copy":
+            operands = (jnp.zeros((nbytes // 4,), jnp.float32),)
         try:
             compiled = jax.jit(fn).lower(*operands).compile()
             jax.block_until_ready(compiled(*operands))  # warm-up
@@ -209,10 +202,16 @@ def _measure_cell(names, b, s, args, nbytes, max_cache, peak) -> list[dict]:
     for r, _, _, times in cells:
         if times:
             r["time_s"] = statistics.median(times)
-            r["kv_bytes_per_s"] = nbytes / r["time_s"]
-            r["peak_fraction"] = None if peak is None else r["kv_bytes_per_s"] / peak
+            r["kv_bytes_per_s"] = (2 if r["impl"] == "copy" else 1) * nbytes / r["time_s"]
+    copy = next((r for r in rows if r["impl"] == "copy" and r["time_s"]), None)
+    if copy is not None:
+        peak = copy["kv_bytes_per_s"]
+    for r in rows:
+        if r["time_s"] and peak:
+            r["peak_fraction"] = r["kv_bytes_per_s"] / peak
+            r["peak_bytes_per_s"] = peak
     base = next((r["time_s"] for r in rows if r["impl"] == "jax.nn" and r["time_s"]), None)
     for r in rows:
-        if base and r["time_s"]:
+        if base and r["time_s"] and r["impl"] != "copy":
             r["vs_jax_nn"] = base / r["time_s"]
     return rows
