@@ -10,6 +10,11 @@ dQ accumulates across key blocks. Memory is O(T·block); the T×S matrix never e
 Key blocks entirely outside a causal/window band are never visited (the inner loop has
 per-block bounds), so causal at T == S costs about half of full attention. With per-row
 query offsets one loop serves the whole batch, so it visits the union of the rows' bands.
+
+The forward's key blocks may come from a caller (`kv_blocks`: the paged cache reads them
+through its page table), and its online-softmax step is a function the inference paths
+share. Few-query, long-key calls may run split-KV (`jax_flash.inference.split_kv`), by a
+rule `explain` states in this implementation's note.
 """
 
 from __future__ import annotations
