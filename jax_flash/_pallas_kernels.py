@@ -8,8 +8,9 @@ into the scale, so each probability is one multiply-add and one exp2). The forwa
 converts lse to natural log when it stores it; the backward receives lse·log2(e).
 
 Non-finite inputs follow the README's numerical contract, as in `jax_flash.xla`: ±inf raw
-scores become NaN, a row is empty only when its max is -inf, exponents are clamped to
-<= 0 (the scaled logit may be evaluated twice, once fused into an FMA), and the products
+scores become NaN, a NaN score reaches l through exp2 even where the row max drops it
+(Triton's max does), a row is empty only when l == 0, exponents are clamped to <= 0 by a
+select (min(NaN, 0) may be 0) (the scaled logit may be evaluated twice, once fused into an FMA), and the products
 that meet masked weights (P·V, dS·K, dSᵀ·Q) run over finite copies of their tile, a row
 that sees a non-finite v being made NaN by a per-key flag.
 """
@@ -109,6 +110,11 @@ def _finite(x):
 def _finite_part(x):
     """The tile with NaN/±inf replaced by 0: an operand that meets masked (zero) weights."""
     return jnp.where(_finite(x), x, jnp.zeros((), x.dtype))
+
+
+def _clamp_exponent(d):
+    """min(d, 0) that keeps NaN (a select; Triton's minimum drops NaN)."""
+    return jnp.where(d > 0, 0.0, d)
 
 
 def _poison_infinite(scores):
@@ -274,12 +280,12 @@ def forward_kernel(*refs, layout: Layout):
                 if vis is not None:
                     s2 = jnp.where(vis, s2, -jnp.inf)
                     bad_v = jnp.where(vis, bad_v, 0.0)
-            # jnp.maximum propagates NaN; a +inf logit gives exp2(inf - inf) = NaN.
+            # A NaN logit may be dropped by the max, never by exp2(NaN): l and acc carry it.
             m_new = jnp.maximum(m, jnp.max(s2, axis=1))
             # A row that has seen nothing keeps m = -inf: subtract 0 instead, so that
             # exp2(-inf) = 0 rather than exp2(-inf + inf) = NaN.
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            p = jnp.exp2(jnp.minimum(s2 - m_use[:, None], 0.0))
+            p = jnp.exp2(_clamp_exponent(s2 - m_use[:, None]))
             alpha = jnp.exp2(m - m_use)
             l = alpha * l + jnp.sum(p, axis=1)
             acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
@@ -297,8 +303,8 @@ def forward_kernel(*refs, layout: Layout):
         carry = lax.fori_loop(lo, hi, step(masked), carry)
     m, l, acc, bad = carry
     # FlashAttention-2 §3.1.1: the accumulator stays unnormalised until the last block.
-    # Empty rows (max -inf: no key, or only -inf logits) give 0; a NaN max is not empty.
-    empty = m == -jnp.inf
+    # Empty rows (l = 0: no key, or only -inf logits) give 0; a NaN l is not empty.
+    empty = l == 0
     l_safe = jnp.where(empty, 1.0, l)
     out = jnp.where(bad[:, None] > 0, jnp.nan, acc / l_safe[:, None])
     out_ref[...] = jnp.where(empty[:, None], 0.0, out).astype(out_ref.dtype)
@@ -317,7 +323,7 @@ def _probabilities(tm: TileMath, lay: Layout, q, k, lse2, bias, vis):
     """P (exactly 0 where masked and in empty rows, lse₂ = +inf; NaN in poisoned rows),
     the natural transformed logits (or None), and `live`: where dS may be nonzero."""
     s2, t = tm.logits(_dot(q, k, trans_b=True), bias)
-    p = jnp.exp2(jnp.minimum(s2 - lse2[:, None], 0.0))
+    p = jnp.exp2(_clamp_exponent(s2 - lse2[:, None]))
     live = (lse2 != jnp.inf)[:, None]
     if vis is not None:
         p = jnp.where(vis, p, 0.0)

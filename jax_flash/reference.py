@@ -115,11 +115,12 @@ def reference_canonical(
         vis = masks.mask if vis is None else vis & masks.mask
     vis = jnp.broadcast_to(True if vis is None else vis, logits.shape)
     logits = jnp.where(vis, logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1, keepdims=True)  # NaN if the row sees a NaN logit
-    empty = m == -jnp.inf  # sees no key, or only -inf logits (never a NaN row)
-    m_safe = jnp.where(empty, 0, m)
+    # XLA's max may drop a NaN logit; exp(NaN) cannot, so l is NaN for a poisoned row.
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m_safe = jnp.where(m == -jnp.inf, 0, m)
     e = jnp.where(vis, jnp.exp(logits - m_safe), 0)  # exactly 0 where masked, even for NaN m
     l = jnp.sum(e, axis=-1, keepdims=True)
+    empty = l == 0  # sees no key, or only -inf logits (a NaN l is a poisoned row)
     p = jnp.where(vis & ~empty, e / jnp.where(empty, 1, l), 0)
     lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1, l)))[..., 0]
     out = jnp.einsum("bnts,bsnh->btnh", p.astype(dt), _finite_part(vv))

@@ -8,8 +8,9 @@ see it, recompute P = exp(S - lse) tile by tile and accumulate dK, dV for the bl
 dQ accumulates across key blocks. Memory is O(T·block); the T×S matrix never exists.
 
 Non-finite inputs (README, "Numerical contract"): a raw score q·k that is ±inf becomes
-NaN, the row max propagates NaN, and a row is empty only when its max is -inf, so a
-poisoned row is NaN, never 0. The products that meet masked (zero) weights run over finite
+NaN; a NaN score reaches p = exp(NaN), l and the accumulator even where the row max drops
+it (XLA's CPU reductions may), and a row is empty only when l == 0, so a poisoned row is
+NaN, never 0. The products that meet masked (zero) weights run over finite
 copies of the operands (V for the forward, Q and K for dK and dQ) so that a masked-out
 poisoned key or query never reaches anything through 0·NaN; a row that sees a non-finite
 v is made NaN by a per-key flag instead. Exponents are clamped to <= 0 (P <= 1): XLA may
@@ -161,6 +162,11 @@ def poison_infinite(scores):
     return jnp.where(jnp.isinf(scores), jnp.nan, scores)
 
 
+def clamp_exponent(d):
+    """min(d, 0) that keeps NaN (a select: jnp.minimum may drop it in a fused reduction)."""
+    return jnp.where(d > 0, jnp.zeros((), d.dtype), d)
+
+
 def finite_part(x):
     """x with NaN/±inf replaced by 0: the operand of a product that meets masked weights."""
     return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
@@ -206,12 +212,12 @@ def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, block_q=BLOCK_Q, bl
             if vis is not None:
                 logits = jnp.where(vis, logits, -jnp.inf)
                 bad_v_blk = bad_v_blk & vis
-            # The row max propagates NaN (jnp.maximum does); +inf makes exp(inf - inf) NaN.
+            # A NaN logit may be dropped by the max, never by p = exp(NaN): l and acc carry it.
             m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
             # A row that has seen nothing yet keeps m = -inf; exponentiate against 0 so
             # exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN.
             m_safe = jnp.where(m_new == -jnp.inf, 0, m_new)
-            p = jnp.exp(jnp.minimum(logits - m_safe[..., None], 0))
+            p = jnp.exp(clamp_exponent(logits - m_safe[..., None]))
             alpha = jnp.exp(m - m_safe)
             l = alpha * l + jnp.sum(p, axis=-1)
             pv = jnp.einsum(
@@ -228,8 +234,8 @@ def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, block_q=BLOCK_Q, bl
             _full((b, kh, g, bq), False, jnp.bool_, q, k, v),
         )
         m, l, acc, bad = lax.fori_loop(lo, jnp.maximum(lo, hi), key_block, init)
-        # Empty: saw no key, or only -inf logits. A NaN max is not empty (NaN != -inf).
-        empty = m == -jnp.inf
+        # Empty: saw no key, or only -inf logits (l = 0). A NaN l (a poisoned row) is not.
+        empty = l == 0
         l_safe = jnp.where(empty, 1, l)
         out = jnp.where(bad[..., None], jnp.nan, acc / l_safe[..., None])
         out = jnp.where(empty[..., None], 0, out)
@@ -306,7 +312,7 @@ def backward(
             logits = tiles.logits(q_blk, k_blk, i, j, acc_dt)  # [B, K, G, bq, bk]
             vis = tiles.visibility(i, j)
             keep = row(seen) if vis is None else vis & row(seen)
-            p = jnp.where(keep, jnp.exp(jnp.minimum(logits - row(lse_safe), 0)), 0)
+            p = jnp.where(keep, jnp.exp(clamp_exponent(logits - row(lse_safe))), 0)
             dv = dv + jnp.einsum(
                 "bkgqs,bqkgh->bskh", p.astype(cdt), do_blk, preferred_element_type=acc_dt
             )
