@@ -7,6 +7,16 @@ l once at the end. Backward (Alg. 2): for each key block, walk the query blocks 
 see it, recompute P = exp(S - lse) tile by tile and accumulate dK, dV for the block while
 dQ accumulates across key blocks. Memory is O(T·block); the T×S matrix never exists.
 
+Non-finite inputs (README, "Numerical contract"): a raw score q·k that is ±inf becomes
+NaN; a NaN score reaches p = exp(NaN), l and the accumulator even where the row max drops
+it (XLA's CPU reductions may), and a row is empty only when l == 0, so a poisoned row is
+NaN, never 0. The products that meet masked (zero) weights run over finite
+copies of the operands (V for the forward, Q and K for dK and dQ) so that a masked-out
+poisoned key or query never reaches anything through 0·NaN; a row that sees a non-finite
+v is made NaN by a per-key flag instead. Exponents are clamped to <= 0 (P <= 1): XLA may
+evaluate the scaled logit once for the row max and again, fused into an FMA, for the exp;
+at logits ~1e9 the two differ by more than 1 and exp(x - max) overflowed.
+
 Key blocks entirely outside a causal/window band are never visited (the inner loop has
 per-block bounds), so causal at T == S costs about half of full attention. With per-row
 query offsets one loop serves the whole batch, so it visits the union of the rows' bands.
@@ -147,53 +157,84 @@ class _Tiles:
     def logits(self, q_blk, k_blk, i, j, acc_dt):
         """Scaled, biased, soft-capped logits [B, K, G, bq, bk] (before masking)."""
         s = jnp.einsum("bqkgh,bskh->bkgqs", q_blk, k_blk, preferred_element_type=acc_dt)
-        s = s * jnp.asarray(self.spec.scale, acc_dt)
+        s = poison_infinite(s) * jnp.asarray(self.spec.scale, acc_dt)
         return _masking.transform_logits(self.spec, s, self.dense_tile(self.masks.bias, i, j))
 
 
+def poison_infinite(scores):
+    """A raw score q·k that is ±inf comes from a non-finite q or k: make it NaN, like the
+    NaN one would give, so that it poisons its row whatever its sign and the scale."""
+    return jnp.where(jnp.isinf(scores), jnp.nan, scores)
+
+
+def clamp_exponent(d):
+    """min(d, 0) that keeps NaN (a select: jnp.minimum may drop it in a fused reduction)."""
+    return jnp.where(d > 0, jnp.zeros((), d.dtype), d)
+
+
+def finite_part(x):
+    """x with NaN/±inf replaced by 0: the operand of a product that meets masked weights."""
+    return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+
+
+def nonfinite_rows(x):
+    """[B, L, N, H] -> bool [B, L, N]: the row holds a NaN or ±inf."""
+    return ~jnp.all(jnp.isfinite(x), axis=-1)
+
+
 def online_softmax_init(rows: tuple, head_dim: int, acc_dt, *like):
-    """The running (m, l, acc) of FlashAttention-2 Alg. 1 for `rows` query rows: m = -inf,
-    l = 0, acc = 0 [*rows, head_dim] (varying like `like`, see `_full`)."""
+    """The running (m, l, acc, bad) of FlashAttention-2 Alg. 1 for `rows` query rows: m =
+    -inf, l = 0, acc = 0 [*rows, head_dim], bad = False (the row saw a non-finite v),
+    varying like `like` (see `_full`)."""
     return (
         _full(rows, -jnp.inf, acc_dt, *like),
         _full(rows, 0, acc_dt, *like),
         _full((*rows, head_dim), 0, acc_dt, *like),
+        _full(rows, False, jnp.bool_, *like),
     )
 
 
-def online_softmax_step(carry, logits, vis, v_blk, pv=None):
+def online_softmax_step(carry, logits, vis, v_blk, bad_v_blk, pv=None):
     """One key tile of the online softmax (FlashAttention-2 Alg. 1, inner loop).
 
-    carry: (m, l, acc) [..., q], [..., q], [..., q, H] (m: running max, l: running sum,
-    acc: unnormalised output, all in the accumulator dtype); logits [B, K, G, q, s] (scaled,
-    biased, capped); vis: bool broadcastable to logits, or None; v_blk [B, s, K, H].
-    pv: optional P·V for other layouts, pv(p, v_blk) -> [..., q, H] in the accumulator
-    dtype (a kernel's 2-D tiles: logits [q, s], v_blk [s, H])."""
-    m, l, acc = carry
+    carry: (m, l, acc, bad) [..., q] x2, [..., q, H], bool [..., q] (running max, running
+    sum, unnormalised output in the accumulator dtype, saw a non-finite v); logits
+    [B, K, G, q, s] (scaled, biased, capped); vis: bool broadcastable to logits, or None;
+    v_blk [B, s, K, H], finite (`finite_part`); bad_v_blk: bool broadcastable to logits,
+    the keys whose v row is non-finite, or None. pv: optional P·V for other layouts,
+    pv(p, v_blk) -> [..., q, H] in the accumulator dtype (a kernel's 2-D tiles)."""
+    m, l, acc, bad = carry
     if vis is not None:
         logits = jnp.where(vis, logits, -jnp.inf)
+        bad_v_blk = None if bad_v_blk is None else bad_v_blk & vis
+    # A NaN logit may be dropped by the max, never by p = exp(NaN): l and acc carry it.
     m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
     # A row that has seen nothing yet keeps m = -inf; exponentiate against 0 so
     # exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN.
     m_safe = jnp.where(m_new == -jnp.inf, 0, m_new)
-    p = jnp.exp(logits - m_safe[..., None])
+    p = jnp.exp(clamp_exponent(logits - m_safe[..., None]))
     alpha = jnp.exp(m - m_safe)
     l = alpha * l + jnp.sum(p, axis=-1)
     if pv is None:
         pv = lambda p, v: jnp.einsum(
             "bkgqs,bskh->bkgqh", p.astype(v.dtype), v, preferred_element_type=acc.dtype
         )
-    return m_new, l, alpha[..., None] * acc + pv(p, v_blk)
+    if bad_v_blk is not None:
+        bad = bad | jnp.any(jnp.broadcast_to(bad_v_blk, logits.shape), axis=-1)
+    return m_new, l, alpha[..., None] * acc + pv(p, v_blk), bad
 
 
 def online_softmax_finish(carry):
-    """(out, lse) from the running (m, l, acc): out = acc / l (accumulator dtype), lse =
-    m + log l; a row that saw no key gets out 0 and lse -inf."""
-    m, l, acc = carry
-    seen = l > 0
-    l_safe = jnp.where(seen, l, 1)
-    out = jnp.where(seen[..., None], acc / l_safe[..., None], 0)
-    lse = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
+    """(out, lse) from the running (m, l, acc, bad): out = acc / l (accumulator dtype), lse =
+    m + log l; a row that saw no key (l == 0) gets out 0 and lse -inf; a poisoned row (NaN
+    l, or a visible non-finite v) is NaN."""
+    m, l, acc, bad = carry
+    # Empty: saw no key, or only -inf logits (l = 0). A NaN l (a poisoned row) is not.
+    empty = l == 0
+    l_safe = jnp.where(empty, 1, l)
+    out = jnp.where(bad[..., None], jnp.nan, acc / l_safe[..., None])
+    out = jnp.where(empty[..., None], 0, out)
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
     return out, lse
 
 
@@ -218,10 +259,11 @@ def forward(
     """out [B, T, N, H] (dtype of q), lse [B, N, T] (float32; float64 for float64 inputs).
 
     kv_blocks: None (k, v are [B, S, K, H] arrays), or (bk, fetch) where fetch(j) returns
-    (k_blk, v_blk [B, bk, K, H], vis: bool broadcastable to [B, 1, 1, 1, bk] or None): key
-    block j = keys [j·bk, (j+1)·bk) read by the caller (a paged cache reads them through its
-    page table); k and v are then None. out_dtype: the dtype of out (default q's; the
-    accumulator dtype keeps a partial result exact for a later merge by lse)."""
+    (k_blk, v_blk [B, bk, K, H] with v_blk finite, bad_v [B, K, 1, 1, bk] (the keys whose v
+    row is non-finite), vis: bool broadcastable to [B, 1, 1, 1, bk] or None): key block j =
+    keys [j·bk, (j+1)·bk) read by the caller (a paged cache reads them through its page
+    table); k and v are then None. out_dtype: the dtype of out (default q's; the accumulator
+    dtype keeps a partial result exact for a later merge by lse)."""
     b, t, n, h = q.shape
     s = spec.kv_len
     kh, g = spec.num_kv_heads, spec.group_size
@@ -237,11 +279,14 @@ def forward(
     qp = _split_heads(_pad_axis(q, 1, tiles.t_pad), spec)
     if kv_blocks is None:
         kp = _pad_axis(k, 1, tiles.s_pad)
-        vp = _pad_axis(v, 1, tiles.s_pad)
+        vp = _pad_axis(finite_part(v), 1, tiles.s_pad)
+        bad_v = _pad_axis(nonfinite_rows(v), 1, tiles.s_pad, False)  # [B, S_pad, K]
 
         def fetch(j):
             k_blk = lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1)  # [B, bk, K, H]
-            return k_blk, lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1), None
+            v_blk = lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1)
+            bad_v_blk = lax.dynamic_slice_in_dim(bad_v, j * bk, bk, axis=1)  # [B, bk, K]
+            return k_blk, v_blk, jnp.transpose(bad_v_blk, (0, 2, 1))[:, :, None, None, :], None
 
     like = tuple(x for x in (q, k, v) if x is not None)
     q_offset = 0 if masks.q_offset is None else masks.q_offset  # key blocks: union over B
@@ -250,18 +295,17 @@ def forward(
         q_blk = lax.dynamic_slice_in_dim(qp, i * bq, bq, axis=1)  # [B, bq, K, G, H]
 
         def key_block(j, carry):
-            m, l, acc = carry  # [B, K, G, bq], [B, K, G, bq], [B, K, G, bq, H]
-            k_blk, v_blk, fetched_vis = fetch(j)
+            k_blk, v_blk, bad_v_blk, fetched_vis = fetch(j)
             logits = tiles.logits(q_blk, k_blk, i, j, acc_dt)
             vis = tiles.visibility(i, j)
             if fetched_vis is not None:
                 vis = fetched_vis if vis is None else vis & fetched_vis
-            return online_softmax_step((m, l, acc), logits, vis, v_blk)
+            return online_softmax_step(carry, logits, vis, v_blk, bad_v_blk)
 
         lo, hi = spec.key_block_range(i * bq, (i + 1) * bq, bk, nk, q_offset)
         init = online_softmax_init((b, kh, g, bq), h, acc_dt, *like)
-        m, l, acc = lax.fori_loop(lo, jnp.maximum(lo, hi), key_block, init)
-        out, lse = online_softmax_finish((m, l, acc))
+        carry = lax.fori_loop(lo, jnp.maximum(lo, hi), key_block, init)
+        out, lse = online_softmax_finish(carry)
         return out.astype(out_dtype), lse
 
     out, lse = lax.map(query_block, jnp.arange(nq, dtype=jnp.int32))
@@ -296,6 +340,10 @@ def backward(
     dop = _split_heads(_pad_axis(dout, 1, tiles.t_pad), spec)
     kp = _pad_axis(k, 1, tiles.s_pad)
     vp = _pad_axis(v, 1, tiles.s_pad)
+    # dQ = dS·K and dK = dSᵀ·Q also multiply masked (zero) dS: over finite copies, so that
+    # a poisoned key/query reaches only what sees it (through dS, which is NaN there).
+    qcp = _split_heads(_pad_axis(finite_part(q), 1, tiles.t_pad), spec)
+    kcp = _pad_axis(finite_part(k), 1, tiles.s_pad)
     q_offset = 0 if masks.q_offset is None else masks.q_offset  # query blocks: union over B
 
     def per_row(x):  # [B, N, T] -> [B, K, G, T_pad]
@@ -305,10 +353,11 @@ def backward(
     # d lse / d logit = P, i.e. it shifts D by -dlse.
     delta = jnp.einsum("btnh,btnh->bnt", dout.astype(acc_dt), out.astype(acc_dt)) - dlse
     delta = per_row(delta)
-    # Rows that see nothing have lse = -inf; their P is 0 via the mask below.
+    # Rows that see nothing have lse = -inf; their P is 0 via the mask below. A NaN lse (a
+    # poisoned row) stays NaN.
     lse = per_row(lse)
-    lse_safe = jnp.where(jnp.isfinite(lse), lse, 0)
-    seen = jnp.isfinite(lse)
+    seen = lse != -jnp.inf
+    lse_safe = jnp.where(seen, lse, 0)
 
     bias = tiles.masks.bias
     dbias0 = None if bias is None else _full(bias.shape, 0, acc_dt, q, k, v, dout)
@@ -317,32 +366,35 @@ def backward(
     def key_block(carry, j):
         dq_acc, dbias = carry
         k_blk = lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1)  # [B, bk, K, H]
+        kc_blk = lax.dynamic_slice_in_dim(kcp, j * bk, bk, axis=1)
         v_blk = lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1)
 
         def query_block(i, inner):
             dk, dv, dq_acc, dbias = inner
             q_blk = lax.dynamic_slice_in_dim(qp, i * bq, bq, axis=1)  # [B, bq, K, G, H]
+            qc_blk = lax.dynamic_slice_in_dim(qcp, i * bq, bq, axis=1)
             do_blk = lax.dynamic_slice_in_dim(dop, i * bq, bq, axis=1)
             row = lambda x: lax.dynamic_slice_in_dim(x, i * bq, bq, axis=3)[..., None]
             logits = tiles.logits(q_blk, k_blk, i, j, acc_dt)  # [B, K, G, bq, bk]
             vis = tiles.visibility(i, j)
             keep = row(seen) if vis is None else vis & row(seen)
-            p = jnp.where(keep, jnp.exp(logits - row(lse_safe)), 0)
+            p = jnp.where(keep, jnp.exp(clamp_exponent(logits - row(lse_safe))), 0)
             dv = dv + jnp.einsum(
                 "bkgqs,bqkgh->bskh", p.astype(cdt), do_blk, preferred_element_type=acc_dt
             )
             dp = jnp.einsum("bqkgh,bskh->bkgqs", do_blk, v_blk, preferred_element_type=acc_dt)
-            ds = p * (dp - row(delta))  # d loss / d (transformed logit)
+            # d loss / d (transformed logit); exactly 0 where masked, also when dP or D is NaN.
+            ds = jnp.where(keep, p * (dp - row(delta)), 0)
             if spec.soft_cap is not None:
                 ds = ds * _masking.soft_cap_grad(spec, jnp.where(keep, logits, 0))
             if dbias is not None:
                 dbias = _accumulate_dbias(dbias, ds, i * bq, j * bk, bq, bk)
             ds = (ds * jnp.asarray(spec.scale, acc_dt)).astype(cdt)
-            dq_blk = jnp.einsum("bkgqs,bskh->bqkgh", ds, k_blk, preferred_element_type=acc_dt)
+            dq_blk = jnp.einsum("bkgqs,bskh->bqkgh", ds, kc_blk, preferred_element_type=acc_dt)
             dq_acc = lax.dynamic_update_slice_in_dim(
                 dq_acc, lax.dynamic_slice_in_dim(dq_acc, i * bq, bq, axis=1) + dq_blk, i * bq, axis=1
             )
-            dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", ds, q_blk, preferred_element_type=acc_dt)
+            dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", ds, qc_blk, preferred_element_type=acc_dt)
             return dk, dv, dq_acc, dbias
 
         lo, hi = spec.query_block_range(j * bk, (j + 1) * bk, bq, nq, q_offset)

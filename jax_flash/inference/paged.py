@@ -325,8 +325,9 @@ def forward(pspec: PagedSpec, q, key_pages, value_pages, table, lengths, splits=
         ids = jnp.where(valid, ids, 0)  # an invalid id reads page 0, masked below
         k_blk = jnp.take(key_pages, ids, axis=0).reshape(b * c, pp * ps, *key_pages.shape[2:])
         v_blk = jnp.take(value_pages, ids, axis=0).reshape(b * c, pp * ps, *value_pages.shape[2:])
+        bad_v = jnp.transpose(xla.nonfinite_rows(v_blk), (0, 2, 1))[:, :, None, None, :]
         vis = jnp.repeat(valid, ps, axis=1)[:, None, None, None, :]  # [R, 1, 1, 1, pp·ps]
-        return k_blk, v_blk, vis
+        return k_blk, xla.finite_part(v_blk), bad_v, vis
 
     masks = MaskInputs(kv_lengths=row_len, q_offset=row_offset)
     acc_dt = xla._acc_dtype(q.dtype)

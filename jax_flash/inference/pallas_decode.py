@@ -87,16 +87,17 @@ def _kernel(q_ref, kp_ref, vp_ref, table_ref, len_ref, out_ref, lse_ref, *, spec
         pid = jnp.where(valid, pid, 0)  # an invalid id reads page 0, masked below
         k = kp_ref[pid]  # [page_size, H], read at the page's own address
         v = vp_ref[pid]
+        bad_v = xla.nonfinite_rows(v[None])  # [1, page_size]: keys whose v row is non-finite
         scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        logits = _masking.transform_logits(spec, scores * spec.scale)
+        logits = _masking.transform_logits(spec, xla.poison_infinite(scores) * spec.scale)
         cols = j * page_size + lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
         vis = _masking.visible(spec, query_t, cols, kv_lengths=key_len, band=band) & valid
         pv = lambda p, v: lax.dot_general(
             p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return xla.online_softmax_step(carry, logits, vis, v, pv=pv)
+        return xla.online_softmax_step(carry, logits, vis, xla.finite_part(v), bad_v, pv=pv)
 
     init = (jnp.full((r,), -jnp.inf, jnp.float32), jnp.zeros((r,), jnp.float32),
-            jnp.zeros(q.shape, jnp.float32))
+            jnp.zeros(q.shape, jnp.float32), jnp.zeros((r,), jnp.bool_))
     carry = lax.fori_loop(lo, jnp.maximum(lo, hi), page, init)
     out, lse = xla.online_softmax_finish(carry)
     out_ref[...] = out
