@@ -285,3 +285,41 @@ def test_pallas_paged_limits_are_stated():
     with pytest.raises(ValueError, match='implementation="pallas" cannot run paged_attention: needs page_size'):
         jax_flash.paged_attention(q, kp, kp, table, lengths, implementation="pallas")
     assert jax_flash.explain_paged(q, kp, kp, table, lengths).selected == "xla"
+
+
+@pytest.mark.parametrize("impl", ["split", "paged-xla", "paged-pallas"])
+def test_decode_poison_reaches_exactly_the_rows_that_see_it(impl):
+    """A NaN in a visible key or value makes that row NaN (out and lse, as the reference); a
+    NaN beyond a sequence's length changes nothing — also through the split and the merge."""
+    b, t, n, kh, h, ps, mp = 2, 2, 4, 2, 32, 16, 70  # S = 1120: split-KV has 2+ chunks
+    rng = np.random.default_rng(6)
+    lengths = jnp.asarray([900, 300], jnp.int32)
+    k = rng.normal(size=(b, mp * ps, kh, h))
+    v = rng.normal(size=(b, mp * ps, kh, h))
+    k[0, 700, 1, 3] = np.nan  # visible to row 0 (kv head 1 only)
+    v[1, 600, 0, 0] = np.inf  # beyond row 1's length: invisible
+    k, v = jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32)
+    q = jnp.asarray(rng.normal(size=(b, t, n, h)), jnp.float32)
+    table = jnp.asarray(rng.permutation(b * mp).reshape(b, mp), jnp.int32)
+    kp = jnp.zeros((b * mp, ps, kh, h), jnp.float32).at[table.reshape(-1)].set(k.reshape(b * mp, ps, kh, h))
+    vp = jnp.zeros((b * mp, ps, kh, h), jnp.float32).at[table.reshape(-1)].set(v.reshape(b * mp, ps, kh, h))
+    ref64, lse64 = jax_flash.paged_reference(q, kp, vp, table, lengths, return_residual=True,
+                                             compute_dtype=jnp.float64)
+    if impl == "split":
+        kw = dict(is_causal=True, key_value_seq_lengths=lengths, query_offset=lengths - t)
+        c = canonicalize(q, k, v, **kw)
+        out, lse = restore(c, *jax.jit(lambda *a: split_kv.forward(c.spec, *a, 4))(c.q, c.k, c.v, c.masks))
+    else:
+        name = impl.split("-")[1]
+        pspec = paged.canonicalize_paged(q, kp, vp, table, lengths)[0]
+        if paged.reason(name, pspec) is not None:
+            pytest.skip(paged.reason(name, pspec))
+        fwd = paged.forward if name == "xla" else __import__(
+            "jax_flash.inference.pallas_decode", fromlist=["x"]).paged_forward
+        out, lse = jax.jit(lambda *a: fwd(pspec, *a, splits=3))(q, kp, vp, table, lengths)
+        lse = jnp.swapaxes(lse, 1, 2)
+    assert np.array_equal(np.isnan(np.asarray(out)), np.isnan(np.asarray(ref64)))
+    assert np.array_equal(np.isnan(np.asarray(lse)), np.isnan(np.asarray(lse64)))
+    assert np.isnan(np.asarray(out[0, :, 2:])).all() and not np.isnan(np.asarray(out[0, :, :2])).any()
+    ok = ~np.isnan(np.asarray(ref64))
+    assert np.max(np.abs(np.asarray(out)[ok] - np.asarray(ref64)[ok])) < 1e-5
