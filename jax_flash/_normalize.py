@@ -100,7 +100,48 @@ def _query_offset(query_offset, batch_shape, b: int) -> jax.Array:
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
-def _window(local_window_size, is_causal) -> tuple[Optional[int], Optional[int]]:
+# Soft caps every implementation computes exactly (float32 logits, the kernels' unit):
+# from float32's smallest normal, so that 1 / cap and logits / cap stay finite where the
+# kernels need them, to 1e30, above which logits / cap falls below float32's normal range
+# for ordinary logits and is flushed to zero (a cap above 1e30 changes no logit below 1e26
+# anyway: pass None).
+SOFT_CAP_MIN = float(np.finfo(np.float32).tiny)  # 1.1754944e-38
+SOFT_CAP_MAX = 1e30
+
+# T and S stay below 2**30 so that every sum of two positions, a position and a block, or
+# the band's ends (clipped to [-T, S]) fits int32, the index type of every implementation.
+MAX_SEQ_LEN = 2**30 - 1
+
+
+def _soft_cap(cap) -> Optional[float]:
+    """None (off), or a float in [SOFT_CAP_MIN, SOFT_CAP_MAX]; 0.0 is an error, not "off"."""
+    if cap is None:
+        return None
+    if not isinstance(cap, numbers.Real) or isinstance(cap, (bool, np.bool_)):
+        raise TypeError(f"logits_soft_cap must be a Python float or None, got {cap!r}")
+    cap = float(cap)
+    if not SOFT_CAP_MIN <= cap <= SOFT_CAP_MAX:  # also NaN, inf, 0 and negatives
+        raise ValueError(
+            "logits_soft_cap must be a positive float32 normal from "
+            f"{SOFT_CAP_MIN:.8g} to {SOFT_CAP_MAX:g}, or None (no cap), got {cap!r}"
+        )
+    return cap
+
+
+def _window_bound(t: int, s: int) -> int:
+    """The widest window side that still means something, for any query offset.
+
+    Query t at position p = o + t sees key s when s - t >= o - left and s - t <= o + right;
+    s - t always lies in (-T, S) and the offset o is an int32 (|o| <= 2**31), possibly
+    traced. A side of at least T + S + 2**31 therefore bounds nothing for every offset
+    (o - left <= -T and o + right >= S), exactly like any wider one, so windows are clamped
+    to it: it fits the int64 window attributes of the compiled kernels and keeps the band's
+    saturating int32 arithmetic (`AttentionSpec.band`) exact.
+    """
+    return t + s + 2**31
+
+
+def _window(local_window_size, is_causal, t: int, s: int) -> tuple[Optional[int], Optional[int]]:
     left = right = None
     if local_window_size is not None:
         w = local_window_size
@@ -120,6 +161,8 @@ def _window(local_window_size, is_causal) -> tuple[Optional[int], Optional[int]]
             raise ValueError(
                 f"local_window_size must be non-negative, got (left, right) = ({left}, {right})"
             )
+        bound = _window_bound(t, s)
+        left, right = min(left, bound), min(right, bound)
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"is_causal must be a Python bool, got {is_causal!r}")
     if is_causal:
@@ -220,10 +263,18 @@ def canonicalize(
             f"query and key must have the same head dim H, got query {tuple(q.shape)} and key "
             f"{tuple(k.shape)}"
         )
-    if h == 0 or t == 0 or s == 0 or n == 0 or kh == 0:
-        raise ValueError(
-            f"query {tuple(q.shape)} and key {tuple(k.shape)} must have non-zero T, S, N, K, H"
-        )
+    # Empty batch, query, key or head axes are allowed (see `_vjp`: an empty output, or
+    # with S = 0 rows that see no key); the head dim and the kv heads are not.
+    if h == 0:
+        raise ValueError(f"query and key must have a head dim H >= 1, got query {tuple(q.shape)}")
+    if kh == 0:
+        raise ValueError(f"key and value must have at least one head (K >= 1), got key {tuple(k.shape)}")
+    for name, length, letter in (("query", t, "T"), ("key", s, "S")):
+        if length > MAX_SEQ_LEN:
+            raise ValueError(
+                f"{name} has {letter} = {length} positions; positions are int32 in every "
+                f"implementation, so {letter} must be at most 2**30 - 1 = {MAX_SEQ_LEN}"
+            )
     if n % kh != 0:
         raise ValueError(
             f"the number of query heads N={n} must be a multiple of the number of key/value "
@@ -240,14 +291,8 @@ def canonicalize(
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
 
-    if logits_soft_cap is not None:
-        if not isinstance(logits_soft_cap, numbers.Real) or isinstance(logits_soft_cap, bool):
-            raise TypeError(f"logits_soft_cap must be a Python float or None, got {logits_soft_cap!r}")
-        logits_soft_cap = float(logits_soft_cap)
-        if not (logits_soft_cap > 0 and math.isfinite(logits_soft_cap)):
-            raise ValueError(f"logits_soft_cap must be a positive finite float, got {logits_soft_cap}")
-
-    left, right = _window(local_window_size, is_causal)
+    logits_soft_cap = _soft_cap(logits_soft_cap)
+    left, right = _window(local_window_size, is_causal, t, s)
 
     bias_c = mask_c = None
     if bias is not None:
