@@ -97,7 +97,7 @@ def reference_canonical(
     if vis is not None:
         vis = jnp.broadcast_to(vis, logits.shape)
         logits = jnp.where(vis, logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)  # S = 0: no key
     m_safe = jnp.where(jnp.isfinite(m), m, 0)
     e = jnp.exp(logits - m_safe)
     l = jnp.sum(e, axis=-1, keepdims=True)
