@@ -107,6 +107,48 @@ def _compute_capability() -> Optional[tuple[int, int]]:
     return int(major), int(minor)
 
 
+# The kernels' launch geometry (cuda/kernels/grid.h, fwd.h, bwd.h), checked at trace time so
+# that a call the launches cannot take is refused before it runs: one CTA per (block, head,
+# batch), the batch folded into grid.x with the blocks (at most 2**31 - 1 CTAs), the heads
+# over grid.y·grid.z (65535 each, so any int32 count). Every kernel's block holds at least
+# 64 query rows or keys (forward 128, backward and dQ 64): B·ceil(L / 64) bounds grid.x for
+# L = T and S. The backward's delta kernel is a 1-D grid of ceil(B·T·N / rows) CTAs with
+# rows = 128 threads / (lanes per row, the head dim's 16-byte chunks rounded up to a power of
+# two). The handlers hold B, N, K as int and T, S below 2**30.
+MIN_GRID_BLOCK = 64
+MAX_GRID_X = 2**31 - 1
+MAX_INT = 2**31 - 1
+
+
+def _delta_rows_per_block(head_dim: int) -> int:
+    lanes = 1
+    while lanes < head_dim // 8:
+        lanes *= 2
+    return 128 // lanes
+
+
+def launch_limit(spec: AttentionSpec) -> Optional[str]:
+    """Why the kernels cannot be launched for `spec` (a CUDA grid or int limit), or None."""
+    b, t, s, n, h = spec.batch, spec.q_len, spec.kv_len, spec.num_heads, spec.head_dim
+    if max(b, n) > MAX_INT:
+        return f"holds B and N as int32: batch B={b} and heads N={n} must be at most 2**31 - 1"
+    for length, what in ((t, "query"), (s, "key")):
+        ctas = b * -(-length // MIN_GRID_BLOCK)
+        if ctas > MAX_GRID_X:
+            return (
+                f"would launch B·ceil({'T' if what == 'query' else 'S'}/{MIN_GRID_BLOCK}) = "
+                f"{ctas} CTAs ({what} blocks x batch B={b}) in grid.x, above CUDA's limit of 2**31 - 1"
+            )
+    rows = _delta_rows_per_block(h)
+    ctas = -(-(b * t * n) // rows)
+    if ctas > MAX_GRID_X:
+        return (
+            f"would launch ceil(B·T·N/{rows}) = {ctas} CTAs in the backward's 1-D delta grid, "
+            "above CUDA's grid.x limit of 2**31 - 1"
+        )
+    return None
+
+
 class CudaImplementation:
     name = "cuda"
 
@@ -138,7 +180,7 @@ class CudaImplementation:
                 )
         if spec.head_dim not in HEAD_DIMS:
             return f"has kernels for head dims {HEAD_DIMS}, got {spec.head_dim}"
-        return _ffi.compiled_kernel_reason(spec, DTYPES)
+        return _ffi.compiled_kernel_reason(spec, DTYPES) or launch_limit(spec)
 
     def note(self, spec: AttentionSpec) -> Optional[str]:
         """What `explain` adds when the kernels can run: the host emulation, or which image
