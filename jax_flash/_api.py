@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import numpy as np
+
 from jax_flash import _registry
 from jax_flash._normalize import canonicalize, restore
 from jax_flash._vjp import flash_attention
@@ -80,10 +82,16 @@ def attention(
         query_offset=query_offset,
         implementation=implementation,
     )
+    _check_return_residual(return_residual)
     name = _registry.select(c.spec, implementation)
     out, lse = flash_attention(name, c.spec, c.q, c.k, c.v, c.masks)
     out, lse = restore(c, out, lse)
     return (out, lse) if return_residual else out
+
+
+def _check_return_residual(return_residual) -> None:
+    if not isinstance(return_residual, (bool, np.bool_)):
+        raise TypeError(f"return_residual must be a Python bool, got {return_residual!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +114,7 @@ class Explanation:
 def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
     """Same arguments as `attention`; says which implementation would run and why each other
     one would not. Raises the same argument errors `attention` would."""
-    kwargs.pop("return_residual", None)
+    _check_return_residual(kwargs.pop("return_residual", False))
     requested = kwargs.get("implementation")
     c = canonicalize(query, key, value, bias, mask, **kwargs)
     reasons = _registry.explain(c.spec)

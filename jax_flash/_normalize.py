@@ -39,20 +39,42 @@ def _shape_str(x) -> str:
 def _as_array(name: str, x) -> jax.Array:
     if x is None:
         raise TypeError(f"{name} must be an array, got None")
+    if isinstance(x, (str, bytes)):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__} {x!r}")
     try:
         return jnp.asarray(x)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise TypeError(f"{name} must be an array, got {type(x).__name__}") from e
 
 
-def _check_int_array(name: str, x, shape: tuple[int, ...], alt_shapes=()) -> jax.Array:
+def _check_int_array(name: str, x, shape: tuple[int, ...], alt_shapes=(), clip=None) -> jax.Array:
+    """An integer array of `shape` as int32. clip=(lo, hi): values are clipped to it first
+    (lengths: any value means the same as its clip to [0, T]), so that no 64-bit or unsigned
+    value wraps around in the cast; without it, concrete values outside int32 are an error."""
+    raw = x
     x = _as_array(name, x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array (int32), got {_shape_str(x)}")
     if tuple(x.shape) != shape and tuple(x.shape) not in alt_shapes:
         accepted = " or ".join(str(s) for s in (shape, *alt_shapes))
         raise ValueError(f"{name} must have shape {accepted}, got {_shape_str(x)}")
+    wide = x.dtype.itemsize > 4 or (x.dtype.itemsize == 4 and jnp.issubdtype(x.dtype, jnp.unsignedinteger))
+    if wide and clip is not None:
+        x = jnp.clip(x, *(np.asarray(c).astype(x.dtype) for c in clip))
+    elif wide:
+        _check_int32_values(name, raw)
     return x.astype(jnp.int32).reshape(shape)
+
+
+def _check_int32_values(name: str, x) -> None:
+    """ValueError when concrete values of a 64-bit or unsigned array do not fit int32 (traced
+    ones cannot be checked and are cast)."""
+    try:
+        values = np.asarray(x)
+    except jax.errors.TracerArrayConversionError:
+        return
+    if values.size and (values.min() < _INT32_MIN or values.max() > _INT32_MAX):
+        raise ValueError(f"{name} must fit in int32, got values in [{values.min()}, {values.max()}]")
 
 
 def _query_offset(query_offset, batch_shape, b: int) -> jax.Array:
@@ -81,16 +103,7 @@ def _query_offset(query_offset, batch_shape, b: int) -> jax.Array:
             f"got {_shape_str(x)}"
         )
     if x.dtype.itemsize > 4 or jnp.issubdtype(x.dtype, jnp.unsignedinteger):
-        try:
-            values = np.asarray(query_offset)
-        except jax.errors.TracerArrayConversionError:
-            values = None  # traced: converted below like any int32 input
-        if values is not None and values.size and (
-            values.min() < _INT32_MIN or values.max() > _INT32_MAX
-        ):
-            raise ValueError(
-                f"{name} must fit in int32, got values in [{values.min()}, {values.max()}]"
-            )
+        _check_int32_values(name, query_offset)
     x = x.astype(jnp.int32)
     if not target:
         return x.reshape(1)
@@ -304,11 +317,12 @@ def canonicalize(
     q_len = kv_len = None
     if query_seq_lengths is not None:
         q_len = _check_int_array(
-            "query_seq_lengths", query_seq_lengths, length_shapes[0], length_shapes[1:]
+            "query_seq_lengths", query_seq_lengths, length_shapes[0], length_shapes[1:], clip=(0, t)
         ).reshape(b)
     if key_value_seq_lengths is not None:
         kv_len = _check_int_array(
-            "key_value_seq_lengths", key_value_seq_lengths, length_shapes[0], length_shapes[1:]
+            "key_value_seq_lengths", key_value_seq_lengths, length_shapes[0], length_shapes[1:],
+            clip=(0, s),
         ).reshape(b)
 
     q_seg = kv_seg = None
