@@ -258,6 +258,9 @@ def test_launch_limits_at_the_boundary():
     blocks = -(-(2**31 - 1) // n)  # blocks · N >= 2**31 - 1
     assert pallas_impl.launch_limit(_spec((1, 16 * (blocks - 1), n, 32), (1, 16, 1, 32))) is None
     assert "grid.x" in pallas_impl.launch_limit(_spec((1, 16 * blocks, n, 32), (1, 16, 1, 32)))
+    # jax asserts a folded grid.x below 2**31 - 1: exactly 2**31 - 1 programs do not launch.
+    assert pallas_impl.launch_limit(_spec((1, 16, 2**31 - 2, 32), (1, 16, 1, 32))) is None
+    assert "grid.x" in pallas_impl.launch_limit(_spec((1, 16, 2**31 - 1, 32), (1, 16, 1, 32)))
 
 
 def test_sequence_length_limit():
