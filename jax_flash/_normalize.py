@@ -154,7 +154,9 @@ def _window_bound(t: int, s: int) -> int:
     return t + s + 2**31
 
 
-def _window(local_window_size, is_causal, t: int, s: int) -> tuple[Optional[int], Optional[int]]:
+def _window(local_window_size, is_causal, t: Optional[int] = None, s: Optional[int] = None
+            ) -> tuple[Optional[int], Optional[int]]:
+    """(left, right), None = unbounded; clamped by `_window_bound(t, s)` when T and S are given."""
     left = right = None
     if local_window_size is not None:
         w = local_window_size
@@ -174,8 +176,9 @@ def _window(local_window_size, is_causal, t: int, s: int) -> tuple[Optional[int]
             raise ValueError(
                 f"local_window_size must be non-negative, got (left, right) = ({left}, {right})"
             )
-        bound = _window_bound(t, s)
-        left, right = min(left, bound), min(right, bound)
+        if t is not None and s is not None:
+            bound = _window_bound(t, s)
+            left, right = min(left, bound), min(right, bound)
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"is_causal must be a Python bool, got {is_causal!r}")
     if is_causal:
