@@ -246,9 +246,38 @@ def tile_traits(sources) -> dict:
     return {(f[0], f[1]): dict(zip(names, map(int, f[2:]))) for f in (l.split() for l in out.splitlines())}
 
 
+def markdown_table(rows) -> str:
+    """The main kernels' rows merged over dtypes and archs: regs and CTAs/SM per arch."""
+    groups = {}
+    for stem, arch, kind, regs, smem, stack, local, spills, per_mma, ctas in rows:
+        if "attention_" + kind not in MAIN_KERNELS:
+            continue
+        p, d, h, layout = INSTANTIATION.match(stem + ".cu").groups()
+        g = groups.setdefault((kind, layout or "warp16", int(h)), {"regs": {}, "ctas": {}, "smem": set(),
+                                                                   "per_mma": set(), "bad": set()})
+        g["regs"].setdefault(arch, set()).add(regs)
+        g["ctas"].setdefault(arch, set()).add(ctas)
+        g["smem"].add(smem)
+        g["per_mma"].add(per_mma)
+        g["bad"].add(f"{stack}/{local}" + ("" if spills == "-" else f"/{spills}"))
+    fmt = lambda s: "/".join(str(x) for x in sorted(s))  # f16 and bf16 differ: both
+    lines = ["| kernel | layout | H | regs sm_80 / sm_90 / sm_120 | smem (bytes) | stack/local | smem B per MMA "
+             "| CTAs per SM sm_80 / sm_90 / sm_120 |", "|---|---|---|---|---|---|---|---|"]
+    order = {k: i for i, k in enumerate(("forward_kernel", "backward_kernel", "backward_dq_kernel"))}
+    for (kind, layout, h), g in sorted(groups.items(), key=lambda x: (order.get(x[0][0], 9), x[0][1], x[0][2])):
+        archs = [f"sm_{a}" for a in ARCHS]
+        lines.append(f"| {kind.replace('_kernel', '')} | {layout} | {h} | "
+                     + " / ".join(fmt(g["regs"].get(a, {"-"})) for a in archs)
+                     + f" | {fmt(g['smem'])} | {fmt(g['bad'])} | {fmt(g['per_mma'])} | "
+                     + " / ".join(fmt(g["ctas"].get(a, {"-"})) for a in archs) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile", action="store_true", help="always compile, never reuse build objects")
+    parser.add_argument("--markdown", action="store_true",
+                        help="also print the main kernels' figures as one markdown row per kernel, layout and head dim")
     args = parser.parse_args()
     nvcc = shutil.which("nvcc")
     if nvcc is None:
@@ -326,6 +355,9 @@ def main() -> int:
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     for r in [header] + rows:
         print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)))
+    if args.markdown:
+        print()
+        print(markdown_table(rows))
     if problems:
         print("\nFAILED:", file=sys.stderr)
         for p in problems:
