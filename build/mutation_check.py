@@ -230,8 +230,9 @@ MUTATIONS = [
 ]
 
 # CI (--fast): quick to catch, one of each kind of fault, and the speed-only one.
-FAST = ("is_interior_cols", "det_ds_sign", "fwd_tile_end", "swizzle_off")
+FAST = ("is_interior_cols", "det_ds_sign", "fwd_tile_end", "rows32_a_row_block", "swizzle_off")
 FAST_TESTS = {  # narrower selections for --fast (the full check uses each mutation's own)
+    "rows32_a_row_block": "cuda and test_forward_warp32 and tile_plus-none",
     "is_interior_cols": "cuda and test_forward and tile_plus-none",
     "det_ds_sign": "cuda and test_backward_deterministic and tile_plus-causal",
     "fwd_tile_end": "cuda and test_forward and tile_plus-none",
