@@ -261,7 +261,8 @@ def markdown_table(rows) -> str:
         g["per_mma"].add(per_mma)
         g["bad"].add(f"{stack}/{local}" + ("" if spills == "-" else f"/{spills}"))
     fmt = lambda s: "/".join(str(x) for x in sorted(s))  # f16 and bf16 differ: both
-    lines = ["| kernel | layout | H | regs sm_80 / sm_90 / sm_120 | smem (bytes) | stack/local | smem B per MMA "
+    lines = ["| kernel | layout | H | regs sm_80 / sm_90 / sm_120 | smem (bytes) | stack / local / spill st / ld "
+             "(bytes) | smem B per MMA "
              "| CTAs per SM sm_80 / sm_90 / sm_120 |", "|---|---|---|---|---|---|---|---|"]
     order = {k: i for i, k in enumerate(("forward_kernel", "backward_kernel", "backward_dq_kernel"))}
     for (kind, layout, h), g in sorted(groups.items(), key=lambda x: (order.get(x[0][0], 9), x[0][1], x[0][2])):
