@@ -219,7 +219,9 @@ inline ffi::Error Forward(const char* target, Stream stream, ffi::AnyBuffer q, f
     if (auto e = ToError(target, FillAsync(p.out, 0xFF, out->size_bytes(), stream)); e.failure()) return e;
     if (auto e = ToError(target, FillAsync(p.lse, 0xFF, lse->size_bytes(), stream)); e.failure()) return e;
   }
-  return ToError(target, DispatchForward(dtype, p, stream));
+  Layout layout;
+  if (auto e = LayoutFromEnvironment(&layout); !e.empty()) return ffi::Error::InvalidArgument(target + (": " + e));
+  return ToError(target, DispatchForward(dtype, layout, p, stream));
 }
 
 inline ffi::Error Backward(const char* target, Stream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -262,7 +264,9 @@ inline ffi::Error Backward(const char* target, Stream stream, ffi::AnyBuffer q, 
         return e;
     }
   }
-  return ToError(target, DispatchBackward(dtype, p, deterministic, stream));
+  Layout layout;
+  if (auto e = LayoutFromEnvironment(&layout); !e.empty()) return ffi::Error::InvalidArgument(target + (": " + e));
+  return ToError(target, DispatchBackward(dtype, layout, p, deterministic, stream));
 }
 
 }  // namespace kernels
