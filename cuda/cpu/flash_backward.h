@@ -17,6 +17,7 @@
 #include "cpu/softmax.h"
 #include "cpu/tile_gemm.h"
 #include "cpu/tile_pack.h"
+#include "cpu/tile_products.h"
 #include "cpu/tiling.h"
 #include "cpu/vec.h"
 
@@ -86,20 +87,19 @@ inline void LoadRowStatistics(const Problem& p, BackwardTiles& w, int64_t b, int
   }
 }
 
-// The part of a backward tile both passes share: recompute P from the scores and the
+// The part of a backward tile every pass shares: recompute P from the scores and the
 // saved lse, dP = dO Vᵀ, and dS = P ∘ (dP − D) (∘ the soft cap's derivative).
-inline void RecomputeTileGradient(const Problem& p, BackwardTiles& w, const MaskGeometry& mask,
+// Products: F32Products or BF16Products (tile_products.h).
+template <class Products = F32Products>
+void RecomputeTileGradient(const Problem& p, BackwardTiles& w, const MaskGeometry& mask,
                                   const TileOperands& in, const ScoreTile& s,
                                   TileVisibility visibility) {
-  const int64_t ld = w.row_stride;
-  Gemm<false, Accumulate::kOverwrite>(s.rows_padded, s.cols_padded, p.head_dim, in.q, ld, in.k_t,
-                                      kKeyStride, w.s, kBlockK);
+  Products::Scores(p, s.rows_padded, s.cols_padded, in.q, in.k_t, w.s);
   const bool capped = p.softcap > 0.0f;
   if (capped) ApplySoftCap(s, p.softcap, w.softcap_derivative);
   if (visibility == TileVisibility::kPartial) MaskScores(s, mask, w.segments);
   RecomputeProbabilities(s, w.lse);
-  Gemm<false, Accumulate::kOverwrite>(s.rows_padded, s.cols_padded, p.head_dim, in.dout, ld,
-                                      in.v_t, kKeyStride, w.ds, kBlockK);
+  Products::ProbabilityGradient(p, s.rows_padded, s.cols_padded, in.dout, in.v_t, w.ds);
   ComputeScoreGradient(s, w.ds, w.delta, capped ? w.softcap_derivative : nullptr);
 }
 

@@ -10,6 +10,7 @@
 #include "cpu/softmax.h"
 #include "cpu/tile_gemm.h"
 #include "cpu/tile_pack.h"
+#include "cpu/tile_products.h"
 #include "cpu/tiling.h"
 #include "cpu/vec.h"
 
@@ -28,6 +29,7 @@ struct ForwardTiles {
   float* l;        // [kBlockQ] running sum
   float* correction;  // [kBlockQ] exp(m_old − m_new)
   int32_t* segments;  // [kBlockK]
+  float* scratch;     // [kProductScratchFloats] the products' own (bf16 P)
 
   ForwardTiles(const Problem& p, float* base) {
     WorkspaceCarver w(base);
@@ -40,6 +42,7 @@ struct ForwardTiles {
     l = w.Take(kBlockQ);
     correction = w.Take(kBlockQ);
     segments = reinterpret_cast<int32_t*>(w.Take(kBlockK));
+    scratch = w.Take(kProductScratchFloats);
     floats = w.used();
   }
   int64_t floats;  // the size of the workspace
@@ -69,7 +72,9 @@ inline void WriteOutputRows(const Problem& p, const ForwardTiles& w, int64_t b, 
   }
 }
 
-inline void ForwardTile(const Problem& p, int64_t item, float* workspace) {
+// Products: F32Products or BF16Products (tile_products.h).
+template <class Products>
+void ForwardTileWith(const Problem& p, int64_t item, float* workspace) {
   const auto [b, n, t0, rows] = QueryBlockOf(p, item, /*last_first=*/true);
   const int64_t g = n / p.group_size();
   const MaskGeometry mask(p, b);
@@ -79,11 +84,11 @@ inline void ForwardTile(const Problem& p, int64_t item, float* workspace) {
   if (live_rows == 0) return;
 
   ForwardTiles w(p, workspace);
-  const int64_t hp = w.head_dim_padded;
   const int64_t ld = w.row_stride;
   const int64_t rows_padded = RoundUp(live_rows, kGemmRows);
-  PackRows({p.q, p.dtype, p.q_row(b, t0, n), p.q_heads * p.head_dim, live_rows, p.head_dim},
-           p.scale, rows_padded, ld, w.q);
+  Products::PackQuery(
+      p, {p.q, p.dtype, p.q_row(b, t0, n), p.q_heads * p.head_dim, live_rows, p.head_dim},
+      rows_padded, w.q);
   for (int64_t i = 0; i < rows_padded; ++i) {
     w.m[i] = -__builtin_inff();
     w.l[i] = 0.0f;
@@ -105,17 +110,22 @@ inline void ForwardTile(const Problem& p, int64_t item, float* workspace) {
     const float* k_t = p.packed.k_t + key_block;
     const float* v = p.packed.v + key_block;
     const ScoreTile s{w.s, kBlockK, t0, live_rows, rows_padded, s0, cols, cols_padded};
-    // S = (scale · Q) Kᵀ
-    Gemm<false, Accumulate::kOverwrite>(rows_padded, cols_padded, p.head_dim, w.q, ld, k_t,
-                                        kKeyStride, w.s, kBlockK);
+    // S = scale · Q Kᵀ
+    Products::Scores(p, rows_padded, cols_padded, w.q, k_t, w.s);
     if (p.softcap > 0.0f) ApplySoftCap(s, p.softcap, nullptr);
     if (visibility == TileVisibility::kPartial) MaskScores(s, mask, w.segments);
     UpdateOnlineSoftmax(s, w.m, w.l, w.correction);
     // O = diag(exp(m_old − m_new)) O + P V
-    Gemm<false, Accumulate::kRescale>(rows_padded, hp, cols, w.s, kBlockK, v, ld, w.o, ld,
-                                      w.correction);
+    Products::AccumulateValues(p, rows_padded, cols, w.s, w.scratch, v, w.o, w.correction);
   }
   WriteOutputRows(p, w, b, n, t0, live_rows);
+}
+
+inline void ForwardTile(const Problem& p, int64_t item, float* workspace) {
+#if defined(JAX_FLASH_CPU_BF16_PRODUCTS)
+  if (p.dtype == ElementType::kBF16) return ForwardTileWith<BF16Products>(p, item, workspace);
+#endif
+  ForwardTileWith<F32Products>(p, item, workspace);
 }
 
 }  // namespace JAX_FLASH_CPU_ISA

@@ -188,13 +188,54 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   if (k_t.get() == nullptr || v_rows.get() == nullptr) return OutOfMemory("jax_flash_fwd");
   p.packed.k_t = k_t.get();
   p.packed.v = v_rows.get();
-  if (ffi::Error e = RunTiles(pool, "jax_flash_fwd", KeyItems(p), PaddedHeadDim(p), p,
-                              kernels->pack_key_block);
+  if (ffi::Error e = RunTiles(pool, "jax_flash_fwd", KeyItems(p), 2 * PaddedHeadDim(p), p,
+                              kernels->prepare_key_block);
       e.failure()) {
     return e;
   }
   return RunTiles(pool, "jax_flash_fwd", QueryItems(p), kernels->forward_workspace(p), p,
                   kernels->forward_tile);
+}
+
+// JAX_FLASH_CPU_BACKWARD=two_pass: the backward as two passes (dK/dV, then dQ), seven
+// tile products; otherwise the single-pass one (five products, dQ partials per chunk).
+bool TwoPassBackward() {
+  const char* value = std::getenv("JAX_FLASH_CPU_BACKWARD");
+  return value != nullptr && std::strcmp(value, "two_pass") == 0;
+}
+
+// The single-pass backward (flash_backward_fused.h): pack Q, dO (with D), Kᵀ, Vᵀ and K
+// once, in the products' format, zeroing the dQ partials; one pass of key-block items;
+// then dQ = scale · Σ partials per query block.
+ffi::Error FusedBackward(ffi::ThreadPool& pool, const KernelTable& kernels, Problem& p) {
+  Workspace q_rows(PackedQueryFloats(p)), dout_rows(PackedQueryFloats(p));
+  Workspace k_t(PackedKeyFloats(p)), v_t(PackedKeyFloats(p)), k_rows(PackedKeyFloats(p));
+  Workspace dq_partial(GradientChunks(p) * PackedQueryFloats(p));
+  for (const Workspace* w : {&q_rows, &dout_rows, &k_t, &v_t, &k_rows, &dq_partial})
+    if (w->get() == nullptr) return OutOfMemory("jax_flash_bwd");
+  p.packed.q = q_rows.get();
+  p.packed.dout = dout_rows.get();
+  p.packed.k_t = k_t.get();
+  p.packed.v_t = v_t.get();
+  p.packed.k = k_rows.get();
+  p.packed.dq_partial = dq_partial.get();
+  const int64_t row_buffer = 2 * PaddedHeadDim(p);
+  if (ffi::Error e = RunTiles(pool, "jax_flash_bwd", QueryItems(p), row_buffer, p,
+                              kernels.prepare_query_block);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = RunTiles(pool, "jax_flash_bwd", KeyItems(p), row_buffer, p,
+                              kernels.prepare_key_block);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = RunTiles(pool, "jax_flash_bwd", GradientItems(p),
+                              kernels.fused_gradient_workspace(p), p, kernels.fused_gradient_tile);
+      e.failure()) {
+    return e;
+  }
+  return RunTiles(pool, "jax_flash_bwd", QueryItems(p), row_buffer, p, kernels.reduce_query_gradient);
 }
 
 ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -244,6 +285,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
   p.dq_accum = static_cast<float*>(dq_accum->untyped_data());
   p.delta = static_cast<float*>(delta->untyped_data());
 
+  if (!TwoPassBackward()) return FusedBackward(pool, *kernels, p);
   // Pack Q, dO (computing D on the way), Kᵀ, Vᵀ and K once: both gradient passes
   // read them for every tile.
   Workspace q_rows(PackedQueryFloats(p)), dout_rows(PackedQueryFloats(p));

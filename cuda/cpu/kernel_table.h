@@ -24,16 +24,26 @@ struct KernelTable {
   void (*forward_tile)(const Problem&, int64_t item, float* workspace);
   void (*key_value_gradient_tile)(const Problem&, int64_t item, float* workspace);
   void (*query_gradient_tile)(const Problem&, int64_t item, float* workspace);
+  // The single-pass backward (flash_backward_fused.h): prepare_* pack in the format
+  // the products of this ISA take for the problem's dtype (workspace 2·PaddedHeadDim
+  // floats), fused_gradient_workspace floats per worker for fused_gradient_tile
+  // (GradientItems), reduce_query_gradient per query block (workspace PaddedHeadDim).
+  int64_t (*fused_gradient_workspace)(const Problem&);
+  void (*prepare_query_block)(const Problem&, int64_t item, float* workspace);
+  void (*prepare_key_block)(const Problem&, int64_t item, float* workspace);
+  void (*fused_gradient_tile)(const Problem&, int64_t item, float* workspace);
+  void (*reduce_query_gradient)(const Problem&, int64_t item, float* workspace);
 };
 
 namespace generic { const KernelTable& Kernels(); }
 #if defined(__x86_64__) || defined(_M_X64)
 namespace avx2 { const KernelTable& Kernels(); }
 namespace avx512 { const KernelTable& Kernels(); }
+namespace avx512bf16 { const KernelTable& Kernels(); }
 #endif
 
-// The widest ISA this CPU runs, or the one named by JAX_FLASH_CPU_ISA ("avx512",
-// "avx2", "generic"); an error message when the named one is unknown or unsupported.
+// The widest ISA this CPU runs, or the one named by JAX_FLASH_CPU_ISA ("avx512bf16",
+// "avx512", "avx2", "generic"); an error message when the named one is unknown or unsupported.
 const KernelTable* SelectKernels(std::string* error);
 
 }  // namespace cpu

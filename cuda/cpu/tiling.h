@@ -47,6 +47,19 @@ inline KeyBlockItem KeyBlockOf(const Problem& p, int64_t item) {
   return {item / (p.kv_heads * blocks), item / blocks % p.kv_heads, s0, std::min(kBlockK, p.kv_len - s0)};
 }
 
+// The fused backward's work items: one per (b, kv head, chunk of key blocks), chunk
+// fastest. The number of chunks depends on the problem only (never on the thread
+// count, which keeps the dQ sum's order fixed): enough items for the threads to share
+// (kGradientItems) when B·K alone is too few, at most kMaxGradientChunks float32 dQ
+// partials, and no chunk without a key block.
+constexpr int64_t kGradientItems = 16;
+constexpr int64_t kMaxGradientChunks = 4;
+inline int64_t GradientChunks(const Problem& p) {
+  const int64_t wanted = CeilDiv(kGradientItems, std::max<int64_t>(1, p.batch * p.kv_heads));
+  return std::max<int64_t>(1, std::min({wanted, kMaxGradientChunks, CeilDiv(p.kv_len, kBlockK)}));
+}
+inline int64_t GradientItems(const Problem& p) { return p.batch * p.kv_heads * GradientChunks(p); }
+
 // Packed operand layouts. Rows are padded to a whole number of the widest vector
 // (16 floats) whatever the ISA, so one layout serves every kernel table.
 inline int64_t PaddedHeadDim(const Problem& p) { return RoundUp(p.head_dim, kAlignFloats); }
