@@ -198,10 +198,14 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 }
 
 // JAX_FLASH_CPU_BACKWARD=two_pass: the backward as two passes (dK/dV, then dQ), seven
-// tile products; otherwise the single-pass one (five products, dQ partials per chunk).
-bool TwoPassBackward() {
+// tile products; unset, empty or "fused": the single-pass one (five products, dQ
+// partials per chunk). Anything else is an error.
+bool TwoPassBackward(std::string* error) {
   const char* value = std::getenv("JAX_FLASH_CPU_BACKWARD");
-  return value != nullptr && std::strcmp(value, "two_pass") == 0;
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "fused") == 0) return false;
+  if (std::strcmp(value, "two_pass") == 0) return true;
+  *error = std::string("JAX_FLASH_CPU_BACKWARD=") + value + " is not one of: fused, two_pass";
+  return false;
 }
 
 // The single-pass backward (flash_backward_fused.h): pack Q, dO (with D), Kᵀ, Vᵀ and K
@@ -285,7 +289,10 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
   p.dq_accum = static_cast<float*>(dq_accum->untyped_data());
   p.delta = static_cast<float*>(delta->untyped_data());
 
-  if (!TwoPassBackward()) return FusedBackward(pool, *kernels, p);
+  std::string backward_error;
+  const bool two_pass = TwoPassBackward(&backward_error);
+  if (!backward_error.empty()) return ffi::Error::InvalidArgument("jax_flash_bwd (cpu): " + backward_error);
+  if (!two_pass) return FusedBackward(pool, *kernels, p);
   // Pack Q, dO (computing D on the way), Kᵀ, Vᵀ and K once: both gradient passes
   // read them for every tile.
   Workspace q_rows(PackedQueryFloats(p)), dout_rows(PackedQueryFloats(p));
