@@ -70,6 +70,14 @@ JAX_FLASH_INLINE void PackPairsAcrossRows(const RowBlock& src, int64_t padded_ro
   }
 }
 
+// NaN/±inf -> 0 in packed operands that meet masked (zero) weights in a product (V in
+// O += P·V, K in dQ += dS·K, Q in dK += dSᵀ·Q and the scores): 0·NaN would carry a
+// masked-out poisoned key or query into rows that do not see it. The poison reaches the
+// rows that see it through the scores (Kᵀ is not zeroed), lse and D instead.
+JAX_FLASH_INLINE void ZeroNonFiniteBF16(uint16_t* tile, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) tile[i] = (tile[i] & 0x7f80u) == 0x7f80u ? 0 : tile[i];
+}
+
 inline uint16_t* AsBF16(float* p) { return reinterpret_cast<uint16_t*>(p); }
 inline const uint16_t* AsBF16(const float* p) { return reinterpret_cast<const uint16_t*>(p); }
 
@@ -86,8 +94,14 @@ inline void PackKeyBlockBF16(const Problem& p, int64_t item) {
   const RowBlock v{p.v, p.dtype, p.kv_row(b, s0, g), stride, keys, p.head_dim};
   if (p.packed.k_t != nullptr) PackPairsAlongRows(k, hp, kKeyStride, AsBF16(p.packed.k_t + offset));
   if (p.packed.v_t != nullptr) PackPairsAlongRows(v, hp, kKeyStride, AsBF16(p.packed.v_t + offset));
-  if (p.packed.k != nullptr) PackPairsAcrossRows(k, kBlockK, ld, AsBF16(p.packed.k + offset));
-  if (p.packed.v != nullptr) PackPairsAcrossRows(v, kBlockK, ld, AsBF16(p.packed.v + offset));
+  if (p.packed.k != nullptr) {
+    PackPairsAcrossRows(k, kBlockK, ld, AsBF16(p.packed.k + offset));
+    ZeroNonFiniteBF16(AsBF16(p.packed.k + offset), kBlockK * ld);
+  }
+  if (p.packed.v != nullptr) {
+    PackPairsAcrossRows(v, kBlockK, ld, AsBF16(p.packed.v + offset));
+    ZeroNonFiniteBF16(AsBF16(p.packed.v + offset), kBlockK * ld);
+  }
 }
 
 // Backward: Q and dO rows and their transposes; D = rowsum(dO ∘ O) − dlse in float32
@@ -106,6 +120,8 @@ inline void PackQueryBlockBF16(const Problem& p, int64_t item, float* row_buffer
   PackRowsBF16(dout, kBlockQ, ld, dout_rows);
   PackTransposedBF16(q, kBlockQ, hp, kBlockQ, q_rows + TransposedQueryOffset(p));
   PackTransposedBF16(dout, kBlockQ, hp, kBlockQ, dout_rows + TransposedQueryOffset(p));
+  // Finite: the scores need no poisoned q, a poisoned row's lse is NaN.
+  ZeroNonFiniteBF16(q_rows, 2 * QueryBlockFloats(p));
   float* o_row = row_buffer;
   float* do_row = row_buffer + p.head_dim;
   for (int64_t i = 0; i < rows; ++i) {
