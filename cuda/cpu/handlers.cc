@@ -197,21 +197,10 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                   kernels->forward_tile);
 }
 
-// JAX_FLASH_CPU_BACKWARD=two_pass: the backward as two passes (dK/dV, then dQ), seven
-// tile products; unset, empty or "fused": the single-pass one (five products, dQ
-// partials per chunk). Anything else is an error.
-bool TwoPassBackward(std::string* error) {
-  const char* value = std::getenv("JAX_FLASH_CPU_BACKWARD");
-  if (value == nullptr || *value == '\0' || std::strcmp(value, "fused") == 0) return false;
-  if (std::strcmp(value, "two_pass") == 0) return true;
-  *error = std::string("JAX_FLASH_CPU_BACKWARD=") + value + " is not one of: fused, two_pass";
-  return false;
-}
-
-// The single-pass backward (flash_backward_fused.h): pack Q, dO (with D), Kᵀ, Vᵀ and K
+// The single-pass backward (flash_backward_pass.h): pack Q, dO (with D), Kᵀ, Vᵀ and K
 // once, in the products' format, zeroing the dQ partials; one pass of key-block items;
 // then dQ = scale · Σ partials per query block.
-ffi::Error FusedBackward(ffi::ThreadPool& pool, const KernelTable& kernels, Problem& p) {
+ffi::Error RunBackward(ffi::ThreadPool& pool, const KernelTable& kernels, Problem& p) {
   Workspace q_rows(PackedQueryFloats(p)), dout_rows(PackedQueryFloats(p));
   Workspace k_t(PackedKeyFloats(p)), v_t(PackedKeyFloats(p)), k_rows(PackedKeyFloats(p));
   Workspace dq_partial(GradientChunks(p) * PackedQueryFloats(p));
@@ -235,7 +224,7 @@ ffi::Error FusedBackward(ffi::ThreadPool& pool, const KernelTable& kernels, Prob
     return e;
   }
   if (ffi::Error e = RunTiles(pool, "jax_flash_bwd", GradientItems(p),
-                              kernels.fused_gradient_workspace(p), p, kernels.fused_gradient_tile);
+                              kernels.backward_workspace(p), p, kernels.gradient_tile);
       e.failure()) {
     return e;
   }
@@ -289,38 +278,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
   p.dq_accum = static_cast<float*>(dq_accum->untyped_data());
   p.delta = static_cast<float*>(delta->untyped_data());
 
-  std::string backward_error;
-  const bool two_pass = TwoPassBackward(&backward_error);
-  if (!backward_error.empty()) return ffi::Error::InvalidArgument("jax_flash_bwd (cpu): " + backward_error);
-  if (!two_pass) return FusedBackward(pool, *kernels, p);
-  // Pack Q, dO (computing D on the way), Kᵀ, Vᵀ and K once: both gradient passes
-  // read them for every tile.
-  Workspace q_rows(PackedQueryFloats(p)), dout_rows(PackedQueryFloats(p));
-  Workspace k_t(PackedKeyFloats(p)), v_t(PackedKeyFloats(p)), k_rows(PackedKeyFloats(p));
-  for (const Workspace* w : {&q_rows, &dout_rows, &k_t, &v_t, &k_rows})
-    if (w->get() == nullptr) return OutOfMemory("jax_flash_bwd");
-  p.packed.q = q_rows.get();
-  p.packed.dout = dout_rows.get();
-  p.packed.k_t = k_t.get();
-  p.packed.v_t = v_t.get();
-  p.packed.k = k_rows.get();
-  if (ffi::Error e = RunTiles(pool, "jax_flash_bwd", QueryItems(p), PaddedHeadDim(p), p,
-                              kernels->pack_query_block);
-      e.failure()) {
-    return e;
-  }
-  if (ffi::Error e = RunTiles(pool, "jax_flash_bwd", KeyItems(p), PaddedHeadDim(p), p,
-                              kernels->pack_key_block);
-      e.failure()) {
-    return e;
-  }
-  const int64_t workspace = kernels->backward_workspace(p);
-  if (ffi::Error e = RunTiles(pool, "jax_flash_bwd", KeyItems(p), workspace, p,
-                              kernels->key_value_gradient_tile);
-      e.failure()) {
-    return e;
-  }
-  return RunTiles(pool, "jax_flash_bwd", QueryItems(p), workspace, p, kernels->query_gradient_tile);
+  return RunBackward(pool, *kernels, p);
 }
 
 }  // namespace

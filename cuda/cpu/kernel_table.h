@@ -16,22 +16,17 @@ struct KernelTable {
   const char* isa;
   // Floats of workspace one worker needs (64-byte aligned by the caller).
   int64_t (*forward_workspace)(const Problem&);
-  int64_t (*backward_workspace)(const Problem&);
-  // One work item each; see tiling.h for how items map to blocks. The pack steps
-  // need a workspace of PaddedHeadDim floats.
-  void (*pack_key_block)(const Problem&, int64_t item, float* workspace);
-  void (*pack_query_block)(const Problem&, int64_t item, float* workspace);
+  // One work item each; see tiling.h for how items map to blocks.
   void (*forward_tile)(const Problem&, int64_t item, float* workspace);
-  void (*key_value_gradient_tile)(const Problem&, int64_t item, float* workspace);
-  void (*query_gradient_tile)(const Problem&, int64_t item, float* workspace);
-  // The single-pass backward (flash_backward_fused.h): prepare_* pack in the format
-  // the products of this ISA take for the problem's dtype (workspace 2·PaddedHeadDim
-  // floats), fused_gradient_workspace floats per worker for fused_gradient_tile
-  // (GradientItems), reduce_query_gradient per query block (workspace PaddedHeadDim).
-  int64_t (*fused_gradient_workspace)(const Problem&);
+  // The backward (flash_backward_pass.h): prepare_* pack in the format the products of
+  // this ISA take for the problem's dtype (workspace 2·PaddedHeadDim floats; the forward
+  // runs prepare_key_block too), backward_workspace floats per worker for
+  // gradient_tile (GradientItems), reduce_query_gradient per query block (workspace
+  // 2·PaddedHeadDim).
+  int64_t (*backward_workspace)(const Problem&);
   void (*prepare_query_block)(const Problem&, int64_t item, float* workspace);
   void (*prepare_key_block)(const Problem&, int64_t item, float* workspace);
-  void (*fused_gradient_tile)(const Problem&, int64_t item, float* workspace);
+  void (*gradient_tile)(const Problem&, int64_t item, float* workspace);
   void (*reduce_query_gradient)(const Problem&, int64_t item, float* workspace);
 };
 

@@ -66,7 +66,7 @@ struct Problem {
     float* v = nullptr;     // V rows per key block  (forward)
     float* q = nullptr;     // scale · Q rows per query block (backward)
     float* dout = nullptr;  // dO rows per query block        (backward)
-    float* dq_partial = nullptr;  // float32 dQ per chunk and query block (fused backward)
+    float* dq_partial = nullptr;  // float32 dQ per chunk and query block (backward)
   } packed;
 
   int64_t group_size() const { return q_heads / kv_heads; }

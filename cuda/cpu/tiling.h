@@ -47,7 +47,7 @@ inline KeyBlockItem KeyBlockOf(const Problem& p, int64_t item) {
   return {item / (p.kv_heads * blocks), item / blocks % p.kv_heads, s0, std::min(kBlockK, p.kv_len - s0)};
 }
 
-// The fused backward's work items: one per (b, kv head, chunk of key blocks), chunk
+// The backward's work items: one per (b, kv head, chunk of key blocks), chunk
 // fastest. The number of chunks depends on the problem only (never on the thread
 // count, which keeps the dQ sum's order fixed): enough items for the threads to share
 // (kGradientItems) when B·K alone is too few, at most kMaxGradientChunks float32 dQ

@@ -25,31 +25,11 @@ namespace jax_flash {
 namespace cpu {
 namespace JAX_FLASH_CPU_ISA {
 
-// BackwardTiles (score tiles, statistics) followed by the fused pass's own buffers.
-struct FusedBackwardTiles {
-  BackwardTiles base;
-  float* dk;       // KeyGradientFloats: the key block's dK accumulator (format: Products)
-  float* dv;       // KeyGradientFloats
-  float* scratch;  // kProductScratchFloats
-  float* row;      // [RowStride] one gradient row on its way out
-  int64_t floats;
-
-  FusedBackwardTiles(const Problem& p, float* workspace)
-      : base(p, workspace) {
-    WorkspaceCarver w(workspace == nullptr ? nullptr : workspace + base.floats);
-    dk = w.Take(KeyGradientFloats(p));
-    dv = w.Take(KeyGradientFloats(p));
-    scratch = w.Take(kProductScratchFloats);
-    row = w.Take(RowStride(p));
-    floats = base.floats + w.used();
-  }
-};
-
 inline float* QueryGradientPartial(const Problem& p, int64_t chunk, int64_t b, int64_t n, int64_t t0) {
   return p.packed.dq_partial + (chunk * QueryItems(p) + QueryBlockIndex(p, b, n, t0)) * QueryBlockFloats(p);
 }
 
-// Pack step of the fused backward: Q, dO (and D) of query block `item` in the products'
+// Pack step of the backward: Q, dO (and D) of query block `item` in the products'
 // format, and the block's dQ partials zeroed.
 inline void PrepareQueryBlock(const Problem& p, int64_t item, float* row_buffer) {
 #if defined(JAX_FLASH_CPU_BF16_PRODUCTS)
@@ -76,7 +56,7 @@ inline void PrepareKeyBlock(const Problem& p, int64_t item, float* row_buffer) {
 
 // dK = factor · accumulator and dV rows of keys [s0, s0 + cols) of kv head g.
 template <class Products>
-void StoreKeyValueGradients(const Problem& p, const FusedBackwardTiles& w, int64_t b, int64_t g,
+void StoreKeyValueGradients(const Problem& p, const BackwardTiles& w, int64_t b, int64_t g,
                             int64_t s0, int64_t cols) {
   const float factor = Products::KeyGradientFactor(p);
   for (int64_t j = 0; j < cols; ++j) {
@@ -88,13 +68,13 @@ void StoreKeyValueGradients(const Problem& p, const FusedBackwardTiles& w, int64
 }
 
 template <class Products>
-void FusedGradientTileWith(const Problem& p, int64_t item, float* workspace) {
+void GradientTileWith(const Problem& p, int64_t item, float* workspace) {
   const int64_t chunks = GradientChunks(p);
   const int64_t chunk = item % chunks;
   const int64_t b = item / chunks / p.kv_heads;
   const int64_t g = item / chunks % p.kv_heads;
   const MaskGeometry mask(p, b);
-  FusedBackwardTiles w(p, workspace);
+  BackwardTiles w(p, workspace);
   TileOperands in;
   for (int64_t block = chunk; block < KeyBlocks(p); block += chunks) {
     const int64_t s0 = block * kBlockK;
@@ -121,12 +101,12 @@ void FusedGradientTileWith(const Problem& p, int64_t item, float* workspace) {
         const int64_t rows_padded = RoundUp(rows, kGemmRows);
         in.q = PackedQuery(p, p.packed.q, b, n, t0);
         in.dout = PackedQuery(p, p.packed.dout, b, n, t0);
-        LoadRowStatistics(p, w.base, b, n, t0, rows, rows_padded);
-        const ScoreTile s{w.base.s, kBlockK, t0, rows, rows_padded, s0, cols, cols_padded};
-        RecomputeTileGradient<Products>(p, w.base, mask, in, s, visibility);
-        Products::AccumulateKeyValueGradients(p, rows, cols_padded, w.base.s, w.base.ds, in.q,
+        LoadRowStatistics(p, w, b, n, t0, rows, rows_padded);
+        const ScoreTile s{w.s, kBlockK, t0, rows, rows_padded, s0, cols, cols_padded};
+        RecomputeTileGradient<Products>(p, w, mask, in, s, visibility);
+        Products::AccumulateKeyValueGradients(p, rows, cols_padded, w.s, w.ds, in.q,
                                               in.dout, w.scratch, w.dk, w.dv);
-        Products::AccumulateQueryGradient(p, rows_padded, cols, w.base.ds, in.k, w.scratch,
+        Products::AccumulateQueryGradient(p, rows_padded, cols, w.ds, in.k, w.scratch,
                                           QueryGradientPartial(p, chunk, b, n, t0));
       }
     }
@@ -134,11 +114,11 @@ void FusedGradientTileWith(const Problem& p, int64_t item, float* workspace) {
   }
 }
 
-inline void FusedGradientTile(const Problem& p, int64_t item, float* workspace) {
+inline void GradientTile(const Problem& p, int64_t item, float* workspace) {
 #if defined(JAX_FLASH_CPU_BF16_PRODUCTS)
-  if (p.dtype == ElementType::kBF16) return FusedGradientTileWith<BF16Products>(p, item, workspace);
+  if (p.dtype == ElementType::kBF16) return GradientTileWith<BF16Products>(p, item, workspace);
 #endif
-  FusedGradientTileWith<F32Products>(p, item, workspace);
+  GradientTileWith<F32Products>(p, item, workspace);
 }
 
 // dQ of query block `item` = scale · Σ_c partial_c, c = 0, 1, ... in order; into
