@@ -918,8 +918,14 @@ def main(argv=None) -> list[Result]:
             from jax_flash import _jax_flash_ext
 
             if hasattr(_jax_flash_ext, "cpu_isa"):
-                print(f"cpu kernels: ISA {_jax_flash_ext.cpu_isa()}, {_threads()} threads"
+                isa = _jax_flash_ext.cpu_isa()
+                print(f"cpu kernels: ISA {isa}, {_threads()} threads"
                       + (f"; torch: {_threads()} threads" if PEER_TORCH in impls else ""))
+                for h in args.head_dims:
+                    b = _jax_flash_ext.cpu_blocking(h, args.dtype, isa == "avx512bf16")
+                    print(f"  blocking H={h}: {b['block_q']} x {b['block_k']}, tile step "
+                          f"forward {b['forward_bytes'] / 2**10:.0f} KiB, backward "
+                          f"{b['backward_bytes'] / 2**10:.0f} KiB")
     env["peaks"] = {k: v for k, v in peaks.items()}
     if args.max_temp_gib is not None:
         max_temp = int(args.max_temp_gib * 2**30)

@@ -78,6 +78,28 @@ void AddCpuFunctions(nb::module_& m) {
       },
       "The ISA the cpu kernels run on now (JAX_FLASH_CPU_ISA, or the widest this CPU has).");
   m.def(
+      "cpu_blocking",
+      [](int64_t h, const std::string& dtype, bool bf16_products) {
+        cpu::ElementType type = cpu::ElementType::kF32;
+        if (dtype == "bfloat16") {
+          type = cpu::ElementType::kBF16;
+        } else if (dtype == "float16") {
+          type = cpu::ElementType::kF16;
+        } else if (dtype != "float32") {
+          throw std::invalid_argument("dtype must be float32, bfloat16 or float16, got " + dtype);
+        }
+        const cpu::Blocking b = cpu::BlockingFor(h, type, bf16_products);
+        nb::dict d;
+        d["block_q"] = b.block_q;
+        d["block_k"] = b.block_k;
+        d["key_block_bytes"] = b.key_block_bytes;
+        d["forward_bytes"] = b.forward_bytes;
+        d["backward_bytes"] = b.backward_bytes;
+        return d;
+      },
+      "(H, dtype, bf16_products) -> the cpu kernels' tile blocking (tiling.h BlockingFor): "
+      "block sizes and the bytes one worker's forward / backward tile step keeps hot.");
+  m.def(
       "cpu_gradient_chunks",
       [](int64_t b, int64_t n, int64_t k, int64_t t, int64_t s, int64_t h) {
         cpu::Problem p;

@@ -90,6 +90,38 @@ inline int64_t QueryBlockIndex(const Problem& p, int64_t b, int64_t n, int64_t t
 }
 inline int64_t PackedQueryFloats(const Problem& p) { return QueryItems(p) * QueryBlockFloats(p); }
 
+// The cache blocking of one (H, dtype, products) combination: the one place that states
+// the block sizes and what one worker's tile step keeps hot, so that a choice can be
+// checked against the caches. Every combination runs 128 × 128 (the layouts above are
+// compile-time): the forward's step stays in a 1 MB L2 up to H = 256 (0.6 MB float32),
+// the backward's up to H = 128 (0.77 MB float32, 0.66 MB bf16; at H = 256 it is 1.3 / 1.1
+// MB and spills to L3, where a smaller block would not), and 128 × 128 measured faster
+// than 64 × 128 and 64 × 64 at H = 64 and 128 (fewer softmax row passes per product; the
+// 4-row micro-tiles reuse each B strip over 128 rows).
+struct Blocking {
+  int64_t block_q;        // query rows per tile (Br)
+  int64_t block_k;        // keys per tile (Bc)
+  int64_t key_block_bytes;    // one packed key block (Kᵀ and V: forward)
+  int64_t forward_bytes;      // forward tile step: Q, S, O tiles and a key block
+  int64_t backward_bytes;     // backward tile step: Q, dO, S, dS, soft cap tiles, Kᵀ, Vᵀ, K,
+                              // dK, dV accumulators, the dQ partial tile
+};
+inline Blocking BlockingFor(int64_t head_dim, ElementType dtype, bool bf16_products) {
+  Problem p;
+  p.head_dim = head_dim;
+  const int64_t element = bf16_products && dtype == ElementType::kBF16 ? 2 : 4;
+  const int64_t rows = kBlockQ * RowStride(p) * 4;      // a float32 row tile
+  const int64_t scores = kBlockQ * kBlockK * 4;
+  const int64_t key_operand = KeyBlockFloats(p) * element;
+  const int64_t key_gradient = std::max(kBlockK * RowStride(p), PaddedHeadDim(p) * kKeyStride) * 4;
+  Blocking b{kBlockQ, kBlockK, 2 * key_operand, 0, 0};
+  b.forward_bytes = rows * element / 4 + scores + rows + 2 * key_operand;
+  // bf16 query blocks hold rows and their transposes.
+  b.backward_bytes = 2 * rows * element / 4 * (element == 2 ? 2 : 1) + 3 * scores +
+                     3 * key_operand + 2 * key_gradient + rows;
+  return b;
+}
+
 // Hands out 64-byte-aligned float buffers from one (64-byte-aligned) workspace
 // allocation. With a null base it only counts, which is how the workspace is sized:
 // one layout function serves both.
