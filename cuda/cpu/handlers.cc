@@ -176,6 +176,7 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   std::string isa_error;
   const KernelTable* kernels = SelectKernels(&isa_error);
   if (kernels == nullptr) return ffi::Error::InvalidArgument("jax_flash_fwd (cpu): " + isa_error);
+  p.bf16_packing = kernels->bf16_products && p.dtype == ElementType::kBF16;
   if (PoisonOutputs()) {
     Poison(*out);
     Poison(*lse);
@@ -265,6 +266,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
   std::string isa_error;
   const KernelTable* kernels = SelectKernels(&isa_error);
   if (kernels == nullptr) return ffi::Error::InvalidArgument("jax_flash_bwd (cpu): " + isa_error);
+  p.bf16_packing = kernels->bf16_products && p.dtype == ElementType::kBF16;
   if (PoisonOutputs()) {
     for (ffi::AnyBuffer result : {*dq, *dk, *dv, *dq_accum, *delta}) Poison(result);
   }

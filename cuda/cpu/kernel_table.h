@@ -14,6 +14,7 @@ namespace cpu {
 
 struct KernelTable {
   const char* isa;
+  bool bf16_products;  // bf16 inputs are packed and multiplied as bf16 (Problem::bf16_packing)
   // Floats of workspace one worker needs (64-byte aligned by the caller).
   int64_t (*forward_workspace)(const Problem&);
   // One work item each; see tiling.h for how items map to blocks.

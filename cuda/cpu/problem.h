@@ -69,6 +69,10 @@ struct Problem {
     float* dq_partial = nullptr;  // float32 dQ per chunk and query block (backward)
   } packed;
 
+  // Operands packed as bf16 (the BF16Products of an ISA that has them, bf16 inputs):
+  // a packed key block then takes half the floats (tiling.h KeyBlockFloats).
+  bool bf16_packing = false;
+
   int64_t group_size() const { return q_heads / kv_heads; }
   // Element offset of row t of query head n (q, out, dout, dq).
   int64_t q_row(int64_t b, int64_t t, int64_t n) const {

@@ -74,7 +74,13 @@ inline int64_t RowStride(const Problem& p) { return OddLineStride(PaddedHeadDim(
 // Leading dimension of the Kᵀ, Vᵀ tiles ([H][kKeyStride], the first kBlockK used).
 constexpr int64_t kKeyStride = kBlockK + (kBlockK / kAlignFloats % 2 == 1 ? 0 : kAlignFloats);
 // Kᵀ, Vᵀ: [B][K][key block][H][kKeyStride]; K, V rows: [B][K][key block][kBlockK][RowStride].
+// As bf16 (bf16_packing): Kᵀ, Vᵀ [Hp/2][kKeyStride][2], K, V [kBlockK/2][RowStride][2].
 inline int64_t KeyBlockFloats(const Problem& p) {
+  if (p.bf16_packing) {
+    const int64_t transposed = PaddedHeadDim(p) * kKeyStride;
+    const int64_t rows = kBlockK * RowStride(p);
+    return RoundUp((transposed > rows ? transposed : rows) / 2, kAlignFloats);
+  }
   const int64_t transposed = p.head_dim * kKeyStride;
   const int64_t rows = kBlockK * RowStride(p);
   return RoundUp(transposed > rows ? transposed : rows, kAlignFloats);
@@ -109,10 +115,11 @@ struct Blocking {
 inline Blocking BlockingFor(int64_t head_dim, ElementType dtype, bool bf16_products) {
   Problem p;
   p.head_dim = head_dim;
-  const int64_t element = bf16_products && dtype == ElementType::kBF16 ? 2 : 4;
+  p.bf16_packing = bf16_products && dtype == ElementType::kBF16;
+  const int64_t element = p.bf16_packing ? 2 : 4;
   const int64_t rows = kBlockQ * RowStride(p) * 4;      // a float32 row tile
   const int64_t scores = kBlockQ * kBlockK * 4;
-  const int64_t key_operand = KeyBlockFloats(p) * element;
+  const int64_t key_operand = KeyBlockFloats(p) * 4;
   const int64_t key_gradient = std::max(kBlockK * RowStride(p), PaddedHeadDim(p) * kKeyStride) * 4;
   Blocking b{kBlockQ, kBlockK, 2 * key_operand, 0, 0};
   b.forward_bytes = rows * element / 4 + scores + rows + 2 * key_operand;
