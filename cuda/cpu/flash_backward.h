@@ -90,6 +90,7 @@ void RecomputeTileGradient(const Problem& p, BackwardTiles& w, const MaskGeometr
                                   const TileOperands& in, const ScoreTile& s,
                                   TileVisibility visibility) {
   Products::Scores(p, s.rows_padded, s.cols_padded, in.q, in.k_t, w.s);
+  PoisonInfiniteScores(s);
   const bool capped = p.softcap > 0.0f;
   if (capped) ApplySoftCap(s, p.softcap, w.softcap_derivative);
   if (visibility == TileVisibility::kPartial) MaskScores(s, mask, w.segments);
