@@ -48,6 +48,7 @@ inline void PrepareQueryBlock(const Problem& p, int64_t item, float* row_buffer)
 }
 
 inline void PrepareKeyBlock(const Problem& p, int64_t item, float* row_buffer) {
+  if (p.packed.bad_values != nullptr) FindNonFiniteValues(p, item, row_buffer);
 #if defined(JAX_FLASH_CPU_BF16_PRODUCTS)
   if (p.dtype == ElementType::kBF16) return PackKeyBlockBF16(p, item);
 #endif

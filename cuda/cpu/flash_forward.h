@@ -29,8 +29,6 @@ struct ForwardTiles {
   float* l;        // [kBlockQ] running sum
   float* correction;  // [kBlockQ] exp(m_old − m_new)
   int32_t* segments;  // [kBlockK]
-  int32_t* bad_values;  // [kBlockK] 1: the key's value row holds a NaN/±inf
-  float* row;           // [RowStride] one value row, widened
   float* scratch;       // [kProductScratchFloats] the products' own (bf16 P)
 
   ForwardTiles(const Problem& p, float* base) {
@@ -44,28 +42,11 @@ struct ForwardTiles {
     l = w.Take(kBlockQ);
     correction = w.Take(kBlockQ);
     segments = reinterpret_cast<int32_t*>(w.Take(kBlockK));
-    bad_values = reinterpret_cast<int32_t*>(w.Take(kBlockK));
-    row = w.Take(row_stride);
     scratch = w.Take(kProductScratchFloats);
     floats = w.used();
   }
   int64_t floats;  // the size of the workspace
 };
-
-// bad[j] = whether value row s0 + j (of batch b, kv head g) holds a NaN or ±inf; returns
-// whether any of the `cols` rows does. The packed V has them as zeros (tile_pack.h).
-inline bool FindNonFiniteValues(const Problem& p, int64_t b, int64_t g, int64_t s0, int64_t cols,
-                                float* row, int32_t* bad) {
-  bool any = false;
-  for (int64_t j = 0; j < cols; ++j) {
-    LoadRow(p.v, p.dtype, p.kv_row(b, s0 + j, g), p.head_dim, row);
-    bool finite = true;
-    for (int64_t h = 0; h < p.head_dim; ++h) finite &= std::isfinite(row[h]);
-    bad[j] = finite ? 0 : 1;
-    any |= !finite;
-  }
-  return any;
-}
 
 // Writes the rows of a query block that see no key: out = 0, lse = -inf.
 inline void WriteEmptyRows(const Problem& p, int64_t b, int64_t n, int64_t t_begin, int64_t t_end) {
@@ -135,8 +116,8 @@ void ForwardTileWith(const Problem& p, int64_t item, float* workspace) {
     PoisonInfiniteScores(s);
     if (p.softcap > 0.0f) ApplySoftCap(s, p.softcap, nullptr);
     if (visibility == TileVisibility::kPartial) MaskScores(s, mask, w.segments);
-    const bool bad_values = FindNonFiniteValues(p, b, g, s0, cols, w.row, w.bad_values);
-    UpdateOnlineSoftmax(s, w.m, w.l, w.correction, bad_values ? w.bad_values : nullptr);
+    const int32_t* bad_values = NonFiniteValues(p, b, g, s0);
+    UpdateOnlineSoftmax(s, w.m, w.l, w.correction, bad_values);
     // O = diag(exp(m_old − m_new)) O + P V
     Products::AccumulateValues(p, rows_padded, cols, w.s, w.scratch, v, w.o, w.correction);
   }

@@ -189,6 +189,9 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   if (k_t.get() == nullptr || v_rows.get() == nullptr) return OutOfMemory("jax_flash_fwd");
   p.packed.k_t = k_t.get();
   p.packed.v = v_rows.get();
+  Workspace bad_values(KeyItems(p) * (kBlockK + 1));  // int32 flags, float-sized
+  if (bad_values.get() == nullptr) return OutOfMemory("jax_flash_fwd");
+  p.packed.bad_values = reinterpret_cast<int32_t*>(bad_values.get());
   if (ffi::Error e = RunTiles(pool, "jax_flash_fwd", KeyItems(p), 2 * PaddedHeadDim(p), p,
                               kernels->prepare_key_block);
       e.failure()) {
