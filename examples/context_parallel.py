@@ -28,6 +28,7 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_DEVICES}"
 ).strip()
 
+import logging  # noqa: E402
 import time  # noqa: E402
 
 from absl import app, flags  # noqa: E402
@@ -120,6 +121,9 @@ def train(loss_fn, params, batches, prepare, label):
 
 
 def main(argv):
+    # absl prints INFO records; JAX's probe of absent backends ("Unable to initialize
+    # backend 'tpu'") is one of them and says nothing about this run.
+    logging.getLogger("jax").setLevel(logging.WARNING)
     del argv
     p, layout = FLAGS.devices, FLAGS.layout
     if jax.device_count() < p:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import codecs
 import importlib.util
+import logging
 import os
 import time
 
@@ -211,6 +212,9 @@ def sample(model, params, data: CharData, prompt: str, n: int, seed: int) -> str
 
 
 def main(argv):
+    # absl prints INFO records; JAX's probe of absent backends ("Unable to initialize
+    # backend 'tpu'") is one of them and says nothing about this run.
+    logging.getLogger("jax").setLevel(logging.WARNING)
     del argv
     text = open(FLAGS.text_file, encoding="utf-8").read() if FLAGS.text_file else builtin_text()
     data = CharData(text, FLAGS.seq_len)

@@ -11,6 +11,7 @@ Python (the interpreter's LICENSE.txt, or a stdlib module's source): no download
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import time
 
@@ -65,6 +66,9 @@ def model_fn(tokens, vocab_size: int):
 
 
 def main(argv):
+    # absl prints INFO records; JAX's probe of absent backends ("Unable to initialize
+    # backend 'tpu'") is one of them and says nothing about this run.
+    logging.getLogger("jax").setLevel(logging.WARNING)
     del argv
     text = load_text()
     chars = sorted(set(text))

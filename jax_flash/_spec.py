@@ -123,12 +123,14 @@ class AttentionSpec:
             hi = _minimum(num_q_blocks, last // block_q + 1)
         return lo, hi
 
-    def flops(self, backward: bool = False) -> float:
-        """Model FLOPs: forward 4·B·N·T·S·H, halved for causal at T == S; backward 2.5×."""
+    def flops(self, forward_backward: bool = False) -> float:
+        """Model FLOPs: forward 4·B·N·T·S·H (two products), halved for causal at T == S;
+        forward+backward 3.5× that (the backward's five products are 2.5× the forward's two;
+        score recomputations an implementation adds are not credited)."""
         f = 4.0 * self.batch * self.num_heads * self.q_len * self.kv_len * self.head_dim
         if self.window_left is None and self.window_right == 0 and self.q_len == self.kv_len:
             f /= 2
-        return f * 2.5 if backward else f
+        return f * 3.5 if forward_backward else f
 
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1

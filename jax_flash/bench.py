@@ -5,7 +5,8 @@ Measures every jax_flash implementation that can run here and the peers, in the 
 Pallas attention (`jax.experimental.pallas.ops.gpu.attention.mha`, GPU only). For each
 head dim, sequence length, causal or not, forward and forward+backward it reports the
 median time, the throughput in model FLOP/s (forward 4·B·N·T·S·H, halved for causal at
-T == S; backward 2.5× the forward — `AttentionSpec.flops`), the ratio to jax.nn's xla path
+T == S; forward+backward 3.5× the forward: the backward's five products are 2.5× the
+forward's two — `AttentionSpec.flops`), the ratio to jax.nn's xla path
 measured in the same run, and the compiled temporary memory
 (`jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes`).
 
@@ -321,6 +322,14 @@ def _attach_ratios(results: list[Result]) -> None:
         t = base.get((r.pass_, r.causal, r.head_dim, r.seq_len))
         if t is not None and r.time_s is not None:
             r.vs_jax_nn = t / r.time_s
+
+
+def _require_matplotlib() -> None:
+    """Exits with a message (status 1) if `--plot` cannot work here."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        sys.exit(f"--plot needs matplotlib ({e}): pip install \".[bench]\" (or matplotlib)")
 
 
 def write_plot(results: list[Result], path: str, on_gpu: bool) -> None:
@@ -729,6 +738,8 @@ def main(argv=None) -> list[Result]:
     if "--multi-device" in argv:
         return multi_device_main(argv)
     args = parse_args(argv)
+    if args.plot:
+        _require_matplotlib()  # before a run of minutes, not after it
     on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
     env = environment()
     print(
@@ -788,11 +799,8 @@ def main(argv=None) -> list[Result]:
         _write_json(args.json, env, args, skipped, results, done=True)
         print(f"wrote {args.json}")
     if args.plot:
-        try:
-            write_plot(results, args.plot, on_gpu)
-            print(f"wrote {args.plot}")
-        except ImportError as e:
-            print(f"--plot needs matplotlib ({e}); pip install matplotlib", file=sys.stderr)
+        write_plot(results, args.plot, on_gpu)
+        print(f"wrote {args.plot}")
     counts = status_counts(results)
     print(
         f"bench: {counts['ok']} of {len(results)} cells measured"

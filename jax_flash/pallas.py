@@ -415,6 +415,12 @@ class PallasImplementation:
             return f"supports head dims up to {MAX_HEAD_DIM}, got {spec.head_dim}"
         return None
 
+    def note(self, spec: AttentionSpec) -> Optional[str]:
+        """What `explain` adds: on a CPU the kernels are interpreted, which is for tests."""
+        if _interpret(None):
+            return "interpreted (slow): the Triton kernels run with interpret=True on the CPU"
+        return None
+
     def forward(self, spec, q, k, v, masks):
         return forward(spec, q, k, v, masks)
 

@@ -279,6 +279,18 @@ def test_explain_names_every_implementation():
     assert with_bias.reasons["xla"] is None
 
 
+def test_explain_says_pallas_is_interpreted_on_a_cpu():
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU backend only")
+    q = jnp.zeros((1, 8, 2, 64), jnp.float32)
+    e = jax_flash.explain(q, q, q)
+    if e.reasons["pallas"] is not None:
+        pytest.skip(f"pallas cannot run here: {e.reasons['pallas']}")
+    assert "interpreted (slow)" in e.notes["pallas"]
+    line = [l for l in str(e).splitlines() if "pallas" in l][0]
+    assert "available (interpreted (slow)" in line
+
+
 def test_default_choice_on_cpu():
     if jax.default_backend() != "cpu":
         pytest.skip("CPU backend only")
@@ -297,3 +309,31 @@ def test_cuda_head_dims_match_the_instantiations():
     root = pathlib.Path(__file__).resolve().parents[1] / "cuda" / "kernels"
     built = {int(m.group(1)) for f in root.glob("*.cu") if (m := re.search(r"hdim(\d+)\.cu$", f.name))}
     assert built == set(cuda.HEAD_DIMS)
+
+
+@pytest.mark.parametrize("impl", ["cpu", "cuda", "xla"])
+def test_jax_export_round_trip(impl):
+    """jax.export of a forward and a gradient through the compiled custom calls: refused
+    without jax_flash.export_disabled_checks() (the targets carry no compatibility
+    guarantee), exact after a serialize / deserialize round trip with them."""
+    from jax import export
+
+    dtype = jnp.bfloat16 if impl == "cuda" else jnp.float32
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 24, 2, 32), dtype) for i in range(3))
+    why = jax_flash.explain(q, k, v, implementation=impl).reasons[impl]
+    if why is not None:
+        pytest.skip(f"{impl} cannot run here: {why}")
+    # The same program twice: bitwise, except the emulated CUDA backward's atomic dQ order.
+    tol = 1e-2 if impl == "cuda" else 0.0
+    f = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, is_causal=True, implementation=impl))
+    g = jax.jit(jax.grad(lambda q, k, v: (f(q, k, v) ** 2).sum(), argnums=(0, 1, 2)))
+    if impl != "xla":
+        with pytest.raises(ValueError, match="custom calls"):
+            export.export(f)(q, k, v)
+    for fn in (f, g):
+        exported = export.export(fn, disabled_checks=jax_flash.export_disabled_checks())(q, k, v)
+        loaded = export.deserialize(exported.serialize())
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                                    rtol=tol, atol=tol),
+            loaded.call(q, k, v), fn(q, k, v))

@@ -37,6 +37,11 @@ def test_bench_tiny_run_writes_table_json_and_plot(tmp_path, capsys):
     causal_fwd = [r for r in results if r.causal and r.pass_ == "fwd"][0]
     full_fwd = [r for r in results if not r.causal and r.pass_ == "fwd"][0]
     assert causal_fwd.flops == full_fwd.flops / 2
+    full_fwdbwd = [r for r in results if not r.causal and r.pass_ == "fwdbwd"][0]
+    # forward 4·B·N·T·S·H; forward+backward counts the backward's five products too: 3.5x.
+    b, n, t, h = full_fwd.batch, full_fwd.heads, full_fwd.seq_len, full_fwd.head_dim
+    assert full_fwd.flops == 4 * b * n * t * t * h
+    assert full_fwdbwd.flops == 3.5 * full_fwd.flops
     data = json.loads(json_path.read_text())
     assert len(data["results"]) == len(results)
     assert {"pass", "causal", "temp_bytes", "flops_per_s", "vs_jax_nn"} <= set(data["results"][0])
@@ -96,3 +101,23 @@ def test_bench_time_budget_not_reached_measures_everything(tmp_path):
     )
     assert [r.status for r in results] == ["ok", "ok"] and all(r.compile_s > 0 for r in results)
     assert json.loads(json_path.read_text())["counts"] == {"ok": 2, "failed": 0, "OOM": 0, "skipped": 0, "cut": 0}
+
+
+def test_bench_plot_without_matplotlib_fails_before_measuring(monkeypatch, capsys):
+    # --plot is checked before any case runs: a missing matplotlib must not cost the run.
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    measured = []
+    monkeypatch.setattr(bench, "measure_case", lambda *a, **k: measured.append(a) or [])
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--impls", "xla", "--seq-lens", "16", "--plot", "x.png"])
+    assert ".[bench]" in str(e.value.code) and "matplotlib" in str(e.value.code)
+    assert not measured

@@ -1,0 +1,25 @@
+"""`jax.export` of functions that call the compiled implementations.
+
+The `cpu` and `cuda` implementations are XLA FFI custom calls. `jax.export` refuses custom
+calls without a compatibility guarantee unless they are named in `disabled_checks`: these
+are. What that waives: an exported artifact that holds them runs only where a jax_flash with
+the same FFI targets is imported (importing jax_flash registers them), so export and load
+with the same jax_flash version.
+"""
+
+from __future__ import annotations
+
+# Every FFI target jax_flash registers: the C++ cpu kernels and the CUDA kernels (the same
+# names on both platforms), and the host emulation of the CUDA kernels (tests).
+FFI_TARGETS = ("jax_flash_fwd", "jax_flash_bwd", "jax_flash_emu_fwd", "jax_flash_emu_bwd")
+
+
+def export_disabled_checks() -> list:
+    """The `disabled_checks` that `jax.export.export` needs for a function using jax_flash:
+
+        exported = jax.export.export(jax.jit(f), disabled_checks=jax_flash.export_disabled_checks())(*args)
+
+    (`xla` and `pallas` need none; passing these anyway is harmless.)"""
+    from jax import export
+
+    return [export.DisabledSafetyCheck.custom_call(name) for name in FFI_TARGETS]
