@@ -20,11 +20,12 @@ CI runs CI_EXAMPLES per implementation (few, and tiny shapes, for emulated cuda 
 interpreted pallas). Long mode: `--property-examples=N` (or xla:N,cpu:N,cuda:N,pallas:N; env
 JAX_FLASH_PROPERTY_EXAMPLES) runs thousands; `JAX_FLASH_PROPERTY_SEED` picks another set.
 A failure's message is one line: the command that reruns exactly that example, what
-differs, and the drawn configuration.
+differs, and the drawn configuration (JAX_FLASH_PROPERTY_LOG=<file> also appends it there).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -47,7 +48,7 @@ from property_cases import Gates, dense_mask, draw, visibility
 # poisons as zeros and lose huge logits. Flip to True once it is merged.
 NAN_CONTRACT_MERGED = os.environ.get("JAX_FLASH_PROPERTY_NAN", "0") == "1"
 # Window sides >= 2**31, soft caps that are not a float32 normal (ValueError naming
-# logits_soft_cap) and B = 0: the limits work (_normalize.py, _ffi.py, the implementations'
+# logits_soft_cap) and empty B, T, S or N axes: the limits work (_normalize.py, _ffi.py, the implementations'
 # unsupported()). Flip to True once it is merged.
 LIMITS_CONTRACT_MERGED = os.environ.get("JAX_FLASH_PROPERTY_LIMITS", "0") == "1"
 
@@ -89,7 +90,9 @@ def pytest_generate_tests(metafunc):
     if only:
         ids = [only]
     else:
-        ids = [f"{impl}-{i}" for impl, num in _counts(metafunc.config).items() for i in range(num)]
+        counts = _counts(metafunc.config)
+        # Interleaved (index first), so that a long run stopped early has covered every implementation.
+        ids = [f"{impl}-{i}" for i in range(max(counts.values())) for impl in IMPLS if i < counts[impl]]
     metafunc.parametrize("example_id", ids, ids=ids)
 
 
@@ -164,6 +167,10 @@ def _compare(ex, name, got, r64, rlo, fallback):
         lo = _np(fallback()[name])
     lo = np.where(np.isfinite(lo), lo, ref)
     eps = (EPS["float32"] * 10 if name == "lse" else (EPS if name == "out" else GRAD_EPS)[ex.dtype])
+    if name == "dbias":
+        # One element of a broadcast bias's gradient sums that many logits' gradients, each
+        # within eps: their errors add up like a random walk.
+        eps *= math.sqrt(ex.b * ex.n * ex.t * ex.s / math.prod(ex.bias_shape))
     tol = FACTOR * float(np.max(np.abs(lo[finite] - ref[finite]))) + eps
     err = np.where(finite, np.abs(np.where(finite, x, 0) - np.where(finite, ref, 0)), 0)
     if err.max() > tol:
@@ -217,6 +224,28 @@ def _expect_value_error(ex, call, what):
     _fail(ex, f"{what} did not raise")
 
 
+def _check_zero_size(ex, arrays, args):
+    """An empty B, T, S or N: the same outcome in this implementation as in xla, either an
+    empty result (S = 0: rows that see no key, out 0, lse -inf, zero gradients) or a
+    ValueError."""
+    outcomes = []
+    for name in (ex.impl, "xla"):
+        try:
+            res = _flatten(jax.jit(_step(jax_flash.attention, ex, arrays, implementation=name))(*args))
+        except ValueError as e:
+            outcomes.append(("ValueError", str(e).splitlines()[0][:200]))
+            continue
+        except Exception as e:  # noqa: BLE001 - any other exception is the failure
+            _fail(ex, f"an empty axis on {name} raised {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        outcomes.append({key: None if x is None else (tuple(x.shape), str(x.dtype)) for key, x in res.items()})
+        for key, x in res.items():
+            want = -np.inf if key == "lse" else 0
+            if x is not None and not np.all(_np(x) == want):
+                _fail(ex, f"an empty axis on {name}: {key} is not all {want}")
+    if type(outcomes[0]) is not type(outcomes[1]) or (isinstance(outcomes[0], dict) and outcomes[0] != outcomes[1]):
+        _fail(ex, f"an empty axis: {ex.impl} gives {outcomes[0]}, xla {outcomes[1]}")
+
+
 def check_example(ex) -> str:
     """Runs one example; returns 'ran', 'refused' (a ValueError with the reason, as
     claimed) or 'error' (an invalid argument, rejected as such). Raises Failure."""
@@ -242,19 +271,8 @@ def check_example(ex) -> str:
 
     step = _step(jax_flash.attention, ex, arrays, implementation=impl)
     args = _args(arrays)
-    if ex.b == 0:
-        # Zero-size: an empty result everywhere, or a ValueError everywhere.
-        outcomes = []
-        for name in (impl, "xla"):
-            try:
-                res = _flatten(jax.jit(_step(jax_flash.attention, ex, arrays, implementation=name))(*args))
-                outcomes.append({key: None if x is None else tuple(x.shape) for key, x in res.items()})
-            except ValueError:
-                outcomes.append("ValueError")
-            except Exception as e:  # noqa: BLE001
-                _fail(ex, f"B=0 on {name} raised {type(e).__name__}: {str(e).splitlines()[0][:300]}")
-        if outcomes[0] != outcomes[1]:
-            _fail(ex, f"B=0: {impl} gives {outcomes[0]}, xla {outcomes[1]}")
+    if 0 in (ex.b, ex.t, ex.s, ex.n):
+        _check_zero_size(ex, arrays, args)
         return "ran"
 
     got = _flatten(jax.jit(step)(*args))
@@ -291,6 +309,14 @@ def check_example(ex) -> str:
     return "ran"
 
 
+def _log(line: str):
+    """Long runs: JAX_FLASH_PROPERTY_LOG=<file> collects one line per failure as it happens."""
+    path = os.environ.get("JAX_FLASH_PROPERTY_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
 def test_property(example_id, request):
     impl, _, index = example_id.rpartition("-")
     if impl not in IMPLS or not index.isdigit():
@@ -302,7 +328,15 @@ def test_property(example_id, request):
     outcomes = []
     for attempt in range(MAX_ATTEMPTS):
         ex = draw(impl, int(index), seed, tiny=slow_impl(impl), gates=GATES, attempt=attempt)
-        outcome = check_example(ex)
+        try:
+            outcome = check_example(ex)
+        except Failure as e:
+            _log(str(e))
+            raise
+        except Exception as e:  # noqa: BLE001 - a crash of the call: the same one line first
+            message = f"{_reproduce(ex)}  # raised {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''} | drawn: {ex.describe()}"
+            _log(message)
+            raise Failure(message) from e
         outcomes.append(outcome)
         if outcome == "ran":
             break
