@@ -44,6 +44,7 @@ TAKES_DENSE = ("xla", "pallas")  # implementations that take a dense bias / mask
 SCALES = (0.0, -0.0, -0.3, -1.7, 1e-30, 1e-6, 0.1, 1.0, 3.0, 30.0)
 EXTREME_SCALES = (1e8, -1e8, 1e12, 1e30, -1e30)  # logits far beyond any softmax's range
 SOFT_CAPS = (1.1754944e-38, 1e-3, 0.5, 2.5, 30.0, 1e4, 1e30)  # float32's smallest normal .. 1e30
+LARGE_SOFT_CAP = 1e4  # from here on logits / cap is tiny: tanh must keep its relative accuracy there
 BAD_SOFT_CAPS = (1e-39, 1e-46, 1e39)  # not a positive float32 normal: ValueError
 HUGE_WINDOWS = (2**31 - 1, 2**31, 2**40, 2**70)
 POISONS = (float("nan"), float("inf"), float("-inf"))
@@ -57,6 +58,7 @@ class Gates:
     extreme_scales: bool = True  # |scale| >= 1e8
     huge_windows: bool = True  # window sides >= 2**31
     bad_soft_caps: bool = True  # soft caps that are not a float32 normal (a ValueError)
+    large_soft_caps: bool = True  # soft caps >= LARGE_SOFT_CAP (else 30)
     zero_size: bool = True  # B, T, S or N = 0
 
 
@@ -273,6 +275,8 @@ def draw(impl: str, index: int, seed: int, *, tiny: bool, gates: Gates, attempt:
                 ex.expect_error = "logits_soft_cap"
         else:
             ex.soft_cap = float(rng.choice(SOFT_CAPS))
+            if ex.soft_cap >= LARGE_SOFT_CAP and not gates.large_soft_caps:
+                ex.soft_cap = 30.0
     if flags[7] < 0.4:
         if rng.random() < 0.15:
             if gates.extreme_scales:

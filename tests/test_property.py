@@ -45,19 +45,25 @@ from property_cases import Gates, dense_mask, draw, visibility
 # NaN/±Inf injections in q, k, v and bias, and scales of magnitude >= 1e8: the propagation
 # contract (README, "numerical contract") is implemented by the NaN/Inf work in xla.py,
 # _pallas_kernels.py and the cpu/cuda softmax; until it is merged the implementations hide
-# poisons as zeros and lose huge logits. Flip to True once it is merged.
-NAN_CONTRACT_MERGED = os.environ.get("JAX_FLASH_PROPERTY_NAN", "0") == "1"
+# poisons as zeros and lose huge logits. Flip to True once it is merged
+# (JAX_FLASH_PROPERTY_NAN=1 turns the dimension on for one run).
+NAN_CONTRACT_MERGED = False
 # Window sides >= 2**31, soft caps that are not a float32 normal (ValueError naming
-# logits_soft_cap) and empty B, T, S or N axes: the limits work (_normalize.py, _ffi.py, the implementations'
-# unsupported()). Flip to True once it is merged.
-LIMITS_CONTRACT_MERGED = os.environ.get("JAX_FLASH_PROPERTY_LIMITS", "0") == "1"
+# logits_soft_cap), soft caps >= 1e4 (the cuda kernels' tanh loses its relative accuracy for
+# small arguments: a cap of 1e30 zeroes every logit) and empty B, T, S or N axes: the limits
+# work (_normalize.py, _vjp.py, cuda/kernels/softmax.h's tanh_of, the implementations'
+# unsupported()). Flip to True once it is merged (JAX_FLASH_PROPERTY_LIMITS=1: for one run).
+LIMITS_CONTRACT_MERGED = False
 
+NAN_CONTRACT = NAN_CONTRACT_MERGED or os.environ.get("JAX_FLASH_PROPERTY_NAN") == "1"
+LIMITS_CONTRACT = LIMITS_CONTRACT_MERGED or os.environ.get("JAX_FLASH_PROPERTY_LIMITS") == "1"
 GATES = Gates(
-    poisons=NAN_CONTRACT_MERGED,
-    extreme_scales=NAN_CONTRACT_MERGED,
-    huge_windows=LIMITS_CONTRACT_MERGED,
-    bad_soft_caps=LIMITS_CONTRACT_MERGED,
-    zero_size=LIMITS_CONTRACT_MERGED,
+    poisons=NAN_CONTRACT,
+    extreme_scales=NAN_CONTRACT,
+    huge_windows=LIMITS_CONTRACT,
+    bad_soft_caps=LIMITS_CONTRACT,
+    large_soft_caps=LIMITS_CONTRACT,
+    zero_size=LIMITS_CONTRACT,
 )
 
 # Examples per implementation in CI (about 3 minutes in all on an idle 2-core machine).
@@ -98,8 +104,9 @@ def pytest_generate_tests(metafunc):
 
 def _reproduce(ex) -> str:
     env = f"JAX_FLASH_PROPERTY_SEED={ex.seed}"
-    flags = "".join(f" {name}=1" for name, on in (("JAX_FLASH_PROPERTY_NAN", NAN_CONTRACT_MERGED),
-                                                  ("JAX_FLASH_PROPERTY_LIMITS", LIMITS_CONTRACT_MERGED)) if on)
+    flags = "".join(f" {name}=1" for name, on, merged in (
+        ("JAX_FLASH_PROPERTY_NAN", NAN_CONTRACT, NAN_CONTRACT_MERGED),
+        ("JAX_FLASH_PROPERTY_LIMITS", LIMITS_CONTRACT, LIMITS_CONTRACT_MERGED)) if on and not merged)
     return f"{env}{flags} python -m pytest -q tests/test_property.py --property-example={ex.id}"
 
 
