@@ -46,6 +46,7 @@ EXTREME_SCALES = (1e8, -1e8, 1e12, 1e30, -1e30)  # logits far beyond any softmax
 SOFT_CAPS = (1.1754944e-38, 1e-3, 0.5, 2.5, 30.0, 1e4, 1e30)  # float32's smallest normal .. 1e30
 LARGE_SOFT_CAP = 1e4  # from here on logits / cap is tiny: tanh must keep its relative accuracy there
 BAD_SOFT_CAPS = (1e-39, 1e-46, 1e39)  # not a positive float32 normal: ValueError
+F32_MAX_LOGIT = 10.0  # float32 examples keep 4 sigma of their logits below this (see draw)
 HUGE_WINDOWS = (2**31 - 1, 2**31, 2**40, 2**70)
 POISONS = (float("nan"), float("inf"), float("-inf"))
 
@@ -302,16 +303,16 @@ def draw(impl: str, index: int, seed: int, *, tiny: bool, gates: Gates, attempt:
     if flags[11] < 0.2:
         ex.magnitude = float(rng.choice((0.01, 3.0, 10.0)))
     if dtype == "float32" and (ex.scale is None or abs(ex.scale) < EXTREME_SCALES[0]):
-        # Every implementation recomputes probabilities from a float32 lse, whose rounding is
-        # |lse| · 2^-24 relative: past logits of ~100 that alone exceeds the float32 tolerance
-        # (the float32 reference does not round an lse). Scale q and k down to stay below; the
-        # extreme scales test large logits on their own terms.
+        # Every implementation recomputes probabilities from a float32 lse, whose rounding moves
+        # them by |lse| · 2^-24 relative, and the gradients with them: past logits of ~10 that
+        # alone can exceed the float32 tolerance (the float32 reference does not round an lse).
+        # Scale q and k down to stay below; the extreme scales test large logits on their own.
         scale = 1 / math.sqrt(h) if ex.scale is None else abs(ex.scale)
         logits = 4 * scale * ex.magnitude**2 * math.sqrt(h)  # 4 sigma of q·k·scale
         if ex.soft_cap is not None:
             logits = min(logits, ex.soft_cap)
-        if logits > 100:
-            ex.magnitude = float(f"{ex.magnitude * math.sqrt(100 / logits):.3g}")
+        if logits > F32_MAX_LOGIT:
+            ex.magnitude = float(f"{ex.magnitude * math.sqrt(F32_MAX_LOGIT / logits):.3g}")
     ex.dlse_on_empty = bool(rng.random() < 0.5)
     return ex
 

@@ -285,7 +285,10 @@ def check_example(ex) -> str:
     got = _flatten(jax.jit(step)(*args))
 
     def refs(*a):
-        r64 = _step(attention_reference, ex, arrays, compute_dtype=jnp.float64)(*a)
+        # The float64 reference gets float64 copies of the inputs (the same values), so that its
+        # gradients are not rounded to the input dtype: the ground truth, unrounded.
+        wide = [None if x is None else x.astype(jnp.float64) for x in a[:4]] + list(a[4:])
+        r64 = _step(attention_reference, ex, arrays, compute_dtype=jnp.float64)(*wide)
         rlo = _step(attention_reference, ex, arrays)(*a)
         return r64, rlo
 
