@@ -52,11 +52,12 @@ class Mutation:
     what: str = ""
 
 
-TEST_FILES = ("tests/test_attention.py", "tests/test_grid.py")
+TEST_FILES = ("tests/test_attention.py", "tests/test_grid.py", "tests/test_nonfinite.py")
 
 # Test selections (implementation "cuda" runs on the emulation here).
 FWD = "cuda and test_forward"
 BWD = "cuda and test_backward and not deterministic"
+NONFINITE = "cuda and nonfinite"
 DET = "cuda and test_backward_deterministic"
 ALL = "cuda"
 EDGES = "cuda and (tile_plus or tile_minus)"
@@ -108,19 +109,22 @@ MUTATIONS = [
     # ---- softmax.h --------------------------------------------------------------------------
     Mutation("rescale_o", K + "softmax.h", "o[j][2 * r] *= alpha;", "o[j][2 * r] *= 1.0f;", FWD,
              what="online softmax: O not rescaled when the max grows"),
-    Mutation("dead_row_guard", K + "softmax.h", "const float m_scaled = m == -INFINITY ? 0.0f : m * exp_scale;",
-             "const float m_scaled = m * exp_scale;", FWD, what="rows that saw nothing yet: exp2(-inf + inf) = NaN"),
+    Mutation("dead_row_guard", K + "softmax.h", "const float m_ref = m == -INFINITY ? 0.0f : m;",
+             "const float m_ref = m;", FWD, what="rows that saw nothing yet: exp2(-inf + inf) = NaN"),
     Mutation("quad_sum_lanes", K + "softmax.h", "x += __shfl_xor_sync(0xffffffffu, x, 1);",
              "x += __shfl_xor_sync(0xffffffffu, x, 4);", FWD, what="row sum over the wrong lanes"),
-    Mutation("lse_sign", K + "softmax.h", "(row_max[r] * exp_scale + log2f(l)) * kLn2", "(row_max[r] * exp_scale - log2f(l)) * kLn2",
+    Mutation("lse_sign", K + "softmax.h", "row_max[r] + log2f(l) / exp_scale", "row_max[r] - log2f(l) / exp_scale",
              FWD, what="sign of log l in lse"),
-    Mutation("nonpositive_scale", K + "softmax.h", "l.transformed = p.softcap > 0.0f || !(p.scale > 0.0f);",
-             "l.transformed = p.softcap > 0.0f || p.scale < 0.0f;", ALL + " and scale",
-             what="scale = 0 / -0.0 folded into exp_scale: fmaf(-inf, 0, .) = NaN"),
+    Mutation("empty_row_nan", K + "softmax.h", "const bool empty = l == 0.0f;", "const bool empty = !(l > 0.0f);",
+             NONFINITE, what="a NaN row sum (a poisoned row) taken for an empty row: out 0, lse -inf"),
+    Mutation("poison_infinite", K + "softmax.h", "return fabsf(s) == INFINITY ? __uint_as_float(0x7fc00000u) : s;",
+             "return s;", NONFINITE, what="a -inf score from a poisoned q or k read as masked"),
+    Mutation("dead_pair_ds", K + "softmax.h", "dp_to_ds = live ? ds : 0.0f;", "dp_to_ds = ds;", NONFINITE,
+             what="backward: masked pairs send dS = 0·NaN when D or dP is NaN"),
     Mutation("cap_derivative_sign", K + "softmax.h", "return 1.0f - th * th;", "return 1.0f + th * th;", BWD,
              what="soft cap derivative sign"),
-    Mutation("lse_to_log2_dead", K + "softmax.h", "return lse == -INFINITY ? INFINITY : lse * kLog2e;",
-             "return lse * kLog2e;", BWD, what="backward: rows that saw nothing recompute P = NaN"),
+    Mutation("lse_offset_dead", K + "softmax.h", "return lse == -INFINITY ? INFINITY : lse;",
+             "return lse;", BWD, what="backward: rows that saw nothing recompute P = NaN"),
     # ---- fwd.h ------------------------------------------------------------------------------
     Mutation("fwd_wait_count", K + "fwd.h", "ptx::cp_async_wait_group<K::STAGES - 2>();",
              "ptx::cp_async_wait_group<K::STAGES - 1>();", FWD, what="forward: one cp.async group too few awaited"),
@@ -156,8 +160,8 @@ MUTATIONS = [
              what="dQ atomics one row past the end of the query rows"),
     Mutation("ds_store_row", K + "bwd.h", "const int row = warp * K::WARP_KV + (lane >> 2) + 8 * r;",
              "const int row = warp * K::WARP_KV + (lane >> 2) + 4 * r;", BWD, what="dSᵀ stored to the wrong rows"),
-    Mutation("ds_sign", K + "bwd.h", "prob * (dp[j][i] - ptx::ld_shared_f32(delta + col))",
-             "prob * (ptx::ld_shared_f32(delta + col) - dp[j][i])", BWD,
+    Mutation("ds_sign", K + "softmax.h", "const float ds = prob * (dp_to_ds - delta) * cap_derivative(x);",
+             "const float ds = prob * (delta - dp_to_ds) * cap_derivative(x);", BWD,
              what="backward: sign of dS = P (dP - D)"),
     Mutation("delta_dlse_sign", K + "bwd.h", "dot - ptx::ld_global_f32(p.dlse + stat)",
              "dot + ptx::ld_global_f32(p.dlse + stat)", BWD, what="D = rowsum(dO O) - dlse: sign of the lse cotangent"),
@@ -181,12 +185,12 @@ MUTATIONS = [
     Mutation("convert_bound", K + "bwd.h", "if (i >= chunks) return;", "if (i > chunks) return;", BWD,
              what="dQ conversion one chunk past the end"),
     # ---- bwd.h: deterministic dQ kernel -----------------------------------------------------
-    Mutation("det_ds_sign", K + "bwd.h", "dp[j][i] = prob * (dp[j][i] - delta[i >> 1]) * scaling.cap_derivative(x);",
-             "dp[j][i] = prob * (delta[i >> 1] - dp[j][i]) * scaling.cap_derivative(x);", DET,
-             what="deterministic dQ kernel: sign of dS"),
+    Mutation("det_ds_sign", K + "bwd.h", "scaling.probability_and_ds(s[j][i], lse2[i >> 1], delta[i >> 1],",
+             "scaling.probability_and_ds(s[j][i], lse2[i >> 1], -delta[i >> 1],", DET,
+             what="deterministic dQ kernel: sign of D in dS"),
     Mutation("det_dq_scale_sign", K + "bwd.h", "for (int i = 0; i < 4; ++i) dq[j][i] *= p.scale;",
              "for (int i = 0; i < 4; ++i) dq[j][i] *= -p.scale;", DET, what="deterministic dQ kernel: sign of scale"),
-    Mutation("det_stat_rows", K + "bwd.h", "-lse2[i >> 1]", "-lse2[i & 1]", DET,
+    Mutation("det_stat_rows", K + "bwd.h", "(s[j][i], lse2[i >> 1]", "(s[j][i], lse2[i & 1]", DET,
              what="deterministic dQ kernel: statistics of the wrong fragment row"),
     Mutation("det_wait_count", K + "bwd.h", "ptx::cp_async_wait_group<K::STAGES - 2>();",
              "ptx::cp_async_wait_group<K::STAGES - 1>();", DET, count=2, nth=2,

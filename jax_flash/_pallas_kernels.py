@@ -6,6 +6,13 @@ Each kernel sees squeezed 2-D tiles: rows × padded head dim. The wrapper in
 Units: inside the kernels logits, running maxima and lse are in base 2 (log2(e) folded
 into the scale, so each probability is one multiply-add and one exp2). The forward
 converts lse to natural log when it stores it; the backward receives lse·log2(e).
+
+Non-finite inputs follow the README's numerical contract, as in `jax_flash.xla`: ±inf raw
+scores become NaN, a NaN score reaches l through exp2 even where the row max drops it
+(Triton's max does), a row is empty only when l == 0, exponents are clamped to <= 0 by a
+select (min(NaN, 0) may be 0) (the scaled logit may be evaluated twice, once fused into an FMA), and the products
+that meet masked weights (P·V, dS·K, dSᵀ·Q) run over finite copies of their tile, a row
+that sees a non-finite v being made NaN by a per-key flag.
 """
 
 from __future__ import annotations
@@ -95,6 +102,26 @@ def _iota(n: int, axis: int):
     return lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
+def _finite(x):
+    """Bool: x is neither NaN nor ±inf (|x| < inf is False for both)."""
+    return jnp.abs(x) < jnp.inf
+
+
+def _finite_part(x):
+    """The tile with NaN/±inf replaced by 0: an operand that meets masked (zero) weights."""
+    return jnp.where(_finite(x), x, jnp.zeros((), x.dtype))
+
+
+def _clamp_exponent(d):
+    """min(d, 0) that keeps NaN (a select; Triton's minimum drops NaN)."""
+    return jnp.where(d > 0, 0.0, d)
+
+
+def _poison_infinite(scores):
+    """±inf raw scores (from a non-finite q or k) become NaN, whatever the scale's sign."""
+    return jnp.where(jnp.abs(scores) == jnp.inf, jnp.nan, scores)
+
+
 def _dot(a, b, trans_b: bool = False, trans_a: bool = False):
     """a @ b (optionally transposed operands) with float32 accumulation."""
     dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
@@ -145,6 +172,7 @@ class TileMath:
     def logits(self, scores, bias_tile):
         """(base-2 logits, natural transformed logits or None) of raw scores q·kᵀ [f32]."""
         spec = self.lay.spec
+        scores = _poison_infinite(scores)
         if self.lay.folds_scale:
             return scores * (spec.scale * LOG2E), None
         t = _masking.transform_logits(spec, scores * spec.scale, bias_tile)
@@ -233,10 +261,12 @@ def forward_kernel(*refs, layout: Layout):
 
     def step(masked):
         def body(j, carry):
-            m, l, acc = carry  # [bq], [bq] (base 2), [bq, Hp]  all f32
+            m, l, acc, bad = carry  # [bq], [bq] (base 2), [bq, Hp], [bq] (1: sees a bad v)
             k0 = j * bk
             k = inp.k[pl.ds(k0, bk), :]
             v = inp.v[pl.ds(k0, bk), :]
+            bad_v = jnp.max(jnp.where(_finite(v), 0.0, 1.0).astype(jnp.float32), axis=1)[None, :]
+            v = _finite_part(v)
             bias = None
             if lay.has_bias:
                 bias = dense_tile(inp.bias, lay.bias_rows, lay.bias_cols, (), 0, bq, k0, bk)
@@ -249,15 +279,17 @@ def forward_kernel(*refs, layout: Layout):
                 vis = tm.visible(q0, k0, q_seg, kv_seg, mask, bq, bk)
                 if vis is not None:
                     s2 = jnp.where(vis, s2, -jnp.inf)
+                    bad_v = jnp.where(vis, bad_v, 0.0)
+            # A NaN logit may be dropped by the max, never by exp2(NaN): l and acc carry it.
             m_new = jnp.maximum(m, jnp.max(s2, axis=1))
             # A row that has seen nothing keeps m = -inf: subtract 0 instead, so that
             # exp2(-inf) = 0 rather than exp2(-inf + inf) = NaN.
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            p = jnp.exp2(s2 - m_use[:, None])
+            p = jnp.exp2(_clamp_exponent(s2 - m_use[:, None]))
             alpha = jnp.exp2(m - m_use)
             l = alpha * l + jnp.sum(p, axis=1)
             acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
-            return m_new, l, acc
+            return m_new, l, acc, jnp.maximum(bad, jnp.max(jnp.broadcast_to(bad_v, p.shape), axis=1))
 
         return body
 
@@ -265,16 +297,19 @@ def forward_kernel(*refs, layout: Layout):
         jnp.full((bq,), -jnp.inf, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
         jnp.zeros(q.shape, jnp.float32),
+        jnp.zeros((bq,), jnp.float32),
     )
     for lo, hi, masked in key_segments(lay, tm, q0, q0 + bq, nk):
         carry = lax.fori_loop(lo, hi, step(masked), carry)
-    m, l, acc = carry
+    m, l, acc, bad = carry
     # FlashAttention-2 §3.1.1: the accumulator stays unnormalised until the last block.
-    seen = l > 0
-    l_safe = jnp.where(seen, l, 1.0)
-    out_ref[...] = jnp.where(seen[:, None], acc / l_safe[:, None], 0.0).astype(out_ref.dtype)
+    # Empty rows (l = 0: no key, or only -inf logits) give 0; a NaN l is not empty.
+    empty = l == 0
+    l_safe = jnp.where(empty, 1.0, l)
+    out = jnp.where(bad[:, None] > 0, jnp.nan, acc / l_safe[:, None])
+    out_ref[...] = jnp.where(empty[:, None], 0.0, out).astype(out_ref.dtype)
     # lse leaves the kernel in natural log: (m + log2 l) · ln 2.
-    lse_ref[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
+    lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
 
 
 # ---------------------------------------------------------------------------------------
@@ -285,19 +320,24 @@ def forward_kernel(*refs, layout: Layout):
 
 
 def _probabilities(tm: TileMath, lay: Layout, q, k, lse2, bias, vis):
+    """P (exactly 0 where masked and in empty rows, lse₂ = +inf; NaN in poisoned rows),
+    the natural transformed logits (or None), and `live`: where dS may be nonzero."""
     s2, t = tm.logits(_dot(q, k, trans_b=True), bias)
-    p = jnp.exp2(s2 - lse2[:, None])
+    p = jnp.exp2(_clamp_exponent(s2 - lse2[:, None]))
+    live = (lse2 != jnp.inf)[:, None]
     if vis is not None:
         p = jnp.where(vis, p, 0.0)
-    return p, t
+        live = live & vis
+    return p, t, live
 
 
-def _dscores(lay: Layout, p, dp, delta, t):
-    """dS = P ∘ (dP - D), times the soft cap's derivative: d loss / d (logit + bias)."""
+def _dscores(lay: Layout, p, dp, delta, t, live):
+    """dS = P ∘ (dP - D), times the soft cap's derivative: d loss / d (logit + bias);
+    exactly 0 outside `live`, also where dP (a bad v) or D (a poisoned row) is NaN."""
     ds = p * (dp - delta[:, None])
     if lay.spec.soft_cap is not None:
         ds = ds * _masking.soft_cap_grad(lay.spec, t)
-    return ds
+    return jnp.where(live, ds, 0.0)
 
 
 def dkdv_kernel(*refs, layout: Layout):
@@ -335,10 +375,10 @@ def dkdv_kernel(*refs, layout: Layout):
                     gm = g if inp.mask.shape[0] != 1 else 0
                     mask = dense_tile(inp.mask, lay.mask_rows, lay.mask_cols, (gm,), q0, bq, 0, bk)
                 vis = tm.visible(q0, k0, q_seg, kv_seg, mask, bq, bk)
-            p, t = _probabilities(tm, lay, q, k, lse2, bias, vis)
+            p, t, live = _probabilities(tm, lay, q, k, lse2, bias, vis)
             dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
-            ds = _dscores(lay, p, _dot(do, v, trans_b=True), delta, t)
-            dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
+            ds = _dscores(lay, p, _dot(do, v, trans_b=True), delta, t, live)
+            dk = dk + _dot(ds.astype(q.dtype), _finite_part(q), trans_a=True)
             return dk, dv
 
         return body
@@ -390,11 +430,11 @@ def dq_kernel(*refs, layout: Layout):
                 if lay.has_mask:
                     mask = dense_tile(inp.mask, lay.mask_rows, lay.mask_cols, (), 0, bq, k0, bk)
                 vis = tm.visible(q0, k0, q_seg, kv_seg, mask, bq, bk)
-            p, t = _probabilities(tm, lay, q, k, lse2, bias, vis)
-            ds = _dscores(lay, p, _dot(do, v, trans_b=True), delta, t)
+            p, t, live = _probabilities(tm, lay, q, k, lse2, bias, vis)
+            ds = _dscores(lay, p, _dot(do, v, trans_b=True), delta, t, live)
             if ds_ref is not None:
                 ds_ref[:, pl.ds(k0, bk)] = ds
-            return dq + _dot(ds.astype(k.dtype), k)
+            return dq + _dot(ds.astype(k.dtype), _finite_part(k))
 
         return body
 

@@ -19,10 +19,15 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
+from jax import lax
 
 from jax_flash import _ffi, _registry
 from jax_flash._spec import AttentionSpec
+from jax_flash.xla import finite_part, nonfinite_rows
 
 DTYPES = ("float16", "bfloat16")
 # Head dims with compiled instantiations (cuda/kernels, build/generate_kernels.py).
@@ -156,13 +161,32 @@ class CudaImplementation:
                     "JIT-compiled by the driver at first use")
         return f"runs the {image} cubin"
 
+    # Non-finite inputs (README, "Numerical contract"). The kernels' products P·V, dS·K and
+    # dSᵀ·Q also multiply masked (zero) weights, and 0·NaN would carry a masked-out poisoned
+    # value, key or query into rows that do not see it: they get finite copies. The scores
+    # of the forward keep the raw q and k (a ±inf score becomes NaN in the kernel); the
+    # backward needs no poisoned operand, as a poisoned row's lse and D are NaN.
     def forward(self, spec, q, k, v, masks):
-        return _ffi.forward(self.name, f"{_prefix()}_fwd", spec, q, k, v, masks)
+        out, lse = _ffi.forward(self.name, f"{_prefix()}_fwd", spec, q, k, finite_part(v), masks)
+        bad_v = nonfinite_rows(v)  # [B, S, K]
+        sees = lax.cond(jnp.any(bad_v), lambda: self._sees(spec, bad_v, masks, q.dtype),
+                        lambda: jnp.zeros(out.shape[:-1], bool))
+        return jnp.where(sees[..., None], jnp.asarray(jnp.nan, out.dtype), out), lse
+
+    def _sees(self, spec, flags, masks, dtype):
+        """Bool [B, T, N]: the row sees a key whose flag is set. The kernels on q = k = 0
+        (every visible logit 0, so P = 1/#visible > 0) and v = the flags, at head dim 32."""
+        small = dataclasses.replace(spec, head_dim=min(HEAD_DIMS))
+        b, t, n, s, kh, h = spec.batch, spec.q_len, spec.num_heads, spec.kv_len, spec.num_kv_heads, small.head_dim
+        v = jnp.broadcast_to(flags[..., None], (b, s, kh, h)).astype(dtype)
+        zeros_q, zeros_k = jnp.zeros((b, t, n, h), dtype), jnp.zeros((b, s, kh, h), dtype)
+        share, _ = _ffi.forward(self.name, f"{_prefix()}_fwd", small, zeros_q, zeros_k, v, masks)
+        return share[..., 0] > 0
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
         return _ffi.backward(
-            self.name, f"{_prefix()}_bwd", spec, q, k, v, masks, out, lse, dout, dlse,
-            deterministic=deterministic(),
+            self.name, f"{_prefix()}_bwd", spec, finite_part(q), finite_part(k), finite_part(v), masks, out,
+            lse, dout, dlse, deterministic=deterministic(),
         )
 
 

@@ -319,8 +319,9 @@ def _backward_call(
     ) - dlse.astype(jnp.float32)
     delta = _pad(delta, 2, t_pad)
     # The kernels work in base 2. Rows that see nothing (lse = -inf) and padded rows get
-    # lse₂ = +inf, so that P = exp2(logit₂ - lse₂) = 0 there without a select.
-    lse2 = jnp.where(jnp.isfinite(lse), lse.astype(jnp.float32) * LOG2E, jnp.inf)
+    # lse₂ = +inf, so that P = exp2(logit₂ - lse₂) = 0 there; a NaN lse (a poisoned row)
+    # stays NaN.
+    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * LOG2E)
     lse2 = _pad(lse2, 2, t_pad, jnp.inf)
     qp = _pad(_pad(q, 3, hp), 1, t_pad)
     dop = _pad(_pad(dout.astype(q.dtype), 3, hp), 1, t_pad)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jax_flash import _masking
 from jax_flash._normalize import canonicalize, restore
@@ -61,7 +62,17 @@ def attention_reference(
 def reference_canonical(
     spec: AttentionSpec, q, k, v, masks: MaskInputs, compute_dtype=None
 ) -> tuple[jax.Array, jax.Array]:
-    """Dense attention on canonical inputs: out [B, T, N, H], lse [B, N, T]."""
+    """Dense attention on canonical inputs: out [B, T, N, H], lse [B, N, T].
+
+    Non-finite inputs follow the numerical contract (README, "Numerical contract"): a
+    NaN/±inf element of q[t] or k[s] makes the logit (t, s) NaN; every row that sees a
+    NaN or +inf logit gets NaN out and lse, every row that sees a non-finite v[s] gets NaN
+    out (lse stays finite), and the gradients are NaN exactly where FlashAttention's
+    backward propagates them. Only visible pairs (t, s) carry a poison: the products run
+    over finite copies of q, k, v, so that a masked-out poisoned key never meets a zero
+    weight (0·NaN = NaN). A row whose every visible logit is -inf (or that sees no key)
+    is empty: out 0, lse -inf, no gradient.
+    """
     dt = jnp.dtype(q.dtype if compute_dtype is None else compute_dtype)
     stat_dt = jnp.float64 if dt == jnp.float64 else jnp.float32
     b, t, n, h = q.shape
@@ -71,7 +82,15 @@ def reference_canonical(
     # GQA by index, never by copying: query head n reads kv head n // g.
     kk = jnp.take(k.astype(dt), jnp.arange(n) // g, axis=2)
     vv = jnp.take(v.astype(dt), jnp.arange(n) // g, axis=2)
-    logits = jnp.einsum("btnh,bsnh->bnts", q, kk) * jnp.asarray(spec.scale, dt)
+    bad_q = _nonfinite_rows(q)  # [B, T, N]
+    bad_k = _nonfinite_rows(kk)  # [B, S, N]
+    bad_v = _nonfinite_rows(vv)
+    logits = jnp.einsum("btnh,bsnh->bnts", _finite_part(q), _finite_part(kk))
+    # A non-finite q[t] or k[s] reaches logit (t, s) as NaN (added, so that the logit's
+    # cotangent still reaches the finite copies: dq, dk of what it touches become NaN).
+    poison = jnp.swapaxes(bad_q, 1, 2)[..., :, None] | jnp.swapaxes(bad_k, 1, 2)[..., None, :]
+    logits = logits + jnp.where(poison, jnp.nan, 0).astype(dt)
+    logits = logits * jnp.asarray(spec.scale, dt)
     logits = _masking.transform_logits(spec, logits.astype(stat_dt), masks.bias)
     logits = logits.astype(dt).astype(stat_dt)
     rows = jnp.arange(t, dtype=jnp.int32)[:, None]
@@ -94,14 +113,44 @@ def reference_canonical(
     )
     if masks.mask is not None:
         vis = masks.mask if vis is None else vis & masks.mask
-    if vis is not None:
-        vis = jnp.broadcast_to(vis, logits.shape)
-        logits = jnp.where(vis, logits, -jnp.inf)
+    vis = jnp.broadcast_to(True if vis is None else vis, logits.shape)
+    logits = jnp.where(vis, logits, -jnp.inf)
+    # XLA's max may drop a NaN logit; exp(NaN) cannot, so l is NaN for a poisoned row.
     m = jnp.max(logits, axis=-1, keepdims=True)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0)
-    e = jnp.exp(logits - m_safe)
+    m_safe = jnp.where(m == -jnp.inf, 0, m)
+    e = jnp.where(vis, jnp.exp(logits - m_safe), 0)  # exactly 0 where masked, even for NaN m
     l = jnp.sum(e, axis=-1, keepdims=True)
-    p = jnp.where(l > 0, e / jnp.where(l > 0, l, 1), 0)
-    out = jnp.einsum("bnts,bsnh->btnh", p.astype(dt), vv)
-    lse = jnp.where(l[..., 0] > 0, (m_safe + jnp.log(jnp.where(l > 0, l, 1)))[..., 0], -jnp.inf)
+    empty = l == 0  # sees no key, or only -inf logits (a NaN l is a poisoned row)
+    p = jnp.where(vis & ~empty, e / jnp.where(empty, 1, l), 0)
+    lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1, l)))[..., 0]
+    out = jnp.einsum("bnts,bsnh->btnh", p.astype(dt), _finite_part(vv))
+    # A row that sees a non-finite v[s] is NaN; so are its gradients, as the kernels'
+    # D = rowsum(dO ∘ O) makes them: NaN · (lse - stop_gradient(lse)) is NaN in value and
+    # sends a NaN cotangent to every logit the row sees (its lse stays finite).
+    sees_bad_v = jnp.einsum(
+        "bnts,bsn->bnt", vis.astype(stat_dt), bad_v.astype(stat_dt)
+    ) > 0
+    sees_bad_v = sees_bad_v & ~empty[..., 0]
+    lse_f = jnp.where(jnp.isfinite(lse), lse, 0)
+    v_poison = jnp.where(sees_bad_v, jnp.nan, 0).astype(stat_dt) * (lse_f - lax.stop_gradient(lse_f))
+    out = out + jnp.swapaxes(v_poison, 1, 2)[..., None].astype(out.dtype)
     return out, lse.astype(stat_dt)
+
+
+def _nonfinite_rows(x):
+    """[B, L, N, H] -> bool [B, L, N]: the row holds a NaN or ±inf."""
+    return ~jnp.all(jnp.isfinite(x), axis=-1)
+
+
+@jax.custom_jvp
+def _finite_part(x):
+    """x with NaN/±inf replaced by 0, for the products (the poison travels separately)."""
+    return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+
+
+@_finite_part.defjvp
+def _finite_part_jvp(primals, tangents):
+    # The identity: a poisoned element's own gradient is the one its finite neighbours
+    # get (dv[s] = Σ_t P[t, s] dO[t] does not depend on v[s]).
+    (x,), (dx,) = primals, tangents
+    return _finite_part(x), dx

@@ -7,6 +7,16 @@ l once at the end. Backward (Alg. 2): for each key block, walk the query blocks 
 see it, recompute P = exp(S - lse) tile by tile and accumulate dK, dV for the block while
 dQ accumulates across key blocks. Memory is O(T·block); the T×S matrix never exists.
 
+Non-finite inputs (README, "Numerical contract"): a raw score q·k that is ±inf becomes
+NaN; a NaN score reaches p = exp(NaN), l and the accumulator even where the row max drops
+it (XLA's CPU reductions may), and a row is empty only when l == 0, so a poisoned row is
+NaN, never 0. The products that meet masked (zero) weights run over finite
+copies of the operands (V for the forward, Q and K for dK and dQ) so that a masked-out
+poisoned key or query never reaches anything through 0·NaN; a row that sees a non-finite
+v is made NaN by a per-key flag instead. Exponents are clamped to <= 0 (P <= 1): XLA may
+evaluate the scaled logit once for the row max and again, fused into an FMA, for the exp;
+at logits ~1e9 the two differ by more than 1 and exp(x - max) overflowed.
+
 Key blocks entirely outside a causal/window band are never visited (the inner loop has
 per-block bounds), so causal at T == S costs about half of full attention. With per-row
 query offsets one loop serves the whole batch, so it visits the union of the rows' bands.
@@ -142,8 +152,29 @@ class _Tiles:
     def logits(self, q_blk, k_blk, i, j, acc_dt):
         """Scaled, biased, soft-capped logits [B, K, G, bq, bk] (before masking)."""
         s = jnp.einsum("bqkgh,bskh->bkgqs", q_blk, k_blk, preferred_element_type=acc_dt)
-        s = s * jnp.asarray(self.spec.scale, acc_dt)
+        s = poison_infinite(s) * jnp.asarray(self.spec.scale, acc_dt)
         return _masking.transform_logits(self.spec, s, self.dense_tile(self.masks.bias, i, j))
+
+
+def poison_infinite(scores):
+    """A raw score q·k that is ±inf comes from a non-finite q or k: make it NaN, like the
+    NaN one would give, so that it poisons its row whatever its sign and the scale."""
+    return jnp.where(jnp.isinf(scores), jnp.nan, scores)
+
+
+def clamp_exponent(d):
+    """min(d, 0) that keeps NaN (a select: jnp.minimum may drop it in a fused reduction)."""
+    return jnp.where(d > 0, jnp.zeros((), d.dtype), d)
+
+
+def finite_part(x):
+    """x with NaN/±inf replaced by 0: the operand of a product that meets masked weights."""
+    return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+
+
+def nonfinite_rows(x):
+    """[B, L, N, H] -> bool [B, L, N]: the row holds a NaN or ±inf."""
+    return ~jnp.all(jnp.isfinite(x), axis=-1)
 
 
 def _split_heads(x, spec: AttentionSpec):
@@ -163,43 +194,52 @@ def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, block_q=BLOCK_Q, bl
     tiles = _Tiles(spec, masks, bq, nq, bk, nk)
     qp = _split_heads(_pad_axis(q, 1, tiles.t_pad), spec)
     kp = _pad_axis(k, 1, tiles.s_pad)
-    vp = _pad_axis(v, 1, tiles.s_pad)
+    vp = _pad_axis(finite_part(v), 1, tiles.s_pad)
+    bad_v = _pad_axis(nonfinite_rows(v), 1, tiles.s_pad, False)  # [B, S_pad, K]
     q_offset = 0 if masks.q_offset is None else masks.q_offset  # key blocks: union over B
 
     def query_block(i):
         q_blk = lax.dynamic_slice_in_dim(qp, i * bq, bq, axis=1)  # [B, bq, K, G, H]
 
         def key_block(j, carry):
-            m, l, acc = carry  # [B, K, G, bq], [B, K, G, bq], [B, K, G, bq, H]
+            m, l, acc, bad = carry  # [B, K, G, bq] x2, [B, K, G, bq, H], bool [B, K, G, bq]
             k_blk = lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1)  # [B, bk, K, H]
             v_blk = lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1)
+            bad_v_blk = lax.dynamic_slice_in_dim(bad_v, j * bk, bk, axis=1)  # [B, bk, K]
+            bad_v_blk = jnp.transpose(bad_v_blk, (0, 2, 1))[:, :, None, None, :]
             logits = tiles.logits(q_blk, k_blk, i, j, acc_dt)
             vis = tiles.visibility(i, j)
             if vis is not None:
                 logits = jnp.where(vis, logits, -jnp.inf)
+                bad_v_blk = bad_v_blk & vis
+            # A NaN logit may be dropped by the max, never by p = exp(NaN): l and acc carry it.
             m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
             # A row that has seen nothing yet keeps m = -inf; exponentiate against 0 so
             # exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN.
             m_safe = jnp.where(m_new == -jnp.inf, 0, m_new)
-            p = jnp.exp(logits - m_safe[..., None])
+            p = jnp.exp(clamp_exponent(logits - m_safe[..., None]))
             alpha = jnp.exp(m - m_safe)
             l = alpha * l + jnp.sum(p, axis=-1)
             pv = jnp.einsum(
                 "bkgqs,bskh->bkgqh", p.astype(v.dtype), v_blk, preferred_element_type=acc_dt
             )
-            return m_new, l, alpha[..., None] * acc + pv
+            bad = bad | jnp.any(bad_v_blk, axis=-1)
+            return m_new, l, alpha[..., None] * acc + pv, bad
 
         lo, hi = spec.key_block_range(i * bq, (i + 1) * bq, bk, nk, q_offset)
         init = (
             _full((b, kh, g, bq), -jnp.inf, acc_dt, q, k, v),
             _full((b, kh, g, bq), 0, acc_dt, q, k, v),
             _full((b, kh, g, bq, h), 0, acc_dt, q, k, v),
+            _full((b, kh, g, bq), False, jnp.bool_, q, k, v),
         )
-        m, l, acc = lax.fori_loop(lo, jnp.maximum(lo, hi), key_block, init)
-        seen = l > 0
-        l_safe = jnp.where(seen, l, 1)
-        out = jnp.where(seen[..., None], acc / l_safe[..., None], 0)
-        lse = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
+        m, l, acc, bad = lax.fori_loop(lo, jnp.maximum(lo, hi), key_block, init)
+        # Empty: saw no key, or only -inf logits (l = 0). A NaN l (a poisoned row) is not.
+        empty = l == 0
+        l_safe = jnp.where(empty, 1, l)
+        out = jnp.where(bad[..., None], jnp.nan, acc / l_safe[..., None])
+        out = jnp.where(empty[..., None], 0, out)
+        lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
         return out.astype(q.dtype), lse
 
     out, lse = lax.map(query_block, jnp.arange(nq, dtype=jnp.int32))
@@ -234,6 +274,10 @@ def backward(
     dop = _split_heads(_pad_axis(dout, 1, tiles.t_pad), spec)
     kp = _pad_axis(k, 1, tiles.s_pad)
     vp = _pad_axis(v, 1, tiles.s_pad)
+    # dQ = dS·K and dK = dSᵀ·Q also multiply masked (zero) dS: over finite copies, so that
+    # a poisoned key/query reaches only what sees it (through dS, which is NaN there).
+    qcp = _split_heads(_pad_axis(finite_part(q), 1, tiles.t_pad), spec)
+    kcp = _pad_axis(finite_part(k), 1, tiles.s_pad)
     q_offset = 0 if masks.q_offset is None else masks.q_offset  # query blocks: union over B
 
     def per_row(x):  # [B, N, T] -> [B, K, G, T_pad]
@@ -243,10 +287,11 @@ def backward(
     # d lse / d logit = P, i.e. it shifts D by -dlse.
     delta = jnp.einsum("btnh,btnh->bnt", dout.astype(acc_dt), out.astype(acc_dt)) - dlse
     delta = per_row(delta)
-    # Rows that see nothing have lse = -inf; their P is 0 via the mask below.
+    # Rows that see nothing have lse = -inf; their P is 0 via the mask below. A NaN lse (a
+    # poisoned row) stays NaN.
     lse = per_row(lse)
-    lse_safe = jnp.where(jnp.isfinite(lse), lse, 0)
-    seen = jnp.isfinite(lse)
+    seen = lse != -jnp.inf
+    lse_safe = jnp.where(seen, lse, 0)
 
     bias = tiles.masks.bias
     dbias0 = None if bias is None else _full(bias.shape, 0, acc_dt, q, k, v, dout)
@@ -255,32 +300,35 @@ def backward(
     def key_block(carry, j):
         dq_acc, dbias = carry
         k_blk = lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1)  # [B, bk, K, H]
+        kc_blk = lax.dynamic_slice_in_dim(kcp, j * bk, bk, axis=1)
         v_blk = lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1)
 
         def query_block(i, inner):
             dk, dv, dq_acc, dbias = inner
             q_blk = lax.dynamic_slice_in_dim(qp, i * bq, bq, axis=1)  # [B, bq, K, G, H]
+            qc_blk = lax.dynamic_slice_in_dim(qcp, i * bq, bq, axis=1)
             do_blk = lax.dynamic_slice_in_dim(dop, i * bq, bq, axis=1)
             row = lambda x: lax.dynamic_slice_in_dim(x, i * bq, bq, axis=3)[..., None]
             logits = tiles.logits(q_blk, k_blk, i, j, acc_dt)  # [B, K, G, bq, bk]
             vis = tiles.visibility(i, j)
             keep = row(seen) if vis is None else vis & row(seen)
-            p = jnp.where(keep, jnp.exp(logits - row(lse_safe)), 0)
+            p = jnp.where(keep, jnp.exp(clamp_exponent(logits - row(lse_safe))), 0)
             dv = dv + jnp.einsum(
                 "bkgqs,bqkgh->bskh", p.astype(cdt), do_blk, preferred_element_type=acc_dt
             )
             dp = jnp.einsum("bqkgh,bskh->bkgqs", do_blk, v_blk, preferred_element_type=acc_dt)
-            ds = p * (dp - row(delta))  # d loss / d (transformed logit)
+            # d loss / d (transformed logit); exactly 0 where masked, also when dP or D is NaN.
+            ds = jnp.where(keep, p * (dp - row(delta)), 0)
             if spec.soft_cap is not None:
                 ds = ds * _masking.soft_cap_grad(spec, jnp.where(keep, logits, 0))
             if dbias is not None:
                 dbias = _accumulate_dbias(dbias, ds, i * bq, j * bk, bq, bk)
             ds = (ds * jnp.asarray(spec.scale, acc_dt)).astype(cdt)
-            dq_blk = jnp.einsum("bkgqs,bskh->bqkgh", ds, k_blk, preferred_element_type=acc_dt)
+            dq_blk = jnp.einsum("bkgqs,bskh->bqkgh", ds, kc_blk, preferred_element_type=acc_dt)
             dq_acc = lax.dynamic_update_slice_in_dim(
                 dq_acc, lax.dynamic_slice_in_dim(dq_acc, i * bq, bq, axis=1) + dq_blk, i * bq, axis=1
             )
-            dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", ds, q_blk, preferred_element_type=acc_dt)
+            dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", ds, qc_blk, preferred_element_type=acc_dt)
             return dk, dv, dq_acc, dbias
 
         lo, hi = spec.query_block_range(j * bk, (j + 1) * bk, bq, nq, q_offset)

@@ -94,6 +94,7 @@ inline void RecomputeTileGradient(const Problem& p, BackwardTiles& w, const Mask
   const int64_t ld = w.row_stride;
   Gemm<false, Accumulate::kOverwrite>(s.rows_padded, s.cols_padded, p.head_dim, in.q, ld, in.k_t,
                                       kKeyStride, w.s, kBlockK);
+  PoisonInfiniteScores(s);
   const bool capped = p.softcap > 0.0f;
   if (capped) ApplySoftCap(s, p.softcap, w.softcap_derivative);
   if (visibility == TileVisibility::kPartial) MaskScores(s, mask, w.segments);

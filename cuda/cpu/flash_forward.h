@@ -28,6 +28,8 @@ struct ForwardTiles {
   float* l;        // [kBlockQ] running sum
   float* correction;  // [kBlockQ] exp(m_old − m_new)
   int32_t* segments;  // [kBlockK]
+  int32_t* bad_values;  // [kBlockK] 1: the key's value row holds a NaN/±inf
+  float* row;           // [RowStride] one value row, widened
 
   ForwardTiles(const Problem& p, float* base) {
     WorkspaceCarver w(base);
@@ -40,10 +42,27 @@ struct ForwardTiles {
     l = w.Take(kBlockQ);
     correction = w.Take(kBlockQ);
     segments = reinterpret_cast<int32_t*>(w.Take(kBlockK));
+    bad_values = reinterpret_cast<int32_t*>(w.Take(kBlockK));
+    row = w.Take(row_stride);
     floats = w.used();
   }
   int64_t floats;  // the size of the workspace
 };
+
+// bad[j] = whether value row s0 + j (of batch b, kv head g) holds a NaN or ±inf; returns
+// whether any of the `cols` rows does. The packed V has them as zeros (tile_pack.h).
+inline bool FindNonFiniteValues(const Problem& p, int64_t b, int64_t g, int64_t s0, int64_t cols,
+                                float* row, int32_t* bad) {
+  bool any = false;
+  for (int64_t j = 0; j < cols; ++j) {
+    LoadRow(p.v, p.dtype, p.kv_row(b, s0 + j, g), p.head_dim, row);
+    bool finite = true;
+    for (int64_t h = 0; h < p.head_dim; ++h) finite &= std::isfinite(row[h]);
+    bad[j] = finite ? 0 : 1;
+    any |= !finite;
+  }
+  return any;
+}
 
 // Writes the rows of a query block that see no key: out = 0, lse = -inf.
 inline void WriteEmptyRows(const Problem& p, int64_t b, int64_t n, int64_t t_begin, int64_t t_end) {
@@ -54,12 +73,13 @@ inline void WriteEmptyRows(const Problem& p, int64_t b, int64_t n, int64_t t_beg
 }
 
 // out = O / l and lse = m + log l (natural log) for rows that saw a key; zeros and -inf
-// for rows that saw none.
+// for empty rows (m = -inf: no key, or only -inf logits). A NaN m (a poisoned row) is not
+// empty: its out and lse come out NaN.
 inline void WriteOutputRows(const Problem& p, const ForwardTiles& w, int64_t b, int64_t n,
                             int64_t t0, int64_t rows) {
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t t = t0 + i;
-    if (w.l[i] > 0.0f) {
+    if (w.m[i] != -__builtin_inff()) {
       StoreRow(w.o + i * w.row_stride, 1.0f / w.l[i], p.dtype, p.q_row(b, t, n), p.head_dim,
                p.out);
       p.lse[p.stat(b, n, t)] = w.m[i] + std::log(w.l[i]);
@@ -108,9 +128,11 @@ inline void ForwardTile(const Problem& p, int64_t item, float* workspace) {
     // S = (scale · Q) Kᵀ
     Gemm<false, Accumulate::kOverwrite>(rows_padded, cols_padded, p.head_dim, w.q, ld, k_t,
                                         kKeyStride, w.s, kBlockK);
+    PoisonInfiniteScores(s);
     if (p.softcap > 0.0f) ApplySoftCap(s, p.softcap, nullptr);
     if (visibility == TileVisibility::kPartial) MaskScores(s, mask, w.segments);
-    UpdateOnlineSoftmax(s, w.m, w.l, w.correction);
+    const bool bad_values = FindNonFiniteValues(p, b, g, s0, cols, w.row, w.bad_values);
+    UpdateOnlineSoftmax(s, w.m, w.l, w.correction, bad_values ? w.bad_values : nullptr);
     // O = diag(exp(m_old − m_new)) O + P V
     Gemm<false, Accumulate::kRescale>(rows_padded, hp, cols, w.s, kBlockK, v, ld, w.o, ld,
                                       w.correction);

@@ -23,6 +23,21 @@ struct ScoreTile {
   int64_t cols_padded;
 };
 
+// A raw score q·k that is ±inf comes from a non-finite q or k: it becomes NaN (as a NaN
+// input gives), so that it poisons its row whatever its sign, the scale or the soft cap.
+// Runs before the soft cap and the mask, so that afterwards −inf means "masked" only.
+JAX_FLASH_INLINE void PoisonInfiniteScores(const ScoreTile& s) {
+  const VecF inf = Splat(__builtin_inff());
+  const VecF nan = Splat(__builtin_nanf(""));
+  for (int64_t i = 0; i < s.rows_padded; ++i) {
+    float* row = s.data + i * s.ld;
+    for (int64_t j = 0; j < s.cols_padded; j += kLanes) {
+      const VecF x = Load(row + j);
+      Store(row + j, Abs(x) == inf ? nan : x);
+    }
+  }
+}
+
 // logits -> softcap · tanh(logits / softcap) (Gemma 2's logit soft-capping). When
 // `derivative` is given it receives d capped / d logits = 1 − tanh², which the
 // backward needs and which is finite even where the mask later writes -inf.

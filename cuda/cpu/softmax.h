@@ -5,6 +5,10 @@
 //    O stays unnormalised until the last tile (§3.1.1), then O / l and lse = m + log l.
 //  - backward (Alg. 2): P is recomputed exactly from the saved lse, P = exp(S − lse),
 //    and dS = P ∘ (dP − D) with D = rowsum(dO ∘ O) − dlse.
+// Non-finite inputs (README, "Numerical contract"): the row max propagates NaN, a row is
+// empty only when its max is −inf (never when it is NaN), Exp(NaN) is NaN, and P and dS are
+// exactly 0 where masked even when lse or D is NaN, so a poison reaches only the rows and
+// keys that see it.
 #pragma once
 
 #include "cpu/vec.h"
@@ -14,17 +18,35 @@ namespace jax_flash {
 namespace cpu {
 namespace JAX_FLASH_CPU_ISA {
 
+// max(a, b) that keeps a NaN of either side (a > b ? a : b drops a NaN a): a row that sees
+// a NaN logit keeps m = NaN, so its P, l, out and lse are NaN, not an empty row's 0 / −inf.
+JAX_FLASH_INLINE VecF MaxKeepNaN(VecF a, VecF b) { return (a > b) | (a != a) ? a : b; }
+JAX_FLASH_INLINE float MaxKeepNaN(float a, float b) { return a > b || a != a ? a : b; }
+JAX_FLASH_INLINE float ReduceMaxKeepNaN(VecF v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = MaxKeepNaN(m, v[i]);
+  return m;
+}
+
 // Online-softmax update of rows [0, s.rows_padded): logits in s become P in place,
 // m and l are updated, and correction[i] = exp(m_old − m_new) is what the row's
 // output accumulator must be multiplied by before P·V is added to it.
 // A row that has seen only masked logits keeps m = -inf and l = 0 and gets P = 0.
-JAX_FLASH_INLINE void UpdateOnlineSoftmax(const ScoreTile& s, float* m, float* l, float* correction) {
+// bad_values (null when the tile has none): keys whose value row holds a NaN/±inf, and
+// which the products read as zeros; a row that sees one gets a NaN weight (after l is
+// summed), which makes its whole output row NaN while its lse stays finite.
+JAX_FLASH_INLINE void UpdateOnlineSoftmax(const ScoreTile& s, float* m, float* l, float* correction,
+                                          const int32_t* bad_values) {
   for (int64_t i = 0; i < s.rows_padded; ++i) {
     float* row = s.data + i * s.ld;
+    bool sees_bad_value = false;
+    if (bad_values != nullptr) {
+      for (int64_t j = 0; j < s.cols; ++j) sees_bad_value |= bad_values[j] != 0 && row[j] != -__builtin_inff();
+    }
     VecF row_max = Load(row);
-    for (int64_t j = kLanes; j < s.cols_padded; j += kLanes) row_max = Max(row_max, Load(row + j));
-    const float tile_max = ReduceMax(row_max);
-    const float m_new = tile_max > m[i] ? tile_max : m[i];
+    for (int64_t j = kLanes; j < s.cols_padded; j += kLanes) row_max = MaxKeepNaN(row_max, Load(row + j));
+    const float tile_max = ReduceMaxKeepNaN(row_max);
+    const float m_new = MaxKeepNaN(tile_max, m[i]);
     // exp(-inf - (-inf)) would be NaN: with nothing seen yet, subtract 0 instead,
     // which sends every (masked, -inf) logit to exactly 0.
     const float shift = m_new == -__builtin_inff() ? 0.0f : m_new;
@@ -39,31 +61,45 @@ JAX_FLASH_INLINE void UpdateOnlineSoftmax(const ScoreTile& s, float* m, float* l
     correction[i] = alpha;
     l[i] = l[i] * alpha + ReduceSum(sum);
     m[i] = m_new;
+    if (sees_bad_value) row[0] = __builtin_nanf("");  // any NaN weight: the whole row is NaN
   }
 }
 
-// Backward: P = exp(S − lse) in place. `lse` holds +inf for rows that saw no key,
-// which makes their P exactly 0 (and so every gradient they would send).
+// The backward's P of a pair that sends no gradient (masked, or its row is empty) is
+// −0.0, which no exp gives: ComputeScoreGradient tells it from a P that underflowed to +0,
+// whose dS stays P·(dP − D) (NaN if D is).
+constexpr int32_t kDeadBits = static_cast<int32_t>(0x80000000u);
+
+// Backward: P = exp(S − lse) in place. `lse` holds +inf for rows that saw no key, NaN for
+// poisoned rows (their visible P are NaN); masked scores (−inf) and empty rows get −0.0.
 JAX_FLASH_INLINE void RecomputeProbabilities(const ScoreTile& s, const float* lse) {
+  const VecF minus_inf = Splat(-__builtin_inff());
+  const VecF dead = reinterpret_cast<VecF>(SplatI(kDeadBits));
   for (int64_t i = 0; i < s.rows_padded; ++i) {
     float* row = s.data + i * s.ld;
     const VecF lse_v = Splat(lse[i]);
-    for (int64_t j = 0; j < s.cols_padded; j += kLanes) Store(row + j, Exp(Load(row + j) - lse_v));
+    const bool empty = lse[i] == __builtin_inff();
+    for (int64_t j = 0; j < s.cols_padded; j += kLanes) {
+      const VecF x = Load(row + j);
+      Store(row + j, empty ? dead : x == minus_inf ? dead : Exp(x - lse_v));
+    }
   }
 }
 
 // Backward: dS = P ∘ (dP − D), times d capped / d logits with the soft cap, in place
-// of dP. Masked elements have P = 0 and so dS = 0.
+// of dP; exactly 0 where P is −0.0 (masked, empty row), also when dP or D is NaN.
 JAX_FLASH_INLINE void ComputeScoreGradient(const ScoreTile& p, float* dp, const float* delta,
                                            const float* softcap_derivative) {
+  const VecI dead = SplatI(kDeadBits);
   for (int64_t i = 0; i < p.rows_padded; ++i) {
     const float* p_row = p.data + i * p.ld;
     float* dp_row = dp + i * p.ld;
     const VecF delta_v = Splat(delta[i]);
     for (int64_t j = 0; j < p.cols_padded; j += kLanes) {
-      VecF ds = Load(p_row + j) * (Load(dp_row + j) - delta_v);
+      const VecF pv = Load(p_row + j);
+      VecF ds = pv * (Load(dp_row + j) - delta_v);
       if (softcap_derivative != nullptr) ds *= Load(softcap_derivative + i * p.ld + j);
-      Store(dp_row + j, ds);
+      Store(dp_row + j, reinterpret_cast<VecI>(pv) == dead ? Splat(0.0f) : ds);
     }
   }
 }

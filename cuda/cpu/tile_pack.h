@@ -4,6 +4,8 @@
 // D = rowsum(dO ∘ O) − dlse is computed while dO is packed.
 #pragma once
 
+#include <cmath>
+
 #include "cpu/convert.h"
 #include "cpu/problem.h"
 #include "cpu/tiling.h"
@@ -54,6 +56,14 @@ JAX_FLASH_INLINE void PackTransposed(const RowBlock& src, int64_t padded_cols, i
     for (int64_t j = src.rows; j < padded_cols; ++j) tile[h * ld + j] = 0.0f;
 }
 
+// NaN/±inf -> 0 in a packed operand that meets masked (zero) weights in a product (V in
+// O += P·V, K in dQ += dS·K, Q in dK += dSᵀ·Q): 0·NaN would carry a masked-out poisoned
+// key or query into rows that do not see it. The poison travels through the scores, lse
+// and D instead (softmax.h).
+JAX_FLASH_INLINE void ZeroNonFinite(float* tile, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) tile[i] = std::isfinite(tile[i]) ? tile[i] : 0.0f;
+}
+
 // Packs key block `item` = (b, kv head g, key block) of every packed K/V layout the
 // problem asks for (the null ones are skipped). Runs once per call and key block,
 // before any tile that reads it. `row_buffer` holds H floats.
@@ -66,8 +76,14 @@ inline void PackKeyBlock(const Problem& p, int64_t item, float* row_buffer) {
   const RowBlock v{p.v, p.dtype, p.kv_row(b, s0, g), stride, keys, p.head_dim};
   if (p.packed.k_t != nullptr) PackTransposed(k, kBlockK, kKeyStride, row_buffer, p.packed.k_t + offset);
   if (p.packed.v_t != nullptr) PackTransposed(v, kBlockK, kKeyStride, row_buffer, p.packed.v_t + offset);
-  if (p.packed.k != nullptr) PackRows(k, 1.0f, kBlockK, ld, p.packed.k + offset);
-  if (p.packed.v != nullptr) PackRows(v, 1.0f, kBlockK, ld, p.packed.v + offset);
+  if (p.packed.k != nullptr) {
+    PackRows(k, 1.0f, kBlockK, ld, p.packed.k + offset);
+    ZeroNonFinite(p.packed.k + offset, kBlockK * ld);
+  }
+  if (p.packed.v != nullptr) {
+    PackRows(v, 1.0f, kBlockK, ld, p.packed.v + offset);
+    ZeroNonFinite(p.packed.v + offset, kBlockK * ld);
+  }
 }
 
 // Backward: packs query block `item` = (b, head n, query block): scale · Q and dO
@@ -78,8 +94,10 @@ inline void PackQueryBlock(const Problem& p, int64_t item, float* row_buffer) {
   const int64_t offset = item * QueryBlockFloats(p);
   const int64_t ld = RowStride(p);
   const int64_t stride = p.q_heads * p.head_dim;
+  // Finite: the backward's scores need no poisoned q, a poisoned row's lse is NaN.
   PackRows({p.q, p.dtype, p.q_row(b, t0, n), stride, rows, p.head_dim}, p.scale, kBlockQ, ld,
            p.packed.q + offset);
+  ZeroNonFinite(p.packed.q + offset, kBlockQ * ld);
   PackRows({p.dout, p.dtype, p.q_row(b, t0, n), stride, rows, p.head_dim}, 1.0f, kBlockQ, ld,
            p.packed.dout + offset);
   const float* dout = p.packed.dout + offset;

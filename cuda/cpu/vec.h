@@ -57,9 +57,9 @@ JAX_FLASH_INLINE float ReduceSum(VecF v) {
 
 // exp(x) to about 2 ulp: x = k ln2 + r with |r| <= ln2/2, exp(r) by a degree-6
 // polynomial (Cephes expf coefficients), 2^k put into the exponent bits. Inputs
-// below -87.3 (including -inf, the mask value) give exactly 0.
+// below -87.3 (including -inf, the mask value) give exactly 0; NaN gives NaN.
 JAX_FLASH_INLINE VecF Exp(VecF x) {
-  const VecF clamped = Min(x, Splat(88.0f));  // keeps 2^k a normal float
+  const VecF clamped = x > Splat(88.0f) ? Splat(88.0f) : x;  // 2^k stays normal; NaN passes
   const VecF magic = Splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
   const VecF shifted = clamped * 1.44269504088896341f + magic;
   const VecF k = shifted - magic;
@@ -80,7 +80,7 @@ JAX_FLASH_INLINE VecF Exp(VecF x) {
 // tanh(x): odd Taylor series where it is accurate (|x| < 0.25, error < 1e-8) and
 // (e^2a - 1) / (e^2a + 1) elsewhere, saturating to 1 beyond |x| = 9.
 JAX_FLASH_INLINE VecF Tanh(VecF x) {
-  const VecF a = Min(Abs(x), Splat(9.0f));
+  const VecF a = Abs(x) > Splat(9.0f) ? Splat(9.0f) : Abs(x);  // NaN passes (tanh(NaN) = NaN)
   const VecF a2 = a * a;
   VecF series = Splat(62.0f / 2835.0f);
   series = series * a2 - 17.0f / 315.0f;

@@ -114,13 +114,13 @@ __device__ __forceinline__ void load_statistics(float* lse2, float* delta, const
   for (int i = static_cast<int>(threadIdx.x); i < K::BLOCK_Q; i += K::THREADS) {
     const int t = t0 + i;
     const bool inside = t < p.q_len;
-    ptx::st_shared_f32(lse2 + i, inside ? lse_to_log2(ptx::ld_global_f32(p.lse_in + p.stat_offset(b, n, t))) : INFINITY);
+    ptx::st_shared_f32(lse2 + i, inside ? lse_offset(ptx::ld_global_f32(p.lse_in + p.stat_offset(b, n, t))) : INFINITY);
     ptx::st_shared_f32(delta + i, inside ? ptx::ld_global_f32(p.delta + p.stat_offset(b, n, t)) : 0.0f);
   }
 }
 
-// P = exp2(x·exp_scale − lse2) and dS = P ∘ (dP − D) ∘ cap′(x), in place (s becomes P, dp
-// becomes dS). Columns are query rows of the block.
+// P = exp2((x − lse)·exp_scale) and dS = P ∘ (dP − D) ∘ cap′(x), in place (s becomes P, dp
+// becomes dS; LogitScaling::probability_and_ds). Columns are query rows of the block.
 template <int N_BLOCKS>
 __device__ __forceinline__ void probabilities_and_ds(float (&s)[N_BLOCKS][4], float (&dp)[N_BLOCKS][4],
                                                      const float* lse2, const float* delta,
@@ -130,10 +130,8 @@ __device__ __forceinline__ void probabilities_and_ds(float (&s)[N_BLOCKS][4], fl
     JAX_FLASH_UNROLL
     for (int i = 0; i < 4; ++i) {
       const int col = 8 * j + 2 * (lane & 3) + (i & 1);
-      const float x = s[j][i];
-      const float prob = ptx::ex2_approx(fmaf(x, scaling.exp_scale, -ptx::ld_shared_f32(lse2 + col)));
-      dp[j][i] = prob * (dp[j][i] - ptx::ld_shared_f32(delta + col)) * scaling.cap_derivative(x);
-      s[j][i] = prob;
+      scaling.probability_and_ds(s[j][i], ptx::ld_shared_f32(lse2 + col), ptx::ld_shared_f32(delta + col), s[j][i],
+                                 dp[j][i]);
     }
   }
 }
@@ -416,7 +414,7 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM>::THREADS, 1)
     JAX_FLASH_UNROLL
     for (int r = 0; r < 2; ++r) {
       const int t = warp_t0 + (lane >> 2) + 8 * r;
-      lse2[r] = t < p.q_len ? lse_to_log2(ptx::ld_global_f32(p.lse_in + p.stat_offset(batch, head, t))) : INFINITY;
+      lse2[r] = t < p.q_len ? lse_offset(ptx::ld_global_f32(p.lse_in + p.stat_offset(batch, head, t))) : INFINITY;
       delta[r] = t < p.q_len ? ptx::ld_global_f32(p.delta + p.stat_offset(batch, head, t)) : 0.0f;
     }
     const SegmentRange warp_ids = mask.q_segments != nullptr
@@ -464,11 +462,7 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM>::THREADS, 1)
       JAX_FLASH_UNROLL
       for (int j = 0; j < K::BLOCK_KV / MMA_N; ++j) {
         JAX_FLASH_UNROLL
-        for (int i = 0; i < 4; ++i) {
-          const float x = s[j][i];
-          const float prob = ptx::ex2_approx(fmaf(x, scaling.exp_scale, -lse2[i >> 1]));
-          dp[j][i] = prob * (dp[j][i] - delta[i >> 1]) * scaling.cap_derivative(x);
-        }
+        for (int i = 0; i < 4; ++i) scaling.probability_and_ds(s[j][i], lse2[i >> 1], delta[i >> 1], s[j][i], dp[j][i]);
       }
       // dQ += dS·K, dS repacked as the A operand, K read with ldmatrix.trans.
       JAX_FLASH_UNROLL

@@ -1,12 +1,19 @@
 // Scores to probabilities, one definition for the forward and the backward: the logit
-// transform (scale, soft cap) in the log2 domain, and the FlashAttention-2 online softmax.
+// transform (scale, soft cap) and the FlashAttention-2 online softmax.
 //
-// Units: the kernels work with x = log2(e) · logit, so that p = exp2(x − m) is one FFMA and
-// one ex2.approx. Without a soft cap the raw score s = q·k is kept and x = s · exp_scale with
-// exp_scale = scale · log2(e) folded into that FFMA. That needs scale > 0: with a soft cap, or
-// a scale that is not positive (negative: max(s) would not give max(x); zero or −0: a masked
-// s = −inf times exp_scale = 0 is NaN), the tile is transformed first and exp_scale is 1.
-// lse leaves the kernels in natural-log units: lse = ln 2 · (m + log2(l)).
+// Units: logits x are natural (x = scale · s, or cap · tanh(scale · s / cap)), rounded to
+// float32 once per score; exponents are differences of two such values, p = exp2((x − m) ·
+// log2(e)), so that the max itself gives exactly exp2(0) = 1 at any magnitude. (Folding the
+// scale into an FFMA, exp2(fma(s, scale·log2 e, −m)), leaves the rounding error of the
+// row max's product, ulp(|m|)/2, in every exponent: NaN and ±inf lse for logits ~1e9.) The
+// backward subtracts the forward's natural lse from the same rounded x.
+//
+// Non-finite values (README, "Numerical contract"): a raw score s = q·k that is ±inf becomes
+// NaN before the transform, so a poisoned q or k poisons its row whatever the signs and the
+// scale. fmaxf drops a NaN from the row max, but the NaN score still reaches p = exp2(NaN),
+// the row sum l and O, so a row is empty only when l == 0 (never when l is NaN). The
+// backward gives P = dS = 0 exactly to pairs that send no gradient (masked: x = −inf; rows
+// that saw nothing: lse = −inf), even where lse, dP or D are NaN.
 //
 // Approximate math only where it is per score and its error is documented: ex2.approx (2 ulp);
 // once-per-row operations (1/l, log2f) and the soft cap's derivative stay IEEE (the kernels
@@ -34,49 +41,60 @@ __device__ __forceinline__ float tanh_of(float x) {
   return copysignf(1.0f - 2.0f / (e + 1.0f), x);
 }
 
+// A raw score that is ±inf comes from a non-finite q or k: NaN, as a NaN input gives.
+__device__ __forceinline__ float poison_infinite(float s) { return fabsf(s) == INFINITY ? __uint_as_float(0x7fc00000u) : s; }
+
 struct LogitScaling {
-  float exp_scale;  // p = exp2(x · exp_scale − m)
-  float pre_scale;  // transformed: x = cap_log2 · tanh(s · pre_scale), or x = s · pre_scale
-  float cap_log2;   // softcap · log2(e); 0 when the soft cap is off
-  float inv_cap_log2;  // 1 / cap_log2 (0 when the soft cap is off)
-  bool transformed;
+  float exp_scale;  // p = exp2((x − m) · exp_scale): log2(e), x being natural logits
+  float pre_scale;  // x = cap · tanh(s · pre_scale), or x = s · pre_scale
+  float cap;        // the soft cap; 0 when it is off
+  float inv_cap;    // 1 / cap (0 when the soft cap is off)
 
   __device__ __forceinline__ static LogitScaling of(const AttentionParams& p) {
     LogitScaling l;
-    l.cap_log2 = p.softcap > 0.0f ? p.softcap * kLog2e : 0.0f;
-    l.inv_cap_log2 = p.softcap > 0.0f ? 1.0f / l.cap_log2 : 0.0f;
-    l.transformed = p.softcap > 0.0f || !(p.scale > 0.0f);
-    l.pre_scale = p.softcap > 0.0f ? p.scale / p.softcap : p.scale * kLog2e;
-    l.exp_scale = l.transformed ? 1.0f : p.scale * kLog2e;
+    l.cap = p.softcap > 0.0f ? p.softcap : 0.0f;
+    l.inv_cap = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
+    l.pre_scale = p.softcap > 0.0f ? p.scale / p.softcap : p.scale;
+    l.exp_scale = kLog2e;
     return l;
   }
 
   __device__ __forceinline__ float transform(float s) const {
-    return cap_log2 > 0.0f ? cap_log2 * tanh_of(s * pre_scale) : s * pre_scale;
+    s = poison_infinite(s);
+    return cap > 0.0f ? cap * tanh_of(s * pre_scale) : s * pre_scale;
   }
 
   // d(capped logit)/d(logit) = 1 − tanh², at transformed x; 1 when the soft cap is off.
   // tanh is clamped so that a masked x = −inf gives 0, not NaN.
   __device__ __forceinline__ float cap_derivative(float x) const {
-    if (cap_log2 == 0.0f) return 1.0f;
-    const float th = fminf(fmaxf(x * inv_cap_log2, -1.0f), 1.0f);
+    if (cap == 0.0f) return 1.0f;
+    const float th = fminf(fmaxf(x * inv_cap, -1.0f), 1.0f);
     return 1.0f - th * th;
   }
 
-  // Raw scores of a tile to exponent arguments: transform when needed and, unless the tile
-  // is interior, set invisible elements to −inf. The common case (interior, no soft cap)
-  // does nothing here.
+  // Raw scores of a tile to logits: transform (scale, soft cap, ±inf -> NaN) and, unless the
+  // tile is interior, set invisible elements to −inf.
   template <bool TRANSPOSED, int N_BLOCKS>
   __device__ __forceinline__ void prepare(float (&acc)[N_BLOCKS][4], const Mask& mask, bool interior, int row0,
                                           int col0, int lane) const {
-    if (transformed) {
+    JAX_FLASH_UNROLL
+    for (int j = 0; j < N_BLOCKS; ++j) {
       JAX_FLASH_UNROLL
-      for (int j = 0; j < N_BLOCKS; ++j) {
-        JAX_FLASH_UNROLL
-        for (int i = 0; i < 4; ++i) acc[j][i] = transform(acc[j][i]);
-      }
+      for (int i = 0; i < 4; ++i) acc[j][i] = transform(acc[j][i]);
     }
     if (!interior) mask_fragment<TRANSPOSED>(acc, mask, row0, col0, lane);
+  }
+
+  // The backward's P = exp2((x − lse) · exp_scale) and dS = P ∘ (dP − D) ∘ cap′(x) of one
+  // score, given lse_off (the row's lse, +inf for a row that saw nothing). A masked pair
+  // (x = −inf) or an empty row sends nothing: P = dS = 0, also when dP or D is NaN.
+  __device__ __forceinline__ void probability_and_ds(float x, float lse_off, float delta, float& p,
+                                                     float& dp_to_ds) const {
+    const bool live = x != -INFINITY && lse_off != INFINITY;
+    const float prob = ptx::ex2_approx((x - lse_off) * exp_scale);
+    const float ds = prob * (dp_to_ds - delta) * cap_derivative(x);
+    p = live ? prob : 0.0f;
+    dp_to_ds = live ? ds : 0.0f;
   }
 };
 
@@ -92,7 +110,7 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 // The online softmax of a warp's 16 query rows; each thread holds rows lane/4 and lane/4 + 8.
 struct OnlineSoftmax {
-  float row_max[2];  // running max of x (before exp_scale); −inf while nothing is visible
+  float row_max[2];  // running max of x; −inf while nothing is visible
   float row_sum[2];  // this thread's part of the running sum l (the quad's parts add up at the end)
 
   __device__ __forceinline__ void init() {
@@ -100,8 +118,9 @@ struct OnlineSoftmax {
     row_sum[0] = row_sum[1] = 0.0f;
   }
 
-  // s (exponent arguments) -> p = exp2(x·exp_scale − m_new), in place; o rescaled by
-  // exp2(m_old − m_new) (FlashAttention-2 §3.1.1: O stays unnormalised until the last tile).
+  // s (logits x) -> p = exp2((x − m_new)·exp_scale), in place; o rescaled by
+  // exp2((m_old − m_new)·exp_scale) (FlashAttention-2 §3.1.1: O stays unnormalised until the
+  // last tile).
   template <int N_BLOCKS, int O_BLOCKS>
   __device__ __forceinline__ void update(float (&s)[N_BLOCKS][4], float (&o)[O_BLOCKS][4], float exp_scale) {
     JAX_FLASH_UNROLL
@@ -112,8 +131,8 @@ struct OnlineSoftmax {
       m = quad_max(m);
       // A row that has seen nothing yet keeps m = −inf; exponents are then taken against 0 so
       // that masked scores give exp2(−inf) = 0 instead of NaN.
-      const float m_scaled = m == -INFINITY ? 0.0f : m * exp_scale;
-      const float alpha = ptx::ex2_approx(fmaf(row_max[r], exp_scale, -m_scaled));
+      const float m_ref = m == -INFINITY ? 0.0f : m;
+      const float alpha = ptx::ex2_approx((row_max[r] - m_ref) * exp_scale);
       row_max[r] = m;
       float sum = row_sum[r] * alpha;
       JAX_FLASH_UNROLL
@@ -123,34 +142,37 @@ struct OnlineSoftmax {
       }
       JAX_FLASH_UNROLL
       for (int j = 0; j < N_BLOCKS; ++j) {
-        s[j][2 * r] = ptx::ex2_approx(fmaf(s[j][2 * r], exp_scale, -m_scaled));
-        s[j][2 * r + 1] = ptx::ex2_approx(fmaf(s[j][2 * r + 1], exp_scale, -m_scaled));
+        s[j][2 * r] = ptx::ex2_approx((s[j][2 * r] - m_ref) * exp_scale);
+        s[j][2 * r + 1] = ptx::ex2_approx((s[j][2 * r + 1] - m_ref) * exp_scale);
         sum += s[j][2 * r] + s[j][2 * r + 1];
       }
       row_sum[r] = sum;
     }
   }
 
-  // o /= l, and lse (natural log) per row; rows that saw nothing get o = 0, lse = −inf.
+  // o /= l, and lse (natural log) per row; rows that saw nothing (l = 0) get o = 0, lse = −inf.
+  // A NaN l (a poisoned row) is not empty: its o and lse come out NaN.
   template <int O_BLOCKS>
   __device__ __forceinline__ void finish(float (&o)[O_BLOCKS][4], float exp_scale, float lse[2]) {
     JAX_FLASH_UNROLL
     for (int r = 0; r < 2; ++r) {
       const float l = quad_sum(row_sum[r]);
-      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      const bool empty = l == 0.0f;
+      const float inv = empty ? 0.0f : 1.0f / l;
       JAX_FLASH_UNROLL
       for (int j = 0; j < O_BLOCKS; ++j) {
         o[j][2 * r] *= inv;
         o[j][2 * r + 1] *= inv;
       }
-      lse[r] = l > 0.0f ? (row_max[r] * exp_scale + log2f(l)) * kLn2 : -INFINITY;
+      lse[r] = empty ? -INFINITY : row_max[r] + log2f(l) / exp_scale;
     }
   }
 };
 
-// The exponent offset the backward uses to recompute p = exp2(x·exp_scale − lse2) from the
-// forward's natural-log lse; rows that saw nothing (lse = −inf) get +inf, so p = 0.
-__device__ __forceinline__ float lse_to_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * kLog2e; }
+// The offset the backward subtracts from x to recompute p = exp2((x − lse_off)·exp_scale):
+// the forward's lse, and +inf for rows that saw nothing (lse = −inf), so that p = 0. A NaN
+// lse (a poisoned row) stays NaN.
+__device__ __forceinline__ float lse_offset(float lse) { return lse == -INFINITY ? INFINITY : lse; }
 
 }  // namespace kernels
 }  // namespace jax_flash
