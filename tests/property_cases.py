@@ -61,6 +61,7 @@ class Gates:
     bad_soft_caps: bool = True  # soft caps that are not a float32 normal (a ValueError)
     large_soft_caps: bool = True  # soft caps >= LARGE_SOFT_CAP (else 30)
     zero_size: bool = True  # B, T, S or N = 0
+    poisons_with_soft_cap: bool = True  # NaN/Inf together with a soft cap (else the cap is dropped)
 
 
 @dataclasses.dataclass
@@ -300,6 +301,8 @@ def draw(impl: str, index: int, seed: int, *, tiny: bool, gates: Gates, attempt:
                         for _ in range(count))
         if gates.poisons:
             ex.poisons = poisons
+            if ex.soft_cap is not None and not gates.poisons_with_soft_cap:
+                ex.soft_cap = None
     if flags[11] < 0.2:
         ex.magnitude = float(rng.choice((0.01, 3.0, 10.0)))
     if dtype == "float32" and (ex.scale is None or abs(ex.scale) < EXTREME_SCALES[0]):

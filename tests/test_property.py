@@ -49,9 +49,20 @@ from property_cases import Gates, dense_mask, draw, visibility
 # NaN/±Inf injections in q, k, v and bias, and scales of magnitude >= 1e8: the propagation
 # contract (README, "numerical contract") is implemented by the NaN/Inf work in xla.py,
 # _pallas_kernels.py and the cpu/cuda softmax; until it is merged the implementations hide
-# poisons as zeros and lose huge logits. Flip to True once it is merged
-# (JAX_FLASH_PROPERTY_NAN=1 turns the dimension on for one run).
-NAN_CONTRACT_MERGED = False
+# poisons as zeros and lose huge logits. Merged (JAX_FLASH_PROPERTY_NAN=1 turns the
+# dimension on for one run when this is False).
+NAN_CONTRACT_MERGED = True
+# Two parts of it still disagree with the float64 reference (jax_flash/reference.py and the
+# NaN/Inf work's kernels); flip each to True once fixed:
+# * NaN/Inf together with a soft cap: the reference's soft-cap derivative turns the zero
+#   cotangent of a masked poisoned logit into NaN (a row that sees no key gets NaN dq), and
+#   where a tiny cap saturates (derivative 0) it gives NaN gradients where xla and cuda give 0.
+POISONS_WITH_SOFT_CAP_AGREED = False
+# * |scale| >= 1e8 (lse of 1e9 to 1e31): the float64 reference under jax.jit (XLA CPU) returns
+#   NaN for scale = -1e30 where it is finite eagerly, and at scale = ±1e12 the implementations'
+#   lse is a few float32 ulps (2e7 at 4e13) from the float64 one while the float32 reference's
+#   is not, beyond the rule's absolute EPS: the rule needs a relative lse tolerance there.
+EXTREME_SCALES_AGREED = False
 # Window sides >= 2**31, soft caps that are not a float32 normal (ValueError naming
 # logits_soft_cap), soft caps >= 1e4 (the cuda kernels' tanh loses its relative accuracy for
 # small arguments: a cap of 1e30 zeroes every logit) and empty B, T, S or N axes: the limits
@@ -63,11 +74,12 @@ NAN_CONTRACT = NAN_CONTRACT_MERGED or os.environ.get("JAX_FLASH_PROPERTY_NAN") =
 LIMITS_CONTRACT = LIMITS_CONTRACT_MERGED or os.environ.get("JAX_FLASH_PROPERTY_LIMITS") == "1"
 GATES = Gates(
     poisons=NAN_CONTRACT,
-    extreme_scales=NAN_CONTRACT,
+    extreme_scales=NAN_CONTRACT and EXTREME_SCALES_AGREED,
     huge_windows=LIMITS_CONTRACT,
     bad_soft_caps=LIMITS_CONTRACT,
     large_soft_caps=LIMITS_CONTRACT,
     zero_size=LIMITS_CONTRACT,
+    poisons_with_soft_cap=POISONS_WITH_SOFT_CAP_AGREED,
 )
 
 # Examples per implementation in CI: 165 s of CPU time in all, measured on the 2-core machine
@@ -165,7 +177,9 @@ def _compare(ex, name, got, r64, rlo, fallback):
     x, ref, lo = _np(got), _np(r64), _np(rlo)
     if x.shape != ref.shape:
         _fail(ex, f"{name} has shape {x.shape}, the reference {ref.shape}")
-    finite = np.isfinite(ref)
+    # Finite where the float64 value rounded to the result's dtype is (a gradient past
+    # float16's range is inf in float16); the errors are measured against the unrounded value.
+    finite = np.isfinite(_np(jnp.asarray(r64).astype(got.dtype)))
     differs = np.isfinite(x) != finite
     if differs.any():
         i = _first(differs)
