@@ -9,7 +9,9 @@ and for the main kernels (forward, backward) the SASS of every architecture cont
 mma.sync / ldmatrix / cp.async instructions (HMMA.16816.F32, LDSM.16.M88.4, LDSM.16.MT88.4,
 LDGSTS.E.BYPASS.128), the PTX has no wmma.* instruction and every object carries the PTX
 images of compute_80 (which sm_100/103 and later JIT-compile) and compute_120. Prints a table of registers,
-shared memory and spills; exits 1 on any violation.
+shared memory and spills, with two estimates from the tile traits: shared-memory bytes read by
+ldmatrix per mma.sync in the main loop, and CTAs per SM (registers, shared memory, threads);
+exits 1 on any violation. Instantiations of both warp layouts (`*_warp32.cu`) are checked alike.
 
 By default the objects of the last extension build (_skbuild/*/.../jax_flash_cuda.dir) are
 reused when they are newer than every kernel source and hold all three architectures; otherwise
@@ -41,7 +43,7 @@ SMEM_LIMIT = 101376
 # sm_90 and newer reserve 1 KB of shared memory per block for the system; cuobjdump counts it in
 # SHARED, the opt-in limit (cudaDevAttrMaxSharedMemoryPerBlockOptin = 101376 on sm_120) does not.
 RESERVED_SMEM = {80: 0, 90: 1024, 120: 1024}
-INSTANTIATION = re.compile(r"^(fwd|bwd)_(f16|bf16)_hdim(\d+)\.cu$")
+INSTANTIATION = re.compile(r"^(fwd|bwd)_(f16|bf16)_hdim(\d+)(?:_(warp32))?\.cu$")
 # The mma.sync kernels (dynamic shared memory, SASS checks) and the host-side traits naming
 # their shared memory size.
 MAIN_KERNELS = {
@@ -50,6 +52,41 @@ MAIN_KERNELS = {
     "attention_backward_dq_kernel": "BackwardDqKernel",
 }
 REQUIRED_SASS = ("HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS.E.BYPASS.128")
+# Per-SM limits for the occupancy column (CUDA C++ Programming Guide, "Technical Specifications
+# per Compute Capability"): 64K 32-bit registers (allocated per warp, 8 per thread at a time),
+# shared memory per SM (each CTA also takes 1 KB reserved for the system), threads per SM.
+SM_REGISTERS = 65536
+SM_SMEM = {80: 167936, 90: 233472, 120: 131072}
+SM_THREADS = {80: 2048, 90: 2048, 120: 1536}
+SM_MAX_CTAS = 32
+SMEM_RESERVED_PER_CTA = 1024
+LDMATRIX_X4_BYTES = 512  # one ldmatrix .x4: four 8x8 matrices of 16-bit elements
+
+
+def smem_bytes_per_mma(kind: str, t: dict) -> float:
+    """Estimated shared-memory bytes read by ldmatrix per mma.sync (m16n8k16), one warp, one
+    tile step of the kernel's main loop (every x4 load is 512 bytes; st.shared, the statistics
+    and the epilogue are left out)."""
+    h, kv, q, r = t["head_dim"], t["block_kv"], t["block_q"], t["rows_per_warp"] // 16
+    if kind == "attention_forward_kernel":  # S = Q·Kᵀ (R A-loads + KV/16 B-loads per k-step), O += P·V
+        loads = (h // 16) * (r + kv // 16) + (kv // 16) * (h // 16)
+        mmas = r * (h // 16) * (kv // 8) + r * (kv // 16) * (h // 8)
+    elif kind == "attention_backward_kernel":  # Sᵀ, dPᵀ; dV, dK; this warp's dQ share
+        dq_cols = t["dq_cols"]
+        loads = 2 * (h // 16) * (1 + q // 16) + 2 * (q // 16) * (h // 16) + (kv // 16) * (1 + dq_cols // 16)
+        mmas = 2 * (h // 16) * (q // 8) + 2 * (q // 16) * (h // 8) + (kv // 16) * (dq_cols // 8)
+    else:  # deterministic dQ: S, dP, dQ += dS·K
+        loads = 2 * (h // 16) * (1 + kv // 16) + (kv // 16) * (h // 16)
+        mmas = 2 * (h // 16) * (kv // 8) + (kv // 16) * (h // 8)
+    return LDMATRIX_X4_BYTES * loads / mmas
+
+
+def occupancy(arch: int, regs: int, threads: int, smem: int) -> int:
+    """CTAs per SM, from registers, shared memory and threads."""
+    warps = threads // 32
+    by_regs = (SM_REGISTERS // (((regs + 7) // 8) * 8 * 32)) // warps
+    by_smem = SM_SMEM[arch] // (smem + SMEM_RESERVED_PER_CTA)
+    return min(by_regs, by_smem, SM_THREADS[arch] // threads, SM_MAX_CTAS)
 
 
 def tool(name: str) -> str:
@@ -178,18 +215,24 @@ def ptx_has_wmma(obj: pathlib.Path, cuobjdump: str) -> bool:
     return "wmma." in text
 
 
-def dynamic_smem(sources) -> dict:
-    """{(pass, dtype, head_dim, kernel): bytes} from the kernels' tile traits, compiled for the host."""
+def tile_traits(sources) -> dict:
+    """{(instantiation stem, kernel): {smem, threads, head_dim, block_q, block_kv, rows_per_warp,
+    dq_cols}} from the kernels' tile traits, compiled for the host."""
     cxx = shutil.which("c++") or shutil.which("g++")
     lines = []
     for src in sources:
-        p, d, h = INSTANTIATION.match(src.name).groups()
+        p, d, h, layout = INSTANTIATION.match(src.name).groups()
         elem = {"f16": "F16", "bf16": "Bf16"}[d]
+        layout_arg = ", Layout::kWarp32" if layout else ""
         kernels = ["attention_forward_kernel"] if p == "fwd" else ["attention_backward_kernel",
                                                                    "attention_backward_dq_kernel"]
         for kernel in kernels:
             traits = MAIN_KERNELS[kernel]
-            lines.append(f'  std::printf("{p} {d} {h} {kernel} %d\\n", {traits}<{elem}, {h}>::kSmemBytes);')
+            args = f"{elem}, {h}" + ("" if kernel == "attention_backward_dq_kernel" else layout_arg)
+            k = f"{traits}<{args}>"
+            dq_cols = f"{k}::DQ_COLS" if kernel == "attention_backward_kernel" else "0"
+            lines.append(f'  std::printf("{src.stem} {kernel} %d %d {h} %d %d %d %d\\n", {k}::kSmemBytes, '
+                         f'{k}::THREADS, {k}::BLOCK_Q, {k}::BLOCK_KV, {k}::kShape.rows_per_warp, {dq_cols});')
     program = ("#include <cstdio>\n#include \"kernels/fwd.h\"\n#include \"kernels/bwd.h\"\n"
                "using namespace jax_flash::kernels;\nint main() {\n" + "\n".join(lines) + "\n}\n")
     with tempfile.TemporaryDirectory() as tmp:
@@ -199,12 +242,43 @@ def dynamic_smem(sources) -> dict:
         subprocess.run([cxx, "-std=c++17", "-DJAX_FLASH_EMULATE", "-I", str(CUDA), str(cc), "-o", str(exe)],
                        check=True, capture_output=True)
         out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
-    return {(p, d, int(h), k): int(b) for p, d, h, k, b in (l.split() for l in out.splitlines())}
+    names = ("smem", "threads", "head_dim", "block_q", "block_kv", "rows_per_warp", "dq_cols")
+    return {(f[0], f[1]): dict(zip(names, map(int, f[2:]))) for f in (l.split() for l in out.splitlines())}
+
+
+def markdown_table(rows) -> str:
+    """The main kernels' rows merged over dtypes and archs: regs and CTAs/SM per arch."""
+    groups = {}
+    for stem, arch, kind, regs, smem, stack, local, spills, per_mma, ctas in rows:
+        if "attention_" + kind not in MAIN_KERNELS:
+            continue
+        p, d, h, layout = INSTANTIATION.match(stem + ".cu").groups()
+        g = groups.setdefault((kind, layout or "warp16", int(h)), {"regs": {}, "ctas": {}, "smem": set(),
+                                                                   "per_mma": set(), "bad": set()})
+        g["regs"].setdefault(arch, set()).add(regs)
+        g["ctas"].setdefault(arch, set()).add(ctas)
+        g["smem"].add(smem)
+        g["per_mma"].add(per_mma)
+        g["bad"].add(f"{stack}/{local}" + ("" if spills == "-" else f"/{spills}"))
+    fmt = lambda s: "/".join(str(x) for x in sorted(s))  # f16 and bf16 differ: both
+    lines = ["| kernel | layout | H | regs sm_80 / sm_90 / sm_120 | smem (bytes) | stack / local / spill st / ld "
+             "(bytes) | smem B per MMA "
+             "| CTAs per SM sm_80 / sm_90 / sm_120 |", "|---|---|---|---|---|---|---|---|"]
+    order = {k: i for i, k in enumerate(("forward_kernel", "backward_kernel", "backward_dq_kernel"))}
+    for (kind, layout, h), g in sorted(groups.items(), key=lambda x: (order.get(x[0][0], 9), x[0][1], x[0][2])):
+        archs = [f"sm_{a}" for a in ARCHS]
+        lines.append(f"| {kind.replace('_kernel', '')} | {layout} | {h} | "
+                     + " / ".join(fmt(g["regs"].get(a, {"-"})) for a in archs)
+                     + f" | {fmt(g['smem'])} | {fmt(g['bad'])} | {fmt(g['per_mma'])} | "
+                     + " / ".join(fmt(g["ctas"].get(a, {"-"})) for a in archs) + " |")
+    return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile", action="store_true", help="always compile, never reuse build objects")
+    parser.add_argument("--markdown", action="store_true",
+                        help="also print the main kernels' figures as one markdown row per kernel, layout and head dim")
     args = parser.parse_args()
     nvcc = shutil.which("nvcc")
     if nvcc is None:
@@ -231,12 +305,11 @@ def main() -> int:
             objs, logs = compile_objects(sources, pathlib.Path(tmp), nvcc)
         else:
             print("reusing the extension build's objects")
-        smem = dynamic_smem(sources)
+        traits = tile_traits(sources)
 
         problems = []
         rows = []
         for src in sources:
-            p, d, h = INSTANTIATION.match(src.name).groups()
             obj = objs[src]
             usage = resource_usage(obj, cuobjdump)
             sass = sass_opcodes(obj, cuobjdump)
@@ -254,11 +327,14 @@ def main() -> int:
                     u = usage[(arch, kind)]
                     main_kernel = kind in MAIN_KERNELS
                     static_smem = max(0, u.get("SHARED", 0) - RESERVED_SMEM.get(arch, 0))
-                    total_smem = static_smem + smem.get((p, d, int(h), kind), 0)
+                    tt = traits.get((src.stem, kind))
+                    total_smem = static_smem + (tt["smem"] if tt else 0)
                     stack, stores, loads = spills.get((arch, kind), (u.get("STACK", 0), None, None))
                     spill_text = "-" if stores is None else f"{stores}/{loads}"
+                    per_mma = f"{smem_bytes_per_mma(kind, tt):.0f}" if tt else "-"
+                    ctas = f"{occupancy(arch, u['REG'], tt['threads'], total_smem)}" if tt else "-"
                     rows.append((src.stem, f"sm_{arch}", kind.replace("attention_", ""), u["REG"], total_smem,
-                                 stack, u.get("LOCAL", 0), spill_text))
+                                 stack, u.get("LOCAL", 0), spill_text, per_mma, ctas))
                     where = f"{src.name} sm_{arch} {kind}"
                     if u.get("STACK", 0) > 0 or stack > 0:
                         problems.append(f"{where}: stack frame {max(stack, u.get('STACK', 0))} bytes")
@@ -275,10 +351,14 @@ def main() -> int:
                         if any(op.startswith("HMMA") and not op.startswith("HMMA.16816") for op in ops):
                             problems.append(f"{where}: HMMA of another shape than m16n8k16")
 
-    header = ("instantiation", "arch", "kernel", "regs", "smem", "stack", "local", "spill st/ld")
+    header = ("instantiation", "arch", "kernel", "regs", "smem", "stack", "local", "spill st/ld", "smem B/mma",
+              "CTAs/SM")
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     for r in [header] + rows:
         print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)))
+    if args.markdown:
+        print()
+        print(markdown_table(rows))
     if problems:
         print("\nFAILED:", file=sys.stderr)
         for p in problems:

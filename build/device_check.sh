@@ -17,7 +17,9 @@
 #   correctness   tests/test_gpu.py (-m gpu): a subset of the shared suite at full size,
 #                 forward, backward, deterministic mode; plain runner if pytest is missing
 #   bench         python -m jax_flash.bench at T=S=8k, H=128/64, causal or not, fwd and fwd+bwd:
-#                 jax.nn (xla), jax.nn cuDNN, JAX's Pallas mha, cuda, pallas
+#                 jax.nn (xla), jax.nn cuDNN, JAX's Pallas mha, cuda, pallas; then cuda again
+#                 under JAX_FLASH_CUDA_LAYOUT=warp32 (cells "cuda:warp32" in bench.json), so
+#                 that one run measures both warp layouts of the kernels
 #   memcheck      compute-sanitizer --tool memcheck on build/sanitizer_case.py (tiny)
 #   racecheck     compute-sanitizer --tool racecheck on the same
 # The caps sum to the budget (DEVICE_CHECK_BUDGET_S, default 480 s; each cap scales with it),
@@ -357,17 +359,68 @@ step_correctness() {
 
 step_bench() {
   # The benchmark stops starting cases at 3/4 of the step's limit, so that the case under way
-  # can finish and bench.json is complete; cases not started are reported as cut.
-  local budget=$((STEP_LIMIT * 3 / 4)) sizes
+  # can finish and bench.json is complete; cases not started are reported as cut. The first
+  # run (every implementation, the kernels' default layout) may start cases until 1/2 of the
+  # limit, the second (cuda only, JAX_FLASH_CUDA_LAYOUT=warp32, a quarter of the cells) in
+  # what is left until 3/4; its cells are merged into bench.json as impl "cuda:warp32".
+  local budget=$((STEP_LIMIT * 3 / 4)) first=$((STEP_LIMIT / 2)) sizes t0 rest rc
   ((budget < 1)) && budget=1
+  ((first < 1)) && first=1
   if [ "$DRY" = 1 ]; then
     sizes="--impls jax.nn,jax.nn-cudnn,jax-pallas,cuda,xla --seq-lens 128 --head-dims 64 --batch 1 --heads 2 --reps 2 --max-seconds 0.5"
   else
     sizes="--impls jax.nn,jax.nn-cudnn,jax-pallas,cuda,pallas --seq-lens 8k --head-dims 128,64 --batch 2 --heads 16 --reps 20 --max-seconds 1 --max-temp-gib 64"
   fi
+  t0=$(date +%s)
   # shellcheck disable=SC2086 # word splitting of the argument list is intended
-  "$PY" -m jax_flash.bench --dtype bfloat16 --passes both --causal both ${DEVICE_CHECK_BENCH_ARGS:-$sizes} \
-    --time-budget "$budget" --json "$OUT/bench.json"
+  JAX_FLASH_CUDA_LAYOUT=warp16 "$PY" -m jax_flash.bench --dtype bfloat16 --passes both --causal both \
+    ${DEVICE_CHECK_BENCH_ARGS:-$sizes} --time-budget "$first" --json "$OUT/bench.json"
+  rc=$?
+  rest=$((budget - ($(date +%s) - t0)))
+  if ((rest < 1)); then
+    echo "bench: no time left for the warp32 layout"
+    return $rc
+  fi
+  echo "+ the cuda kernels again, JAX_FLASH_CUDA_LAYOUT=warp32, ${rest} s"
+  # shellcheck disable=SC2086
+  JAX_FLASH_CUDA_LAYOUT=warp32 "$PY" -m jax_flash.bench --dtype bfloat16 --passes both --causal both \
+    ${DEVICE_CHECK_BENCH_ARGS:-$sizes} --impls cuda --time-budget "$rest" --json "$WORK/bench_warp32.json" ||
+    rc=1
+  merge_layout_bench "$OUT/bench.json" "$WORK/bench_warp32.json" || rc=1
+  return $rc
+}
+
+# Appends the second layout's cells to bench.json as impl "cuda:warp32", with their ratio to the
+# first run's jax.nn cell of the same case, and recounts.
+merge_layout_bench() {
+  "$PY" - "$1" "$2" <<'PYEOF'
+import json, os, sys
+main_path, extra_path = sys.argv[1], sys.argv[2]
+if not os.path.exists(main_path) or not os.path.exists(extra_path):
+    sys.exit(f"bench: nothing to merge ({main_path if not os.path.exists(main_path) else extra_path} missing)")
+main, extra = json.load(open(main_path)), json.load(open(extra_path))
+key = lambda r: (r.get("pass"), r.get("causal"), r.get("head_dim"), r.get("seq_len"))
+nn = {key(r): r.get("time_s") for r in main["results"] if r.get("impl") == "jax.nn" and r.get("time_s")}
+added = [dict(r, impl="cuda:warp32", layout="warp32") for r in extra["results"] if r.get("impl") == "cuda"]
+for r in added:
+    t = r.get("time_s")
+    r["vs_jax_nn"] = nn[key(r)] / t if t and key(r) in nn else None
+for r in main["results"]:
+    if r.get("impl") == "cuda":
+        r["layout"] = "warp16"
+main["results"] += added
+counts = {"ok": 0, "failed": 0, "OOM": 0, "skipped": 0, "cut": 0}
+for r in main["results"]:
+    k = str(r.get("status", "")).split(":")[0]
+    counts[k if k in counts else "failed"] += 1
+main["counts"], main["complete"] = counts, bool(main.get("complete")) and bool(extra.get("complete"))
+main["layouts"] = {"cuda": "warp16", "cuda:warp32": "warp32"}
+tmp = main_path + ".tmp"
+json.dump(main, open(tmp, "w"), indent=1)
+os.replace(tmp, main_path)
+ok = sum(r.get("status") == "ok" for r in added)
+print(f"bench: {counts['ok']} of {len(main['results'])} cells measured ({ok} of {len(added)} cuda:warp32)")
+PYEOF
 }
 
 sanitize() {  # memcheck or racecheck of build/sanitizer_case.py
@@ -390,7 +443,8 @@ sanitize() {  # memcheck or racecheck of build/sanitizer_case.py
 step_memcheck() { sanitize memcheck; }
 step_racecheck() { sanitize racecheck; }
 
-export -f step_machine step_build step_ptx_selftest step_correctness step_bench sanitize step_memcheck step_racecheck
+export -f step_machine step_build step_ptx_selftest step_correctness step_bench merge_layout_bench sanitize \
+  step_memcheck step_racecheck
 export DRY PY WORK OUT JOBS
 
 # ---- the run ---------------------------------------------------------------------------------------

@@ -61,6 +61,9 @@ NONFINITE = "cuda and nonfinite"
 DET = "cuda and test_backward_deterministic"
 ALL = "cuda"
 EDGES = "cuda and (tile_plus or tile_minus)"
+# The kWarp32 layout (JAX_FLASH_CUDA_LAYOUT=warp32, set by these tests themselves).
+FWD32 = "cuda and test_forward_warp32"
+BWD32 = "cuda and test_backward_warp32"
 
 K = "cuda/kernels/"
 MUTATIONS = [
@@ -153,9 +156,21 @@ MUTATIONS = [
     Mutation("bwd_ring_barrier", K + "bwd.h",
              "__syncthreads();  // this block's tiles landed; the slot and dSᵀ tile reused next are free",
              "// (barrier removed)", BWD, what="backward: next query block's copy and dSᵀ overwrite unsynchronised"),
-    Mutation("dq_atomic", K + "bwd.h", "ptx::red_global_add_f32(row + col, dq[j][2 * r]);",
-             "ptx::st_global_f32(row + col, ptx::ld_global_f32(row + col) + dq[j][2 * r]);", BWD,
+    Mutation("dq_atomic", K + "bwd.h", "ptx::red_global_add_v2_f32(row + col, dq[j][2 * r], dq[j][2 * r + 1]);",
+             "ptx::st_global_f32(row + col, ptx::ld_global_f32(row + col) + dq[j][2 * r]); "
+             "ptx::red_global_add_f32(row + col + 1, dq[j][2 * r + 1]);", BWD,
              what="dQ accumulated with a plain read-modify-write instead of an atomic"),
+    Mutation("dq_red_v2_halves", K + "bwd.h",
+             "ptx::red_global_add_v2_f32(row + col, dq[j][2 * r], dq[j][2 * r + 1]);",
+             "ptx::red_global_add_v2_f32(row + col, dq[j][2 * r + 1], dq[j][2 * r]);", BWD,
+             what="vector red of dQ: the two columns of the pair swapped"),
+    Mutation("dq_red_v2_misaligned", K + "bwd.h",
+             "ptx::red_global_add_v2_f32(row + col, dq[j][2 * r], dq[j][2 * r + 1]);",
+             "ptx::red_global_add_v2_f32(row + col + 1, dq[j][2 * r], dq[j][2 * r + 1]);", BWD,
+             what="vector red of dQ one column off (an odd, 4-byte aligned address)"),
+    Mutation("dq_keys_of_block", K + "bwd.h", "for (int kk = 0; kk < K::BLOCK_KV / MMA_K; ++kk) {",
+             "for (int kk = 0; kk < 64 / MMA_K; ++kk) {", BWD32, count=2, nth=1,
+             what="dQ = dS·K over the first 64 keys of the block (equivalent in 64-key CTAs)"),
     Mutation("dq_rows_guard", K + "bwd.h", "if (t >= p.q_len) continue;", "if (t > p.q_len) continue;", BWD,
              what="dQ atomics one row past the end of the query rows"),
     Mutation("ds_store_row", K + "bwd.h", "const int row = warp * K::WARP_KV + (lane >> 2) + 8 * r;",
@@ -184,6 +199,25 @@ MUTATIONS = [
              what="backward interior test over one row too few"),
     Mutation("convert_bound", K + "bwd.h", "if (i >= chunks) return;", "if (i > chunks) return;", BWD,
              what="dQ conversion one chunk past the end"),
+    # ---- the kWarp32 layout: two m16 row blocks per warp, 128-key backward CTAs --------------
+    Mutation("rows32_a_row_block", K + "tile.h",
+             "a_fragment_row<ATile>(a_tile, a_row0 + MMA_M * rb, 2 * kk, lane)",
+             "a_fragment_row<ATile>(a_tile, a_row0, 2 * kk, lane)", FWD32,
+             what="second row block's A fragment (Q) read from the first block's rows"),
+    Mutation("rows32_pv_a", K + "tile.h", "Elem::mma(acc[rb][2 * jj + 1], a[rb], b + 2, acc[rb][2 * jj + 1]);",
+             "Elem::mma(acc[rb][2 * jj + 1], a[0], b + 2, acc[rb][2 * jj + 1]);", FWD32, count=2, nth=2,
+             what="O += P·V: odd n-blocks of every row block multiplied by the first block's P"),
+    Mutation("rows32_qk_b_shared", K + "tile.h", "Elem::mma(acc[rb][2 * jj + 1], a[rb], b + 2, acc[rb][2 * jj + 1]);",
+             "Elem::mma(acc[rb][2 * jj + 1], a[rb], b, acc[rb][2 * jj + 1]);", FWD32, count=2, nth=1,
+             what="S = Q·Kᵀ: the shared K fragment's second n-block replaced by the first"),
+    Mutation("rows32_mask_rows", K + "fwd.h", "const int rows_t0 = warp_t0 + MMA_M * rb;",
+             "const int rows_t0 = warp_t0;", FWD32, what="mask and interior test of the second row block at the first's rows"),
+    Mutation("rows32_softmax_per_block", K + "fwd.h", "softmax[rb].update(s[rb], o[rb], scaling.exp_scale);",
+             "softmax[0].update(s[rb], o[rb], scaling.exp_scale);", FWD32,
+             what="one online softmax state for both row blocks"),
+    Mutation("rows32_store_rows", K + "fwd.h", "                                    warp_t0 + MMA_M * rb, lane);",
+             "                                    warp_t0, lane);", FWD32,
+             what="second row block's out and lse written over the first's rows"),
     # ---- bwd.h: deterministic dQ kernel -----------------------------------------------------
     Mutation("det_ds_sign", K + "bwd.h", "scaling.probability_and_ds(s[j][i], lse2[i >> 1], delta[i >> 1],",
              "scaling.probability_and_ds(s[j][i], lse2[i >> 1], -delta[i >> 1],", DET,
@@ -200,8 +234,9 @@ MUTATIONS = [
 ]
 
 # CI (--fast): quick to catch, one of each kind of fault, and the speed-only one.
-FAST = ("is_interior_cols", "det_ds_sign", "fwd_tile_end", "swizzle_off")
+FAST = ("is_interior_cols", "det_ds_sign", "fwd_tile_end", "rows32_a_row_block", "swizzle_off")
 FAST_TESTS = {  # narrower selections for --fast (the full check uses each mutation's own)
+    "rows32_a_row_block": "cuda and test_forward_warp32 and tile_plus-none",
     "is_interior_cols": "cuda and test_forward and tile_plus-none",
     "det_ds_sign": "cuda and test_backward_deterministic and tile_plus-causal",
     "fwd_tile_end": "cuda and test_forward and tile_plus-none",

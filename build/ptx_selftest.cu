@@ -45,7 +45,7 @@ constexpr int kCpThreads = 64;
 constexpr int kPerLane = 64;          // values per lane for ex2, tanh, cvt_pack
 constexpr int kMemBlocks = 4, kMemThreads = 64;  // ld/st/red: several CTAs add to the same words
 constexpr int kMemTotal = kMemBlocks * kMemThreads;
-constexpr int kAccumulators = 5;
+constexpr int kAccumulators = 10;  // 0-4: red.global.add.f32, 6-9: the .v2 pairs (8-byte aligned)
 constexpr int kCvtF16PerLane = 2048;  // 32 x 2048 = every f16 bit pattern
 
 struct Inputs {
@@ -70,7 +70,7 @@ struct Outputs {
   std::vector<float> shfl;                  // [32][6]
   std::vector<float> mem_f32;               // [kMemTotal]: ld.global -> st/ld.shared -> st.global
   std::vector<uint32_t> mem_b32;            // [kMemTotal][8]: v4 global and shared round trips
-  std::vector<float> mem_acc;               // [kAccumulators]: red.global.add
+  std::vector<float> mem_acc;               // [kAccumulators]: red.global.add, .v2
 };
 
 }  // namespace selftest
@@ -191,6 +191,8 @@ __global__ void memory_kernel(const float* src, float* out_f32, uint32_t* out_b3
   for (int i = 0; i < 4; ++i) ptx::st_global_b32(out_b32 + 8 * g + 4 + i, w[i]);
   ptx::red_global_add_f32(acc + g % 4, static_cast<float>(g % 13) - 6.0f);
   ptx::red_global_add_f32(acc + 4, 1.0f);
+  // Two pairs: each element of a pair gets its own values (a swapped or dropped half shows).
+  ptx::red_global_add_v2_f32(acc + 6 + 2 * (g % 2), static_cast<float>(g % 7) - 3.0f, static_cast<float>(g % 5) + 1.0f);
 }
 
 // ---- memory and launches on each side ---------------------------------------------------------
@@ -655,7 +657,7 @@ void compare_memory(const Outputs& g, const Outputs& e) {
   };
   exact("ld_global_f32, st_shared_f32, ld_shared_f32, st_global_f32", words(g.mem_f32), words(e.mem_f32));
   exact("ld_global_v4_b32, st_shared_b32, ld_shared_v4_b32, st_global_v4_b32, st_global_b32", g.mem_b32, e.mem_b32);
-  exact("red_global_add_f32", words(g.mem_acc), words(e.mem_acc));
+  exact("red_global_add_f32, red_global_add_v2_f32", words(g.mem_acc), words(e.mem_acc));
 }
 
 // JAX_FLASH_SELFTEST_PERTURB=1 (host driver): one element of every output of the first side

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import numpy as np
+
 from jax_flash import _registry
 from jax_flash._normalize import canonicalize, restore
 from jax_flash._vjp import flash_attention
@@ -42,10 +44,12 @@ def attention(
         query_offset for other alignments).
       query_seq_lengths: [*B] int32; query rows t >= length are padding (output 0).
       key_value_seq_lengths: [*B] int32; keys s >= length are ignored.
-      local_window_size: int w or (left, right): query t sees keys t - left <= s <= t + right.
+      local_window_size: int w or (left, right): query t sees keys t - left <= s <= t + right;
+        any Python ints >= 0 (sides wider than the sequence are exact: clamped).
       segment_ids: [*B, T] int32 (self-attention) or (q_ids [*B, T], kv_ids [*B, S]): query t
         sees key s only when their ids are equal (packed sequences).
-      logits_soft_cap: float c > 0: logits -> c·tanh(logits / c), after bias, before masking.
+      logits_soft_cap: float c: logits -> c·tanh(logits / c), after bias, before masking;
+        c from float32's smallest normal (1.1754944e-38) to 1e30, or None (off).
       query_offset: int o, or an integer array broadcastable to [*B] (one offset per batch
         row): query t sits at key position o + t for is_causal and local_window_size, so
         causal sees s <= o + t and the window o + t - left <= s <= o + t + right. Default 0
@@ -58,8 +62,10 @@ def attention(
         implementation that cannot serve the call raises ValueError saying why.
 
     Masks combine by AND. A query row that sees no key gets output 0, lse -inf and zero
-    gradients (jax.nn gives such rows the mean of V). Differentiable in query, key, value
-    and bias by reverse mode (jax.grad/jax.vjp); forward mode (jax.jvp) is not supported.
+    gradients (jax.nn gives such rows the mean of V); so does every row when S = 0, and
+    B, T or N = 0 give empty results. Differentiable once in query, key, value and bias by
+    reverse mode (jax.grad/jax.vjp); forward mode (jax.jvp) and second derivatives are not
+    supported (NotImplementedError: use jax_flash.reference for those).
 
     Returns:
       out [*B, T, N, H] in the dtype of query, or (out, lse) with return_residual=True.
@@ -80,10 +86,16 @@ def attention(
         query_offset=query_offset,
         implementation=implementation,
     )
+    _check_return_residual(return_residual)
     name = _registry.select(c.spec, implementation)
     out, lse = flash_attention(name, c.spec, c.q, c.k, c.v, c.masks)
     out, lse = restore(c, out, lse)
     return (out, lse) if return_residual else out
+
+
+def _check_return_residual(return_residual) -> None:
+    if not isinstance(return_residual, (bool, np.bool_)):
+        raise TypeError(f"return_residual must be a Python bool, got {return_residual!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +118,7 @@ class Explanation:
 def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
     """Same arguments as `attention`; says which implementation would run and why each other
     one would not. Raises the same argument errors `attention` would."""
-    kwargs.pop("return_residual", None)
+    _check_return_residual(kwargs.pop("return_residual", False))
     requested = kwargs.get("implementation")
     c = canonicalize(query, key, value, bias, mask, **kwargs)
     reasons = _registry.explain(c.spec)

@@ -39,20 +39,42 @@ def _shape_str(x) -> str:
 def _as_array(name: str, x) -> jax.Array:
     if x is None:
         raise TypeError(f"{name} must be an array, got None")
+    if isinstance(x, (str, bytes)):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__} {x!r}")
     try:
         return jnp.asarray(x)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise TypeError(f"{name} must be an array, got {type(x).__name__}") from e
 
 
-def _check_int_array(name: str, x, shape: tuple[int, ...], alt_shapes=()) -> jax.Array:
+def _check_int_array(name: str, x, shape: tuple[int, ...], alt_shapes=(), clip=None) -> jax.Array:
+    """An integer array of `shape` as int32. clip=(lo, hi): values are clipped to it first
+    (lengths: any value means the same as its clip to [0, T]), so that no 64-bit or unsigned
+    value wraps around in the cast; without it, concrete values outside int32 are an error."""
+    raw = x
     x = _as_array(name, x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array (int32), got {_shape_str(x)}")
     if tuple(x.shape) != shape and tuple(x.shape) not in alt_shapes:
         accepted = " or ".join(str(s) for s in (shape, *alt_shapes))
         raise ValueError(f"{name} must have shape {accepted}, got {_shape_str(x)}")
+    wide = x.dtype.itemsize > 4 or (x.dtype.itemsize == 4 and jnp.issubdtype(x.dtype, jnp.unsignedinteger))
+    if wide and clip is not None:
+        x = jnp.clip(x, *(np.asarray(c).astype(x.dtype) for c in clip))
+    elif wide:
+        _check_int32_values(name, raw)
     return x.astype(jnp.int32).reshape(shape)
+
+
+def _check_int32_values(name: str, x) -> None:
+    """ValueError when concrete values of a 64-bit or unsigned array do not fit int32 (traced
+    ones cannot be checked and are cast)."""
+    try:
+        values = np.asarray(x)
+    except jax.errors.TracerArrayConversionError:
+        return
+    if values.size and (values.min() < _INT32_MIN or values.max() > _INT32_MAX):
+        raise ValueError(f"{name} must fit in int32, got values in [{values.min()}, {values.max()}]")
 
 
 def _query_offset(query_offset, batch_shape, b: int) -> jax.Array:
@@ -81,16 +103,7 @@ def _query_offset(query_offset, batch_shape, b: int) -> jax.Array:
             f"got {_shape_str(x)}"
         )
     if x.dtype.itemsize > 4 or jnp.issubdtype(x.dtype, jnp.unsignedinteger):
-        try:
-            values = np.asarray(query_offset)
-        except jax.errors.TracerArrayConversionError:
-            values = None  # traced: converted below like any int32 input
-        if values is not None and values.size and (
-            values.min() < _INT32_MIN or values.max() > _INT32_MAX
-        ):
-            raise ValueError(
-                f"{name} must fit in int32, got values in [{values.min()}, {values.max()}]"
-            )
+        _check_int32_values(name, query_offset)
     x = x.astype(jnp.int32)
     if not target:
         return x.reshape(1)
@@ -100,7 +113,50 @@ def _query_offset(query_offset, batch_shape, b: int) -> jax.Array:
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
-def _window(local_window_size, is_causal) -> tuple[Optional[int], Optional[int]]:
+# Soft caps every implementation computes exactly (float32 logits, the kernels' unit):
+# from float32's smallest normal, so that 1 / cap and logits / cap stay finite where the
+# kernels need them, to 1e30, above which logits / cap falls below float32's normal range
+# for ordinary logits and is flushed to zero (a cap above 1e30 changes no logit below 1e26
+# anyway: pass None).
+SOFT_CAP_MIN = float(np.finfo(np.float32).tiny)  # 1.1754944e-38
+SOFT_CAP_MAX = 1e30
+
+# T and S stay below 2**30 so that every sum of two positions, a position and a block, or
+# the band's ends (clipped to [-T, S]) fits int32, the index type of every implementation.
+MAX_SEQ_LEN = 2**30 - 1
+
+
+def _soft_cap(cap) -> Optional[float]:
+    """None (off), or a float in [SOFT_CAP_MIN, SOFT_CAP_MAX]; 0.0 is an error, not "off"."""
+    if cap is None:
+        return None
+    if not isinstance(cap, numbers.Real) or isinstance(cap, (bool, np.bool_)):
+        raise TypeError(f"logits_soft_cap must be a Python float or None, got {cap!r}")
+    cap = float(cap)
+    if not SOFT_CAP_MIN <= cap <= SOFT_CAP_MAX:  # also NaN, inf, 0 and negatives
+        raise ValueError(
+            "logits_soft_cap must be a positive float32 normal from "
+            f"{SOFT_CAP_MIN:.8g} to {SOFT_CAP_MAX:g}, or None (no cap), got {cap!r}"
+        )
+    return cap
+
+
+def _window_bound(t: int, s: int) -> int:
+    """The widest window side that still means something, for any query offset.
+
+    Query t at position p = o + t sees key s when s - t >= o - left and s - t <= o + right;
+    s - t always lies in (-T, S) and the offset o is an int32 (|o| <= 2**31), possibly
+    traced. A side of at least T + S + 2**31 therefore bounds nothing for every offset
+    (o - left <= -T and o + right >= S), exactly like any wider one, so windows are clamped
+    to it: it fits the int64 window attributes of the compiled kernels and keeps the band's
+    saturating int32 arithmetic (`AttentionSpec.band`) exact.
+    """
+    return t + s + 2**31
+
+
+def _window(local_window_size, is_causal, t: Optional[int] = None, s: Optional[int] = None
+            ) -> tuple[Optional[int], Optional[int]]:
+    """(left, right), None = unbounded; clamped by `_window_bound(t, s)` when T and S are given."""
     left = right = None
     if local_window_size is not None:
         w = local_window_size
@@ -120,6 +176,9 @@ def _window(local_window_size, is_causal) -> tuple[Optional[int], Optional[int]]
             raise ValueError(
                 f"local_window_size must be non-negative, got (left, right) = ({left}, {right})"
             )
+        if t is not None and s is not None:
+            bound = _window_bound(t, s)
+            left, right = min(left, bound), min(right, bound)
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"is_causal must be a Python bool, got {is_causal!r}")
     if is_causal:
@@ -220,10 +279,18 @@ def canonicalize(
             f"query and key must have the same head dim H, got query {tuple(q.shape)} and key "
             f"{tuple(k.shape)}"
         )
-    if h == 0 or t == 0 or s == 0 or n == 0 or kh == 0:
-        raise ValueError(
-            f"query {tuple(q.shape)} and key {tuple(k.shape)} must have non-zero T, S, N, K, H"
-        )
+    # Empty batch, query, key or head axes are allowed (see `_vjp`: an empty output, or
+    # with S = 0 rows that see no key); the head dim and the kv heads are not.
+    if h == 0:
+        raise ValueError(f"query and key must have a head dim H >= 1, got query {tuple(q.shape)}")
+    if kh == 0:
+        raise ValueError(f"key and value must have at least one head (K >= 1), got key {tuple(k.shape)}")
+    for name, length, letter in (("query", t, "T"), ("key", s, "S")):
+        if length > MAX_SEQ_LEN:
+            raise ValueError(
+                f"{name} has {letter} = {length} positions; positions are int32 in every "
+                f"implementation, so {letter} must be at most 2**30 - 1 = {MAX_SEQ_LEN}"
+            )
     if n % kh != 0:
         raise ValueError(
             f"the number of query heads N={n} must be a multiple of the number of key/value "
@@ -240,14 +307,8 @@ def canonicalize(
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
 
-    if logits_soft_cap is not None:
-        if not isinstance(logits_soft_cap, numbers.Real) or isinstance(logits_soft_cap, bool):
-            raise TypeError(f"logits_soft_cap must be a Python float or None, got {logits_soft_cap!r}")
-        logits_soft_cap = float(logits_soft_cap)
-        if not (logits_soft_cap > 0 and math.isfinite(logits_soft_cap)):
-            raise ValueError(f"logits_soft_cap must be a positive finite float, got {logits_soft_cap}")
-
-    left, right = _window(local_window_size, is_causal)
+    logits_soft_cap = _soft_cap(logits_soft_cap)
+    left, right = _window(local_window_size, is_causal, t, s)
 
     bias_c = mask_c = None
     if bias is not None:
@@ -259,11 +320,12 @@ def canonicalize(
     q_len = kv_len = None
     if query_seq_lengths is not None:
         q_len = _check_int_array(
-            "query_seq_lengths", query_seq_lengths, length_shapes[0], length_shapes[1:]
+            "query_seq_lengths", query_seq_lengths, length_shapes[0], length_shapes[1:], clip=(0, t)
         ).reshape(b)
     if key_value_seq_lengths is not None:
         kv_len = _check_int_array(
-            "key_value_seq_lengths", key_value_seq_lengths, length_shapes[0], length_shapes[1:]
+            "key_value_seq_lengths", key_value_seq_lengths, length_shapes[0], length_shapes[1:],
+            clip=(0, s),
         ).reshape(b)
 
     q_seg = kv_seg = None

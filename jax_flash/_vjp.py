@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from jax_flash import _registry
@@ -23,7 +24,7 @@ def flash_attention(impl_name: str, spec: AttentionSpec, q, k, v, masks: MaskInp
 
 
 def _forward(impl_name, spec, q, k, v, masks):
-    out, lse = _registry.get(impl_name).forward(spec, q, k, v, masks)
+    out, lse = _first_order_forward(impl_name, spec, q, k, v, masks)
     # Inside shard_map the results vary over every mesh axis any input varies over; a
     # compiled call's results are typed invariant, so say it (check_vma).
     axes = _vma(q, k, v, *jax.tree.leaves(masks))
@@ -34,8 +35,8 @@ def _forward(impl_name, spec, q, k, v, masks):
 def _backward(impl_name, spec, residuals, cotangents):
     q, k, v, masks, out, lse = residuals
     dout, dlse = cotangents
-    dq, dk, dv, dbias = _registry.get(impl_name).backward(
-        spec, q, k, v, masks, out, lse, dout.astype(out.dtype), dlse.astype(lse.dtype)
+    dq, dk, dv, dbias = _first_order_backward(
+        impl_name, spec, q, k, v, masks, out, lse, dout.astype(out.dtype), dlse.astype(lse.dtype)
     )
     # Inside shard_map an input that is the same on every device of a mesh axis (K/V
     # gathered, queries sharded) gets the sum of the devices' cotangents over that axis.
@@ -46,6 +47,60 @@ def _backward(impl_name, spec, residuals, cotangents):
     # Masks, lengths and segment ids are not differentiable (None = zero cotangent).
     dmasks = MaskInputs(bias=dbias)
     return dq, dk, dv, dmasks
+
+
+def is_empty(spec: AttentionSpec) -> bool:
+    """Nothing to compute: an empty output (B, T or N is 0) or no key at all (S = 0)."""
+    return 0 in (spec.batch, spec.q_len, spec.num_heads, spec.kv_len)
+
+
+def _empty_forward(spec: AttentionSpec, q):
+    """Every implementation's result for an empty call, computed here once so that all of
+    them agree: out 0 and lse -inf (each row sees no key, S = 0), or empty arrays."""
+    b, t, n = spec.batch, spec.q_len, spec.num_heads
+    stat_dt = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+    return jnp.zeros_like(q), jnp.full((b, n, t), -jnp.inf, stat_dt)
+
+
+# Second derivatives: differentiating a gradient differentiates both rules of the
+# custom_vjp (the forward rule runs under the outer derivative's trace too). Each rule's
+# call of an implementation is a custom_jvp that refuses, so grad-of-grad, jax.hessian and
+# jacfwd-of-grad raise this at trace time, the same for every implementation, instead of
+# failing inside an FFI call, a custom_partitioning or a dynamic-bounds loop.
+SECOND_ORDER_MESSAGE = (
+    "jax_flash.attention is differentiable once (reverse mode: jax.grad, jax.vjp); its "
+    "backward pass is not differentiable, so second derivatives (grad of grad, jax.hessian, "
+    "jax.jacfwd of a gradient) are not supported. For higher-order derivatives use "
+    "jax_flash.reference (same arguments, dense) or jax.nn.dot_product_attention."
+)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _first_order_forward(impl_name, spec, q, k, v, masks):
+    if is_empty(spec):
+        return _empty_forward(spec, q)
+    return _registry.get(impl_name).forward(spec, q, k, v, masks)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _first_order_backward(impl_name, spec, q, k, v, masks, out, lse, dout, dlse):
+    if is_empty(spec):
+        return _empty_backward(spec, q, k, v, masks)
+    return _registry.get(impl_name).backward(spec, q, k, v, masks, out, lse, dout, dlse)
+
+
+def _second_order(impl_name, spec, primals, tangents):
+    raise NotImplementedError(SECOND_ORDER_MESSAGE)
+
+
+_first_order_forward.defjvp(_second_order)
+_first_order_backward.defjvp(_second_order)
+
+
+def _empty_backward(spec: AttentionSpec, q, k, v, masks: MaskInputs):
+    """Zero gradients: nothing depends on q (no key) or there is nothing to differentiate."""
+    dbias = None if masks.bias is None else jnp.zeros_like(masks.bias)
+    return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), dbias
 
 
 def _vma(*xs) -> frozenset:

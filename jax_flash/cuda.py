@@ -6,6 +6,10 @@ against an emulation of the SIMT model and of each PTX instruction runs instead 
 
 JAX_FLASH_DETERMINISTIC=1 makes the backward accumulate dQ without racing atomics.
 
+JAX_FLASH_CUDA_LAYOUT=warp16|warp32 chooses the kernels' warp layout (cuda/README.md); the
+handlers read it at every call, `explain` says which one a call would run, and an unknown value
+is a ValueError when a call is traced (and an error from the handler if it changes after).
+
 Architectures: the extension holds the images its build listed (JAX_FLASH_CUDA_ARCHS; by
 default cubins for sm_80, sm_90, sm_120 and PTX for compute_80 and compute_120). A GPU runs
 the cubin of its own major version and an equal or lower minor, else the newest PTX image it
@@ -41,6 +45,32 @@ def emulated() -> bool:
 
 def deterministic() -> bool:
     return os.environ.get("JAX_FLASH_DETERMINISTIC", "") == "1"
+
+
+LAYOUTS = ("warp16", "warp32")
+# The head dims whose forward / backward has a warp32 kernel of its own (kernels/tile.h,
+# build/generate_kernels.py); the others run the warp16 kernel under either setting.
+WARP32_HEAD_DIMS = {"forward": (32, 64, 96), "backward": (32, 64)}
+
+
+def layout() -> str:
+    """JAX_FLASH_CUDA_LAYOUT: "warp16" (the default, also when unset or empty) or "warp32"."""
+    value = os.environ.get("JAX_FLASH_CUDA_LAYOUT", "") or "warp16"
+    if value not in LAYOUTS:
+        raise ValueError(f"JAX_FLASH_CUDA_LAYOUT={value!r} is not a layout of the CUDA kernels (warp16 or warp32)")
+    return value
+
+
+def layout_description(head_dim: int) -> str:
+    """Which kernels a call at `head_dim` runs under the current JAX_FLASH_CUDA_LAYOUT."""
+    name = layout()
+    if name == "warp16":
+        return "layout warp16: forward 8 warps x 16 rows, backward 64 keys per CTA"
+    fwd = ("4 warps x 32 rows" if head_dim in WARP32_HEAD_DIMS["forward"]
+           else "8 warps x 16 rows (no warp32 kernel at this head dim)")
+    bwd = ("128 keys per CTA" if head_dim in WARP32_HEAD_DIMS["backward"]
+           else "64 keys per CTA (no warp32 kernel at this head dim)")
+    return f"layout warp32: forward {fwd}, backward {bwd}"
 
 
 def _prefix() -> str:
@@ -112,6 +142,48 @@ def _compute_capability() -> Optional[tuple[int, int]]:
     return int(major), int(minor)
 
 
+# The kernels' launch geometry (cuda/kernels/grid.h, fwd.h, bwd.h), checked at trace time so
+# that a call the launches cannot take is refused before it runs: one CTA per (block, head,
+# batch), the batch folded into grid.x with the blocks (at most 2**31 - 1 CTAs), the heads
+# over grid.y·grid.z (65535 each, so any int32 count). Every kernel's block holds at least
+# 64 query rows or keys (forward 128, backward and dQ 64): B·ceil(L / 64) bounds grid.x for
+# L = T and S. The backward's delta kernel is a 1-D grid of ceil(B·T·N / rows) CTAs with
+# rows = 128 threads / (lanes per row, the head dim's 16-byte chunks rounded up to a power of
+# two). The handlers hold B, N, K as int and T, S below 2**30.
+MIN_GRID_BLOCK = 64
+MAX_GRID_X = 2**31 - 1
+MAX_INT = 2**31 - 1
+
+
+def _delta_rows_per_block(head_dim: int) -> int:
+    lanes = 1
+    while lanes < head_dim // 8:
+        lanes *= 2
+    return 128 // lanes
+
+
+def launch_limit(spec: AttentionSpec) -> Optional[str]:
+    """Why the kernels cannot be launched for `spec` (a CUDA grid or int limit), or None."""
+    b, t, s, n, h = spec.batch, spec.q_len, spec.kv_len, spec.num_heads, spec.head_dim
+    if max(b, n) > MAX_INT:
+        return f"holds B and N as int32: batch B={b} and heads N={n} must be at most 2**31 - 1"
+    for length, what in ((t, "query"), (s, "key")):
+        ctas = b * -(-length // MIN_GRID_BLOCK)
+        if ctas > MAX_GRID_X:
+            return (
+                f"would launch B·ceil({'T' if what == 'query' else 'S'}/{MIN_GRID_BLOCK}) = "
+                f"{ctas} CTAs ({what} blocks x batch B={b}) in grid.x, above CUDA's limit of 2**31 - 1"
+            )
+    rows = _delta_rows_per_block(h)
+    ctas = -(-(b * t * n) // rows)
+    if ctas > MAX_GRID_X:
+        return (
+            f"would launch ceil(B·T·N/{rows}) = {ctas} CTAs in the backward's 1-D delta grid, "
+            "above CUDA's grid.x limit of 2**31 - 1"
+        )
+    return None
+
+
 class CudaImplementation:
     name = "cuda"
 
@@ -143,23 +215,27 @@ class CudaImplementation:
                 )
         if spec.head_dim not in HEAD_DIMS:
             return f"has kernels for head dims {HEAD_DIMS}, got {spec.head_dim}"
-        return _ffi.compiled_kernel_reason(spec, DTYPES)
+        return _ffi.compiled_kernel_reason(spec, DTYPES) or launch_limit(spec)
 
     def note(self, spec: AttentionSpec) -> Optional[str]:
         """What `explain` adds when the kernels can run: the host emulation, or which image
         of the build this GPU runs (a cubin, or PTX that the driver JIT-compiles)."""
+        try:
+            how = layout_description(spec.head_dim)
+        except ValueError as e:
+            how = f"{e}: calls fail"
         if emulated():
-            return "on the host emulation of the kernels: JAX_FLASH_EMULATE_CUDA=1"
+            return f"on the host emulation of the kernels: JAX_FLASH_EMULATE_CUDA=1; {how}"
         cc = _compute_capability()
         if cc is None:
-            return None
+            return how
         image = kernel_image(cc, _architectures())
         if image is None or image == "unknown":
-            return None
+            return how
         if image.endswith("PTX"):
             return (f"compute capability {cc[0]}.{cc[1]} has no cubin in this build: it runs the {image} image, "
-                    "JIT-compiled by the driver at first use")
-        return f"runs the {image} cubin"
+                    f"JIT-compiled by the driver at first use; {how}")
+        return f"runs the {image} cubin; {how}"
 
     # Non-finite inputs (README, "Numerical contract"). The kernels' products P·V, dS·K and
     # dSᵀ·Q also multiply masked (zero) weights, and 0·NaN would carry a masked-out poisoned
@@ -167,6 +243,7 @@ class CudaImplementation:
     # of the forward keep the raw q and k (a ±inf score becomes NaN in the kernel); the
     # backward needs no poisoned operand, as a poisoned row's lse and D are NaN.
     def forward(self, spec, q, k, v, masks):
+        layout()  # an unknown JAX_FLASH_CUDA_LAYOUT: a ValueError now, not a failure at run time
         out, lse = _ffi.forward(self.name, f"{_prefix()}_fwd", spec, q, k, finite_part(v), masks)
         bad_v = nonfinite_rows(v)  # [B, S, K]
         sees = lax.cond(jnp.any(bad_v), lambda: self._sees(spec, bad_v, masks, q.dtype),
@@ -184,6 +261,7 @@ class CudaImplementation:
         return share[..., 0] > 0
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
+        layout()
         return _ffi.backward(
             self.name, f"{_prefix()}_bwd", spec, finite_part(q), finite_part(k), finite_part(v), masks, out,
             lse, dout, dlse, deterministic=deterministic(),

@@ -397,6 +397,32 @@ def _backward_call(
     return dq, dk[:, :s, :, :h], dv[:, :s, :, :h], dbias
 
 
+# Triton's launch grid (jax's Pallas Triton lowering): grid.x holds at most 2**31 - 1
+# programs and grid.y, grid.z 65535; a grid whose heads or batch axis is larger is folded
+# into grid.x. The kernels' grids are (blocks, heads, batch) with blocks of at least 16 rows or
+# keys and at most N heads (the dK/dV grid's K·splits). Checked on every platform so that a
+# call is refused the same way interpreted on a CPU as on a GPU.
+MIN_BLOCK = 16
+MAX_GRID_X = 2**31 - 1
+MAX_GRID_YZ = 65535
+
+
+def launch_limit(spec: AttentionSpec) -> Optional[str]:
+    """Why Triton cannot launch the kernels' grids for `spec`, or None."""
+    b, n = spec.batch, spec.num_heads
+    if b <= MAX_GRID_YZ and n <= MAX_GRID_YZ:
+        return None
+    blocks = -(-max(spec.q_len, spec.kv_len) // MIN_BLOCK)
+    programs = blocks * n * b
+    if programs >= MAX_GRID_X:
+        return (
+            f"with batch B={b} or heads N={n} above Triton's grid.y/z limit of 65535 the grid "
+            f"is folded into grid.x: ceil(max(T, S)/{MIN_BLOCK})·N·B = {programs} programs, "
+            "above its limit of 2**31 - 1"
+        )
+    return None
+
+
 class PallasImplementation:
     """Pallas/Triton kernels on a GPU; the same kernels interpreted on a CPU (tests)."""
 
@@ -414,7 +440,7 @@ class PallasImplementation:
             return f"supports dtypes {DTYPES}, got {spec.dtype}"
         if spec.head_dim > MAX_HEAD_DIM:
             return f"supports head dims up to {MAX_HEAD_DIM}, got {spec.head_dim}"
-        return None
+        return launch_limit(spec)
 
     def note(self, spec: AttentionSpec) -> Optional[str]:
         """What `explain` adds: on a CPU the kernels are interpreted, which is for tests."""

@@ -116,7 +116,7 @@ def reference_canonical(
     vis = jnp.broadcast_to(True if vis is None else vis, logits.shape)
     logits = jnp.where(vis, logits, -jnp.inf)
     # XLA's max may drop a NaN logit; exp(NaN) cannot, so l is NaN for a poisoned row.
-    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)  # S = 0: no key
     m_safe = jnp.where(m == -jnp.inf, 0, m)
     e = jnp.where(vis, jnp.exp(logits - m_safe), 0)  # exactly 0 where masked, even for NaN m
     l = jnp.sum(e, axis=-1, keepdims=True)

@@ -15,7 +15,7 @@ import pytest
 import jax_flash
 from jax_flash.reference import attention_reference
 
-from cases import CASES, EPS, FACTOR, GRAD_EPS, Shape, make_qkv, mask_kwargs, max_err
+from cases import CASES, EPS, FACTOR, GRAD_EPS, TILE_EDGE_KINDS, Shape, make_qkv, mask_kwargs, max_err
 from conftest import slow_impl
 
 
@@ -126,6 +126,64 @@ def test_backward_deterministic(impl, case, monkeypatch):
     for other in (again(), again()):
         for name, a, b in zip(("dq", "dk", "dv"), g, other):
             assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f"{name} differs between runs"
+
+
+# The kWarp32 layout of the cuda kernels (JAX_FLASH_CUDA_LAYOUT=warp32, read at every call):
+# the forward's 4 warps x 32 query rows (two m16 row blocks sharing each K/V fragment) at
+# H = 32, 64, 96 and the backward's 128-key CTAs at H = 32, 64. Tile-edge shapes (T, S at ±1
+# of 16, 32, 64 and 128; S = 127, 300, 260 cross 128-key blocks raggedly), causal, windows,
+# lengths, segments, soft cap, combinations; deterministic mode on two of them.
+WARP32_CASES = [
+    pytest.param(c, id=str(c))
+    for c in CASES
+    if (c.shape_name == "tile_plus" and c.mask_kind in TILE_EDGE_KINDS)
+    or (c.shape_name == "small_h96" and c.mask_kind in ("none", "causal", "combo"))
+    or (c.shape_name == "small_h32" and c.mask_kind == "combo")
+    or (c.shape_name == "small_mqa" and c.mask_kind in ("softcap", "window", "segments"))
+]
+WARP32_DETERMINISTIC_CASES = [pytest.param(c, id=str(c)) for c in CASES
+                              if str(c) in ("tile_plus-causal-float16", "small_h32-combo-float16")]
+
+
+@pytest.fixture
+def warp32(impl, monkeypatch):
+    if impl != "cuda":
+        pytest.skip("JAX_FLASH_CUDA_LAYOUT selects the cuda kernels' warp layout")
+    monkeypatch.setenv("JAX_FLASH_CUDA_LAYOUT", "warp32")
+
+
+@pytest.mark.parametrize("case", WARP32_CASES)
+def test_forward_warp32(impl, warp32, case):
+    test_forward(impl, case)
+
+
+@pytest.mark.parametrize("case", WARP32_CASES)
+def test_backward_warp32(impl, warp32, case):
+    _check_backward(impl, case)
+
+
+@pytest.mark.parametrize("case", WARP32_DETERMINISTIC_CASES)
+def test_backward_deterministic_warp32(impl, warp32, case, monkeypatch):
+    test_backward_deterministic(impl, case, monkeypatch)
+
+
+def test_layout_variable_checked(impl, monkeypatch):
+    """An unknown JAX_FLASH_CUDA_LAYOUT is an error naming the variable, not a silent default:
+    a ValueError when the call is traced, and the handler's own error (it reads the variable at
+    every call) when it changes after compilation."""
+    if impl != "cuda":
+        pytest.skip("JAX_FLASH_CUDA_LAYOUT selects the cuda kernels' warp layout")
+    q, k, v = make_qkv(Shape(1, 16, 16, 1, 1, 64), jnp.bfloat16)
+    f = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, implementation=impl))
+    monkeypatch.setenv("JAX_FLASH_CUDA_LAYOUT", "warp64")
+    with pytest.raises(ValueError, match="JAX_FLASH_CUDA_LAYOUT='warp64'"):
+        f.lower(q, k, v)
+    monkeypatch.setenv("JAX_FLASH_CUDA_LAYOUT", "warp32")
+    compiled = f.lower(q, k, v).compile()
+    jax.block_until_ready(compiled(q, k, v))
+    monkeypatch.setenv("JAX_FLASH_CUDA_LAYOUT", "warp64")
+    with pytest.raises(Exception, match="JAX_FLASH_CUDA_LAYOUT=warp64 is not a layout"):
+        jax.block_until_ready(compiled(q, k, v))
 
 
 def test_query_offset_traced_and_vmapped(impl):

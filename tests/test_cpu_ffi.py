@@ -362,7 +362,7 @@ def bad_call(target: str, **changes):
         ("jax_flash_fwd", dict(window_left=np.int64(-2)), "window_left and window_right"),
         ("jax_flash_fwd", dict(q_off=np.zeros((3,), np.int32)), r"q_offset has shape \[3\]"),
         ("jax_flash_bwd", dict(q_off=np.zeros((1,), np.int64)), "q_offset has dtype"),
-        ("jax_flash_fwd", dict(softcap=np.float32(-1.0)), "softcap must be >= 0"),
+        ("jax_flash_fwd", dict(softcap=np.float32(-1.0)), r"softcap must be 0 \(off\) or a finite float32 normal"),
         ("jax_flash_bwd", dict(dlse=np.zeros((1, 8, 2), np.float32)), r"dlse has shape \[1, 8, 2\]"),
         ("jax_flash_bwd", dict(dout=np.zeros((1, 8, 2, 16), np.float16)), "dout has dtype f16"),
     ],

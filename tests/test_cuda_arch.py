@@ -9,6 +9,7 @@ import pathlib
 import re
 import tomllib
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -89,7 +90,29 @@ def test_gpu_that_jits_the_ptx_is_explained(monkeypatch):
     notes = _registry.notes(spec, {"cuda": None})
     assert notes["cuda"] == note
     _pretend_gpu(monkeypatch, (9, 0), "80-real,80-virtual,90-real,120-real,120-virtual")
-    assert jf_cuda.IMPLEMENTATION.note(spec) == "runs the sm_90 cubin"
+    assert jf_cuda.IMPLEMENTATION.note(spec).startswith("runs the sm_90 cubin; layout warp16")
+
+
+def test_explain_names_the_layout(monkeypatch):
+    """The note says which warp layout a call runs (JAX_FLASH_CUDA_LAYOUT), per head dim, and an
+    unknown value is a ValueError naming the variable when a call is traced."""
+    monkeypatch.setenv("JAX_FLASH_EMULATE_CUDA", "1")
+    monkeypatch.delenv("JAX_FLASH_CUDA_LAYOUT", raising=False)
+    q64 = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
+    q128 = jnp.zeros((1, 8, 2, 128), jnp.bfloat16)
+    e = jax_flash.explain(q64, q64, q64, implementation="cuda")
+    if e.reasons["cuda"] is not None:
+        pytest.skip(e.reasons["cuda"])
+    assert "layout warp16" in e.notes["cuda"]
+    monkeypatch.setenv("JAX_FLASH_CUDA_LAYOUT", "warp32")
+    note = jax_flash.explain(q64, q64, q64, implementation="cuda").notes["cuda"]
+    assert "layout warp32: forward 4 warps x 32 rows, backward 128 keys per CTA" in note
+    note = jax_flash.explain(q128, q128, q128, implementation="cuda").notes["cuda"]
+    assert "forward 8 warps x 16 rows (no warp32 kernel at this head dim)" in note
+    monkeypatch.setenv("JAX_FLASH_CUDA_LAYOUT", "wide")
+    assert "JAX_FLASH_CUDA_LAYOUT='wide'" in jax_flash.explain(q64, q64, q64, implementation="cuda").notes["cuda"]
+    with pytest.raises(ValueError, match="JAX_FLASH_CUDA_LAYOUT='wide'"):
+        jax.jit(lambda q: jax_flash.attention(q, q, q, implementation="cuda")).lower(q64)
 
 
 def test_explain_prints_the_note(monkeypatch):

@@ -1,7 +1,9 @@
 """The GPU correctness pass (`pytest -m gpu`, run by build/device_check.sh): a subset of the
 shared suite (tests/test_attention.py, same checks and tolerances) for `implementation="cuda"`
 at full size, forward and backward, and the backward in deterministic mode
-(JAX_FLASH_DETERMINISTIC=1) with bitwise-equal gradients run to run.
+(JAX_FLASH_DETERMINISTIC=1) with bitwise-equal gradients run to run; and the kernels' second
+warp layout (JAX_FLASH_CUDA_LAYOUT=warp32) with the combined mask at every head dim it has its
+own kernels for (32, 64, 96), forward and backward.
 
 Every mask kind the kernels take, every head dim with kernels (32, 64, 96, 128) and both
 dtypes appear, each (head dim, dtype) pair with the combined mask; T and S are ≡ −1 or +1
@@ -133,6 +135,9 @@ def _cases() -> list[GpuCase]:
 CASES = _cases()
 # Deterministic mode: the dQ kernel of every head dim, both dtypes, causal and lengths.
 DETERMINISTIC = [_case("ragged", ("causal", "lengths")[i % 2], DTYPES[i % 2], h) for i, h in enumerate(HEAD_DIMS)]
+# JAX_FLASH_CUDA_LAYOUT=warp32: the head dims whose forward or backward has a kernel of that
+# layout (build/generate_kernels.py), the combined mask, both dtypes.
+WARP32 = [_case("ragged", "combo", DTYPES[i % 2], h) for i, h in enumerate((32, 64, 96))]
 
 
 def _impl() -> str:
@@ -187,12 +192,34 @@ def test_gpu_backward_deterministic(case):
         env.undo()
 
 
+def _with_layout(fn, case):
+    impl, env = _impl(), _Env()
+    env.setenv("JAX_FLASH_CUDA_LAYOUT", "warp32")
+    try:
+        fn(impl, case)
+    finally:
+        env.undo()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", WARP32, ids=str)
+def test_gpu_forward_warp32(case):
+    _with_layout(suite.test_forward, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", WARP32, ids=str)
+def test_gpu_backward_warp32(case):
+    _with_layout(suite.test_backward, case)
+
+
 # ----------------------------------------------------------------------------- without pytest
 
 
 def _all_tests():
     for fn, params in ((test_gpu_forward, CASES), (test_gpu_backward, CASES),
-                       (test_gpu_backward_deterministic, DETERMINISTIC)):
+                       (test_gpu_backward_deterministic, DETERMINISTIC), (test_gpu_forward_warp32, WARP32),
+                       (test_gpu_backward_warp32, WARP32)):
         for case in params:
             yield f"{fn.__name__}[{case}]", fn, case
 

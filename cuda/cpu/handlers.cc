@@ -21,6 +21,15 @@ namespace jax_flash {
 namespace cpu {
 namespace {
 
+// softcap is +0 (off) or a positive finite float32 normal. Read from the bits: XLA's threads
+// treat subnormals as zero (DAZ), so a comparison would take 1e-40 for "off".
+inline bool SoftcapIsOffOrNormal(float softcap) {
+  uint32_t bits;
+  std::memcpy(&bits, &softcap, sizeof bits);
+  const uint32_t exponent = (bits >> 23) & 0xffu;
+  return bits == 0 || (bits >> 31 == 0 && exponent != 0 && exponent != 0xffu);
+}
+
 std::string ShapeString(ffi::AnyBuffer::Dimensions dims) {
   std::string s = "[";
   for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
@@ -112,9 +121,11 @@ void DescribeProblem(Checker& check, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
   check.Expect("q_segment_ids", q_segment_ids, {p->batch, p->q_len}, ffi::DataType::S32);
   check.Expect("kv_segment_ids", kv_segment_ids, {p->batch, p->kv_len}, ffi::DataType::S32);
   check.Expect("q_offset", q_offsets, {p->batch}, ffi::DataType::S32);
+  if (p->head_dim < 1) check.Fail("the head dim H must be >= 1, got q shape " + ShapeString(qd));
   if (!std::isfinite(scale)) check.Fail("scale must be finite, got " + std::to_string(scale));
-  if (!(softcap >= 0.0f) || !std::isfinite(softcap))
-    check.Fail("softcap must be >= 0 (0 = off), got " + std::to_string(softcap));
+  // 0 is "off"; a cap below float32's smallest normal has no finite 1 / softcap.
+  if (!SoftcapIsOffOrNormal(softcap))
+    check.Fail("softcap must be 0 (off) or a finite float32 normal > 0, got " + std::to_string(softcap));
   if (window_left < -1 || window_right < -1) {
     check.Fail("window_left and window_right must be >= 0 or -1 (unbounded), got (" +
                std::to_string(window_left) + ", " + std::to_string(window_right) + ")");

@@ -272,6 +272,14 @@ void red_global_add_f32(float* p, float v, const char* file, int line) {
   old += v;
   std::memcpy(p, &old, 4);
 }
+void red_global_add_v2_f32(float* p, float lo, float hi, const char* file, int line) {
+  p = check_global("red.global.add.v2.f32", p, 8, detail::MemOp::kAtomic, file, line);
+  float old[2];
+  std::memcpy(old, p, 8);
+  old[0] += lo;
+  old[1] += hi;
+  std::memcpy(p, old, 8);
+}
 
 namespace detail {
 uint32_t approx_seed() {

@@ -86,6 +86,10 @@ void st_global_v4_b32(void* p, const uint32_t v[4], JAX_FLASH_EMU_SITE);
 // red", PTX ISA 9.1 numbering): an atomic add, recorded as atomic (several CTAs may add to the
 // same address; a plain access of another CTA to it is an error).
 void red_global_add_f32(float* p, float v, JAX_FLASH_EMU_SITE);
+// red.global.add.v2.f32 [p], {lo, hi} (sm_90+): two atomic adds of adjacent floats, recorded as
+// atomic like the scalar one; p must be 8-byte aligned (misaligned: an error, as the hardware
+// faults).
+void red_global_add_v2_f32(float* p, float lo, float hi, JAX_FLASH_EMU_SITE);
 
 // ---- approximate instructions: the exact result moved by the documented worst-case error ----
 // The direction of the error is a hash of the input (and JAX_FLASH_EMU_APPROX_SEED), so that a

@@ -1,9 +1,11 @@
 // FlashAttention-2 backward (Dao, 2023, Alg. 2), three kernels on one stream:
 //   1. delta:  D = rowsum(dO ∘ O) − dlse per query row (the `delta` workspace result);
-//   2. main:   one CTA per (key block, kv head, batch), each warp owns 16 keys; it loops over
+//   2. main:   one CTA per (key block, kv head, batch) (64 keys, or 128 in the kWarp32 layout
+//              at H <= 64), each warp owns 16 keys; it loops over
 //              the query heads of its GQA group and the query blocks that see its keys,
 //              recomputes P from lse, keeps dK and dV in registers for the whole loop, and
-//              adds dQ = dS·K into the f32 `dq_accum` workspace with atomics;
+//              adds dQ = dS·K into the f32 `dq_accum` workspace with atomics (red.global.add,
+//              two floats at a time on sm_90+);
 //   3. convert: dq = scale · dq_accum in the input dtype.
 // Deterministic mode replaces the atomics and the conversion by a fourth kernel that computes dQ
 // per query block (2b below), at the price of recomputing S and dP once more.
@@ -25,15 +27,15 @@
 namespace jax_flash {
 namespace kernels {
 
-template <class Elem, int HEAD_DIM>
+template <class Elem, int HEAD_DIM, Layout LAYOUT = Layout::kWarp16>
 struct BackwardKernel {
-  static constexpr TileShape kShape = TileShapeFor(Pass::kBackward, HEAD_DIM);
+  static constexpr TileShape kShape = TileShapeFor(Pass::kBackward, HEAD_DIM, LAYOUT);
   static constexpr int BLOCK_Q = kShape.block_q;
   static constexpr int BLOCK_KV = kShape.block_kv;
   static constexpr int WARPS = kShape.warps;
   static constexpr int STAGES = kShape.stages;
   static constexpr int THREADS = WARPS * WARP_SIZE;
-  static constexpr int WARP_KV = MMA_M;  // keys per warp
+  static constexpr int WARP_KV = kShape.rows_per_warp;  // keys per warp
   // k-steps of Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ unrolled at once: dK and dV hold 2·HEAD_DIM/2
   // registers per thread for the whole kernel, so full unrolling would spill at HEAD_DIM 128.
   static constexpr int K_UNROLL = HEAD_DIM <= 64 ? HEAD_DIM / MMA_K : 2;
@@ -57,7 +59,7 @@ struct BackwardKernel {
     return {CeilDiv(p.kv_len, BLOCK_KV), p.kv_heads, p.batch};
   }
 
-  static_assert(BLOCK_KV == WARPS * WARP_KV, "each warp owns 16 keys");
+  static_assert(BLOCK_KV == WARPS * WARP_KV && WARP_KV == MMA_M, "each warp owns 16 keys");
   static_assert(WARPS % DQ_ROW_GROUPS == 0 && DQ_COLS % 16 == 0, "dQ work splits evenly over the warps");
   static_assert(STAGES >= 2, "the ring overlaps the next query block's copy with this one's math");
   static_assert(kSmemBytes <= kMaxSmemBytes, "backward tile does not fit 99 KB of shared memory");
@@ -173,9 +175,8 @@ __device__ __forceinline__ void accumulate_dq(const AttentionParams& p, const ch
     float* row = p.dq_accum + p.q_offset(b, t, n) + col0;
     JAX_FLASH_UNROLL
     for (int j = 0; j < K::DQ_COLS / MMA_N; ++j) {
-      const int col = 8 * j + 2 * (lane & 3);
-      ptx::red_global_add_f32(row + col, dq[j][2 * r]);
-      ptx::red_global_add_f32(row + col + 1, dq[j][2 * r + 1]);
+      const int col = 8 * j + 2 * (lane & 3);  // even: the pair is 8-byte aligned
+      ptx::red_global_add_v2_f32(row + col, dq[j][2 * r], dq[j][2 * r + 1]);
     }
   }
 }
@@ -199,10 +200,10 @@ __device__ __forceinline__ void store_dk_dv(const AttentionParams& p, const floa
   }
 }
 
-template <class Elem, int HEAD_DIM>
-__global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM>::THREADS, 1)
+template <class Elem, int HEAD_DIM, Layout LAYOUT>
+__global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, LAYOUT>::THREADS, 1)
     attention_backward_kernel(const AttentionParams p) {
-  using K = BackwardKernel<Elem, HEAD_DIM>;
+  using K = BackwardKernel<Elem, HEAD_DIM, LAYOUT>;
   JAX_FLASH_DYNAMIC_SMEM(smem);
   const FoldedGrid grid = K::grid(p);
   const GridIndex at = grid.index();
@@ -486,9 +487,9 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM>::THREADS, 1)
 // Host side: zero dq_accum, the delta kernel, then the main kernel and the dQ conversion, in
 // order on one stream. Deterministic mode adds no atomics: the main kernel computes dK and dV
 // only, and the dQ kernel computes dQ per query block.
-template <class Elem, int HEAD_DIM>
+template <class Elem, int HEAD_DIM, Layout LAYOUT>
 LaunchError LaunchBackward(const AttentionParams& p_in, bool deterministic, Stream stream) {
-  using K = BackwardKernel<Elem, HEAD_DIM>;
+  using K = BackwardKernel<Elem, HEAD_DIM, LAYOUT>;
   using D = DeltaKernel<HEAD_DIM>;
   using Q = BackwardDqKernel<Elem, HEAD_DIM>;
   AttentionParams p = p_in;
@@ -507,8 +508,8 @@ LaunchError LaunchBackward(const AttentionParams& p_in, bool deterministic, Stre
   err = Launch("attention_backward_delta_kernel", attention_backward_delta_kernel<Elem, HEAD_DIM>, delta_grid,
                dim3(D::THREADS), 0, stream, p);
   if (!err.empty()) return err;
-  err = Launch("attention_backward_kernel", attention_backward_kernel<Elem, HEAD_DIM>, main_grid, dim3(K::THREADS),
-               K::kSmemBytes, stream, p);
+  err = Launch("attention_backward_kernel", attention_backward_kernel<Elem, HEAD_DIM, LAYOUT>, main_grid,
+               dim3(K::THREADS), K::kSmemBytes, stream, p);
   if (!err.empty()) return err;
   if (deterministic) {
     return Launch("attention_backward_dq_kernel", attention_backward_dq_kernel<Elem, HEAD_DIM>, dq_grid,

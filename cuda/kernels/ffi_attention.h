@@ -4,8 +4,10 @@
 // each other, and the handler bodies. Only how the stream is obtained differs.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <utility>
 
@@ -104,6 +106,15 @@ inline ffi::Error Expect(const char* target, const char* name, const ffi::AnyBuf
                                      DtypeName(dtype) + ", got " + Describe(buffer));
 }
 
+// softcap is +0 (off) or a positive finite float32 normal. Read from the bits: XLA's threads
+// treat subnormals as zero (DAZ), so a comparison would take 1e-40 for "off".
+inline bool SoftcapIsOffOrNormal(float softcap) {
+  uint32_t bits;
+  std::memcpy(&bits, &softcap, sizeof bits);
+  const uint32_t exponent = (bits >> 23) & 0xffu;
+  return bits == 0 || (bits >> 31 == 0 && exponent != 0 && exponent != 0xffu);
+}
+
 // The operands every target shares, checked against each other; fills the shapes, masks and
 // attributes of `p` and the element type.
 inline ffi::Error CheckOperands(const char* target, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
@@ -140,6 +151,15 @@ inline ffi::Error CheckOperands(const char* target, const ffi::AnyBuffer& q, con
   if (B >= (int64_t{1} << 31) || N >= (int64_t{1} << 31) || T >= (int64_t{1} << 30) || S >= (int64_t{1} << 30))
     return ffi::Error::InvalidArgument(where + ": batch and heads must be < 2^31 and T, S < 2^30, got q " +
                                        Describe(q) + ", k " + Describe(k));
+  if (!std::isfinite(scale))
+    return ffi::Error::InvalidArgument(where + ": scale must be finite, got " + std::to_string(scale));
+  // 0 is "off"; a cap below float32's smallest normal has no finite 1 / softcap.
+  if (!SoftcapIsOffOrNormal(softcap))
+    return ffi::Error::InvalidArgument(where + ": softcap must be 0 (off) or a finite float32 normal > 0, got " +
+                                       std::to_string(softcap));
+  if (window_left < -1 || window_right < -1)
+    return ffi::Error::InvalidArgument(where + ": window_left and window_right must be >= 0 or -1 (unbounded), got (" +
+                                       std::to_string(window_left) + ", " + std::to_string(window_right) + ")");
   // A window wider than 2^32 reaches past any int32 offset: the same as 2^32, which keeps
   // offset ± window exact in 64 bits.
   auto window = [](int64_t w) { return w < 0 ? int64_t{-1} : (w < (int64_t{1} << 32) ? w : (int64_t{1} << 32)); };
@@ -150,7 +170,7 @@ inline ffi::Error CheckOperands(const char* target, const ffi::AnyBuffer& q, con
   p->kv_heads = static_cast<int>(K);
   p->head_dim = static_cast<int>(H);
   p->scale = scale;
-  p->softcap = softcap > 0.0f ? softcap : 0.0f;
+  p->softcap = softcap;
   p->window_left = window(window_left);
   p->window_right = window(window_right);
   p->use_segment_ids = use_segment_ids;
@@ -199,7 +219,9 @@ inline ffi::Error Forward(const char* target, Stream stream, ffi::AnyBuffer q, f
     if (auto e = ToError(target, FillAsync(p.out, 0xFF, out->size_bytes(), stream)); e.failure()) return e;
     if (auto e = ToError(target, FillAsync(p.lse, 0xFF, lse->size_bytes(), stream)); e.failure()) return e;
   }
-  return ToError(target, DispatchForward(dtype, p, stream));
+  Layout layout;
+  if (auto e = LayoutFromEnvironment(&layout); !e.empty()) return ffi::Error::InvalidArgument(target + (": " + e));
+  return ToError(target, DispatchForward(dtype, layout, p, stream));
 }
 
 inline ffi::Error Backward(const char* target, Stream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -242,7 +264,9 @@ inline ffi::Error Backward(const char* target, Stream stream, ffi::AnyBuffer q, 
         return e;
     }
   }
-  return ToError(target, DispatchBackward(dtype, p, deterministic, stream));
+  Layout layout;
+  if (auto e = LayoutFromEnvironment(&layout); !e.empty()) return ffi::Error::InvalidArgument(target + (": " + e));
+  return ToError(target, DispatchBackward(dtype, layout, p, deterministic, stream));
 }
 
 }  // namespace kernels

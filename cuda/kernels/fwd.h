@@ -1,5 +1,6 @@
 // FlashAttention-2 forward (Dao, 2023, Alg. 1): one CTA per (query block, head, batch), each
-// warp owns 16 query rows. Q is loaded once; K and V tiles stream through a multi-stage
+// warp owns 16 or 32 query rows (the layout's rows_per_warp: one or two m16 row blocks, which
+// share every K and V fragment). Q is loaded once; K and V tiles stream through a multi-stage
 // cp.async ring; S = Q·Kᵀ, the online softmax and O += P·V all stay in registers.
 #pragma once
 
@@ -16,15 +17,19 @@
 namespace jax_flash {
 namespace kernels {
 
-template <class Elem, int HEAD_DIM>
+template <class Elem, int HEAD_DIM, Layout LAYOUT = Layout::kWarp16>
 struct ForwardKernel {
-  static constexpr TileShape kShape = TileShapeFor(Pass::kForward, HEAD_DIM);
+  static constexpr TileShape kShape = TileShapeFor(Pass::kForward, HEAD_DIM, LAYOUT);
   static constexpr int BLOCK_Q = kShape.block_q;
   static constexpr int BLOCK_KV = kShape.block_kv;
   static constexpr int WARPS = kShape.warps;
   static constexpr int STAGES = kShape.stages;
   static constexpr int THREADS = WARPS * WARP_SIZE;
-  static constexpr int WARP_Q = MMA_M;  // query rows per warp
+  static constexpr int WARP_Q = kShape.rows_per_warp;  // query rows per warp
+  static constexpr int ROW_BLOCKS = WARP_Q / MMA_M;     // its m16 row blocks
+  // k-steps of S = Q·Kᵀ unrolled at once: a warp of 32 rows holds O (HEAD_DIM registers per
+  // thread) and S (BLOCK_KV) throughout; at H=96 full unrolling leaves no register to spare.
+  static constexpr int K_UNROLL = ROW_BLOCKS > 1 && HEAD_DIM > 64 ? 2 : HEAD_DIM / MMA_K;
 
   using QTile = SmemTile<BLOCK_Q, HEAD_DIM>;
   using KVTile = SmemTile<BLOCK_KV, HEAD_DIM>;
@@ -37,53 +42,55 @@ struct ForwardKernel {
     return {CeilDiv(p.q_len, BLOCK_Q), p.q_heads, p.batch};
   }
 
-  static_assert(BLOCK_Q == WARPS * WARP_Q, "each warp owns 16 query rows");
+  static_assert(BLOCK_Q == WARPS * WARP_Q && WARP_Q % MMA_M == 0, "each warp owns whole m16 row blocks");
   static_assert(HEAD_DIM % 32 == 0 && BLOCK_KV % 16 == 0, "fragments come in 16x16 blocks");
   static_assert(STAGES >= 2, "the ring overlaps the next tile's copy with this tile's math");
   static_assert(kSmemBytes <= kMaxSmemBytes, "forward tile does not fit 99 KB of shared memory");
 };
 
-// S = Q·Kᵀ for the warp's 16 rows: s[16 x BLOCK_KV] (MMA_M rows, MMA_N cols, 4 regs).
+// S = Q·Kᵀ for the warp's rows: s[rb][16 x BLOCK_KV] (ROW_BLOCKS x (MMA_M rows, MMA_N cols,
+// 4 regs)), each K fragment loaded once for every row block.
 template <class Elem, int HEAD_DIM, class K>
-__device__ __forceinline__ void compute_qk(float (&s)[K::BLOCK_KV / MMA_N][4], const char* q_tile,
+__device__ __forceinline__ void compute_qk(float (&s)[K::ROW_BLOCKS][K::BLOCK_KV / MMA_N][4], const char* q_tile,
                                            const char* k_tile, int warp, int lane) {
   clear(s);
-  mma_a_smem_b_rows<Elem, typename K::QTile, typename K::KVTile, HEAD_DIM / MMA_K, K::BLOCK_KV / MMA_N>(
-      s, q_tile, warp * K::WARP_Q, k_tile, 0, lane);
+  mma_row_blocks_a_smem_b_rows<Elem, typename K::QTile, typename K::KVTile, HEAD_DIM / MMA_K, K::ROW_BLOCKS,
+                               K::BLOCK_KV / MMA_N, K::K_UNROLL>(s, q_tile, warp * K::WARP_Q, k_tile, 0, lane);
 }
 
 // O += P·V with P repacked from the S accumulator (no shared-memory round trip) and V read
-// with ldmatrix.trans.
+// with ldmatrix.trans, each V fragment once for every row block.
 template <class Elem, int HEAD_DIM, class K>
-__device__ __forceinline__ void accumulate_pv(float (&o)[HEAD_DIM / MMA_N][4],
-                                              const float (&p)[K::BLOCK_KV / MMA_N][4], const char* v_tile,
-                                              int lane) {
+__device__ __forceinline__ void accumulate_pv(float (&o)[K::ROW_BLOCKS][HEAD_DIM / MMA_N][4],
+                                              const float (&p)[K::ROW_BLOCKS][K::BLOCK_KV / MMA_N][4],
+                                              const char* v_tile, int lane) {
   JAX_FLASH_UNROLL
   for (int kk = 0; kk < K::BLOCK_KV / MMA_K; ++kk) {
-    uint32_t a[4];
-    accumulator_as_a<Elem>(a, p, kk);
-    mma_a_regs_b_trans<Elem, typename K::KVTile>(o, a, v_tile, kk * MMA_K, 0, lane);
+    uint32_t a[K::ROW_BLOCKS][4];  // P (16 x 16) of keys kk·16.. of each row block
+    JAX_FLASH_UNROLL
+    for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) accumulator_as_a<Elem>(a[rb], p[rb], kk);
+    mma_row_blocks_a_regs_b_trans<Elem, typename K::KVTile>(o, a, v_tile, kk * MMA_K, lane);
   }
 }
 
-// out (16-bit) and lse (natural log) of the warp's rows, written once.
+// out (16-bit) and lse (natural log) of one m16 row block of the warp (rows t0.., tile rows
+// row0..), written once.
 template <class Elem, int HEAD_DIM, class K>
 __device__ __forceinline__ void store_output(const AttentionParams& p, const float (&o)[HEAD_DIM / MMA_N][4],
-                                             const float lse[2], char* q_tile, int b, int n, int q_block,
-                                             int warp, int lane) {
-  const int t0 = q_block * K::BLOCK_Q + warp * K::WARP_Q;
+                                             const float lse[2], char* q_tile, int b, int n, int row0, int t0,
+                                             int lane) {
   JAX_FLASH_UNROLL
   for (int r = 0; r < 2; ++r) {
     const int t = t0 + (lane >> 2) + 8 * r;
     if ((lane & 3) == 0 && t < p.q_len) ptx::st_global_f32(p.lse + p.stat_offset(b, n, t), lse[r]);
   }
-  store_warp_rows<Elem, typename K::QTile>(p.out, p, o, q_tile, b, n, warp * K::WARP_Q, t0, lane);
+  store_warp_rows<Elem, typename K::QTile>(p.out, p, o, q_tile, b, n, row0, t0, lane);
 }
 
-template <class Elem, int HEAD_DIM>
-__global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM>::THREADS, 1)
+template <class Elem, int HEAD_DIM, Layout LAYOUT>
+__global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, LAYOUT>::THREADS, 1)
     attention_forward_kernel(const AttentionParams p) {
-  using K = ForwardKernel<Elem, HEAD_DIM>;
+  using K = ForwardKernel<Elem, HEAD_DIM, LAYOUT>;
   JAX_FLASH_DYNAMIC_SMEM(smem);
   const FoldedGrid grid = K::grid(p);
   const GridIndex at = grid.index();
@@ -98,10 +105,13 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM>::THREADS, 1)
   const LogitScaling scaling = LogitScaling::of(p);
   const Range keys = mask.keys_of_rows(t0, t0 + K::BLOCK_Q);
 
-  float o[HEAD_DIM / MMA_N][4];  // (MMA_M rows, MMA_N cols, 4 regs): the warp's 16 x HEAD_DIM output
+  // ROW_BLOCKS x (MMA_M rows, MMA_N cols, 4 regs): the warp's WARP_Q x HEAD_DIM output, and
+  // one online softmax per m16 row block.
+  float o[K::ROW_BLOCKS][HEAD_DIM / MMA_N][4];
   clear(o);
-  OnlineSoftmax softmax;
-  softmax.init();
+  OnlineSoftmax softmax[K::ROW_BLOCKS];
+  JAX_FLASH_UNROLL
+  for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) softmax[rb].init();
 
   if (!keys.empty()) {
     const int tile_begin = keys.lo / K::BLOCK_KV;
@@ -152,29 +162,37 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM>::THREADS, 1)
         if (warp_ids.disjoint(tile_ids)) continue;
         segments_allow_all = warp_ids.same_single(tile_ids);
       }
-      float s[K::BLOCK_KV / MMA_N][4];  // (MMA_M rows, MMA_N cols, 4 regs): S, then P
+      float s[K::ROW_BLOCKS][K::BLOCK_KV / MMA_N][4];  // ROW_BLOCKS x (MMA_M, MMA_N, 4 regs): S, then P
       compute_qk<Elem, HEAD_DIM, K>(s, q_tile, k_tile, warp, lane);
-      const bool interior = mask.is_interior(warp_t0, K::WARP_Q, s0, K::BLOCK_KV, segments_allow_all);
-      scaling.prepare<false>(s, mask, interior, warp_t0, s0, lane);
-      softmax.update(s, o, scaling.exp_scale);
+      JAX_FLASH_UNROLL
+      for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) {
+        const int rows_t0 = warp_t0 + MMA_M * rb;
+        const bool interior = mask.is_interior(rows_t0, MMA_M, s0, K::BLOCK_KV, segments_allow_all);
+        scaling.prepare<false>(s[rb], mask, interior, rows_t0, s0, lane);
+        softmax[rb].update(s[rb], o[rb], scaling.exp_scale);
+      }
       accumulate_pv<Elem, HEAD_DIM, K>(o, s, v_tile, lane);
     }
     ptx::cp_async_wait_group<0>();
   }
 
-  float lse[2];
-  softmax.finish(o, scaling.exp_scale, lse);
-  store_output<Elem, HEAD_DIM, K>(p, o, lse, smem, batch, head, q_block, warp, lane);
+  JAX_FLASH_UNROLL
+  for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) {
+    float lse[2];
+    softmax[rb].finish(o[rb], scaling.exp_scale, lse);
+    store_output<Elem, HEAD_DIM, K>(p, o[rb], lse, smem, batch, head, warp * K::WARP_Q + MMA_M * rb,
+                                    warp_t0 + MMA_M * rb, lane);
+  }
 }
 
 // Host side: one launch per call.
-template <class Elem, int HEAD_DIM>
+template <class Elem, int HEAD_DIM, Layout LAYOUT>
 LaunchError LaunchForward(const AttentionParams& p, Stream stream) {
-  using K = ForwardKernel<Elem, HEAD_DIM>;
+  using K = ForwardKernel<Elem, HEAD_DIM, LAYOUT>;
   dim3 grid;
   if (LaunchError err = K::grid(p).dims(&grid); !err.empty()) return err;
-  return Launch("attention_forward_kernel", attention_forward_kernel<Elem, HEAD_DIM>, grid, dim3(K::THREADS),
-                K::kSmemBytes, stream, p);
+  return Launch("attention_forward_kernel", attention_forward_kernel<Elem, HEAD_DIM, LAYOUT>, grid,
+                dim3(K::THREADS), K::kSmemBytes, stream, p);
 }
 
 }  // namespace kernels

@@ -253,6 +253,23 @@ __device__ __forceinline__ void red_global_add_f32(float* p, float v JAX_FLASH_S
 #endif
 }
 
+// red.global.add.v2.f32 [p], {lo, hi}: atomic p[0] += lo, p[1] += hi, no result, p 8-byte
+// aligned (§9.7.13.6; the vector form needs PTX ISA 8.1 and sm_90). One instruction for the two
+// adjacent columns an accumulator fragment holds; each element is its own atomic add, as with
+// two scalar ones, which is what older architectures (and the compute_80 PTX) issue instead.
+__device__ __forceinline__ void red_global_add_v2_f32(float* p, float lo, float hi JAX_FLASH_SITE) {
+#ifndef JAX_FLASH_EMULATE
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(lo), "f"(hi) : "memory");
+#else
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(lo) : "memory");
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p + 1), "f"(hi) : "memory");
+#endif
+#else
+  return emu::red_global_add_v2_f32(p, lo, hi JAX_FLASH_AT);
+#endif
+}
+
 // ex2.approx.ftz.f32: 2^x (§9.7.3.21 "Floating Point Instructions: ex2"), within 2 ulp of the
 // correctly rounded result. The softmax exponent is one FFMA + this.
 __device__ __forceinline__ float ex2_approx(float x) {

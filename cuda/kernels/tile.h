@@ -32,29 +32,64 @@ constexpr int kMaxSmemBytes = 101376;
 
 enum class Pass { kForward, kBackward, kBackwardDq };
 
-// Tile sizes of one kernel. Forward and backward dQ: block_q query rows per CTA (16 per warp),
-// block_kv keys per pipeline stage. Backward: block_kv keys per CTA (16 per warp), block_q
-// query rows per pipeline stage.
+// How a CTA's work is split over its warps, chosen at dispatch (JAX_FLASH_CUDA_LAYOUT, read by
+// the handlers; cuda/README.md). Both are compiled; kWarp16 is the default until a GPU
+// measurement decides.
+//   kWarp16: every warp owns one m16 block of rows: the forward runs 8 warps x 16 query rows,
+//            the backward 64 keys per CTA.
+//   kWarp32: FlashAttention-2's partition: the forward runs 4 warps x 32 query rows (two m16
+//            row blocks per warp, so each K and V fragment read by ldmatrix feeds two mma.sync:
+//            half the shared-memory reads per MMA), the backward 128 keys per CTA (8 warps of
+//            16 keys) where shared memory allows it (H <= 64): half the CTAs reading each Q and
+//            dO tile and adding into dQ.
+enum class Layout { kWarp16, kWarp32 };
+
+// Tile sizes of one kernel. Forward and backward dQ: block_q query rows per CTA
+// (rows_per_warp per warp), block_kv keys per pipeline stage. Backward: block_kv keys per CTA
+// (rows_per_warp = 16 per warp), block_q query rows per pipeline stage.
 struct TileShape {
   int block_q;
   int block_kv;
   int warps;
   int stages;
+  int rows_per_warp;  // 16 or 32: m16 row blocks of a warp's accumulators, times 16
+
+  __host__ __device__ constexpr bool operator==(const TileShape& o) const {
+    return block_q == o.block_q && block_kv == o.block_kv && warps == o.warps && stages == o.stages &&
+           rows_per_warp == o.rows_per_warp;
+  }
 };
 
-__host__ __device__ constexpr TileShape TileShapeFor(Pass pass, int head_dim) {
+__host__ __device__ constexpr TileShape TileShapeFor(Pass pass, int head_dim, Layout layout = Layout::kWarp16) {
+  const bool wide = layout == Layout::kWarp32;
   if (pass == Pass::kForward) {
     // Q (block_q x H) + stages x (K, V) (block_kv x H): 64 KB at H=64, 96 KB at H=128 (and at
     // H=96, whose rows are padded to 128 columns).
-    return head_dim <= 64 ? TileShape{128, 64, 8, 3} : TileShape{128, 64, 8, 2};
+    // kWarp32: 4 warps of 32 rows hold O (H f32 registers per thread) and S (block_kv) at
+    // once: 64-key tiles at H=32; 32-key tiles in a 3-stage ring at H=64 and 96 (40 and 80 KB),
+    // since 64 keys spill there on some architecture (H=64: 12-32 bytes at 255 registers).
+    // H=128 spills with either (28-40 bytes on sm_90), so it keeps the kWarp16 shape
+    // (docs/gpu-results.md).
+    if (wide && head_dim <= 32) return TileShape{128, 64, 4, 3, 32};
+    if (wide && head_dim <= 96) return TileShape{128, 32, 4, 3, 32};
+    return head_dim <= 64 ? TileShape{128, 64, 8, 3, 16} : TileShape{128, 64, 8, 2, 16};
   }
   if (pass == Pass::kBackwardDq) {
     // Q, dO (block_q x H) + stages x (K, V) (block_kv x H): 48 KB at H=64, 96 KB at H=128.
-    return TileShape{64, 64, 4, 2};
+    return TileShape{64, 64, 4, 2, 16};
   }
   // K, V (block_kv x H) + 2 x (Q, dO) (block_q x H) + dS (block_kv x block_q):
   // H=128 halves block_q so that dK, dV (64 + 64 registers) and the S, dP tiles fit in 255.
-  return head_dim <= 64 ? TileShape{64, 64, 4, 2} : TileShape{32, 64, 4, 2};
+  // kWarp32: 128 keys (8 warps, the same registers per thread) at H <= 64: 82 KB at H=64; at
+  // H=96/128 the K, V tiles alone would take 64 KB, with the ring over 99 KB.
+  if (wide && head_dim <= 64) return TileShape{64, 128, 8, 2, 16};
+  return head_dim <= 64 ? TileShape{64, 64, 4, 2, 16} : TileShape{32, 64, 4, 2, 16};
+}
+
+// Whether `layout` gives (pass, head_dim) a tile shape of its own; where it does not, the
+// kWarp16 instantiation serves both layouts (no second copy of the same kernel is compiled).
+__host__ __device__ constexpr bool HasOwnShape(Pass pass, int head_dim, Layout layout) {
+  return layout == Layout::kWarp16 || !(TileShapeFor(pass, head_dim, layout) == TileShapeFor(pass, head_dim));
 }
 
 __host__ __device__ constexpr int CeilDiv(int a, int b) { return (a + b - 1) / b; }
@@ -170,6 +205,12 @@ __device__ __forceinline__ void clear(float (&acc)[N_BLOCKS][4]) {
   }
 }
 
+template <int ROW_BLOCKS, int N_BLOCKS>
+__device__ __forceinline__ void clear(float (&acc)[ROW_BLOCKS][N_BLOCKS][4]) {
+  JAX_FLASH_UNROLL
+  for (int rb = 0; rb < ROW_BLOCKS; ++rb) clear(acc[rb]);
+}
+
 // acc[16 x 8·N_BLOCKS] += A[16 x 16·K_STEPS] · B, A rows a_row0.. of a_tile (row-major), B from
 // b_tile stored [n][k] (non-transposed, e.g. K for S = Q·Kᵀ). K_UNROLL k-steps are unrolled
 // (fewer where registers are tight: the backward holds dK and dV throughout).
@@ -203,6 +244,54 @@ __device__ __forceinline__ void mma_a_regs_b_trans(float (&acc)[N_BLOCKS][4], co
     ptx::ldmatrix_x4_trans(b, bt_fragment_row<BTile>(b_tile, b_row0, b_chunk0 + 2 * jj, lane));
     Elem::mma(acc[2 * jj], a, b, acc[2 * jj]);
     Elem::mma(acc[2 * jj + 1], a, b + 2, acc[2 * jj + 1]);
+  }
+}
+
+// The same two products for ROW_BLOCKS m16 blocks of rows at once (a warp of 16·ROW_BLOCKS
+// rows): every B fragment is loaded once and feeds 2·ROW_BLOCKS mma.sync, so a warp of 32
+// rows reads half as many shared-memory bytes per MMA as one of 16.
+// acc[rb][16 x 8·N_BLOCKS] += A[rows a_row0 + 16·rb .., 16 x 16·K_STEPS] · B, B stored [n][k].
+// K_UNROLL k-steps are unrolled (fewer where registers are tight).
+template <class Elem, class ATile, class BTile, int K_STEPS, int ROW_BLOCKS, int N_BLOCKS, int K_UNROLL = K_STEPS>
+__device__ __forceinline__ void mma_row_blocks_a_smem_b_rows(float (&acc)[ROW_BLOCKS][N_BLOCKS][4],
+                                                             const char* a_tile, int a_row0, const char* b_tile,
+                                                             int b_row0, int lane) {
+  static_assert(N_BLOCKS % 2 == 0, "B is loaded two n-blocks at a time");
+  JAX_FLASH_UNROLL_N(K_UNROLL)
+  for (int kk = 0; kk < K_STEPS; ++kk) {
+    uint32_t a[ROW_BLOCKS][4];  // A fragment (16 x 16) of each row block
+    JAX_FLASH_UNROLL
+    for (int rb = 0; rb < ROW_BLOCKS; ++rb)
+      ptx::ldmatrix_x4(a[rb], a_fragment_row<ATile>(a_tile, a_row0 + MMA_M * rb, 2 * kk, lane));
+    JAX_FLASH_UNROLL
+    for (int jj = 0; jj < N_BLOCKS / 2; ++jj) {
+      uint32_t b[4];  // B fragments (16 x 8) of n-blocks 2jj, 2jj + 1
+      ptx::ldmatrix_x4(b, b_fragment_row<BTile>(b_tile, b_row0 + 16 * jj, 2 * kk, lane));
+      JAX_FLASH_UNROLL
+      for (int rb = 0; rb < ROW_BLOCKS; ++rb) {
+        Elem::mma(acc[rb][2 * jj], a[rb], b, acc[rb][2 * jj]);
+        Elem::mma(acc[rb][2 * jj + 1], a[rb], b + 2, acc[rb][2 * jj + 1]);
+      }
+    }
+  }
+}
+
+// acc[rb] += A[rb] · B for one k-step of every row block, A from registers, B stored [k][n]
+// (rows b_row0..+15) and loaded with .trans once for all row blocks (O += P·V).
+template <class Elem, class BTile, int ROW_BLOCKS, int N_BLOCKS>
+__device__ __forceinline__ void mma_row_blocks_a_regs_b_trans(float (&acc)[ROW_BLOCKS][N_BLOCKS][4],
+                                                              const uint32_t (&a)[ROW_BLOCKS][4],
+                                                              const char* b_tile, int b_row0, int lane) {
+  static_assert(N_BLOCKS % 2 == 0, "B is loaded two n-blocks at a time");
+  JAX_FLASH_UNROLL
+  for (int jj = 0; jj < N_BLOCKS / 2; ++jj) {
+    uint32_t b[4];
+    ptx::ldmatrix_x4_trans(b, bt_fragment_row<BTile>(b_tile, b_row0, 2 * jj, lane));
+    JAX_FLASH_UNROLL
+    for (int rb = 0; rb < ROW_BLOCKS; ++rb) {
+      Elem::mma(acc[rb][2 * jj], a[rb], b, acc[rb][2 * jj]);
+      Elem::mma(acc[rb][2 * jj + 1], a[rb], b + 2, acc[rb][2 * jj + 1]);
+    }
   }
 }
 

@@ -987,6 +987,18 @@ __global__ void memcheck_kernel(MemParams p) {
     case 19:  // a plain read-modify-write through a tagged pointer: faults, reported
       if (t == 3) emu::tag_global(p.out)[b * 32 + 3] += 1.0f;
       break;
+    case 20:  // vector atomics (red.global.add.v2.f32) of both CTAs on the same pairs: fine
+      ptx::red_global_add_v2_f32(p.out + 2 * (t % 2), 1.0f, 2.0f);
+      break;
+    case 21:  // a vector atomic at a 4-byte, not 8-byte, aligned address
+      if (t == 9) ptx::red_global_add_v2_f32(p.out + 1, 1.0f, 2.0f);
+      break;
+    case 22:  // a plain store of one CTA where the other adds with the vector atomic
+      if (t == 0) {
+        if (b == 0) ptx::st_global_f32(p.out + 11, 1.0f);
+        else ptx::red_global_add_v2_f32(p.out + 10, 1.0f, 1.0f);
+      }
+      break;
   }
 }
 
@@ -1078,6 +1090,17 @@ void test_global_checks() {
   CHECK(st.ok() && out[40] == 8.0f, "accesses in bounds: " + st.error);
   st = run_memcheck(18, fwd, &out);
   CHECK(st.ok() && out[35] == 3.0f && out[52] == 1.0f, "tagged pointers through the wrappers: " + st.error);
+  st = run_memcheck(20, fwd, &out);
+  CHECK(st.ok(), "vector atomics of several CTAs: " + st.error);
+  CHECK(out[0] == 64.0f && out[1] == 128.0f && out[2] == 64.0f && out[3] == 128.0f && out[4] == 0.0f,
+        "vector atomic sums " + str(out[0]) + ", " + str(out[1]) + ", " + str(out[2]) + ", " + str(out[3]));
+  st = run_memcheck(21, fwd);
+  CHECK(!st.ok() && st.error.find("red.global.add.v2.f32") != std::string::npos &&
+            st.error.find("not 8-byte aligned") != std::string::npos,
+        "a misaligned vector atomic: " + st.error);
+  st = run_memcheck(22, fwd);
+  CHECK(!st.ok() && st.error.find("mixing atomic and plain") != std::string::npos,
+        "plain store and vector atomic: " + st.error);
 #if !defined(__SANITIZE_ADDRESS__)
   // (AddressSanitizer keeps SIGSEGV to itself.)
   for (const auto& opt : all_schedules()) {

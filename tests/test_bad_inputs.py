@@ -1,0 +1,309 @@
+"""Bad input, argument by argument: every argument of `jax_flash.attention` with a wrong rank,
+shape, dtype or range raises the right exception at trace time, naming the argument — for
+every implementation; and the compiled FFI handlers, called directly with operands and
+attributes that bypass the Python checks, return an error instead of aborting or computing
+garbage."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+
+B, T, S, N, K, H = 2, 8, 10, 4, 2, 32
+
+
+def _inputs(impl):
+    dt = jnp.bfloat16 if impl == "cuda" else jnp.float32
+    return jnp.ones((B, T, N, H), dt), jnp.ones((B, S, K, H), dt), jnp.ones((B, S, K, H), dt)
+
+
+def _ints(*shape, dtype=jnp.int32):
+    return jnp.zeros(shape, dtype)
+
+
+# (row id, argument, change, exception, regex): `change(q, k, v)` -> (args, kwargs) of one
+# call that is valid except for that argument; the regex must name the argument.
+def _with(**kw):
+    return lambda q, k, v: ((q, k, v), kw)
+
+
+ROWS = [
+    ("query_rank2", "query", lambda q, k, v: ((q[0, 0], k, v), {}), ValueError, r"query must have rank >= 3"),
+    ("query_int", "query", lambda q, k, v: ((q.astype(jnp.int32), k, v), {}), TypeError, r"query must be float16"),
+    ("query_none", "query", lambda q, k, v: ((None, k, v), {}), TypeError, r"query must be an array, got None"),
+    ("query_string", "query", lambda q, k, v: (("q", k, v), {}), TypeError, r"query must be an array"),
+    ("query_head_dim", "query", lambda q, k, v: ((q[..., :16], k, v), {}), ValueError, r"query and key must have the same head dim"),
+    ("query_heads", "query", lambda q, k, v: ((q[:, :, :3], k, v), {}), ValueError, r"query heads N=3 must be a multiple"),
+    ("query_batch", "query", lambda q, k, v: ((q[:1], k, v), {}), ValueError, r"query and key must have the same leading batch"),
+    ("query_head_dim_0", "query", lambda q, k, v: ((q[..., :0], k[..., :0], v[..., :0]), {}), ValueError, r"query and key must have a head dim H >= 1"),
+    ("query_too_long", "query", None, ValueError, r"query has T = 1073741824 positions"),
+    ("key_rank2", "key", lambda q, k, v: ((q, k[0, 0], v), {}), ValueError, r"key must have rank >= 3"),
+    ("key_dtype", "key", lambda q, k, v: ((q, k.astype(jnp.float16), v), {}), TypeError, r"query, key and value must share one dtype"),
+    ("key_no_heads", "key", lambda q, k, v: ((q, k[:, :, :0], v[:, :, :0]), {}), ValueError, r"key and value must have at least one head"),
+    ("key_too_long", "key", None, ValueError, r"key has S = 1073741824 positions"),
+    ("value_shape", "value", lambda q, k, v: ((q, k, v[:, :4]), {}), ValueError, r"key and value must have the same shape"),
+    ("value_dtype", "value", lambda q, k, v: ((q, k, v.astype(jnp.float16)), {}), TypeError, r"query, key and value must share one dtype"),
+    ("value_none", "value", lambda q, k, v: ((q, k, None), {}), TypeError, r"value must be an array, got None"),
+    ("bias_shape", "bias", _with(bias=jnp.zeros((T, S + 1))), ValueError, r"bias must be broadcastable"),
+    ("bias_rank", "bias", _with(bias=jnp.zeros((3, B, N, T, S))), ValueError, r"bias must be broadcastable"),
+    ("bias_int", "bias", _with(bias=_ints(T, S)), TypeError, r"bias must be a floating-point array"),
+    ("bias_bool", "bias", _with(bias=jnp.zeros((T, S), bool)), TypeError, r"bias must be a floating-point array"),
+    ("mask_float", "mask", _with(mask=jnp.ones((T, S))), TypeError, r"mask must be a boolean array"),
+    ("mask_shape", "mask", _with(mask=jnp.ones((3, T, S), bool)), ValueError, r"mask must be broadcastable"),
+    ("scale_array", "scale", _with(scale=jnp.float32(2.0)), TypeError, r"scale must be a Python float"),
+    ("scale_bool", "scale", _with(scale=True), TypeError, r"scale must be a Python float"),
+    ("scale_inf", "scale", _with(scale=math.inf), ValueError, r"scale must be finite"),
+    ("scale_nan", "scale", _with(scale=math.nan), ValueError, r"scale must be finite"),
+    ("is_causal_int", "is_causal", _with(is_causal=1), TypeError, r"is_causal must be a Python bool"),
+    ("is_causal_array", "is_causal", _with(is_causal=jnp.bool_(True)), TypeError, r"is_causal must be a Python bool"),
+    ("q_lengths_shape", "query_seq_lengths", _with(query_seq_lengths=_ints(3)), ValueError, r"query_seq_lengths must have shape \(2,\)"),
+    ("q_lengths_float", "query_seq_lengths", _with(query_seq_lengths=jnp.ones((B,))), TypeError, r"query_seq_lengths must be an integer array"),
+    ("kv_lengths_rank", "key_value_seq_lengths", _with(key_value_seq_lengths=_ints(B, 1)), ValueError, r"key_value_seq_lengths must have shape"),
+    ("kv_lengths_bool", "key_value_seq_lengths", _with(key_value_seq_lengths=jnp.ones((B,), bool)), TypeError, r"key_value_seq_lengths must be an integer array"),
+    ("window_negative", "local_window_size", _with(local_window_size=(-1, 2)), ValueError, r"local_window_size must be non-negative"),
+    ("window_negative_int", "local_window_size", _with(local_window_size=-(2**70)), ValueError, r"local_window_size must be non-negative"),
+    ("window_triple", "local_window_size", _with(local_window_size=(1, 2, 3)), ValueError, r"local_window_size must be an int"),
+    ("window_float", "local_window_size", _with(local_window_size=(1.5, 2)), ValueError, r"local_window_size must be an int"),
+    ("window_bool", "local_window_size", _with(local_window_size=True), ValueError, r"local_window_size must be an int"),
+    ("window_array", "local_window_size", _with(local_window_size=jnp.int32(3)), ValueError, r"local_window_size must be an int"),
+    ("segments_single_cross", "segment_ids", _with(segment_ids=_ints(B, T)), ValueError, r"single segment_ids array needs self-attention"),
+    ("segments_kv_shape", "segment_ids", _with(segment_ids=(_ints(B, T), _ints(B, S + 1))), ValueError, r"segment_ids \(key/value\) must have shape"),
+    ("segments_float", "segment_ids", _with(segment_ids=(jnp.ones((B, T)), _ints(B, S))), TypeError, r"segment_ids \(query\) must be an integer"),
+    ("segments_triple", "segment_ids", _with(segment_ids=(_ints(B, T),) * 3), ValueError, r"segment_ids must be an array .* or a pair"),
+    ("segments_int64_range", "segment_ids", _with(segment_ids=(np.full((B, T), 2**32, np.int64), np.zeros((B, S), np.int64))), ValueError, r"segment_ids \(query\) must fit in int32"),
+    ("cap_zero", "logits_soft_cap", _with(logits_soft_cap=0.0), ValueError, r"logits_soft_cap must be a positive float32 normal"),
+    ("cap_negative", "logits_soft_cap", _with(logits_soft_cap=-2.0), ValueError, r"logits_soft_cap must be a positive float32 normal"),
+    ("cap_subnormal", "logits_soft_cap", _with(logits_soft_cap=1e-46), ValueError, r"logits_soft_cap must be a positive float32 normal"),
+    ("cap_too_large", "logits_soft_cap", _with(logits_soft_cap=1e31), ValueError, r"logits_soft_cap must be a positive float32 normal"),
+    ("cap_inf", "logits_soft_cap", _with(logits_soft_cap=math.inf), ValueError, r"logits_soft_cap must be a positive float32 normal"),
+    ("cap_nan", "logits_soft_cap", _with(logits_soft_cap=math.nan), ValueError, r"logits_soft_cap must be a positive float32 normal"),
+    ("cap_string", "logits_soft_cap", _with(logits_soft_cap="1"), TypeError, r"logits_soft_cap must be a Python float"),
+    ("cap_bool", "logits_soft_cap", _with(logits_soft_cap=True), TypeError, r"logits_soft_cap must be a Python float"),
+    ("offset_float", "query_offset", _with(query_offset=1.5), TypeError, r"query_offset must be an int or an integer array"),
+    ("offset_bool", "query_offset", _with(query_offset=True), TypeError, r"query_offset must be an int or an integer array"),
+    ("offset_shape", "query_offset", _with(query_offset=_ints(3)), ValueError, r"query_offset must be an int or an integer array broadcastable"),
+    ("offset_range", "query_offset", _with(query_offset=-(2**31) - 1), ValueError, r"query_offset must fit in int32"),
+    ("offset_int64_range", "query_offset", _with(query_offset=np.asarray([0, 2**40])), ValueError, r"query_offset must fit in int32"),
+    ("return_residual_int", "return_residual", _with(return_residual=1), TypeError, r"return_residual must be a Python bool"),
+    ("implementation_name", "implementation", _with(implementation="triton"), ValueError, r"implementation must be None or one of"),
+    ("implementation_type", "implementation", _with(implementation=3), ValueError, r"implementation must be None or one of"),
+]
+
+
+def _too_long(name):
+    """Abstract inputs with 2**30 positions (nothing is allocated: traced only)."""
+    big = (B, 2**30, K, H)
+    if name == "query_too_long":
+        return jax.ShapeDtypeStruct((B, 2**30, N, H), jnp.float32), jax.ShapeDtypeStruct((B, S, K, H), jnp.float32)
+    return jax.ShapeDtypeStruct((B, T, N, H), jnp.float32), jax.ShapeDtypeStruct(big, jnp.float32)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r[0] for r in ROWS])
+def test_bad_argument(impl, row):
+    """One row per bad argument: its exception type and a message naming it, at trace time,
+    whichever implementation is requested (and with none)."""
+    name, argument, change, exc, match = row
+    assert argument in match.replace("\\", "") or argument in ("query", "key", "value")
+    for requested in (impl, None):
+        if change is None:  # shapes too large to allocate: traced on abstract inputs
+            q, k = _too_long(name)
+            with pytest.raises(exc, match=match):
+                jax.jit(lambda q, k: jax_flash.attention(q, k, k, implementation=requested)).trace(q, k)
+            continue
+        args, kwargs = change(*_inputs(impl))
+        kwargs = {"implementation": requested, **kwargs}
+        arrays = [a for a in args if isinstance(a, jax.Array)]
+        with pytest.raises(exc, match=match):
+            # Traced: the error comes before anything runs.
+            def call(*arrays, args=args):
+                it = iter(arrays)
+                full = [next(it) if isinstance(a, jax.Array) else a for a in args]
+                return jax_flash.attention(*full, **kwargs)
+
+            jax.jit(call).trace(*arrays)
+        with pytest.raises(exc, match=match):
+            jax_flash.explain(*args, **kwargs)
+
+
+# Requested implementations that cannot serve a valid call: ValueError naming the
+# implementation and the limit (never another implementation silently).
+IMPL_ROWS = {
+    "cuda": [
+        (dict(dtype=jnp.float32), r"supports dtypes float16, bfloat16, got float32"),
+        (dict(h=48), r"has kernels for head dims \(32, 64, 96, 128\), got 48"),
+        (dict(bias=True), r"does not take a dense bias"),
+        (dict(mask=True), r"does not take a dense mask"),
+    ],
+    "cpu": [
+        (dict(dtype=jnp.float64), r"supports dtypes float32, bfloat16, float16, got float64"),
+        (dict(h=520), r"supports head dims up to 512, got 520"),
+        (dict(bias=True), r"does not take a dense bias"),
+    ],
+    "pallas": [
+        (dict(dtype=jnp.float64), r"supports dtypes .*got float64"),
+        (dict(h=264), r"supports head dims up to 256, got 264"),
+    ],
+    "xla": [],
+}
+
+
+def test_implementation_limits(impl):
+    for change, match in IMPL_ROWS[impl]:
+        dt = change.get("dtype", jnp.bfloat16 if impl == "cuda" else jnp.float32)
+        h = change.get("h", H)
+        q = jax.ShapeDtypeStruct((B, T, N, h), dt)
+        kv = jax.ShapeDtypeStruct((B, S, K, h), dt)
+        kw = {}
+        if change.get("bias"):
+            kw["bias"] = jnp.zeros((T, S), jnp.float32)
+        if change.get("mask"):
+            kw["mask"] = jnp.ones((T, S), bool)
+        with pytest.raises(ValueError, match=f'implementation="{impl}" cannot run this call: {match}'):
+            jax.jit(lambda q, kv: jax_flash.attention(q, kv, kv, implementation=impl, **kw)).trace(q, kv)
+
+
+# ---------------------------------------------------------------- the compiled FFI handlers
+
+# Run in a subprocess so that a handler that aborts fails this test instead of killing the
+# suite. Each case calls a target directly through jax.ffi.ffi_call and prints one JSON line.
+_HANDLER_SCRIPT = textwrap.dedent(
+    r'''
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    jax.config.update("jax_enable_x64", True)
+    from jax_flash import _ffi
+    _ffi.targets()
+    B, T, S, N, K, H = 1, 8, 8, 2, 2, 32
+    F32, I32 = jnp.float32, jnp.int32
+    SDS = jax.ShapeDtypeStruct
+
+    def operands(dt, B=B, T=T, S=S, N=N, K=K, H=H):
+        return [jnp.ones((B, T, N, H), dt), jnp.ones((B, S, K, H), dt), jnp.ones((B, S, K, H), dt),
+                jnp.full((B,), T, I32), jnp.full((B,), S, I32), jnp.zeros((B, T), I32),
+                jnp.zeros((B, S), I32), jnp.zeros((B,), I32)]
+
+    ATTRS = dict(scale=np.float32(0.1), window_left=np.int64(-1), window_right=np.int64(-1),
+                 softcap=np.float32(0), use_segment_ids=False)
+
+    def fwd(target, ops, outs=None, **attrs):
+        q = ops[0]
+        if outs is None:
+            outs = (SDS(q.shape, q.dtype), SDS((q.shape[0], q.shape[2], q.shape[1]), F32))
+        return jax.ffi.ffi_call(target, outs)(*ops, **{**ATTRS, **attrs})
+
+    def bwd(target, ops, outs=None, **attrs):
+        q, k = ops[0], ops[1]
+        b, t, n, h = q.shape
+        if outs is None:
+            outs = (SDS(q.shape, q.dtype), SDS(k.shape, k.dtype), SDS(k.shape, k.dtype),
+                    SDS(q.shape, F32), SDS((b, n, t), F32))
+        return jax.ffi.ffi_call(target, outs)(*ops, **{**ATTRS, "deterministic": False, **attrs})
+
+    def bwd_operands(dt, **kw):
+        o = operands(dt, **kw)
+        q = o[0]
+        b, t, n, h = q.shape
+        return o[:3] + [q, q, jnp.zeros((b, n, t), F32), jnp.zeros((b, n, t), F32)] + o[3:]
+
+    def cases(prefix, dt):
+        other = jnp.float16 if dt == jnp.bfloat16 else jnp.bfloat16
+        f, b = prefix + "_fwd", prefix + "_bwd"
+        o, bo = operands(dt), bwd_operands(dt)
+        lse_shape = SDS((B, N, T), F32)
+        return {
+            "ok": (None, lambda: fwd(f, o)),
+            "ok_backward": (None, lambda: bwd(b, bo)),
+            "ok_empty_batch": (None, lambda: fwd(f, operands(dt, B=0))),
+            "ok_no_keys": (None, lambda: fwd(f, operands(dt, S=0))),
+            "q_rank3": ("q", lambda: fwd(f, [o[0][0]] + o[1:])),
+            "q_int32": ("q", lambda: fwd(f, [o[0].astype(I32)] + o[1:])),
+            "q_float64": ("q", lambda: fwd(f, [o[0].astype(jnp.float64)] + o[1:])),
+            "k_rank5": ("k", lambda: fwd(f, [o[0], o[1][None]] + o[2:])),
+            "v_shape": ("v", lambda: fwd(f, o[:2] + [o[2][:, :4]] + o[3:])),
+            "v_dtype": ("v", lambda: fwd(f, o[:2] + [o[2].astype(other)] + o[3:])),
+            "q_lengths_shape": ("q_lengths", lambda: fwd(f, o[:3] + [jnp.zeros((3,), I32)] + o[4:])),
+            "kv_lengths_int64": ("kv_lengths", lambda: fwd(f, o[:4] + [jnp.zeros((B,), jnp.int64)] + o[5:])),
+            "q_segments_shape": ("q_segment_ids", lambda: fwd(f, o[:5] + [jnp.zeros((B, 3), I32)] + o[6:])),
+            "kv_segments_dtype": ("kv_segment_ids", lambda: fwd(f, o[:6] + [jnp.zeros((B, S), F32)] + o[7:])),
+            "q_offset_shape": ("q_offset", lambda: fwd(f, o[:7] + [jnp.zeros((B, 2), I32)])),
+            "kv_heads_0": ("heads", lambda: fwd(f, operands(dt, K=0))),
+            "heads_not_multiple": ("heads", lambda: fwd(f, operands(dt, N=3))),
+            "head_dim_0": ("head dim", lambda: fwd(f, operands(dt, H=0))),
+            "head_dim_0_backward": ("head dim", lambda: bwd(b, bwd_operands(dt, H=0))),
+            "out_shape": ("out", lambda: fwd(f, o, outs=(SDS((B, T, N, 16), dt), lse_shape))),
+            "lse_dtype": ("lse", lambda: fwd(f, o, outs=(SDS((B, T, N, H), dt), SDS((B, N, T), jnp.float64)))),
+            "one_result": ("results", lambda: fwd(f, o, outs=(SDS((B, T, N, H), dt),))),
+            "missing_operand": ("arguments", lambda: fwd(f, o[:7])),
+            "extra_operand": ("arguments", lambda: fwd(f, o + [o[7]])),
+            "scale_nan": ("scale", lambda: fwd(f, o, scale=np.float32(np.nan))),
+            "scale_inf": ("scale", lambda: fwd(f, o, scale=np.float32(-np.inf))),
+            "scale_f64_attribute": ("F32", lambda: fwd(f, o, scale=np.float64(0.1))),
+            "softcap_negative": ("softcap", lambda: fwd(f, o, softcap=np.float32(-1))),
+            "softcap_nan": ("softcap", lambda: fwd(f, o, softcap=np.float32(np.nan))),
+            "softcap_inf": ("softcap", lambda: fwd(f, o, softcap=np.float32(np.inf))),
+            "softcap_subnormal": ("softcap", lambda: fwd(f, o, softcap=np.float32(1e-40))),
+            "window_below_minus_1": ("window", lambda: fwd(f, o, window_left=np.int64(-5))),
+            "window_i32_attribute": ("S64", lambda: fwd(f, o, window_right=np.int32(3))),
+            "missing_attribute": ("attributes", lambda: jax.ffi.ffi_call(f, (SDS((B, T, N, H), dt), lse_shape))(*o, scale=np.float32(1))),
+            "dout_shape": ("dout", lambda: bwd(b, bo[:4] + [bo[4][:, :4]] + bo[5:])),
+            "out_dtype_backward": ("out", lambda: bwd(b, bo[:3] + [bo[3].astype(other)] + bo[4:])),
+            "lse_dtype_backward": ("lse", lambda: bwd(b, bo[:5] + [bo[5].astype(jnp.float16)] + bo[6:])),
+            "dlse_shape": ("dlse", lambda: bwd(b, bo[:6] + [bo[6][:, :1]] + bo[7:])),
+            "dq_accum_dtype": ("dq_accum", lambda: bwd(b, bo, outs=(SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), other), lse_shape))),
+            "delta_shape": ("delta", lambda: bwd(b, bo, outs=(SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), SDS((B, N, T + 1), F32)))),
+            "four_results": ("results", lambda: bwd(b, bo, outs=(SDS((B, T, N, H), dt),) * 3 + (SDS((B, T, N, H), F32),))),
+            "missing_deterministic": ("attributes", lambda: jax.ffi.ffi_call(b, (SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), lse_shape))(*bo, **ATTRS)),
+        }
+
+    for prefix, dt in (("jax_flash", jnp.float32), ("jax_flash_emu", jnp.bfloat16)):
+        for name, (expect, call) in cases(prefix, dt).items():
+            print(json.dumps({"target": prefix, "case": name, "expect": expect, "started": True}), flush=True)
+            try:
+                jax.block_until_ready(call())
+                result = {"error": None}
+            except Exception as e:  # what a caller sees: jax's runtime error with the message
+                result = {"error": type(e).__name__, "message": str(e)}
+            print(json.dumps({"target": prefix, "case": name, "expect": expect, **result}), flush=True)
+    '''
+)
+
+
+def test_ffi_handlers_return_errors(tmp_path):
+    from jax_flash import _ffi
+
+    if _ffi.missing("jax_flash_fwd", "cpu") or _ffi.missing("jax_flash_emu_fwd", "cpu"):
+        pytest.skip("the extension's cpu and emulated targets are not built")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "JAX_PLATFORMS": "cpu", "JAX_FLASH_POISON_OUTPUTS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _HANDLER_SCRIPT], capture_output=True, text=True,
+                          env=env, timeout=600, cwd=tmp_path)
+    lines = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
+    finished = [l for l in lines if "started" not in l]
+    if proc.returncode != 0:
+        last = lines[-1] if lines else None
+        pytest.fail(f"the handler process died (rc {proc.returncode}) at {last}:\n{proc.stderr[-3000:]}")
+    started = [l for l in lines if "started" in l]
+    assert len(finished) == len(started) > 80, (len(finished), len(started))
+    bad = []
+    for r in finished:
+        expect, err = r["expect"], r["error"]
+        if expect is None:
+            if err is not None:
+                bad.append(f"{r['target']} {r['case']}: should run, raised {err}: {r['message'][:200]}")
+        elif err is None:
+            bad.append(f"{r['target']} {r['case']}: accepted (expected an error naming {expect!r})")
+        elif expect not in r["message"] or "RuntimeError" not in err:
+            bad.append(f"{r['target']} {r['case']}: {err}: {r['message'][:200]} (expected {expect!r})")
+    assert not bad, "\n".join(bad)
