@@ -1,14 +1,19 @@
 """Benchmark: `python -m jax_flash.bench`.
 
 Measures every jax_flash implementation that can run here and the peers, in the same run:
-`jax.nn.dot_product_attention` (implementation="xla", and "cudnn" on a GPU) and JAX's own
-Pallas attention (`jax.experimental.pallas.ops.gpu.attention.mha`, GPU only). For each
+`jax.nn.dot_product_attention` (implementation="xla", and "cudnn" on a GPU), JAX's own
+Pallas attention (`jax.experimental.pallas.ops.gpu.attention.mha`, GPU only) and, on a CPU
+when it imports, PyTorch's `torch.nn.functional.scaled_dot_product_attention` (its CPU
+FlashAttention kernels; an optional peer, never a dependency) in the same process with
+the same number of threads. For each
 head dim, sequence length, causal or not, forward and forward+backward it reports the
 median time, the throughput in model FLOP/s (forward 4·B·N·T·S·H, halved for causal at
 T == S; forward+backward 3.5× the forward: the backward's five products are 2.5× the
 forward's two — `AttentionSpec.flops`), the ratio to jax.nn's xla path
-measured in the same run, and the compiled temporary memory
-(`jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes`).
+and to torch measured in the same run, the compiled temporary memory
+(`jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes`) and, on a CPU,
+the fraction of the machine's peak for the dtype (`cpu_peaks`: threads × FLOP per cycle
+from the CPU flags × the clock measured by jax_flash's extension).
 
 A case that fails, runs out of memory, or whose compiled temporary memory exceeds
 `--max-temp-gib` is reported as such in the table; the run goes on. With `--time-budget`
@@ -19,6 +24,7 @@ still leaves the cases it finished. The last line counts the cells by status.
     python -m jax_flash.bench                                   # CPU defaults: f32, T=1k,4k
     python -m jax_flash.bench --impls xla,jax.nn --seq-lens 1024,4096,16384 --json out.json
     python -m jax_flash.bench --seq-lens 8k --head-dims 128,64 --time-budget 120 --json b.json
+    python -m jax_flash.bench --impls cpu,jax.nn,torch --dtype bfloat16 --seq-lens 4k,16k
 """
 
 from __future__ import annotations
@@ -46,7 +52,8 @@ from jax_flash._spec import AttentionSpec
 PEER_JAX_NN = "jax.nn"
 PEER_JAX_NN_CUDNN = "jax.nn-cudnn"
 PEER_JAX_PALLAS = "jax-pallas"
-PEERS = (PEER_JAX_NN, PEER_JAX_NN_CUDNN, PEER_JAX_PALLAS)
+PEER_TORCH = "torch"
+PEERS = (PEER_JAX_NN, PEER_JAX_NN_CUDNN, PEER_JAX_PALLAS, PEER_TORCH)
 FLASH = ("cuda", "pallas", "cpu", "xla")
 
 
@@ -67,6 +74,8 @@ class Result:
     temp_bytes: Optional[int] = None
     compile_s: Optional[float] = None  # lowering + compilation
     vs_jax_nn: Optional[float] = None  # jax.nn time / this time (>1: faster than jax.nn)
+    vs_torch: Optional[float] = None  # torch time / this time (>1: faster than torch)
+    peak_fraction: Optional[float] = None  # flops_per_s / the CPU's peak for the dtype
     reps: int = 0
 
     def to_json(self) -> dict:
@@ -96,6 +105,50 @@ def _attention_fn(impl: str, causal: bool, head_dim: int) -> Callable:
         scale = 1.0 / math.sqrt(head_dim)
         return lambda q, k, v: pallas_attention.mha(q, k, v, None, sm_scale=scale, causal=causal)
     raise ValueError(f"unknown implementation {impl!r}; known: {FLASH + PEERS}")
+
+
+def _threads() -> int:
+    """The threads the cpu kernels use (JAX_FLASH_CPU_THREADS, else every CPU): torch gets
+    as many."""
+    try:
+        n = int(os.environ.get("JAX_FLASH_CPU_THREADS", "0"))
+    except ValueError:
+        n = 0
+    return n if n > 0 else (os.cpu_count() or 1)
+
+
+def _torch_fn(pass_: str, causal: bool, args: list) -> Callable:
+    """A no-argument callable running torch's CPU scaled_dot_product_attention on copies of
+    `args` (BTNH jax arrays, transposed to torch's BNTH), forward or forward+backward."""
+    import torch
+
+    torch.set_num_threads(_threads())
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        str(args[0].dtype)
+    ]
+
+    def tensor(a, grad):
+        t = torch.from_numpy(np.asarray(a, np.float32)).to(dtype).transpose(1, 2).contiguous()
+        return t.requires_grad_(grad)
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if pass_ == "fwd":
+        q, k, v = (tensor(a, False) for a in args[:3])
+
+        def run():
+            with torch.no_grad():
+                sdpa(q, k, v, is_causal=causal)
+
+        return run
+    q, k, v = (tensor(a, True) for a in args[:3])
+    do = tensor(args[3], False)
+
+    def run():
+        for t in (q, k, v):
+            t.grad = None
+        sdpa(q, k, v, is_causal=causal).backward(do)
+
+    return run
 
 
 def _pass_fn(attn: Callable, pass_: str) -> Callable:
@@ -165,6 +218,12 @@ def _prepare(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, max_te
     args = [jax.random.normal(kk, shape, jnp.float32).astype(dtype) for kk in keys[:3]]
     if pass_ == "fwdbwd":
         args.append(jax.random.normal(keys[3], shape, jnp.float32).astype(dtype))
+    if impl == PEER_TORCH:
+        try:
+            return r, _torch_fn(pass_, causal, args), []
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            r.status = f"failed: {_short(e)}"
+            return r, None, None
     try:
         fn = _pass_fn(_attention_fn(impl, causal, head_dim), pass_)
         t0 = time.perf_counter()
@@ -248,6 +307,17 @@ def measure(impl: str, *args, **kwargs) -> Result:
 # ----------------------------------------------------------------------------- which impls
 
 
+def _torch_unavailable(on_gpu: bool) -> Optional[str]:
+    """None if torch's CPU SDPA can be measured here, else why not."""
+    if on_gpu:
+        return "the torch peer is PyTorch's CPU kernel, measured on a CPU backend only"
+    try:
+        import torch  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"does not import ({_short(e, 60)}); pip install torch"
+    return None
+
+
 def available_impls(requested: Optional[list[str]], dtype: str) -> tuple[list[str], dict]:
     """(implementations to run, {name: why skipped}) for this machine."""
     on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
@@ -274,6 +344,11 @@ def available_impls(requested: Optional[list[str]], dtype: str) -> tuple[list[st
     else:
         skipped[PEER_JAX_NN_CUDNN] = "needs a GPU"
         skipped[PEER_JAX_PALLAS] = "needs a GPU"
+    why_not_torch = _torch_unavailable(on_gpu)
+    if why_not_torch is None:
+        names.append(PEER_TORCH)
+    else:
+        skipped[PEER_TORCH] = why_not_torch
     if requested:
         unknown = [n for n in requested if n not in FLASH + PEERS]
         if unknown:
@@ -296,32 +371,116 @@ def format_table(results: list[Result], on_gpu: bool) -> str:
     unit, div = ("TFLOP/s", 1e12) if on_gpu else ("GFLOP/s", 1e9)
     header = (
         f"{'impl':13s} {'pass':6s} {'causal':6s} {'H':>4s} {'T=S':>6s} {'time ms':>10s} "
-        f"{unit:>9s} {'x jax.nn':>9s} {'temp MiB':>10s} {'compile s':>9s}  status"
+        f"{unit:>9s} {'x jax.nn':>9s} {'x torch':>8s} {'% peak':>7s} {'temp MiB':>10s} "
+        f"{'compile s':>9s}  status"
     )
     lines = [header, "-" * len(header)]
     for r in results:
         time_ms = "" if r.time_s is None else f"{r.time_s * 1e3:.2f}"
         tput = "" if r.flops_per_s is None else f"{r.flops_per_s / div:.2f}"
         ratio = "" if r.vs_jax_nn is None else f"{r.vs_jax_nn:.2f}"
+        vs_torch = "" if r.vs_torch is None else f"{r.vs_torch:.2f}"
+        peak = "" if r.peak_fraction is None else f"{100 * r.peak_fraction:.0f}"
         temp = "" if r.temp_bytes is None else f"{r.temp_bytes / 2**20:.1f}"
         comp = "" if r.compile_s is None else f"{r.compile_s:.1f}"
         lines.append(
             f"{r.impl:13s} {r.pass_:6s} {'yes' if r.causal else 'no':6s} {r.head_dim:4d} "
-            f"{_fmt_seq(r.seq_len):>6s} {time_ms:>10s} {tput:>9s} {ratio:>9s} {temp:>10s} {comp:>9s}  "
+            f"{_fmt_seq(r.seq_len):>6s} {time_ms:>10s} {tput:>9s} {ratio:>9s} {vs_torch:>8s} "
+            f"{peak:>7s} {temp:>10s} {comp:>9s}  "
             f"{r.status}"
         )
     return "\n".join(lines)
 
 
-def _attach_ratios(results: list[Result]) -> None:
-    base = {}
+def _attach_ratios(results: list[Result], peaks: Optional[dict] = None) -> None:
+    for peer, attr in ((PEER_JAX_NN, "vs_jax_nn"), (PEER_TORCH, "vs_torch")):
+        base = {}
+        for r in results:
+            if r.impl == peer and r.time_s is not None:
+                base[(r.pass_, r.causal, r.head_dim, r.seq_len)] = r.time_s
+        for r in results:
+            t = base.get((r.pass_, r.causal, r.head_dim, r.seq_len))
+            if t is not None and r.time_s is not None:
+                setattr(r, attr, t / r.time_s)
     for r in results:
-        if r.impl == PEER_JAX_NN and r.time_s is not None:
-            base[(r.pass_, r.causal, r.head_dim, r.seq_len)] = r.time_s
-    for r in results:
-        t = base.get((r.pass_, r.causal, r.head_dim, r.seq_len))
-        if t is not None and r.time_s is not None:
-            r.vs_jax_nn = t / r.time_s
+        peak = (peaks or {}).get(r.dtype)
+        if peak is not None and r.flops_per_s is not None:
+            r.peak_fraction = r.flops_per_s / peak[1]
+
+
+# ----------------------------------------------------------------------------- CPU peak
+# FLOP per cycle per core of the widest unit each flag brings (two 512-bit FMA pipes on
+# AVX-512 cores, except AMD family 19h (Zen 3/4), which runs 512-bit operations on two
+# 256-bit pipes): f32 FMA, AVX512-BF16 vdpbf16ps (a pair per lane), AMX tiles
+# (TDPBF16PS / TDPFP16PS: 16·16·32 multiply-adds per 16 cycles).
+_AMX_FLOP_PER_CYCLE = 1024
+
+
+def _cpu_flags() -> tuple[set, dict]:
+    flags, info = set(), {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "flags" and not flags:
+                    flags = set(value.split())
+                elif key in ("vendor_id", "cpu family", "model name") and key not in info:
+                    info[key] = value.strip()
+    except OSError:
+        pass
+    return flags, info
+
+
+def cpu_peaks(threads: Optional[int] = None) -> dict:
+    """{dtype: (path, FLOP/s)}: the peak of the widest path this CPU has for each dtype,
+    over `threads` cores; also "paths" ({path: FLOP/s}), "clock_ghz", "threads" and "cpu".
+    Empty when the flags or the clock cannot be read (not Linux on x86-64)."""
+    flags, info = _cpu_flags()
+    if not flags:
+        return {}
+    from jax_flash import _jax_flash_ext
+
+    clock = _jax_flash_ext.cpu_clock_ghz() if hasattr(_jax_flash_ext, "cpu_clock_ghz") else 0.0
+    if clock <= 0:
+        return {}
+    threads = threads or _threads()
+    half = info.get("vendor_id") == "AuthenticAMD" and info.get("cpu family") == "25"
+    if "avx512f" in flags:
+        fma = 32 if half else 64
+    elif "avx2" in flags and "fma" in flags:
+        fma = 32
+    else:
+        fma = 8
+    per_cycle = {"FMA f32": fma}
+    if "avx512_bf16" in flags:
+        per_cycle["AVX512-BF16"] = 2 * fma
+    if "amx_bf16" in flags and "amx_tile" in flags:
+        per_cycle["AMX-BF16"] = _AMX_FLOP_PER_CYCLE
+    if "amx_fp16" in flags and "amx_tile" in flags:
+        per_cycle["AMX-FP16"] = _AMX_FLOP_PER_CYCLE
+    paths = {name: threads * c * clock * 1e9 for name, c in per_cycle.items()}
+    best = lambda names: next(((n, paths[n]) for n in names if n in paths), None)
+    return {
+        "float32": best(["FMA f32"]),
+        "bfloat16": best(["AMX-BF16", "AVX512-BF16", "FMA f32"]),
+        "float16": best(["AMX-FP16", "FMA f32"]),
+        "paths": paths,
+        "clock_ghz": clock,
+        "threads": threads,
+        "cpu": info.get("model name", ""),
+    }
+
+
+def format_peaks(peaks: dict) -> str:
+    if not peaks:
+        return "CPU peak: unknown here"
+    parts = ", ".join(f"{name} {v / 1e9:.0f} GFLOP/s" for name, v in peaks["paths"].items())
+    return (
+        f"CPU peak ({peaks['cpu']}; {peaks['threads']} threads × FLOP/cycle from the flags × "
+        f"{peaks['clock_ghz']:.2f} GHz measured): {parts}; '% peak' is against "
+        + ", ".join(f"{d}: {peaks[d][0]}" for d in ("float32", "bfloat16", "float16"))
+    )
 
 
 def _require_matplotlib() -> None:
@@ -756,6 +915,22 @@ def main(argv=None) -> list[Result]:
     print(f"implementations: {', '.join(impls)}")
     for name, why in skipped.items():
         print(f"  not measured: {name}: {why}")
+    peaks = {} if on_gpu else cpu_peaks()
+    if not on_gpu:
+        print(format_peaks(peaks))
+        if "cpu" in impls:
+            from jax_flash import _jax_flash_ext
+
+            if hasattr(_jax_flash_ext, "cpu_isa"):
+                isa = _jax_flash_ext.cpu_isa()
+                print(f"cpu kernels: ISA {isa}, {_threads()} threads"
+                      + (f"; torch: {_threads()} threads" if PEER_TORCH in impls else ""))
+                for h in args.head_dims:
+                    b = _jax_flash_ext.cpu_blocking(h, args.dtype, isa == "avx512bf16")
+                    print(f"  blocking H={h}: {b['block_q']} x {b['block_k']}, tile step "
+                          f"forward {b['forward_bytes'] / 2**10:.0f} KiB, backward "
+                          f"{b['backward_bytes'] / 2**10:.0f} KiB")
+    env["peaks"] = {k: v for k, v in peaks.items()}
     if args.max_temp_gib is not None:
         max_temp = int(args.max_temp_gib * 2**30)
     else:
@@ -787,17 +962,19 @@ def main(argv=None) -> list[Result]:
                             ordered, *config, args.reps, max_temp, args.max_seconds
                         )
                     results.extend(case)
-                    _attach_ratios(results)
+                    _attach_ratios(results, peaks)
                     for line in format_table(case, on_gpu).splitlines()[2:]:
                         print(line, flush=True)
                     if args.json:
                         _write_json(args.json, env, args, skipped, results, done=False)
-    _attach_ratios(results)
+    _attach_ratios(results, peaks)
     print()
     print(format_table(results, on_gpu))
     print(
         "\nx jax.nn: jax.nn.dot_product_attention(implementation='xla') time / this time "
-        "(> 1 is faster). temp: compiled temporary memory. compile: lowering + compilation."
+        "(> 1 is faster); x torch: the same for torch's scaled_dot_product_attention. % peak: "
+        "of the CPU's peak for the dtype (above). temp: compiled temporary memory (not "
+        "torch's). compile: lowering + compilation."
     )
     if args.json:
         _write_json(args.json, env, args, skipped, results, done=True)

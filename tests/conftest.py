@@ -37,6 +37,17 @@ from jax_flash import _registry  # noqa: E402
 ALL = ("xla", "cpu", "pallas", "cuda")
 
 
+def pytest_addoption(parser):
+    group = parser.getgroup("jax_flash property suite (tests/test_property.py)")
+    group.addoption("--property-examples", default=None,
+                    help="examples per implementation: N, or xla:N,cpu:N,cuda:N,pallas:N (env "
+                         "JAX_FLASH_PROPERTY_EXAMPLES; default: the CI budget)")
+    group.addoption("--property-example", default=None,
+                    help="run only this example, e.g. cuda-17 (what a failure's message names)")
+    group.addoption("--property-seed", default=None,
+                    help="the seed of the drawn examples (env JAX_FLASH_PROPERTY_SEED, default 0)")
+
+
 def on_gpu() -> bool:
     return _registry.platform() == "gpu"
 

@@ -32,7 +32,8 @@ def test_bench_tiny_run_writes_table_json_and_plot(tmp_path, capsys):
     assert len(results) == 4 * len(impls)
     for r in results:
         assert r.status == "ok", (r.impl, r.status)
-        assert r.flops_per_s > 0 and r.temp_bytes is not None
+        # torch (a peer measured outside XLA, when it imports) has no compiled temp memory.
+        assert r.flops_per_s > 0 and (r.temp_bytes is not None or r.impl == "torch")
         assert r.vs_jax_nn is not None
     causal_fwd = [r for r in results if r.causal and r.pass_ == "fwd"][0]
     full_fwd = [r for r in results if not r.causal and r.pass_ == "fwd"][0]
@@ -121,6 +122,32 @@ def test_bench_plot_without_matplotlib_fails_before_measuring(monkeypatch, capsy
         bench.main(["--impls", "xla", "--seq-lens", "16", "--plot", "x.png"])
     assert ".[bench]" in str(e.value.code) and "matplotlib" in str(e.value.code)
     assert not measured
+
+
+def test_bench_torch_peer_and_cpu_peak(capsys):
+    """torch's CPU SDPA in the same table (when it imports), with the ratios to it and the
+    fraction of the CPU's peak; without torch the run says why it is not measured."""
+    results = bench.main(
+        ["--impls", "cpu,jax.nn,torch", "--seq-lens", "128", "--head-dims", "32", "--heads", "2",
+         "--reps", "1", "--causal", "yes", "--dtype", "bfloat16"]
+    )
+    out = capsys.readouterr().out
+    assert "x torch" in out and "% peak" in out
+    by_impl = {(r.impl, r.pass_): r for r in results}
+    torch_ok = bench._torch_unavailable(on_gpu=False) is None
+    for pass_ in ("fwd", "fwdbwd"):
+        cpu, torch_row = by_impl[("cpu", pass_)], by_impl[("torch", pass_)]
+        assert cpu.status == "ok"
+        if torch_ok:
+            assert torch_row.status == "ok" and torch_row.vs_torch == 1.0
+            assert cpu.vs_torch is not None and cpu.vs_torch > 0
+        else:
+            assert torch_row.status.startswith("failed")
+    peaks = bench.cpu_peaks()
+    if peaks:  # Linux x86-64
+        assert "CPU peak" in out and peaks["clock_ghz"] > 0.5
+        assert peaks["bfloat16"][1] >= peaks["float32"][1] > 0
+        assert 0 < by_impl[("cpu", "fwd")].peak_fraction < 1
 
 
 def test_bench_decode_tiny_run(tmp_path, capsys):

@@ -275,35 +275,72 @@ def test_fully_masked_rows_exist_in_cases():
         assert (~vis).any() and vis.any(), name
 
 
-@pytest.mark.parametrize("config", ["combo", "tiny_head", "mqa_wide", "wide_head"])
-@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
-def test_every_isa(isa, config):
-    """Each compiled ISA (its own vector width and micro-tile shapes) matches the
-    reference; one this CPU lacks is refused by name."""
-    cfg = CONFIGS[config]
-    x = make_inputs(cfg, "float32")
+ISAS = ["generic", "avx2", "avx512", "avx512bf16"]
+
+
+def run_on(isa: str, x: dict, attrs: dict):
+    """run_both on one ISA, or None when this CPU lacks it (refused by name)."""
     with environment(JAX_FLASH_CPU_ISA=isa):
         try:
-            results = run_both(x, attributes(cfg))
+            return run_both(x, attrs)
         except Exception as e:  # noqa: BLE001 — the refusal must name the ISA
             assert f"JAX_FLASH_CPU_ISA={isa}" in str(e) and "lacks" in str(e), e
-            return
-    check_against_reference(cfg, "float32", results)
+            return None
 
 
-def test_threads_bitwise_deterministic():
-    """All threads vs one thread (JAX_FLASH_CPU_THREADS=1): the same bits."""
+@pytest.mark.parametrize("config", ["combo", "tiny_head", "mqa_wide", "wide_head"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_isa(isa, dtype, config):
+    """Each compiled ISA (its own vector width, micro-tile shapes and, for bf16 on
+    avx512bf16, its bf16 products) matches the reference in every dtype; one this CPU
+    lacks is refused by name."""
+    cfg = CONFIGS[config]
+    x = make_inputs(cfg, dtype)
+    results = run_on(isa, x, attributes(cfg))
+    if results is not None:
+        check_against_reference(cfg, dtype, results)
+
+
+@pytest.mark.parametrize("config", ["none", "segments", "softcap_causal", "offset_combo"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("isa", ["avx512", "avx512bf16"])
+def test_masks_on_wide_isas(isa, dtype, config):
+    """The mask cases on the AVX-512 paths, the bf16 products included."""
+    cfg = CONFIGS[config]
+    x = make_inputs(cfg, dtype)
+    results = run_on(isa, x, attributes(cfg))
+    if results is not None:
+        check_against_reference(cfg, dtype, results)
+
+
+def test_single_pass_backward_has_several_chunks():
+    """The determinism case below sums dQ over several key-block chunks (B·K < 16),
+    and a large B·K runs one chunk; the chunking rule is what tiling.h says."""
+    assert _jax_flash_ext.cpu_gradient_chunks(2, 4, 2, 300, 260, 64) == 3
+    assert _jax_flash_ext.cpu_gradient_chunks(1, 8, 8, 4096, 4096, 64) == 2
+    assert _jax_flash_ext.cpu_gradient_chunks(4, 8, 8, 4096, 4096, 64) == 1
+    assert _jax_flash_ext.cpu_gradient_chunks(1, 1, 1, 4096, 4096, 64) == 4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("isa", ["generic", "avx512", "avx512bf16"])
+def test_threads_bitwise_deterministic(isa, dtype):
+    """1, 2, 3 threads and no cap (JAX_FLASH_CPU_THREADS): the same bits (the dQ
+    partials of the key-block chunks are summed in chunk order whoever ran them)."""
     cfg = Config(b=2, t=300, s=260, n=4, kh=2, h=64, window=(-1, 0), softcap=4.0)
-    x = make_inputs(cfg, "float32", seed=1)
+    x = make_inputs(cfg, dtype)
     attrs = attributes(cfg)
-    with environment(JAX_FLASH_CPU_THREADS=1):
-        single = run_both(x, attrs)
-    with environment(JAX_FLASH_CPU_THREADS=0):  # 0: no cap
-        multi = run_both(x, attrs)
-    again = run_both(x, attrs)
-    for a, b, c in zip(single, multi, again):
-        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
-        np.testing.assert_array_equal(a.view(np.uint8), c.view(np.uint8))
+    runs = []
+    for threads in (1, 2, 3, 0):  # 0: no cap
+        with environment(JAX_FLASH_CPU_THREADS=threads):
+            runs.append(run_on(isa, x, attrs))
+    if runs[0] is None:
+        return
+    check_against_reference(cfg, dtype, runs[0])
+    for other in runs[1:] + [run_on(isa, x, attrs)]:
+        for a, b in zip(runs[0], other):
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
 def test_jit_lowers_to_custom_calls_without_t_by_s_tensor():

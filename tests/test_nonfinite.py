@@ -70,6 +70,11 @@ POISON_CASES = {
     # but value 59 (inside row 0's 60 keys) poisons all of row 0's valid queries.
     "masked-lengths": ("lengths", [("k", (0, 75, 0, 1), NAN), ("v", (0, 61, 0, 3), INF),
                                    ("q", (0, 33, 0, 4), NAN), ("v", (0, 59, 0, 0), -INF)]),
+    # bias (xla, pallas): NaN at a visible pair poisons row 5 of batch 0; +inf behind the
+    # causal mask changes nothing; a -inf row (3 of batch 1) is empty even with NaN value 2
+    # visible behind it.
+    "bias-causal": ("causal", [("bias", (0, 0, 5, 30), NAN), ("bias", (1, 0, 10, 70), INF),
+                               ("bias", (1, 0, 3, None), -INF), ("v", (1, 2, 0, 1), NAN)]),
     "mixed-combo": ("combo", [("q", (1, 12, 1, 0), INF), ("k", (1, 64, 0, 7), -INF),
                               ("v", (0, 44, 0, 9), NAN), ("k", (0, 80, 0, 2), NAN),
                               ("v", (1, 5, 0, None), NAN)]),
@@ -80,10 +85,16 @@ def _poisoned(case):
     q, k, v = make_qkv(SHAPE, DTYPE)
     kind, poisons = POISON_CASES[case]
     arrays = dict(q=q, k=k, v=v)
+    kw = _masks(kind)
+    if any(name == "bias" for name, *_ in poisons):  # [B, 1, T, S]
+        rng = np.random.default_rng(3)
+        arrays["bias"] = jnp.asarray(rng.normal(size=(SHAPE.b, 1, SHAPE.t, SHAPE.s)), jnp.float32)
     for name, (b, pos, head, feat), value in poisons:
         index = (b, pos, head) if feat is None else (b, pos, head, feat)
         arrays[name] = arrays[name].at[index].set(value)
-    return arrays["q"], arrays["k"], arrays["v"], _masks(kind)
+    if "bias" in arrays:
+        kw["bias"] = arrays["bias"]
+    return arrays["q"], arrays["k"], arrays["v"], kw
 
 
 def _needs(impl, q, k, v, kw):

@@ -10,6 +10,7 @@
 #include "cpu/softmax.h"
 #include "cpu/tile_gemm.h"
 #include "cpu/tile_pack.h"
+#include "cpu/tile_products.h"
 #include "cpu/tiling.h"
 #include "cpu/vec.h"
 
@@ -28,8 +29,7 @@ struct ForwardTiles {
   float* l;        // [kBlockQ] running sum
   float* correction;  // [kBlockQ] exp(m_old − m_new)
   int32_t* segments;  // [kBlockK]
-  int32_t* bad_values;  // [kBlockK] 1: the key's value row holds a NaN/±inf
-  float* row;           // [RowStride] one value row, widened
+  float* scratch;       // [kProductScratchFloats] the products' own (bf16 P)
 
   ForwardTiles(const Problem& p, float* base) {
     WorkspaceCarver w(base);
@@ -42,27 +42,11 @@ struct ForwardTiles {
     l = w.Take(kBlockQ);
     correction = w.Take(kBlockQ);
     segments = reinterpret_cast<int32_t*>(w.Take(kBlockK));
-    bad_values = reinterpret_cast<int32_t*>(w.Take(kBlockK));
-    row = w.Take(row_stride);
+    scratch = w.Take(kProductScratchFloats);
     floats = w.used();
   }
   int64_t floats;  // the size of the workspace
 };
-
-// bad[j] = whether value row s0 + j (of batch b, kv head g) holds a NaN or ±inf; returns
-// whether any of the `cols` rows does. The packed V has them as zeros (tile_pack.h).
-inline bool FindNonFiniteValues(const Problem& p, int64_t b, int64_t g, int64_t s0, int64_t cols,
-                                float* row, int32_t* bad) {
-  bool any = false;
-  for (int64_t j = 0; j < cols; ++j) {
-    LoadRow(p.v, p.dtype, p.kv_row(b, s0 + j, g), p.head_dim, row);
-    bool finite = true;
-    for (int64_t h = 0; h < p.head_dim; ++h) finite &= std::isfinite(row[h]);
-    bad[j] = finite ? 0 : 1;
-    any |= !finite;
-  }
-  return any;
-}
 
 // Writes the rows of a query block that see no key: out = 0, lse = -inf.
 inline void WriteEmptyRows(const Problem& p, int64_t b, int64_t n, int64_t t_begin, int64_t t_end) {
@@ -89,7 +73,9 @@ inline void WriteOutputRows(const Problem& p, const ForwardTiles& w, int64_t b, 
   }
 }
 
-inline void ForwardTile(const Problem& p, int64_t item, float* workspace) {
+// Products: F32Products or BF16Products (tile_products.h).
+template <class Products>
+void ForwardTileWith(const Problem& p, int64_t item, float* workspace) {
   const auto [b, n, t0, rows] = QueryBlockOf(p, item, /*last_first=*/true);
   const int64_t g = n / p.group_size();
   const MaskGeometry mask(p, b);
@@ -99,11 +85,11 @@ inline void ForwardTile(const Problem& p, int64_t item, float* workspace) {
   if (live_rows == 0) return;
 
   ForwardTiles w(p, workspace);
-  const int64_t hp = w.head_dim_padded;
   const int64_t ld = w.row_stride;
   const int64_t rows_padded = RoundUp(live_rows, kGemmRows);
-  PackRows({p.q, p.dtype, p.q_row(b, t0, n), p.q_heads * p.head_dim, live_rows, p.head_dim},
-           p.scale, rows_padded, ld, w.q);
+  Products::PackQuery(
+      p, {p.q, p.dtype, p.q_row(b, t0, n), p.q_heads * p.head_dim, live_rows, p.head_dim},
+      rows_padded, w.q);
   for (int64_t i = 0; i < rows_padded; ++i) {
     w.m[i] = -__builtin_inff();
     w.l[i] = 0.0f;
@@ -125,19 +111,24 @@ inline void ForwardTile(const Problem& p, int64_t item, float* workspace) {
     const float* k_t = p.packed.k_t + key_block;
     const float* v = p.packed.v + key_block;
     const ScoreTile s{w.s, kBlockK, t0, live_rows, rows_padded, s0, cols, cols_padded};
-    // S = (scale · Q) Kᵀ
-    Gemm<false, Accumulate::kOverwrite>(rows_padded, cols_padded, p.head_dim, w.q, ld, k_t,
-                                        kKeyStride, w.s, kBlockK);
+    // S = scale · Q Kᵀ
+    Products::Scores(p, rows_padded, cols_padded, w.q, k_t, w.s);
     PoisonInfiniteScores(s);
     if (p.softcap > 0.0f) ApplySoftCap(s, p.softcap, nullptr);
     if (visibility == TileVisibility::kPartial) MaskScores(s, mask, w.segments);
-    const bool bad_values = FindNonFiniteValues(p, b, g, s0, cols, w.row, w.bad_values);
-    UpdateOnlineSoftmax(s, w.m, w.l, w.correction, bad_values ? w.bad_values : nullptr);
+    const int32_t* bad_values = NonFiniteValues(p, b, g, s0);
+    UpdateOnlineSoftmax(s, w.m, w.l, w.correction, bad_values);
     // O = diag(exp(m_old − m_new)) O + P V
-    Gemm<false, Accumulate::kRescale>(rows_padded, hp, cols, w.s, kBlockK, v, ld, w.o, ld,
-                                      w.correction);
+    Products::AccumulateValues(p, rows_padded, cols, w.s, w.scratch, v, w.o, w.correction);
   }
   WriteOutputRows(p, w, b, n, t0, live_rows);
+}
+
+inline void ForwardTile(const Problem& p, int64_t item, float* workspace) {
+#if defined(JAX_FLASH_CPU_BF16_PRODUCTS)
+  if (p.dtype == ElementType::kBF16) return ForwardTileWith<BF16Products>(p, item, workspace);
+#endif
+  ForwardTileWith<F32Products>(p, item, workspace);
 }
 
 }  // namespace JAX_FLASH_CPU_ISA

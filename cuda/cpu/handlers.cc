@@ -187,6 +187,7 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   std::string isa_error;
   const KernelTable* kernels = SelectKernels(&isa_error);
   if (kernels == nullptr) return ffi::Error::InvalidArgument("jax_flash_fwd (cpu): " + isa_error);
+  p.bf16_packing = kernels->bf16_products && p.dtype == ElementType::kBF16;
   if (PoisonOutputs()) {
     Poison(*out);
     Poison(*lse);
@@ -199,13 +200,50 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   if (k_t.get() == nullptr || v_rows.get() == nullptr) return OutOfMemory("jax_flash_fwd");
   p.packed.k_t = k_t.get();
   p.packed.v = v_rows.get();
-  if (ffi::Error e = RunTiles(pool, "jax_flash_fwd", KeyItems(p), PaddedHeadDim(p), p,
-                              kernels->pack_key_block);
+  Workspace bad_values(KeyItems(p) * (kBlockK + 1));  // int32 flags, float-sized
+  if (bad_values.get() == nullptr) return OutOfMemory("jax_flash_fwd");
+  p.packed.bad_values = reinterpret_cast<int32_t*>(bad_values.get());
+  if (ffi::Error e = RunTiles(pool, "jax_flash_fwd", KeyItems(p), 2 * PaddedHeadDim(p), p,
+                              kernels->prepare_key_block);
       e.failure()) {
     return e;
   }
   return RunTiles(pool, "jax_flash_fwd", QueryItems(p), kernels->forward_workspace(p), p,
                   kernels->forward_tile);
+}
+
+// The single-pass backward (flash_backward_pass.h): pack Q, dO (with D), Kᵀ, Vᵀ and K
+// once, in the products' format, zeroing the dQ partials; one pass of key-block items;
+// then dQ = scale · Σ partials per query block.
+ffi::Error RunBackward(ffi::ThreadPool& pool, const KernelTable& kernels, Problem& p) {
+  Workspace q_rows(PackedQueryFloats(p)), dout_rows(PackedQueryFloats(p));
+  Workspace k_t(PackedKeyFloats(p)), v_t(PackedKeyFloats(p)), k_rows(PackedKeyFloats(p));
+  Workspace dq_partial(GradientChunks(p) * PackedQueryFloats(p));
+  for (const Workspace* w : {&q_rows, &dout_rows, &k_t, &v_t, &k_rows, &dq_partial})
+    if (w->get() == nullptr) return OutOfMemory("jax_flash_bwd");
+  p.packed.q = q_rows.get();
+  p.packed.dout = dout_rows.get();
+  p.packed.k_t = k_t.get();
+  p.packed.v_t = v_t.get();
+  p.packed.k = k_rows.get();
+  p.packed.dq_partial = dq_partial.get();
+  const int64_t row_buffer = 2 * PaddedHeadDim(p);
+  if (ffi::Error e = RunTiles(pool, "jax_flash_bwd", QueryItems(p), row_buffer, p,
+                              kernels.prepare_query_block);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = RunTiles(pool, "jax_flash_bwd", KeyItems(p), row_buffer, p,
+                              kernels.prepare_key_block);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = RunTiles(pool, "jax_flash_bwd", GradientItems(p),
+                              kernels.backward_workspace(p), p, kernels.gradient_tile);
+      e.failure()) {
+    return e;
+  }
+  return RunTiles(pool, "jax_flash_bwd", QueryItems(p), row_buffer, p, kernels.reduce_query_gradient);
 }
 
 ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -242,6 +280,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
   std::string isa_error;
   const KernelTable* kernels = SelectKernels(&isa_error);
   if (kernels == nullptr) return ffi::Error::InvalidArgument("jax_flash_bwd (cpu): " + isa_error);
+  p.bf16_packing = kernels->bf16_products && p.dtype == ElementType::kBF16;
   if (PoisonOutputs()) {
     for (ffi::AnyBuffer result : {*dq, *dk, *dv, *dq_accum, *delta}) Poison(result);
   }
@@ -255,34 +294,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
   p.dq_accum = static_cast<float*>(dq_accum->untyped_data());
   p.delta = static_cast<float*>(delta->untyped_data());
 
-  // Pack Q, dO (computing D on the way), Kᵀ, Vᵀ and K once: both gradient passes
-  // read them for every tile.
-  Workspace q_rows(PackedQueryFloats(p)), dout_rows(PackedQueryFloats(p));
-  Workspace k_t(PackedKeyFloats(p)), v_t(PackedKeyFloats(p)), k_rows(PackedKeyFloats(p));
-  for (const Workspace* w : {&q_rows, &dout_rows, &k_t, &v_t, &k_rows})
-    if (w->get() == nullptr) return OutOfMemory("jax_flash_bwd");
-  p.packed.q = q_rows.get();
-  p.packed.dout = dout_rows.get();
-  p.packed.k_t = k_t.get();
-  p.packed.v_t = v_t.get();
-  p.packed.k = k_rows.get();
-  if (ffi::Error e = RunTiles(pool, "jax_flash_bwd", QueryItems(p), PaddedHeadDim(p), p,
-                              kernels->pack_query_block);
-      e.failure()) {
-    return e;
-  }
-  if (ffi::Error e = RunTiles(pool, "jax_flash_bwd", KeyItems(p), PaddedHeadDim(p), p,
-                              kernels->pack_key_block);
-      e.failure()) {
-    return e;
-  }
-  const int64_t workspace = kernels->backward_workspace(p);
-  if (ffi::Error e = RunTiles(pool, "jax_flash_bwd", KeyItems(p), workspace, p,
-                              kernels->key_value_gradient_tile);
-      e.failure()) {
-    return e;
-  }
-  return RunTiles(pool, "jax_flash_bwd", QueryItems(p), workspace, p, kernels->query_gradient_tile);
+  return RunBackward(pool, *kernels, p);
 }
 
 }  // namespace

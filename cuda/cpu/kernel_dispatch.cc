@@ -20,6 +20,15 @@ bool CpuHasAvx512() {
 #endif
 }
 
+bool CpuHasAvx512Bf16() {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  return CpuHasAvx512() && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
 bool CpuHasAvx2() {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
@@ -35,6 +44,13 @@ const KernelTable* SelectKernels(std::string* error) {
   const char* requested = std::getenv("JAX_FLASH_CPU_ISA");
   const bool any = requested == nullptr || *requested == '\0';
 #if defined(__x86_64__) || defined(_M_X64)
+  if (any || std::strcmp(requested, "avx512bf16") == 0) {
+    if (CpuHasAvx512Bf16()) return &avx512bf16::Kernels();
+    if (!any) {
+      *error = "JAX_FLASH_CPU_ISA=avx512bf16 but this CPU lacks AVX-512 (F, VL, BW, DQ) with BF16";
+      return nullptr;
+    }
+  }
   if (any || std::strcmp(requested, "avx512") == 0) {
     if (CpuHasAvx512()) return &avx512::Kernels();
     if (!any) {
@@ -52,7 +68,7 @@ const KernelTable* SelectKernels(std::string* error) {
 #endif
   if (any || std::strcmp(requested, "generic") == 0) return &generic::Kernels();
   *error = std::string("JAX_FLASH_CPU_ISA=") + requested +
-           " is not one of: avx512, avx2, generic (or unset for the best this CPU runs)";
+           " is not one of: avx512bf16, avx512, avx2, generic (or unset for the best this CPU runs)";
   return nullptr;
 }
 

@@ -14,26 +14,32 @@ namespace cpu {
 
 struct KernelTable {
   const char* isa;
+  bool bf16_products;  // bf16 inputs are packed and multiplied as bf16 (Problem::bf16_packing)
   // Floats of workspace one worker needs (64-byte aligned by the caller).
   int64_t (*forward_workspace)(const Problem&);
-  int64_t (*backward_workspace)(const Problem&);
-  // One work item each; see tiling.h for how items map to blocks. The pack steps
-  // need a workspace of PaddedHeadDim floats.
-  void (*pack_key_block)(const Problem&, int64_t item, float* workspace);
-  void (*pack_query_block)(const Problem&, int64_t item, float* workspace);
+  // One work item each; see tiling.h for how items map to blocks.
   void (*forward_tile)(const Problem&, int64_t item, float* workspace);
-  void (*key_value_gradient_tile)(const Problem&, int64_t item, float* workspace);
-  void (*query_gradient_tile)(const Problem&, int64_t item, float* workspace);
+  // The backward (flash_backward_pass.h): prepare_* pack in the format the products of
+  // this ISA take for the problem's dtype (workspace 2·PaddedHeadDim floats; the forward
+  // runs prepare_key_block too), backward_workspace floats per worker for
+  // gradient_tile (GradientItems), reduce_query_gradient per query block (workspace
+  // 2·PaddedHeadDim).
+  int64_t (*backward_workspace)(const Problem&);
+  void (*prepare_query_block)(const Problem&, int64_t item, float* workspace);
+  void (*prepare_key_block)(const Problem&, int64_t item, float* workspace);
+  void (*gradient_tile)(const Problem&, int64_t item, float* workspace);
+  void (*reduce_query_gradient)(const Problem&, int64_t item, float* workspace);
 };
 
 namespace generic { const KernelTable& Kernels(); }
 #if defined(__x86_64__) || defined(_M_X64)
 namespace avx2 { const KernelTable& Kernels(); }
 namespace avx512 { const KernelTable& Kernels(); }
+namespace avx512bf16 { const KernelTable& Kernels(); }
 #endif
 
-// The widest ISA this CPU runs, or the one named by JAX_FLASH_CPU_ISA ("avx512",
-// "avx2", "generic"); an error message when the named one is unknown or unsupported.
+// The widest ISA this CPU runs, or the one named by JAX_FLASH_CPU_ISA ("avx512bf16",
+// "avx512", "avx2", "generic"); an error message when the named one is unknown or unsupported.
 const KernelTable* SelectKernels(std::string* error);
 
 }  // namespace cpu

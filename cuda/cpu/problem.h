@@ -66,7 +66,15 @@ struct Problem {
     float* v = nullptr;     // V rows per key block  (forward)
     float* q = nullptr;     // scale · Q rows per query block (backward)
     float* dout = nullptr;  // dO rows per query block        (backward)
+    // [key items][kBlockK + 1] (forward): 1 where key j's value row holds a NaN/±inf
+    // (the packed V has zeros there); the last entry: whether any of the block does.
+    int32_t* bad_values = nullptr;
+    float* dq_partial = nullptr;  // float32 dQ per chunk and query block (backward)
   } packed;
+
+  // Operands packed as bf16 (the BF16Products of an ISA that has them, bf16 inputs):
+  // a packed key block then takes half the floats (tiling.h KeyBlockFloats).
+  bool bf16_packing = false;
 
   int64_t group_size() const { return q_heads / kv_heads; }
   // Element offset of row t of query head n (q, out, dout, dq).

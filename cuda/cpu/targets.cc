@@ -1,9 +1,18 @@
 // Exposes the host handlers as PyCapsules for jax.ffi.register_ffi_target(..., platform="cpu").
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <chrono>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
 
 #include <type_traits>
 
 #include "cpu/handlers.h"
+#include "cpu/kernel_table.h"
+#include "cpu/problem.h"
+#include "cpu/tiling.h"
 #include "ffi/targets.h"
 
 namespace nb = nanobind;
@@ -23,6 +32,87 @@ nb::capsule Capsule(Fn* fn) {
 void AddCpuTargets(nb::dict& targets) {
   targets["jax_flash_fwd"] = Capsule(cpu::JaxFlashCpuForward);
   targets["jax_flash_bwd"] = Capsule(cpu::JaxFlashCpuBackward);
+}
+
+namespace {
+
+// The core's clock now, in GHz, from a chain of dependent integer adds (one cycle each
+// on every x86-64 core of the last decade): the best of 200 bursts of ~0.5 ms, so that a
+// burst the scheduler interrupted does not count. 0 off x86-64.
+double MeasureClockGHz() {
+#if defined(__x86_64__)
+  constexpr int64_t kIterations = 250000;  // × 8 adds: ~0.5 ms
+  double best = 0.0;
+  for (int trial = 0; trial < 200; ++trial) {
+    uint64_t x = static_cast<uint64_t>(trial);
+    const auto start = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < kIterations; ++i) {
+      asm volatile(
+          "add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\t"
+          "add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0"
+          : "+r"(x));
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    // The loop's own increment and branch run beside the chain (other ports).
+    const double ghz = 8.0 * kIterations / seconds / 1e9;
+    if (ghz > best) best = ghz;
+  }
+  return best;
+#else
+  return 0.0;
+#endif
+}
+
+}  // namespace
+
+void AddCpuFunctions(nb::module_& m) {
+  m.def("cpu_clock_ghz", &MeasureClockGHz,
+        "One core's clock now (GHz), measured with a chain of dependent adds (0 off x86-64).");
+  m.def(
+      "cpu_isa",
+      []() {
+        std::string error;
+        const cpu::KernelTable* kernels = cpu::SelectKernels(&error);
+        if (kernels == nullptr) throw std::invalid_argument(error);
+        return std::string(kernels->isa);
+      },
+      "The ISA the cpu kernels run on now (JAX_FLASH_CPU_ISA, or the widest this CPU has).");
+  m.def(
+      "cpu_blocking",
+      [](int64_t h, const std::string& dtype, bool bf16_products) {
+        cpu::ElementType type = cpu::ElementType::kF32;
+        if (dtype == "bfloat16") {
+          type = cpu::ElementType::kBF16;
+        } else if (dtype == "float16") {
+          type = cpu::ElementType::kF16;
+        } else if (dtype != "float32") {
+          throw std::invalid_argument("dtype must be float32, bfloat16 or float16, got " + dtype);
+        }
+        const cpu::Blocking b = cpu::BlockingFor(h, type, bf16_products);
+        nb::dict d;
+        d["block_q"] = b.block_q;
+        d["block_k"] = b.block_k;
+        d["key_block_bytes"] = b.key_block_bytes;
+        d["forward_bytes"] = b.forward_bytes;
+        d["backward_bytes"] = b.backward_bytes;
+        return d;
+      },
+      "(H, dtype, bf16_products) -> the cpu kernels' tile blocking (tiling.h BlockingFor): "
+      "block sizes and the bytes one worker's forward / backward tile step keeps hot.");
+  m.def(
+      "cpu_gradient_chunks",
+      [](int64_t b, int64_t n, int64_t k, int64_t t, int64_t s, int64_t h) {
+        cpu::Problem p;
+        p.batch = b;
+        p.q_heads = n;
+        p.kv_heads = k;
+        p.q_len = t;
+        p.kv_len = s;
+        p.head_dim = h;
+        return cpu::GradientChunks(p);
+      },
+      "(B, N, K, T, S, H) -> the number of key-block chunks (float32 dQ partials) of the "
+      "single-pass backward.");
 }
 
 }  // namespace jax_flash

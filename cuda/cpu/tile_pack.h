@@ -64,6 +64,32 @@ JAX_FLASH_INLINE void ZeroNonFinite(float* tile, int64_t n) {
   for (int64_t i = 0; i < n; ++i) tile[i] = std::isfinite(tile[i]) ? tile[i] : 0.0f;
 }
 
+// The forward's record of key block `item`'s value rows that hold a NaN/±inf (which
+// the packed V has as zeros): p.packed.bad_values, once per call and key block, so that
+// no tile widens V again. `row_buffer` holds H floats.
+inline void FindNonFiniteValues(const Problem& p, int64_t item, float* row_buffer) {
+  const auto [b, g, s0, keys] = KeyBlockOf(p, item);
+  int32_t* bad = p.packed.bad_values + item * (kBlockK + 1);
+  bool any = false;
+  for (int64_t j = 0; j < kBlockK; ++j) {
+    bool finite = true;
+    if (j < keys) {
+      LoadRow(p.v, p.dtype, p.kv_row(b, s0 + j, g), p.head_dim, row_buffer);
+      for (int64_t h = 0; h < p.head_dim; ++h) finite &= std::isfinite(row_buffer[h]);
+    }
+    bad[j] = finite ? 0 : 1;
+    any |= !finite;
+  }
+  bad[kBlockK] = any ? 1 : 0;
+}
+
+// The flags of the key block at (b, g, s0) for UpdateOnlineSoftmax: null when none of
+// its value rows is bad.
+inline const int32_t* NonFiniteValues(const Problem& p, int64_t b, int64_t g, int64_t s0) {
+  const int32_t* bad = p.packed.bad_values + KeyBlockIndex(p, b, g, s0) * (kBlockK + 1);
+  return bad[kBlockK] != 0 ? bad : nullptr;
+}
+
 // Packs key block `item` = (b, kv head g, key block) of every packed K/V layout the
 // problem asks for (the null ones are skipped). Runs once per call and key block,
 // before any tile that reads it. `row_buffer` holds H floats.

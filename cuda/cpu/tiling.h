@@ -47,6 +47,19 @@ inline KeyBlockItem KeyBlockOf(const Problem& p, int64_t item) {
   return {item / (p.kv_heads * blocks), item / blocks % p.kv_heads, s0, std::min(kBlockK, p.kv_len - s0)};
 }
 
+// The backward's work items: one per (b, kv head, chunk of key blocks), chunk
+// fastest. The number of chunks depends on the problem only (never on the thread
+// count, which keeps the dQ sum's order fixed): enough items for the threads to share
+// (kGradientItems) when B·K alone is too few, at most kMaxGradientChunks float32 dQ
+// partials, and no chunk without a key block.
+constexpr int64_t kGradientItems = 16;
+constexpr int64_t kMaxGradientChunks = 4;
+inline int64_t GradientChunks(const Problem& p) {
+  const int64_t wanted = CeilDiv(kGradientItems, std::max<int64_t>(1, p.batch * p.kv_heads));
+  return std::max<int64_t>(1, std::min({wanted, kMaxGradientChunks, CeilDiv(p.kv_len, kBlockK)}));
+}
+inline int64_t GradientItems(const Problem& p) { return p.batch * p.kv_heads * GradientChunks(p); }
+
 // Packed operand layouts. Rows are padded to a whole number of the widest vector
 // (16 floats) whatever the ISA, so one layout serves every kernel table.
 inline int64_t PaddedHeadDim(const Problem& p) { return RoundUp(p.head_dim, kAlignFloats); }
@@ -61,7 +74,13 @@ inline int64_t RowStride(const Problem& p) { return OddLineStride(PaddedHeadDim(
 // Leading dimension of the Kᵀ, Vᵀ tiles ([H][kKeyStride], the first kBlockK used).
 constexpr int64_t kKeyStride = kBlockK + (kBlockK / kAlignFloats % 2 == 1 ? 0 : kAlignFloats);
 // Kᵀ, Vᵀ: [B][K][key block][H][kKeyStride]; K, V rows: [B][K][key block][kBlockK][RowStride].
+// As bf16 (bf16_packing): Kᵀ, Vᵀ [Hp/2][kKeyStride][2], K, V [kBlockK/2][RowStride][2].
 inline int64_t KeyBlockFloats(const Problem& p) {
+  if (p.bf16_packing) {
+    const int64_t transposed = PaddedHeadDim(p) * kKeyStride;
+    const int64_t rows = kBlockK * RowStride(p);
+    return RoundUp((transposed > rows ? transposed : rows) / 2, kAlignFloats);
+  }
   const int64_t transposed = p.head_dim * kKeyStride;
   const int64_t rows = kBlockK * RowStride(p);
   return RoundUp(transposed > rows ? transposed : rows, kAlignFloats);
@@ -76,6 +95,39 @@ inline int64_t QueryBlockIndex(const Problem& p, int64_t b, int64_t n, int64_t t
   return (b * p.q_heads + n) * QueryBlocks(p) + t0 / kBlockQ;
 }
 inline int64_t PackedQueryFloats(const Problem& p) { return QueryItems(p) * QueryBlockFloats(p); }
+
+// The cache blocking of one (H, dtype, products) combination: the one place that states
+// the block sizes and what one worker's tile step keeps hot, so that a choice can be
+// checked against the caches. Every combination runs 128 × 128 (the layouts above are
+// compile-time): the forward's step stays in a 1 MB L2 up to H = 256 (0.6 MB float32),
+// the backward's up to H = 128 (0.77 MB float32, 0.66 MB bf16; at H = 256 it is 1.3 / 1.1
+// MB and spills to L3, where a smaller block would not), and 128 × 128 measured faster
+// than 64 × 128 and 64 × 64 at H = 64 and 128 (fewer softmax row passes per product; the
+// 4-row micro-tiles reuse each B strip over 128 rows).
+struct Blocking {
+  int64_t block_q;        // query rows per tile (Br)
+  int64_t block_k;        // keys per tile (Bc)
+  int64_t key_block_bytes;    // one packed key block (Kᵀ and V: forward)
+  int64_t forward_bytes;      // forward tile step: Q, S, O tiles and a key block
+  int64_t backward_bytes;     // backward tile step: Q, dO, S, dS, soft cap tiles, Kᵀ, Vᵀ, K,
+                              // dK, dV accumulators, the dQ partial tile
+};
+inline Blocking BlockingFor(int64_t head_dim, ElementType dtype, bool bf16_products) {
+  Problem p;
+  p.head_dim = head_dim;
+  p.bf16_packing = bf16_products && dtype == ElementType::kBF16;
+  const int64_t element = p.bf16_packing ? 2 : 4;
+  const int64_t rows = kBlockQ * RowStride(p) * 4;      // a float32 row tile
+  const int64_t scores = kBlockQ * kBlockK * 4;
+  const int64_t key_operand = KeyBlockFloats(p) * 4;
+  const int64_t key_gradient = std::max(kBlockK * RowStride(p), PaddedHeadDim(p) * kKeyStride) * 4;
+  Blocking b{kBlockQ, kBlockK, 2 * key_operand, 0, 0};
+  b.forward_bytes = rows * element / 4 + scores + rows + 2 * key_operand;
+  // bf16 query blocks hold rows and their transposes.
+  b.backward_bytes = 2 * rows * element / 4 * (element == 2 ? 2 : 1) + 3 * scores +
+                     3 * key_operand + 2 * key_gradient + rows;
+  return b;
+}
 
 // Hands out 64-byte-aligned float buffers from one (64-byte-aligned) workspace
 // allocation. With a null base it only counts, which is how the workspace is sized:

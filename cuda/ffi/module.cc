@@ -26,6 +26,7 @@ NB_MODULE(_jax_flash_ext, m) {
         return out;
       },
       "FFI handler capsules by platform: {'cpu': {name: capsule}, 'CUDA': {name: capsule}}.");
+  jax_flash::AddCpuFunctions(m);
   m.def(
       "has_cuda",
       []() {

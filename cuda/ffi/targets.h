@@ -5,6 +5,8 @@
 namespace jax_flash {
 // Platform "cpu": the host implementation (cpu/).
 void AddCpuTargets(nanobind::dict& targets);
+// The host implementation's introspection functions (cpu_isa, cpu_gradient_chunks, ...).
+void AddCpuFunctions(nanobind::module_& m);
 // Platform "cpu": the CUDA kernels compiled against the host emulation (emu/).
 void AddEmulatedTargets(nanobind::dict& targets);
 #ifdef JAX_FLASH_WITH_CUDA

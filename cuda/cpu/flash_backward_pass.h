@@ -1,0 +1,150 @@
+// The single-pass backward of FlashAttention-2 (Alg. 2 order), deterministic and
+// without atomics, five tile products per (query block, key block):
+//   S = Q·Kᵀ, dP = dO·Vᵀ (RecomputeTileGradient: P = exp(S − lse), dS = P ∘ (dP − D)),
+//   dV += Pᵀ·dO, dK += dSᵀ·Q (in the work item's accumulators), dQ += dS·K.
+// One work item per (b, kv head, chunk c) visits key blocks c, c + C, c + 2C, ... (C =
+// GradientChunks, interleaved so that a causal mask gives every chunk the same work);
+// per key block it holds dK, dV and sums them over every visible query block of every
+// head of the GQA group, in a fixed order. dQ goes to the chunk's own float32 partial
+// (zeroed when Q is packed); ReduceQueryGradient then adds the C partials of each query
+// block in chunk order. Nothing depends on which thread ran what: the same bits for
+// every JAX_FLASH_CPU_THREADS.
+#pragma once
+
+#include "cpu/convert.h"
+#include "cpu/flash_backward.h"
+#include "cpu/problem.h"
+#include "cpu/score_mask.h"
+#include "cpu/softmax.h"
+#include "cpu/tile_pack.h"
+#include "cpu/tile_products.h"
+#include "cpu/tiling.h"
+#include "cpu/vec.h"
+
+namespace jax_flash {
+namespace cpu {
+namespace JAX_FLASH_CPU_ISA {
+
+inline float* QueryGradientPartial(const Problem& p, int64_t chunk, int64_t b, int64_t n, int64_t t0) {
+  return p.packed.dq_partial + (chunk * QueryItems(p) + QueryBlockIndex(p, b, n, t0)) * QueryBlockFloats(p);
+}
+
+// Pack step of the backward: Q, dO (and D) of query block `item` in the products'
+// format, and the block's dQ partials zeroed.
+inline void PrepareQueryBlock(const Problem& p, int64_t item, float* row_buffer) {
+#if defined(JAX_FLASH_CPU_BF16_PRODUCTS)
+  if (p.dtype == ElementType::kBF16) {
+    PackQueryBlockBF16(p, item, row_buffer);
+  } else {
+    PackQueryBlock(p, item, row_buffer);
+  }
+#else
+  PackQueryBlock(p, item, row_buffer);
+#endif
+  for (int64_t c = 0; c < GradientChunks(p); ++c) {
+    float* partial = p.packed.dq_partial + (c * QueryItems(p) + item) * QueryBlockFloats(p);
+    for (int64_t i = 0; i < QueryBlockFloats(p); ++i) partial[i] = 0.0f;
+  }
+}
+
+inline void PrepareKeyBlock(const Problem& p, int64_t item, float* row_buffer) {
+  if (p.packed.bad_values != nullptr) FindNonFiniteValues(p, item, row_buffer);
+#if defined(JAX_FLASH_CPU_BF16_PRODUCTS)
+  if (p.dtype == ElementType::kBF16) return PackKeyBlockBF16(p, item);
+#endif
+  PackKeyBlock(p, item, row_buffer);
+}
+
+// dK = factor · accumulator and dV rows of keys [s0, s0 + cols) of kv head g.
+template <class Products>
+void StoreKeyValueGradients(const Problem& p, const BackwardTiles& w, int64_t b, int64_t g,
+                            int64_t s0, int64_t cols) {
+  const float factor = Products::KeyGradientFactor(p);
+  for (int64_t j = 0; j < cols; ++j) {
+    for (int64_t h = 0; h < p.head_dim; ++h) w.row[h] = w.dk[Products::KeyGradientIndex(p, j, h)];
+    StoreRow(w.row, factor, p.dtype, p.kv_row(b, s0 + j, g), p.head_dim, p.dk);
+    for (int64_t h = 0; h < p.head_dim; ++h) w.row[h] = w.dv[Products::KeyGradientIndex(p, j, h)];
+    StoreRow(w.row, 1.0f, p.dtype, p.kv_row(b, s0 + j, g), p.head_dim, p.dv);
+  }
+}
+
+template <class Products>
+void GradientTileWith(const Problem& p, int64_t item, float* workspace) {
+  const int64_t chunks = GradientChunks(p);
+  const int64_t chunk = item % chunks;
+  const int64_t b = item / chunks / p.kv_heads;
+  const int64_t g = item / chunks % p.kv_heads;
+  const MaskGeometry mask(p, b);
+  BackwardTiles w(p, workspace);
+  TileOperands in;
+  for (int64_t block = chunk; block < KeyBlocks(p); block += chunks) {
+    const int64_t s0 = block * kBlockK;
+    const int64_t keys = std::min(kBlockK, p.kv_len - s0);
+    const int64_t cols = std::clamp<int64_t>(mask.kv_valid - s0, 0, keys);  // visible at all
+    for (int64_t j = cols; j < keys; ++j) {  // keys past the length get no gradient
+      StoreZeros(p.dtype, p.kv_row(b, s0 + j, g), p.head_dim, p.dk);
+      StoreZeros(p.dtype, p.kv_row(b, s0 + j, g), p.head_dim, p.dv);
+    }
+    if (cols == 0) continue;
+    const int64_t cols_padded = RoundUp(cols, kLanes);
+    for (int64_t i = 0; i < KeyGradientFloats(p); ++i) w.dk[i] = w.dv[i] = 0.0f;
+    in.k_t = PackedKey(p, p.packed.k_t, b, g, s0);
+    in.v_t = PackedKey(p, p.packed.v_t, b, g, s0);
+    in.k = PackedKey(p, p.packed.k, b, g, s0);
+
+    // The query rows that can see any of these keys form one interval.
+    const KeyInterval rows_seen = mask.rows_of_keys(s0, s0 + cols);
+    for (int64_t n = g * p.group_size(); n < (g + 1) * p.group_size(); ++n) {
+      for (int64_t t0 = rows_seen.lo / kBlockQ * kBlockQ; t0 < rows_seen.hi; t0 += kBlockQ) {
+        const int64_t rows = std::min(kBlockQ, rows_seen.hi - t0);
+        const TileVisibility visibility = ClassifyTile(mask, t0, rows, s0, cols, cols_padded != cols);
+        if (visibility == TileVisibility::kSkip) continue;
+        const int64_t rows_padded = RoundUp(rows, kGemmRows);
+        in.q = PackedQuery(p, p.packed.q, b, n, t0);
+        in.dout = PackedQuery(p, p.packed.dout, b, n, t0);
+        LoadRowStatistics(p, w, b, n, t0, rows, rows_padded);
+        const ScoreTile s{w.s, kBlockK, t0, rows, rows_padded, s0, cols, cols_padded};
+        RecomputeTileGradient<Products>(p, w, mask, in, s, visibility);
+        Products::AccumulateKeyValueGradients(p, rows, cols_padded, w.s, w.ds, in.q,
+                                              in.dout, w.scratch, w.dk, w.dv);
+        Products::AccumulateQueryGradient(p, rows_padded, cols, w.ds, in.k, w.scratch,
+                                          QueryGradientPartial(p, chunk, b, n, t0));
+      }
+    }
+    StoreKeyValueGradients<Products>(p, w, b, g, s0, cols);
+  }
+}
+
+inline void GradientTile(const Problem& p, int64_t item, float* workspace) {
+#if defined(JAX_FLASH_CPU_BF16_PRODUCTS)
+  if (p.dtype == ElementType::kBF16) return GradientTileWith<BF16Products>(p, item, workspace);
+#endif
+  GradientTileWith<F32Products>(p, item, workspace);
+}
+
+// dQ of query block `item` = scale · Σ_c partial_c, c = 0, 1, ... in order; into
+// dq_accum (float32) and dq. Rows at or past the query length get zeros.
+inline void ReduceQueryGradient(const Problem& p, int64_t item, float* row_buffer) {
+  const auto [b, n, t0, rows] = QueryBlockOf(p, item);
+  const MaskGeometry mask(p, b);
+  const int64_t live_rows = std::clamp<int64_t>(mask.q_valid - t0, 0, rows);
+  const int64_t ld = RowStride(p);
+  for (int64_t i = 0; i < live_rows; ++i) {
+    const float* first = QueryGradientPartial(p, 0, b, n, t0) + i * ld;
+    for (int64_t h = 0; h < p.head_dim; ++h) row_buffer[h] = first[h];
+    for (int64_t c = 1; c < GradientChunks(p); ++c) {
+      const float* partial = QueryGradientPartial(p, c, b, n, t0) + i * ld;
+      for (int64_t h = 0; h < p.head_dim; ++h) row_buffer[h] += partial[h];
+    }
+    StoreRow(row_buffer, p.scale, ElementType::kF32, p.q_row(b, t0 + i, n), p.head_dim, p.dq_accum);
+    StoreRow(row_buffer, p.scale, p.dtype, p.q_row(b, t0 + i, n), p.head_dim, p.dq);
+  }
+  for (int64_t t = t0 + live_rows; t < t0 + rows; ++t) {
+    StoreZeros(p.dtype, p.q_row(b, t, n), p.head_dim, p.dq);
+    StoreZeros(ElementType::kF32, p.q_row(b, t, n), p.head_dim, p.dq_accum);
+  }
+}
+
+}  // namespace JAX_FLASH_CPU_ISA
+}  // namespace cpu
+}  // namespace jax_flash

@@ -1,0 +1,32 @@
+// The algorithm for AVX-512 with the BF16 extension: the avx512 algorithm, and for bfloat16
+// inputs the products on vdpbf16ps (tile_products.h BF16Products), chosen at run time.
+#if defined(__x86_64__) || defined(_M_X64)
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+
+// Shared (baseline-ISA) headers come before the target pragma; see vec.h.
+#include "cpu/convert.h"
+#include "cpu/kernel_table.h"
+#include "cpu/problem.h"
+#include "cpu/tiling.h"
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,avx2,fma,f16c")
+#endif
+#define JAX_FLASH_CPU_ISA avx512bf16
+#define JAX_FLASH_CPU_BF16_PRODUCTS 1
+#define JAX_FLASH_CPU_ISA_NAME "avx512bf16"
+#define JAX_FLASH_CPU_VECTOR_WIDTH 16
+#include "cpu/kernels_isa.inc"
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif

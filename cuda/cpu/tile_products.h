@@ -1,0 +1,143 @@
+// The matrix products of one attention tile, in one of two operand formats; the
+// forward and backward tiles are written once against this interface:
+//   F32Products   operands widened to float32 when packed (tile_pack.h), FMA products
+//                 (tile_gemm.h); scale·Q is packed, so S = (scale·Q)·Kᵀ and dK = dSᵀ(scale·Q).
+//   BF16Products  bf16 operands packed bit for bit (tile_pack_bf16.h), vdpbf16ps products
+//                 with float32 accumulation (tile_gemm_bf16.h); Q is packed as it is and
+//                 scale applied in float32: S = scale·(Q·Kᵀ), dK = scale·(dSᵀ·Q). P and dS
+//                 are rounded to bf16 (nearest even) for the products they feed, as the
+//                 GPU kernels do; accumulators and the softmax statistics stay float32.
+// Score tiles are [kBlockQ][kBlockK] float32 in both; the key-block gradient
+// accumulators are [keys][RowStride] (F32) or transposed [Hp][kKeyStride] (BF16).
+#pragma once
+
+#include "cpu/problem.h"
+#include "cpu/tile_gemm.h"
+#include "cpu/tile_pack.h"
+#include "cpu/tiling.h"
+#include "cpu/vec.h"
+#if defined(JAX_FLASH_CPU_BF16_PRODUCTS)
+#include "cpu/tile_gemm_bf16.h"
+#include "cpu/tile_pack_bf16.h"
+#endif
+
+namespace jax_flash {
+namespace cpu {
+namespace JAX_FLASH_CPU_ISA {
+
+// Floats of per-worker scratch the products need beyond the score tiles.
+constexpr int64_t kProductScratchFloats = 3 * kBlockQ * kBlockK / 2;
+
+// Floats of one key-block gradient accumulator (dK or dV), either format.
+inline int64_t KeyGradientFloats(const Problem& p) {
+  const int64_t rows = kBlockK * RowStride(p);
+  const int64_t transposed = PaddedHeadDim(p) * kKeyStride;
+  return rows > transposed ? rows : transposed;
+}
+
+struct F32Products {
+  // The forward's query tile: scale·Q, rows padded to rows_padded.
+  static void PackQuery(const Problem& p, const RowBlock& q, int64_t rows_padded, float* dst) {
+    PackRows(q, p.scale, rows_padded, RowStride(p), dst);
+  }
+  // s = logits before the soft cap: (scale·Q)·Kᵀ.  [rows_padded][cols_padded]
+  static void Scores(const Problem& p, int64_t rows_padded, int64_t cols_padded, const float* q,
+                     const float* k_t, float* s) {
+    Gemm<false, Accumulate::kOverwrite>(rows_padded, cols_padded, p.head_dim, q, RowStride(p), k_t,
+                                        kKeyStride, s, kBlockK);
+  }
+  // dp = dO·Vᵀ.
+  static void ProbabilityGradient(const Problem& p, int64_t rows_padded, int64_t cols_padded,
+                                  const float* dout, const float* v_t, float* dp) {
+    Gemm<false, Accumulate::kOverwrite>(rows_padded, cols_padded, p.head_dim, dout, RowStride(p),
+                                        v_t, kKeyStride, dp, kBlockK);
+  }
+  // o = diag(correction)·o + P·V over the tile's `cols` keys.
+  static void AccumulateValues(const Problem& p, int64_t rows_padded, int64_t cols,
+                               const float* probabilities, float* scratch, const float* v, float* o,
+                               const float* correction) {
+    const int64_t ld = RowStride(p);
+    Gemm<false, Accumulate::kRescale>(rows_padded, PaddedHeadDim(p), cols, probabilities, kBlockK,
+                                      v, ld, o, ld, correction);
+  }
+  // dv += Pᵀ·dO, dk += dSᵀ·(scale·Q) over the tile's real `rows`.
+  static void AccumulateKeyValueGradients(const Problem& p, int64_t rows, int64_t cols_padded,
+                                          const float* probabilities, const float* ds,
+                                          const float* q, const float* dout, float* scratch,
+                                          float* dk, float* dv) {
+    const int64_t ld = RowStride(p);
+    const int64_t hp = PaddedHeadDim(p);
+    Gemm<true, Accumulate::kAdd>(cols_padded, hp, rows, probabilities, kBlockK, dout, ld, dv, ld);
+    Gemm<true, Accumulate::kAdd>(cols_padded, hp, rows, ds, kBlockK, q, ld, dk, ld);
+  }
+  // dq += dS·K over the tile's `cols` keys (scale is applied when dQ is written).
+  static void AccumulateQueryGradient(const Problem& p, int64_t rows_padded, int64_t cols,
+                                      const float* ds, const float* k, float* scratch, float* dq) {
+    const int64_t ld = RowStride(p);
+    Gemm<false, Accumulate::kAdd>(rows_padded, PaddedHeadDim(p), cols, ds, kBlockK, k, ld, dq, ld);
+  }
+  // Element (key j, h) of a key-gradient accumulator.
+  static int64_t KeyGradientIndex(const Problem& p, int64_t j, int64_t h) { return j * RowStride(p) + h; }
+  // dK = factor · accumulator.
+  static float KeyGradientFactor(const Problem& p) { return 1.0f; }
+};
+
+#if defined(JAX_FLASH_CPU_BF16_PRODUCTS)
+struct BF16Products {
+  static void PackQuery(const Problem& p, const RowBlock& q, int64_t rows_padded, float* dst) {
+    PackRowsBF16(q, RoundUp(rows_padded, 2), RowStride(p), AsBF16(dst));
+  }
+  static void Scores(const Problem& p, int64_t rows_padded, int64_t cols_padded, const float* q,
+                     const float* k_t, float* s) {
+    GemmBF16<Accumulate::kOverwrite>(rows_padded, cols_padded, PaddedHeadDim(p) / 2, AsBF16(q),
+                                     RowStride(p), AsBF16(k_t), kKeyStride, s, kBlockK, nullptr,
+                                     p.scale);
+  }
+  static void ProbabilityGradient(const Problem& p, int64_t rows_padded, int64_t cols_padded,
+                                  const float* dout, const float* v_t, float* dp) {
+    GemmBF16<Accumulate::kOverwrite>(rows_padded, cols_padded, PaddedHeadDim(p) / 2, AsBF16(dout),
+                                     RowStride(p), AsBF16(v_t), kKeyStride, dp, kBlockK);
+  }
+  static void AccumulateValues(const Problem& p, int64_t rows_padded, int64_t cols,
+                               const float* probabilities, float* scratch, const float* v, float* o,
+                               const float* correction) {
+    // P rounded to bf16 rows [rows_padded][kBlockK]; its padding columns are P = 0.
+    const int64_t cols_even = RoundUp(cols, 2);
+    uint16_t* p16 = AsBF16(scratch);
+    RoundRowsToBF16(probabilities, kBlockK, rows_padded, RoundUp(cols, kLanes), p16, kBlockK);
+    const int64_t ld = RowStride(p);
+    GemmBF16<Accumulate::kRescale>(rows_padded, PaddedHeadDim(p), cols_even / 2, p16, kBlockK,
+                                   AsBF16(v), ld, o, ld, correction);
+  }
+  // Transposed accumulators: dvᵀ += dOᵀ·P, dkᵀ += Qᵀ·dS over the tile's real rows
+  // (P and dS in pair layout over rows; the row past an odd count is zero).
+  static void AccumulateKeyValueGradients(const Problem& p, int64_t rows, int64_t cols_padded,
+                                          const float* probabilities, const float* ds,
+                                          const float* q, const float* dout, float* scratch,
+                                          float* dk, float* dv) {
+    const int64_t hp = PaddedHeadDim(p);
+    const int64_t offset = TransposedQueryOffset(p);
+    uint16_t* pairs = AsBF16(scratch);
+    RoundRowsToPairs(probabilities, kBlockK, rows, cols_padded, pairs, kBlockK);
+    GemmBF16<Accumulate::kAdd>(hp, cols_padded, RoundUp(rows, 2) / 2, AsBF16(dout) + offset, kBlockQ,
+                               pairs, kBlockK, dv, kKeyStride);
+    RoundRowsToPairs(ds, kBlockK, rows, cols_padded, pairs, kBlockK);
+    GemmBF16<Accumulate::kAdd>(hp, cols_padded, RoundUp(rows, 2) / 2, AsBF16(q) + offset, kBlockQ,
+                               pairs, kBlockK, dk, kKeyStride);
+  }
+  static void AccumulateQueryGradient(const Problem& p, int64_t rows_padded, int64_t cols,
+                                      const float* ds, const float* k, float* scratch, float* dq) {
+    uint16_t* ds16 = AsBF16(scratch);
+    RoundRowsToBF16(ds, kBlockK, rows_padded, RoundUp(cols, kLanes), ds16, kBlockK);
+    const int64_t ld = RowStride(p);
+    GemmBF16<Accumulate::kAdd>(rows_padded, PaddedHeadDim(p), RoundUp(cols, 2) / 2, ds16, kBlockK,
+                               AsBF16(k), ld, dq, ld);
+  }
+  static int64_t KeyGradientIndex(const Problem& p, int64_t j, int64_t h) { return h * kKeyStride + j; }
+  static float KeyGradientFactor(const Problem& p) { return p.scale; }
+};
+#endif
+
+}  // namespace JAX_FLASH_CPU_ISA
+}  // namespace cpu
+}  // namespace jax_flash
