@@ -92,7 +92,7 @@ def forward(impl: str, target: str, spec: AttentionSpec, q, k, v, masks: MaskInp
     """Call `target` (a forward target of implementation `impl`): out [B, T, N, H], lse
     [B, N, T] float32."""
     return partitioning.forward(
-        impl, functools.partial(_forward_call, target), spec, q, k, v, masks
+        impl, functools.partial(forward_call, target), spec, q, k, v, masks
     )
 
 
@@ -108,8 +108,9 @@ def backward(
     )
 
 
-def _forward_call(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):
-    """The forward custom call on (local) canonical arrays; `spec` describes them."""
+def forward_call(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):
+    """The forward custom call on (local) canonical arrays; `spec` describes them (no
+    sharding rule: for a function that runs inside one, e.g. on one device's shards)."""
     b, t, n, _ = q.shape
     shapes = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),

@@ -24,6 +24,7 @@ import os
 from typing import Optional
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,7 @@ from jax import lax
 
 from jax_flash import _ffi, _registry
 from jax_flash._spec import AttentionSpec
+from jax_flash.parallel import partitioning
 from jax_flash.xla import finite_part, nonfinite_rows
 
 DTYPES = ("float16", "bfloat16")
@@ -244,20 +246,27 @@ class CudaImplementation:
     # backward needs no poisoned operand, as a poisoned row's lse and D are NaN.
     def forward(self, spec, q, k, v, masks):
         layout()  # an unknown JAX_FLASH_CUDA_LAYOUT: a ValueError now, not a failure at run time
-        out, lse = _ffi.forward(self.name, f"{_prefix()}_fwd", spec, q, k, finite_part(v), masks)
+        target = f"{_prefix()}_fwd"
+        # The whole of _forward_local runs inside the sharding rule: its test for a non-finite
+        # value is over this device's shard (a test over the global array would be an
+        # all-reduce on every call).
+        return partitioning.forward(self.name, functools.partial(self._forward_local, target), spec, q, k, v, masks)
+
+    def _forward_local(self, target, spec, q, k, v, masks):
+        out, lse = _ffi.forward_call(target, spec, q, k, finite_part(v), masks)
         bad_v = nonfinite_rows(v)  # [B, S, K]
-        sees = lax.cond(jnp.any(bad_v), lambda: self._sees(spec, bad_v, masks, q.dtype),
+        sees = lax.cond(jnp.any(bad_v), lambda: self._sees(target, spec, bad_v, masks, q.dtype),
                         lambda: jnp.zeros(out.shape[:-1], bool))
         return jnp.where(sees[..., None], jnp.asarray(jnp.nan, out.dtype), out), lse
 
-    def _sees(self, spec, flags, masks, dtype):
+    def _sees(self, target, spec, flags, masks, dtype):
         """Bool [B, T, N]: the row sees a key whose flag is set. The kernels on q = k = 0
         (every visible logit 0, so P = 1/#visible > 0) and v = the flags, at head dim 32."""
         small = dataclasses.replace(spec, head_dim=min(HEAD_DIMS))
         b, t, n, s, kh, h = spec.batch, spec.q_len, spec.num_heads, spec.kv_len, spec.num_kv_heads, small.head_dim
         v = jnp.broadcast_to(flags[..., None], (b, s, kh, h)).astype(dtype)
         zeros_q, zeros_k = jnp.zeros((b, t, n, h), dtype), jnp.zeros((b, s, kh, h), dtype)
-        share, _ = _ffi.forward(self.name, f"{_prefix()}_fwd", small, zeros_q, zeros_k, v, masks)
+        share, _ = _ffi.forward_call(target, small, zeros_q, zeros_k, v, masks)
         return share[..., 0] > 0
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
