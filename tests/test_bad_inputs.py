@@ -202,12 +202,19 @@ _HANDLER_SCRIPT = textwrap.dedent(
             outs = (SDS(q.shape, q.dtype), SDS((q.shape[0], q.shape[2], q.shape[1]), F32))
         return jax.ffi.ffi_call(target, outs)(*ops, **{**ATTRS, **attrs})
 
-    def bwd(target, ops, outs=None, **attrs):
+    def dkv(target, shape=(0,)):
+        # The CUDA targets' dk_accum, dv_accum results: [B, S, N, H] f32 (the q_heads grid)
+        # or [0] f32 (kv_heads); the cpu target has none.
+        return (SDS(shape, F32),) * 2 if "emu" in target else ()
+
+    def bwd(target, ops, outs=None, workspaces=None, **attrs):
         q, k = ops[0], ops[1]
         b, t, n, h = q.shape
         if outs is None:
             outs = (SDS(q.shape, q.dtype), SDS(k.shape, k.dtype), SDS(k.shape, k.dtype),
                     SDS(q.shape, F32), SDS((b, n, t), F32))
+        if len(outs) == 5:
+            outs += dkv(target) if workspaces is None else workspaces
         return jax.ffi.ffi_call(target, outs)(*ops, **{**ATTRS, "deterministic": False, **attrs})
 
     def bwd_operands(dt, **kw):
@@ -263,7 +270,14 @@ _HANDLER_SCRIPT = textwrap.dedent(
             "dq_accum_dtype": ("dq_accum", lambda: bwd(b, bo, outs=(SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), other), lse_shape))),
             "delta_shape": ("delta", lambda: bwd(b, bo, outs=(SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), SDS((B, N, T + 1), F32)))),
             "four_results": ("results", lambda: bwd(b, bo, outs=(SDS((B, T, N, H), dt),) * 3 + (SDS((B, T, N, H), F32),))),
-            "missing_deterministic": ("attributes", lambda: jax.ffi.ffi_call(b, (SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), lse_shape))(*bo, **ATTRS)),
+            "missing_deterministic": ("attributes", lambda: jax.ffi.ffi_call(b, (SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), lse_shape) + dkv(b))(*bo, **ATTRS)),
+            **({} if "emu" not in prefix else {
+                "ok_backward_q_heads": (None, lambda: bwd(b, bo, workspaces=dkv(b, (B, S, N, H)))),
+                "dk_accum_shape": ("dk_accum", lambda: bwd(b, bo, workspaces=dkv(b, (B, S, N, H + 1)))),
+                "dkv_accum_mixed": ("dk_accum and dv_accum must both be", lambda: bwd(
+                    b, bo, workspaces=(SDS((B, S, N, H), F32), SDS((0,), F32)))),
+                "dkv_accum_missing": ("results", lambda: bwd(b, bo, workspaces=dkv(b)[:1])),
+            }),
         }
 
     for prefix, dt in (("jax_flash", jnp.float32), ("jax_flash_emu", jnp.bfloat16)):
