@@ -1,7 +1,7 @@
 // One attention call as the kernels see it (forward and backward), and the 16-bit element
-// types. Layout is BTNH for q, out, dout, dq (and dq_accum), BSKH for k, v, dk, dv; the
-// statistics lse, dlse, delta are [B, N, T]. 16-bit elements travel as raw bits (uint16_t);
-// they are converted only through the PTX wrappers.
+// types. Layout is BTNH for q, out, dout, dq (and dq_accum), BSKH for k, v, dk, dv, BSNH for
+// the q_heads grid's dk_accum, dv_accum; the statistics lse, dlse, delta are [B, N, T]. 16-bit
+// elements travel as raw bits (uint16_t); they are converted only through the PTX wrappers.
 #pragma once
 
 #include <cstdint>
