@@ -56,12 +56,10 @@ class Gates:
     """Which dimensions may be drawn (the switches of tests/test_property.py)."""
 
     poisons: bool = True  # NaN/Inf in q, k, v, bias
-    extreme_scales: bool = True  # |scale| >= 1e8
     huge_windows: bool = True  # window sides >= 2**31
     bad_soft_caps: bool = True  # soft caps that are not a float32 normal (a ValueError)
     large_soft_caps: bool = True  # soft caps >= LARGE_SOFT_CAP (else 30)
     zero_size: bool = True  # B, T, S or N = 0
-    poisons_with_soft_cap: bool = True  # NaN/Inf together with a soft cap (else the cap is dropped)
 
 
 @dataclasses.dataclass
@@ -281,8 +279,7 @@ def draw(impl: str, index: int, seed: int, *, tiny: bool, gates: Gates, attempt:
                 ex.soft_cap = 30.0
     if flags[7] < 0.4:
         if rng.random() < 0.15:
-            if gates.extreme_scales:
-                ex.scale = float(rng.choice(EXTREME_SCALES))
+            ex.scale = float(rng.choice(EXTREME_SCALES))
         else:
             ex.scale = float(rng.choice(SCALES))
     dense = impl in TAKES_DENSE or rng.random() < 0.1  # (the others refuse: tested)
@@ -301,8 +298,6 @@ def draw(impl: str, index: int, seed: int, *, tiny: bool, gates: Gates, attempt:
                         for _ in range(count))
         if gates.poisons:
             ex.poisons = poisons
-            if ex.soft_cap is not None and not gates.poisons_with_soft_cap:
-                ex.soft_cap = None
     if flags[11] < 0.2:
         ex.magnitude = float(rng.choice((0.01, 3.0, 10.0)))
     if dtype == "float32" and (ex.scale is None or abs(ex.scale) < EXTREME_SCALES[0]):
