@@ -291,7 +291,9 @@ _HANDLER_SCRIPT = textwrap.dedent(
             "softcap_negative": ("softcap", lambda: fwd(f, o, softcap=np.float32(-1))),
             "softcap_nan": ("softcap", lambda: fwd(f, o, softcap=np.float32(np.nan))),
             "softcap_inf": ("softcap", lambda: fwd(f, o, softcap=np.float32(np.inf))),
-            "softcap_subnormal": ("softcap", lambda: fwd(f, o, softcap=np.float32(1e-40))),
+            # The value as it reads back (not std::to_string's 0.000000).
+            "softcap_subnormal": ("softcap must be 0 (off) or a finite float32 normal > 0, got 9.9999461e-41",
+                                  lambda: fwd(f, o, softcap=np.float32(1e-40))),
             "window_below_minus_1": ("window", lambda: fwd(f, o, window_left=np.int64(-5))),
             "window_i32_attribute": ("S64", lambda: fwd(f, o, window_right=np.int32(3))),
             "missing_attribute": ("attributes", lambda: jax.ffi.ffi_call(f, (SDS((B, T, N, H), dt), lse_shape))(*o, scale=np.float32(1))),
