@@ -21,6 +21,8 @@ from typing import Any, Optional
 import jax.numpy as jnp
 import numpy as np
 
+from cases import Shape
+
 # Tile sizes of the kernels ±1 (16-row warps, 32/64-row backward blocks, 64-key tiles,
 # 128-row forward blocks): lengths are drawn near them half of the time.
 TILE_LENGTHS = (15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129)
@@ -67,12 +69,7 @@ class Example:
     impl: str
     index: int
     seed: int
-    b: int
-    t: int
-    s: int
-    n: int
-    kh: int
-    h: int
+    shape: Shape  # B, T, S, N, K, H (also read as ex.b, ex.t, ... below)
     dtype: str
     scale: Optional[float] = None
     is_causal: bool = False
@@ -91,6 +88,13 @@ class Example:
     magnitude: float = 1.0  # std of q and k
     dlse_on_empty: bool = False  # the lse cotangent is nonzero on rows that see no key
     expect_error: Optional[str] = None  # the argument a ValueError must name
+
+    b = property(lambda self: self.shape.b)
+    t = property(lambda self: self.shape.t)
+    s = property(lambda self: self.shape.s)
+    n = property(lambda self: self.shape.n)
+    kh = property(lambda self: self.shape.kh)
+    h = property(lambda self: self.shape.h)
 
     @property
     def id(self) -> str:
@@ -241,7 +245,7 @@ def draw(impl: str, index: int, seed: int, *, tiny: bool, gates: Gates, attempt:
     zero_axis = zero_axis if zero_pick < 0.04 else None
     if zero_axis is not None and gates.zero_size:  # an empty B, T, S or N
         b, t, s, n = [0 if i == zero_axis else x for i, x in enumerate((b, t, s, n))]
-    ex = Example(impl, index, seed, b, t, s, n, kh, h, dtype)
+    ex = Example(impl, index, seed, Shape(b, t, s, n, kh, h), dtype)
 
     flags = rng.random(12)
     if flags[0] < 0.35:
