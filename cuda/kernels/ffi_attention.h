@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -117,6 +118,21 @@ inline bool SoftcapIsOffOrNormal(float softcap) {
   return bits == 0 || (bits >> 31 == 0 && exponent != 0 && exponent != 0xffu);
 }
 
+// The soft cap as it reads back (%.9g), also a subnormal one (std::to_string printed
+// 0.000000). Widened from the bits: under DAZ the float-to-double conversion reads 0 too.
+inline std::string SoftcapString(float softcap) {
+  uint32_t bits;
+  std::memcpy(&bits, &softcap, sizeof bits);
+  const uint32_t exponent = (bits >> 23) & 0xffu, mantissa = bits & 0x7fffffu;
+  const char* sign = bits >> 31 ? "-" : "";
+  if (exponent == 0xffu) return mantissa ? std::string("nan") : std::string(sign) + "inf";
+  const double magnitude = exponent ? std::ldexp(static_cast<double>(mantissa | 0x800000u), int(exponent) - 150)
+                                    : std::ldexp(static_cast<double>(mantissa), -149);
+  char text[40];
+  std::snprintf(text, sizeof text, "%s%.9g", sign, magnitude);
+  return text;
+}
+
 // The operands every target shares, checked against each other; fills the shapes, masks and
 // attributes of `p` and the element type.
 inline ffi::Error CheckOperands(const char* target, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
@@ -158,7 +174,7 @@ inline ffi::Error CheckOperands(const char* target, const ffi::AnyBuffer& q, con
   // 0 is "off"; a cap below float32's smallest normal has no finite 1 / softcap.
   if (!SoftcapIsOffOrNormal(softcap))
     return ffi::Error::InvalidArgument(where + ": softcap must be 0 (off) or a finite float32 normal > 0, got " +
-                                       std::to_string(softcap));
+                                       SoftcapString(softcap));
   if (window_left < -1 || window_right < -1)
     return ffi::Error::InvalidArgument(where + ": window_left and window_right must be >= 0 or -1 (unbounded), got (" +
                                        std::to_string(window_left) + ", " + std::to_string(window_right) + ")");
