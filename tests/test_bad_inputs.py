@@ -259,7 +259,7 @@ _HANDLER_SCRIPT = textwrap.dedent(
             "softcap_subnormal": ("softcap", lambda: fwd(f, o, softcap=np.float32(1e-40))),
             "window_below_minus_1": ("window", lambda: fwd(f, o, window_left=np.int64(-5))),
             "window_i32_attribute": ("S64", lambda: fwd(f, o, window_right=np.int32(3))),
-            "missing_attribute": ("attributes", lambda: jax.ffi.ffi_call(f, (SDS((B, T, N, H), dt), lse_shape))(*o, scale=np.float32(1))),
+            "missing_attribute": ("attributes", lambda: jax.ffi.ffi_call(f, (SDS((B, T, N, H), dt), lse_shape))(*o, jnp.full((N,), -jnp.inf, F32), scale=np.float32(1))),
             "dout_shape": ("dout", lambda: bwd(b, bo[:4] + [bo[4][:, :4]] + bo[5:])),
             "out_dtype_backward": ("out", lambda: bwd(b, bo[:3] + [bo[3].astype(other)] + bo[4:])),
             "lse_dtype_backward": ("lse", lambda: bwd(b, bo[:5] + [bo[5].astype(jnp.float16)] + bo[6:])),
