@@ -196,6 +196,7 @@ def paged_attention_reference(
     is_causal=True,
     local_window_size=None,
     logits_soft_cap=None,
+    sinks=None,
     return_residual=False,
     compute_dtype=None,
 ):
@@ -219,6 +220,7 @@ def paged_attention_reference(
         query_offset=lengths - q.shape[1],
         local_window_size=local_window_size,
         logits_soft_cap=logits_soft_cap,
+        sinks=sinks,
         return_residual=return_residual,
         compute_dtype=compute_dtype,
     )
