@@ -120,9 +120,11 @@ def forward_call(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct((b, n, t), jnp.float32),
     )
+    # Sinks [N] f32 after the mask operands (forward only), -inf (no sink) when absent.
+    sinks = masks.sinks if masks.sinks is not None else jnp.full((n,), -jnp.inf, jnp.float32)
     return tuple(
         jax.ffi.ffi_call(target, shapes)(
-            q, k, v, *_mask_operands(spec, masks), **_attributes(spec)
+            q, k, v, *_mask_operands(spec, masks), sinks.astype(jnp.float32), **_attributes(spec)
         )
     )
 

@@ -18,7 +18,10 @@ import jax_flash
 from jax_flash._spec import AttentionSpec
 from jax_flash.reference import attention_reference
 
-from cases import CASES, EPS, FACTOR, GRAD_EPS, TILE_EDGE_KINDS, Shape, make_qkv, mask_kwargs, max_err
+from cases import (
+    CASES, EPS, FACTOR, GRAD_EPS, SINK_CASES, TILE_EDGE_KINDS, Shape, make_qkv, make_sinks, mask_kwargs,
+    max_err,
+)
 from conftest import slow_impl
 
 
@@ -37,6 +40,8 @@ def _check_case(impl, case):
     dtype = jnp.dtype(case.dtype)
     q, k, v = make_qkv(case.shape, dtype)
     kw = mask_kwargs(case.mask_kind, case.shape)
+    if case.sinks:
+        kw["sinks"] = make_sinks(case.shape)
     _needs_skip(impl, q, k, v, kw)
     return q, k, v, kw
 
@@ -59,7 +64,16 @@ def test_forward(impl, case):
     lse_err = max_err(lse, lse64)
     assert lse_err <= lse_tol, f"lse error {lse_err:.3g} > {lse_tol:.3g}"
 
-    # Rows that see nothing: exactly zero output and -inf lse.
+    # Rows that see nothing: exactly zero output and -inf lse (with sinks: lse = the sink).
+    if "sinks" in kw:
+        no_sink = {key: x for key, x in kw.items() if key != "sinks"}
+        _, lse_keys = attention_reference(q, k, v, return_residual=True, compute_dtype=jnp.float64, **no_sink)
+        dead = ~np.isfinite(np.asarray(lse_keys))
+        assert dead.any() and not dead.all(), "a sinks case needs rows that see no key and rows that do"
+        sink = np.broadcast_to(np.asarray(kw["sinks"]), dead.shape)
+        assert np.all(np.asarray(out, np.float32)[dead] == 0)
+        np.testing.assert_allclose(np.asarray(lse)[dead], sink[dead], rtol=1e-6, atol=1e-6)
+        return
     dead = ~np.isfinite(np.asarray(lse64))
     if dead.any():
         assert np.all(np.asarray(out, np.float32)[dead] == 0)
@@ -73,25 +87,28 @@ def _check_backward(impl, case):
     cot = jax.random.normal(jax.random.PRNGKey(7), q.shape, jnp.float32).astype(dtype)
     dlse = jax.random.normal(jax.random.PRNGKey(8), q.shape[:-1], jnp.float32)
     bias = kw.pop("bias", None)
+    sinks = kw.pop("sinks", None)
 
     def grads(fn, *, compute_dtype="impl"):
-        def f(q, k, v, bias):
+        def f(q, k, v, bias, sinks):
             if compute_dtype == "impl":
-                out, lse = fn(q, k, v, bias, implementation=impl, return_residual=True, **kw)
+                out, lse = fn(q, k, v, bias, sinks=sinks, implementation=impl, return_residual=True, **kw)
             else:
-                out, lse = fn(q, k, v, bias, compute_dtype=compute_dtype, return_residual=True, **kw)
+                out, lse = fn(q, k, v, bias, sinks=sinks, compute_dtype=compute_dtype, return_residual=True, **kw)
             # Both outputs carry a cotangent: the gradient through lse is part of the contract.
             lse = jnp.where(jnp.isfinite(lse), lse, 0)
             return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32)) + jnp.sum(lse * dlse)
 
-        argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
-        return jax.jit(jax.grad(f, argnums=argnums))(q, k, v, bias)
+        argnums = tuple(i for i, x in enumerate((q, k, v, bias, sinks)) if x is not None)
+        return jax.jit(jax.grad(f, argnums=argnums))(q, k, v, bias, sinks)
 
     g = grads(jax_flash.attention)
     g64 = grads(attention_reference, compute_dtype=jnp.float64)
     g_lo = grads(attention_reference, compute_dtype=None)
-    for name, a, r64, rlo in zip(("dq", "dk", "dv", "dbias"), g, g64, g_lo):
-        assert a.dtype == (bias.dtype if name == "dbias" else dtype)
+    names = [n for n, x in zip(("dq", "dk", "dv", "dbias", "dsinks"), (q, k, v, bias, sinks)) if x is not None]
+    for name, a, r64, rlo in zip(names, g, g64, g_lo):
+        want = {"dbias": None if bias is None else bias.dtype, "dsinks": jnp.float32}.get(name, dtype)
+        assert a.dtype == want
         tol = FACTOR * max_err(rlo, r64) + GRAD_EPS[case.dtype]
         err = max_err(a, r64)
         assert err <= tol, f"{name} error {err:.3g} > {tol:.3g}"
@@ -100,6 +117,14 @@ def _check_backward(impl, case):
 
 @pytest.mark.parametrize("case", ALL_CASES)
 def test_backward(impl, case):
+    _check_backward(impl, case)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=str(c)) for c in SINK_CASES])
+def test_sinks(impl, case):
+    """Attention sinks: out and lse (empty rows: out 0, lse = the sink), then the gradients in
+    q, k, v and sinks, against the float64 reference."""
+    test_forward(impl, case)
     _check_backward(impl, case)
 
 

@@ -48,6 +48,7 @@ auto ForwardSignature(Binding binding) {
                                            .template Arg<ffi::AnyBuffer>()   // q [B, T, N, H]
                                            .template Arg<ffi::AnyBuffer>()   // k [B, S, K, H]
                                            .template Arg<ffi::AnyBuffer>())  // v [B, S, K, H]
+      .template Arg<ffi::AnyBuffer>()                                        // sinks [N] f32 (-inf: none)
       .template Ret<ffi::AnyBuffer>()                                        // out [B, T, N, H]
       .template Ret<ffi::AnyBuffer>();                                       // lse [B, N, T] f32
 }
@@ -220,8 +221,8 @@ inline ffi::Error ToError(const char* target, const LaunchError& err) {
 inline ffi::Error Forward(const char* target, Stream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                           ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
                           ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_offsets, float scale, int64_t window_left,
-                          int64_t window_right, float softcap, bool use_segment_ids, ffi::Result<ffi::AnyBuffer> out,
-                          ffi::Result<ffi::AnyBuffer> lse) {
+                          int64_t window_right, float softcap, bool use_segment_ids, ffi::AnyBuffer sinks,
+                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse) {
   AttentionParams p;
   ElementType dtype;
   if (auto e = CheckOperands(target, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, q_offsets,
@@ -231,6 +232,9 @@ inline ffi::Error Forward(const char* target, Stream stream, ffi::AnyBuffer q, f
   const int64_t B = p.batch, T = p.q_len, N = p.q_heads, H = p.head_dim;
   if (auto e = Expect(target, "out", *out, {B, T, N, H}, q.element_type()); e.failure()) return e;
   if (auto e = Expect(target, "lse", *lse, {B, N, T}, ffi::DataType::F32); e.failure()) return e;
+  // Always passed (-inf when the call has none).
+  if (auto e = Expect(target, "sinks", sinks, {N}, ffi::DataType::F32); e.failure()) return e;
+  p.sinks = static_cast<const float*>(sinks.untyped_data());
   p.out = static_cast<uint16_t*>(out->untyped_data());
   p.lse = static_cast<float*>(lse->untyped_data());
   if (PoisonOutputs()) {

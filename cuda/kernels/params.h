@@ -34,6 +34,9 @@ struct AttentionParams {
   const int32_t* q_segment_ids = nullptr;   // [B, T]
   const int32_t* kv_segment_ids = nullptr;  // [B, S]
   const int32_t* q_offsets = nullptr;       // [B]
+  // [N] (forward): one logit per query head that joins every row's softmax with value 0
+  // (attention sinks), the online softmax's initial state; -inf (or null) is no sink.
+  const float* sinks = nullptr;
 
   const uint16_t* q = nullptr;
   const uint16_t* k = nullptr;
@@ -58,6 +61,8 @@ struct AttentionParams {
   // Backward: whether the main kernel adds dQ into dq_accum with atomics (false in
   // deterministic mode, where a separate kernel computes dQ per query block).
   bool accumulate_dq = true;
+
+  __device__ __forceinline__ float sink(int n) const { return sinks != nullptr ? sinks[n] : -INFINITY; }
 
   // Element offsets of row t of query head n, row s of kv head g, statistic (b, n, t).
   __device__ __forceinline__ int64_t q_offset(int b, int t, int n) const {
