@@ -109,7 +109,7 @@ DETERMINISTIC_CASES = [
     if (c.shape_name.startswith("tile_")
         and c.mask_kind in ("none", "causal", "tile_window", "tile_lengths", "segments"))
     or (c.shape_name == "small_mqa" and c.mask_kind in ("window", "softcap", "combo", "zero_scale"))
-    or (c.shape_name in ("small_h32", "small_h96") and c.mask_kind == "combo")
+    or (c.shape_name in ("small_h32", "small_h96", "small_h192", "small_h256") and c.mask_kind == "combo")
 ]
 
 
