@@ -26,11 +26,17 @@ def _needs_skip(impl, q, k, v, kw):
 
 
 ALL_CASES = [pytest.param(c, id=str(c)) for c in CASES]
+# The cuda kernels' large head dims (their own tile shapes), run by cuda, cpu and pallas.
+BIG_HEAD_SHAPES = ("small_h192", "small_h256")
 
 
 def _check_case(impl, case):
     if slow_impl(impl) and not case.small:
         pytest.skip("full-size case: this implementation is interpreted/emulated here")
+    if impl == "xla" and case.shape_name in BIG_HEAD_SHAPES:
+        # Its head dims are not kernels of their own (the property suite draws xla up to 256);
+        # its compile at H = 192, 256 is the slowest of the four (~10 s of CI per case).
+        pytest.skip("xla at head dims 192 and 256: left to the property suite (CI time)")
     dtype = jnp.dtype(case.dtype)
     q, k, v = make_qkv(case.shape, dtype)
     kw = mask_kwargs(case.mask_kind, case.shape)
