@@ -47,8 +47,9 @@ enum class Layout { kWarp16, kWarp32 };
 // Tile sizes of one kernel. Forward and backward dQ: block_q query rows per CTA
 // (rows_per_warp per warp), block_kv keys per pipeline stage. Backward: block_kv keys per CTA
 // (rows_per_warp = 16 per warp), block_q query rows per pipeline stage; col_splits warps share
-// each 16 keys, each holding dK and dV of head_dim / col_splits columns (the registers of the
-// full width spill at H >= 192), all of them computing the 16 keys' Sᵀ and dPᵀ.
+// each 16 keys, each holding dK and dV of head_dim / col_splits columns (at H >= 192 the full
+// width alone would take 192-256 registers per thread), all of them computing the 16 keys' Sᵀ
+// and dPᵀ.
 struct TileShape {
   int block_q;
   int block_kv;
