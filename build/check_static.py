@@ -70,13 +70,14 @@ def smem_bytes_per_mma(kind: str, t: dict) -> float:
     tile step of the kernel's main loop (every x4 load is 512 bytes; st.shared, the statistics
     and the epilogue are left out)."""
     h, kv, q, r = t["head_dim"], t["block_kv"], t["block_q"], t["rows_per_warp"] // 16
+    hc = h // t["col_splits"]  # the backward's dK, dV columns per warp
     if kind == "attention_forward_kernel":  # S = Q·Kᵀ (R A-loads + KV/16 B-loads per k-step), O += P·V
         loads = (h // 16) * (r + kv // 16) + (kv // 16) * (h // 16)
         mmas = r * (h // 16) * (kv // 8) + r * (kv // 16) * (h // 8)
-    elif kind == "attention_backward_kernel":  # Sᵀ, dPᵀ; dV, dK; this warp's dQ share
+    elif kind == "attention_backward_kernel":  # Sᵀ, dPᵀ; dV, dK (its columns); this warp's dQ share
         dq_cols = t["dq_cols"]
-        loads = 2 * (h // 16) * (1 + q // 16) + 2 * (q // 16) * (h // 16) + (kv // 16) * (1 + dq_cols // 16)
-        mmas = 2 * (h // 16) * (q // 8) + 2 * (q // 16) * (h // 8) + (kv // 16) * (dq_cols // 8)
+        loads = 2 * (h // 16) * (1 + q // 16) + 2 * (q // 16) * (hc // 16) + (kv // 16) * (1 + dq_cols // 16)
+        mmas = 2 * (h // 16) * (q // 8) + 2 * (q // 16) * (hc // 8) + (kv // 16) * (dq_cols // 8)
     else:  # deterministic dQ: S, dP, dQ += dS·K
         loads = 2 * (h // 16) * (1 + kv // 16) + (kv // 16) * (h // 16)
         mmas = 2 * (h // 16) * (kv // 8) + (kv // 16) * (h // 8)
@@ -220,7 +221,7 @@ def ptx_has_wmma(obj: pathlib.Path, cuobjdump: str) -> bool:
 
 def tile_traits(sources) -> dict:
     """{(instantiation stem, kernel): {smem, threads, head_dim, block_q, block_kv, rows_per_warp,
-    dq_cols}} from the kernels' tile traits, compiled for the host."""
+    dq_cols, col_splits}} from the kernels' tile traits, compiled for the host."""
     cxx = shutil.which("c++") or shutil.which("g++")
     lines = []
     for src in sources:
@@ -234,8 +235,9 @@ def tile_traits(sources) -> dict:
             args = f"{elem}, {h}" + ("" if kernel == "attention_backward_dq_kernel" else layout_arg)
             k = f"{traits}<{args}>"
             dq_cols = f"{k}::DQ_COLS" if kernel == "attention_backward_kernel" else "0"
-            lines.append(f'  std::printf("{src.stem} {kernel} %d %d {h} %d %d %d %d\\n", {k}::kSmemBytes, '
-                         f'{k}::THREADS, {k}::BLOCK_Q, {k}::BLOCK_KV, {k}::kShape.rows_per_warp, {dq_cols});')
+            lines.append(f'  std::printf("{src.stem} {kernel} %d %d {h} %d %d %d %d %d\\n", {k}::kSmemBytes, '
+                         f'{k}::THREADS, {k}::BLOCK_Q, {k}::BLOCK_KV, {k}::kShape.rows_per_warp, {dq_cols}, '
+                         f'{k}::kShape.col_splits);')
     program = ("#include <cstdio>\n#include \"kernels/fwd.h\"\n#include \"kernels/bwd.h\"\n"
                "using namespace jax_flash::kernels;\nint main() {\n" + "\n".join(lines) + "\n}\n")
     with tempfile.TemporaryDirectory() as tmp:
@@ -245,7 +247,7 @@ def tile_traits(sources) -> dict:
         subprocess.run([cxx, "-std=c++17", "-DJAX_FLASH_EMULATE", "-I", str(CUDA), str(cc), "-o", str(exe)],
                        check=True, capture_output=True)
         out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
-    names = ("smem", "threads", "head_dim", "block_q", "block_kv", "rows_per_warp", "dq_cols")
+    names = ("smem", "threads", "head_dim", "block_q", "block_kv", "rows_per_warp", "dq_cols", "col_splits")
     return {(f[0], f[1]): dict(zip(names, map(int, f[2:]))) for f in (l.split() for l in out.splitlines())}
 
 

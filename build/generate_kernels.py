@@ -24,13 +24,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "cuda" / "kernels"
 
 DTYPES = {"f16": "F16", "bf16": "Bf16"}
-HEAD_DIMS = (32, 64, 96, 128)
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 PASSES = {
     "fwd": ("kernels/fwd.h", "LaunchForward", "const AttentionParams&, Stream", "kForward"),
     "bwd": ("kernels/bwd.h", "LaunchBackward", "const AttentionParams&, bool, Stream", "kBackward"),
 }
 # The head dims whose warp32 tile shape differs from warp16's (TileShapeFor in kernels/tile.h):
-# the forward's 4 x 32-row warps at H <= 96 (H=128 would spill), the backward's 128-key CTAs
+# the forward's 4 x 32-row warps at H <= 96 (H >= 128 would spill), the backward's 128-key CTAs
 # at H <= 64.
 WARP32_HEAD_DIMS = {"fwd": (32, 64, 96), "bwd": (32, 64)}
 LAYOUTS = {"warp16": "kWarp16", "warp32": "kWarp32"}

@@ -61,6 +61,8 @@ NONFINITE = "cuda and nonfinite"
 DET = "cuda and test_backward_deterministic"
 ALL = "cuda"
 EDGES = "cuda and (tile_plus or tile_minus)"
+# The backward at H = 192 and 256 (two warps per 16 keys, each with half the columns).
+BIG_H = "cuda and test_backward and (small_h192 or small_h256)"
 # The kWarp32 layout (JAX_FLASH_CUDA_LAYOUT=warp32, set by these tests themselves).
 FWD32 = "cuda and test_forward_warp32"
 BWD32 = "cuda and test_backward_warp32"
@@ -89,7 +91,8 @@ MUTATIONS = [
     Mutation("store_rows_guard", K + "tile.h", "if (t0 + row < p.q_len) {", "if (t0 + row <= p.q_len) {", FWD,
              what="output tail guard: one row past the end of the block's rows is written"),
     Mutation("swizzle_off", K + "tile.h",
-             "return kStrideChunks >= 8 ? (row & 7) : ((row >> 1) & 3);", "return 0;", FWD, kind="speed",
+             "return kStrideChunks >= 8 ? (row & 7) : kStrideChunks == 4 ? ((row >> 1) & 3) : ((row >> 2) & 1);",
+             "return 0;", FWD, kind="speed",
              what="no XOR swizzle: bank conflicts only (the same function places and finds chunks)"),
     Mutation("grid_decode", K + "grid.h", "return {i % blocks, static_cast<int>(y + grid_y * z), i / blocks};",
              "return {i / batch, static_cast<int>(y + grid_y * z), i % batch};", "grid",
@@ -178,8 +181,14 @@ MUTATIONS = [
              what="dQ = dS·K over the first 64 keys of the block (equivalent in 64-key CTAs)"),
     Mutation("dq_rows_guard", K + "bwd.h", "if (t >= p.q_len) continue;", "if (t > p.q_len) continue;", BWD,
              what="dQ atomics one row past the end of the query rows"),
-    Mutation("ds_store_row", K + "bwd.h", "const int row = warp * K::WARP_KV + (lane >> 2) + 8 * r;",
-             "const int row = warp * K::WARP_KV + (lane >> 2) + 4 * r;", BWD, what="dSᵀ stored to the wrong rows"),
+    Mutation("ds_store_row", K + "bwd.h", "const int row = key_row0 + (lane >> 2) + 8 * r;",
+             "const int row = key_row0 + (lane >> 2) + 4 * r;", BWD, what="dSᵀ stored to the wrong rows"),
+    Mutation("ds_store_split", K + "bwd.h", "if (j % K::COL_SPLITS != split) continue;",
+             "if (j % K::COL_SPLITS != 0) continue;", BIG_H,
+             what="H >= 192: both warps of a key block store the same half of dSᵀ, the other half never"),
+    Mutation("dkv_split_cols", K + "bwd.h", "const int dkv_col0 = split * K::DKV_COLS;",
+             "const int dkv_col0 = 0;", BIG_H,
+             what="H >= 192: both warps of a key block accumulate and store the first half of dK, dV's columns"),
     Mutation("ds_sign", K + "softmax.h", "const float ds = prob * (dp_to_ds - delta) * cap_derivative(x);",
              "const float ds = prob * (delta - dp_to_ds) * cap_derivative(x);", BWD,
              what="backward: sign of dS = P (dP - D)"),

@@ -43,7 +43,7 @@ from jax_flash.xla import finite_part, nonfinite_rows
 
 DTYPES = ("float16", "bfloat16")
 # Head dims with compiled instantiations (cuda/kernels, build/generate_kernels.py).
-HEAD_DIMS = (32, 64, 96, 128)
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 MIN_COMPUTE_CAPABILITY = (8, 0)
 
 
@@ -72,12 +72,16 @@ def layout() -> str:
 def layout_description(head_dim: int) -> str:
     """Which kernels a call at `head_dim` runs under the current JAX_FLASH_CUDA_LAYOUT."""
     name = layout()
+    # The warp16 kernels (kernels/tile.h): at H >= 192 two warps share each 16 keys of the
+    # backward (each with half of dK's and dV's columns), 32 keys per CTA at H = 192.
+    bwd16 = {192: "32 keys per CTA, 2 warps per 16 keys", 256: "64 keys per CTA, 2 warps per 16 keys"}.get(
+        head_dim, "64 keys per CTA")
     if name == "warp16":
-        return "layout warp16: forward 8 warps x 16 rows, backward 64 keys per CTA"
+        return f"layout warp16: forward 8 warps x 16 rows, backward {bwd16}"
     fwd = ("4 warps x 32 rows" if head_dim in WARP32_HEAD_DIMS["forward"]
            else "8 warps x 16 rows (no warp32 kernel at this head dim)")
     bwd = ("128 keys per CTA" if head_dim in WARP32_HEAD_DIMS["backward"]
-           else "64 keys per CTA (no warp32 kernel at this head dim)")
+           else f"{bwd16} (no warp32 kernel at this head dim)")
     return f"layout warp32: forward {fwd}, backward {bwd}"
 
 
@@ -213,11 +217,15 @@ def _compute_capability() -> Optional[tuple[int, int]]:
 # that a call the launches cannot take is refused before it runs: one CTA per (block, head,
 # batch), the batch folded into grid.x with the blocks (at most 2**31 - 1 CTAs), the heads
 # over grid.y·grid.z (65535 each, so any int32 count). Every kernel's block holds at least
-# 64 query rows or keys (forward 128, backward and dQ 64): B·ceil(L / 64) bounds grid.x for
-# L = T and S. The backward's delta kernel is a 1-D grid of ceil(B·T·N / rows) CTAs with
+# 64 query rows or keys (forward 128, backward and dQ 64), except the backward's 32 keys at
+# H = 192: B·ceil(L / 64) (B·ceil(S / 32) there) bounds grid.x for L = T and S. The backward's delta kernel is a 1-D grid of ceil(B·T·N / rows) CTAs with
 # rows = 128 threads / (lanes per row, the head dim's 16-byte chunks rounded up to a power of
 # two). The handlers hold B, N, K as int and T, S below 2**30.
 MIN_GRID_BLOCK = 64
+
+
+def _min_grid_block(head_dim: int, what: str) -> int:
+    return 32 if head_dim == 192 and what == "key" else MIN_GRID_BLOCK
 MAX_GRID_X = 2**31 - 1
 MAX_INT = 2**31 - 1
 
@@ -235,10 +243,11 @@ def launch_limit(spec: AttentionSpec) -> Optional[str]:
     if max(b, n) > MAX_INT:
         return f"holds B and N as int32: batch B={b} and heads N={n} must be at most 2**31 - 1"
     for length, what in ((t, "query"), (s, "key")):
-        ctas = b * -(-length // MIN_GRID_BLOCK)
+        block = _min_grid_block(h, what)
+        ctas = b * -(-length // block)
         if ctas > MAX_GRID_X:
             return (
-                f"would launch B·ceil({'T' if what == 'query' else 'S'}/{MIN_GRID_BLOCK}) = "
+                f"would launch B·ceil({'T' if what == 'query' else 'S'}/{block}) = "
                 f"{ctas} CTAs ({what} blocks x batch B={b}) in grid.x, above CUDA's limit of 2**31 - 1"
             )
     rows = _delta_rows_per_block(h)

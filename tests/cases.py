@@ -38,6 +38,11 @@ SMALL_SHAPES = {
     "small_tall": Shape(1, 140, 17, 2, 2, 64),
     "small_h32": Shape(1, 100, 260, 2, 1, 32),
     "small_h96": Shape(2, 37, 200, 2, 2, 96),
+    # The large head dims, tiny (the emulation runs them slowly), still several tiles of each
+    # cuda kernel: H=192 has 32-key forward tiles and 32 x 32 backward blocks, H=256 16-key
+    # forward and dQ tiles and 16-row backward query blocks.
+    "small_h192": Shape(1, 37, 40, 1, 1, 192),
+    "small_h256": Shape(1, 40, 35, 1, 1, 256),
     # T and S = +1 and -1 modulo every tile size of the CUDA kernels (16 rows or keys per
     # warp, 32- and 64-row backward query blocks, 64-key tiles, 128-row forward query blocks):
     # a tile bound, tail guard or interior test that is off by one shows up in one of them.
@@ -105,6 +110,8 @@ def _cases():
     for name, dt in (("small_h32", "float16"), ("small_h96", "bfloat16")):
         for kind in ("none", "causal", "combo"):
             out.append(Case(name, kind, dt, True))
+    for name, dt in (("small_h192", "bfloat16"), ("small_h256", "float16")):
+        out.append(Case(name, "combo", dt, True))
     for name, dt in (("tile_plus", "float16"), ("tile_minus", "bfloat16")):
         for kind in TILE_EDGE_KINDS:
             out.append(Case(name, kind, dt, True))

@@ -32,11 +32,17 @@ def _needs_skip(impl, q, k, v, kw):
 
 
 ALL_CASES = [pytest.param(c, id=str(c)) for c in CASES]
+# The cuda kernels' large head dims (their own tile shapes), run by cuda, cpu and pallas.
+BIG_HEAD_SHAPES = ("small_h192", "small_h256")
 
 
 def _check_case(impl, case):
     if slow_impl(impl) and not case.small:
         pytest.skip("full-size case: this implementation is interpreted/emulated here")
+    if impl == "xla" and case.shape_name in BIG_HEAD_SHAPES:
+        # Its head dims are not kernels of their own (the property suite draws xla up to 256);
+        # its compile at H = 192, 256 is the slowest of the four (~10 s of CI per case).
+        pytest.skip("xla at head dims 192 and 256: left to the property suite (CI time)")
     dtype = jnp.dtype(case.dtype)
     q, k, v = make_qkv(case.shape, dtype)
     kw = mask_kwargs(case.mask_kind, case.shape)
@@ -137,7 +143,7 @@ DETERMINISTIC_CASES = [
     if (c.shape_name.startswith("tile_")
         and c.mask_kind in ("none", "causal", "tile_window", "tile_lengths", "segments"))
     or (c.shape_name == "small_mqa" and c.mask_kind in ("window", "softcap", "combo", "zero_scale"))
-    or (c.shape_name in ("small_h32", "small_h96") and c.mask_kind == "combo")
+    or (c.shape_name in ("small_h32", "small_h96", "small_h192", "small_h256") and c.mask_kind == "combo")
 ]
 
 

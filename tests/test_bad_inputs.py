@@ -180,7 +180,7 @@ def test_traced_wide_lengths_are_exact():
 IMPL_ROWS = {
     "cuda": [
         (dict(dtype=jnp.float32), r"supports dtypes float16, bfloat16, got float32"),
-        (dict(h=48), r"has kernels for head dims \(32, 64, 96, 128\), got 48"),
+        (dict(h=48), r"has kernels for head dims \(32, 64, 96, 128, 192, 256\), got 48"),
         (dict(bias=True), r"does not take a dense bias"),
         (dict(mask=True), r"does not take a dense mask"),
     ],

@@ -253,6 +253,10 @@ def test_launch_limits_at_the_boundary():
     b = (2**31 - 1) // 64  # S = 64·64: 64 key blocks per batch row
     assert cuda_impl.launch_limit(_spec((b, 1, 1, 32), (b, 64 * 64, 1, 32))) is None
     assert "grid.x" in cuda_impl.launch_limit(_spec((b + 1, 1, 1, 32), (b + 1, 64 * 64, 1, 32)))
+    # H = 192: the backward's 32-key blocks (S = 64·64 is 128 of them per batch row).
+    b = (2**31 - 1) // 128
+    assert cuda_impl.launch_limit(_spec((b, 1, 1, 192), (b, 64 * 64, 1, 192))) is None
+    assert "S/32" in cuda_impl.launch_limit(_spec((b + 1, 1, 1, 192), (b + 1, 64 * 64, 1, 192)))
     n = 65536  # above grid.y: the grid (blocks, N, B) is folded into grid.x
     assert pallas_impl.launch_limit(_spec((1, 16, n, 32), (1, 16, 1, 32))) is None
     blocks = -(-(2**31 - 1) // n)  # blocks · N >= 2**31 - 1

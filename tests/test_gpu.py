@@ -81,7 +81,7 @@ else:
     import test_attention as suite
 
 EMULATED = os.environ.get("JAX_FLASH_GPU_SUITE", "") == "emulated"
-HEAD_DIMS = (32, 64, 96, 128)
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 DTYPES = ("bfloat16", "float16")
 # The mask kinds of the suite that the cuda kernels take (no dense bias or mask): window and
 # length edges at +1/-1 of the tile boundaries, scales that are not positive, query offsets.
@@ -123,7 +123,7 @@ def _cases() -> list[GpuCase]:
     out = []
     # Each mask kind once, cycling through head dims and dtypes so that every pair appears.
     for i, kind in enumerate(KINDS):
-        h, dtype = HEAD_DIMS[i % 4], DTYPES[(i + i // 4) % 2]
+        h, dtype = HEAD_DIMS[i % len(HEAD_DIMS)], DTYPES[(i + i // len(HEAD_DIMS)) % 2]
         out.append(_case("tall" if i % 3 == 1 else "ragged", kind, dtype, h))
     # The combined mask (causal, soft cap, lengths, segments) for every instantiation.
     for h in HEAD_DIMS:

@@ -1,7 +1,8 @@
 // FlashAttention-2 backward (Dao, 2023, Alg. 2), three kernels on one stream:
 //   1. delta:  D = rowsum(dO ∘ O) − dlse per query row (the `delta` workspace result);
 //   2. main:   one CTA per (key block, kv head, batch) (64 keys, or 128 in the kWarp32 layout
-//              at H <= 64), each warp owns 16 keys; it loops over
+//              at H <= 64, 32 at H = 192), each warp owns 16 keys (at H >= 192 two warps
+//              share them, each with half of dK's and dV's columns); it loops over
 //              the query heads of its GQA group and the query blocks that see its keys,
 //              recomputes P from lse, keeps dK and dV in registers for the whole loop, and
 //              adds dQ = dS·K into the f32 `dq_accum` workspace with atomics (red.global.add,
@@ -42,6 +43,9 @@ struct BackwardKernel {
   static constexpr int STAGES = kShape.stages;
   static constexpr int THREADS = WARPS * WARP_SIZE;
   static constexpr int WARP_KV = kShape.rows_per_warp;  // keys per warp
+  // Warps per 16 keys (TileShape::col_splits): each holds dK and dV of DKV_COLS columns.
+  static constexpr int COL_SPLITS = kShape.col_splits;
+  static constexpr int DKV_COLS = HEAD_DIM / COL_SPLITS;
   // k-steps of Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ unrolled at once: dK and dV hold 2·HEAD_DIM/2
   // registers per thread for the whole kernel, so full unrolling would spill at HEAD_DIM 128.
   static constexpr int K_UNROLL = HEAD_DIM <= 64 ? HEAD_DIM / MMA_K : 2;
@@ -66,7 +70,8 @@ struct BackwardKernel {
     return {CeilDiv(p.kv_len, BLOCK_KV), p.dkv_per_query_head() ? p.q_heads : p.kv_heads, p.batch};
   }
 
-  static_assert(BLOCK_KV == WARPS * WARP_KV && WARP_KV == MMA_M, "each warp owns 16 keys");
+  static_assert(BLOCK_KV * COL_SPLITS == WARPS * WARP_KV && WARP_KV == MMA_M, "each warp owns 16 keys");
+  static_assert(DKV_COLS % 16 == 0 && DKV_COLS * COL_SPLITS == HEAD_DIM, "dK, dV split in 16-column blocks");
   static_assert(WARPS % DQ_ROW_GROUPS == 0 && DQ_COLS % 16 == 0, "dQ work splits evenly over the warps");
   static_assert(STAGES >= 2, "the ring overlaps the next query block's copy with this one's math");
   static_assert(kSmemBytes <= kMaxSmemBytes, "backward tile does not fit 99 KB of shared memory");
@@ -145,15 +150,17 @@ __device__ __forceinline__ void probabilities_and_ds(float (&s)[N_BLOCKS][4], fl
   }
 }
 
-// dSᵀ (16-bit) of the warp's 16 keys into the shared dSᵀ tile.
+// dSᵀ (16-bit) of the warp's 16 keys (rows key_row0..) into the shared dSᵀ tile. The
+// COL_SPLITS warps of the same keys hold the same dSᵀ: each stores every COL_SPLITS-th n-block.
 template <class Elem, class K>
-__device__ __forceinline__ void store_ds(char* ds_tile, const float (&ds)[K::BLOCK_Q / MMA_N][4], int warp,
-                                         int lane) {
+__device__ __forceinline__ void store_ds(char* ds_tile, const float (&ds)[K::BLOCK_Q / MMA_N][4], int key_row0,
+                                         int split, int lane) {
   JAX_FLASH_UNROLL
   for (int j = 0; j < K::BLOCK_Q / MMA_N; ++j) {
+    if (j % K::COL_SPLITS != split) continue;
     JAX_FLASH_UNROLL
     for (int r = 0; r < 2; ++r) {
-      const int row = warp * K::WARP_KV + (lane >> 2) + 8 * r;
+      const int row = key_row0 + (lane >> 2) + 8 * r;
       const int col = 8 * j + 2 * (lane & 3);
       ptx::st_shared_b32(ds_tile + K::DsTile::element_offset(row, col), Elem::pack(ds[j][2 * r], ds[j][2 * r + 1]));
     }
@@ -188,19 +195,19 @@ __device__ __forceinline__ void accumulate_dq(const AttentionParams& p, const ch
   }
 }
 
-// dK (unscaled) and dV of the warp's 16 keys for query head n, in f32 into the workspaces
-// (the q_heads grid: one CTA per query head writes each row once).
-template <int HEAD_DIM>
-__device__ __forceinline__ void store_dk_dv_accum(const AttentionParams& p, const float (&dk)[HEAD_DIM / MMA_N][4],
-                                                  const float (&dv)[HEAD_DIM / MMA_N][4], int b, int n, int row0,
-                                                  int lane) {
+// dK (unscaled) and dV of the warp's 16 keys and DKV_COLS columns (from col0) for query head
+// n, in f32 into the workspaces (the q_heads grid: one CTA per query head writes each row once).
+template <class K>
+__device__ __forceinline__ void store_dk_dv_accum(const AttentionParams& p, const float (&dk)[K::DKV_COLS / MMA_N][4],
+                                                  const float (&dv)[K::DKV_COLS / MMA_N][4], int b, int n, int row0,
+                                                  int col0, int lane) {
   JAX_FLASH_UNROLL
   for (int r = 0; r < 2; ++r) {
     const int s = row0 + (lane >> 2) + 8 * r;
     if (s >= p.kv_len) continue;
-    const int64_t offset = p.dkv_accum_offset(b, s, n);
+    const int64_t offset = p.dkv_accum_offset(b, s, n) + col0;
     JAX_FLASH_UNROLL
-    for (int j = 0; j < HEAD_DIM / MMA_N; ++j) {
+    for (int j = 0; j < K::DKV_COLS / MMA_N; ++j) {
       JAX_FLASH_UNROLL
       for (int i = 0; i < 2; ++i) {
         const int col = 8 * j + 2 * (lane & 3) + i;
@@ -211,18 +218,18 @@ __device__ __forceinline__ void store_dk_dv_accum(const AttentionParams& p, cons
   }
 }
 
-// dK (times scale) and dV of the warp's 16 keys, written once.
-template <class Elem, int HEAD_DIM>
-__device__ __forceinline__ void store_dk_dv(const AttentionParams& p, const float (&dk)[HEAD_DIM / MMA_N][4],
-                                            const float (&dv)[HEAD_DIM / MMA_N][4], int b, int g, int row0,
-                                            int lane) {
+// dK (times scale) and dV of the warp's 16 keys and DKV_COLS columns (from col0), written once.
+template <class Elem, class K>
+__device__ __forceinline__ void store_dk_dv(const AttentionParams& p, const float (&dk)[K::DKV_COLS / MMA_N][4],
+                                            const float (&dv)[K::DKV_COLS / MMA_N][4], int b, int g, int row0,
+                                            int col0, int lane) {
   JAX_FLASH_UNROLL
   for (int r = 0; r < 2; ++r) {
     const int s = row0 + (lane >> 2) + 8 * r;
     if (s >= p.kv_len) continue;
-    const int64_t offset = p.kv_offset(b, s, g);
+    const int64_t offset = p.kv_offset(b, s, g) + col0;
     JAX_FLASH_UNROLL
-    for (int j = 0; j < HEAD_DIM / MMA_N; ++j) {
+    for (int j = 0; j < K::DKV_COLS / MMA_N; ++j) {
       const int col = 8 * j + 2 * (lane & 3);
       ptx::st_global_b32(p.dk + offset + col, Elem::pack(p.scale * dk[j][2 * r], p.scale * dk[j][2 * r + 1]));
       ptx::st_global_b32(p.dv + offset + col, Elem::pack(dv[j][2 * r], dv[j][2 * r + 1]));
@@ -240,8 +247,11 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, LAYOUT>::THREAD
   if (!grid.contains(at)) return;  // past the last head (more than 65535 heads span grid.z)
   const int kv_block = at.block, batch = at.batch;
   const int warp = static_cast<int>(threadIdx.x) / WARP_SIZE, lane = static_cast<int>(threadIdx.x) % WARP_SIZE;
+  // The warp's 16 keys (rows key_row0.. of the K, V tiles) and its dK, dV columns.
+  const int key_row0 = (warp / K::COL_SPLITS) * K::WARP_KV, split = warp % K::COL_SPLITS;
+  const int dkv_col0 = split * K::DKV_COLS;
   const int s0 = kv_block * K::BLOCK_KV;
-  const int warp_s0 = s0 + warp * K::WARP_KV;
+  const int warp_s0 = s0 + key_row0;
   const int group = p.q_heads / p.kv_heads;
   // The query heads this CTA loops over: its kv head's whole group, or (q_heads grid) the one
   // query head of the CTA.
@@ -258,8 +268,8 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, LAYOUT>::THREAD
   const int q_blocks = rows.empty() ? 0 : CeilDiv(rows.hi, K::BLOCK_Q) - q_block_begin;
   const int items = heads * q_blocks;
 
-  float dk[HEAD_DIM / MMA_N][4];  // (MMA_M rows, MMA_N cols, 4 regs): the warp's 16 keys x HEAD_DIM
-  float dv[HEAD_DIM / MMA_N][4];
+  float dk[K::DKV_COLS / MMA_N][4];  // (MMA_M rows, MMA_N cols, 4 regs): the warp's 16 keys x DKV_COLS
+  float dv[K::DKV_COLS / MMA_N][4];
   clear(dk);
   clear(dv);
 
@@ -324,26 +334,27 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, LAYOUT>::THREAD
       }
       if (visible) {
         mma_a_smem_b_rows<Elem, typename K::KVTile, typename K::QTile, HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N,
-                          K::K_UNROLL>(s, k_tile, warp * K::WARP_KV, q_tile, 0, lane);
+                          K::K_UNROLL>(s, k_tile, key_row0, q_tile, 0, lane);
         mma_a_smem_b_rows<Elem, typename K::KVTile, typename K::QTile, HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N,
-                          K::K_UNROLL>(dp, v_tile, warp * K::WARP_KV, do_tile, 0, lane);
+                          K::K_UNROLL>(dp, v_tile, key_row0, do_tile, 0, lane);
         const bool interior = mask.is_interior(t0, K::BLOCK_Q, warp_s0, K::WARP_KV, segments_allow_all);
         scaling.prepare<true>(s, mask, interior, warp_s0, t0, lane);
         probabilities_and_ds(s, dp, lse2, delta, scaling, lane);
 
-        // dV += Pᵀ·dO and dK += dSᵀ·Q, A operands straight from the accumulators.
+        // dV += Pᵀ·dO and dK += dSᵀ·Q (the warp's columns), A operands straight from the
+        // accumulators.
         JAX_FLASH_UNROLL
         for (int kk = 0; kk < K::BLOCK_Q / MMA_K; ++kk) {
           uint32_t a[4];
           accumulator_as_a<Elem>(a, s, kk);
-          mma_a_regs_b_trans<Elem, typename K::QTile>(dv, a, do_tile, kk * MMA_K, 0, lane);
+          mma_a_regs_b_trans<Elem, typename K::QTile>(dv, a, do_tile, kk * MMA_K, dkv_col0 / 8, lane);
           accumulator_as_a<Elem>(a, dp, kk);
-          mma_a_regs_b_trans<Elem, typename K::QTile>(dk, a, q_tile, kk * MMA_K, 0, lane);
+          mma_a_regs_b_trans<Elem, typename K::QTile>(dk, a, q_tile, kk * MMA_K, dkv_col0 / 8, lane);
         }
       }
 
       if (p.accumulate_dq) {  // uniform over the block
-        store_ds<Elem, K>(ds_tile, dp, warp, lane);
+        store_ds<Elem, K>(ds_tile, dp, key_row0, split, lane);
         __syncthreads();  // dSᵀ of every warp is in shared memory
         accumulate_dq<Elem, HEAD_DIM, K>(p, ds_tile, k_tile, batch, n, t0, warp, lane);
       }
@@ -352,9 +363,9 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, LAYOUT>::THREAD
   }
 
   if (one_head) {
-    store_dk_dv_accum<HEAD_DIM>(p, dk, dv, batch, first_head, warp_s0, lane);
+    store_dk_dv_accum<K>(p, dk, dv, batch, first_head, warp_s0, dkv_col0, lane);
   } else {
-    store_dk_dv<Elem, HEAD_DIM>(p, dk, dv, batch, kv_head, warp_s0, lane);
+    store_dk_dv<Elem, K>(p, dk, dv, batch, kv_head, warp_s0, dkv_col0, lane);
   }
 }
 

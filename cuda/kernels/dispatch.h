@@ -23,7 +23,7 @@ LaunchError LaunchForward(const AttentionParams& p, Stream stream);
 template <class Elem, int HEAD_DIM, Layout LAYOUT>
 LaunchError LaunchBackward(const AttentionParams& p, bool deterministic, Stream stream);
 
-constexpr int kHeadDims[] = {32, 64, 96, 128};
+constexpr int kHeadDims[] = {32, 64, 96, 128, 192, 256};
 
 inline bool HasHeadDim(int head_dim) {
   for (int h : kHeadDims)
@@ -74,6 +74,8 @@ LaunchError DispatchForwardHeadDim(Layout layout, const AttentionParams& p, Stre
     case 64: return ForwardFor<Elem, 64>(layout, p, stream);
     case 96: return ForwardFor<Elem, 96>(layout, p, stream);
     case 128: return ForwardFor<Elem, 128>(layout, p, stream);
+    case 192: return ForwardFor<Elem, 192>(layout, p, stream);
+    case 256: return ForwardFor<Elem, 256>(layout, p, stream);
     default: return "no kernel for head dim " + std::to_string(p.head_dim);
   }
 }
@@ -85,6 +87,8 @@ LaunchError DispatchBackwardHeadDim(Layout layout, const AttentionParams& p, boo
     case 64: return BackwardFor<Elem, 64>(layout, p, deterministic, stream);
     case 96: return BackwardFor<Elem, 96>(layout, p, deterministic, stream);
     case 128: return BackwardFor<Elem, 128>(layout, p, deterministic, stream);
+    case 192: return BackwardFor<Elem, 192>(layout, p, deterministic, stream);
+    case 256: return BackwardFor<Elem, 256>(layout, p, deterministic, stream);
     default: return "no kernel for head dim " + std::to_string(p.head_dim);
   }
 }

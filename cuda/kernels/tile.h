@@ -46,20 +46,26 @@ enum class Layout { kWarp16, kWarp32 };
 
 // Tile sizes of one kernel. Forward and backward dQ: block_q query rows per CTA
 // (rows_per_warp per warp), block_kv keys per pipeline stage. Backward: block_kv keys per CTA
-// (rows_per_warp = 16 per warp), block_q query rows per pipeline stage.
+// (rows_per_warp = 16 per warp), block_q query rows per pipeline stage; col_splits warps share
+// each 16 keys, each holding dK and dV of head_dim / col_splits columns (at H >= 192 the full
+// width alone would take 192-256 registers per thread), all of them computing the 16 keys' Sᵀ
+// and dPᵀ.
 struct TileShape {
   int block_q;
   int block_kv;
   int warps;
   int stages;
-  int rows_per_warp;  // 16 or 32: m16 row blocks of a warp's accumulators, times 16
+  int rows_per_warp;   // 16 or 32: m16 row blocks of a warp's accumulators, times 16
+  int col_splits = 1;  // backward: warps per 16 keys, splitting dK and dV by columns
 
   __host__ __device__ constexpr bool operator==(const TileShape& o) const {
     return block_q == o.block_q && block_kv == o.block_kv && warps == o.warps && stages == o.stages &&
-           rows_per_warp == o.rows_per_warp;
+           rows_per_warp == o.rows_per_warp && col_splits == o.col_splits;
   }
 };
 
+// The byte counts below are those of the stored rows: H = 96 padded to 128 columns, H = 192
+// unpadded (SmemTile).
 __host__ __device__ constexpr TileShape TileShapeFor(Pass pass, int head_dim, Layout layout = Layout::kWarp16) {
   const bool wide = layout == Layout::kWarp32;
   if (pass == Pass::kForward) {
@@ -69,20 +75,41 @@ __host__ __device__ constexpr TileShape TileShapeFor(Pass pass, int head_dim, La
     // once: 64-key tiles at H=32; 32-key tiles in a 3-stage ring at H=64 and 96 (40 and 80 KB),
     // since 64 keys spill there on some architecture (H=64: 12-32 bytes at 255 registers).
     // H=128 spills with either (28-40 bytes on sm_90), so it keeps the kWarp16 shape
-    // (docs/gpu-results.md).
+    // (docs/gpu-results.md); so do H=192 and 256 (O alone would take 96 and 128 registers
+    // per thread with 16 rows, 192 and 256 with 32).
+    // H=192: 32-key tiles (48 KB of Q + 2 x 24 KB of K, V: 96 KB). H=256: 16-key tiles
+    // (64 KB of Q + 2 x 16 KB: 96 KB); 32-key tiles with 64 query rows fit too, but spill
+    // (8-20 bytes at 255 registers on sm_90: S and its K fragments in flight on top of O's
+    // 128), where 16 keys take ~210.
     if (wide && head_dim <= 32) return TileShape{128, 64, 4, 3, 32};
     if (wide && head_dim <= 96) return TileShape{128, 32, 4, 3, 32};
+    if (head_dim > 192) return TileShape{128, 16, 8, 2, 16};
+    if (head_dim > 128) return TileShape{128, 32, 8, 2, 16};
     return head_dim <= 64 ? TileShape{128, 64, 8, 3, 16} : TileShape{128, 64, 8, 2, 16};
   }
   if (pass == Pass::kBackwardDq) {
     // Q, dO (block_q x H) + stages x (K, V) (block_kv x H): 48 KB at H=64, 96 KB at H=128.
+    // H=192: 32-key tiles (48 KB + 2 x 24 KB: 96 KB). H=256: 16-key tiles, so that the CTA
+    // keeps 4 warps (64 KB of Q, dO + 2 x 16 KB: 96 KB; 32 query rows of 2 warps would take
+    // 32-key tiles at the same size, with half the warps to hide latency).
+    if (head_dim > 192) return TileShape{64, 16, 4, 2, 16};
+    if (head_dim > 128) return TileShape{64, 32, 4, 2, 16};
     return TileShape{64, 64, 4, 2, 16};
   }
   // K, V (block_kv x H) + 2 x (Q, dO) (block_q x H) + dS (block_kv x block_q):
   // H=128 halves block_q so that dK, dV (64 + 64 registers) and the S, dP tiles fit in 255.
   // kWarp32: 128 keys (8 warps, the same registers per thread) at H <= 64: 82 KB at H=64; at
   // H=96/128 the K, V tiles alone would take 64 KB, with the ring over 99 KB.
+  // H=192 and 256: dK and dV of the full width would take 192 and 256 registers, so two warps
+  // share each 16 keys (col_splits 2: 96 and 128 registers), both computing their Sᵀ and dPᵀ
+  // (a third more MMAs than one warp per 16 keys; exchanging P through shared memory would
+  // save them, for another tile of smem). H=192: 32 keys x 32 queries, 74.5 KB (64 keys
+  // would take 100.5 KB; a third stage would fit, at 98.75 KB, left for a measurement to
+  // decide). H=256: 16 queries per stage (32 spill: 16-52 bytes on sm_90, the S and dP tiles'
+  // 32 registers on top of dK and dV), so 64 keys fit: 64 + 2 (dSᵀ) + 2 x 16.1 KB = 98.25 KB.
   if (wide && head_dim <= 64) return TileShape{64, 128, 8, 2, 16};
+  if (head_dim > 192) return TileShape{16, 64, 8, 2, 16, 2};
+  if (head_dim > 128) return TileShape{32, 32, 4, 2, 16, 2};
   return head_dim <= 64 ? TileShape{64, 64, 4, 2, 16} : TileShape{32, 64, 4, 2, 16};
 }
 
@@ -104,20 +131,24 @@ __host__ __device__ constexpr int NextPowerOfTwo(int x) { return x <= 1 ? 1 : 2 
 // A ROWS x COLS tile of 16-bit elements in shared memory, row-major in 16-byte chunks, chunk c
 // of row r stored at chunk c ^ swizzle(r). ldmatrix reads 8 rows at one logical chunk and
 // cp.async writes 8 consecutive chunks; with the swizzle each 8 land in 8 different 16-byte
-// bank groups (of the 128-byte bank window), so neither has bank conflicts. Rows are padded
-// to a power-of-two number of chunks (H = 96: 12 chunks in a 16-chunk row) so that the XOR
-// stays inside the row.
+// bank groups (of the 128-byte bank window), so neither has bank conflicts. The XOR changes
+// the low three bits of the chunk index, so it stays inside a row of a multiple of 8 chunks
+// (H = 128, 192, 256: 16, 24, 32 chunks); rows of another count are padded to a power of two
+// (H = 96: 12 chunks in a 16-chunk row).
 template <int ROWS, int COLS>
 struct SmemTile {
-  static_assert(COLS % 32 == 0, "tile rows must hold a multiple of 4 chunks");
+  static_assert(COLS % 16 == 0, "tile rows must hold whole 16x16 fragments");
   static constexpr int kRows = ROWS;
   static constexpr int kCols = COLS;
   static constexpr int kChunks = COLS / 8;                          // 16-byte chunks per row
-  static constexpr int kStrideChunks = NextPowerOfTwo(kChunks);  // ... and their storage
+  static constexpr int kStrideChunks = kChunks % 8 == 0 ? kChunks : NextPowerOfTwo(kChunks);  // ... stored
   static constexpr int kRowBytes = kStrideChunks * 16;
   static constexpr int kBytes = ROWS * kRowBytes;
-  // Rows of 4 chunks (64 bytes) share a 128-byte window two by two.
-  __device__ __forceinline__ static int swizzle(int row) { return kStrideChunks >= 8 ? (row & 7) : ((row >> 1) & 3); }
+  // Rows of 4 chunks (64 bytes) share a 128-byte window two by two, rows of 2 chunks (the
+  // backward's 16-query dSᵀ tile at H=256) four by four.
+  __device__ __forceinline__ static int swizzle(int row) {
+    return kStrideChunks >= 8 ? (row & 7) : kStrideChunks == 4 ? ((row >> 1) & 3) : ((row >> 2) & 1);
+  }
   // Byte offset of logical chunk `chunk` of row `row`.
   __device__ __forceinline__ static int chunk_offset(int row, int chunk) {
     return row * kRowBytes + ((chunk ^ swizzle(row)) << 4);
