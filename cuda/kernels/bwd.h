@@ -11,9 +11,8 @@
 // The q_heads grid (MQA/GQA at small batch: p.dkv_per_query_head()) runs the main kernel over
 // one CTA per (key block, query head, batch) instead, each CTA looping over its one head's
 // query blocks and writing that head's dK, dV in f32 into the dk_accum / dv_accum workspaces
-// [B, S, N, H]; a fourth kernel (4. below) then sums each group of G heads in a fixed order
-// into dk, dv. G times as many CTAs share the same work, with no atomics on dK, dV in
-// either grid.
+// [B, S, N, H]; the group sum (4. below) then adds each group's G heads in a fixed order into
+// dk, dv. G times as many CTAs share the same work, with no atomics on dK, dV in either grid.
 // Deterministic mode replaces the atomics and the conversion by a fourth kernel that computes dQ
 // per query block (2b below), at the price of recomputing S and dP once more.
 // The main kernel computes the transposed tiles Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (rows = keys), so
