@@ -67,12 +67,18 @@ def _check_int_array(name: str, x, shape: tuple[int, ...], alt_shapes=(), clip=N
 
 
 def _check_int32_values(name: str, x) -> None:
-    """ValueError when concrete values of a 64-bit or unsigned array do not fit int32 (traced
-    ones cannot be checked and are cast)."""
+    """ValueError when concrete values of a 64-bit or unsigned array do not fit int32. A
+    traced one cannot be checked at trace time, and its cast could wrap a value onto another
+    (segment ids 0 and 2**32 would match, an offset would move): TypeError, int32 is needed."""
     try:
         values = np.asarray(x)
     except jax.errors.TracerArrayConversionError:
-        return
+        dtype = jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype
+        raise TypeError(
+            f"{name} must be an int32 array when traced (under jit, vmap or grad), got {dtype}: "
+            "a traced 64-bit or unsigned array's values cannot be checked to fit int32 at trace "
+            f"time; pass {name.split(' ')[0]}.astype(jnp.int32) (or concrete values)"
+        ) from None
     if values.size and (values.min() < _INT32_MIN or values.max() > _INT32_MAX):
         raise ValueError(f"{name} must fit in int32, got values in [{values.min()}, {values.max()}]")
 

@@ -98,8 +98,6 @@ def reference_canonical(
     poison = jnp.swapaxes(bad_q, 1, 2)[..., :, None] | jnp.swapaxes(bad_k, 1, 2)[..., None, :]
     logits = logits + jnp.where(poison, jnp.nan, 0).astype(dt)
     logits = logits * jnp.asarray(spec.scale, dt)
-    logits = _masking.transform_logits(spec, logits.astype(stat_dt), masks.bias)
-    logits = logits.astype(dt).astype(stat_dt)
     rows = jnp.arange(t, dtype=jnp.int32)[:, None]
     cols = jnp.arange(s, dtype=jnp.int32)[None, :]
     # Query t of row b sits at key position q_offset[b] + t for the causal/window band.
@@ -121,6 +119,13 @@ def reference_canonical(
     if masks.mask is not None:
         vis = masks.mask if vis is None else vis & masks.mask
     vis = jnp.broadcast_to(True if vis is None else vis, logits.shape)
+    # Masked pairs leave the computation here, before the bias and the soft cap: the cap's
+    # derivative 1 - tanh² at a masked NaN logit is NaN, and NaN times the zero cotangent of
+    # a masked pair is NaN (the double-where: a masked-out poison then affects nothing).
+    bias = None if masks.bias is None else jnp.where(vis, masks.bias, jnp.zeros((), masks.bias.dtype))
+    logits = jnp.where(vis, logits, jnp.zeros((), dt))
+    logits = _masking.transform_logits(spec, logits.astype(stat_dt), bias)
+    logits = logits.astype(dt).astype(stat_dt)
     logits = jnp.where(vis, logits, -jnp.inf)
     # XLA's max may drop a NaN logit; exp(NaN) cannot, so l is NaN for a poisoned row.
     m = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)  # S = 0: no key
@@ -129,7 +134,15 @@ def reference_canonical(
         sink = masks.sinks.astype(stat_dt)[None, :, None, None]  # [1, N, 1, 1]
         m = jnp.maximum(m, sink)  # a NaN sink makes m NaN
     m_safe = jnp.where(m == -jnp.inf, 0, m)
-    e = jnp.where(vis, jnp.exp(logits - m_safe), 0)  # exactly 0 where masked, even for NaN m
+    # The row max's exponent is exactly 0, chosen by comparison rather than computed as
+    # logit - max: under jit XLA recomputes the scaled logit inside the exponent's fusion and
+    # contracts the scale's multiply and this subtraction into an FMA, which skips the
+    # product's rounding that the max saw; at |scale · q·k| ~ 1e31 the difference came out
+    # ~ulp(1e31) above 0 (exp = inf, NaN out). A comparison reads the rounded product, so any
+    # other logit's exponent is < 0 either way. (A +inf logit still gives inf - inf = NaN.)
+    at_max = (logits >= m_safe) & (logits < jnp.inf)
+    shifted = jnp.where(at_max, jnp.zeros((), stat_dt), logits - m_safe)
+    e = jnp.where(vis, jnp.exp(shifted), 0)  # exactly 0 where masked, even for NaN m
     l = jnp.sum(e, axis=-1, keepdims=True)
     if sink is not None:
         # The sink's share: 0 for a -inf sink, NaN for a NaN or +inf one (exp(inf - inf)).

@@ -7,12 +7,15 @@ finite gradients in every implementation.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_flash
+from jax_flash._spec import AttentionSpec
 from jax_flash.reference import attention_reference
 
 from cases import (
@@ -192,6 +195,74 @@ def test_backward_warp32(impl, warp32, case):
 @pytest.mark.parametrize("case", WARP32_DETERMINISTIC_CASES)
 def test_backward_deterministic_warp32(impl, warp32, case, monkeypatch):
     test_backward_deterministic(impl, case, monkeypatch)
+
+
+# The grid of the cuda backward's main kernel (JAX_FLASH_CUDA_BWD_GRID, read when the backward
+# is traced). auto takes the q_heads grid (one CTA per key block, query head and batch; dK, dV
+# per query head in float32 workspaces, summed over the group after) for G > 1 when
+# B·K·ceil(S/block_kv) < 528: every GQA/MQA case of the small shapes, so test_backward,
+# test_backward_deterministic and the warp32 tests above run it (ragged S, every mask kind,
+# soft cap, deterministic mode). These run the kv_heads grid (its loop over the group's query
+# heads) on GQA/MQA cases: G = 2 at H = 128 with the combined mask, ragged lengths at tile
+# edges, and deterministic mode.
+BACKWARD_GRID_CASES = [pytest.param(c, id=str(c)) for c in CASES
+                       if str(c) in ("small_gqa-combo-bfloat16", "tile_plus-tile_lengths-float16")]
+
+
+@pytest.mark.parametrize("case", BACKWARD_GRID_CASES)
+def test_backward_kv_heads_grid(impl, case, monkeypatch):
+    if impl != "cuda":
+        pytest.skip("JAX_FLASH_CUDA_BWD_GRID selects the cuda backward's grid")
+    monkeypatch.setenv("JAX_FLASH_CUDA_BWD_GRID", "kv_heads")
+    _check_backward(impl, case)
+
+
+def test_backward_kv_heads_grid_deterministic(impl, monkeypatch):
+    if impl != "cuda":
+        pytest.skip("JAX_FLASH_CUDA_BWD_GRID selects the cuda backward's grid")
+    monkeypatch.setenv("JAX_FLASH_CUDA_BWD_GRID", "kv_heads")
+    case = next(c for c in CASES if str(c) == "small_mqa-combo-bfloat16")
+    test_backward_deterministic(impl, case, monkeypatch)
+
+
+def test_backward_grid_choice(impl, monkeypatch):
+    """The rule and the override reach the call (the workspaces' shapes in the lowered call) and
+    explain; an unknown value is a ValueError naming the variable."""
+    if impl != "cuda":
+        pytest.skip("JAX_FLASH_CUDA_BWD_GRID selects the cuda backward's grid")
+    from jax_flash import cuda
+
+    def lowered(shape):
+        q, k, v = make_qkv(shape, jnp.bfloat16)
+        f = lambda q, k, v: jax_flash.attention(q, k, v, implementation=impl).astype(jnp.float32).sum()
+        note = jax_flash.explain(q, k, v, implementation=impl).notes[impl]
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(q, k, v).as_text(), note
+
+    mqa, mha = Shape(2, 16, 130, 4, 1, 64), Shape(2, 16, 130, 2, 2, 64)
+    per_head, empty = "tensor<2x130x4x64xf32>", "tensor<0xf32>"
+    monkeypatch.delenv("JAX_FLASH_CUDA_BWD_GRID", raising=False)
+    text, note = lowered(mqa)  # auto: B·K·ceil(S/64) = 6 < 528 and G = 4
+    assert per_head in text and "backward grid q_heads (auto: G = 4, B·K·ceil(S/64) = 6 < 528): 24 CTAs" in note
+    text, note = lowered(mha)  # G = 1
+    assert empty in text and per_head.replace("4x64", "2x64") not in text and "backward grid kv_heads" in note
+    spec = AttentionSpec(1, 16, 64 * 528, 8, 1, 64, "bfloat16", 0.125)
+    assert cuda.backward_grid(spec) == "kv_heads"  # B·K·ceil(S/64) = 528: enough CTAs
+    assert cuda.backward_grid(dataclasses.replace(spec, kv_len=64 * 527 + 1)) == "kv_heads"  # ceil: 528
+    assert cuda.backward_grid(dataclasses.replace(spec, kv_len=64 * 527)) == "q_heads"
+    assert cuda.backward_grid(dataclasses.replace(spec, kv_len=64 * 527, num_heads=1)) == "kv_heads"  # G = 1
+    monkeypatch.setenv("JAX_FLASH_CUDA_LAYOUT", "warp32")  # 128-key CTAs at H = 64
+    assert cuda.backward_grid(dataclasses.replace(spec, kv_len=128 * 528)) == "kv_heads"
+    assert cuda.backward_grid(dataclasses.replace(spec, kv_len=128 * 527)) == "q_heads"
+    monkeypatch.delenv("JAX_FLASH_CUDA_LAYOUT")
+    monkeypatch.setenv("JAX_FLASH_CUDA_BWD_GRID", "kv_heads")
+    text, note = lowered(mqa)
+    assert empty in text and per_head not in text and "backward grid kv_heads (JAX_FLASH_CUDA_BWD_GRID=kv_heads)" in note
+    monkeypatch.setenv("JAX_FLASH_CUDA_BWD_GRID", "q_heads")
+    text, note = lowered(mha)
+    assert per_head.replace("4x64", "2x64") in text and "backward grid q_heads" in note
+    monkeypatch.setenv("JAX_FLASH_CUDA_BWD_GRID", "heads")
+    with pytest.raises(ValueError, match="JAX_FLASH_CUDA_BWD_GRID='heads' is not a grid"):
+        lowered(mqa)
 
 
 def test_layout_variable_checked(impl, monkeypatch):

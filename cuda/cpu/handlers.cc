@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -28,6 +29,21 @@ inline bool SoftcapIsOffOrNormal(float softcap) {
   std::memcpy(&bits, &softcap, sizeof bits);
   const uint32_t exponent = (bits >> 23) & 0xffu;
   return bits == 0 || (bits >> 31 == 0 && exponent != 0 && exponent != 0xffu);
+}
+
+// The soft cap as it reads back (%.9g), also a subnormal one (std::to_string printed
+// 0.000000). Widened from the bits: under DAZ the float-to-double conversion reads 0 too.
+inline std::string SoftcapString(float softcap) {
+  uint32_t bits;
+  std::memcpy(&bits, &softcap, sizeof bits);
+  const uint32_t exponent = (bits >> 23) & 0xffu, mantissa = bits & 0x7fffffu;
+  const char* sign = bits >> 31 ? "-" : "";
+  if (exponent == 0xffu) return mantissa ? std::string("nan") : std::string(sign) + "inf";
+  const double magnitude = exponent ? std::ldexp(static_cast<double>(mantissa | 0x800000u), int(exponent) - 150)
+                                    : std::ldexp(static_cast<double>(mantissa), -149);
+  char text[40];
+  std::snprintf(text, sizeof text, "%s%.9g", sign, magnitude);
+  return text;
 }
 
 std::string ShapeString(ffi::AnyBuffer::Dimensions dims) {
@@ -125,7 +141,7 @@ void DescribeProblem(Checker& check, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
   if (!std::isfinite(scale)) check.Fail("scale must be finite, got " + std::to_string(scale));
   // 0 is "off"; a cap below float32's smallest normal has no finite 1 / softcap.
   if (!SoftcapIsOffOrNormal(softcap))
-    check.Fail("softcap must be 0 (off) or a finite float32 normal > 0, got " + std::to_string(softcap));
+    check.Fail("softcap must be 0 (off) or a finite float32 normal > 0, got " + SoftcapString(softcap));
   if (window_left < -1 || window_right < -1) {
     check.Fail("window_left and window_right must be >= 0 or -1 (unbounded), got (" +
                std::to_string(window_left) + ", " + std::to_string(window_right) + ")");
