@@ -130,6 +130,8 @@ def test_backward(impl, case):
 def test_sinks(impl, case):
     """Attention sinks: out and lse (empty rows: out 0, lse = the sink), then the gradients in
     q, k, v and sinks, against the float64 reference."""
+    if impl not in SINK_CASES[case]:
+        pytest.skip(f"{impl} runs the other sinks cases (the CI budget)")
     test_forward(impl, case)
     _check_backward(impl, case)
 

@@ -269,14 +269,14 @@ def test_haiku_with_sinks():
     # -inf sinks are no sinks: haiku's own result.
     no_sink = jax.tree.map(lambda a: a, params)
     no_sink["multi_head_attention"]["sinks"] = jnp.full((HEADS,), -jnp.inf)
-    np.testing.assert_allclose(ours.apply(no_sink, None, x), theirs.apply(plain, None, x), **TOL)
-    g = jax.grad(lambda p: jnp.sum(jnp.sin(ours.apply(p, None, x))))(params)
+    np.testing.assert_allclose(jax.jit(ours.apply)(no_sink, None, x), jax.jit(theirs.apply)(plain, None, x), **TOL)
+    g = jax.jit(jax.grad(lambda p: jnp.sum(jnp.sin(ours.apply(p, None, x)))))(params)
     assert np.all(np.asarray(g["multi_head_attention"]["sinks"]) != 0)
 
 
 def test_flax_attention_fn_sinks():
     q = _x(11).reshape(2, -1, HEADS, 8)[:, :8]
     sinks = jnp.linspace(-1.0, 2.0, HEADS, dtype=jnp.float32)
-    got = jax_flash.flax.attention_fn(q, q, q, sinks=sinks, implementation="xla")
-    want = jax_flash.reference(q, q, q, sinks=sinks)
+    got = jax.jit(lambda q, s: jax_flash.flax.attention_fn(q, q, q, sinks=s, implementation="xla"))(q, sinks)
+    want = jax.jit(lambda q, s: jax_flash.reference(q, q, q, sinks=s))(q, sinks)
     np.testing.assert_allclose(got, want, **TOL)

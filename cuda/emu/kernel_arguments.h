@@ -3,7 +3,8 @@
 // the pointers to the buffers the kernels access only through the PTX wrappers (emu::tag_global),
 // so that a plain C++ load or store through one of them in a kernel, e.g. `row[col] += x`
 // instead of red.global.add, is the launch's error rather than an unseen access. The lengths,
-// query offsets and segment ids are read directly (kernels/mask.h) and stay untagged.
+// query offsets, segment ids (kernels/mask.h) and sinks (kernels/params.h) are read directly
+// and stay untagged.
 #pragma once
 
 #include "emu/simt.h"
