@@ -31,6 +31,9 @@ class MaskInputs(NamedTuple):
     kv_segment_ids: Optional[jax.Array] = None  # [B, S] int32
     # [B] int32: query t of row b sits at key position q_offset[b] + t (causal/window only).
     q_offset: Optional[jax.Array] = None
+    # uint32 [2]: the bits of the dropout_rng key (Philox's key, `_dropout`); not
+    # differentiable. Present exactly when AttentionSpec.dropout_rate > 0.
+    dropout_seed: Optional[jax.Array] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +59,13 @@ class AttentionSpec:
     has_kv_lengths: bool = False
     has_segment_ids: bool = False
     has_q_offset: bool = False  # MaskInputs.q_offset is given (else the offset is 0)
+    # Attention dropout (float32 value, in [0, 1)); > 0 means MaskInputs.dropout_seed is
+    # given and the keep-mask of `_dropout` applies to P after the softmax statistics.
+    dropout_rate: float = 0.0
+
+    @property
+    def has_dropout(self) -> bool:
+        return self.dropout_rate > 0.0
 
     @property
     def group_size(self) -> int:

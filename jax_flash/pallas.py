@@ -440,6 +440,8 @@ class PallasImplementation:
             return f"supports dtypes {DTYPES}, got {spec.dtype}"
         if spec.head_dim > MAX_HEAD_DIM:
             return f"supports head dims up to {MAX_HEAD_DIM}, got {spec.head_dim}"
+        if spec.has_dropout:
+            return "does not implement attention dropout (use implementation='xla')"
         return launch_limit(spec)
 
     def note(self, spec: AttentionSpec) -> Optional[str]:
