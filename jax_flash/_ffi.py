@@ -71,12 +71,13 @@ def _attributes(spec: AttentionSpec) -> dict:
         window_right=np.int64(-1 if spec.window_right is None else spec.window_right),
         softcap=np.float32(0.0 if spec.soft_cap is None else spec.soft_cap),
         use_segment_ids=bool(spec.has_segment_ids),
+        dropout_rate=np.float32(spec.dropout_rate),
     )
 
 
 def _mask_operands(spec: AttentionSpec, masks: MaskInputs):
-    """Lengths, segment ids and query offsets are always passed: full lengths, zero ids and
-    zero offsets when absent."""
+    """Lengths, segment ids, query offsets and the dropout seed are always passed: full
+    lengths, zero ids, zero offsets and a zero seed when absent (the seed last)."""
     b, t, s = spec.batch, spec.q_len, spec.kv_len
     q_len = masks.q_lengths if masks.q_lengths is not None else jnp.full((b,), t, jnp.int32)
     kv_len = masks.kv_lengths if masks.kv_lengths is not None else jnp.full((b,), s, jnp.int32)
@@ -85,7 +86,8 @@ def _mask_operands(spec: AttentionSpec, masks: MaskInputs):
         masks.kv_segment_ids if masks.kv_segment_ids is not None else jnp.zeros((b, s), jnp.int32)
     )
     q_off = masks.q_offset if masks.q_offset is not None else jnp.zeros((b,), jnp.int32)
-    return q_len, kv_len, q_seg, kv_seg, q_off
+    seed = masks.dropout_seed if masks.dropout_seed is not None else jnp.zeros((2,), jnp.uint32)
+    return q_len, kv_len, q_seg, kv_seg, q_off, seed
 
 
 def forward(impl: str, target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):

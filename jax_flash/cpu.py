@@ -22,8 +22,6 @@ class CpuImplementation:
             return why
         if spec.head_dim > MAX_HEAD_DIM:
             return f"supports head dims up to {MAX_HEAD_DIM}, got {spec.head_dim}"
-        if spec.has_dropout:
-            return "does not implement attention dropout (use implementation='xla')"
         return _ffi.compiled_kernel_reason(spec, DTYPES)
 
     def forward(self, spec, q, k, v, masks):

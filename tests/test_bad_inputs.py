@@ -191,10 +191,10 @@ _HANDLER_SCRIPT = textwrap.dedent(
     def operands(dt, B=B, T=T, S=S, N=N, K=K, H=H):
         return [jnp.ones((B, T, N, H), dt), jnp.ones((B, S, K, H), dt), jnp.ones((B, S, K, H), dt),
                 jnp.full((B,), T, I32), jnp.full((B,), S, I32), jnp.zeros((B, T), I32),
-                jnp.zeros((B, S), I32), jnp.zeros((B,), I32)]
+                jnp.zeros((B, S), I32), jnp.zeros((B,), I32), jnp.zeros((2,), jnp.uint32)]
 
     ATTRS = dict(scale=np.float32(0.1), window_left=np.int64(-1), window_right=np.int64(-1),
-                 softcap=np.float32(0), use_segment_ids=False)
+                 softcap=np.float32(0), use_segment_ids=False, dropout_rate=np.float32(0))
 
     def fwd(target, ops, outs=None, **attrs):
         q = ops[0]
@@ -236,7 +236,8 @@ _HANDLER_SCRIPT = textwrap.dedent(
             "kv_lengths_int64": ("kv_lengths", lambda: fwd(f, o[:4] + [jnp.zeros((B,), jnp.int64)] + o[5:])),
             "q_segments_shape": ("q_segment_ids", lambda: fwd(f, o[:5] + [jnp.zeros((B, 3), I32)] + o[6:])),
             "kv_segments_dtype": ("kv_segment_ids", lambda: fwd(f, o[:6] + [jnp.zeros((B, S), F32)] + o[7:])),
-            "q_offset_shape": ("q_offset", lambda: fwd(f, o[:7] + [jnp.zeros((B, 2), I32)])),
+            "q_offset_shape": ("q_offset", lambda: fwd(f, o[:7] + [jnp.zeros((B, 2), I32)] + o[8:])),
+            "dropout_seed_shape": ("dropout_seed", lambda: fwd(f, o[:8] + [jnp.zeros((3,), jnp.uint32)])),
             "kv_heads_0": ("heads", lambda: fwd(f, operands(dt, K=0))),
             "heads_not_multiple": ("heads", lambda: fwd(f, operands(dt, N=3))),
             "head_dim_0": ("head dim", lambda: fwd(f, operands(dt, H=0))),
@@ -244,7 +245,7 @@ _HANDLER_SCRIPT = textwrap.dedent(
             "out_shape": ("out", lambda: fwd(f, o, outs=(SDS((B, T, N, 16), dt), lse_shape))),
             "lse_dtype": ("lse", lambda: fwd(f, o, outs=(SDS((B, T, N, H), dt), SDS((B, N, T), jnp.float64)))),
             "one_result": ("results", lambda: fwd(f, o, outs=(SDS((B, T, N, H), dt),))),
-            "missing_operand": ("arguments", lambda: fwd(f, o[:7])),
+            "missing_operand": ("arguments", lambda: fwd(f, o[:8])),
             "extra_operand": ("arguments", lambda: fwd(f, o + [o[7]])),
             "scale_nan": ("scale", lambda: fwd(f, o, scale=np.float32(np.nan))),
             "scale_inf": ("scale", lambda: fwd(f, o, scale=np.float32(-np.inf))),

@@ -33,11 +33,13 @@ auto WithMaskOperandsAndAttributes(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // q_segment_ids [B, T] s32
       .template Arg<ffi::AnyBuffer>()  // kv_segment_ids [B, S] s32
       .template Arg<ffi::AnyBuffer>()  // q_offset [B] s32
+      .template Arg<ffi::AnyBuffer>()  // dropout_seed [2] u32
       .template Attr<float>("scale")
       .template Attr<int64_t>("window_left")
       .template Attr<int64_t>("window_right")
       .template Attr<float>("softcap")
-      .template Attr<bool>("use_segment_ids");
+      .template Attr<bool>("use_segment_ids")
+      .template Attr<float>("dropout_rate");
 }
 
 // jax_flash_fwd / jax_flash_emu_fwd.
@@ -80,6 +82,7 @@ inline const char* DtypeName(ffi::DataType t) {
     case ffi::DataType::F64: return "float64";
     case ffi::DataType::S32: return "int32";
     case ffi::DataType::S64: return "int64";
+    case ffi::DataType::U32: return "uint32";
     default: return "another dtype";
   }
 }
@@ -186,6 +189,16 @@ inline ffi::Error CheckOperands(const char* target, const ffi::AnyBuffer& q, con
   return ffi::Error::Success();
 }
 
+// The dropout operand and attribute: seed [2] u32 and rate. The kernels do not draw the
+// keep-mask yet: a rate other than 0 is refused (jax_flash.cuda's unsupported() says so first).
+inline ffi::Error CheckDropout(const char* target, const ffi::AnyBuffer& seed, float rate) {
+  if (auto e = Expect(target, "dropout_seed", seed, {2}, ffi::DataType::U32); e.failure()) return e;
+  if (rate != 0.0f)
+    return ffi::Error::InvalidArgument(std::string(target) + ": dropout_rate must be 0 (the CUDA kernels do not "
+                                       "implement attention dropout), got " + std::to_string(rate));
+  return ffi::Error::Success();
+}
+
 // JAX_FLASH_POISON_OUTPUTS=1: results are filled with NaN bytes before the kernels run, so an
 // element a kernel forgets to write shows up in the tests.
 inline bool PoisonOutputs() {
@@ -201,8 +214,9 @@ inline ffi::Error ToError(const char* target, const LaunchError& err) {
 
 inline ffi::Error Forward(const char* target, Stream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                           ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
-                          ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_offsets, float scale, int64_t window_left,
-                          int64_t window_right, float softcap, bool use_segment_ids, ffi::Result<ffi::AnyBuffer> out,
+                          ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_offsets, ffi::AnyBuffer dropout_seed, float scale,
+                          int64_t window_left, int64_t window_right, float softcap, bool use_segment_ids,
+                          float dropout_rate, ffi::Result<ffi::AnyBuffer> out,
                           ffi::Result<ffi::AnyBuffer> lse) {
   AttentionParams p;
   ElementType dtype;
@@ -210,6 +224,7 @@ inline ffi::Error Forward(const char* target, Stream stream, ffi::AnyBuffer q, f
                              scale, window_left, window_right, softcap, use_segment_ids, &p, &dtype);
       e.failure())
     return e;
+  if (auto e = CheckDropout(target, dropout_seed, dropout_rate); e.failure()) return e;
   const int64_t B = p.batch, T = p.q_len, N = p.q_heads, H = p.head_dim;
   if (auto e = Expect(target, "out", *out, {B, T, N, H}, q.element_type()); e.failure()) return e;
   if (auto e = Expect(target, "lse", *lse, {B, N, T}, ffi::DataType::F32); e.failure()) return e;
@@ -227,8 +242,9 @@ inline ffi::Error Forward(const char* target, Stream stream, ffi::AnyBuffer q, f
 inline ffi::Error Backward(const char* target, Stream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer dlse,
                            ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
-                           ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_offsets, float scale, int64_t window_left,
-                           int64_t window_right, float softcap, bool use_segment_ids, bool deterministic,
+                           ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_offsets, ffi::AnyBuffer dropout_seed, float scale,
+                           int64_t window_left, int64_t window_right, float softcap, bool use_segment_ids,
+                           float dropout_rate, bool deterministic,
                            ffi::Result<ffi::AnyBuffer> dq,
                            ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                            ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> delta) {
@@ -238,6 +254,7 @@ inline ffi::Error Backward(const char* target, Stream stream, ffi::AnyBuffer q, 
                              scale, window_left, window_right, softcap, use_segment_ids, &p, &dtype);
       e.failure())
     return e;
+  if (auto e = CheckDropout(target, dropout_seed, dropout_rate); e.failure()) return e;
   const int64_t B = p.batch, T = p.q_len, S = p.kv_len, N = p.q_heads, K = p.kv_heads, H = p.head_dim;
   const ffi::DataType t = q.element_type();
   if (auto e = Expect(target, "out", out, {B, T, N, H}, t); e.failure()) return e;

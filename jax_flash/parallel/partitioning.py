@@ -80,6 +80,7 @@ _MASK_DIMS = {
     "q_segment_ids": ("b", "t"),
     "kv_segment_ids": ("b", "s"),
     "q_offset": ("b",),
+    "dropout_seed": (None,),  # uint32 [2]: replicated, no batch axis
 }
 
 _DIM_NAMES = {
@@ -152,7 +153,9 @@ def _wrapped(name, is_backward, fn, spec, q, k, v, masks, rest):
     call = _Call(name, is_backward, fn, spec, fields, operand_dims, result_dims)
     # The dbias result has the batch extent of the bias operand (maybe a broadcast 1).
     like = {3: 3 + fields.index("bias")} if is_backward and masks.bias is not None else {}
-    outs = _fold_vmap(functools.partial(_PARTITIONED, call), like)(*operands)
+    # The dropout seed has no batch axis: never folded (and not mappable).
+    fixed = {3 + fields.index("dropout_seed")} if "dropout_seed" in fields else set()
+    outs = _fold_vmap(functools.partial(_PARTITIONED, call), like, fixed)(*operands)
     if is_backward:
         dq, dk, dv, *dbias = outs
         return dq, dk, dv, (dbias[0] if dbias else None)
@@ -237,6 +240,17 @@ def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
             if d is not None and a and d not in found:
                 found[d] = a
     spec = call.spec
+    if spec.has_dropout:
+        # The keep-mask counts global (batch, head, query, key) positions; a shard's call
+        # would count its local ones and draw another mask. Every sharded dimension is
+        # gathered, so each device draws the unsharded call's mask.
+        for d, axes in found.items():
+            _warn_once(
+                call, d, axes,
+                "attention dropout's keep-mask is counted by global (batch, head, query, key) "
+                "positions, which a shard does not know",
+            )
+        return _Plan()
     used: set = set()
     plan: dict = {}
     for d, axes in list(found.items()):
@@ -467,13 +481,15 @@ def _sum_partials(plan: _Plan, x, dims):
 # ------------------------------------------------------------------------------- vmap
 
 
-def _fold_vmap(fn, like: dict):
+def _fold_vmap(fn, like: dict, fixed=frozenset()):
     """Make `fn(*arrays)` (every operand and result has a leading batch axis of size B, or
     1 where a dense bias/mask broadcasts) fold a vmapped axis into that batch axis:
     [V, B, ...] -> [V·B, ...] -> fn -> [V, B, ...]: one call, never a loop over V.
 
     like: {result index: operand index} for a result with the batch extent of an operand
     (dbias of a bias): the operand is expanded to B rows and the result summed back.
+    fixed: operand indices without a batch axis (the dropout seed), passed as they are; a
+    vmap over one of them (one dropout key per mapped element) is refused.
     """
 
     @custom_vmap
@@ -486,6 +502,16 @@ def _fold_vmap(fn, like: dict):
         expanded = set(like.values())
         flat, broadcast = [], {}
         for i, (a, batched) in enumerate(zip(args, in_batched)):
+            if i in fixed:
+                if batched:
+                    raise ValueError(
+                        "jax.vmap over dropout_rng (one key per mapped element) is not "
+                        "supported by the compiled implementations: map over the inputs "
+                        "with one key, or use implementation='xla'"
+                    )
+                flat.append(a)
+                broadcast[i] = False
+                continue
             lead = a.shape[1] if batched else a.shape[0]
             broadcast[i] = lead != b
             if not batched and lead != b and i not in expanded:
