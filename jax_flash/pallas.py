@@ -171,6 +171,8 @@ class _Extras:
         self.bias = _dense(masks.bias, t_pad, s_pad, 0, jnp.float32 if f64_bias else None)
         # Booleans travel as int8 (Triton has no i1 memory type).
         self.mask = _dense(masks.mask, t_pad, s_pad, 0, jnp.int8)
+        # Dropout's Philox key, the same [2] words for every program (last).
+        self.seed = None if masks.dropout_seed is None else masks.dropout_seed.astype(jnp.uint32)
 
     def row_grid(self, bq: int, s_pad: int):
         """Arrays and specs for a grid (query block i, head n, batch b) seeing all keys."""
@@ -201,6 +203,9 @@ class _Extras:
                     ),
                 )
             )
+        if self.seed is not None:
+            args.append(self.seed)
+            specs.append(pl.BlockSpec((2,), lambda i, n, b: (0,)))
         return args, specs
 
     def key_grid(self, bk: int, t_pad: int, splits: int):
@@ -237,6 +242,9 @@ class _Extras:
                     ),
                 )
             )
+        if self.seed is not None:
+            args.append(self.seed)
+            specs.append(pl.BlockSpec((2,), lambda j, h, b: (0,)))
         return args, specs
 
 
@@ -440,8 +448,6 @@ class PallasImplementation:
             return f"supports dtypes {DTYPES}, got {spec.dtype}"
         if spec.head_dim > MAX_HEAD_DIM:
             return f"supports head dims up to {MAX_HEAD_DIM}, got {spec.head_dim}"
-        if spec.has_dropout:
-            return "does not implement attention dropout (use implementation='xla')"
         return launch_limit(spec)
 
     def note(self, spec: AttentionSpec) -> Optional[str]:
