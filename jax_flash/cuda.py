@@ -217,8 +217,6 @@ class CudaImplementation:
                 )
         if spec.head_dim not in HEAD_DIMS:
             return f"has kernels for head dims {HEAD_DIMS}, got {spec.head_dim}"
-        if spec.has_dropout:
-            return "does not implement attention dropout (use implementation='xla')"
         return _ffi.compiled_kernel_reason(spec, DTYPES) or launch_limit(spec)
 
     def note(self, spec: AttentionSpec) -> Optional[str]:

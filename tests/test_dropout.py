@@ -103,7 +103,7 @@ def _mask_through_outputs(impl, spec_args, rate):
 
 @pytest.mark.parametrize("impl", _impls())
 def test_same_mask_in_every_implementation(impl):
-    shape = (2, 19, 13, 3, 16)  # ragged T and S: tiles and column groups do not line up
+    shape = (2, 19, 13, 3, 32)  # ragged T and S: tiles and column groups do not line up
     rate = 0.5
     b, t, s, n, h = shape
     spec = canonicalize(jnp.zeros((b, t, n, h)), jnp.zeros((b, s, n, h)), jnp.zeros((b, s, n, h)),
@@ -114,7 +114,19 @@ def test_same_mask_in_every_implementation(impl):
 
 
 @pytest.mark.parametrize("impl", _impls())
-def test_gradients_match_reference_with_the_same_mask(impl):
+def test_gradients_match_reference_with_the_same_mask(impl, monkeypatch):
+    _check_gradients(impl)
+
+
+@pytest.mark.parametrize("impl", [p for p in _impls() if p.values[0] == "cuda"])
+def test_cuda_deterministic_warp32_gradients_with_the_same_mask(impl, monkeypatch):
+    """The other kernels: the deterministic dQ kernel and the 32-row-per-warp layout."""
+    monkeypatch.setenv("JAX_FLASH_DETERMINISTIC", "1")
+    monkeypatch.setenv("JAX_FLASH_CUDA_LAYOUT", "warp32")
+    _check_gradients(impl)
+
+
+def _check_gradients(impl):
     dtype = jnp.float16 if impl == "cuda" else jnp.float32
     q, k, v, do = _inputs(2, 13, 19, 2, 1, 16 if impl != "cuda" else 32, dtype, seed=1)
     kw = dict(is_causal=True, dropout_rate=0.25, dropout_rng=KEY, return_residual=True)

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 
+#include "kernels/dropout.h"
 #include "kernels/grid.h"
 #include "kernels/mask.h"
 #include "kernels/params.h"
@@ -216,6 +217,7 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, LAYOUT>::THREAD
 
   const Mask mask = Mask::of(p, batch);
   const LogitScaling scaling = LogitScaling::of(p);
+  const dropout::Setting drop = p.dropout_setting();
   // Work items: (query head of the group, query block that sees this key block).
   const Range rows = mask.rows_of_keys(s0, s0 + K::BLOCK_KV);
   const int q_block_begin = rows.lo / K::BLOCK_Q;
@@ -293,7 +295,11 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, LAYOUT>::THREAD
                           K::K_UNROLL>(dp, v_tile, warp * K::WARP_KV, do_tile, 0, lane);
         const bool interior = mask.is_interior(t0, K::BLOCK_Q, warp_s0, K::WARP_KV, segments_allow_all);
         scaling.prepare<true>(s, mask, interior, warp_s0, t0, lane);
+        // Dropout: out = Z·V with Z = keep ∘ P / (1 − rate); dPᵀ becomes the cotangent of P
+        // and Pᵀ becomes Zᵀ for dV (D = rowsum(dO ∘ O) is unchanged).
+        if (drop.on) drop_fragment<true>(dp, drop, batch, n, warp_s0, t0, drop.keep_scale, lane);
         probabilities_and_ds(s, dp, lse2, delta, scaling, lane);
+        if (drop.on) drop_fragment<true>(s, drop, batch, n, warp_s0, t0, drop.keep_scale, lane);
 
         // dV += Pᵀ·dO and dK += dSᵀ·Q, A operands straight from the accumulators.
         JAX_FLASH_UNROLL
@@ -388,6 +394,7 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM>::THREADS, 1)
 
   const Mask mask = Mask::of(p, batch);
   const LogitScaling scaling = LogitScaling::of(p);
+  const dropout::Setting drop = p.dropout_setting();
   const Range keys = mask.keys_of_rows(t0, t0 + K::BLOCK_Q);
   char* const q_tile = smem;
   char* const do_tile = smem + K::QTile::kBytes;
@@ -460,6 +467,7 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM>::THREADS, 1)
                         K::K_UNROLL>(dp, do_tile, warp * K::WARP_Q, v_tile, 0, lane);
       const bool interior = mask.is_interior(warp_t0, K::WARP_Q, s0, K::BLOCK_KV, segments_allow_all);
       scaling.prepare<false>(s, mask, interior, warp_t0, s0, lane);
+      if (drop.on) drop_fragment<false>(dp, drop, batch, head, warp_t0, s0, drop.keep_scale, lane);  // dZ -> dP
       JAX_FLASH_UNROLL
       for (int j = 0; j < K::BLOCK_KV / MMA_N; ++j) {
         JAX_FLASH_UNROLL

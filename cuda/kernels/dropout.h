@@ -37,7 +37,7 @@ struct Setting {
 };
 
 // The setting for a float32 rate in [0, 1) and the key's words.
-inline Setting MakeSetting(float rate, uint32_t key0, uint32_t key1) {
+JAX_FLASH_DROPOUT_FN Setting MakeSetting(float rate, uint32_t key0, uint32_t key1) {
   Setting d;
   d.key0 = key0;
   d.key1 = key1;
@@ -93,3 +93,53 @@ JAX_FLASH_DROPOUT_FN bool IsKept(const Setting& d, uint32_t b, uint32_t n, uint3
 
 }  // namespace dropout
 }  // namespace jax_flash
+
+#if defined(__CUDACC__) || defined(JAX_FLASH_EMULATE)
+// ---- the CUDA kernels: dropout of an mma accumulator fragment --------------------------------
+#include "kernels/tile.h"
+
+namespace jax_flash {
+namespace kernels {
+
+// The accumulator element (j, i) of a 16 x (8·N) fragment sits at row row0 + lane/4 + 8·(i/2)
+// and column col0 + 8j + 2·(lane%4) + i%2 (mask.h). Rows are queries and columns keys
+// (TRANSPOSED = false: the forward, the dQ kernel), or rows keys and columns queries (the
+// backward's Sᵀ). drop_fragment: kept elements times `factor`, dropped ones 0.
+//  - not transposed: the element pair (i%2 = 0, 1) holds two adjacent keys 4q + {0,1} or
+//    4q + {2,3} of one query: one Philox call serves both (the other two words belong to
+//    the quad's neighbouring lane).
+//  - transposed: the pair holds two queries of one key: one call per element.
+template <bool TRANSPOSED, int N_BLOCKS>
+__device__ __forceinline__ void drop_fragment(float (&acc)[N_BLOCKS][4], const dropout::Setting& d, int b, int n,
+                                              int row0, int col0, float factor, int lane) {
+  JAX_FLASH_UNROLL
+  for (int j = 0; j < N_BLOCKS; ++j) {
+    JAX_FLASH_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + (lane >> 2) + 8 * r;
+      const int col = col0 + 8 * j + 2 * (lane & 3);  // even: the pair col, col + 1
+      unsigned bits;
+      if (TRANSPOSED) {
+        bits = dropout::IsKept(d, b, n, col, row) | (dropout::IsKept(d, b, n, col + 1, row) << 1);
+      } else {
+        bits = dropout::KeepBitsOfGroup(d, b, n, row, static_cast<uint32_t>(col) >> 2) >> (col & 3);
+      }
+      acc[j][2 * r] = bits & 1u ? acc[j][2 * r] * factor : 0.0f;
+      acc[j][2 * r + 1] = bits & 2u ? acc[j][2 * r + 1] * factor : 0.0f;
+    }
+  }
+}
+
+// o *= factor (the forward's 1 / (1 − rate) of the kept weights, after 1 / l).
+template <int O_BLOCKS>
+__device__ __forceinline__ void scale_fragment(float (&o)[O_BLOCKS][4], float factor) {
+  JAX_FLASH_UNROLL
+  for (int j = 0; j < O_BLOCKS; ++j) {
+    JAX_FLASH_UNROLL
+    for (int i = 0; i < 4; ++i) o[j][i] *= factor;
+  }
+}
+
+}  // namespace kernels
+}  // namespace jax_flash
+#endif

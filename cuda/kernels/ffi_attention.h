@@ -189,13 +189,14 @@ inline ffi::Error CheckOperands(const char* target, const ffi::AnyBuffer& q, con
   return ffi::Error::Success();
 }
 
-// The dropout operand and attribute: seed [2] u32 and rate. The kernels do not draw the
-// keep-mask yet: a rate other than 0 is refused (jax_flash.cuda's unsupported() says so first).
-inline ffi::Error CheckDropout(const char* target, const ffi::AnyBuffer& seed, float rate) {
+// The dropout operand and attribute: seed [2] u32 (the key's words) and rate in [0, 1).
+inline ffi::Error CheckDropout(const char* target, const ffi::AnyBuffer& seed, float rate, AttentionParams* p) {
   if (auto e = Expect(target, "dropout_seed", seed, {2}, ffi::DataType::U32); e.failure()) return e;
-  if (rate != 0.0f)
-    return ffi::Error::InvalidArgument(std::string(target) + ": dropout_rate must be 0 (the CUDA kernels do not "
-                                       "implement attention dropout), got " + std::to_string(rate));
+  if (!(rate >= 0.0f && rate < 1.0f))
+    return ffi::Error::InvalidArgument(std::string(target) + ": dropout_rate must be in [0, 1), got " +
+                                       std::to_string(rate));
+  p->dropout_rate = rate;
+  p->dropout_seed = static_cast<const uint32_t*>(seed.untyped_data());
   return ffi::Error::Success();
 }
 
@@ -224,7 +225,7 @@ inline ffi::Error Forward(const char* target, Stream stream, ffi::AnyBuffer q, f
                              scale, window_left, window_right, softcap, use_segment_ids, &p, &dtype);
       e.failure())
     return e;
-  if (auto e = CheckDropout(target, dropout_seed, dropout_rate); e.failure()) return e;
+  if (auto e = CheckDropout(target, dropout_seed, dropout_rate, &p); e.failure()) return e;
   const int64_t B = p.batch, T = p.q_len, N = p.q_heads, H = p.head_dim;
   if (auto e = Expect(target, "out", *out, {B, T, N, H}, q.element_type()); e.failure()) return e;
   if (auto e = Expect(target, "lse", *lse, {B, N, T}, ffi::DataType::F32); e.failure()) return e;
@@ -254,7 +255,7 @@ inline ffi::Error Backward(const char* target, Stream stream, ffi::AnyBuffer q, 
                              scale, window_left, window_right, softcap, use_segment_ids, &p, &dtype);
       e.failure())
     return e;
-  if (auto e = CheckDropout(target, dropout_seed, dropout_rate); e.failure()) return e;
+  if (auto e = CheckDropout(target, dropout_seed, dropout_rate, &p); e.failure()) return e;
   const int64_t B = p.batch, T = p.q_len, S = p.kv_len, N = p.q_heads, K = p.kv_heads, H = p.head_dim;
   const ffi::DataType t = q.element_type();
   if (auto e = Expect(target, "out", out, {B, T, N, H}, t); e.failure()) return e;
