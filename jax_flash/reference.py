@@ -40,6 +40,11 @@ def attention_reference(
     compute_dtype: dtype of the logits and of the P·V product (None: the input dtype, as a
     kernel at that precision would see it). Softmax statistics are float32, or float64 when
     compute_dtype is float64. A row that sees no key gives out = 0 and lse = -inf.
+
+    dropout_rate, dropout_rng: as for `jax_flash.attention`; the whole keep-mask
+    (`dropout_keep`, the generator of `jax_flash._dropout`) applied to P after the
+    statistics, so that the reference and every implementation drop the same weights and
+    its autodiff gives the gradients given that mask (in float64 with compute_dtype).
     """
     c = canonicalize(
         query,

@@ -87,14 +87,14 @@ def test_key_forms_and_threshold():
 # -------------------------------------------------------------- agreement across implementations
 
 
-def _mask_through_outputs(impl, spec_args, rate):
+def _mask_through_outputs(impl, spec_args, rate, dt=None):
     """The keep-mask [B, N, T, S] recovered from outputs: v = one-hot columns (value row s is
     e_s) and a zero query (P uniform 1/S), so out[b, t, n, s] = keep · 1 / (S (1 - rate))."""
     b, t, s, n, h = spec_args
     q = jnp.zeros((b, t, n, h), jnp.float32)
     k = jnp.zeros((b, s, n, h), jnp.float32)
     v = jnp.broadcast_to(jnp.eye(s, h, dtype=jnp.float32)[None, :, None, :], (b, s, n, h))
-    dt = jnp.float16 if impl == "cuda" else jnp.float32
+    dt = dt or (jnp.float16 if impl == "cuda" else jnp.float32)
     out = jax.jit(lambda q, k, v: jax_flash.attention(
         q, k, v, dropout_rate=rate, dropout_rng=KEY, implementation=impl))(q.astype(dt), k.astype(dt), v.astype(dt))
     out = np.asarray(out, np.float32)[..., :s]  # [B, T, N, S]
@@ -111,6 +111,8 @@ def test_same_mask_in_every_implementation(impl):
     want = np.asarray(jax.jit(lambda s: dropout_keep(spec, s))(_dropout.seed_from_key(KEY)))
     got = _mask_through_outputs(impl, shape, rate)
     np.testing.assert_array_equal(got, want)
+    if impl == "cpu":  # the bf16 products' path
+        np.testing.assert_array_equal(_mask_through_outputs(impl, shape, rate, jnp.bfloat16), want)
 
 
 @pytest.mark.parametrize("impl", _impls())

@@ -297,9 +297,11 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, LAYOUT>::THREAD
         scaling.prepare<true>(s, mask, interior, warp_s0, t0, lane);
         // Dropout: out = Z·V with Z = keep ∘ P / (1 − rate); dPᵀ becomes the cotangent of P
         // and Pᵀ becomes Zᵀ for dV (D = rowsum(dO ∘ O) is unchanged).
-        if (drop.on) drop_fragment<true>(dp, drop, batch, n, warp_s0, t0, drop.keep_scale, lane);
+        const uint64_t keep =
+            drop.on ? keep_bits_of_fragment<true, K::BLOCK_Q / MMA_N>(drop, batch, n, warp_s0, t0, lane) : 0;
+        if (drop.on) drop_fragment(dp, keep, drop.keep_scale);
         probabilities_and_ds(s, dp, lse2, delta, scaling, lane);
-        if (drop.on) drop_fragment<true>(s, drop, batch, n, warp_s0, t0, drop.keep_scale, lane);
+        if (drop.on) drop_fragment(s, keep, drop.keep_scale);
 
         // dV += Pᵀ·dO and dK += dSᵀ·Q, A operands straight from the accumulators.
         JAX_FLASH_UNROLL
@@ -467,7 +469,9 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM>::THREADS, 1)
                         K::K_UNROLL>(dp, do_tile, warp * K::WARP_Q, v_tile, 0, lane);
       const bool interior = mask.is_interior(warp_t0, K::WARP_Q, s0, K::BLOCK_KV, segments_allow_all);
       scaling.prepare<false>(s, mask, interior, warp_t0, s0, lane);
-      if (drop.on) drop_fragment<false>(dp, drop, batch, head, warp_t0, s0, drop.keep_scale, lane);  // dZ -> dP
+      if (drop.on)  // dZ -> dP, the cotangent of P
+        drop_fragment(dp, keep_bits_of_fragment<false, K::BLOCK_KV / MMA_N>(drop, batch, head, warp_t0, s0, lane),
+                      drop.keep_scale);
       JAX_FLASH_UNROLL
       for (int j = 0; j < K::BLOCK_KV / MMA_N; ++j) {
         JAX_FLASH_UNROLL

@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, LAYOUT>::THREADS
         scaling.prepare<false>(s[rb], mask, interior, rows_t0, s0, lane);
         softmax[rb].update(s[rb], o[rb], scaling.exp_scale);
         // Dropout after the statistics: P·V of the kept weights (scaled at the end).
-        if (drop.on) drop_fragment<false>(s[rb], drop, batch, head, rows_t0, s0, 1.0f, lane);
+        if (drop.on) drop_fragment(s[rb], keep_bits_of_fragment<false, K::BLOCK_KV / MMA_N>(drop, batch, head, rows_t0, s0, lane), 1.0f);
       }
       accumulate_pv<Elem, HEAD_DIM, K>(o, s, v_tile, lane);
     }
