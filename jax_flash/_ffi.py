@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -76,8 +76,8 @@ def _attributes(spec: AttentionSpec) -> dict:
 
 
 def _mask_operands(spec: AttentionSpec, masks: MaskInputs):
-    """Lengths, segment ids, query offsets and the dropout seed are always passed: full
-    lengths, zero ids, zero offsets and a zero seed when absent (the seed last)."""
+    """Lengths, segment ids and query offsets are always passed: full lengths, zero ids and
+    zero offsets when absent."""
     b, t, s = spec.batch, spec.q_len, spec.kv_len
     q_len = masks.q_lengths if masks.q_lengths is not None else jnp.full((b,), t, jnp.int32)
     kv_len = masks.kv_lengths if masks.kv_lengths is not None else jnp.full((b,), s, jnp.int32)
@@ -86,8 +86,13 @@ def _mask_operands(spec: AttentionSpec, masks: MaskInputs):
         masks.kv_segment_ids if masks.kv_segment_ids is not None else jnp.zeros((b, s), jnp.int32)
     )
     q_off = masks.q_offset if masks.q_offset is not None else jnp.zeros((b,), jnp.int32)
-    seed = masks.dropout_seed if masks.dropout_seed is not None else jnp.zeros((2,), jnp.uint32)
-    return q_len, kv_len, q_seg, kv_seg, q_off, seed
+    return q_len, kv_len, q_seg, kv_seg, q_off
+
+
+def _dropout_seed(masks: MaskInputs):
+    """The dropout key's uint32 [2] words, the last operand of every target (zeros when
+    dropout is off: the dropout_rate attribute is then 0)."""
+    return masks.dropout_seed if masks.dropout_seed is not None else jnp.zeros((2,), jnp.uint32)
 
 
 def forward(impl: str, target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):
@@ -100,10 +105,14 @@ def forward(impl: str, target: str, spec: AttentionSpec, q, k, v, masks: MaskInp
 
 def backward(
     impl: str, target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout, dlse,
-    deterministic: bool = False,
+    deterministic: bool = False, backward_grid: Optional[Callable[[AttentionSpec], str]] = None,
 ):
-    """Call `target` (a backward target): dq, dk, dv (workspaces dropped), dbias None."""
-    call = functools.partial(_backward_call, target, bool(deterministic))
+    """Call `target` (a backward target): dq, dk, dv (workspaces dropped), dbias None.
+
+    `backward_grid` (the CUDA targets only): spec -> "kv_heads" or "q_heads", the main
+    kernel's grid for the (local) call, which sizes the dk_accum / dv_accum workspace results;
+    None for a target without them (the cpu kernels)."""
+    call = functools.partial(_backward_call, target, bool(deterministic), backward_grid)
     return partitioning.backward(
         impl, call, spec, q, k, v, masks,
         out, lse.astype(jnp.float32), dout, dlse.astype(jnp.float32),
@@ -118,16 +127,19 @@ def forward_call(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct((b, n, t), jnp.float32),
     )
+    # Sinks [N] f32 after the mask operands (forward only), -inf (no sink) when absent.
+    sinks = masks.sinks if masks.sinks is not None else jnp.full((n,), -jnp.inf, jnp.float32)
     return tuple(
         jax.ffi.ffi_call(target, shapes)(
-            q, k, v, *_mask_operands(spec, masks), **_attributes(spec)
+            q, k, v, *_mask_operands(spec, masks), sinks.astype(jnp.float32), _dropout_seed(masks),
+            **_attributes(spec),
         )
     )
 
 
 def _backward_call(
-    target: str, deterministic: bool, spec: AttentionSpec, q, k, v, masks: MaskInputs,
-    out, lse, dout, dlse,
+    target: str, deterministic: bool, backward_grid, spec: AttentionSpec, q, k, v,
+    masks: MaskInputs, out, lse, dout, dlse,
 ):
     """The backward custom call on (local) canonical arrays: dq, dk, dv, None."""
     b, t, n, h = q.shape
@@ -138,8 +150,13 @@ def _backward_call(
         jax.ShapeDtypeStruct((b, t, n, h), jnp.float32),  # dq_accum workspace
         jax.ShapeDtypeStruct((b, n, t), jnp.float32),  # delta workspace
     )
-    dq, dk, dv, _, _ = jax.ffi.ffi_call(target, shapes)(
-        q, k, v, out, dout, lse, dlse, *_mask_operands(spec, masks),
+    if backward_grid is not None:
+        # dk_accum, dv_accum: per-query-head dK, dV for the q_heads grid, empty for kv_heads.
+        grid = backward_grid(spec)
+        dkv = (b, k.shape[1], n, h) if grid == "q_heads" else (0,)
+        shapes += (jax.ShapeDtypeStruct(dkv, jnp.float32),) * 2
+    dq, dk, dv, *_ = jax.ffi.ffi_call(target, shapes)(
+        q, k, v, out, dout, lse, dlse, *_mask_operands(spec, masks), _dropout_seed(masks),
         **_attributes(spec), deterministic=deterministic,
     )
     return dq, dk, dv, None

@@ -80,6 +80,7 @@ _MASK_DIMS = {
     "q_segment_ids": ("b", "t"),
     "kv_segment_ids": ("b", "s"),
     "q_offset": ("b",),
+    "sinks": ("n",),  # one logit per query head: sharded with the query heads
     "dropout_seed": (None,),  # uint32 [2]: replicated, no batch axis
 }
 
@@ -153,9 +154,14 @@ def _wrapped(name, is_backward, fn, spec, q, k, v, masks, rest):
     call = _Call(name, is_backward, fn, spec, fields, operand_dims, result_dims)
     # The dbias result has the batch extent of the bias operand (maybe a broadcast 1).
     like = {3: 3 + fields.index("bias")} if is_backward and masks.bias is not None else {}
-    # The dropout seed has no batch axis: never folded (and not mappable).
-    fixed = {3 + fields.index("dropout_seed")} if "dropout_seed" in fields else set()
-    outs = _fold_vmap(functools.partial(_PARTITIONED, call), like, fixed)(*operands)
+    # Operands without a batch axis (sinks [N], the dropout seed [2]): passed as they
+    # are under vmap, never mapped.
+    unbatched = {}
+    if "sinks" in fields:
+        unbatched[3 + fields.index("sinks")] = "sinks"
+    if "dropout_seed" in fields:
+        unbatched[3 + fields.index("dropout_seed")] = "dropout_rng"
+    outs = _fold_vmap(functools.partial(_PARTITIONED, call), like, unbatched)(*operands)
     if is_backward:
         dq, dk, dv, *dbias = outs
         return dq, dk, dv, (dbias[0] if dbias else None)
@@ -332,6 +338,8 @@ def _ring_unavailable(call: _Call, mesh, t_axes, s_axes, plan) -> Optional[str]:
         return "the mesh axis already shards another dimension"
     if spec.bias_shape is not None or spec.mask_shape is not None:
         return "the ring takes no dense bias or mask"
+    if spec.has_sinks:
+        return "the ring takes no sinks"
     cfg = _ring_config(call, mesh, s_axes[0])
     for block in ring.block_specs(spec, cfg, dynamic_offset=spec.has_q_offset):
         why = _registry.reason(call.name, block)
@@ -481,16 +489,17 @@ def _sum_partials(plan: _Plan, x, dims):
 # ------------------------------------------------------------------------------- vmap
 
 
-def _fold_vmap(fn, like: dict, fixed=frozenset()):
+def _fold_vmap(fn, like: dict, unbatched: Optional[dict] = None):
     """Make `fn(*arrays)` (every operand and result has a leading batch axis of size B, or
     1 where a dense bias/mask broadcasts) fold a vmapped axis into that batch axis:
     [V, B, ...] -> [V·B, ...] -> fn -> [V, B, ...]: one call, never a loop over V.
 
     like: {result index: operand index} for a result with the batch extent of an operand
     (dbias of a bias): the operand is expanded to B rows and the result summed back.
-    fixed: operand indices without a batch axis (the dropout seed), passed as they are; a
-    vmap over one of them (one dropout key per mapped element) is refused.
+    unbatched: {operand index: name} of operands without a batch axis (sinks [N], the
+    dropout seed [2]): passed as they are; vmapping over one is an error naming it.
     """
+    unbatched = unbatched or {}
 
     @custom_vmap
     def folded(*args):
@@ -502,12 +511,13 @@ def _fold_vmap(fn, like: dict, fixed=frozenset()):
         expanded = set(like.values())
         flat, broadcast = [], {}
         for i, (a, batched) in enumerate(zip(args, in_batched)):
-            if i in fixed:
+            if i in unbatched:
                 if batched:
                     raise ValueError(
-                        "jax.vmap over dropout_rng (one key per mapped element) is not "
-                        "supported by the compiled implementations: map over the inputs "
-                        "with one key, or use implementation='xla'"
+                        f"{unbatched[i]} cannot be mapped by jax.vmap in the compiled "
+                        "implementations (one value for the whole call: sinks per query head, "
+                        "one dropout key); map only query, key and value, or use "
+                        "implementation='xla'"
                     )
                 flat.append(a)
                 broadcast[i] = False
