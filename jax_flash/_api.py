@@ -30,6 +30,8 @@ def attention(
     sinks=None,
     return_residual: bool = False,
     implementation: Optional[str] = None,
+    dropout_rate: float = 0.0,
+    dropout_rng=None,
 ):
     """Exact softmax attention, computed tile by tile (FlashAttention); a drop-in for
     `jax.nn.dot_product_attention`.
@@ -67,6 +69,14 @@ def attention(
         visible logits (-inf for rows that see no key; with sinks, of the sink too).
       implementation: None (best available), "cuda", "pallas", "cpu" or "xla". A requested
         implementation that cannot serve the call raises ValueError saying why.
+      dropout_rate: attention dropout in [0, 1) (FlashAttention-2): the softmax statistics
+        and lse are those of the full probabilities P, then out = (keep ⊙ P / (1 - rate)) @ V
+        where each (batch, head, query, key) weight is kept with probability 1 - rate.
+        0 (default) is exactly the call without dropout.
+      dropout_rng: a jax.random key (jax.random.key or a legacy uint32[2] PRNGKey), required
+        when dropout_rate > 0. The keep-mask is a function of the key's bits and the global
+        (batch, head, query, key) position (Philox-4x32-10, `jax_flash._dropout`): every
+        implementation draws bitwise the same mask, and the backward regenerates it.
 
     Masks combine by AND. A query row that sees no key gets output 0, lse -inf and zero
     gradients (jax.nn gives such rows the mean of V); so does every row when S = 0, and
@@ -93,6 +103,8 @@ def attention(
         query_offset=query_offset,
         implementation=implementation,
         sinks=sinks,
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
     )
     _check_return_residual(return_residual)
     name = _registry.select(c.spec, implementation)

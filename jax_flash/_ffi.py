@@ -71,6 +71,7 @@ def _attributes(spec: AttentionSpec) -> dict:
         window_right=np.int64(-1 if spec.window_right is None else spec.window_right),
         softcap=np.float32(0.0 if spec.soft_cap is None else spec.soft_cap),
         use_segment_ids=bool(spec.has_segment_ids),
+        dropout_rate=np.float32(spec.dropout_rate),
     )
 
 
@@ -86,6 +87,12 @@ def _mask_operands(spec: AttentionSpec, masks: MaskInputs):
     )
     q_off = masks.q_offset if masks.q_offset is not None else jnp.zeros((b,), jnp.int32)
     return q_len, kv_len, q_seg, kv_seg, q_off
+
+
+def _dropout_seed(masks: MaskInputs):
+    """The dropout key's uint32 [2] words, the last operand of every target (zeros when
+    dropout is off: the dropout_rate attribute is then 0)."""
+    return masks.dropout_seed if masks.dropout_seed is not None else jnp.zeros((2,), jnp.uint32)
 
 
 def forward(impl: str, target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):
@@ -124,7 +131,8 @@ def forward_call(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):
     sinks = masks.sinks if masks.sinks is not None else jnp.full((n,), -jnp.inf, jnp.float32)
     return tuple(
         jax.ffi.ffi_call(target, shapes)(
-            q, k, v, *_mask_operands(spec, masks), sinks.astype(jnp.float32), **_attributes(spec)
+            q, k, v, *_mask_operands(spec, masks), sinks.astype(jnp.float32), _dropout_seed(masks),
+            **_attributes(spec),
         )
     )
 
@@ -148,7 +156,7 @@ def _backward_call(
         dkv = (b, k.shape[1], n, h) if grid == "q_heads" else (0,)
         shapes += (jax.ShapeDtypeStruct(dkv, jnp.float32),) * 2
     dq, dk, dv, *_ = jax.ffi.ffi_call(target, shapes)(
-        q, k, v, out, dout, lse, dlse, *_mask_operands(spec, masks),
+        q, k, v, out, dout, lse, dlse, *_mask_operands(spec, masks), _dropout_seed(masks),
         **_attributes(spec), deterministic=deterministic,
     )
     return dq, dk, dv, None

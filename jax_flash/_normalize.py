@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_flash import _dropout
 from jax_flash._spec import AttentionSpec, MaskInputs
 
 IMPLEMENTATIONS = ("cuda", "pallas", "cpu", "xla")
@@ -259,6 +260,8 @@ def canonicalize(
     query_offset=None,
     implementation=None,
     sinks=None,
+    dropout_rate=0.0,
+    dropout_rng=None,
 ) -> Canonical:
     """Check every argument and build the canonical call."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
@@ -370,6 +373,10 @@ def canonicalize(
     q_off = None if query_offset is None else _query_offset(query_offset, batch_shape, b)
     sinks_c = None if sinks is None else _sinks(sinks, n, q.dtype)
 
+    rate = _dropout.check_rate(dropout_rate)
+    # rate 0 ignores the key: the call is exactly the one without dropout.
+    seed = _dropout.seed_from_key(dropout_rng) if rate > 0 else None
+
     spec = AttentionSpec(
         batch=b,
         q_len=t,
@@ -389,8 +396,9 @@ def canonicalize(
         has_segment_ids=q_seg is not None,
         has_q_offset=q_off is not None,
         has_sinks=sinks_c is not None,
+        dropout_rate=rate,
     )
-    masks = MaskInputs(bias_c, mask_c, q_len, kv_len, q_seg, kv_seg, q_off, sinks_c)
+    masks = MaskInputs(bias_c, mask_c, q_len, kv_len, q_seg, kv_seg, q_off, sinks_c, seed)
     return Canonical(
         spec=spec,
         q=q.reshape(b, t, n, h),

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_flash import _masking
+from jax_flash import _dropout, _masking
 from jax_flash._spec import AttentionSpec
 
 LOG2E = math.log2(math.e)
@@ -84,7 +84,7 @@ class Inputs:
         for name in names:
             setattr(self, name, refs.pop(0))
         self.q_len = self.kv_len = self.q_seg = self.kv_seg = self.bias = self.mask = None
-        self.q_offset = self.sinks = None
+        self.q_offset = self.sinks = self.seed = None
         if layout.has_lengths:
             self.q_len, self.kv_len = refs.pop(0), refs.pop(0)
         if layout.has_segments:
@@ -97,6 +97,7 @@ class Inputs:
             self.mask = refs.pop(0)
         if layout.has_sinks:
             self.sinks = refs.pop(0)
+        self.seed = refs.pop(0) if layout.spec.has_dropout else None  # uint32 [2]
         self.outputs = refs
 
 
@@ -171,6 +172,20 @@ class TileMath:
             m = mask_tile != 0
             vis = m if vis is None else vis & m
         return vis
+
+    def dropout_keep(self, batch, head, q0, k0, bq: int, bk: int):
+        """Bool [bq, bk]: dropout's keep bits of the tile (`_dropout`, global batch row,
+        query head, row and column), or None without dropout. One Philox call per element
+        (the word of its column), which keeps the tile 2-D for Triton."""
+        spec = self.lay.spec
+        if not spec.has_dropout:
+            return None
+        seed = (self.inp.seed[0], self.inp.seed[1])
+        rows = (q0 + _iota(bq, 0)).astype(jnp.uint32)
+        cols = (k0 + _iota(bk, 1)).astype(jnp.uint32)
+        return _dropout.keep_mask(
+            seed, spec.dropout_rate, jnp.asarray(batch, jnp.uint32), jnp.asarray(head, jnp.uint32), rows, cols
+        )
 
     def logits(self, scores, bias_tile):
         """(base-2 logits, natural transformed logits or None) of raw scores q·kᵀ [f32]."""
@@ -270,6 +285,7 @@ def forward_kernel(*refs, layout: Layout):
     bq, bk = lay.block_q, lay.block_k
     nk = lay.s_pad // bk
     q0 = pl.program_id(0) * bq
+    batch, head = pl.program_id(2), pl.program_id(1)
     tm = TileMath(lay, inp)
     q = inp.q[...]  # [bq, Hp], resident for the whole key loop
     q_seg = None if inp.q_seg is None else inp.q_seg[...]
@@ -303,6 +319,9 @@ def forward_kernel(*refs, layout: Layout):
             p = jnp.exp2(_clamp_exponent(s2 - m_use[:, None]))
             alpha = jnp.exp2(m - m_use)
             l = alpha * l + jnp.sum(p, axis=1)
+            keep = tm.dropout_keep(batch, head, q0, k0, bq, bk)
+            if keep is not None:  # after the statistics: P·V of the kept weights only
+                p = jnp.where(keep, p, 0.0)
             acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
             return m_new, l, acc, jnp.maximum(bad, jnp.max(jnp.broadcast_to(bad_v, p.shape), axis=1))
 
@@ -316,6 +335,8 @@ def forward_kernel(*refs, layout: Layout):
     # Empty rows (l = 0: no key, or only -inf logits) give 0; a NaN l is not empty.
     empty = l == 0
     l_safe = jnp.where(empty, 1.0, l)
+    if spec.has_dropout:  # the kept weights' 1 / (1 - rate); lse is that of the full P
+        acc = acc * _dropout.keep_scale(spec.dropout_rate)
     out = jnp.where(bad[:, None] > 0, jnp.nan, acc / l_safe[:, None])
     out_ref[...] = jnp.where(empty[:, None], 0.0, out).astype(out_ref.dtype)
     # lse leaves the kernel in natural log: (m + log2 l) · ln 2.
@@ -350,6 +371,13 @@ def _dscores(lay: Layout, p, dp, delta, t, live):
     return jnp.where(live, ds, 0.0)
 
 
+def _drop(lay: Layout, keep, x):
+    """keep ∘ x / (1 - rate) (dropout's Z from P, and the cotangent of P from dZ)."""
+    if keep is None:
+        return x
+    return jnp.where(keep, x * _dropout.keep_scale(lay.spec.dropout_rate), 0.0)
+
+
 def dkdv_kernel(*refs, layout: Layout):
     inp = Inputs(layout, refs, ("q", "k", "v", "do", "lse2", "delta"))
     dk_ref, dv_ref = inp.outputs
@@ -358,6 +386,8 @@ def dkdv_kernel(*refs, layout: Layout):
     nq = lay.t_pad // bq
     j = pl.program_id(0)
     k0 = j * bk
+    # Query heads of this kv head: first_head + g (dropout counts the query head).
+    batch, first_head = pl.program_id(2), (pl.program_id(1) // lay.splits) * lay.spec.group_size
     tm = TileMath(lay, inp)
     k = inp.k[...]  # [bk, Hp]
     v = inp.v[...]
@@ -386,8 +416,9 @@ def dkdv_kernel(*refs, layout: Layout):
                     mask = dense_tile(inp.mask, lay.mask_rows, lay.mask_cols, (gm,), q0, bq, 0, bk)
                 vis = tm.visible(q0, k0, q_seg, kv_seg, mask, bq, bk)
             p, t, live = _probabilities(tm, lay, q, k, lse2, bias, vis)
-            dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
-            ds = _dscores(lay, p, _dot(do, v, trans_b=True), delta, t, live)
+            keep = tm.dropout_keep(batch, first_head + g, q0, k0, bq, bk)
+            dv = dv + _dot(_drop(lay, keep, p).astype(do.dtype), do, trans_a=True)
+            ds = _dscores(lay, p, _drop(lay, keep, _dot(do, v, trans_b=True)), delta, t, live)
             dk = dk + _dot(ds.astype(q.dtype), _finite_part(q), trans_a=True)
             return dk, dv
 
@@ -418,6 +449,7 @@ def dq_kernel(*refs, layout: Layout):
     bq, bk = lay.block_q, lay.block_k
     nk = lay.s_pad // bk
     q0 = pl.program_id(0) * bq
+    batch, head = pl.program_id(2), pl.program_id(1)
     tm = TileMath(lay, inp)
     q = inp.q[...]
     do = inp.do[...]
@@ -441,7 +473,8 @@ def dq_kernel(*refs, layout: Layout):
                     mask = dense_tile(inp.mask, lay.mask_rows, lay.mask_cols, (), 0, bq, k0, bk)
                 vis = tm.visible(q0, k0, q_seg, kv_seg, mask, bq, bk)
             p, t, live = _probabilities(tm, lay, q, k, lse2, bias, vis)
-            ds = _dscores(lay, p, _dot(do, v, trans_b=True), delta, t, live)
+            keep = tm.dropout_keep(batch, head, q0, k0, bq, bk)
+            ds = _dscores(lay, p, _drop(lay, keep, _dot(do, v, trans_b=True)), delta, t, live)
             if ds_ref is not None:
                 ds_ref[:, pl.ds(k0, bk)] = ds
             return dq + _dot(ds.astype(k.dtype), _finite_part(k))

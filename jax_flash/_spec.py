@@ -35,6 +35,9 @@ class MaskInputs(NamedTuple):
     # [N] float32 (float64 for float64 inputs): one logit per query head that joins every
     # row's softmax denominator with a zero value (attention sinks). Differentiable.
     sinks: Optional[jax.Array] = None
+    # uint32 [2]: the bits of the dropout_rng key (Philox's key, `_dropout`); not
+    # differentiable. Present exactly when AttentionSpec.dropout_rate > 0.
+    dropout_seed: Optional[jax.Array] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +64,13 @@ class AttentionSpec:
     has_segment_ids: bool = False
     has_q_offset: bool = False  # MaskInputs.q_offset is given (else the offset is 0)
     has_sinks: bool = False  # MaskInputs.sinks is given
+    # Attention dropout (float32 value, in [0, 1)); > 0 means MaskInputs.dropout_seed is
+    # given and the keep-mask of `_dropout` applies to P after the softmax statistics.
+    dropout_rate: float = 0.0
+
+    @property
+    def has_dropout(self) -> bool:
+        return self.dropout_rate > 0.0
 
     @property
     def group_size(self) -> int:

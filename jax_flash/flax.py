@@ -16,8 +16,13 @@ Flax's conventions, and how they map onto `jax_flash.attention`:
 * `mask` is broadcastable to [batch..., N|1, T, S] and is float 0/1 (`make_causal_mask`,
   `make_attention_mask`) or bool; nonzero / True means "may attend", as in flax.
 * Flax gives a row that sees no key the mean of V; jax_flash gives it 0.
-* Attention dropout is not implemented (the probabilities never exist in memory):
-  `dropout_rate > 0` with `deterministic=False` raises NotImplementedError.
+* Attention dropout: `dropout_rate > 0` with `deterministic=False` drops attention weights
+  inside the kernels (`jax_flash.attention(..., dropout_rate=, dropout_rng=)`, the
+  FlashAttention-2 semantics: the mask is regenerated in the backward, never stored) with
+  the module's `dropout_rng` (linen: `self.make_rng('dropout')`). Each (batch, head, query,
+  key) weight draws its own bit, flax's `broadcast_dropout=False`; flax's default
+  `broadcast_dropout=True` (one [T, S] mask shared by every batch row and head) raises
+  ValueError: construct the module with `broadcast_dropout=False`.
 * `module` is only passed when attention weights are to be sown (`sow_weights=True`);
   they are never materialised, so that raises NotImplementedError too.
 * `precision` is accepted and ignored: softmax statistics and accumulators are float32.
@@ -89,12 +94,14 @@ def attention_fn(
 
     Returns [batch..., T, N, H] in the dtype of query (after promotion to `dtype`).
     """
-    del broadcast_dropout, dropout_rng, precision, kwargs
-    if dropout_rate and dropout_rate > 0.0 and not deterministic:
-        raise NotImplementedError(
-            f"jax_flash.flax.attention_fn does not implement attention dropout (got "
-            f"dropout_rate={dropout_rate} with deterministic=False): the attention "
-            "probabilities are never materialised. Use dropout_rate=0 or deterministic=True."
+    del precision, kwargs
+    dropping = bool(dropout_rate) and not deterministic
+    if dropping and broadcast_dropout:
+        raise ValueError(
+            "jax_flash.flax.attention_fn draws one dropout bit per (batch, head, query, key) "
+            "weight (broadcast_dropout=False); got broadcast_dropout=True, flax's default "
+            "(one [T, S] mask shared by every batch row and head). Construct the module "
+            "with broadcast_dropout=False, or use deterministic=True / dropout_rate=0."
         )
     if module is not None:
         raise NotImplementedError(
@@ -113,6 +120,12 @@ def attention_fn(
         implementation=implementation,
     )
     if axis_name is not None:
+        if dropping:
+            raise ValueError(
+                f"jax_flash.flax.attention_fn with axis_name={axis_name!r} (ring attention) "
+                f"does not take attention dropout; got dropout_rate={dropout_rate} with "
+                "deterministic=False"
+            )
         if bias is not None or mask is not None or sinks is not None:
             raise ValueError(
                 f"jax_flash.flax.attention_fn with axis_name={axis_name!r} (ring attention) "
@@ -120,6 +133,8 @@ def attention_fn(
                 "local_window_size or segment_ids"
             )
         return ring_attention(query, key, value, axis_name=axis_name, layout=layout, **common)
+    if dropping:
+        common.update(dropout_rate=float(dropout_rate), dropout_rng=dropout_rng)
     return attention(query, key, value, bias=bias, mask=_as_bool_mask(mask), sinks=sinks, **common)
 
 

@@ -174,6 +174,8 @@ class _Extras:
         self.mask = _dense(masks.mask, t_pad, s_pad, 0, jnp.int8)
         # Sinks [N] -> [N, 1] float32: the programs of head n read sinks[n] (forward only).
         self.sinks = None if masks.sinks is None else masks.sinks.astype(jnp.float32)[:, None]
+        # Dropout's Philox key, the same [2] words for every program (last).
+        self.seed = None if masks.dropout_seed is None else masks.dropout_seed.astype(jnp.uint32)
 
     def row_grid(self, bq: int, s_pad: int):
         """Arrays and specs for a grid (query block i, head n, batch b) seeing all keys."""
@@ -207,6 +209,9 @@ class _Extras:
         if self.sinks is not None:
             args.append(self.sinks)
             specs.append(pl.BlockSpec((None, 1), lambda i, n, b: (n, 0)))
+        if self.seed is not None:
+            args.append(self.seed)
+            specs.append(pl.BlockSpec((2,), lambda i, n, b: (0,)))
         return args, specs
 
     def key_grid(self, bk: int, t_pad: int, splits: int):
@@ -243,6 +248,9 @@ class _Extras:
                     ),
                 )
             )
+        if self.seed is not None:
+            args.append(self.seed)
+            specs.append(pl.BlockSpec((2,), lambda j, h, b: (0,)))
         return args, specs
 
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_flash import _masking
+from jax_flash import _dropout, _masking
 from jax_flash._normalize import canonicalize, restore
 from jax_flash._spec import AttentionSpec, MaskInputs
 
@@ -33,6 +33,8 @@ def attention_reference(
     sinks=None,
     return_residual=False,
     compute_dtype=None,
+    dropout_rate=0.0,
+    dropout_rng=None,
 ):
     """Same arguments and semantics as `jax_flash.attention`, computed densely.
 
@@ -40,6 +42,12 @@ def attention_reference(
     kernel at that precision would see it). Softmax statistics are float32, or float64 when
     compute_dtype is float64. A row that sees no key gives out = 0 and lse = -inf (with
     sinks: lse = sinks[n]).
+    compute_dtype is float64. A row that sees no key gives out = 0 and lse = -inf.
+
+    dropout_rate, dropout_rng: as for `jax_flash.attention`; the whole keep-mask
+    (`dropout_keep`, the generator of `jax_flash._dropout`) applied to P after the
+    statistics, so that the reference and every implementation drop the same weights and
+    its autodiff gives the gradients given that mask (in float64 with compute_dtype).
     """
     c = canonicalize(
         query,
@@ -56,6 +64,8 @@ def attention_reference(
         logits_soft_cap=logits_soft_cap,
         query_offset=query_offset,
         sinks=sinks,
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
     )
     out, lse = reference_canonical(c.spec, c.q, c.k, c.v, c.masks, compute_dtype)
     out, lse = restore(c, out.astype(query.dtype if compute_dtype is None else compute_dtype), lse)
@@ -150,6 +160,8 @@ def reference_canonical(
     empty = l == 0  # sees no key, or only -inf logits (a NaN l is a poisoned row)
     p = jnp.where(vis & ~empty, e / jnp.where(empty, 1, l), 0)
     lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1, l)))[..., 0]
+    if spec.has_dropout:  # after the statistics: lse is that of the full P
+        p = jnp.where(dropout_keep(spec, masks.dropout_seed), p * _dropout.keep_scale(spec.dropout_rate, stat_dt), 0)
     out = jnp.einsum("bnts,bsnh->btnh", p.astype(dt), _finite_part(vv))
     # A row that sees a non-finite v[s] is NaN; so are its gradients, as the kernels'
     # D = rowsum(dO ∘ O) makes them: NaN · (lse - stop_gradient(lse)) is NaN in value and
@@ -165,6 +177,21 @@ def reference_canonical(
         bad_sink = ~(masks.sinks < jnp.inf)[None, None, :, None]  # [1, 1, N, 1]
         out = jnp.where(bad_sink, jnp.nan, out)
     return out, lse.astype(stat_dt)
+
+
+def dropout_keep(spec: AttentionSpec, seed) -> jax.Array:
+    """The whole keep-mask, bool [B, N, T, S], of `_dropout`'s generator (for the reference
+    and for tests: the implementations regenerate it tile by tile)."""
+    b, n, t, s = spec.batch, spec.num_heads, spec.q_len, spec.kv_len
+    width = -(-s // _dropout.COLUMNS_PER_CALL) * _dropout.COLUMNS_PER_CALL
+    keep = _dropout.keep_mask_groups(
+        seed, spec.dropout_rate,
+        jnp.arange(b, dtype=jnp.uint32)[:, None, None],
+        jnp.arange(n, dtype=jnp.uint32)[None, :, None],
+        jnp.arange(t, dtype=jnp.uint32)[None, None, :],
+        0, width,
+    )
+    return keep[..., :s]
 
 
 def _nonfinite_rows(x):

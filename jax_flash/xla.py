@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_flash import _masking, _registry
+from jax_flash import _dropout, _masking, _registry
 from jax_flash._spec import AttentionSpec, MaskInputs
 
 # Tile sizes: large enough that each step is a few hundred MFLOPs of dense matmul.
@@ -154,6 +154,22 @@ class _Tiles:
             vis = dense if vis is None else vis & dense
         return vis
 
+    def dropout_keep(self, i, j):
+        """Bool [B, K, G, bq, bk]: the dropout keep bits of tile (i, j) (`_dropout`: global
+        batch, query head n = k·G + g, row and column; bk is a multiple of 8, so the tile
+        holds whole groups of 4 columns), or None without dropout."""
+        spec = self.spec
+        if not spec.has_dropout:
+            return None
+        kh, g = spec.num_kv_heads, spec.group_size
+        batch = jnp.arange(spec.batch, dtype=jnp.uint32)[:, None, None, None]
+        head = (jnp.arange(kh, dtype=jnp.uint32)[:, None] * g + jnp.arange(g, dtype=jnp.uint32))
+        rows = jnp.asarray(i, jnp.uint32) * self.bq + jnp.arange(self.bq, dtype=jnp.uint32)
+        return _dropout.keep_mask_groups(
+            self.masks.dropout_seed, spec.dropout_rate, batch, head[None, :, :, None],
+            rows, jnp.asarray(j, jnp.int32) * self.bk, self.bk,
+        )
+
     def logits(self, q_blk, k_blk, i, j, acc_dt):
         """Scaled, biased, soft-capped logits [B, K, G, bq, bk] (before masking)."""
         s = jnp.einsum("bqkgh,bskh->bkgqs", q_blk, k_blk, preferred_element_type=acc_dt)
@@ -204,7 +220,7 @@ def sink_state(sink):
     return sink, jnp.where(sink < jnp.inf, jnp.ones_like(sink), jnp.nan)
 
 
-def online_softmax_step(carry, logits, vis, v_blk, bad_v_blk, pv=None):
+def online_softmax_step(carry, logits, vis, v_blk, bad_v_blk, pv=None, keep=None):
     """One key tile of the online softmax (FlashAttention-2 Alg. 1, inner loop).
 
     carry: (m, l, acc, bad) [..., q] x2, [..., q, H], bool [..., q] (running max, running
@@ -212,7 +228,9 @@ def online_softmax_step(carry, logits, vis, v_blk, bad_v_blk, pv=None):
     [B, K, G, q, s] (scaled, biased, capped); vis: bool broadcastable to logits, or None;
     v_blk [B, s, K, H], finite (`finite_part`); bad_v_blk: bool broadcastable to logits,
     the keys whose v row is non-finite, or None. pv: optional P·V for other layouts,
-    pv(p, v_blk) -> [..., q, H] in the accumulator dtype (a kernel's 2-D tiles)."""
+    pv(p, v_blk) -> [..., q, H] in the accumulator dtype (a kernel's 2-D tiles). keep:
+    dropout's keep bits (bool like logits) or None: the statistics see every p, the
+    accumulator only the kept ones (the 1 / (1 - rate) scaling is the caller's, at the end)."""
     m, l, acc, bad = carry
     if vis is not None:
         logits = jnp.where(vis, logits, -jnp.inf)
@@ -231,7 +249,8 @@ def online_softmax_step(carry, logits, vis, v_blk, bad_v_blk, pv=None):
         )
     if bad_v_blk is not None:
         bad = bad | jnp.any(jnp.broadcast_to(bad_v_blk, logits.shape), axis=-1)
-    return m_new, l, alpha[..., None] * acc + pv(p, v_blk), bad
+    p_kept = p if keep is None else jnp.where(keep, p, 0)
+    return m_new, l, alpha[..., None] * acc + pv(p_kept, v_blk), bad
 
 
 def online_softmax_finish(carry):
@@ -313,12 +332,15 @@ def forward(
             vis = tiles.visibility(i, j)
             if fetched_vis is not None:
                 vis = fetched_vis if vis is None else vis & fetched_vis
-            return online_softmax_step(carry, logits, vis, v_blk, bad_v_blk)
+            keep = tiles.dropout_keep(i, j)
+            return online_softmax_step(carry, logits, vis, v_blk, bad_v_blk, keep=keep)
 
         lo, hi = spec.key_block_range(i * bq, (i + 1) * bq, bk, nk, q_offset)
         init = online_softmax_init((b, kh, g, bq), h, acc_dt, *like, sink=sink)
         carry = lax.fori_loop(lo, jnp.maximum(lo, hi), key_block, init)
         out, lse = online_softmax_finish(carry)
+        if spec.has_dropout:
+            out = out * _dropout.keep_scale(spec.dropout_rate, acc_dt)
         return out.astype(out_dtype), lse
 
     out, lse = lax.map(query_block, jnp.arange(nq, dtype=jnp.int32))
@@ -375,6 +397,7 @@ def backward(
     bias = tiles.masks.bias
     dbias0 = None if bias is None else _full(bias.shape, 0, acc_dt, q, k, v, dout)
     cdt = q.dtype  # matmul operand dtype for P and dS, as the kernels use
+    drop_scale = _dropout.keep_scale(spec.dropout_rate, acc_dt) if spec.has_dropout else None
 
     def key_block(carry, j):
         dq_acc, dbias = carry
@@ -392,10 +415,16 @@ def backward(
             vis = tiles.visibility(i, j)
             keep = row(seen) if vis is None else vis & row(seen)
             p = jnp.where(keep, jnp.exp(clamp_exponent(logits - row(lse_safe))), 0)
+            drop = tiles.dropout_keep(i, j)
+            # Dropout: out = (Z = keep ⊙ P / (1 - rate)) @ V, so dV = Zᵀ dO and the
+            # cotangent of P is keep ⊙ dZ / (1 - rate); D = rowsum(dO ∘ O) is unchanged.
+            z = p if drop is None else jnp.where(drop, p * drop_scale, 0)
             dv = dv + jnp.einsum(
-                "bkgqs,bqkgh->bskh", p.astype(cdt), do_blk, preferred_element_type=acc_dt
+                "bkgqs,bqkgh->bskh", z.astype(cdt), do_blk, preferred_element_type=acc_dt
             )
             dp = jnp.einsum("bqkgh,bskh->bkgqs", do_blk, v_blk, preferred_element_type=acc_dt)
+            if drop is not None:
+                dp = jnp.where(drop, dp * drop_scale, 0)
             # d loss / d (transformed logit); exactly 0 where masked, also when dP or D is NaN.
             ds = jnp.where(keep, p * (dp - row(delta)), 0)
             if spec.soft_cap is not None:

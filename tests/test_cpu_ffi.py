@@ -99,7 +99,7 @@ def make_inputs(cfg: Config, dtype: str, seed: int = 0):
         kv_seg = np.zeros((cfg.b, cfg.s), np.int32)
     q_off = np.array(cfg.offsets or (0,) * cfg.b, np.int32)
     return dict(q=q, k=k, v=v, dout=dout, dlse=dlse, q_len=q_len, kv_len=kv_len,
-                q_seg=q_seg, kv_seg=kv_seg, q_off=q_off)
+                q_seg=q_seg, kv_seg=kv_seg, q_off=q_off, seed=np.zeros((2,), np.uint32))
 
 
 def attributes(cfg: Config) -> dict:
@@ -109,6 +109,7 @@ def attributes(cfg: Config) -> dict:
         window_right=np.int64(cfg.window[1]),
         softcap=np.float32(cfg.softcap),
         use_segment_ids=bool(cfg.segments),
+        dropout_rate=np.float32(0.0),
     )
 
 
@@ -118,7 +119,8 @@ def call_forward(x: dict, attrs: dict):
     shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32))
     sinks = x.get("sinks", np.full((n,), -np.inf, np.float32))  # -inf: no sink
     return jax.ffi.ffi_call("jax_flash_fwd", shapes)(
-        q, k, x["v"], x["q_len"], x["kv_len"], x["q_seg"], x["kv_seg"], x["q_off"], sinks, **attrs
+        q, k, x["v"], x["q_len"], x["kv_len"], x["q_seg"], x["kv_seg"], x["q_off"], sinks, x["seed"],
+        **attrs
     )
 
 
@@ -134,7 +136,7 @@ def call_backward(x: dict, out, lse, attrs: dict):
     )
     return jax.ffi.ffi_call("jax_flash_bwd", shapes)(
         q, k, x["v"], out, x["dout"], lse, x["dlse"], x["q_len"], x["kv_len"], x["q_seg"],
-        x["kv_seg"], x["q_off"], **attrs, deterministic=True,
+        x["kv_seg"], x["q_off"], x["seed"], **attrs, deterministic=True,
     )
 
 
@@ -404,6 +406,9 @@ def bad_call(target: str, **changes):
         ("jax_flash_fwd", dict(softcap=np.float32(-1.0)), r"softcap must be 0 \(off\) or a finite float32 normal"),
         ("jax_flash_bwd", dict(dlse=np.zeros((1, 8, 2), np.float32)), r"dlse has shape \[1, 8, 2\]"),
         ("jax_flash_bwd", dict(dout=np.zeros((1, 8, 2, 16), np.float16)), "dout has dtype f16"),
+        ("jax_flash_fwd", dict(seed=np.zeros((2,), np.int32)), "dropout_seed has dtype s32"),
+        ("jax_flash_bwd", dict(seed=np.zeros((3,), np.uint32)), r"dropout_seed has shape \[3\]"),
+        ("jax_flash_fwd", dict(dropout_rate=np.float32(1.0)), r"dropout_rate must be in \[0, 1\)"),
     ],
 )
 def test_handler_errors_surface_as_exceptions(target, changes, message):
@@ -419,7 +424,7 @@ def test_wrong_result_shape_is_an_error():
     with pytest.raises(Exception, match=r"lse has shape \[1, 8, 2\], expected \[1, 2, 8\]"):
         jax.block_until_ready(jax.ffi.ffi_call("jax_flash_fwd", shapes)(
             x["q"], x["k"], x["v"], x["q_len"], x["kv_len"], x["q_seg"], x["kv_seg"],
-            x["q_off"], np.full((2,), -np.inf, np.float32), **attributes(cfg)))
+            x["q_off"], np.full((2,), -np.inf, np.float32), x["seed"], **attributes(cfg)))
 
 
 def test_unknown_isa_is_an_error():

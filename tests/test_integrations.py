@@ -99,16 +99,28 @@ def test_linen_decoder_self_attention_default_implementation():
     np.testing.assert_allclose(y1, y2, rtol=1e-4, atol=1e-4)
 
 
-def test_linen_dropout_raises():
+def test_linen_dropout():
     x = _x()
     mha = nn.MultiHeadDotProductAttention(
-        num_heads=HEADS, qkv_features=D, dropout_rate=0.1, attention_fn=XLA_FN
+        num_heads=HEADS, qkv_features=D, dropout_rate=0.25, attention_fn=XLA_FN
     )
     params = mha.init(jax.random.key(0), x, deterministic=True)
-    # Deterministic: dropout is off, so it runs.
-    mha.apply(params, x, deterministic=True)
-    with pytest.raises(NotImplementedError, match="dropout"):
+    # Deterministic: dropout is off, exactly the module without dropout.
+    y0 = mha.apply(params, x, deterministic=True)
+    plain = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=D, attention_fn=XLA_FN)
+    np.testing.assert_array_equal(y0, plain.apply(params, x))
+    # flax's default broadcast_dropout=True shares one mask over batch and heads: refused.
+    with pytest.raises(ValueError, match="broadcast_dropout"):
         mha.apply(params, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
+    mha = nn.MultiHeadDotProductAttention(
+        num_heads=HEADS, qkv_features=D, dropout_rate=0.25, broadcast_dropout=False,
+        attention_fn=XLA_FN,
+    )
+    y1 = mha.apply(params, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
+    y1b = mha.apply(params, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
+    y2 = mha.apply(params, x, deterministic=False, rngs={"dropout": jax.random.key(2)})
+    np.testing.assert_array_equal(y1, y1b)  # the module's dropout rng decides the mask
+    assert np.all(np.isfinite(y1)) and not np.allclose(y1, y0) and not np.allclose(y1, y2)
 
 
 def test_linen_sow_weights_raises():
@@ -183,12 +195,16 @@ def test_nnx_make_attention_fn_stays_causal():
     np.testing.assert_allclose(ours(x), theirs(x, mask=nn.make_causal_mask(x[..., 0])), **TOL)
 
 
-def test_nnx_dropout_raises():
+def test_nnx_dropout():
     x = _x()
     ours, _ = _nnx_pair(XLA_FN, dropout_rate=0.2)
-    ours(x, deterministic=True)
-    with pytest.raises(NotImplementedError, match="dropout"):
+    y0 = ours(x, deterministic=True)
+    with pytest.raises(ValueError, match="broadcast_dropout"):
         ours(x, deterministic=False)
+    ours, _ = _nnx_pair(XLA_FN, dropout_rate=0.2, broadcast_dropout=False)
+    y1 = ours(x, deterministic=False)
+    y2 = ours(x, deterministic=False)  # the module's rng stream advances: another mask
+    assert np.all(np.isfinite(y1)) and not np.allclose(y1, y0) and not np.allclose(y1, y2)
 
 
 # --------------------------------------------------------------------------- haiku

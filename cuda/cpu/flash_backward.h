@@ -82,13 +82,23 @@ inline void LoadRowStatistics(const Problem& p, BackwardTiles& w, int64_t b, int
   }
 }
 
+// Dropout (out = Z V with Z = keep ∘ P / (1 − rate)) on a [rows_padded][ld] tile of head n
+// of batch row b:
+// kept elements times 1 / (1 − rate), dropped ones 0.
+inline void DropTile(const Problem& p, const ScoreTile& s, float* tile, int64_t b, int64_t n) {
+  for (int64_t i = 0; i < s.rows_padded; ++i)
+    DropRow(tile + i * s.ld, s.cols_padded, p.dropout, b, n, s.t0 + i, s.s0, p.dropout.keep_scale);
+}
+
 // The part of a backward tile every pass shares: recompute P from the scores and the
-// saved lse, dP = dO Vᵀ, and dS = P ∘ (dP − D) (∘ the soft cap's derivative).
+// saved lse, dP = dO Vᵀ, and dS = P ∘ (dP − D) (∘ the soft cap's derivative); with dropout
+// dP is the cotangent of P (keep ∘ dO Vᵀ / (1 − rate)) and P leaves as Z for dV; D =
+// rowsum(dO ∘ O) is unchanged.
 // Products: F32Products or BF16Products (tile_products.h).
 template <class Products = F32Products>
 void RecomputeTileGradient(const Problem& p, BackwardTiles& w, const MaskGeometry& mask,
                                   const TileOperands& in, const ScoreTile& s,
-                                  TileVisibility visibility) {
+                                  TileVisibility visibility, int64_t b, int64_t n) {
   Products::Scores(p, s.rows_padded, s.cols_padded, in.q, in.k_t, w.s);
   PoisonInfiniteScores(s);
   const bool capped = p.softcap > 0.0f;
@@ -96,7 +106,9 @@ void RecomputeTileGradient(const Problem& p, BackwardTiles& w, const MaskGeometr
   if (visibility == TileVisibility::kPartial) MaskScores(s, mask, w.segments);
   RecomputeProbabilities(s, w.lse);
   Products::ProbabilityGradient(p, s.rows_padded, s.cols_padded, in.dout, in.v_t, w.ds);
+  if (p.dropout.on) DropTile(p, s, w.ds, b, n);  // dZ -> dP = keep ∘ dZ / (1 − rate)
   ComputeScoreGradient(s, w.ds, w.delta, capped ? w.softcap_derivative : nullptr);
+  if (p.dropout.on) DropTile(p, s, s.data, b, n);  // P -> Z = keep ∘ P / (1 − rate), for dV = Zᵀ dO
 }
 
 }  // namespace JAX_FLASH_CPU_ISA

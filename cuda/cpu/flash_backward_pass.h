@@ -104,7 +104,7 @@ void GradientTileWith(const Problem& p, int64_t item, float* workspace) {
         in.dout = PackedQuery(p, p.packed.dout, b, n, t0);
         LoadRowStatistics(p, w, b, n, t0, rows, rows_padded);
         const ScoreTile s{w.s, kBlockK, t0, rows, rows_padded, s0, cols, cols_padded};
-        RecomputeTileGradient<Products>(p, w, mask, in, s, visibility);
+        RecomputeTileGradient<Products>(p, w, mask, in, s, visibility, b, n);
         Products::AccumulateKeyValueGradients(p, rows, cols_padded, w.s, w.ds, in.q,
                                               in.dout, w.scratch, w.dk, w.dv);
         Products::AccumulateQueryGradient(p, rows_padded, cols, w.ds, in.k, w.scratch,

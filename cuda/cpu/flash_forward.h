@@ -71,7 +71,9 @@ inline void WriteOutputRows(const Problem& p, const ForwardTiles& w, int64_t b, 
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t t = t0 + i;
     if (w.m[i] != -__builtin_inff()) {
-      StoreRow(w.o + i * w.row_stride, 1.0f / w.l[i], p.dtype, p.q_row(b, t, n), p.head_dim,
+      // Dropout scales the kept weights by 1 / (1 − rate) here, with 1 / l.
+      const float factor = p.dropout.on ? p.dropout.keep_scale / w.l[i] : 1.0f / w.l[i];
+      StoreRow(w.o + i * w.row_stride, factor, p.dtype, p.q_row(b, t, n), p.head_dim,
                p.out);
       p.lse[p.stat(b, n, t)] = w.m[i] + std::log(w.l[i]);
     } else {
@@ -126,7 +128,8 @@ void ForwardTileWith(const Problem& p, int64_t item, float* workspace) {
     if (p.softcap > 0.0f) ApplySoftCap(s, p.softcap, nullptr);
     if (visibility == TileVisibility::kPartial) MaskScores(s, mask, w.segments);
     const int32_t* bad_values = NonFiniteValues(p, b, g, s0);
-    UpdateOnlineSoftmax(s, w.m, w.l, w.correction, bad_values);
+    const TileDropout drop{&p.dropout, b, n};
+    UpdateOnlineSoftmax(s, w.m, w.l, w.correction, bad_values, p.dropout.on ? &drop : nullptr);
     // O = diag(exp(m_old − m_new)) O + P V
     Products::AccumulateValues(p, rows_padded, cols, w.s, w.scratch, v, w.o, w.correction);
   }

@@ -161,6 +161,16 @@ void DescribeProblem(Checker& check, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
   p->q_offsets = static_cast<const int32_t*>(q_offsets.untyped_data());
 }
 
+// The dropout operand and attribute: seed u32 [2] (the key's words), rate in [0, 1).
+void DescribeDropout(Checker& check, ffi::AnyBuffer seed, float rate, Problem* p) {
+  check.Expect("dropout_seed", seed, {2}, ffi::DataType::U32);
+  if (!(rate >= 0.0f && rate < 1.0f))
+    check.Fail("dropout_rate must be in [0, 1), got " + std::to_string(rate));
+  if (!check.ok()) return;
+  const uint32_t* key = static_cast<const uint32_t*>(seed.untyped_data());
+  p->dropout = dropout::MakeSetting(rate, key[0], key[1]);
+}
+
 // JAX_FLASH_POISON_OUTPUTS=1 (set by the test suite) fills every result with NaN
 // before the tiles run, so an element the algorithm forgets to write shows up.
 bool PoisonOutputs() {
@@ -189,13 +199,15 @@ ffi::Error RunTiles(ffi::ThreadPool& pool, const char* target, int64_t items, in
 ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                    ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                   ffi::AnyBuffer q_offsets, ffi::AnyBuffer sinks, ffi::Result<ffi::AnyBuffer> out,
+                   ffi::AnyBuffer q_offsets, ffi::AnyBuffer sinks, ffi::AnyBuffer dropout_seed,
+                   ffi::Result<ffi::AnyBuffer> out,
                    ffi::Result<ffi::AnyBuffer> lse, float scale, int64_t window_left,
-                   int64_t window_right, float softcap, bool use_segment_ids) {
+                   int64_t window_right, float softcap, bool use_segment_ids, float dropout_rate) {
   Checker check("jax_flash_fwd");
   Problem p;
   DescribeProblem(check, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
                   q_offsets, scale, window_left, window_right, softcap, use_segment_ids, &p);
+  DescribeDropout(check, dropout_seed, dropout_rate, &p);
   if (!check.ok()) return check.error();
   // Always passed (-inf when the call has none).
   check.Expect("sinks", sinks, {p.q_heads}, ffi::DataType::F32);
@@ -270,18 +282,19 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
                     ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse,
                     ffi::AnyBuffer dlse, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                     ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                    ffi::AnyBuffer q_offsets, ffi::Result<ffi::AnyBuffer> dq,
+                    ffi::AnyBuffer q_offsets, ffi::AnyBuffer dropout_seed, ffi::Result<ffi::AnyBuffer> dq,
                     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                     ffi::Result<ffi::AnyBuffer> dq_accum,
                     ffi::Result<ffi::AnyBuffer> delta, float scale, int64_t window_left,
                     int64_t window_right, float softcap, bool use_segment_ids,
-                    bool deterministic) {
+                    float dropout_rate, bool deterministic) {
   // `deterministic` is accepted for the shared contract; this implementation is
   // always deterministic (no atomics).
   Checker check("jax_flash_bwd");
   Problem p;
   DescribeProblem(check, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
                   q_offsets, scale, window_left, window_right, softcap, use_segment_ids, &p);
+  DescribeDropout(check, dropout_seed, dropout_rate, &p);
   if (!check.ok()) return check.error();
   const ffi::DataType dtype = q.element_type();
   const std::initializer_list<int64_t> q_shape = {p.batch, p.q_len, p.q_heads, p.head_dim};
@@ -331,13 +344,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuForward, Forward,
                                   .Arg<ffi::AnyBuffer>()  // kv_segment_ids [B, S] s32
                                   .Arg<ffi::AnyBuffer>()  // q_offset [B] s32
                                   .Arg<ffi::AnyBuffer>()  // sinks [N] f32 (-inf: none)
+                                  .Arg<ffi::AnyBuffer>()  // dropout_seed [2] u32
                                   .Ret<ffi::AnyBuffer>()  // out [B, T, N, H]
                                   .Ret<ffi::AnyBuffer>()  // lse [B, N, T] f32
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("window_left")
                                   .Attr<int64_t>("window_right")
                                   .Attr<float>("softcap")
-                                  .Attr<bool>("use_segment_ids"));
+                                  .Attr<bool>("use_segment_ids")
+                                  .Attr<float>("dropout_rate"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuBackward, Backward,
                               ffi::Ffi::Bind()
@@ -354,6 +369,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuBackward, Backward,
                                   .Arg<ffi::AnyBuffer>()  // q_segment_ids [B, T] s32
                                   .Arg<ffi::AnyBuffer>()  // kv_segment_ids [B, S] s32
                                   .Arg<ffi::AnyBuffer>()  // q_offset [B] s32
+                                  .Arg<ffi::AnyBuffer>()  // dropout_seed [2] u32
                                   .Ret<ffi::AnyBuffer>()  // dq [B, T, N, H]
                                   .Ret<ffi::AnyBuffer>()  // dk [B, S, K, H]
                                   .Ret<ffi::AnyBuffer>()  // dv [B, S, K, H]
@@ -364,6 +380,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuBackward, Backward,
                                   .Attr<int64_t>("window_right")
                                   .Attr<float>("softcap")
                                   .Attr<bool>("use_segment_ids")
+                                  .Attr<float>("dropout_rate")
                                   .Attr<bool>("deterministic"));
 
 }  // namespace cpu

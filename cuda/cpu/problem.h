@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/dropout.h"
+
 namespace jax_flash {
 namespace cpu {
 
@@ -33,6 +35,9 @@ struct Problem {
   int64_t window_left = -1;
   int64_t window_right = -1;
   bool use_segment_ids = false;
+  // Attention dropout (kernels/dropout.h): off, or the key and threshold of the keep bits of
+  // element (b, n, t, s), applied to P after the softmax statistics.
+  dropout::Setting dropout;
 
   const int32_t* q_lengths = nullptr;       // [B]
   const int32_t* kv_lengths = nullptr;      // [B]

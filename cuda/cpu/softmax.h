@@ -13,6 +13,7 @@
 
 #include "cpu/vec.h"
 #include "cpu/score_mask.h"
+#include "kernels/dropout.h"
 
 namespace jax_flash {
 namespace cpu {
@@ -28,6 +29,26 @@ JAX_FLASH_INLINE float ReduceMaxKeepNaN(VecF v) {
   return m;
 }
 
+// Dropout of one row of P (row t of head n of batch row b, keys s0 + j for j < cols_padded,
+// s0 a multiple of 4): kept weights are multiplied by `factor`, dropped ones become 0. One
+// Philox call gives the bits of 4 adjacent keys (kernels/dropout.h).
+JAX_FLASH_INLINE void DropRow(float* row, int64_t cols_padded, const dropout::Setting& d, int64_t b, int64_t n,
+                              int64_t t, int64_t s0, float factor) {
+  for (int64_t j = 0; j < cols_padded; j += dropout::kColumnsPerCall) {
+    const unsigned bits = dropout::KeepBitsOfGroup(d, static_cast<uint32_t>(b), static_cast<uint32_t>(n),
+                                                   static_cast<uint32_t>(t), static_cast<uint32_t>((s0 + j) >> 2));
+    for (int64_t c = 0; c < dropout::kColumnsPerCall && j + c < cols_padded; ++c)
+      row[j + c] = (bits >> c) & 1u ? row[j + c] * factor : 0.0f;
+  }
+}
+
+// Which P a tile drops: null when dropout is off.
+struct TileDropout {
+  const dropout::Setting* setting;
+  int64_t b;
+  int64_t n;
+};
+
 // Online-softmax update of rows [0, s.rows_padded): logits in s become P in place,
 // m and l are updated, and correction[i] = exp(m_old − m_new) is what the row's
 // output accumulator must be multiplied by before P·V is added to it.
@@ -35,8 +56,10 @@ JAX_FLASH_INLINE float ReduceMaxKeepNaN(VecF v) {
 // bad_values (null when the tile has none): keys whose value row holds a NaN/±inf, and
 // which the products read as zeros; a row that sees one gets a NaN weight (after l is
 // summed), which makes its whole output row NaN while its lse stays finite.
+// dropout (null: off): after l has summed every P, the dropped P become 0 before P·V (the
+// 1 / (1 − rate) is applied with 1 / l at the end).
 JAX_FLASH_INLINE void UpdateOnlineSoftmax(const ScoreTile& s, float* m, float* l, float* correction,
-                                          const int32_t* bad_values) {
+                                          const int32_t* bad_values, const TileDropout* dropout = nullptr) {
   for (int64_t i = 0; i < s.rows_padded; ++i) {
     float* row = s.data + i * s.ld;
     bool sees_bad_value = false;
@@ -61,6 +84,7 @@ JAX_FLASH_INLINE void UpdateOnlineSoftmax(const ScoreTile& s, float* m, float* l
     correction[i] = alpha;
     l[i] = l[i] * alpha + ReduceSum(sum);
     m[i] = m_new;
+    if (dropout != nullptr) DropRow(row, s.cols_padded, *dropout->setting, dropout->b, dropout->n, s.t0 + i, s.s0, 1.0f);
     if (sees_bad_value) row[0] = __builtin_nanf("");  // any NaN weight: the whole row is NaN
   }
 }

@@ -22,6 +22,7 @@
 
 #include <cstdint>
 
+#include "kernels/dropout.h"
 #include "kernels/grid.h"
 #include "kernels/mask.h"
 #include "kernels/params.h"
@@ -261,6 +262,7 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, LAYOUT>::THREAD
 
   const Mask mask = Mask::of(p, batch);
   const LogitScaling scaling = LogitScaling::of(p);
+  const dropout::Setting drop = p.dropout_setting();
   // Work items: (query head of the CTA's heads, query block that sees this key block).
   const Range rows = mask.rows_of_keys(s0, s0 + K::BLOCK_KV);
   const int q_block_begin = rows.lo / K::BLOCK_Q;
@@ -338,7 +340,13 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, LAYOUT>::THREAD
                           K::K_UNROLL>(dp, v_tile, key_row0, do_tile, 0, lane);
         const bool interior = mask.is_interior(t0, K::BLOCK_Q, warp_s0, K::WARP_KV, segments_allow_all);
         scaling.prepare<true>(s, mask, interior, warp_s0, t0, lane);
+        // Dropout: out = Z·V with Z = keep ∘ P / (1 − rate); dPᵀ becomes the cotangent of P
+        // and Pᵀ becomes Zᵀ for dV (D = rowsum(dO ∘ O) is unchanged).
+        const uint64_t keep =
+            drop.on ? keep_bits_of_fragment<true, K::BLOCK_Q / MMA_N>(drop, batch, n, warp_s0, t0, lane) : 0;
+        if (drop.on) drop_fragment(dp, keep, drop.keep_scale);
         probabilities_and_ds(s, dp, lse2, delta, scaling, lane);
+        if (drop.on) drop_fragment(s, keep, drop.keep_scale);
 
         // dV += Pᵀ·dO and dK += dSᵀ·Q (the warp's columns), A operands straight from the
         // accumulators.
@@ -479,6 +487,7 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM>::THREADS, 1)
 
   const Mask mask = Mask::of(p, batch);
   const LogitScaling scaling = LogitScaling::of(p);
+  const dropout::Setting drop = p.dropout_setting();
   const Range keys = mask.keys_of_rows(t0, t0 + K::BLOCK_Q);
   char* const q_tile = smem;
   char* const do_tile = smem + K::QTile::kBytes;
@@ -551,6 +560,9 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM>::THREADS, 1)
                         K::K_UNROLL>(dp, do_tile, warp * K::WARP_Q, v_tile, 0, lane);
       const bool interior = mask.is_interior(warp_t0, K::WARP_Q, s0, K::BLOCK_KV, segments_allow_all);
       scaling.prepare<false>(s, mask, interior, warp_t0, s0, lane);
+      if (drop.on)  // dZ -> dP, the cotangent of P
+        drop_fragment(dp, keep_bits_of_fragment<false, K::BLOCK_KV / MMA_N>(drop, batch, head, warp_t0, s0, lane),
+                      drop.keep_scale);
       JAX_FLASH_UNROLL
       for (int j = 0; j < K::BLOCK_KV / MMA_N; ++j) {
         JAX_FLASH_UNROLL

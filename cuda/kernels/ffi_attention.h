@@ -38,7 +38,8 @@ auto WithMaskOperandsAndAttributes(Binding binding) {
       .template Attr<int64_t>("window_left")
       .template Attr<int64_t>("window_right")
       .template Attr<float>("softcap")
-      .template Attr<bool>("use_segment_ids");
+      .template Attr<bool>("use_segment_ids")
+      .template Attr<float>("dropout_rate");
 }
 
 // jax_flash_fwd / jax_flash_emu_fwd.
@@ -49,6 +50,7 @@ auto ForwardSignature(Binding binding) {
                                            .template Arg<ffi::AnyBuffer>()   // k [B, S, K, H]
                                            .template Arg<ffi::AnyBuffer>())  // v [B, S, K, H]
       .template Arg<ffi::AnyBuffer>()                                        // sinks [N] f32 (-inf: none)
+      .template Arg<ffi::AnyBuffer>()                                        // dropout_seed [2] u32
       .template Ret<ffi::AnyBuffer>()                                        // out [B, T, N, H]
       .template Ret<ffi::AnyBuffer>();                                       // lse [B, N, T] f32
 }
@@ -64,6 +66,7 @@ auto BackwardSignature(Binding binding) {
                                            .template Arg<ffi::AnyBuffer>()   // dout [B, T, N, H]
                                            .template Arg<ffi::AnyBuffer>()   // lse [B, N, T] f32
                                            .template Arg<ffi::AnyBuffer>())  // dlse [B, N, T] f32
+      .template Arg<ffi::AnyBuffer>()   // dropout_seed [2] u32
       .template Attr<bool>("deterministic")
       .template Ret<ffi::AnyBuffer>()   // dq [B, T, N, H]
       .template Ret<ffi::AnyBuffer>()   // dk [B, S, K, H]
@@ -84,6 +87,7 @@ inline const char* DtypeName(ffi::DataType t) {
     case ffi::DataType::F64: return "float64";
     case ffi::DataType::S32: return "int32";
     case ffi::DataType::S64: return "int64";
+    case ffi::DataType::U32: return "uint32";
     default: return "another dtype";
   }
 }
@@ -205,6 +209,17 @@ inline ffi::Error CheckOperands(const char* target, const ffi::AnyBuffer& q, con
   return ffi::Error::Success();
 }
 
+// The dropout operand and attribute: seed [2] u32 (the key's words) and rate in [0, 1).
+inline ffi::Error CheckDropout(const char* target, const ffi::AnyBuffer& seed, float rate, AttentionParams* p) {
+  if (auto e = Expect(target, "dropout_seed", seed, {2}, ffi::DataType::U32); e.failure()) return e;
+  if (!(rate >= 0.0f && rate < 1.0f))
+    return ffi::Error::InvalidArgument(std::string(target) + ": dropout_rate must be in [0, 1), got " +
+                                       std::to_string(rate));
+  p->dropout_rate = rate;
+  p->dropout_seed = static_cast<const uint32_t*>(seed.untyped_data());
+  return ffi::Error::Success();
+}
+
 // JAX_FLASH_POISON_OUTPUTS=1: results are filled with NaN bytes before the kernels run, so an
 // element a kernel forgets to write shows up in the tests.
 inline bool PoisonOutputs() {
@@ -221,14 +236,16 @@ inline ffi::Error ToError(const char* target, const LaunchError& err) {
 inline ffi::Error Forward(const char* target, Stream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                           ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
                           ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_offsets, float scale, int64_t window_left,
-                          int64_t window_right, float softcap, bool use_segment_ids, ffi::AnyBuffer sinks,
-                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse) {
+                          int64_t window_right, float softcap, bool use_segment_ids, float dropout_rate,
+                          ffi::AnyBuffer sinks, ffi::AnyBuffer dropout_seed, ffi::Result<ffi::AnyBuffer> out,
+                          ffi::Result<ffi::AnyBuffer> lse) {
   AttentionParams p;
   ElementType dtype;
   if (auto e = CheckOperands(target, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, q_offsets,
                              scale, window_left, window_right, softcap, use_segment_ids, &p, &dtype);
       e.failure())
     return e;
+  if (auto e = CheckDropout(target, dropout_seed, dropout_rate, &p); e.failure()) return e;
   const int64_t B = p.batch, T = p.q_len, N = p.q_heads, H = p.head_dim;
   if (auto e = Expect(target, "out", *out, {B, T, N, H}, q.element_type()); e.failure()) return e;
   if (auto e = Expect(target, "lse", *lse, {B, N, T}, ffi::DataType::F32); e.failure()) return e;
@@ -250,7 +267,8 @@ inline ffi::Error Backward(const char* target, Stream stream, ffi::AnyBuffer q, 
                            ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer dlse,
                            ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
                            ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_offsets, float scale, int64_t window_left,
-                           int64_t window_right, float softcap, bool use_segment_ids, bool deterministic,
+                           int64_t window_right, float softcap, bool use_segment_ids, float dropout_rate,
+                           ffi::AnyBuffer dropout_seed, bool deterministic,
                            ffi::Result<ffi::AnyBuffer> dq,
                            ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                            ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> delta,
@@ -261,6 +279,7 @@ inline ffi::Error Backward(const char* target, Stream stream, ffi::AnyBuffer q, 
                              scale, window_left, window_right, softcap, use_segment_ids, &p, &dtype);
       e.failure())
     return e;
+  if (auto e = CheckDropout(target, dropout_seed, dropout_rate, &p); e.failure()) return e;
   const int64_t B = p.batch, T = p.q_len, S = p.kv_len, N = p.q_heads, K = p.kv_heads, H = p.head_dim;
   const ffi::DataType t = q.element_type();
   if (auto e = Expect(target, "out", out, {B, T, N, H}, t); e.failure()) return e;

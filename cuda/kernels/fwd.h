@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "kernels/dropout.h"
 #include "kernels/grid.h"
 #include "kernels/mask.h"
 #include "kernels/params.h"
@@ -104,6 +105,7 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, LAYOUT>::THREADS
 
   const Mask mask = Mask::of(p, batch);
   const LogitScaling scaling = LogitScaling::of(p);
+  const dropout::Setting drop = p.dropout_setting();
   const Range keys = mask.keys_of_rows(t0, t0 + K::BLOCK_Q);
 
   // ROW_BLOCKS x (MMA_M rows, MMA_N cols, 4 regs): the warp's WARP_Q x HEAD_DIM output, and
@@ -171,6 +173,8 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, LAYOUT>::THREADS
         const bool interior = mask.is_interior(rows_t0, MMA_M, s0, K::BLOCK_KV, segments_allow_all);
         scaling.prepare<false>(s[rb], mask, interior, rows_t0, s0, lane);
         softmax[rb].update(s[rb], o[rb], scaling.exp_scale);
+        // Dropout after the statistics: P·V of the kept weights (scaled at the end).
+        if (drop.on) drop_fragment(s[rb], keep_bits_of_fragment<false, K::BLOCK_KV / MMA_N>(drop, batch, head, rows_t0, s0, lane), 1.0f);
       }
       accumulate_pv<Elem, HEAD_DIM, K>(o, s, v_tile, lane);
     }
@@ -181,6 +185,7 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, LAYOUT>::THREADS
   for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) {
     float lse[2];
     softmax[rb].finish(o[rb], scaling.exp_scale, lse);
+    if (drop.on) scale_fragment(o[rb], drop.keep_scale);
     store_output<Elem, HEAD_DIM, K>(p, o[rb], lse, smem, batch, head, warp * K::WARP_Q + MMA_M * rb,
                                     warp_t0 + MMA_M * rb, lane);
   }

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "kernels/dropout.h"
 #include "kernels/platform.h"
 #include "kernels/ptx.h"
 
@@ -37,6 +38,10 @@ struct AttentionParams {
   // [N] (forward): one logit per query head that joins every row's softmax with value 0
   // (attention sinks), the online softmax's initial state; -inf (or null) is no sink.
   const float* sinks = nullptr;
+  // Attention dropout (kernels/dropout.h): rate 0 = off; else the Philox key, the two uint32
+  // words at dropout_seed (device memory, read directly like the lengths).
+  float dropout_rate = 0.0f;
+  const uint32_t* dropout_seed = nullptr;  // [2]
 
   const uint16_t* q = nullptr;
   const uint16_t* k = nullptr;
@@ -78,6 +83,11 @@ struct AttentionParams {
   __host__ __device__ __forceinline__ bool dkv_per_query_head() const { return dk_accum != nullptr; }
   __device__ __forceinline__ int64_t stat_offset(int b, int n, int t) const {
     return (static_cast<int64_t>(b) * q_heads + n) * q_len + t;
+  }
+  // The keep-mask's setting (off when dropout_rate is 0).
+  __device__ __forceinline__ dropout::Setting dropout_setting() const {
+    if (dropout_rate == 0.0f) return dropout::Setting{};
+    return dropout::MakeSetting(dropout_rate, dropout_seed[0], dropout_seed[1]);
   }
   __device__ __forceinline__ int64_t q_row_stride() const { return static_cast<int64_t>(q_heads) * head_dim; }
   __device__ __forceinline__ int64_t kv_row_stride() const { return static_cast<int64_t>(kv_heads) * head_dim; }

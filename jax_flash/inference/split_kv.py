@@ -58,6 +58,8 @@ def max_splits(spec: AttentionSpec, wanted: int) -> int:
     chunk start could not be exact in int32."""
     if spec.q_len > DECODE_MAX_QUERIES or spec.kv_len < 2 * MIN_CHUNK:
         return 1
+    if spec.has_dropout:  # training: the chunks would renumber the batch rows' counters
+        return 1
     if spec.window_right is not None and spec.window_right >= 2**31 - spec.q_len:
         return 1
     return max(1, min(wanted, spec.kv_len // MIN_CHUNK))

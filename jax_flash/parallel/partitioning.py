@@ -81,6 +81,7 @@ _MASK_DIMS = {
     "kv_segment_ids": ("b", "s"),
     "q_offset": ("b",),
     "sinks": ("n",),  # one logit per query head: sharded with the query heads
+    "dropout_seed": (None,),  # uint32 [2]: replicated, no batch axis
 }
 
 _DIM_NAMES = {
@@ -153,8 +154,13 @@ def _wrapped(name, is_backward, fn, spec, q, k, v, masks, rest):
     call = _Call(name, is_backward, fn, spec, fields, operand_dims, result_dims)
     # The dbias result has the batch extent of the bias operand (maybe a broadcast 1).
     like = {3: 3 + fields.index("bias")} if is_backward and masks.bias is not None else {}
-    # Operands without a batch axis (sinks [N]): passed as they are under vmap.
-    unbatched = {3 + fields.index("sinks"): "sinks"} if "sinks" in fields else {}
+    # Operands without a batch axis (sinks [N], the dropout seed [2]): passed as they
+    # are under vmap, never mapped.
+    unbatched = {}
+    if "sinks" in fields:
+        unbatched[3 + fields.index("sinks")] = "sinks"
+    if "dropout_seed" in fields:
+        unbatched[3 + fields.index("dropout_seed")] = "dropout_rng"
     outs = _fold_vmap(functools.partial(_PARTITIONED, call), like, unbatched)(*operands)
     if is_backward:
         dq, dk, dv, *dbias = outs
@@ -240,6 +246,17 @@ def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
             if d is not None and a and d not in found:
                 found[d] = a
     spec = call.spec
+    if spec.has_dropout:
+        # The keep-mask counts global (batch, head, query, key) positions; a shard's call
+        # would count its local ones and draw another mask. Every sharded dimension is
+        # gathered, so each device draws the unsharded call's mask.
+        for d, axes in found.items():
+            _warn_once(
+                call, d, axes,
+                "attention dropout's keep-mask is counted by global (batch, head, query, key) "
+                "positions, which a shard does not know",
+            )
+        return _Plan()
     used: set = set()
     plan: dict = {}
     for d, axes in list(found.items()):
@@ -479,8 +496,8 @@ def _fold_vmap(fn, like: dict, unbatched: Optional[dict] = None):
 
     like: {result index: operand index} for a result with the batch extent of an operand
     (dbias of a bias): the operand is expanded to B rows and the result summed back.
-    unbatched: {operand index: name} of operands without a batch axis (sinks [N]): passed
-    as they are; vmapping over one is an error naming it.
+    unbatched: {operand index: name} of operands without a batch axis (sinks [N], the
+    dropout seed [2]): passed as they are; vmapping over one is an error naming it.
     """
     unbatched = unbatched or {}
 
@@ -498,8 +515,9 @@ def _fold_vmap(fn, like: dict, unbatched: Optional[dict] = None):
                 if batched:
                     raise ValueError(
                         f"{unbatched[i]} cannot be mapped by jax.vmap in the compiled "
-                        "implementations (one value per query head for the whole call); map "
-                        "only query, key and value, or use implementation='xla'"
+                        "implementations (one value for the whole call: sinks per query head, "
+                        "one dropout key); map only query, key and value, or use "
+                        "implementation='xla'"
                     )
                 flat.append(a)
                 broadcast[i] = False
