@@ -27,7 +27,7 @@ class Implementation(Protocol):
         """None if this implementation can run `spec` here, else why not (one sentence)."""
 
     def forward(self, spec: AttentionSpec, q, k, v, masks: MaskInputs):
-        """-> out [B, T, N, H] (dtype of q), lse [B, N, T] float32 natural log."""
+        """-> out [B, T, N, Hv] (dtype of q), lse [B, N, T] float32 natural log."""
 
     def backward(self, spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout, dlse):
         """-> dq, dk, dv (input dtypes), dbias (shape and dtype of masks.bias, or None)."""

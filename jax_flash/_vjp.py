@@ -19,7 +19,7 @@ from jax_flash._spec import AttentionSpec, MaskInputs
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def flash_attention(impl_name: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):
-    """(out [B, T, N, H], lse [B, N, T]) for canonical inputs, differentiable in q, k, v, bias."""
+    """(out [B, T, N, Hv], lse [B, N, T]) for canonical inputs, differentiable in q, k, v, bias."""
     return _forward(impl_name, spec, q, k, v, masks)[0]
 
 
@@ -59,7 +59,8 @@ def _empty_forward(spec: AttentionSpec, q):
     them agree: out 0 and lse -inf (each row sees no key, S = 0), or empty arrays."""
     b, t, n = spec.batch, spec.q_len, spec.num_heads
     stat_dt = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
-    return jnp.zeros_like(q), jnp.full((b, n, t), -jnp.inf, stat_dt)
+    out = jnp.zeros_like(q, shape=(b, t, n, spec.v_head_dim))  # [B, T, N, Hv]
+    return out, jnp.full((b, n, t), -jnp.inf, stat_dt)
 
 
 # Second derivatives: differentiating a gradient differentiates both rules of the

@@ -22,6 +22,9 @@ class CpuImplementation:
             return why
         if spec.head_dim > MAX_HEAD_DIM:
             return f"supports head dims up to {MAX_HEAD_DIM}, got {spec.head_dim}"
+        if spec.v_head_dim != spec.head_dim:
+            return (f"serves the value head dim Hv = H only, got H = {spec.head_dim}, "
+                    f"Hv = {spec.v_head_dim}")
         return _ffi.compiled_kernel_reason(spec, DTYPES)
 
     def forward(self, spec, q, k, v, masks):

@@ -440,6 +440,9 @@ class PallasImplementation:
             return f"supports dtypes {DTYPES}, got {spec.dtype}"
         if spec.head_dim > MAX_HEAD_DIM:
             return f"supports head dims up to {MAX_HEAD_DIM}, got {spec.head_dim}"
+        if spec.v_head_dim != spec.head_dim:
+            return (f"serves the value head dim Hv = H only, got H = {spec.head_dim}, "
+                    f"Hv = {spec.v_head_dim}")
         return launch_limit(spec)
 
     def note(self, spec: AttentionSpec) -> Optional[str]:

@@ -44,7 +44,7 @@ def test_forward(impl, case):
     out, lse = jax.jit(
         lambda q, k, v: jax_flash.attention(q, k, v, implementation=impl, return_residual=True, **kw)
     )(q, k, v)
-    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.shape == q.shape[:-1] + v.shape[-1:] and out.dtype == q.dtype  # [*B, T, N, Hv]
     assert lse.shape == q.shape[:-1] and lse.dtype == jnp.float32
 
     ref64, lse64 = attention_reference(q, k, v, return_residual=True, compute_dtype=jnp.float64, **kw)
@@ -67,7 +67,8 @@ def _check_backward(impl, case):
     """Gradients of out and lse against the reference; returns them."""
     q, k, v, kw = _check_case(impl, case)
     dtype = q.dtype
-    cot = jax.random.normal(jax.random.PRNGKey(7), q.shape, jnp.float32).astype(dtype)
+    out_shape = q.shape[:-1] + v.shape[-1:]  # [*B, T, N, Hv]
+    cot = jax.random.normal(jax.random.PRNGKey(7), out_shape, jnp.float32).astype(dtype)
     dlse = jax.random.normal(jax.random.PRNGKey(8), q.shape[:-1], jnp.float32)
     bias = kw.pop("bias", None)
 

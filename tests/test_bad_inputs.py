@@ -52,7 +52,11 @@ ROWS = [
     ("key_dtype", "key", lambda q, k, v: ((q, k.astype(jnp.float16), v), {}), TypeError, r"query, key and value must share one dtype"),
     ("key_no_heads", "key", lambda q, k, v: ((q, k[:, :, :0], v[:, :, :0]), {}), ValueError, r"key and value must have at least one head"),
     ("key_too_long", "key", None, ValueError, r"key has S = 1073741824 positions"),
-    ("value_shape", "value", lambda q, k, v: ((q, k, v[:, :4]), {}), ValueError, r"key and value must have the same shape"),
+    ("value_shape", "value", lambda q, k, v: ((q, k, v[:, :4]), {}), ValueError, r"key \[\*B, S, K, H\] and value \[\*B, S, K, Hv\] must have the same shape except the last"),
+    ("value_kv_heads", "value", lambda q, k, v: ((q, k, v[:, :, :1]), {}), ValueError, r"must have the same shape except the last \(head\) dim, got key \(2, 10, 2, 32\) and value \(2, 10, 1, 32\)"),
+    ("value_batch", "value", lambda q, k, v: ((q, k, v[:1]), {}), ValueError, r"key \[\*B, S, K, H\] and value \[\*B, S, K, Hv\] must have the same shape except"),
+    ("value_rank", "value", lambda q, k, v: ((q, k, v[None]), {}), ValueError, r"and value \[\*B, S, K, Hv\] must have the same shape except"),
+    ("value_head_dim_0", "value", lambda q, k, v: ((q, k, v[..., :0]), {}), ValueError, r"value must have a head dim Hv >= 1"),
     ("value_dtype", "value", lambda q, k, v: ((q, k, v.astype(jnp.float16)), {}), TypeError, r"query, key and value must share one dtype"),
     ("value_none", "value", lambda q, k, v: ((q, k, None), {}), TypeError, r"value must be an array, got None"),
     ("bias_shape", "bias", _with(bias=jnp.zeros((T, S + 1))), ValueError, r"bias must be broadcastable"),
@@ -144,6 +148,8 @@ IMPL_ROWS = {
         (dict(h=48), r"has kernels for head dims \(32, 64, 96, 128\), got 48"),
         (dict(bias=True), r"does not take a dense bias"),
         (dict(mask=True), r"does not take a dense mask"),
+        (dict(hv=16), r"has kernels for \(H, Hv\) pairs with the value head dim Hv = H only "
+                      r"\(\(32, 32\), \(64, 64\), \(96, 96\), \(128, 128\)\), got H = 32, Hv = 16"),
     ],
     "cpu": [
         (dict(dtype=jnp.float64), r"supports dtypes float32, bfloat16, float16, got float64"),
@@ -164,13 +170,14 @@ def test_implementation_limits(impl):
         h = change.get("h", H)
         q = jax.ShapeDtypeStruct((B, T, N, h), dt)
         kv = jax.ShapeDtypeStruct((B, S, K, h), dt)
+        v = jax.ShapeDtypeStruct((B, S, K, change.get("hv", h)), dt)
         kw = {}
         if change.get("bias"):
             kw["bias"] = jnp.zeros((T, S), jnp.float32)
         if change.get("mask"):
             kw["mask"] = jnp.ones((T, S), bool)
         with pytest.raises(ValueError, match=f'implementation="{impl}" cannot run this call: {match}'):
-            jax.jit(lambda q, kv: jax_flash.attention(q, kv, kv, implementation=impl, **kw)).trace(q, kv)
+            jax.jit(lambda q, kv, v: jax_flash.attention(q, kv, v, implementation=impl, **kw)).trace(q, kv, v)
 
 
 # ---------------------------------------------------------------- the compiled FFI handlers
