@@ -51,7 +51,7 @@ struct ForwardTiles {
 // Writes the rows of a query block that see no key: out = 0, lse = -inf.
 inline void WriteEmptyRows(const Problem& p, int64_t b, int64_t n, int64_t t_begin, int64_t t_end) {
   for (int64_t t = t_begin; t < t_end; ++t) {
-    StoreZeros(p.dtype, p.q_row(b, t, n), p.head_dim, p.out);
+    StoreZeros(p.dtype, p.o_row(b, t, n), p.value_dim(), p.out);
     p.lse[p.stat(b, n, t)] = -__builtin_inff();
   }
 }
@@ -64,7 +64,7 @@ inline void WriteOutputRows(const Problem& p, const ForwardTiles& w, int64_t b, 
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t t = t0 + i;
     if (w.m[i] != -__builtin_inff()) {
-      StoreRow(w.o + i * w.row_stride, 1.0f / w.l[i], p.dtype, p.q_row(b, t, n), p.head_dim,
+      StoreRow(w.o + i * w.row_stride, 1.0f / w.l[i], p.dtype, p.o_row(b, t, n), p.value_dim(),
                p.out);
       p.lse[p.stat(b, n, t)] = w.m[i] + std::log(w.l[i]);
     } else {
