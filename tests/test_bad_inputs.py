@@ -153,11 +153,13 @@ IMPL_ROWS = {
     "cpu": [
         (dict(dtype=jnp.float64), r"supports dtypes float32, bfloat16, float16, got float64"),
         (dict(h=520), r"supports head dims up to 512, got 520"),
+        (dict(hv=520), r"supports value head dims up to 512, got 520"),
         (dict(bias=True), r"does not take a dense bias"),
     ],
     "pallas": [
         (dict(dtype=jnp.float64), r"supports dtypes .*got float64"),
         (dict(h=264), r"supports head dims up to 256, got 264"),
+        (dict(hv=264), r"supports value head dims up to 256, got 264"),
     ],
     "xla": [],
 }
