@@ -27,6 +27,9 @@ class CpuImplementation:
             return f"supports value head dims up to {MAX_HEAD_DIM}, got {spec.v_head_dim}"
         return _ffi.compiled_kernel_reason(spec, DTYPES)
 
+    def head_dims(self) -> str:
+        return f"any pair with H, Hv <= {MAX_HEAD_DIM}"
+
     def forward(self, spec, q, k, v, masks):
         return _ffi.forward(self.name, "jax_flash_fwd", spec, q, k, v, masks)
 

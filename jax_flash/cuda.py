@@ -239,6 +239,9 @@ class CudaImplementation:
             return why
         return _ffi.compiled_kernel_reason(spec, DTYPES) or launch_limit(spec)
 
+    def head_dims(self) -> str:
+        return ", ".join(f"({h}, {hv})" for h, hv in head_dim_pairs())
+
     def note(self, spec: AttentionSpec) -> Optional[str]:
         """What `explain` adds when the kernels can run: the host emulation, or which image
         of the build this GPU runs (a cubin, or PTX that the driver JIT-compiles)."""

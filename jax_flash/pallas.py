@@ -453,6 +453,9 @@ class PallasImplementation:
             return f"supports value head dims up to {MAX_HEAD_DIM}, got {spec.v_head_dim}"
         return launch_limit(spec)
 
+    def head_dims(self) -> str:
+        return f"any pair with H, Hv <= {MAX_HEAD_DIM}"
+
     def note(self, spec: AttentionSpec) -> Optional[str]:
         """What `explain` adds: on a CPU the kernels are interpreted, which is for tests."""
         if _interpret(None):

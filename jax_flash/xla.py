@@ -438,6 +438,9 @@ class XlaImplementation:
     def unsupported(self, spec: AttentionSpec) -> Optional[str]:
         return None
 
+    def head_dims(self) -> str:
+        return "any pair"
+
     def forward(self, spec, q, k, v, masks):
         from jax_flash.inference import split_kv  # split-KV decoding: few queries, long S
 
