@@ -195,7 +195,7 @@ KV = jnp.zeros((2, 10, 2, 16), jnp.float32)
     "args, kwargs, exc, match",
     [
         ((Q[0, 0], KV, KV), {}, ValueError, r"query must have rank >= 3.*\(4, 16\)"),
-        ((Q, KV, KV[..., :8]), {}, ValueError, r"key and value must have the same shape"),
+        ((Q, KV, KV[:, :9]), {}, ValueError, r"key .* and value .* must have the same shape except the last"),
         ((Q, KV[..., :8], KV[..., :8]), {}, ValueError, r"same head dim H"),
         ((Q[:, :, :3], KV, KV), {}, ValueError, r"N=3 must be a multiple of .* K=2"),
         ((Q, KV[:1], KV[:1]), {}, ValueError, r"same leading batch axes"),
