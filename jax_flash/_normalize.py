@@ -67,12 +67,18 @@ def _check_int_array(name: str, x, shape: tuple[int, ...], alt_shapes=(), clip=N
 
 
 def _check_int32_values(name: str, x) -> None:
-    """ValueError when concrete values of a 64-bit or unsigned array do not fit int32 (traced
-    ones cannot be checked and are cast)."""
+    """ValueError when concrete values of a 64-bit or unsigned array do not fit int32. A
+    traced one cannot be checked at trace time, and its cast could wrap a value onto another
+    (segment ids 0 and 2**32 would match, an offset would move): TypeError, int32 is needed."""
     try:
         values = np.asarray(x)
     except jax.errors.TracerArrayConversionError:
-        return
+        dtype = jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype
+        raise TypeError(
+            f"{name} must be an int32 array when traced (under jit, vmap or grad), got {dtype}: "
+            "a traced 64-bit or unsigned array's values cannot be checked to fit int32 at trace "
+            f"time; pass {name.split(' ')[0]}.astype(jnp.int32) (or concrete values)"
+        ) from None
     if values.size and (values.min() < _INT32_MIN or values.max() > _INT32_MAX):
         raise ValueError(f"{name} must fit in int32, got values in [{values.min()}, {values.max()}]")
 
@@ -187,6 +193,19 @@ def _window(local_window_size, is_causal, t: Optional[int] = None, s: Optional[i
     return left, right
 
 
+def _sinks(sinks, n: int, dtype) -> jax.Array:
+    """A floating array [N] (one logit per query head) -> float32 (float64 for float64
+    inputs: the statistics' dtype)."""
+    x = _as_array("sinks", sinks)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"sinks must be a floating-point array [N] (one logit per query head), got {_shape_str(x)}")
+    if tuple(x.shape) != (n,):
+        raise ValueError(
+            f"sinks must have shape [N] = ({n},) (one logit per query head), got {_shape_str(x)}"
+        )
+    return x.astype(jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32)
+
+
 def _dense(name: str, x, batch_shape, n, t, s, bool_dtype: bool):
     """Validate a dense bias/mask broadcastable to [*batch, N, T, S]; fold batch axes."""
     x = _as_array(name, x)
@@ -239,6 +258,7 @@ def canonicalize(
     logits_soft_cap=None,
     query_offset=None,
     implementation=None,
+    sinks=None,
 ) -> Canonical:
     """Check every argument and build the canonical call."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
@@ -351,6 +371,7 @@ def canonicalize(
         kv_seg = _check_int_array("segment_ids (key/value)", kv_ids, (*batch_shape, s)).reshape(b, s)
 
     q_off = None if query_offset is None else _query_offset(query_offset, batch_shape, b)
+    sinks_c = None if sinks is None else _sinks(sinks, n, q.dtype)
 
     spec = AttentionSpec(
         batch=b,
@@ -371,8 +392,9 @@ def canonicalize(
         has_segment_ids=q_seg is not None,
         has_q_offset=q_off is not None,
         value_head_dim=None if hv == h else hv,
+        has_sinks=sinks_c is not None,
     )
-    masks = MaskInputs(bias_c, mask_c, q_len, kv_len, q_seg, kv_seg, q_off)
+    masks = MaskInputs(bias_c, mask_c, q_len, kv_len, q_seg, kv_seg, q_off, sinks_c)
     return Canonical(
         spec=spec,
         q=q.reshape(b, t, n, h),

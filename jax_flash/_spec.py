@@ -9,8 +9,9 @@
 * `MaskInputs`: the optional array inputs, already folded to one batch axis, or None.
 
 Every implementation receives q [B, T, N, H], k [B, S, K, H] and v [B, S, K, Hv] plus these
-two, and returns out [B, T, N, Hv] and lse [B, N, T] (float32, natural log). The value head
-dim Hv may differ from the query/key head dim H (MLA: H = 192, Hv = 128).
+two, and returns out [B, T, N, Hv] and lse [B, N, T] (float32, natural log; with sinks, lse
+includes the sink's exp(sinks[n]) and a row that sees no key has lse = sinks[n]). The value
+head dim Hv may differ from the query/key head dim H (MLA: H = 192, Hv = 128).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class MaskInputs(NamedTuple):
     kv_segment_ids: Optional[jax.Array] = None  # [B, S] int32
     # [B] int32: query t of row b sits at key position q_offset[b] + t (causal/window only).
     q_offset: Optional[jax.Array] = None
+    # [N] float32 (float64 for float64 inputs): one logit per query head that joins every
+    # row's softmax denominator with a zero value (attention sinks). Differentiable.
+    sinks: Optional[jax.Array] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +62,7 @@ class AttentionSpec:
     has_segment_ids: bool = False
     has_q_offset: bool = False  # MaskInputs.q_offset is given (else the offset is 0)
     value_head_dim: Optional[int] = None  # Hv of v and out; None means Hv = H
+    has_sinks: bool = False  # MaskInputs.sinks is given
 
     @property
     def v_head_dim(self) -> int:

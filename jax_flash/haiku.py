@@ -36,6 +36,8 @@ class MultiHeadAttention(hk.MultiHeadAttention):
       implementation: None (best available), "cuda", "pallas", "cpu" or "xla".
       is_causal: query t sees keys s <= t (in addition to any mask).
       logits_soft_cap: float c: logits -> c·tanh(logits / c).
+      with_sinks: learn attention sinks (one logit per head, `jax_flash.attention`'s `sinks`):
+        a parameter "sinks" [num_heads] (float32, initialised by `sinks_init`, default zeros).
     """
 
     def __init__(
@@ -53,6 +55,8 @@ class MultiHeadAttention(hk.MultiHeadAttention):
         implementation: Optional[str] = None,
         is_causal: bool = False,
         logits_soft_cap: Optional[float] = None,
+        with_sinks: bool = False,
+        sinks_init=None,
     ):
         super().__init__(
             num_heads,
@@ -68,6 +72,8 @@ class MultiHeadAttention(hk.MultiHeadAttention):
         self.implementation = implementation
         self.is_causal = is_causal
         self.logits_soft_cap = logits_soft_cap
+        self.with_sinks = with_sinks
+        self.sinks_init = sinks_init if sinks_init is not None else jnp.zeros
 
     def __call__(self, query, key, value, mask=None):
         """Same as haiku's: query [..., T', D_q], key/value [..., T, D], mask
@@ -90,6 +96,9 @@ class MultiHeadAttention(hk.MultiHeadAttention):
 
         # q, k [..., H, K] and v [..., H, V]: the value head dim may differ (Hv = V).
         dtype = jnp.result_type(query_heads, key_heads, value_heads)
+        sinks = None
+        if self.with_sinks:
+            sinks = hk.get_parameter("sinks", [self.num_heads], jnp.float32, init=self.sinks_init)
         out = attention(
             query_heads.astype(dtype),
             key_heads.astype(dtype),
@@ -98,6 +107,7 @@ class MultiHeadAttention(hk.MultiHeadAttention):
             scale=1.0 / math.sqrt(self.key_size),
             is_causal=self.is_causal,
             logits_soft_cap=self.logits_soft_cap,
+            sinks=sinks,
             implementation=self.implementation,
         )  # [..., T', H, V]
         attn = jnp.reshape(out, (*leading_dims, sequence_length, -1))  # [..., T', H*V]

@@ -30,6 +30,7 @@ def attention_reference(
     segment_ids=None,
     logits_soft_cap=None,
     query_offset=None,
+    sinks=None,
     return_residual=False,
     compute_dtype=None,
 ):
@@ -37,7 +38,8 @@ def attention_reference(
 
     compute_dtype: dtype of the logits and of the P·V product (None: the input dtype, as a
     kernel at that precision would see it). Softmax statistics are float32, or float64 when
-    compute_dtype is float64. A row that sees no key gives out = 0 and lse = -inf.
+    compute_dtype is float64. A row that sees no key gives out = 0 and lse = -inf (with
+    sinks: lse = sinks[n]).
     """
     c = canonicalize(
         query,
@@ -53,6 +55,7 @@ def attention_reference(
         segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap,
         query_offset=query_offset,
+        sinks=sinks,
     )
     out, lse = reference_canonical(c.spec, c.q, c.k, c.v, c.masks, compute_dtype)
     out, lse = restore(c, out.astype(query.dtype if compute_dtype is None else compute_dtype), lse)
@@ -72,6 +75,10 @@ def reference_canonical(
     over finite copies of q, k, v, so that a masked-out poisoned key never meets a zero
     weight (0·NaN = NaN). A row whose every visible logit is -inf (or that sees no key)
     is empty: out 0, lse -inf, no gradient.
+
+    Sinks ([N]) join each row's max and sum as one more logit with value 0 (masks, scale
+    and the soft cap do not touch it): a row that sees no key gets out 0 and lse = sink, and
+    a NaN or +inf sink makes every row of its head NaN (out and lse).
     """
     dt = jnp.dtype(q.dtype if compute_dtype is None else compute_dtype)
     stat_dt = jnp.float64 if dt == jnp.float64 else jnp.float32
@@ -91,8 +98,6 @@ def reference_canonical(
     poison = jnp.swapaxes(bad_q, 1, 2)[..., :, None] | jnp.swapaxes(bad_k, 1, 2)[..., None, :]
     logits = logits + jnp.where(poison, jnp.nan, 0).astype(dt)
     logits = logits * jnp.asarray(spec.scale, dt)
-    logits = _masking.transform_logits(spec, logits.astype(stat_dt), masks.bias)
-    logits = logits.astype(dt).astype(stat_dt)
     rows = jnp.arange(t, dtype=jnp.int32)[:, None]
     cols = jnp.arange(s, dtype=jnp.int32)[None, :]
     # Query t of row b sits at key position q_offset[b] + t for the causal/window band.
@@ -114,12 +119,34 @@ def reference_canonical(
     if masks.mask is not None:
         vis = masks.mask if vis is None else vis & masks.mask
     vis = jnp.broadcast_to(True if vis is None else vis, logits.shape)
+    # Masked pairs leave the computation here, before the bias and the soft cap: the cap's
+    # derivative 1 - tanh² at a masked NaN logit is NaN, and NaN times the zero cotangent of
+    # a masked pair is NaN (the double-where: a masked-out poison then affects nothing).
+    bias = None if masks.bias is None else jnp.where(vis, masks.bias, jnp.zeros((), masks.bias.dtype))
+    logits = jnp.where(vis, logits, jnp.zeros((), dt))
+    logits = _masking.transform_logits(spec, logits.astype(stat_dt), bias)
+    logits = logits.astype(dt).astype(stat_dt)
     logits = jnp.where(vis, logits, -jnp.inf)
     # XLA's max may drop a NaN logit; exp(NaN) cannot, so l is NaN for a poisoned row.
     m = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)  # S = 0: no key
+    sink = None
+    if masks.sinks is not None:
+        sink = masks.sinks.astype(stat_dt)[None, :, None, None]  # [1, N, 1, 1]
+        m = jnp.maximum(m, sink)  # a NaN sink makes m NaN
     m_safe = jnp.where(m == -jnp.inf, 0, m)
-    e = jnp.where(vis, jnp.exp(logits - m_safe), 0)  # exactly 0 where masked, even for NaN m
+    # The row max's exponent is exactly 0, chosen by comparison rather than computed as
+    # logit - max: under jit XLA recomputes the scaled logit inside the exponent's fusion and
+    # contracts the scale's multiply and this subtraction into an FMA, which skips the
+    # product's rounding that the max saw; at |scale · q·k| ~ 1e31 the difference came out
+    # ~ulp(1e31) above 0 (exp = inf, NaN out). A comparison reads the rounded product, so any
+    # other logit's exponent is < 0 either way. (A +inf logit still gives inf - inf = NaN.)
+    at_max = (logits >= m_safe) & (logits < jnp.inf)
+    shifted = jnp.where(at_max, jnp.zeros((), stat_dt), logits - m_safe)
+    e = jnp.where(vis, jnp.exp(shifted), 0)  # exactly 0 where masked, even for NaN m
     l = jnp.sum(e, axis=-1, keepdims=True)
+    if sink is not None:
+        # The sink's share: 0 for a -inf sink, NaN for a NaN or +inf one (exp(inf - inf)).
+        l = l + jnp.exp(sink - m_safe)
     empty = l == 0  # sees no key, or only -inf logits (a NaN l is a poisoned row)
     p = jnp.where(vis & ~empty, e / jnp.where(empty, 1, l), 0)
     lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1, l)))[..., 0]
@@ -134,6 +161,9 @@ def reference_canonical(
     lse_f = jnp.where(jnp.isfinite(lse), lse, 0)
     v_poison = jnp.where(sees_bad_v, jnp.nan, 0).astype(stat_dt) * (lse_f - lax.stop_gradient(lse_f))
     out = out + jnp.swapaxes(v_poison, 1, 2)[..., None].astype(out.dtype)
+    if sink is not None:  # a NaN or +inf sink: every row of its head, the empty ones too
+        bad_sink = ~(masks.sinks < jnp.inf)[None, None, :, None]  # [1, 1, N, 1]
+        out = jnp.where(bad_sink, jnp.nan, out)
     return out, lse.astype(stat_dt)
 
 
@@ -179,6 +209,7 @@ def paged_attention_reference(
     is_causal=True,
     local_window_size=None,
     logits_soft_cap=None,
+    sinks=None,
     return_residual=False,
     compute_dtype=None,
 ):
@@ -202,6 +233,7 @@ def paged_attention_reference(
         query_offset=lengths - q.shape[1],
         local_window_size=local_window_size,
         logits_soft_cap=logits_soft_cap,
+        sinks=sinks,
         return_residual=return_residual,
         compute_dtype=compute_dtype,
     )

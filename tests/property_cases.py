@@ -21,6 +21,8 @@ from typing import Any, Optional
 import jax.numpy as jnp
 import numpy as np
 
+from cases import Shape
+
 # Tile sizes of the kernels ±1 (16-row warps, 32/64-row backward blocks, 64-key tiles,
 # 128-row forward blocks): lengths are drawn near them half of the time.
 TILE_LENGTHS = (15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129)
@@ -56,12 +58,10 @@ class Gates:
     """Which dimensions may be drawn (the switches of tests/test_property.py)."""
 
     poisons: bool = True  # NaN/Inf in q, k, v, bias
-    extreme_scales: bool = True  # |scale| >= 1e8
     huge_windows: bool = True  # window sides >= 2**31
     bad_soft_caps: bool = True  # soft caps that are not a float32 normal (a ValueError)
     large_soft_caps: bool = True  # soft caps >= LARGE_SOFT_CAP (else 30)
     zero_size: bool = True  # B, T, S or N = 0
-    poisons_with_soft_cap: bool = True  # NaN/Inf together with a soft cap (else the cap is dropped)
 
 
 @dataclasses.dataclass
@@ -69,12 +69,7 @@ class Example:
     impl: str
     index: int
     seed: int
-    b: int
-    t: int
-    s: int
-    n: int
-    kh: int
-    h: int
+    shape: Shape  # B, T, S, N, K, H (also read as ex.b, ex.t, ... below)
     dtype: str
     scale: Optional[float] = None
     is_causal: bool = False
@@ -93,6 +88,13 @@ class Example:
     magnitude: float = 1.0  # std of q and k
     dlse_on_empty: bool = False  # the lse cotangent is nonzero on rows that see no key
     expect_error: Optional[str] = None  # the argument a ValueError must name
+
+    b = property(lambda self: self.shape.b)
+    t = property(lambda self: self.shape.t)
+    s = property(lambda self: self.shape.s)
+    n = property(lambda self: self.shape.n)
+    kh = property(lambda self: self.shape.kh)
+    h = property(lambda self: self.shape.h)
 
     @property
     def id(self) -> str:
@@ -243,7 +245,7 @@ def draw(impl: str, index: int, seed: int, *, tiny: bool, gates: Gates, attempt:
     zero_axis = zero_axis if zero_pick < 0.04 else None
     if zero_axis is not None and gates.zero_size:  # an empty B, T, S or N
         b, t, s, n = [0 if i == zero_axis else x for i, x in enumerate((b, t, s, n))]
-    ex = Example(impl, index, seed, b, t, s, n, kh, h, dtype)
+    ex = Example(impl, index, seed, Shape(b, t, s, n, kh, h), dtype)
 
     flags = rng.random(12)
     if flags[0] < 0.35:
@@ -281,8 +283,7 @@ def draw(impl: str, index: int, seed: int, *, tiny: bool, gates: Gates, attempt:
                 ex.soft_cap = 30.0
     if flags[7] < 0.4:
         if rng.random() < 0.15:
-            if gates.extreme_scales:
-                ex.scale = float(rng.choice(EXTREME_SCALES))
+            ex.scale = float(rng.choice(EXTREME_SCALES))
         else:
             ex.scale = float(rng.choice(SCALES))
     dense = impl in TAKES_DENSE or rng.random() < 0.1  # (the others refuse: tested)
@@ -301,8 +302,6 @@ def draw(impl: str, index: int, seed: int, *, tiny: bool, gates: Gates, attempt:
                         for _ in range(count))
         if gates.poisons:
             ex.poisons = poisons
-            if ex.soft_cap is not None and not gates.poisons_with_soft_cap:
-                ex.soft_cap = None
     if flags[11] < 0.2:
         ex.magnitude = float(rng.choice((0.01, 3.0, 10.0)))
     if dtype == "float32" and (ex.scale is None or abs(ex.scale) < EXTREME_SCALES[0]):

@@ -140,6 +140,45 @@ def test_bad_argument(impl, row):
             jax_flash.explain(*args, **kwargs)
 
 
+
+# Traced 64-bit (and uint32) integer mask arguments under jax_enable_x64 (tests/conftest.py
+# turns it on): their values cannot be checked at trace time and a cast to int32 could wrap
+# (segment ids 0 and 2**32 would match): a TypeError that says int32 is needed. Lengths are
+# clipped to [0, T] / [0, S] before their cast, which is exact for any value: accepted.
+TRACED_INT_ROWS = [
+    ("segment_ids_query", lambda x: dict(segment_ids=(x[:, :T], x.astype(jnp.int32))),
+     r"segment_ids \(query\) must be an int32 array when traced"),
+    ("segment_ids_kv", lambda x: dict(segment_ids=(x[:, :T].astype(jnp.int32), x)),
+     r"segment_ids \(key/value\) must be an int32 array when traced"),
+    ("query_offset", lambda x: dict(query_offset=x[:, 0]), r"query_offset must be an int32 array when traced"),
+]
+
+
+@pytest.mark.parametrize("dtype", ["int64", "uint32"])
+@pytest.mark.parametrize("row", TRACED_INT_ROWS, ids=[r[0] for r in TRACED_INT_ROWS])
+def test_traced_wide_mask_ints(row, dtype):
+    name, kwargs, match = row
+    q, k, v = _inputs("xla")
+    ids = jnp.zeros((B, S), dtype)
+    assert ids.dtype == jnp.dtype(dtype)  # x64 is on: a real 64-bit array
+    for impl in (None, "xla", "cpu"):
+        f = lambda ids: jax_flash.attention(q, k, v, implementation=impl, **kwargs(ids))
+        with pytest.raises(TypeError, match=match):
+            jax.jit(f).trace(ids)
+        jax.jit(f).trace(ids.astype(jnp.int32))  # int32: fine
+    # Concrete 64-bit values are checked instead (in range: accepted; test_bad_argument has
+    # the out-of-range rows).
+    concrete = kwargs(ids)
+    jax.jit(lambda: jax_flash.attention(q, k, v, implementation="xla", **concrete)).trace()
+
+
+def test_traced_wide_lengths_are_exact():
+    q, k, v = _inputs("xla")
+    f = jax.jit(lambda n: jax_flash.attention(q, k, v, key_value_seq_lengths=n, implementation="xla"))
+    huge = f(jnp.asarray([2**40, 2**33 + 3], jnp.int64))  # would wrap to 0 and 3 if cast
+    np.testing.assert_array_equal(np.asarray(huge), np.asarray(f(jnp.asarray([S, S], jnp.int64))))
+
+
 # Requested implementations that cannot serve a valid call: ValueError naming the
 # implementation and the limit (never another implementation silently).
 IMPL_ROWS = {
@@ -205,18 +244,27 @@ _HANDLER_SCRIPT = textwrap.dedent(
     ATTRS = dict(scale=np.float32(0.1), window_left=np.int64(-1), window_right=np.int64(-1),
                  softcap=np.float32(0), use_segment_ids=False)
 
-    def fwd(target, ops, outs=None, **attrs):
+    def fwd(target, ops, outs=None, sinks=None, **attrs):
         q = ops[0]
         if outs is None:
             outs = (SDS(q.shape[:3] + ops[2].shape[3:], q.dtype), SDS((q.shape[0], q.shape[2], q.shape[1]), F32))
-        return jax.ffi.ffi_call(target, outs)(*ops, **{**ATTRS, **attrs})
+        if sinks is None:  # the forward's last operand: sinks [N] f32, -inf = none
+            sinks = jnp.full((q.shape[2] if q.ndim == 4 else 1,), -jnp.inf, F32)
+        return jax.ffi.ffi_call(target, outs)(*ops, sinks, **{**ATTRS, **attrs})
 
-    def bwd(target, ops, outs=None, **attrs):
+    def dkv(target, shape=(0,)):
+        # The CUDA targets' dk_accum, dv_accum results: [B, S, N, H] f32 (the q_heads grid)
+        # or [0] f32 (kv_heads); the cpu target has none.
+        return (SDS(shape, F32),) * 2 if "emu" in target else ()
+
+    def bwd(target, ops, outs=None, workspaces=None, **attrs):
         q, k, v = ops[0], ops[1], ops[2]
         b, t, n, h = q.shape
         if outs is None:
             outs = (SDS(q.shape, q.dtype), SDS(k.shape, k.dtype), SDS(v.shape, v.dtype),
                     SDS(q.shape, F32), SDS((b, n, t), F32))
+        if len(outs) == 5:
+            outs += dkv(target) if workspaces is None else workspaces
         return jax.ffi.ffi_call(target, outs)(*ops, **{**ATTRS, "deterministic": False, **attrs})
 
     def bwd_operands(dt, **kw):
@@ -254,6 +302,8 @@ _HANDLER_SCRIPT = textwrap.dedent(
             "q_segments_shape": ("q_segment_ids", lambda: fwd(f, o[:5] + [jnp.zeros((B, 3), I32)] + o[6:])),
             "kv_segments_dtype": ("kv_segment_ids", lambda: fwd(f, o[:6] + [jnp.zeros((B, S), F32)] + o[7:])),
             "q_offset_shape": ("q_offset", lambda: fwd(f, o[:7] + [jnp.zeros((B, 2), I32)])),
+            "sinks_shape": ("sinks", lambda: fwd(f, o, sinks=jnp.zeros((N + 1,), F32))),
+            "sinks_float16": ("sinks", lambda: fwd(f, o, sinks=jnp.zeros((N,), jnp.float16))),
             "kv_heads_0": ("heads", lambda: fwd(f, operands(dt, K=0))),
             "heads_not_multiple": ("heads", lambda: fwd(f, operands(dt, N=3))),
             "head_dim_0": ("head dim", lambda: fwd(f, operands(dt, H=0))),
@@ -269,10 +319,12 @@ _HANDLER_SCRIPT = textwrap.dedent(
             "softcap_negative": ("softcap", lambda: fwd(f, o, softcap=np.float32(-1))),
             "softcap_nan": ("softcap", lambda: fwd(f, o, softcap=np.float32(np.nan))),
             "softcap_inf": ("softcap", lambda: fwd(f, o, softcap=np.float32(np.inf))),
-            "softcap_subnormal": ("softcap", lambda: fwd(f, o, softcap=np.float32(1e-40))),
+            # The value as it reads back (not std::to_string's 0.000000).
+            "softcap_subnormal": ("softcap must be 0 (off) or a finite float32 normal > 0, got 9.9999461e-41",
+                                  lambda: fwd(f, o, softcap=np.float32(1e-40))),
             "window_below_minus_1": ("window", lambda: fwd(f, o, window_left=np.int64(-5))),
             "window_i32_attribute": ("S64", lambda: fwd(f, o, window_right=np.int32(3))),
-            "missing_attribute": ("attributes", lambda: jax.ffi.ffi_call(f, (SDS((B, T, N, H), dt), lse_shape))(*o, scale=np.float32(1))),
+            "missing_attribute": ("attributes", lambda: jax.ffi.ffi_call(f, (SDS((B, T, N, H), dt), lse_shape))(*o, jnp.full((N,), -jnp.inf, F32), scale=np.float32(1))),
             "dout_shape": ("dout", lambda: bwd(b, bo[:4] + [bo[4][:, :4]] + bo[5:])),
             "out_dtype_backward": ("out", lambda: bwd(b, bo[:3] + [bo[3].astype(other)] + bo[4:])),
             "lse_dtype_backward": ("lse", lambda: bwd(b, bo[:5] + [bo[5].astype(jnp.float16)] + bo[6:])),
@@ -280,7 +332,14 @@ _HANDLER_SCRIPT = textwrap.dedent(
             "dq_accum_dtype": ("dq_accum", lambda: bwd(b, bo, outs=(SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), other), lse_shape))),
             "delta_shape": ("delta", lambda: bwd(b, bo, outs=(SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), SDS((B, N, T + 1), F32)))),
             "four_results": ("results", lambda: bwd(b, bo, outs=(SDS((B, T, N, H), dt),) * 3 + (SDS((B, T, N, H), F32),))),
-            "missing_deterministic": ("attributes", lambda: jax.ffi.ffi_call(b, (SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), lse_shape))(*bo, **ATTRS)),
+            "missing_deterministic": ("attributes", lambda: jax.ffi.ffi_call(b, (SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), lse_shape) + dkv(b))(*bo, **ATTRS)),
+            **({} if "emu" not in prefix else {
+                "ok_backward_q_heads": (None, lambda: bwd(b, bo, workspaces=dkv(b, (B, S, N, H)))),
+                "dk_accum_shape": ("dk_accum", lambda: bwd(b, bo, workspaces=dkv(b, (B, S, N, H + 1)))),
+                "dkv_accum_mixed": ("dk_accum and dv_accum must both be", lambda: bwd(
+                    b, bo, workspaces=(SDS((B, S, N, H), F32), SDS((0,), F32)))),
+                "dkv_accum_missing": ("results", lambda: bwd(b, bo, workspaces=dkv(b)[:1])),
+            }),
         }
 
     for prefix, dt in (("jax_flash", jnp.float32), ("jax_flash_emu", jnp.bfloat16)):

@@ -281,6 +281,64 @@ COMPILED = textwrap.dedent(
 )
 
 
+# Second derivatives: the jax_flash NotImplementedError of attention, at trace time, for the
+# compiled blocks (cpu: an FFI call) and the xla ones (dynamic loops). Empty inputs: what
+# jax_flash.attention gives on the gathered arrays (shapes, dtypes, values, gradients).
+EDGES = textwrap.dedent(
+    """
+    mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))
+
+    def ring(impl, **kw):
+        f = lambda q, k, v: jax_flash.ring_attention(q, k, v, axis_name="sp", implementation=impl,
+                                                     return_residual=True, **kw)
+        return shard_map(f, mesh, (SEQ,) * 3, (SEQ, SEQ))
+
+    def loss(f):
+        return lambda q, k, v: sum(jnp.sum(jnp.where(jnp.isfinite(x), x, 0) * 0.7) for x in f(q, k, v))
+
+    q, k, v = inputs(0, 1, 8, 8, 2, 1, 8, jnp.float32)
+    for impl in ("xla", "cpu"):
+        g = loss(ring(impl, is_causal=True))
+        first = jax.grad(g)(q, k, v)  # once: fine
+        assert np.isfinite(np.asarray(first)).all(), impl
+        for label, fn in (
+            ("grad of grad", lambda: jax.grad(lambda q: jnp.sum(jax.grad(g)(q, k, v)))(q)),
+            ("hessian", lambda: jax.hessian(lambda q: g(q, k, v))(q)),
+        )[: 2 if impl == "xla" else 1]:
+            try:
+                jax.jit(fn)()
+            except NotImplementedError as e:
+                assert "ring_attention" in str(e) and "differentiable once" in str(e), (impl, label, e)
+            else:
+                raise AssertionError(f"{impl} {label}: no NotImplementedError")
+        print("ok second order", impl, flush=True)
+
+    # (B, T, S, N, K): B = 0, T = 0, S = 0, N = 0 (K = 1).
+    for impl in ("xla", "cpu"):
+        shapes = ((0, 4, 4, 2, 1), (1, 0, 4, 2, 1), (1, 4, 0, 2, 1), (2, 4, 4, 0, 1))
+        for b, t, s, n, kh in shapes if impl == "xla" else shapes[1:3]:
+            q, k, v = inputs(1, b, t, s, n, kh, 8, jnp.float32)
+            r = ring(impl, is_causal=True)
+            a = lambda q, k, v: jax_flash.attention(q, k, v, is_causal=True, implementation=impl,
+                                                    return_residual=True)
+            ct = jnp.asarray(np.random.default_rng(2).normal(size=q.shape), jnp.float32) + 1
+            for label, f in (("ring", r), ("attention", a)):
+                def step(q, k, v, f=f):
+                    (out, lse), vjp = jax.vjp(f, q, k, v)
+                    return (out, lse) + vjp((ct, jnp.ones_like(lse)))
+                res = jax.jit(step)(q, k, v)
+                if label == "ring":
+                    got = res
+                else:
+                    for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), got, res):
+                        assert x.shape == y.shape and x.dtype == y.dtype, (impl, b, t, s, n, name, x, y)
+                        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{impl} {name}")
+            if s == 0:
+                assert np.all(np.asarray(got[1]) == -np.inf) and not np.asarray(got[0]).any()
+        print("ok empty", impl, flush=True)
+    """
+)
+
 def _run(body: str, timeout: int = 600) -> str:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
@@ -384,3 +442,8 @@ def test_flax_ring_attention_fn_rejects_dense_masks():
     q = jnp.ones((1, 8, 2, 4))
     with pytest.raises(ValueError, match="takes no dense mask or bias"):
         jax_flash.flax.attention_fn(q, q, q, mask=jnp.ones((1, 2, 8, 8)), axis_name="seq")
+
+
+def test_ring_second_order_and_empty():
+    out = _run(EDGES)
+    assert out.count("ok second order") == 2 and out.count("ok empty") == 2, out

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -28,6 +29,21 @@ inline bool SoftcapIsOffOrNormal(float softcap) {
   std::memcpy(&bits, &softcap, sizeof bits);
   const uint32_t exponent = (bits >> 23) & 0xffu;
   return bits == 0 || (bits >> 31 == 0 && exponent != 0 && exponent != 0xffu);
+}
+
+// The soft cap as it reads back (%.9g), also a subnormal one (std::to_string printed
+// 0.000000). Widened from the bits: under DAZ the float-to-double conversion reads 0 too.
+inline std::string SoftcapString(float softcap) {
+  uint32_t bits;
+  std::memcpy(&bits, &softcap, sizeof bits);
+  const uint32_t exponent = (bits >> 23) & 0xffu, mantissa = bits & 0x7fffffu;
+  const char* sign = bits >> 31 ? "-" : "";
+  if (exponent == 0xffu) return mantissa ? std::string("nan") : std::string(sign) + "inf";
+  const double magnitude = exponent ? std::ldexp(static_cast<double>(mantissa | 0x800000u), int(exponent) - 150)
+                                    : std::ldexp(static_cast<double>(mantissa), -149);
+  char text[40];
+  std::snprintf(text, sizeof text, "%s%.9g", sign, magnitude);
+  return text;
 }
 
 std::string ShapeString(ffi::AnyBuffer::Dimensions dims) {
@@ -130,7 +146,7 @@ void DescribeProblem(Checker& check, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
   if (!std::isfinite(scale)) check.Fail("scale must be finite, got " + std::to_string(scale));
   // 0 is "off"; a cap below float32's smallest normal has no finite 1 / softcap.
   if (!SoftcapIsOffOrNormal(softcap))
-    check.Fail("softcap must be 0 (off) or a finite float32 normal > 0, got " + std::to_string(softcap));
+    check.Fail("softcap must be 0 (off) or a finite float32 normal > 0, got " + SoftcapString(softcap));
   if (window_left < -1 || window_right < -1) {
     check.Fail("window_left and window_right must be >= 0 or -1 (unbounded), got (" +
                std::to_string(window_left) + ", " + std::to_string(window_right) + ")");
@@ -178,7 +194,7 @@ ffi::Error RunTiles(ffi::ThreadPool& pool, const char* target, int64_t items, in
 ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                    ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                   ffi::AnyBuffer q_offsets, ffi::Result<ffi::AnyBuffer> out,
+                   ffi::AnyBuffer q_offsets, ffi::AnyBuffer sinks, ffi::Result<ffi::AnyBuffer> out,
                    ffi::Result<ffi::AnyBuffer> lse, float scale, int64_t window_left,
                    int64_t window_right, float softcap, bool use_segment_ids) {
   Checker check("jax_flash_fwd");
@@ -186,6 +202,10 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   DescribeProblem(check, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
                   q_offsets, scale, window_left, window_right, softcap, use_segment_ids, &p);
   if (!check.ok()) return check.error();
+  // Always passed (-inf when the call has none).
+  check.Expect("sinks", sinks, {p.q_heads}, ffi::DataType::F32);
+  if (!check.ok()) return check.error();
+  p.sinks = static_cast<const float*>(sinks.untyped_data());
   check.Expect("out", *out, {p.batch, p.q_len, p.q_heads, p.value_dim()}, q.element_type());
   check.Expect("lse", *lse, {p.batch, p.q_heads, p.q_len}, ffi::DataType::F32);
   if (!check.ok()) return check.error();
@@ -317,6 +337,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuForward, Forward,
                                   .Arg<ffi::AnyBuffer>()  // q_segment_ids [B, T] s32
                                   .Arg<ffi::AnyBuffer>()  // kv_segment_ids [B, S] s32
                                   .Arg<ffi::AnyBuffer>()  // q_offset [B] s32
+                                  .Arg<ffi::AnyBuffer>()  // sinks [N] f32 (-inf: none)
                                   .Ret<ffi::AnyBuffer>()  // out [B, T, N, Hv]
                                   .Ret<ffi::AnyBuffer>()  // lse [B, N, T] f32
                                   .Attr<float>("scale")

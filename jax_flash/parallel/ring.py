@@ -55,6 +55,7 @@ from jax_flash import _registry
 from jax_flash._merge import merge_partials
 from jax_flash._normalize import _window, canonicalize, restore
 from jax_flash._spec import AttentionSpec, MaskInputs
+from jax_flash._vjp import SECOND_ORDER_MESSAGE, is_empty
 
 __all__ = [
     "ring_attention",
@@ -550,22 +551,53 @@ def ring_flash_attention(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks: M
     Returns:
       out [B, T/P, N, Hv] (dtype of q) and lse [B, N, T/P] (float32; float64 for float64).
     """
-    return ring_forward(cfg, spec, q, k, v, masks)
+    return _first_order_forward(cfg, spec, q, k, v, masks)
 
 
 def _vjp_forward(cfg, spec, q, k, v, masks):
-    out, lse = ring_forward(cfg, spec, q, k, v, masks)
+    out, lse = _first_order_forward(cfg, spec, q, k, v, masks)
     return (out, lse), (q, k, v, masks, out, lse)
 
 
 def _vjp_backward(cfg, spec, residuals, cotangents):
     q, k, v, masks, out, lse = residuals
     dout, dlse = cotangents
-    dq, dk, dv = ring_backward(cfg, spec, q, k, v, masks, out, lse, dout, dlse)
+    dq, dk, dv = _first_order_backward(cfg, spec, q, k, v, masks, out, lse, dout, dlse)
     return dq, dk, dv, MaskInputs()  # lengths, segment ids and offsets: no cotangent
 
 
 ring_flash_attention.defvjp(_vjp_forward, _vjp_backward)
+
+
+# Second derivatives, as in jax_flash._vjp: each rule's ring is a custom_jvp that refuses,
+# so grad of grad, jax.hessian and jacfwd of a gradient raise the message of
+# jax_flash.attention at trace time (not an FFI call's or a dynamic loop's own error).
+RING_SECOND_ORDER_MESSAGE = "jax_flash.ring_attention: " + SECOND_ORDER_MESSAGE
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _first_order_forward(cfg, spec, q, k, v, masks):
+    if is_empty(spec):
+        # The result of jax_flash.attention for an empty call (_vjp._empty_forward), on
+        # this device's chunk: out 0 and lse -inf (S = 0: no key), or empty arrays.
+        stat_dt = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+        return jnp.zeros_like(q), jnp.full_like(q, -jnp.inf, stat_dt, (q.shape[0], q.shape[2], q.shape[1]))
+    return ring_forward(cfg, spec, q, k, v, masks)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _first_order_backward(cfg, spec, q, k, v, masks, out, lse, dout, dlse):
+    if is_empty(spec):
+        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+    return ring_backward(cfg, spec, q, k, v, masks, out, lse, dout, dlse)
+
+
+def _second_order(cfg, spec, primals, tangents):
+    raise NotImplementedError(RING_SECOND_ORDER_MESSAGE)
+
+
+_first_order_forward.defjvp(_second_order)
+_first_order_backward.defjvp(_second_order)
 
 
 def _step_ranges(p: int) -> list[tuple[int, int]]:
@@ -656,7 +688,10 @@ def ring_attention(
       return_residual: also return this device's lse [*B, T/P, N].
       implementation: the implementation of each block (as in `jax_flash.attention`).
 
-    Differentiable in query, key and value by reverse mode (one custom_vjp for the ring).
+    Differentiable in query, key and value by reverse mode (one custom_vjp for the ring);
+    second derivatives raise NotImplementedError, as for `jax_flash.attention`. Empty inputs
+    (B, T or N = 0, or S = 0) give what `jax_flash.attention` gives on the gathered arrays:
+    empty arrays, or (S = 0) out 0, lse -inf and zero gradients.
     """
     _check_layout(layout)
     p = _axis_size(axis_name)
@@ -689,7 +724,8 @@ def ring_attention(
         has_q_offset=masks.q_offset is not None,
     )
     cfg = RingConfig("xla", axis_name, p, layout, static_offset)
-    cfg = dataclasses.replace(cfg, implementation=_select(spec, cfg, implementation))
+    if not is_empty(spec):  # (empty: no block to run, the result is computed directly)
+        cfg = dataclasses.replace(cfg, implementation=_select(spec, cfg, implementation))
     out, lse = ring_flash_attention(cfg, spec, c.q, c.k, c.v, masks)
     out, lse = restore(c, out, lse)
     return (out, lse) if return_residual else out
