@@ -139,14 +139,11 @@ def _cases():
     out.append(Case("small_tall", "offset_causal", "float16", True))
     out.append(Case("small_h96", "offset_rows", "bfloat16", True))
     # Value head dim Hv != H: forward out/lse and gradients, GQA/MQA, masks, dtypes.
-    out.append(Case("mla", "none", "float32", False))
     out.append(Case("mla", "combo", "float32", False))
     out.append(Case("mla", "causal", "bfloat16", False))
-    out.append(Case("hv_half", "window", "float32", False))
     out.append(Case("hv_half", "offset_decode", "float16", False))
     out.append(Case("hv_wide", "lengths", "float32", False))
     out.append(Case("small_mla", "causal", "bfloat16", True))
-    out.append(Case("small_mla", "segments", "bfloat16", True))
     out.append(Case("small_hv", "combo", "float16", True))
     out.append(Case("small_hv", "bias", "float32", True))
     return out
