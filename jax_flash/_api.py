@@ -38,8 +38,10 @@ def attention(
 
     Args:
       query: [*B, T, N, H] (or [T, N, H]); float16, bfloat16, float32 or float64.
-      key, value: [*B, S, K, H] with N % K == 0 (grouped-query attention: query head n uses
-        kv head n // (N // K)); same dtype as query.
+      key: [*B, S, K, H] with N % K == 0 (grouped-query attention: query head n uses kv
+        head n // (N // K)); same dtype as query.
+      value: [*B, S, K, Hv]: key's shape except the head dim Hv, which may differ from H
+        (e.g. MLA's H = 192, Hv = 128); same dtype as query.
       bias: optional additive logits bias, broadcastable to [*B, N, T, S]. Differentiable.
       mask: optional boolean, broadcastable to [*B, N, T, S]; True = may attend.
       scale: logits scale; default 1 / sqrt(H).
@@ -85,7 +87,7 @@ def attention(
     supported (NotImplementedError: use jax_flash.reference for those).
 
     Returns:
-      out [*B, T, N, H] in the dtype of query, or (out, lse) with return_residual=True.
+      out [*B, T, N, Hv] in the dtype of query, or (out, lse) with return_residual=True.
     """
     c = canonicalize(
         query,

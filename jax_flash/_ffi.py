@@ -96,7 +96,7 @@ def _dropout_seed(masks: MaskInputs):
 
 
 def forward(impl: str, target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):
-    """Call `target` (a forward target of implementation `impl`): out [B, T, N, H], lse
+    """Call `target` (a forward target of implementation `impl`): out [B, T, N, Hv], lse
     [B, N, T] float32."""
     return partitioning.forward(
         impl, functools.partial(forward_call, target), spec, q, k, v, masks
@@ -124,7 +124,7 @@ def forward_call(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):
     sharding rule: for a function that runs inside one, e.g. on one device's shards)."""
     b, t, n, _ = q.shape
     shapes = (
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((b, t, n, v.shape[-1]), q.dtype),  # out [B, T, N, Hv]
         jax.ShapeDtypeStruct((b, n, t), jnp.float32),
     )
     # Sinks [N] f32 after the mask operands (forward only), -inf (no sink) when absent.

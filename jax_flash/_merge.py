@@ -21,9 +21,9 @@ import jax.numpy as jnp
 def merge_partials(outs: Sequence, lses: Sequence):
     """Merge partial results over disjoint key sets, summed left to right in the given order.
 
-    outs: C arrays [B, T, N, H] (normalised partial outputs, the accumulator dtype); lses: C
+    outs: C arrays [B, T, N, Hv] (normalised partial outputs, the accumulator dtype); lses: C
     arrays [B, N, T] (natural log, -inf for a row that saw no key of that part). Returns out
-    [B, T, N, H] and lse [B, N, T]; a row that saw nothing in every part gets out 0 and lse
+    [B, T, N, Hv] and lse [B, N, T]; a row that saw nothing in every part gets out 0 and lse
     -inf (no NaN); a row poisoned in a part (NaN lse or out) stays NaN. Deterministic: one fixed order of sums, no atomics; the parts are never
     stacked into one array (a ring step merges two without copying them).
     """

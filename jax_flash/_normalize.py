@@ -28,7 +28,7 @@ class Canonical(NamedTuple):
     spec: AttentionSpec
     q: jax.Array  # [B, T, N, H]
     k: jax.Array  # [B, S, K, H]
-    v: jax.Array  # [B, S, K, H]
+    v: jax.Array  # [B, S, K, Hv]
     masks: MaskInputs
     batch_shape: tuple[int, ...]  # the caller's leading batch axes (() for 3-D inputs)
 
@@ -284,10 +284,10 @@ def canonicalize(
         raise TypeError(
             f"query, key and value must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
         )
-    if k.shape != v.shape:
+    if k.ndim != v.ndim or k.shape[:-1] != v.shape[:-1]:
         raise ValueError(
-            f"key and value must have the same shape [*B, S, K, H], got {tuple(k.shape)} and "
-            f"{tuple(v.shape)}"
+            "key [*B, S, K, H] and value [*B, S, K, Hv] must have the same shape except the "
+            f"last (head) dim, got key {tuple(k.shape)} and value {tuple(v.shape)}"
         )
     if q.ndim != k.ndim or q.shape[:-3] != k.shape[:-3]:
         raise ValueError(
@@ -306,6 +306,9 @@ def canonicalize(
     # with S = 0 rows that see no key); the head dim and the kv heads are not.
     if h == 0:
         raise ValueError(f"query and key must have a head dim H >= 1, got query {tuple(q.shape)}")
+    hv = v.shape[-1]
+    if hv == 0:
+        raise ValueError(f"value must have a head dim Hv >= 1, got value {tuple(v.shape)}")
     if kh == 0:
         raise ValueError(f"key and value must have at least one head (K >= 1), got key {tuple(k.shape)}")
     for name, length, letter in (("query", t, "T"), ("key", s, "S")):
@@ -395,6 +398,7 @@ def canonicalize(
         has_kv_lengths=kv_len is not None,
         has_segment_ids=q_seg is not None,
         has_q_offset=q_off is not None,
+        value_head_dim=None if hv == h else hv,
         has_sinks=sinks_c is not None,
         dropout_rate=rate,
     )
@@ -403,15 +407,15 @@ def canonicalize(
         spec=spec,
         q=q.reshape(b, t, n, h),
         k=k.reshape(b, s, kh, h),
-        v=v.reshape(b, s, kh, h),
+        v=v.reshape(b, s, kh, hv),
         masks=masks,
         batch_shape=batch_shape,
     )
 
 
 def restore(c: Canonical, out, lse: Any):
-    """Back to the caller's layout: out [*batch, T, N, H], lse [*batch, T, N]."""
+    """Back to the caller's layout: out [*batch, T, N, Hv], lse [*batch, T, N]."""
     spec = c.spec
-    out = out.reshape(*c.batch_shape, spec.q_len, spec.num_heads, spec.head_dim)
+    out = out.reshape(*c.batch_shape, spec.q_len, spec.num_heads, spec.v_head_dim)
     lse = jnp.swapaxes(lse, 1, 2).reshape(*c.batch_shape, spec.q_len, spec.num_heads)
     return out, lse

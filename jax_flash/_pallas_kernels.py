@@ -1,6 +1,7 @@
 """Kernel bodies of the `pallas` implementation (FlashAttention-2 on the Triton backend).
 
-Each kernel sees squeezed 2-D tiles: rows × padded head dim. The wrapper in
+Each kernel sees squeezed 2-D tiles: rows × padded head dim (Hp for q, k, dq, dk; Hvp
+for v, out, dout, dv: the value head dim may differ). The wrapper in
 `jax_flash.pallas` pads, builds the BlockSpecs and launches them.
 
 Units: inside the kernels logits, running maxima and lse are in base 2 (log2(e) folded
@@ -292,7 +293,7 @@ def forward_kernel(*refs, layout: Layout):
 
     def step(masked):
         def body(j, carry):
-            m, l, acc, bad = carry  # [bq], [bq] (base 2), [bq, Hp], [bq] (1: sees a bad v)
+            m, l, acc, bad = carry  # [bq], [bq] (base 2), [bq, Hvp], [bq] (1: sees a bad v)
             k0 = j * bk
             k = inp.k[pl.ds(k0, bk), :]
             v = inp.v[pl.ds(k0, bk), :]
@@ -327,7 +328,9 @@ def forward_kernel(*refs, layout: Layout):
 
         return body
 
-    carry = (*_softmax_init(inp, bq), jnp.zeros(q.shape, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    # [bq] m, l (base 2), [bq, Hvp] acc, [bq] bad
+    carry = (*_softmax_init(inp, bq), jnp.zeros((bq, inp.v.shape[-1]), jnp.float32),
+             jnp.zeros((bq,), jnp.float32))
     for lo, hi, masked in key_segments(lay, tm, q0, q0 + bq, nk):
         carry = lax.fori_loop(lo, hi, step(masked), carry)
     m, l, acc, bad = carry
@@ -390,14 +393,14 @@ def dkdv_kernel(*refs, layout: Layout):
     batch, first_head = pl.program_id(2), (pl.program_id(1) // lay.splits) * lay.spec.group_size
     tm = TileMath(lay, inp)
     k = inp.k[...]  # [bk, Hp]
-    v = inp.v[...]
+    v = inp.v[...]  # [bk, Hvp]
     kv_seg = None if inp.kv_seg is None else inp.kv_seg[...]
     ragged_block = (j + 1) * bk > lay.spec.kv_len
     segments = query_segments(lay, tm, k0, k0 + bk, nq, ragged_block)
 
     def step(g, masked):
         def body(i, carry):
-            dk, dv = carry  # [bk, Hp] f32
+            dk, dv = carry  # [bk, Hp], [bk, Hvp] f32
             q0 = i * bq
             q = inp.q[pl.ds(q0, bq), g, :]
             do = inp.do[pl.ds(q0, bq), g, :]
@@ -432,11 +435,11 @@ def dkdv_kernel(*refs, layout: Layout):
             carry = lax.fori_loop(lo, hi, step(g0 + gi, masked), carry)
         return carry
 
-    zeros = jnp.zeros(k.shape, jnp.float32)
+    zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     if lay.group == 1:
-        dk, dv = head(0, (zeros, zeros))
+        dk, dv = head(0, zeros)
     else:
-        dk, dv = lax.fori_loop(0, lay.group, head, (zeros, zeros))
+        dk, dv = lax.fori_loop(0, lay.group, head, zeros)
     dk_ref[...] = (dk * lay.spec.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 

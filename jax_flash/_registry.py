@@ -26,8 +26,12 @@ class Implementation(Protocol):
     def unsupported(self, spec: AttentionSpec) -> Optional[str]:
         """None if this implementation can run `spec` here, else why not (one sentence)."""
 
+    def head_dims(self) -> str:
+        """The (H, Hv) pairs of query/key and value head dims it serves, in words (e.g.
+        "any pair with H, Hv <= 512"; `explain` states it for a call with Hv != H)."""
+
     def forward(self, spec: AttentionSpec, q, k, v, masks: MaskInputs):
-        """-> out [B, T, N, H] (dtype of q), lse [B, N, T] float32 natural log."""
+        """-> out [B, T, N, Hv] (dtype of q), lse [B, N, T] float32 natural log."""
 
     def backward(self, spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout, dlse):
         """-> dq, dk, dv (input dtypes), dbias (shape and dtype of masks.bias, or None)."""
@@ -78,12 +82,18 @@ def explain(spec: AttentionSpec, requested: Optional[str] = None) -> dict[str, O
 
 def notes(spec: AttentionSpec, reasons: dict[str, Optional[str]]) -> dict[str, str]:
     """{name: how it would run} for the implementations in `reasons` that can run `spec` and
-    have something to say (an optional `note(spec)`: e.g. which kernel image a GPU runs)."""
+    have something to say (an optional `note(spec)`: e.g. which kernel image a GPU runs;
+    for a value head dim Hv != H, the (H, Hv) pairs it serves: `head_dims()`)."""
     out = {}
     for name, why in reasons.items():
         if why is None:
-            note = getattr(get(name), "note", None)
+            impl = get(name)
+            note = getattr(impl, "note", None)
             text = note(spec) if note is not None else None
+            head_dims = getattr(impl, "head_dims", None)
+            if spec.v_head_dim != spec.head_dim and head_dims is not None:
+                pairs = f"(H, Hv) served: {head_dims()}"
+                text = f"{text}; {pairs}" if text else pairs
             if text:
                 out[name] = text
     return out

@@ -8,9 +8,10 @@
   a key of jit caches.
 * `MaskInputs`: the optional array inputs, already folded to one batch axis, or None.
 
-Every implementation receives q [B, T, N, H], k and v [B, S, K, H] plus these two, and
-returns out [B, T, N, H] and lse [B, N, T] (float32, natural log; with sinks, lse includes
-the sink's exp(sinks[n]) and a row that sees no key has lse = sinks[n]).
+Every implementation receives q [B, T, N, H], k [B, S, K, H] and v [B, S, K, Hv] plus these
+two, and returns out [B, T, N, Hv] and lse [B, N, T] (float32, natural log; with sinks, lse
+includes the sink's exp(sinks[n]) and a row that sees no key has lse = sinks[n]). The value
+head dim Hv may differ from the query/key head dim H (MLA: H = 192, Hv = 128).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class AttentionSpec:
     has_kv_lengths: bool = False
     has_segment_ids: bool = False
     has_q_offset: bool = False  # MaskInputs.q_offset is given (else the offset is 0)
+    value_head_dim: Optional[int] = None  # Hv of v and out; None means Hv = H
     has_sinks: bool = False  # MaskInputs.sinks is given
     # Attention dropout (float32 value, in [0, 1)); > 0 means MaskInputs.dropout_seed is
     # given and the keep-mask of `_dropout` applies to P after the softmax statistics.
@@ -71,6 +73,11 @@ class AttentionSpec:
     @property
     def has_dropout(self) -> bool:
         return self.dropout_rate > 0.0
+
+    @property
+    def v_head_dim(self) -> int:
+        """Hv: the head dim of v and out (the query/key head dim H unless set)."""
+        return self.head_dim if self.value_head_dim is None else self.value_head_dim
 
     @property
     def group_size(self) -> int:
@@ -139,10 +146,11 @@ class AttentionSpec:
         return lo, hi
 
     def flops(self, forward_backward: bool = False) -> float:
-        """Model FLOPs: forward 4·B·N·T·S·H (two products), halved for causal at T == S;
-        forward+backward 3.5× that (the backward's five products are 2.5× the forward's two;
-        score recomputations an implementation adds are not credited)."""
-        f = 4.0 * self.batch * self.num_heads * self.q_len * self.kv_len * self.head_dim
+        """Model FLOPs: forward 2·B·N·T·S·(H + Hv) (two products: Q·Kᵀ over H, P·V over Hv;
+        4·B·N·T·S·H when Hv = H), halved for causal at T == S; forward+backward 3.5× that
+        (the backward's five products are 2.5× the forward's two; score recomputations an
+        implementation adds are not credited)."""
+        f = 2.0 * self.batch * self.num_heads * self.q_len * self.kv_len * (self.head_dim + self.v_head_dim)
         if self.window_left is None and self.window_right == 0 and self.q_len == self.kv_len:
             f /= 2
         return f * 3.5 if forward_backward else f

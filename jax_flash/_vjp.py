@@ -19,7 +19,7 @@ from jax_flash._spec import AttentionSpec, MaskInputs
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def flash_attention(impl_name: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):
-    """(out [B, T, N, H], lse [B, N, T]) for canonical inputs, differentiable in q, k, v, bias
+    """(out [B, T, N, Hv], lse [B, N, T]) for canonical inputs, differentiable in q, k, v, bias
     and sinks."""
     return _forward(impl_name, spec, q, k, v, masks)[0]
 
@@ -82,10 +82,11 @@ def _empty_forward(spec: AttentionSpec, q, sinks=None):
     sinks, lse = sinks[n], and a NaN or +inf sink makes its head's out and lse NaN."""
     b, t, n = spec.batch, spec.q_len, spec.num_heads
     stat_dt = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+    out = jnp.zeros_like(q, shape=(b, t, n, spec.v_head_dim))  # [B, T, N, Hv]
     if sinks is None:
-        return jnp.zeros_like(q), jnp.full((b, n, t), -jnp.inf, stat_dt)
+        return out, jnp.full((b, n, t), -jnp.inf, stat_dt)
     bad = ~(sinks < jnp.inf)  # NaN or +inf
-    out = jnp.where(bad[None, None, :, None], jnp.nan, jnp.zeros_like(q))
+    out = jnp.where(bad[None, None, :, None], jnp.nan, out)
     lse = jnp.where(bad, jnp.nan, sinks).astype(stat_dt)
     return out, jnp.broadcast_to(lse[None, :, None], (b, n, t))
 

@@ -8,6 +8,7 @@ from jax_flash import _ffi, _registry
 from jax_flash._spec import AttentionSpec
 
 DTYPES = ("float32", "bfloat16", "float16")
+# H and Hv each up to MAX_HEAD_DIM, in any pair (the tiles take both, cuda/cpu/tiling.h).
 MAX_HEAD_DIM = 512
 
 
@@ -22,7 +23,12 @@ class CpuImplementation:
             return why
         if spec.head_dim > MAX_HEAD_DIM:
             return f"supports head dims up to {MAX_HEAD_DIM}, got {spec.head_dim}"
+        if spec.v_head_dim > MAX_HEAD_DIM:
+            return f"supports value head dims up to {MAX_HEAD_DIM}, got {spec.v_head_dim}"
         return _ffi.compiled_kernel_reason(spec, DTYPES)
+
+    def head_dims(self) -> str:
+        return f"any pair with H, Hv <= {MAX_HEAD_DIM}"
 
     def forward(self, spec, q, k, v, masks):
         return _ffi.forward(self.name, "jax_flash_fwd", spec, q, k, v, masks)

@@ -47,6 +47,23 @@ HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 MIN_COMPUTE_CAPABILITY = (8, 0)
 
 
+def head_dim_pairs() -> tuple:
+    """The (H, Hv) pairs of query/key and value head dims the kernels serve."""
+    return tuple((h, h) for h in HEAD_DIMS)
+
+
+def value_head_dim_reason(spec: AttentionSpec) -> Optional[str]:
+    """None if the kernels serve the call's (H, Hv) pair, else why not."""
+    pair = (spec.head_dim, spec.v_head_dim)
+    if pair in head_dim_pairs():
+        return None
+    return (
+        f"has kernels for (H, Hv) pairs with the value head dim Hv = H only "
+        f"({', '.join(f'({h}, {hv})' for h, hv in head_dim_pairs())}), got H = {pair[0]}, "
+        f"Hv = {pair[1]}"
+    )
+
+
 def emulated() -> bool:
     return os.environ.get("JAX_FLASH_EMULATE_CUDA", "") == "1"
 
@@ -291,7 +308,13 @@ class CudaImplementation:
                 )
         if spec.head_dim not in HEAD_DIMS:
             return f"has kernels for head dims {HEAD_DIMS}, got {spec.head_dim}"
+        why = value_head_dim_reason(spec)
+        if why:
+            return why
         return _ffi.compiled_kernel_reason(spec, DTYPES) or launch_limit(spec)
+
+    def head_dims(self) -> str:
+        return ", ".join(f"({h}, {hv})" for h, hv in head_dim_pairs())
 
     def note(self, spec: AttentionSpec) -> Optional[str]:
         """What `explain` adds when the kernels can run: the host emulation, or which image

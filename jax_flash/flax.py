@@ -12,7 +12,8 @@
 This module does not import flax: flax calls the function, and the function only needs JAX.
 
 Flax's conventions, and how they map onto `jax_flash.attention`:
-* q, k, v are [batch..., T, N, H] (the same BTNH layout).
+* q, k are [batch..., T, N, H] and v [batch..., S, N, Hv] (the same BTNH layout; flax's
+  modules project all three to one head dim, a custom module may give v its own Hv).
 * `mask` is broadcastable to [batch..., N|1, T, S] and is float 0/1 (`make_causal_mask`,
   `make_attention_mask`) or bool; nonzero / True means "may attend", as in flax.
 * Flax gives a row that sees no key the mean of V; jax_flash gives it 0.

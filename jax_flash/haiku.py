@@ -11,8 +11,9 @@ trained with one load into the other. The attention itself runs in `jax_flash.at
 haiku is imported when this module is imported, never by `import jax_flash`.
 
 Differences from haiku's module: a query row whose mask hides every key gets 0 (haiku gives
-the mean of the values); `value_size != key_size` is served by zero-padding the smaller
-head dim (the logits scale stays 1/sqrt(key_size)).
+the mean of the values). `value_size != key_size` runs as it is: jax_flash takes a value
+head dim Hv different from the query/key head dim H (the logits scale is 1/sqrt(key_size),
+as in haiku).
 """
 
 from __future__ import annotations
@@ -26,12 +27,6 @@ import jax.numpy as jnp
 from jax_flash._api import attention
 
 __all__ = ["MultiHeadAttention"]
-
-
-def _pad_last(x, size: int):
-    if x.shape[-1] == size:
-        return x
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
 class MultiHeadAttention(hk.MultiHeadAttention):
@@ -99,24 +94,22 @@ class MultiHeadAttention(hk.MultiHeadAttention):
             if mask.dtype != jnp.bool_:
                 mask = mask != 0
 
-        # jax_flash needs one head dim for q, k and v: zero-pad the smaller one (zeros
-        # change neither q·k nor the useful columns of P·V) and keep haiku's scale.
-        head_dim = max(self.key_size, self.value_size)
+        # q, k [..., H, K] and v [..., H, V]: the value head dim may differ (Hv = V).
         dtype = jnp.result_type(query_heads, key_heads, value_heads)
         sinks = None
         if self.with_sinks:
             sinks = hk.get_parameter("sinks", [self.num_heads], jnp.float32, init=self.sinks_init)
         out = attention(
-            _pad_last(query_heads, head_dim).astype(dtype),
-            _pad_last(key_heads, head_dim).astype(dtype),
-            _pad_last(value_heads, head_dim).astype(dtype),
+            query_heads.astype(dtype),
+            key_heads.astype(dtype),
+            value_heads.astype(dtype),
             mask=mask,
             scale=1.0 / math.sqrt(self.key_size),
             is_causal=self.is_causal,
             logits_soft_cap=self.logits_soft_cap,
             sinks=sinks,
             implementation=self.implementation,
-        )[..., : self.value_size]  # [..., T', H, V]
+        )  # [..., T', H, V]
         attn = jnp.reshape(out, (*leading_dims, sequence_length, -1))  # [..., T', H*V]
 
         final_projection = hk.Linear(

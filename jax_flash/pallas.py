@@ -17,8 +17,8 @@ Tiles, warps and stages come from `_pallas_table.TABLE` (made for sm_90), shrunk
 GPU's shared memory where it has less; `tune()` searches candidates on a GPU and prints a
 table to paste there.
 
-The wrapper pads what Triton needs powers of two for (the head dim, to at least 16) and
-the sequence lengths to whole tiles; padded keys are masked, padded rows sliced off, and
+The wrapper pads what Triton needs powers of two for (the head dims H and Hv, each to at
+least 16) and the sequence lengths to whole tiles; padded keys are masked, padded rows sliced off, and
 the scale uses the true head dim (it comes from the spec).
 """
 
@@ -38,6 +38,7 @@ from jax_flash._spec import AttentionSpec, MaskInputs
 from jax_flash.parallel import partitioning
 
 DTYPES = ("float16", "bfloat16", "float32")
+# H and Hv each up to MAX_HEAD_DIM, in any pair (each padded to its own power of two).
 MAX_HEAD_DIM = 256
 
 
@@ -263,7 +264,7 @@ def _tiles(spec: AttentionSpec, cfgs):
 
 
 def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs=None, interpret=None):
-    """out [B, T, N, H] (dtype of q), lse [B, N, T] float32 natural log; partitioned over
+    """out [B, T, N, Hv] (dtype of q), lse [B, N, T] float32 natural log; partitioned over
     the inputs' shardings (`jax_flash.parallel.partitioning`)."""
     call = functools.partial(_forward_call, configs=configs, interpret=interpret)
     return partitioning.forward("pallas", call, spec, q, k, v, masks)
@@ -284,32 +285,35 @@ def _forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, i
     pl, _ = _triton()
     interpret = _interpret(interpret)
     b, t, n, h = q.shape
-    hp = padded_head_dim(h)
-    cfg = _config(spec, masks, hp, "fwd", configs, interpret)
+    hv = v.shape[-1]
+    hp, hvp = padded_head_dim(h), padded_head_dim(hv)
+    cfg = _config(spec, masks, max(hp, hvp), "fwd", configs, interpret)
     ((bq, bk),), t_pad, s_pad = _tiles(spec, [cfg])
     g = spec.group_size
     qp = _pad(_pad(q, 3, hp), 1, t_pad)
     kp = _pad(_pad(k, 3, hp), 1, s_pad)
-    vp = _pad(_pad(v, 3, hp), 1, s_pad)
+    vp = _pad(_pad(v, 3, hvp), 1, s_pad)
     extras = _Extras(spec, masks, t_pad, s_pad)
     extra_args, extra_specs = extras.row_grid(bq, s_pad)
     layout = _layout(spec, masks, bq, bk, t_pad, s_pad)
     row_spec = pl.BlockSpec((None, bq, None, hp), lambda i, n_, b_: (b_, i, n_, 0))
+    out_spec = pl.BlockSpec((None, bq, None, hvp), lambda i, n_, b_: (b_, i, n_, 0))
     kv_spec = pl.BlockSpec((None, s_pad, None, hp), lambda i, n_, b_: (b_, 0, n_ // g, 0))
+    v_spec = pl.BlockSpec((None, s_pad, None, hvp), lambda i, n_, b_: (b_, 0, n_ // g, 0))
     out, lse = pl.pallas_call(
         functools.partial(forward_kernel, layout=layout),
         grid=(t_pad // bq, n, b),
-        in_specs=[row_spec, kv_spec, kv_spec, *extra_specs],
-        out_specs=[row_spec, pl.BlockSpec((None, None, bq), lambda i, n_, b_: (b_, n_, i))],
+        in_specs=[row_spec, kv_spec, v_spec, *extra_specs],
+        out_specs=[out_spec, pl.BlockSpec((None, None, bq), lambda i, n_, b_: (b_, n_, i))],
         out_shape=[
-            jax.ShapeDtypeStruct((b, t_pad, n, hp), q.dtype),
+            jax.ShapeDtypeStruct((b, t_pad, n, hvp), q.dtype),
             jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32),
         ],
         compiler_params=_compiler_params(cfg),
         interpret=interpret,
         name="jax_flash_fwd",
     )(qp, kp, vp, *extra_args)
-    return out[:, :t, :, :h], lse[:, :, :t]
+    return out[:, :t, :, :hv], lse[:, :, :t]
 
 
 def _backward_call(
@@ -319,15 +323,15 @@ def _backward_call(
     pl, _ = _triton()
     interpret = _interpret(interpret)
     b, t, n, h = q.shape
-    s = k.shape[1]
+    s, hv = k.shape[1], v.shape[-1]
     kh, g = spec.num_kv_heads, spec.group_size
-    hp = padded_head_dim(h)
-    cfg_kv = _config(spec, masks, hp, "dkdv", configs, interpret)
-    cfg_q = _config(spec, masks, hp, "dq", configs, interpret)
+    hp, hvp = padded_head_dim(h), padded_head_dim(hv)
+    cfg_kv = _config(spec, masks, max(hp, hvp), "dkdv", configs, interpret)
+    cfg_q = _config(spec, masks, max(hp, hvp), "dq", configs, interpret)
     ((bq1, bk1), (bq2, bk2)), t_pad, s_pad = _tiles(spec, [cfg_kv, cfg_q])
 
     # D = rowsum(dO ∘ O) (FlashAttention-2 §3.2); the lse cotangent shifts it by -dlse
-    # (d lse / d logit = P). One fused XLA reduction, O(B·T·N·H).
+    # (d lse / d logit = P). One fused XLA reduction, O(B·T·N·Hv).
     delta = jnp.einsum(
         "btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32)
     ) - dlse.astype(jnp.float32)
@@ -338,9 +342,9 @@ def _backward_call(
     lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * LOG2E)
     lse2 = _pad(lse2, 2, t_pad, jnp.inf)
     qp = _pad(_pad(q, 3, hp), 1, t_pad)
-    dop = _pad(_pad(dout.astype(q.dtype), 3, hp), 1, t_pad)
+    dop = _pad(_pad(dout.astype(q.dtype), 3, hvp), 1, t_pad)
     kp = _pad(_pad(k, 3, hp), 1, s_pad)
-    vp = _pad(_pad(v, 3, hp), 1, s_pad)
+    vp = _pad(_pad(v, 3, hvp), 1, s_pad)
     extras = _Extras(spec, masks, t_pad, s_pad)
 
     # dK, dV: grid (key block, kv head · splits, batch); each program loops over G / splits
@@ -348,10 +352,13 @@ def _backward_call(
     # small to fill the GPU (MQA/GQA at small batch); then f32 partials are summed below.
     splits = _group_splits(g, (s_pad // bk1) * kh * b, interpret)
     q5 = qp.reshape(b, t_pad, kh, g, hp)
-    do5 = dop.reshape(b, t_pad, kh, g, hp)
+    do5 = dop.reshape(b, t_pad, kh, g, hvp)
     rows5 = pl.BlockSpec((None, t_pad, None, g, hp), lambda j, h_, b_: (b_, 0, h_ // splits, 0, 0))
+    do_rows5 = pl.BlockSpec((None, t_pad, None, g, hvp), lambda j, h_, b_: (b_, 0, h_ // splits, 0, 0))
     kv_blk = pl.BlockSpec((None, bk1, None, hp), lambda j, h_, b_: (b_, j, h_ // splits, 0))
+    v_blk = pl.BlockSpec((None, bk1, None, hvp), lambda j, h_, b_: (b_, j, h_ // splits, 0))
     dkv_blk = pl.BlockSpec((None, bk1, None, hp), lambda j, h_, b_: (b_, j, h_, 0))
+    dv_blk = pl.BlockSpec((None, bk1, None, hvp), lambda j, h_, b_: (b_, j, h_, 0))
     stat5 = pl.BlockSpec((None, None, g, t_pad), lambda j, h_, b_: (b_, h_ // splits, 0, 0))
     extra_args, extra_specs = extras.key_grid(bk1, t_pad, splits)
     layout = _layout(spec, masks, bq1, bk1, t_pad, s_pad, group=g // splits, splits=splits)
@@ -359,11 +366,11 @@ def _backward_call(
     dk, dv = pl.pallas_call(
         functools.partial(dkdv_kernel, layout=layout),
         grid=(s_pad // bk1, kh * splits, b),
-        in_specs=[rows5, kv_blk, kv_blk, rows5, stat5, stat5, *extra_specs],
-        out_specs=[dkv_blk, dkv_blk],
+        in_specs=[rows5, kv_blk, v_blk, do_rows5, stat5, stat5, *extra_specs],
+        out_specs=[dkv_blk, dv_blk],
         out_shape=[
             jax.ShapeDtypeStruct((b, s_pad, kh * splits, hp), dkv_dtype(k)),
-            jax.ShapeDtypeStruct((b, s_pad, kh * splits, hp), dkv_dtype(v)),
+            jax.ShapeDtypeStruct((b, s_pad, kh * splits, hvp), dkv_dtype(v)),
         ],
         compiler_params=_compiler_params(cfg_kv),
         interpret=interpret,
@@ -377,7 +384,9 @@ def _backward_call(
     # dQ (and dS for dbias): grid (query block, head, batch), looping over key blocks.
     write_ds = masks.bias is not None
     row_blk = pl.BlockSpec((None, bq2, None, hp), lambda i, n_, b_: (b_, i, n_, 0))
+    do_blk = pl.BlockSpec((None, bq2, None, hvp), lambda i, n_, b_: (b_, i, n_, 0))
     kv_full = pl.BlockSpec((None, s_pad, None, hp), lambda i, n_, b_: (b_, 0, n_ // g, 0))
+    v_full = pl.BlockSpec((None, s_pad, None, hvp), lambda i, n_, b_: (b_, 0, n_ // g, 0))
     stat = pl.BlockSpec((None, None, bq2), lambda i, n_, b_: (b_, n_, i))
     extra_args, extra_specs = extras.row_grid(bq2, s_pad)
     out_specs = [row_blk]
@@ -391,7 +400,7 @@ def _backward_call(
             dq_kernel, layout=_layout(spec, masks, bq2, bk2, t_pad, s_pad, write_ds=write_ds)
         ),
         grid=(t_pad // bq2, n, b),
-        in_specs=[row_blk, kv_full, kv_full, row_blk, stat, stat, *extra_specs],
+        in_specs=[row_blk, kv_full, v_full, do_blk, stat, stat, *extra_specs],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=_compiler_params(cfg_q),
@@ -407,8 +416,8 @@ def _backward_call(
         dbias = jnp.sum(ds, axis=axes, keepdims=True).astype(bias.dtype)
     if splits > 1:
         dk = dk.reshape(b, s_pad, kh, splits, hp).sum(3).astype(k.dtype)
-        dv = dv.reshape(b, s_pad, kh, splits, hp).sum(3).astype(v.dtype)
-    return dq, dk[:, :s, :, :h], dv[:, :s, :, :h], dbias
+        dv = dv.reshape(b, s_pad, kh, splits, hvp).sum(3).astype(v.dtype)
+    return dq, dk[:, :s, :, :h], dv[:, :s, :, :hv], dbias
 
 
 # Triton's launch grid (jax's Pallas Triton lowering): grid.x holds at most 2**31 - 1
@@ -454,7 +463,12 @@ class PallasImplementation:
             return f"supports dtypes {DTYPES}, got {spec.dtype}"
         if spec.head_dim > MAX_HEAD_DIM:
             return f"supports head dims up to {MAX_HEAD_DIM}, got {spec.head_dim}"
+        if spec.v_head_dim > MAX_HEAD_DIM:
+            return f"supports value head dims up to {MAX_HEAD_DIM}, got {spec.v_head_dim}"
         return launch_limit(spec)
+
+    def head_dims(self) -> str:
+        return f"any pair with H, Hv <= {MAX_HEAD_DIM}"
 
     def note(self, spec: AttentionSpec) -> Optional[str]:
         """What `explain` adds: on a CPU the kernels are interpreted, which is for tests."""

@@ -75,7 +75,7 @@ def attention_reference(
 def reference_canonical(
     spec: AttentionSpec, q, k, v, masks: MaskInputs, compute_dtype=None
 ) -> tuple[jax.Array, jax.Array]:
-    """Dense attention on canonical inputs: out [B, T, N, H], lse [B, N, T].
+    """Dense attention on canonical inputs: out [B, T, N, Hv], lse [B, N, T].
 
     Non-finite inputs follow the numerical contract (README, "Numerical contract"): a
     NaN/±inf element of q[t] or k[s] makes the logit (t, s) NaN; every row that sees a

@@ -223,12 +223,12 @@ def sink_state(sink):
 def online_softmax_step(carry, logits, vis, v_blk, bad_v_blk, pv=None, keep=None):
     """One key tile of the online softmax (FlashAttention-2 Alg. 1, inner loop).
 
-    carry: (m, l, acc, bad) [..., q] x2, [..., q, H], bool [..., q] (running max, running
+    carry: (m, l, acc, bad) [..., q] x2, [..., q, Hv], bool [..., q] (running max, running
     sum, unnormalised output in the accumulator dtype, saw a non-finite v); logits
     [B, K, G, q, s] (scaled, biased, capped); vis: bool broadcastable to logits, or None;
-    v_blk [B, s, K, H], finite (`finite_part`); bad_v_blk: bool broadcastable to logits,
+    v_blk [B, s, K, Hv], finite (`finite_part`); bad_v_blk: bool broadcastable to logits,
     the keys whose v row is non-finite, or None. pv: optional P·V for other layouts,
-    pv(p, v_blk) -> [..., q, H] in the accumulator dtype (a kernel's 2-D tiles). keep:
+    pv(p, v_blk) -> [..., q, Hv] in the accumulator dtype (a kernel's 2-D tiles). keep:
     dropout's keep bits (bool like logits) or None: the statistics see every p, the
     accumulator only the kept ones (the 1 / (1 - rate) scaling is the caller's, at the end)."""
     m, l, acc, bad = carry
@@ -285,16 +285,17 @@ def forward(
     kv_blocks=None,
     out_dtype=None,
 ):
-    """out [B, T, N, H] (dtype of q), lse [B, N, T] (float32; float64 for float64 inputs).
+    """out [B, T, N, Hv] (dtype of q), lse [B, N, T] (float32; float64 for float64 inputs).
     masks.sinks, when given, is the online softmax's initial state (`sink_state`).
 
-    kv_blocks: None (k, v are [B, S, K, H] arrays), or (bk, fetch) where fetch(j) returns
-    (k_blk, v_blk [B, bk, K, H] with v_blk finite, bad_v [B, K, 1, 1, bk] (the keys whose v
+    kv_blocks: None (k [B, S, K, H] and v [B, S, K, Hv] arrays), or (bk, fetch) where fetch(j)
+    returns (k_blk [B, bk, K, H], v_blk [B, bk, K, Hv] with v_blk finite, bad_v [B, K, 1, 1, bk] (the keys whose v
     row is non-finite), vis: bool broadcastable to [B, 1, 1, 1, bk] or None): key block j =
     keys [j·bk, (j+1)·bk) read by the caller (a paged cache reads them through its page
     table); k and v are then None. out_dtype: the dtype of out (default q's; the accumulator
     dtype keeps a partial result exact for a later merge by lse)."""
-    b, t, n, h = q.shape
+    b, t, n, _ = q.shape
+    hv = spec.v_head_dim
     s = spec.kv_len
     kh, g = spec.num_kv_heads, spec.group_size
     acc_dt = _acc_dtype(q.dtype)
@@ -336,7 +337,7 @@ def forward(
             return online_softmax_step(carry, logits, vis, v_blk, bad_v_blk, keep=keep)
 
         lo, hi = spec.key_block_range(i * bq, (i + 1) * bq, bk, nk, q_offset)
-        init = online_softmax_init((b, kh, g, bq), h, acc_dt, *like, sink=sink)
+        init = online_softmax_init((b, kh, g, bq), hv, acc_dt, *like, sink=sink)
         carry = lax.fori_loop(lo, jnp.maximum(lo, hi), key_block, init)
         out, lse = online_softmax_finish(carry)
         if spec.has_dropout:
@@ -344,8 +345,8 @@ def forward(
         return out.astype(out_dtype), lse
 
     out, lse = lax.map(query_block, jnp.arange(nq, dtype=jnp.int32))
-    # out: [nq, B, K, G, bq, H] -> [B, T, N, H];  lse: [nq, B, K, G, bq] -> [B, N, T]
-    out = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(b, tiles.t_pad, n, h)[:, :t]
+    # out: [nq, B, K, G, bq, Hv] -> [B, T, N, Hv];  lse: [nq, B, K, G, bq] -> [B, N, T]
+    out = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(b, tiles.t_pad, n, hv)[:, :t]
     lse = jnp.transpose(lse, (1, 2, 3, 0, 4)).reshape(b, n, tiles.t_pad)[:, :, :t]
     return out, lse
 
@@ -365,7 +366,7 @@ def backward(
 ):
     """dq, dk, dv (input dtypes) and dbias (shape of masks.bias, or None)."""
     b, t, n, h = q.shape
-    s = k.shape[1]
+    s, hv = k.shape[1], v.shape[-1]
     kh, g = spec.num_kv_heads, spec.group_size
     acc_dt = _acc_dtype(q.dtype)
     bq, nq = _blocks(t, block_q)
@@ -440,9 +441,10 @@ def backward(
             return dk, dv, dq_acc, dbias
 
         lo, hi = spec.query_block_range(j * bk, (j + 1) * bk, bq, nq, q_offset)
-        zeros_kv = _full((b, bk, kh, h), 0, acc_dt, q, k, v, dout)
+        zeros_k = _full((b, bk, kh, h), 0, acc_dt, q, k, v, dout)
+        zeros_v = _full((b, bk, kh, hv), 0, acc_dt, q, k, v, dout)
         dk, dv, dq_acc, dbias = lax.fori_loop(
-            lo, jnp.maximum(lo, hi), query_block, (zeros_kv, zeros_kv, dq_acc, dbias)
+            lo, jnp.maximum(lo, hi), query_block, (zeros_k, zeros_v, dq_acc, dbias)
         )
         return (dq_acc, dbias), (dk.astype(k.dtype), dv.astype(v.dtype))
 
@@ -451,9 +453,9 @@ def backward(
         key_block, (dq0, dbias0), jnp.arange(nk, dtype=jnp.int32)
     )
     dq = dq_acc.reshape(b, tiles.t_pad, n, h)[:, :t].astype(q.dtype)
-    # dk, dv: [nk, B, bk, K, H] -> [B, S, K, H]
+    # dk, dv: [nk, B, bk, K, H | Hv] -> [B, S, K, H | Hv]
     dk = jnp.moveaxis(dk, 0, 1).reshape(b, tiles.s_pad, kh, h)[:, :s]
-    dv = jnp.moveaxis(dv, 0, 1).reshape(b, tiles.s_pad, kh, h)[:, :s]
+    dv = jnp.moveaxis(dv, 0, 1).reshape(b, tiles.s_pad, kh, hv)[:, :s]
     if dbias is not None:
         dbias = dbias[:, :, : masks.bias.shape[2], : masks.bias.shape[3]].astype(masks.bias.dtype)
     return dq, dk, dv, dbias
@@ -477,6 +479,9 @@ class XlaImplementation:
 
     def unsupported(self, spec: AttentionSpec) -> Optional[str]:
         return None
+
+    def head_dims(self) -> str:
+        return "any pair"
 
     def forward(self, spec, q, k, v, masks):
         from jax_flash.inference import split_kv  # split-KV decoding: few queries, long S

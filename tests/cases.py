@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +18,15 @@ class Shape:
     n: int
     kh: int
     h: int
+    hv: Optional[int] = None  # the value head dim Hv (None: Hv = H)
+
+    @property
+    def v_h(self) -> int:
+        return self.h if self.hv is None else self.hv
 
     def __str__(self):
-        return f"B{self.b}T{self.t}S{self.s}N{self.n}K{self.kh}H{self.h}"
+        extra = "" if self.hv is None else f"Hv{self.hv}"
+        return f"B{self.b}T{self.t}S{self.s}N{self.n}K{self.kh}H{self.h}{extra}"
 
 
 # Ragged lengths, T != S both ways, GQA and MQA, a head dim that is not a power of two.
@@ -28,6 +35,11 @@ FULL_SHAPES = {
     "square": Shape(1, 256, 256, 4, 4, 128),
     "odd_h": Shape(2, 130, 77, 6, 2, 40),
     "one_query": Shape(1, 1, 33, 2, 1, 64),
+    # Value head dim Hv != H: MLA's (192, 128) with GQA and ragged T, S; a half-width value
+    # (128, 64) with MQA; a value wider than the keys (32, 80, not a multiple of 16).
+    "mla": Shape(2, 97, 130, 4, 2, 192, hv=128),
+    "hv_half": Shape(1, 70, 150, 4, 1, 128, hv=64),
+    "hv_wide": Shape(2, 40, 61, 2, 1, 32, hv=80),
 }
 # Interpreted / emulated implementations run these.
 SMALL_SHAPES = {
@@ -48,6 +60,9 @@ SMALL_SHAPES = {
     # a tile bound, tail guard or interior test that is off by one shows up in one of them.
     "tile_plus": Shape(2, 129, 127, 2, 1, 64),  # T = +1, S = -1 (mod 16, 32, 64, 128)
     "tile_minus": Shape(2, 127, 129, 2, 2, 128),  # T = -1, S = +1; H=128: 32-row backward blocks
+    # Hv != H: MLA-like (192, 128) and (64, 32) with GQA, ragged.
+    "small_mla": Shape(1, 33, 70, 2, 1, 192, hv=128),
+    "small_hv": Shape(1, 40, 50, 4, 2, 64, hv=32),
     # Attention sinks (SINK_CASES): tiny, ragged, GQA; H = 32 so that cuda serves them too.
     "sinks_gqa": Shape(2, 40, 70, 4, 2, 32),
     "sinks_tall": Shape(1, 50, 20, 2, 1, 32),  # T > S: with a window, the last rows see no key
@@ -89,6 +104,8 @@ class Case:
 def _cases():
     out = []
     for name in FULL_SHAPES:
+        if FULL_SHAPES[name].hv is not None:
+            continue  # the Hv != H cases are chosen below
         for kind in ("none", "causal"):
             out.append(Case(name, kind, "float32", False))
     for kind in MASK_KINDS:
@@ -128,6 +145,14 @@ def _cases():
     out.append(Case("one_query", "offset_causal", "float32", False))
     out.append(Case("small_tall", "offset_causal", "float16", True))
     out.append(Case("small_h96", "offset_rows", "bfloat16", True))
+    # Value head dim Hv != H: forward out/lse and gradients, GQA/MQA, masks, dtypes.
+    out.append(Case("mla", "combo", "float32", False))
+    out.append(Case("mla", "causal", "bfloat16", False))
+    out.append(Case("hv_half", "offset_decode", "float16", False))
+    out.append(Case("hv_wide", "lengths", "float32", False))
+    out.append(Case("small_mla", "causal", "bfloat16", True))
+    out.append(Case("small_hv", "combo", "float16", True))
+    out.append(Case("small_hv", "bias", "float32", True))
     return out
 
 
@@ -162,7 +187,7 @@ def make_qkv(shape: Shape, dtype, seed: int = 0):
     kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
     q = jax.random.normal(kq, (shape.b, shape.t, shape.n, shape.h), jnp.float32) + 0.1
     k = jax.random.normal(kk, (shape.b, shape.s, shape.kh, shape.h), jnp.float32) - 0.1
-    v = jax.random.normal(kv, (shape.b, shape.s, shape.kh, shape.h), jnp.float32) + 0.2
+    v = jax.random.normal(kv, (shape.b, shape.s, shape.kh, shape.v_h), jnp.float32) + 0.2
     return q.astype(dtype), k.astype(dtype), v.astype(dtype)
 
 

@@ -195,7 +195,7 @@ KV = jnp.zeros((2, 10, 2, 16), jnp.float32)
     "args, kwargs, exc, match",
     [
         ((Q[0, 0], KV, KV), {}, ValueError, r"query must have rank >= 3.*\(4, 16\)"),
-        ((Q, KV, KV[..., :8]), {}, ValueError, r"key and value must have the same shape"),
+        ((Q, KV, KV[:, :9]), {}, ValueError, r"key .* and value .* must have the same shape except the last"),
         ((Q, KV[..., :8], KV[..., :8]), {}, ValueError, r"same head dim H"),
         ((Q[:, :, :3], KV, KV), {}, ValueError, r"N=3 must be a multiple of .* K=2"),
         ((Q, KV[:1], KV[:1]), {}, ValueError, r"same leading batch axes"),
@@ -289,6 +289,26 @@ def test_explain_says_pallas_is_interpreted_on_a_cpu():
     assert "interpreted (slow)" in e.notes["pallas"]
     line = [l for l in str(e).splitlines() if "pallas" in l][0]
     assert "available (interpreted (slow)" in line
+
+
+def test_value_head_dim_explained_and_scaled_by_h():
+    """Hv != H: `explain` states the (H, Hv) pairs of every implementation that serves the
+    call, and why the others do not; the default scale is 1/sqrt(H), not 1/sqrt(Hv)."""
+    q, k, _ = make_qkv(Shape(1, 10, 12, 2, 1, 192), jnp.float32)
+    v = make_qkv(Shape(1, 10, 12, 2, 1, 128), jnp.float32, seed=1)[2]
+    e = jax_flash.explain(q, k, v)
+    for name, why in e.reasons.items():
+        if why is None:
+            assert "(H, Hv) served: " in e.notes[name], (name, e.notes.get(name))
+    assert "(H, Hv) served: any pair" in e.notes["xla"]
+    if e.reasons["cuda"] is not None and "value head dim" in e.reasons["cuda"]:
+        assert "got H = 192, Hv = 128" in e.reasons["cuda"]
+    same = jax_flash.explain(q, k, k)
+    assert all("(H, Hv)" not in note for note in same.notes.values())
+    out = jax_flash.attention(q, k, v, implementation="xla")
+    assert out.shape == (1, 10, 2, 128)
+    _close(out, jax_flash.attention(q, k, v, scale=192**-0.5, implementation="xla"), 0)
+    assert not np.allclose(out, jax_flash.attention(q, k, v, scale=128**-0.5, implementation="xla"))
 
 
 def test_default_choice_on_cpu():

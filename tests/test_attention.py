@@ -58,7 +58,7 @@ def test_forward(impl, case):
     out, lse = jax.jit(
         lambda q, k, v: jax_flash.attention(q, k, v, implementation=impl, return_residual=True, **kw)
     )(q, k, v)
-    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.shape == q.shape[:-1] + v.shape[-1:] and out.dtype == q.dtype  # [*B, T, N, Hv]
     assert lse.shape == q.shape[:-1] and lse.dtype == jnp.float32
 
     ref64, lse64 = attention_reference(q, k, v, return_residual=True, compute_dtype=jnp.float64, **kw)
@@ -90,7 +90,8 @@ def _check_backward(impl, case):
     """Gradients of out and lse against the reference; returns them."""
     q, k, v, kw = _check_case(impl, case)
     dtype = q.dtype
-    cot = jax.random.normal(jax.random.PRNGKey(7), q.shape, jnp.float32).astype(dtype)
+    out_shape = q.shape[:-1] + v.shape[-1:]  # [*B, T, N, Hv]
+    cot = jax.random.normal(jax.random.PRNGKey(7), out_shape, jnp.float32).astype(dtype)
     dlse = jax.random.normal(jax.random.PRNGKey(8), q.shape[:-1], jnp.float32)
     bias = kw.pop("bias", None)
     sinks = kw.pop("sinks", None)
@@ -333,3 +334,42 @@ def test_query_offset_traced_and_vmapped(impl):
         np.testing.assert_allclose(
             np.asarray(mapped[i], np.float32), np.asarray(one, np.float32), atol=1e-5, rtol=0
         )
+
+
+def test_mla_layer_check_grads():
+    """A model-level check of Hv != H: a small MLA-style layer (DeepSeek's split of the
+    query/key head dim into a 128-wide part from a shared latent and a 64-wide positional part
+    with one key per position, H = 192, and values of Hv = 128 from the same latent), causal,
+    on xla in float64: its gradients in every parameter and the input match finite
+    differences (jax.test_util.check_grads), and its output matches the reference."""
+    from jax.test_util import check_grads
+
+    b, t, d, n, r = 1, 12, 16, 2, 8  # batch, tokens, model width, heads, latent width
+    h_nope, h_rope, hv = 128, 64, 128
+    keys = jax.random.split(jax.random.PRNGKey(3), 7)
+    init = lambda k, *shape: jax.random.normal(k, shape, jnp.float64) / np.sqrt(shape[0])
+    params = dict(
+        wq=init(keys[0], d, n, h_nope + h_rope),
+        w_latent=init(keys[1], d, r),
+        w_uk=init(keys[2], r, n, h_nope),
+        w_uv=init(keys[3], r, n, hv),
+        w_rope=init(keys[4], d, h_rope),
+        wo=init(keys[5], n * hv, d),
+    )
+    x = jax.random.normal(keys[6], (b, t, d), jnp.float64)
+
+    def layer(params, x, fn, **kw):
+        q = jnp.einsum("btd,dnh->btnh", x, params["wq"])  # [B, T, N, 192]
+        latent = x @ params["w_latent"]  # [B, T, r]
+        k_nope = jnp.einsum("btr,rnh->btnh", latent, params["w_uk"])
+        k_rope = jnp.broadcast_to((x @ params["w_rope"])[:, :, None], (b, t, n, h_rope))
+        k = jnp.concatenate([k_nope, k_rope], axis=-1)  # [B, T, N, 192]
+        v = jnp.einsum("btr,rnh->btnh", latent, params["w_uv"])  # [B, T, N, 128]
+        out = fn(q, k, v, is_causal=True, **kw)  # [B, T, N, 128]; scale 1/sqrt(192)
+        return out.reshape(b, t, n * hv) @ params["wo"]
+
+    ours = jax.jit(lambda p, x: layer(p, x, jax_flash.attention, implementation="xla"))
+    y = ours(params, x)
+    y_ref = layer(params, x, attention_reference)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-10, atol=1e-12)
+    check_grads(ours, (params, x), order=1, modes=("rev",))

@@ -52,7 +52,11 @@ ROWS = [
     ("key_dtype", "key", lambda q, k, v: ((q, k.astype(jnp.float16), v), {}), TypeError, r"query, key and value must share one dtype"),
     ("key_no_heads", "key", lambda q, k, v: ((q, k[:, :, :0], v[:, :, :0]), {}), ValueError, r"key and value must have at least one head"),
     ("key_too_long", "key", None, ValueError, r"key has S = 1073741824 positions"),
-    ("value_shape", "value", lambda q, k, v: ((q, k, v[:, :4]), {}), ValueError, r"key and value must have the same shape"),
+    ("value_shape", "value", lambda q, k, v: ((q, k, v[:, :4]), {}), ValueError, r"key \[\*B, S, K, H\] and value \[\*B, S, K, Hv\] must have the same shape except the last"),
+    ("value_kv_heads", "value", lambda q, k, v: ((q, k, v[:, :, :1]), {}), ValueError, r"must have the same shape except the last \(head\) dim, got key \(2, 10, 2, 32\) and value \(2, 10, 1, 32\)"),
+    ("value_batch", "value", lambda q, k, v: ((q, k, v[:1]), {}), ValueError, r"key \[\*B, S, K, H\] and value \[\*B, S, K, Hv\] must have the same shape except"),
+    ("value_rank", "value", lambda q, k, v: ((q, k, v[None]), {}), ValueError, r"and value \[\*B, S, K, Hv\] must have the same shape except"),
+    ("value_head_dim_0", "value", lambda q, k, v: ((q, k, v[..., :0]), {}), ValueError, r"value must have a head dim Hv >= 1"),
     ("value_dtype", "value", lambda q, k, v: ((q, k, v.astype(jnp.float16)), {}), TypeError, r"query, key and value must share one dtype"),
     ("value_none", "value", lambda q, k, v: ((q, k, None), {}), TypeError, r"value must be an array, got None"),
     ("bias_shape", "bias", _with(bias=jnp.zeros((T, S + 1))), ValueError, r"bias must be broadcastable"),
@@ -183,15 +187,18 @@ IMPL_ROWS = {
         (dict(h=48), r"has kernels for head dims \(32, 64, 96, 128, 192, 256\), got 48"),
         (dict(bias=True), r"does not take a dense bias"),
         (dict(mask=True), r"does not take a dense mask"),
+        (dict(hv=16), r"has kernels for \(H, Hv\) pairs .*\(32, 32\).*, got H = 32, Hv = 16"),
     ],
     "cpu": [
         (dict(dtype=jnp.float64), r"supports dtypes float32, bfloat16, float16, got float64"),
         (dict(h=520), r"supports head dims up to 512, got 520"),
+        (dict(hv=520), r"supports value head dims up to 512, got 520"),
         (dict(bias=True), r"does not take a dense bias"),
     ],
     "pallas": [
         (dict(dtype=jnp.float64), r"supports dtypes .*got float64"),
         (dict(h=264), r"supports head dims up to 256, got 264"),
+        (dict(hv=264), r"supports value head dims up to 256, got 264"),
     ],
     "xla": [],
 }
@@ -203,13 +210,14 @@ def test_implementation_limits(impl):
         h = change.get("h", H)
         q = jax.ShapeDtypeStruct((B, T, N, h), dt)
         kv = jax.ShapeDtypeStruct((B, S, K, h), dt)
+        v = jax.ShapeDtypeStruct((B, S, K, change.get("hv", h)), dt)
         kw = {}
         if change.get("bias"):
             kw["bias"] = jnp.zeros((T, S), jnp.float32)
         if change.get("mask"):
             kw["mask"] = jnp.ones((T, S), bool)
         with pytest.raises(ValueError, match=f'implementation="{impl}" cannot run this call: {match}'):
-            jax.jit(lambda q, kv: jax_flash.attention(q, kv, kv, implementation=impl, **kw)).trace(q, kv)
+            jax.jit(lambda q, kv, v: jax_flash.attention(q, kv, v, implementation=impl, **kw)).trace(q, kv, v)
 
 
 # ---------------------------------------------------------------- the compiled FFI handlers
@@ -227,8 +235,9 @@ _HANDLER_SCRIPT = textwrap.dedent(
     F32, I32 = jnp.float32, jnp.int32
     SDS = jax.ShapeDtypeStruct
 
-    def operands(dt, B=B, T=T, S=S, N=N, K=K, H=H):
-        return [jnp.ones((B, T, N, H), dt), jnp.ones((B, S, K, H), dt), jnp.ones((B, S, K, H), dt),
+    def operands(dt, B=B, T=T, S=S, N=N, K=K, H=H, Hv=None):
+        Hv = H if Hv is None else Hv
+        return [jnp.ones((B, T, N, H), dt), jnp.ones((B, S, K, H), dt), jnp.ones((B, S, K, Hv), dt),
                 jnp.full((B,), T, I32), jnp.full((B,), S, I32), jnp.zeros((B, T), I32),
                 jnp.zeros((B, S), I32), jnp.zeros((B,), I32)]
 
@@ -239,7 +248,7 @@ _HANDLER_SCRIPT = textwrap.dedent(
     def fwd(target, ops, outs=None, sinks=None, seed=SEED, **attrs):
         q = ops[0]
         if outs is None:
-            outs = (SDS(q.shape, q.dtype), SDS((q.shape[0], q.shape[2], q.shape[1]), F32))
+            outs = (SDS(q.shape[:3] + ops[2].shape[3:], q.dtype), SDS((q.shape[0], q.shape[2], q.shape[1]), F32))
         if sinks is None:  # the forward's last operand: sinks [N] f32, -inf = none
             sinks = jnp.full((q.shape[2] if q.ndim == 4 else 1,), -jnp.inf, F32)
         return jax.ffi.ffi_call(target, outs)(*ops, sinks, seed, **{**ATTRS, **attrs})
@@ -250,10 +259,10 @@ _HANDLER_SCRIPT = textwrap.dedent(
         return (SDS(shape, F32),) * 2 if "emu" in target else ()
 
     def bwd(target, ops, outs=None, workspaces=None, **attrs):
-        q, k = ops[0], ops[1]
+        q, k, v = ops[0], ops[1], ops[2]
         b, t, n, h = q.shape
         if outs is None:
-            outs = (SDS(q.shape, q.dtype), SDS(k.shape, k.dtype), SDS(k.shape, k.dtype),
+            outs = (SDS(q.shape, q.dtype), SDS(k.shape, k.dtype), SDS(v.shape, v.dtype),
                     SDS(q.shape, F32), SDS((b, n, t), F32))
         if len(outs) == 5:
             outs += dkv(target) if workspaces is None else workspaces
@@ -263,18 +272,26 @@ _HANDLER_SCRIPT = textwrap.dedent(
         o = operands(dt, **kw)
         q = o[0]
         b, t, n, h = q.shape
-        return o[:3] + [q, q, jnp.zeros((b, n, t), F32), jnp.zeros((b, n, t), F32)] + o[3:]
+        out = jnp.ones((b, t, n, o[2].shape[3]), q.dtype)  # [B, T, N, Hv]
+        return o[:3] + [out, out, jnp.zeros((b, n, t), F32), jnp.zeros((b, n, t), F32)] + o[3:]
 
     def cases(prefix, dt):
         other = jnp.float16 if dt == jnp.bfloat16 else jnp.bfloat16
         f, b = prefix + "_fwd", prefix + "_bwd"
         o, bo = operands(dt), bwd_operands(dt)
         lse_shape = SDS((B, N, T), F32)
+        hv_expect = None if prefix == "jax_flash" else "value head dim"
         return {
             "ok": (None, lambda: fwd(f, o)),
             "ok_backward": (None, lambda: bwd(b, bo)),
             "ok_empty_batch": (None, lambda: fwd(f, operands(dt, B=0))),
             "ok_no_keys": (None, lambda: fwd(f, operands(dt, S=0))),
+            # The value head dim Hv != H: served by the cpu kernels, refused by the cuda ones.
+            "value_head_dim": (hv_expect, lambda: fwd(f, operands(dt, Hv=16))),
+            "value_head_dim_backward": (hv_expect, lambda: bwd(b, bwd_operands(dt, Hv=48))),
+            "value_head_dim_0": ("value head dim", lambda: fwd(f, operands(dt, Hv=0))),
+            "out_value_head_dim": (hv_expect or "out", lambda: fwd(f, operands(dt, Hv=16), outs=(SDS((B, T, N, H), dt), lse_shape))),
+            "dv_value_head_dim": (hv_expect or "dv", lambda: bwd(b, bwd_operands(dt, Hv=16), outs=(SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), lse_shape))),
             "q_rank3": ("q", lambda: fwd(f, [o[0][0]] + o[1:])),
             "q_int32": ("q", lambda: fwd(f, [o[0].astype(I32)] + o[1:])),
             "q_float64": ("q", lambda: fwd(f, [o[0].astype(jnp.float64)] + o[1:])),

@@ -46,7 +46,7 @@ def _references(fn, *args, **kw):
 
 def _check(out, lse, q, refs, dtype):
     (ref64, lse64), (ref_lo, _) = refs
-    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.shape == ref64.shape and out.shape[:-1] == q.shape[:-1] and out.dtype == q.dtype
     tol = FACTOR * max_err(ref_lo, ref64) + EPS[jnp.dtype(dtype).name]
     err = max_err(out, ref64)
     assert err <= tol, f"out error {err:.3g} > {tol:.3g}"
@@ -85,11 +85,11 @@ def test_paged_attention_matches_reference(case):
     _check(out_s, jnp.swapaxes(lse_s, 1, 2), q, ref, dtype)
 
 
-def _decode_inputs(b, t, s, n, kh, h, lengths, dtype, seed=0):
+def _decode_inputs(b, t, s, n, kh, h, lengths, dtype, seed=0, hv=None):
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.normal(size=(b, t, n, h)) + 0.1, dtype)
     k = jnp.asarray(rng.normal(size=(b, s, kh, h)) - 0.1, dtype)
-    v = jnp.asarray(rng.normal(size=(b, s, kh, h)) + 0.2, dtype)
+    v = jnp.asarray(rng.normal(size=(b, s, kh, h if hv is None else hv)) + 0.2, dtype)
     lengths = jnp.asarray(lengths, jnp.int32)
     # A decode step over a contiguous cache filled to L: the last T positions are the queries.
     kw = dict(is_causal=True, key_value_seq_lengths=lengths, query_offset=lengths - t)
@@ -102,13 +102,15 @@ DECODE = [
     (2, 3, 4099, 8, 2, 64, [4099, 1500], "bfloat16", {}),
     (1, 16, 2048, 8, 1, 128, [1999], "float32", dict(local_window_size=(700, 0))),
     (2, 1, 3000, 4, 1, 64, [2500, 7], "float16", dict(logits_soft_cap=4.0)),
+    (1, 2, 1100, 4, 1, 192, [1090], "float32", dict(hv=128)),  # MLA's value head dim Hv != H
 ]
 
 
 @pytest.mark.parametrize("case", DECODE, ids=lambda c: f"T{c[1]}S{c[2]}G{c[3] // c[4]}-{c[7]}")
 def test_split_kv_matches_reference_and_unsplit(case):
     b, t, s, n, kh, h, lengths, dtype, extra = case
-    q, k, v, kw = _decode_inputs(b, t, s, n, kh, h, lengths, dtype)
+    extra = dict(extra)
+    q, k, v, kw = _decode_inputs(b, t, s, n, kh, h, lengths, dtype, hv=extra.pop("hv", None))
     kw.update(extra)
     c = canonicalize(q, k, v, **kw)
     ref = _references(jax_flash.reference, q, k, v, **kw)

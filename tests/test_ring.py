@@ -40,21 +40,21 @@ PRELUDE = textwrap.dedent(
         # the mesh axis like its inputs.
         return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
-    def inputs(seed, b, t, s, n, kh, h, dtype):
+    def inputs(seed, b, t, s, n, kh, h, dtype, hv=None):
         r = np.random.default_rng(seed)
         q = r.normal(size=(b, t, n, h)) + 0.3  # off-zero mean: P·V is not ~0
         k = r.normal(size=(b, s, kh, h)) - 0.2
-        v = r.normal(size=(b, s, kh, h)) + 0.5
+        v = r.normal(size=(b, s, kh, h if hv is None else hv)) + 0.5  # value head dim Hv
         return [jnp.asarray(x, dtype) for x in (q, k, v)]
 
     def case(name, p, layout="contiguous", b=2, t=16, s=None, n=2, kh=None, h=8,
              dtype=jnp.float64, impl="xla", tol=1e-9, grad_tol=None, check_grads=False,
-             q_lengths=None, kv_lengths=None, segment_ids=None, **kw):
+             q_lengths=None, kv_lengths=None, segment_ids=None, hv=None, **kw):
         start = time.perf_counter()
         s = t if s is None else s
         kh = n if kh is None else kh
         mesh = Mesh(np.array(jax.devices()[:p]), ("sp",))
-        q, k, v = inputs(len(name), b, t, s, n, kh, h, dtype)
+        q, k, v = inputs(len(name), b, t, s, n, kh, h, dtype, hv)
         zz = layout == "zigzag"
         tr = (lambda x: jax_flash.zigzag(x, p)) if zz else (lambda x: x)
         un = (lambda x: jax_flash.unzigzag(x, p)) if zz else (lambda x: x)
@@ -93,7 +93,7 @@ PRELUDE = textwrap.dedent(
                 compute_dtype=jnp.float64, **kw)
 
         r = np.random.default_rng(1)
-        w_out = jnp.asarray(r.normal(size=q.shape), dtype)
+        w_out = jnp.asarray(r.normal(size=q.shape[:-1] + v.shape[-1:]), dtype)
         w_lse = jnp.asarray(r.normal(size=(b, t, n)), jnp.float32 if dtype != jnp.float64 else dtype)
 
         def with_vjp(f):
@@ -145,6 +145,8 @@ MASKS = textwrap.dedent(
     case("segments pair t!=s p2 full", 2, t=16, s=32, n=4, kh=1,
          segment_ids=(seg32[:, :16], np.sort(seg32, axis=1)))
     case("t!=s p4 full zigzag gqa", 4, "zigzag", t=16, s=32, n=4, kh=2, kv_lengths=[32, 11])
+    case("value head dim hv!=h p2 zigzag causal gqa", 2, "zigzag", n=4, kh=2, h=12, hv=8,
+         is_causal=True, kv_lengths=[16, 11])
     """
 )
 
@@ -173,6 +175,8 @@ CPU = textwrap.dedent(
          kv_lengths=[32, 23])
     case("cpu full p2 ragged", 2, t=32, h=16, dtype=jnp.float32, impl="cpu", tol=2e-5,
          q_lengths=[30, 7], logits_soft_cap=3.0)
+    case("cpu value head dim hv!=h p2 causal", 2, t=32, h=24, hv=40, dtype=jnp.float32,
+         impl="cpu", tol=2e-5, is_causal=True)
     case("cpu window t<s p4 contiguous", 4, t=16, s=32, h=16, dtype=jnp.float32,
          impl="cpu", tol=2e-5, local_window_size=(7, 2), is_causal=True, query_offset=16)
     """

@@ -63,8 +63,8 @@ void StoreKeyValueGradients(const Problem& p, const BackwardTiles& w, int64_t b,
   for (int64_t j = 0; j < cols; ++j) {
     for (int64_t h = 0; h < p.head_dim; ++h) w.row[h] = w.dk[Products::KeyGradientIndex(p, j, h)];
     StoreRow(w.row, factor, p.dtype, p.kv_row(b, s0 + j, g), p.head_dim, p.dk);
-    for (int64_t h = 0; h < p.head_dim; ++h) w.row[h] = w.dv[Products::KeyGradientIndex(p, j, h)];
-    StoreRow(w.row, 1.0f, p.dtype, p.kv_row(b, s0 + j, g), p.head_dim, p.dv);
+    for (int64_t h = 0; h < p.value_dim(); ++h) w.row[h] = w.dv[Products::KeyGradientIndex(p, j, h)];
+    StoreRow(w.row, 1.0f, p.dtype, p.v_row(b, s0 + j, g), p.value_dim(), p.dv);
   }
 }
 
@@ -83,7 +83,7 @@ void GradientTileWith(const Problem& p, int64_t item, float* workspace) {
     const int64_t cols = std::clamp<int64_t>(mask.kv_valid - s0, 0, keys);  // visible at all
     for (int64_t j = cols; j < keys; ++j) {  // keys past the length get no gradient
       StoreZeros(p.dtype, p.kv_row(b, s0 + j, g), p.head_dim, p.dk);
-      StoreZeros(p.dtype, p.kv_row(b, s0 + j, g), p.head_dim, p.dv);
+      StoreZeros(p.dtype, p.v_row(b, s0 + j, g), p.value_dim(), p.dv);
     }
     if (cols == 0) continue;
     const int64_t cols_padded = RoundUp(cols, kLanes);

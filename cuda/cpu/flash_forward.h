@@ -55,9 +55,9 @@ inline void WriteEmptyRows(const Problem& p, int64_t b, int64_t n, int64_t t_beg
   const bool poisoned = Problem::SinkSum(sink) != Problem::SinkSum(sink);
   for (int64_t t = t_begin; t < t_end; ++t) {
     if (poisoned) {
-      StoreNaNs(p.dtype, p.q_row(b, t, n), p.head_dim, p.out);
+      StoreNaNs(p.dtype, p.o_row(b, t, n), p.value_dim(), p.out);
     } else {
-      StoreZeros(p.dtype, p.q_row(b, t, n), p.head_dim, p.out);
+      StoreZeros(p.dtype, p.o_row(b, t, n), p.value_dim(), p.out);
     }
     p.lse[p.stat(b, n, t)] = poisoned ? __builtin_nanf("") : sink;
   }
@@ -73,7 +73,7 @@ inline void WriteOutputRows(const Problem& p, const ForwardTiles& w, int64_t b, 
     if (w.m[i] != -__builtin_inff()) {
       // Dropout scales the kept weights by 1 / (1 − rate) here, with 1 / l.
       const float factor = p.dropout.on ? p.dropout.keep_scale / w.l[i] : 1.0f / w.l[i];
-      StoreRow(w.o + i * w.row_stride, factor, p.dtype, p.q_row(b, t, n), p.head_dim,
+      StoreRow(w.o + i * w.row_stride, factor, p.dtype, p.o_row(b, t, n), p.value_dim(),
                p.out);
       p.lse[p.stat(b, n, t)] = w.m[i] + std::log(w.l[i]);
     } else {

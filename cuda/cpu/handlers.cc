@@ -107,8 +107,10 @@ void DescribeProblem(Checker& check, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
                      int64_t window_right, float softcap, bool use_segment_ids, Problem* p) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
+  const auto vd = v.dimensions();
   if (qd.size() != 4) return check.Fail("q must have rank 4 [B, T, N, H], got shape " + ShapeString(qd));
   if (kd.size() != 4) return check.Fail("k must have rank 4 [B, S, K, H], got shape " + ShapeString(kd));
+  if (vd.size() != 4) return check.Fail("v must have rank 4 [B, S, K, Hv], got shape " + ShapeString(vd));
   switch (q.element_type()) {
     case ffi::DataType::F32: p->dtype = ElementType::kF32; break;
     case ffi::DataType::BF16: p->dtype = ElementType::kBF16; break;
@@ -122,9 +124,10 @@ void DescribeProblem(Checker& check, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
   p->head_dim = qd[3];
   p->kv_len = kd[1];
   p->kv_heads = kd[2];
+  p->value_head_dim = vd[3];  // Hv: may differ from H
   const ffi::DataType dtype = q.element_type();
   check.Expect("k", k, {p->batch, p->kv_len, p->kv_heads, p->head_dim}, dtype);
-  check.Expect("v", v, {p->batch, p->kv_len, p->kv_heads, p->head_dim}, dtype);
+  check.Expect("v", v, {p->batch, p->kv_len, p->kv_heads, p->value_head_dim}, dtype);
   if (!check.ok()) return;
   if (p->kv_heads < 1 || p->q_heads % p->kv_heads != 0) {
     return check.Fail("the number of query heads N = " + std::to_string(p->q_heads) +
@@ -138,6 +141,8 @@ void DescribeProblem(Checker& check, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
   check.Expect("kv_segment_ids", kv_segment_ids, {p->batch, p->kv_len}, ffi::DataType::S32);
   check.Expect("q_offset", q_offsets, {p->batch}, ffi::DataType::S32);
   if (p->head_dim < 1) check.Fail("the head dim H must be >= 1, got q shape " + ShapeString(qd));
+  if (p->value_head_dim < 1)
+    check.Fail("the value head dim Hv must be >= 1, got v shape " + ShapeString(vd));
   if (!std::isfinite(scale)) check.Fail("scale must be finite, got " + std::to_string(scale));
   // 0 is "off"; a cap below float32's smallest normal has no finite 1 / softcap.
   if (!SoftcapIsOffOrNormal(softcap))
@@ -213,7 +218,7 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   check.Expect("sinks", sinks, {p.q_heads}, ffi::DataType::F32);
   if (!check.ok()) return check.error();
   p.sinks = static_cast<const float*>(sinks.untyped_data());
-  check.Expect("out", *out, {p.batch, p.q_len, p.q_heads, p.head_dim}, q.element_type());
+  check.Expect("out", *out, {p.batch, p.q_len, p.q_heads, p.value_dim()}, q.element_type());
   check.Expect("lse", *lse, {p.batch, p.q_heads, p.q_len}, ffi::DataType::F32);
   if (!check.ok()) return check.error();
   std::string isa_error;
@@ -298,15 +303,17 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
   if (!check.ok()) return check.error();
   const ffi::DataType dtype = q.element_type();
   const std::initializer_list<int64_t> q_shape = {p.batch, p.q_len, p.q_heads, p.head_dim};
+  const std::initializer_list<int64_t> out_shape = {p.batch, p.q_len, p.q_heads, p.value_dim()};
   const std::initializer_list<int64_t> kv_shape = {p.batch, p.kv_len, p.kv_heads, p.head_dim};
+  const std::initializer_list<int64_t> v_shape = {p.batch, p.kv_len, p.kv_heads, p.value_dim()};
   const std::initializer_list<int64_t> stat_shape = {p.batch, p.q_heads, p.q_len};
-  check.Expect("out", out, q_shape, dtype);
-  check.Expect("dout", dout, q_shape, dtype);
+  check.Expect("out", out, out_shape, dtype);
+  check.Expect("dout", dout, out_shape, dtype);
   check.Expect("lse", lse, stat_shape, ffi::DataType::F32);
   check.Expect("dlse", dlse, stat_shape, ffi::DataType::F32);
   check.Expect("dq", *dq, q_shape, dtype);
   check.Expect("dk", *dk, kv_shape, dtype);
-  check.Expect("dv", *dv, kv_shape, dtype);
+  check.Expect("dv", *dv, v_shape, dtype);
   check.Expect("dq_accum", *dq_accum, q_shape, ffi::DataType::F32);
   check.Expect("delta", *delta, stat_shape, ffi::DataType::F32);
   if (!check.ok()) return check.error();
@@ -337,7 +344,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuForward, Forward,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // q [B, T, N, H]
                                   .Arg<ffi::AnyBuffer>()  // k [B, S, K, H]
-                                  .Arg<ffi::AnyBuffer>()  // v [B, S, K, H]
+                                  .Arg<ffi::AnyBuffer>()  // v [B, S, K, Hv]
                                   .Arg<ffi::AnyBuffer>()  // q_lengths [B] s32
                                   .Arg<ffi::AnyBuffer>()  // kv_lengths [B] s32
                                   .Arg<ffi::AnyBuffer>()  // q_segment_ids [B, T] s32
@@ -345,7 +352,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuForward, Forward,
                                   .Arg<ffi::AnyBuffer>()  // q_offset [B] s32
                                   .Arg<ffi::AnyBuffer>()  // sinks [N] f32 (-inf: none)
                                   .Arg<ffi::AnyBuffer>()  // dropout_seed [2] u32
-                                  .Ret<ffi::AnyBuffer>()  // out [B, T, N, H]
+                                  .Ret<ffi::AnyBuffer>()  // out [B, T, N, Hv]
                                   .Ret<ffi::AnyBuffer>()  // lse [B, N, T] f32
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("window_left")
@@ -359,9 +366,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuBackward, Backward,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // q [B, T, N, H]
                                   .Arg<ffi::AnyBuffer>()  // k [B, S, K, H]
-                                  .Arg<ffi::AnyBuffer>()  // v [B, S, K, H]
-                                  .Arg<ffi::AnyBuffer>()  // out [B, T, N, H]
-                                  .Arg<ffi::AnyBuffer>()  // dout [B, T, N, H]
+                                  .Arg<ffi::AnyBuffer>()  // v [B, S, K, Hv]
+                                  .Arg<ffi::AnyBuffer>()  // out [B, T, N, Hv]
+                                  .Arg<ffi::AnyBuffer>()  // dout [B, T, N, Hv]
                                   .Arg<ffi::AnyBuffer>()  // lse [B, N, T] f32
                                   .Arg<ffi::AnyBuffer>()  // dlse [B, N, T] f32
                                   .Arg<ffi::AnyBuffer>()  // q_lengths [B] s32
@@ -372,7 +379,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuBackward, Backward,
                                   .Arg<ffi::AnyBuffer>()  // dropout_seed [2] u32
                                   .Ret<ffi::AnyBuffer>()  // dq [B, T, N, H]
                                   .Ret<ffi::AnyBuffer>()  // dk [B, S, K, H]
-                                  .Ret<ffi::AnyBuffer>()  // dv [B, S, K, H]
+                                  .Ret<ffi::AnyBuffer>()  // dv [B, S, K, Hv]
                                   .Ret<ffi::AnyBuffer>()  // dq_accum [B, T, N, H] f32 workspace
                                   .Ret<ffi::AnyBuffer>()  // delta [B, N, T] f32 workspace
                                   .Attr<float>("scale")

@@ -1,7 +1,8 @@
 // One attention call as the CPU kernels see it: shapes, strides, operand pointers,
 // attributes, and the mask geometry every tile of the forward and backward shares.
 //
-// Layout is BTNH (q, out, dout, dq) and BSKH (k, v, dk, dv); statistics are [B, N, T].
+// Layout is BTNH (q, dq: head dim H; out, dout: Hv) and BSKH (k, dk: H; v, dv: Hv);
+// statistics are [B, N, T]. The value head dim Hv may differ from the query/key head dim H.
 // This header is included by every ISA-specific translation unit *before* their
 // `#pragma GCC target`, so everything here is compiled for the baseline ISA.
 #pragma once
@@ -24,7 +25,8 @@ struct Problem {
   int64_t kv_len = 0;     // S
   int64_t q_heads = 0;    // N
   int64_t kv_heads = 0;   // K
-  int64_t head_dim = 0;   // H
+  int64_t head_dim = 0;   // H: q, k, dq, dk (the reduction of Q·Kᵀ)
+  int64_t value_head_dim = 0;  // Hv: v, out, dout, dv (P·V, dO·Vᵀ); 0 means Hv = H
   ElementType dtype = ElementType::kF32;
 
   float scale = 1.0f;     // logits = scale * q.k
@@ -85,18 +87,27 @@ struct Problem {
   bool bf16_packing = false;
 
   int64_t group_size() const { return q_heads / kv_heads; }
+  int64_t value_dim() const { return value_head_dim > 0 ? value_head_dim : head_dim; }  // Hv
   // The sink of query head n (-inf: none).
   float sink(int64_t n) const { return sinks == nullptr ? -__builtin_inff() : sinks[n]; }
   // The online softmax's running sum after the sink alone (its running max is the sink):
   // 1, or NaN for a NaN or +inf sink, which poisons every row of its head.
   static float SinkSum(float sink) { return sink < __builtin_inff() ? 1.0f : __builtin_nanf(""); }
-  // Element offset of row t of query head n (q, out, dout, dq).
+  // Element offset of row t of query head n (q, dq).
   int64_t q_row(int64_t b, int64_t t, int64_t n) const {
     return ((b * q_len + t) * q_heads + n) * head_dim;
   }
-  // Element offset of row s of kv head g (k, v, dk, dv).
+  // Element offset of row t of query head n (out, dout).
+  int64_t o_row(int64_t b, int64_t t, int64_t n) const {
+    return ((b * q_len + t) * q_heads + n) * value_dim();
+  }
+  // Element offset of row s of kv head g (k, dk).
   int64_t kv_row(int64_t b, int64_t s, int64_t g) const {
     return ((b * kv_len + s) * kv_heads + g) * head_dim;
+  }
+  // Element offset of row s of kv head g (v, dv).
+  int64_t v_row(int64_t b, int64_t s, int64_t g) const {
+    return ((b * kv_len + s) * kv_heads + g) * value_dim();
   }
   // Offset of (b, n, t) in the [B, N, T] statistics.
   int64_t stat(int64_t b, int64_t n, int64_t t) const {

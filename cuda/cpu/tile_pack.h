@@ -66,7 +66,7 @@ JAX_FLASH_INLINE void ZeroNonFinite(float* tile, int64_t n) {
 
 // The forward's record of key block `item`'s value rows that hold a NaN/±inf (which
 // the packed V has as zeros): p.packed.bad_values, once per call and key block, so that
-// no tile widens V again. `row_buffer` holds H floats.
+// no tile widens V again. `row_buffer` holds Hv floats.
 inline void FindNonFiniteValues(const Problem& p, int64_t item, float* row_buffer) {
   const auto [b, g, s0, keys] = KeyBlockOf(p, item);
   int32_t* bad = p.packed.bad_values + item * (kBlockK + 1);
@@ -74,8 +74,8 @@ inline void FindNonFiniteValues(const Problem& p, int64_t item, float* row_buffe
   for (int64_t j = 0; j < kBlockK; ++j) {
     bool finite = true;
     if (j < keys) {
-      LoadRow(p.v, p.dtype, p.kv_row(b, s0 + j, g), p.head_dim, row_buffer);
-      for (int64_t h = 0; h < p.head_dim; ++h) finite &= std::isfinite(row_buffer[h]);
+      LoadRow(p.v, p.dtype, p.v_row(b, s0 + j, g), p.value_dim(), row_buffer);
+      for (int64_t h = 0; h < p.value_dim(); ++h) finite &= std::isfinite(row_buffer[h]);
     }
     bad[j] = finite ? 0 : 1;
     any |= !finite;
@@ -92,14 +92,13 @@ inline const int32_t* NonFiniteValues(const Problem& p, int64_t b, int64_t g, in
 
 // Packs key block `item` = (b, kv head g, key block) of every packed K/V layout the
 // problem asks for (the null ones are skipped). Runs once per call and key block,
-// before any tile that reads it. `row_buffer` holds H floats.
+// before any tile that reads it. `row_buffer` holds max(H, Hv) floats.
 inline void PackKeyBlock(const Problem& p, int64_t item, float* row_buffer) {
   const auto [b, g, s0, keys] = KeyBlockOf(p, item);
   const int64_t offset = item * KeyBlockFloats(p);
   const int64_t ld = RowStride(p);
-  const int64_t stride = p.kv_heads * p.head_dim;
-  const RowBlock k{p.k, p.dtype, p.kv_row(b, s0, g), stride, keys, p.head_dim};
-  const RowBlock v{p.v, p.dtype, p.kv_row(b, s0, g), stride, keys, p.head_dim};
+  const RowBlock k{p.k, p.dtype, p.kv_row(b, s0, g), p.kv_heads * p.head_dim, keys, p.head_dim};
+  const RowBlock v{p.v, p.dtype, p.v_row(b, s0, g), p.kv_heads * p.value_dim(), keys, p.value_dim()};
   if (p.packed.k_t != nullptr) PackTransposed(k, kBlockK, kKeyStride, row_buffer, p.packed.k_t + offset);
   if (p.packed.v_t != nullptr) PackTransposed(v, kBlockK, kKeyStride, row_buffer, p.packed.v_t + offset);
   if (p.packed.k != nullptr) {
@@ -114,23 +113,23 @@ inline void PackKeyBlock(const Problem& p, int64_t item, float* row_buffer) {
 
 // Backward: packs query block `item` = (b, head n, query block): scale · Q and dO
 // rows, and computes D = rowsum(dO ∘ O) − dlse (FlashAttention-2 Alg. 2, line 4) for
-// its rows. `row_buffer` holds H floats.
+// its rows. `row_buffer` holds Hv floats.
 inline void PackQueryBlock(const Problem& p, int64_t item, float* row_buffer) {
   const auto [b, n, t0, rows] = QueryBlockOf(p, item);
   const int64_t offset = item * QueryBlockFloats(p);
   const int64_t ld = RowStride(p);
-  const int64_t stride = p.q_heads * p.head_dim;
+  const int64_t hv = p.value_dim();
   // Finite: the backward's scores need no poisoned q, a poisoned row's lse is NaN.
-  PackRows({p.q, p.dtype, p.q_row(b, t0, n), stride, rows, p.head_dim}, p.scale, kBlockQ, ld,
-           p.packed.q + offset);
+  PackRows({p.q, p.dtype, p.q_row(b, t0, n), p.q_heads * p.head_dim, rows, p.head_dim}, p.scale,
+           kBlockQ, ld, p.packed.q + offset);
   ZeroNonFinite(p.packed.q + offset, kBlockQ * ld);
-  PackRows({p.dout, p.dtype, p.q_row(b, t0, n), stride, rows, p.head_dim}, 1.0f, kBlockQ, ld,
+  PackRows({p.dout, p.dtype, p.o_row(b, t0, n), p.q_heads * hv, rows, hv}, 1.0f, kBlockQ, ld,
            p.packed.dout + offset);
   const float* dout = p.packed.dout + offset;
   for (int64_t i = 0; i < rows; ++i) {
-    LoadRow(p.out, p.dtype, p.q_row(b, t0 + i, n), p.head_dim, row_buffer);
+    LoadRow(p.out, p.dtype, p.o_row(b, t0 + i, n), hv, row_buffer);
     float sum = 0.0f;
-    for (int64_t h = 0; h < p.head_dim; ++h) sum += row_buffer[h] * dout[i * ld + h];
+    for (int64_t h = 0; h < hv; ++h) sum += row_buffer[h] * dout[i * ld + h];
     p.delta[p.stat(b, n, t0 + i)] = sum - p.dlse[p.stat(b, n, t0 + i)];
   }
 }

@@ -89,9 +89,8 @@ inline void PackKeyBlockBF16(const Problem& p, int64_t item) {
   const int64_t offset = item * KeyBlockFloats(p);
   const int64_t hp = PaddedHeadDim(p);
   const int64_t ld = RowStride(p);
-  const int64_t stride = p.kv_heads * p.head_dim;
-  const RowBlock k{p.k, p.dtype, p.kv_row(b, s0, g), stride, keys, p.head_dim};
-  const RowBlock v{p.v, p.dtype, p.kv_row(b, s0, g), stride, keys, p.head_dim};
+  const RowBlock k{p.k, p.dtype, p.kv_row(b, s0, g), p.kv_heads * p.head_dim, keys, p.head_dim};
+  const RowBlock v{p.v, p.dtype, p.v_row(b, s0, g), p.kv_heads * p.value_dim(), keys, p.value_dim()};
   if (p.packed.k_t != nullptr) PackPairsAlongRows(k, hp, kKeyStride, AsBF16(p.packed.k_t + offset));
   if (p.packed.v_t != nullptr) PackPairsAlongRows(v, hp, kKeyStride, AsBF16(p.packed.v_t + offset));
   if (p.packed.k != nullptr) {
@@ -105,15 +104,15 @@ inline void PackKeyBlockBF16(const Problem& p, int64_t item) {
 }
 
 // Backward: Q and dO rows and their transposes; D = rowsum(dO ∘ O) − dlse in float32
-// from the widened rows. `row_buffer` holds 2·H floats.
+// from the widened rows. `row_buffer` holds 2·Hv floats.
 inline void PackQueryBlockBF16(const Problem& p, int64_t item, float* row_buffer) {
   const auto [b, n, t0, rows] = QueryBlockOf(p, item);
   const int64_t offset = item * QueryBlockFloats(p);
   const int64_t hp = PaddedHeadDim(p);
   const int64_t ld = RowStride(p);
-  const int64_t stride = p.q_heads * p.head_dim;
-  const RowBlock q{p.q, p.dtype, p.q_row(b, t0, n), stride, rows, p.head_dim};
-  const RowBlock dout{p.dout, p.dtype, p.q_row(b, t0, n), stride, rows, p.head_dim};
+  const int64_t hv = p.value_dim();
+  const RowBlock q{p.q, p.dtype, p.q_row(b, t0, n), p.q_heads * p.head_dim, rows, p.head_dim};
+  const RowBlock dout{p.dout, p.dtype, p.o_row(b, t0, n), p.q_heads * hv, rows, hv};
   uint16_t* q_rows = AsBF16(p.packed.q + offset);
   uint16_t* dout_rows = AsBF16(p.packed.dout + offset);
   PackRowsBF16(q, kBlockQ, ld, q_rows);
@@ -123,12 +122,12 @@ inline void PackQueryBlockBF16(const Problem& p, int64_t item, float* row_buffer
   // Finite: the scores need no poisoned q, a poisoned row's lse is NaN.
   ZeroNonFiniteBF16(q_rows, 2 * QueryBlockFloats(p));
   float* o_row = row_buffer;
-  float* do_row = row_buffer + p.head_dim;
+  float* do_row = row_buffer + hv;
   for (int64_t i = 0; i < rows; ++i) {
-    LoadRow(p.out, p.dtype, p.q_row(b, t0 + i, n), p.head_dim, o_row);
-    LoadRow(p.dout, p.dtype, p.q_row(b, t0 + i, n), p.head_dim, do_row);
+    LoadRow(p.out, p.dtype, p.o_row(b, t0 + i, n), hv, o_row);
+    LoadRow(p.dout, p.dtype, p.o_row(b, t0 + i, n), hv, do_row);
     float sum = 0.0f;
-    for (int64_t h = 0; h < p.head_dim; ++h) sum += o_row[h] * do_row[h];
+    for (int64_t h = 0; h < hv; ++h) sum += o_row[h] * do_row[h];
     p.delta[p.stat(b, n, t0 + i)] = sum - p.dlse[p.stat(b, n, t0 + i)];
   }
 }

@@ -40,16 +40,16 @@ struct F32Products {
   static void PackQuery(const Problem& p, const RowBlock& q, int64_t rows_padded, float* dst) {
     PackRows(q, p.scale, rows_padded, RowStride(p), dst);
   }
-  // s = logits before the soft cap: (scale·Q)·Kᵀ.  [rows_padded][cols_padded]
+  // s = logits before the soft cap: (scale·Q)·Kᵀ (over H).  [rows_padded][cols_padded]
   static void Scores(const Problem& p, int64_t rows_padded, int64_t cols_padded, const float* q,
                      const float* k_t, float* s) {
     Gemm<false, Accumulate::kOverwrite>(rows_padded, cols_padded, p.head_dim, q, RowStride(p), k_t,
                                         kKeyStride, s, kBlockK);
   }
-  // dp = dO·Vᵀ.
+  // dp = dO·Vᵀ (over Hv).
   static void ProbabilityGradient(const Problem& p, int64_t rows_padded, int64_t cols_padded,
                                   const float* dout, const float* v_t, float* dp) {
-    Gemm<false, Accumulate::kOverwrite>(rows_padded, cols_padded, p.head_dim, dout, RowStride(p),
+    Gemm<false, Accumulate::kOverwrite>(rows_padded, cols_padded, p.value_dim(), dout, RowStride(p),
                                         v_t, kKeyStride, dp, kBlockK);
   }
   // o = diag(correction)·o + P·V over the tile's `cols` keys.
@@ -57,7 +57,7 @@ struct F32Products {
                                const float* probabilities, float* scratch, const float* v, float* o,
                                const float* correction) {
     const int64_t ld = RowStride(p);
-    Gemm<false, Accumulate::kRescale>(rows_padded, PaddedHeadDim(p), cols, probabilities, kBlockK,
+    Gemm<false, Accumulate::kRescale>(rows_padded, PaddedValueDim(p), cols, probabilities, kBlockK,
                                       v, ld, o, ld, correction);
   }
   // dv += Pᵀ·dO, dk += dSᵀ·(scale·Q) over the tile's real `rows`.
@@ -66,15 +66,15 @@ struct F32Products {
                                           const float* q, const float* dout, float* scratch,
                                           float* dk, float* dv) {
     const int64_t ld = RowStride(p);
-    const int64_t hp = PaddedHeadDim(p);
-    Gemm<true, Accumulate::kAdd>(cols_padded, hp, rows, probabilities, kBlockK, dout, ld, dv, ld);
-    Gemm<true, Accumulate::kAdd>(cols_padded, hp, rows, ds, kBlockK, q, ld, dk, ld);
+    Gemm<true, Accumulate::kAdd>(cols_padded, PaddedValueDim(p), rows, probabilities, kBlockK, dout,
+                                 ld, dv, ld);
+    Gemm<true, Accumulate::kAdd>(cols_padded, PaddedKeyDim(p), rows, ds, kBlockK, q, ld, dk, ld);
   }
   // dq += dS·K over the tile's `cols` keys (scale is applied when dQ is written).
   static void AccumulateQueryGradient(const Problem& p, int64_t rows_padded, int64_t cols,
                                       const float* ds, const float* k, float* scratch, float* dq) {
     const int64_t ld = RowStride(p);
-    Gemm<false, Accumulate::kAdd>(rows_padded, PaddedHeadDim(p), cols, ds, kBlockK, k, ld, dq, ld);
+    Gemm<false, Accumulate::kAdd>(rows_padded, PaddedKeyDim(p), cols, ds, kBlockK, k, ld, dq, ld);
   }
   // Element (key j, h) of a key-gradient accumulator.
   static int64_t KeyGradientIndex(const Problem& p, int64_t j, int64_t h) { return j * RowStride(p) + h; }
@@ -89,13 +89,13 @@ struct BF16Products {
   }
   static void Scores(const Problem& p, int64_t rows_padded, int64_t cols_padded, const float* q,
                      const float* k_t, float* s) {
-    GemmBF16<Accumulate::kOverwrite>(rows_padded, cols_padded, PaddedHeadDim(p) / 2, AsBF16(q),
+    GemmBF16<Accumulate::kOverwrite>(rows_padded, cols_padded, PaddedKeyDim(p) / 2, AsBF16(q),
                                      RowStride(p), AsBF16(k_t), kKeyStride, s, kBlockK, nullptr,
                                      p.scale);
   }
   static void ProbabilityGradient(const Problem& p, int64_t rows_padded, int64_t cols_padded,
                                   const float* dout, const float* v_t, float* dp) {
-    GemmBF16<Accumulate::kOverwrite>(rows_padded, cols_padded, PaddedHeadDim(p) / 2, AsBF16(dout),
+    GemmBF16<Accumulate::kOverwrite>(rows_padded, cols_padded, PaddedValueDim(p) / 2, AsBF16(dout),
                                      RowStride(p), AsBF16(v_t), kKeyStride, dp, kBlockK);
   }
   static void AccumulateValues(const Problem& p, int64_t rows_padded, int64_t cols,
@@ -106,7 +106,7 @@ struct BF16Products {
     uint16_t* p16 = AsBF16(scratch);
     RoundRowsToBF16(probabilities, kBlockK, rows_padded, RoundUp(cols, kLanes), p16, kBlockK);
     const int64_t ld = RowStride(p);
-    GemmBF16<Accumulate::kRescale>(rows_padded, PaddedHeadDim(p), cols_even / 2, p16, kBlockK,
+    GemmBF16<Accumulate::kRescale>(rows_padded, PaddedValueDim(p), cols_even / 2, p16, kBlockK,
                                    AsBF16(v), ld, o, ld, correction);
   }
   // Transposed accumulators: dvᵀ += dOᵀ·P, dkᵀ += Qᵀ·dS over the tile's real rows
@@ -115,22 +115,21 @@ struct BF16Products {
                                           const float* probabilities, const float* ds,
                                           const float* q, const float* dout, float* scratch,
                                           float* dk, float* dv) {
-    const int64_t hp = PaddedHeadDim(p);
     const int64_t offset = TransposedQueryOffset(p);
     uint16_t* pairs = AsBF16(scratch);
     RoundRowsToPairs(probabilities, kBlockK, rows, cols_padded, pairs, kBlockK);
-    GemmBF16<Accumulate::kAdd>(hp, cols_padded, RoundUp(rows, 2) / 2, AsBF16(dout) + offset, kBlockQ,
-                               pairs, kBlockK, dv, kKeyStride);
+    GemmBF16<Accumulate::kAdd>(PaddedValueDim(p), cols_padded, RoundUp(rows, 2) / 2,
+                               AsBF16(dout) + offset, kBlockQ, pairs, kBlockK, dv, kKeyStride);
     RoundRowsToPairs(ds, kBlockK, rows, cols_padded, pairs, kBlockK);
-    GemmBF16<Accumulate::kAdd>(hp, cols_padded, RoundUp(rows, 2) / 2, AsBF16(q) + offset, kBlockQ,
-                               pairs, kBlockK, dk, kKeyStride);
+    GemmBF16<Accumulate::kAdd>(PaddedKeyDim(p), cols_padded, RoundUp(rows, 2) / 2,
+                               AsBF16(q) + offset, kBlockQ, pairs, kBlockK, dk, kKeyStride);
   }
   static void AccumulateQueryGradient(const Problem& p, int64_t rows_padded, int64_t cols,
                                       const float* ds, const float* k, float* scratch, float* dq) {
     uint16_t* ds16 = AsBF16(scratch);
     RoundRowsToBF16(ds, kBlockK, rows_padded, RoundUp(cols, kLanes), ds16, kBlockK);
     const int64_t ld = RowStride(p);
-    GemmBF16<Accumulate::kAdd>(rows_padded, PaddedHeadDim(p), RoundUp(cols, 2) / 2, ds16, kBlockK,
+    GemmBF16<Accumulate::kAdd>(rows_padded, PaddedKeyDim(p), RoundUp(cols, 2) / 2, ds16, kBlockK,
                                AsBF16(k), ld, dq, ld);
   }
   static int64_t KeyGradientIndex(const Problem& p, int64_t j, int64_t h) { return h * kKeyStride + j; }

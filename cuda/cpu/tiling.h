@@ -61,8 +61,14 @@ inline int64_t GradientChunks(const Problem& p) {
 inline int64_t GradientItems(const Problem& p) { return p.batch * p.kv_heads * GradientChunks(p); }
 
 // Packed operand layouts. Rows are padded to a whole number of the widest vector
-// (16 floats) whatever the ISA, so one layout serves every kernel table.
-inline int64_t PaddedHeadDim(const Problem& p) { return RoundUp(p.head_dim, kAlignFloats); }
+// (16 floats) whatever the ISA, so one layout serves every kernel table. Q, K rows hold H
+// elements and V, dO rows Hv; every packed row and accumulator has the width of the wider
+// (PaddedHeadDim), zero past its own, and each product runs over its own dim only.
+inline int64_t PaddedKeyDim(const Problem& p) { return RoundUp(p.head_dim, kAlignFloats); }
+inline int64_t PaddedValueDim(const Problem& p) { return RoundUp(p.value_dim(), kAlignFloats); }
+inline int64_t PaddedHeadDim(const Problem& p) {
+  return PaddedKeyDim(p) > PaddedValueDim(p) ? PaddedKeyDim(p) : PaddedValueDim(p);
+}
 // Tile rows lie an odd number of cache lines apart. At a power-of-two stride (512 B
 // for H = 128) the column strip a GEMM micro-tile walks down would use only some of
 // L1's sets and evict itself; an odd stride spreads it over all of them.
@@ -81,7 +87,7 @@ inline int64_t KeyBlockFloats(const Problem& p) {
     const int64_t rows = kBlockK * RowStride(p);
     return RoundUp((transposed > rows ? transposed : rows) / 2, kAlignFloats);
   }
-  const int64_t transposed = p.head_dim * kKeyStride;
+  const int64_t transposed = std::max(p.head_dim, p.value_dim()) * kKeyStride;
   const int64_t rows = kBlockK * RowStride(p);
   return RoundUp(transposed > rows ? transposed : rows, kAlignFloats);
 }

@@ -158,6 +158,11 @@ inline ffi::Error CheckOperands(const char* target, const ffi::AnyBuffer& q, con
   auto qd = q.dimensions(), kd = k.dimensions();
   const int64_t B = qd[0], T = qd[1], N = qd[2], H = qd[3], S = kd[1], K = kd[2];
   if (auto e = Expect(target, "k", k, {B, S, K, H}, t); e.failure()) return e;
+  // The kernels' value head dim is H (no (H, Hv) pair with Hv != H is instantiated yet).
+  if (v.dimensions().size() == 4 && v.dimensions()[3] != H)
+    return ffi::Error::InvalidArgument(where + ": the value head dim Hv = " + std::to_string(v.dimensions()[3]) +
+                                       " differs from the query/key head dim H = " + std::to_string(H) +
+                                       ", and these kernels serve Hv = H only; got v " + Describe(v));
   if (auto e = Expect(target, "v", v, {B, S, K, H}, t); e.failure()) return e;
   if (auto e = Expect(target, "q_lengths", q_lengths, {B}, ffi::DataType::S32); e.failure()) return e;
   if (auto e = Expect(target, "kv_lengths", kv_lengths, {B}, ffi::DataType::S32); e.failure()) return e;

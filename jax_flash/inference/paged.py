@@ -106,8 +106,9 @@ def _check_pages(key_pages, value_pages, head_dim: int, dtype, what: str):
             raise TypeError(f"{name} must have the dtype of {what} ({dtype}), got {_shape_str(x)}")
     if key_pages.shape != value_pages.shape:
         raise ValueError(
-            "key_pages and value_pages must have the same shape [num_pages, page_size, K, H], "
-            f"got {tuple(key_pages.shape)} and {tuple(value_pages.shape)}"
+            "key_pages and value_pages must have the same shape [num_pages, page_size, K, H] "
+            "(the paged cache takes a value head dim Hv = H only; jax_flash.attention takes "
+            f"Hv != H), got {tuple(key_pages.shape)} and {tuple(value_pages.shape)}"
         )
     p, ps, kh, h = key_pages.shape
     if p == 0 or ps == 0 or kh == 0:

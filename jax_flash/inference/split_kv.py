@@ -66,7 +66,7 @@ def max_splits(spec: AttentionSpec, wanted: int) -> int:
 
 
 def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, splits: int):
-    """xla forward of `spec` over `splits` key chunks, merged by lse: out [B, T, N, H] (dtype
+    """xla forward of `spec` over `splits` key chunks, merged by lse: out [B, T, N, Hv] (dtype
     of q), lse [B, N, T]. splits = 1 is the plain blockwise forward."""
     if splits <= 1:
         return xla.forward(spec, q, k, v, masks)
@@ -126,8 +126,8 @@ def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, splits: int):
     out, lse = xla.forward(
         chunk_spec, per_chunk(q), cut(k, 1), cut(v, 1), chunk_masks, out_dtype=acc_dt
     )
-    t, n, h = q.shape[1:]
-    out = out.reshape(b, c, t, n, h)
+    t, n = q.shape[1:3]
+    out = out.reshape(b, c, t, n, spec.v_head_dim)
     lse = lse.reshape(b, c, n, t)
     outs, lses = [out[:, i] for i in range(c)], [lse[:, i] for i in range(c)]
     if masks.sinks is not None:

@@ -5,7 +5,8 @@ left alone, it all-gathers every operand and each device computes the whole call
 compiled forward and backward is wrapped in `jax.experimental.custom_partitioning` with
 
 * a Shardy `sharding_rule` (einsum-like factors, one factory `sharding_rule` for every call):
-  q, out, dout `b t n h`; k, v `b s k h`; lse, dlse `b n t`; lengths and the query offset
+  q, out, dout `b t n h`; k, v `b s k h` (with a value head dim Hv != H, v `b s k hv` and
+  out, dout `b t n hv`: a factor of its own); lse, dlse `b n t`; lengths and the query offset
   `b`; segment ids `b t` / `b s`; a dense bias / mask `b n t s` (broadcast dims of size 1
   get factors of their own);
 * the `partition` / `infer_sharding_from_operands` callbacks (GSPMD, when Shardy is off;
@@ -71,6 +72,8 @@ class ShardingFallbackWarning(UserWarning):
 # Factors of each array (None: a broadcast dim of size 1).
 _Q = ("b", "t", "n", "h")
 _KV = ("b", "s", "k", "h")
+_OUT_HV = ("b", "t", "n", "hv")  # out, dout when Hv != H
+_V_HV = ("b", "s", "k", "hv")  # v when Hv != H
 _STAT = ("b", "n", "t")
 _MASK_DIMS = {
     "bias": ("b", "n", "t", "s"),
@@ -91,6 +94,7 @@ _DIM_NAMES = {
     "n": "the query heads axis N",
     "k": "the key/value heads axis K",
     "h": "the head dim H",
+    "hv": "the value head dim Hv",
 }
 
 
@@ -144,11 +148,12 @@ def _wrapped(name, is_backward, fn, spec, q, k, v, masks, rest):
     fields = tuple(f for f in MaskInputs._fields if getattr(masks, f) is not None)
     mask_arrays = tuple(getattr(masks, f) for f in fields)
     operands = (q, k, v, *mask_arrays, *rest)
-    operand_dims = (_Q, _KV, _KV, *(_dims(_MASK_DIMS[f], getattr(masks, f)) for f in fields))
-    result_dims = (_Q, _STAT)
+    out_dims, v_dims = (_Q, _KV) if spec.v_head_dim == spec.head_dim else (_OUT_HV, _V_HV)
+    operand_dims = (_Q, _KV, v_dims, *(_dims(_MASK_DIMS[f], getattr(masks, f)) for f in fields))
+    result_dims = (out_dims, _STAT)
     if is_backward:
-        operand_dims += (_Q, _STAT, _Q, _STAT)
-        result_dims = (_Q, _KV, _KV)
+        operand_dims += (out_dims, _STAT, out_dims, _STAT)
+        result_dims = (_Q, _KV, v_dims)
         if masks.bias is not None:
             result_dims += (_dims(_MASK_DIMS["bias"], masks.bias),)
     call = _Call(name, is_backward, fn, spec, fields, operand_dims, result_dims)
@@ -316,6 +321,8 @@ def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
             _warn_once(call, "t", t_axes, why)
     if found.get("h"):
         _warn_once(call, "h", found["h"], "the head dim is contracted inside the kernel")
+    if found.get("hv"):
+        _warn_once(call, "hv", found["hv"], "the value head dim is contracted inside the kernel")
     return _Plan(tuple(sorted(plan.items())), slice_kv, ring_axis)
 
 

@@ -429,20 +429,21 @@ def _pieces(x, n: int, size: int, axis: int = 1) -> tuple:
 
 def ring_forward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks: MaskInputs):
     """The ring's forward on canonical local chunks (arguments as `ring_flash_attention`):
-    out [B, T/P, N, H], lse [B, N, T/P]. Not differentiable by itself: for a partitioned
+    out [B, T/P, N, Hv], lse [B, N, T/P]. Not differentiable by itself: for a partitioned
     body that pairs it with `ring_backward` in its own custom_vjp."""
     impl = _registry.get(cfg.implementation)
     tq, tk = _sizes(spec, cfg)
     acc_dt = _acc_dtype(q.dtype)
     schedule = _schedule(spec, cfg, masks.q_offset is not None)
-    b, _, n, h = q.shape
+    b, _, n, _ = q.shape
+    hv = v.shape[-1]  # out has the value head dim
     # Pieces are cut once: the ring moves and computes them as they are (no copies per step).
     q_p = _pieces(q, cfg.pieces, tq)
     q_seg = _pieces(masks.q_segment_ids, cfg.pieces, tq)
     kv = tuple(_pieces(x, cfg.pieces, tk) for x in (k, v, masks.kv_segment_ids))
     # Accumulators made from q keep its varying-over-the-mesh type (shard_map's check_vma).
     init = (
-        tuple(jnp.zeros_like(q, acc_dt, (b, tq, n, h)) for _ in range(cfg.pieces)),
+        tuple(jnp.zeros_like(q, acc_dt, (b, tq, n, hv)) for _ in range(cfg.pieces)),
         tuple(jnp.full_like(q, -jnp.inf, acc_dt, (b, n, tq)) for _ in range(cfg.pieces)),
     )
 
@@ -473,7 +474,7 @@ def ring_forward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks: MaskInput
 
 def ring_backward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks, out, lse, dout, dlse):
     """The ring's backward: dq, dk, dv of this device's chunks, from the saved local q, k,
-    v, out, lse and the cotangents dout [B, T/P, N, H], dlse [B, N, T/P]."""
+    v, out, lse and the cotangents dout [B, T/P, N, Hv], dlse [B, N, T/P]."""
     impl = _registry.get(cfg.implementation)
     tq, tk = _sizes(spec, cfg)
     acc_dt = _acc_dtype(q.dtype)
@@ -540,7 +541,7 @@ def ring_flash_attention(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks: M
       cfg: the implementation, the mesh axis, the layout and a static query offset.
       spec: the canonical spec of the *gathered* call (global T and S; no bias or dense
         mask). Its window is the global one.
-      q: [B, T/P, N, H], k and v: [B, S/P, K, H]: this device's chunks in `cfg.layout`.
+      q: [B, T/P, N, H], k: [B, S/P, K, H], v: [B, S/P, K, Hv]: this device's chunks in `cfg.layout`.
       masks: q_lengths / kv_lengths [B] global lengths (the same on every device),
         q_segment_ids [B, T/P] / kv_segment_ids [B, S/P] this device's chunks, and
         optionally q_offset [B], a run-time global query offset (added to
@@ -548,7 +549,7 @@ def ring_flash_attention(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks: M
         says whether it is there.
 
     Returns:
-      out [B, T/P, N, H] (dtype of q) and lse [B, N, T/P] (float32; float64 for float64).
+      out [B, T/P, N, Hv] (dtype of q) and lse [B, N, T/P] (float32; float64 for float64).
     """
     return _first_order_forward(cfg, spec, q, k, v, masks)
 
@@ -669,7 +670,8 @@ def ring_attention(
 
     Args:
       query: this device's chunk [*B, T/P, N, H] of the queries.
-      key, value: this device's chunks [*B, S/P, K, H] (N % K == 0).
+      key, value: this device's chunks [*B, S/P, K, H] and [*B, S/P, K, Hv] (N % K == 0;
+        the value head dim Hv may differ from H).
       axis_name: the mesh axis the sequences are sharded over.
       is_causal, local_window_size, logits_soft_cap, scale: as in `jax_flash.attention`,
         in global positions.
