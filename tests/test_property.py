@@ -15,7 +15,9 @@ Checks, for out, lse, dq, dk, dv and dbias:
   both against the float64 reference; where the reference at the input dtype overflows
   (float16 logits past 65504) its error is measured with float32 logits rounded to the
   input dtype, and an element of a broadcast bias's gradient, a sum of m logits' gradients,
-  gets EPS·sqrt(m). (float32 examples keep their logits small: property_cases.draw.)
+  gets EPS·sqrt(m). (float32 examples keep their logits small: property_cases.draw.) An lse
+  may be off by LSE_ULPS_PER_SQRT_H·sqrt(H) ulps of |lse| where that exceeds its EPS, and at
+  |scale| >= 1e8 a gradient by the one-hot softmax's rounding difference (_one_hot_slack).
 * exact: rows with lse = -inf in the reference give out 0, lse -inf and dq 0; keys no query
   sees give dk = dv = 0 (and dbias 0 where a full bias is masked); a row the mask rules
   leave empty is -inf in the reference too.
