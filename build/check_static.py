@@ -53,12 +53,14 @@ MAIN_KERNELS = {
 }
 REQUIRED_SASS = ("HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS.E.BYPASS.128")
 # Per-SM limits for the occupancy column (CUDA C++ Programming Guide, "Technical Specifications
-# per Compute Capability"): 64K 32-bit registers (allocated per warp, 8 per thread at a time),
-# shared memory per SM (each CTA also takes 1 KB reserved for the system), threads per SM.
+# per Compute Capability"; the same figures as CCCL's cuda::arch_traits): 64K 32-bit registers
+# (allocated per warp, 8 per thread at a time), shared memory per SM (164 KB, 228 KB, 100 KB;
+# each CTA also takes 1 KB reserved for the system, so one CTA may opt in to 163, 227, 99 KB),
+# threads per SM and resident CTAs per SM.
 SM_REGISTERS = 65536
-SM_SMEM = {80: 167936, 90: 233472, 120: 131072}
+SM_SMEM = {80: 164 * 1024, 90: 228 * 1024, 120: 100 * 1024}
 SM_THREADS = {80: 2048, 90: 2048, 120: 1536}
-SM_MAX_CTAS = 32
+SM_MAX_CTAS = {80: 32, 90: 32, 120: 24}
 SMEM_RESERVED_PER_CTA = 1024
 LDMATRIX_X4_BYTES = 512  # one ldmatrix .x4: four 8x8 matrices of 16-bit elements
 
@@ -86,7 +88,7 @@ def occupancy(arch: int, regs: int, threads: int, smem: int) -> int:
     warps = threads // 32
     by_regs = (SM_REGISTERS // (((regs + 7) // 8) * 8 * 32)) // warps
     by_smem = SM_SMEM[arch] // (smem + SMEM_RESERVED_PER_CTA)
-    return min(by_regs, by_smem, SM_THREADS[arch] // threads, SM_MAX_CTAS)
+    return min(by_regs, by_smem, SM_THREADS[arch] // threads, SM_MAX_CTAS[arch])
 
 
 def tool(name: str) -> str:
@@ -111,7 +113,8 @@ def instantiations() -> list[pathlib.Path]:
 
 def demangle_kind(symbol: str) -> str:
     for k in ("attention_forward_kernel", "attention_backward_kernel", "attention_backward_dq_kernel",
-              "attention_backward_delta_kernel", "attention_backward_convert_dq_kernel"):
+              "attention_backward_delta_kernel", "attention_backward_convert_dq_kernel",
+              "attention_backward_reduce_dkv_kernel"):
         if k in symbol:
             return k
     return symbol

@@ -64,6 +64,11 @@ EDGES = "cuda and (tile_plus or tile_minus)"
 # The kWarp32 layout (JAX_FLASH_CUDA_LAYOUT=warp32, set by these tests themselves).
 FWD32 = "cuda and test_forward_warp32"
 BWD32 = "cuda and test_backward_warp32"
+# The backward's grids: GQA/MQA cases, which JAX_FLASH_CUDA_BWD_GRID=auto runs on the q_heads
+# grid at these sizes, and the tests that set the kv_heads grid.
+BWD_GQA = ("cuda and test_backward and (small_mqa or small_gqa or tile_plus) and not deterministic "
+           "and not warp32 and not kv_heads")
+KV_GRID = "cuda and kv_heads_grid"
 
 K = "cuda/kernels/"
 MUTATIONS = [
@@ -148,8 +153,8 @@ MUTATIONS = [
     Mutation("bwd_wait_count", K + "bwd.h", "ptx::cp_async_wait_group<K::STAGES - 2>();",
              "ptx::cp_async_wait_group<K::STAGES - 1>();", BWD, count=2, nth=1,
              what="backward: one cp.async group too few awaited"),
-    Mutation("bwd_grid_keys", K + "bwd.h", "return {CeilDiv(p.kv_len, BLOCK_KV), p.kv_heads, p.batch};",
-             "return {p.kv_len / BLOCK_KV, p.kv_heads, p.batch};", BWD,
+    Mutation("bwd_grid_keys", K + "bwd.h", "return {CeilDiv(p.kv_len, BLOCK_KV), p.dkv_per_query_head()",
+             "return {p.kv_len / BLOCK_KV, p.dkv_per_query_head()", BWD,
              what="backward grid: the ragged last key block not launched"),
     Mutation("bwd_ds_barrier", K + "bwd.h", "__syncthreads();  // dSᵀ of every warp is in shared memory",
              "// (barrier removed)", BWD, what="backward: dQ ldmatrix of dSᵀ before every warp stored it"),
@@ -185,7 +190,7 @@ MUTATIONS = [
     Mutation("dk_scale", K + "bwd.h", "Elem::pack(p.scale * dk[j][2 * r], p.scale * dk[j][2 * r + 1])",
              "Elem::pack(dk[j][2 * r], p.scale * dk[j][2 * r + 1])", BWD, what="dK: scale missing on even columns"),
     Mutation("dkdv_rows_guard", K + "bwd.h", "if (s >= p.kv_len) continue;", "if (s > p.kv_len) continue;", BWD,
-             what="dK, dV stores one key past the end"),
+             count=2, nth=2, what="dK, dV stores one key past the end"),
     Mutation("bwd_q_block_begin", K + "bwd.h", "const int q_block_begin = rows.lo / K::BLOCK_Q;",
              "const int q_block_begin = CeilDiv(rows.lo, K::BLOCK_Q);", BWD,
              what="backward tile skipping: the partly visible first query block dropped"),
@@ -198,7 +203,21 @@ MUTATIONS = [
              "mask.is_interior(t0, K::BLOCK_Q - 1, warp_s0, K::WARP_KV, segments_allow_all)", BWD,
              what="backward interior test over one row too few"),
     Mutation("convert_bound", K + "bwd.h", "if (i >= chunks) return;", "if (i > chunks) return;", BWD,
-             what="dQ conversion one chunk past the end"),
+             count=2, nth=1, what="dQ conversion one chunk past the end"),
+    # ---- the q_heads grid of the backward (MQA/GQA: dK, dV per query head, summed after) -------
+    Mutation("q_heads_first_head", K + "bwd.h", "const int first_head = one_head ? at.head : at.head * group;",
+             "const int first_head = one_head ? at.head / group * group : at.head * group;", BWD_GQA,
+             what="q_heads grid: every CTA of a group computes the group's first query head"),
+    Mutation("q_heads_grid_heads", K + "bwd.h", "p.dkv_per_query_head() ? p.q_heads : p.kv_heads",
+             "p.kv_heads", BWD_GQA, what="q_heads grid launched over the kv heads only"),
+    Mutation("dkv_accum_rows_guard", K + "bwd.h", "if (s >= p.kv_len) continue;", "if (s > p.kv_len) continue;",
+             BWD_GQA, count=2, nth=1, what="q_heads grid: per-query-head dK, dV stored one key past the end"),
+    Mutation("reduce_group_sum", K + "bwd.h", "for (int j = 0; j < group; ++j) {", "for (int j = 1; j < group; ++j) {",
+             BWD_GQA, what="group sum of the q_heads grid without the group's first query head"),
+    Mutation("reduce_bound", K + "bwd.h", "if (i >= chunks) return;", "if (i > chunks) return;", BWD_GQA,
+             count=2, nth=2, what="group sum of the q_heads grid one chunk past the end"),
+    Mutation("kv_grid_group_heads", K + "bwd.h", "const int heads = one_head ? 1 : group;", "const int heads = 1;",
+             KV_GRID, what="kv_heads grid: only the group's first query head added into dK, dV"),
     # ---- the kWarp32 layout: two m16 row blocks per warp, 128-key backward CTAs --------------
     Mutation("rows32_a_row_block", K + "tile.h",
              "a_fragment_row<ATile>(a_tile, a_row0 + MMA_M * rb, 2 * kk, lane)",

@@ -27,6 +27,7 @@ def attention(
     segment_ids=None,
     logits_soft_cap: Optional[float] = None,
     query_offset=None,
+    sinks=None,
     return_residual: bool = False,
     implementation: Optional[str] = None,
 ):
@@ -56,14 +57,20 @@ def attention(
         (jax.nn's top-left alignment); o = S - T aligns the last query with the last key
         (FlashAttention's bottom-right alignment, a decode step over a cache). Negative and
         beyond-S offsets are allowed; lengths and segment ids are not shifted by it.
+      sinks: optional floating array [N], one logit per query head (attention sinks, as in
+        gpt-oss): every row's softmax gains a virtual key with logit sinks[n] and value 0,
+        which no mask, scale or soft cap touches: out = Σ_s e^{l_s} v_s / (e^{sinks[n]} +
+        Σ_s e^{l_s}), and lse includes it. A row that sees no key then gets out 0 and lse
+        sinks[n]; a sink of -inf is no sink; a NaN or +inf sink makes its head's out and lse
+        NaN. Differentiable (float32, or float64 for float64 inputs).
       return_residual: also return lse [*B, T, N], float32 natural-log log-sum-exp of the
-        visible logits (-inf for rows that see no key).
+        visible logits (-inf for rows that see no key; with sinks, of the sink too).
       implementation: None (best available), "cuda", "pallas", "cpu" or "xla". A requested
         implementation that cannot serve the call raises ValueError saying why.
 
     Masks combine by AND. A query row that sees no key gets output 0, lse -inf and zero
     gradients (jax.nn gives such rows the mean of V); so does every row when S = 0, and
-    B, T or N = 0 give empty results. Differentiable once in query, key, value and bias by
+    B, T or N = 0 give empty results. Differentiable once in query, key, value, bias and sinks by
     reverse mode (jax.grad/jax.vjp); forward mode (jax.jvp) and second derivatives are not
     supported (NotImplementedError: use jax_flash.reference for those).
 
@@ -85,6 +92,7 @@ def attention(
         logits_soft_cap=logits_soft_cap,
         query_offset=query_offset,
         implementation=implementation,
+        sinks=sinks,
     )
     _check_return_residual(return_residual)
     name = _registry.select(c.spec, implementation)

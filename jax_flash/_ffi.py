@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -98,10 +98,14 @@ def forward(impl: str, target: str, spec: AttentionSpec, q, k, v, masks: MaskInp
 
 def backward(
     impl: str, target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout, dlse,
-    deterministic: bool = False,
+    deterministic: bool = False, backward_grid: Optional[Callable[[AttentionSpec], str]] = None,
 ):
-    """Call `target` (a backward target): dq, dk, dv (workspaces dropped), dbias None."""
-    call = functools.partial(_backward_call, target, bool(deterministic))
+    """Call `target` (a backward target): dq, dk, dv (workspaces dropped), dbias None.
+
+    `backward_grid` (the CUDA targets only): spec -> "kv_heads" or "q_heads", the main
+    kernel's grid for the (local) call, which sizes the dk_accum / dv_accum workspace results;
+    None for a target without them (the cpu kernels)."""
+    call = functools.partial(_backward_call, target, bool(deterministic), backward_grid)
     return partitioning.backward(
         impl, call, spec, q, k, v, masks,
         out, lse.astype(jnp.float32), dout, dlse.astype(jnp.float32),
@@ -116,16 +120,18 @@ def forward_call(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct((b, n, t), jnp.float32),
     )
+    # Sinks [N] f32 after the mask operands (forward only), -inf (no sink) when absent.
+    sinks = masks.sinks if masks.sinks is not None else jnp.full((n,), -jnp.inf, jnp.float32)
     return tuple(
         jax.ffi.ffi_call(target, shapes)(
-            q, k, v, *_mask_operands(spec, masks), **_attributes(spec)
+            q, k, v, *_mask_operands(spec, masks), sinks.astype(jnp.float32), **_attributes(spec)
         )
     )
 
 
 def _backward_call(
-    target: str, deterministic: bool, spec: AttentionSpec, q, k, v, masks: MaskInputs,
-    out, lse, dout, dlse,
+    target: str, deterministic: bool, backward_grid, spec: AttentionSpec, q, k, v,
+    masks: MaskInputs, out, lse, dout, dlse,
 ):
     """The backward custom call on (local) canonical arrays: dq, dk, dv, None."""
     b, t, n, h = q.shape
@@ -136,7 +142,12 @@ def _backward_call(
         jax.ShapeDtypeStruct((b, t, n, h), jnp.float32),  # dq_accum workspace
         jax.ShapeDtypeStruct((b, n, t), jnp.float32),  # delta workspace
     )
-    dq, dk, dv, _, _ = jax.ffi.ffi_call(target, shapes)(
+    if backward_grid is not None:
+        # dk_accum, dv_accum: per-query-head dK, dV for the q_heads grid, empty for kv_heads.
+        grid = backward_grid(spec)
+        dkv = (b, k.shape[1], n, h) if grid == "q_heads" else (0,)
+        shapes += (jax.ShapeDtypeStruct(dkv, jnp.float32),) * 2
+    dq, dk, dv, *_ = jax.ffi.ffi_call(target, shapes)(
         q, k, v, out, dout, lse, dlse, *_mask_operands(spec, masks),
         **_attributes(spec), deterministic=deterministic,
     )

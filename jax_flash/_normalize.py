@@ -193,6 +193,19 @@ def _window(local_window_size, is_causal, t: Optional[int] = None, s: Optional[i
     return left, right
 
 
+def _sinks(sinks, n: int, dtype) -> jax.Array:
+    """A floating array [N] (one logit per query head) -> float32 (float64 for float64
+    inputs: the statistics' dtype)."""
+    x = _as_array("sinks", sinks)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"sinks must be a floating-point array [N] (one logit per query head), got {_shape_str(x)}")
+    if tuple(x.shape) != (n,):
+        raise ValueError(
+            f"sinks must have shape [N] = ({n},) (one logit per query head), got {_shape_str(x)}"
+        )
+    return x.astype(jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32)
+
+
 def _dense(name: str, x, batch_shape, n, t, s, bool_dtype: bool):
     """Validate a dense bias/mask broadcastable to [*batch, N, T, S]; fold batch axes."""
     x = _as_array(name, x)
@@ -245,6 +258,7 @@ def canonicalize(
     logits_soft_cap=None,
     query_offset=None,
     implementation=None,
+    sinks=None,
 ) -> Canonical:
     """Check every argument and build the canonical call."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
@@ -354,6 +368,7 @@ def canonicalize(
         kv_seg = _check_int_array("segment_ids (key/value)", kv_ids, (*batch_shape, s)).reshape(b, s)
 
     q_off = None if query_offset is None else _query_offset(query_offset, batch_shape, b)
+    sinks_c = None if sinks is None else _sinks(sinks, n, q.dtype)
 
     spec = AttentionSpec(
         batch=b,
@@ -373,8 +388,9 @@ def canonicalize(
         has_kv_lengths=kv_len is not None,
         has_segment_ids=q_seg is not None,
         has_q_offset=q_off is not None,
+        has_sinks=sinks_c is not None,
     )
-    masks = MaskInputs(bias_c, mask_c, q_len, kv_len, q_seg, kv_seg, q_off)
+    masks = MaskInputs(bias_c, mask_c, q_len, kv_len, q_seg, kv_seg, q_off, sinks_c)
     return Canonical(
         spec=spec,
         q=q.reshape(b, t, n, h),

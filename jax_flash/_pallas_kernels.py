@@ -44,6 +44,7 @@ class Layout:
     has_lengths: bool = False
     has_segments: bool = False
     has_q_offset: bool = False  # a [1] query offset per program (its batch row)
+    has_sinks: bool = False  # a [1] sink logit per program (its head; forward only)
     bias_rows: Optional[bool] = None  # None: no bias; else whether the bias varies along T
     bias_cols: Optional[bool] = None  # ... and along S
     mask_rows: Optional[bool] = None
@@ -83,7 +84,7 @@ class Inputs:
         for name in names:
             setattr(self, name, refs.pop(0))
         self.q_len = self.kv_len = self.q_seg = self.kv_seg = self.bias = self.mask = None
-        self.q_offset = None
+        self.q_offset = self.sinks = None
         if layout.has_lengths:
             self.q_len, self.kv_len = refs.pop(0), refs.pop(0)
         if layout.has_segments:
@@ -94,6 +95,8 @@ class Inputs:
             self.bias = refs.pop(0)
         if layout.has_mask:
             self.mask = refs.pop(0)
+        if layout.has_sinks:
+            self.sinks = refs.pop(0)
         self.outputs = refs
 
 
@@ -248,6 +251,18 @@ def query_segments(layout: Layout, tm: "TileMath", k0, k1, nq: int, ragged_block
 # Forward: grid (query block, head, batch); FlashAttention-2 Algorithm 1.
 
 
+def _softmax_init(inp: Inputs, bq: int):
+    """(m, l) [bq] before the first key tile: -inf and 0, or with a sink the state after it
+    alone, m = sink·log2(e) (base 2) and l = 1 (NaN for a NaN or +inf sink, which poisons
+    every row of the head; a -inf sink is no sink)."""
+    if inp.sinks is None:
+        return jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32)
+    sink = inp.sinks[...].reshape(1)  # [1]: this program's head
+    m = jnp.broadcast_to(sink * LOG2E, (bq,))
+    l = jnp.broadcast_to(jnp.where(sink < jnp.inf, 1.0, jnp.nan), (bq,))
+    return m, l
+
+
 def forward_kernel(*refs, layout: Layout):
     inp = Inputs(layout, refs, ("q", "k", "v"))
     out_ref, lse_ref = inp.outputs
@@ -293,12 +308,7 @@ def forward_kernel(*refs, layout: Layout):
 
         return body
 
-    carry = (
-        jnp.full((bq,), -jnp.inf, jnp.float32),
-        jnp.zeros((bq,), jnp.float32),
-        jnp.zeros(q.shape, jnp.float32),
-        jnp.zeros((bq,), jnp.float32),
-    )
+    carry = (*_softmax_init(inp, bq), jnp.zeros(q.shape, jnp.float32), jnp.zeros((bq,), jnp.float32))
     for lo, hi, masked in key_segments(lay, tm, q0, q0 + bq, nk):
         carry = lax.fori_loop(lo, hi, step(masked), carry)
     m, l, acc, bad = carry

@@ -9,7 +9,8 @@
 * `MaskInputs`: the optional array inputs, already folded to one batch axis, or None.
 
 Every implementation receives q [B, T, N, H], k and v [B, S, K, H] plus these two, and
-returns out [B, T, N, H] and lse [B, N, T] (float32, natural log).
+returns out [B, T, N, H] and lse [B, N, T] (float32, natural log; with sinks, lse includes
+the sink's exp(sinks[n]) and a row that sees no key has lse = sinks[n]).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class MaskInputs(NamedTuple):
     kv_segment_ids: Optional[jax.Array] = None  # [B, S] int32
     # [B] int32: query t of row b sits at key position q_offset[b] + t (causal/window only).
     q_offset: Optional[jax.Array] = None
+    # [N] float32 (float64 for float64 inputs): one logit per query head that joins every
+    # row's softmax denominator with a zero value (attention sinks). Differentiable.
+    sinks: Optional[jax.Array] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +60,7 @@ class AttentionSpec:
     has_kv_lengths: bool = False
     has_segment_ids: bool = False
     has_q_offset: bool = False  # MaskInputs.q_offset is given (else the offset is 0)
+    has_sinks: bool = False  # MaskInputs.sinks is given
 
     @property
     def group_size(self) -> int:

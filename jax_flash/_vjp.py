@@ -19,7 +19,8 @@ from jax_flash._spec import AttentionSpec, MaskInputs
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def flash_attention(impl_name: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):
-    """(out [B, T, N, H], lse [B, N, T]) for canonical inputs, differentiable in q, k, v, bias."""
+    """(out [B, T, N, H], lse [B, N, T]) for canonical inputs, differentiable in q, k, v, bias
+    and sinks."""
     return _forward(impl_name, spec, q, k, v, masks)[0]
 
 
@@ -35,8 +36,10 @@ def _forward(impl_name, spec, q, k, v, masks):
 def _backward(impl_name, spec, residuals, cotangents):
     q, k, v, masks, out, lse = residuals
     dout, dlse = cotangents
+    dout, dlse = dout.astype(out.dtype), dlse.astype(lse.dtype)
+    # The kernels' backward needs no sinks: P = exp(x - lse) already holds the sink's share.
     dq, dk, dv, dbias = _first_order_backward(
-        impl_name, spec, q, k, v, masks, out, lse, dout.astype(out.dtype), dlse.astype(lse.dtype)
+        impl_name, spec, q, k, v, masks._replace(sinks=None), out, lse, dout, dlse
     )
     # Inside shard_map an input that is the same on every device of a mesh axis (K/V
     # gathered, queries sharded) gets the sum of the devices' cotangents over that axis.
@@ -44,9 +47,28 @@ def _backward(impl_name, spec, residuals, cotangents):
     dq, dk, dv = (_cotangent(d, x, axes) for d, x in ((dq, q), (dk, k), (dv, v)))
     if dbias is not None:
         dbias = _cotangent(dbias, masks.bias, axes)
+    dsinks = None
+    if masks.sinks is not None:
+        dsinks = _cotangent(sinks_cotangent(masks.sinks, out, lse, dout, dlse), masks.sinks, axes)
     # Masks, lengths and segment ids are not differentiable (None = zero cotangent).
-    dmasks = MaskInputs(bias=dbias)
+    dmasks = MaskInputs(bias=dbias, sinks=dsinks)
     return dq, dk, dv, dmasks
+
+
+def sinks_cotangent(sinks, out, lse, dout, dlse):
+    """dsinks [N], once for every implementation: the sink is one more logit of every row with
+    value 0, so d lse / d sink = p_sink = exp(sink - lse) and d out / d sink = -p_sink · out,
+
+        dsinks[n] = -Σ_{b,t} p_sink[b, n, t] · (rowsum(dO ∘ O)[b, n, t] - dlse[b, n, t]),
+
+    summed in the statistics' dtype (float32, float64 for float64 inputs) by one reduction
+    (deterministic). A -inf sink sends nothing (p_sink = 0, also in a row whose lse is -inf);
+    a NaN lse or sink (a poisoned row) gives NaN."""
+    acc = lse.dtype
+    sink = sinks.astype(acc)[None, :, None]
+    p_sink = jnp.where(sink == -jnp.inf, 0, jnp.exp(sink - lse))
+    delta = jnp.einsum("btnh,btnh->bnt", dout.astype(acc), out.astype(acc)) - dlse
+    return -jnp.sum(p_sink * delta, axis=(0, 2)).astype(sinks.dtype)
 
 
 def is_empty(spec: AttentionSpec) -> bool:
@@ -54,12 +76,18 @@ def is_empty(spec: AttentionSpec) -> bool:
     return 0 in (spec.batch, spec.q_len, spec.num_heads, spec.kv_len)
 
 
-def _empty_forward(spec: AttentionSpec, q):
+def _empty_forward(spec: AttentionSpec, q, sinks=None):
     """Every implementation's result for an empty call, computed here once so that all of
-    them agree: out 0 and lse -inf (each row sees no key, S = 0), or empty arrays."""
+    them agree: out 0 and lse -inf (each row sees no key, S = 0), or empty arrays. With
+    sinks, lse = sinks[n], and a NaN or +inf sink makes its head's out and lse NaN."""
     b, t, n = spec.batch, spec.q_len, spec.num_heads
     stat_dt = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
-    return jnp.zeros_like(q), jnp.full((b, n, t), -jnp.inf, stat_dt)
+    if sinks is None:
+        return jnp.zeros_like(q), jnp.full((b, n, t), -jnp.inf, stat_dt)
+    bad = ~(sinks < jnp.inf)  # NaN or +inf
+    out = jnp.where(bad[None, None, :, None], jnp.nan, jnp.zeros_like(q))
+    lse = jnp.where(bad, jnp.nan, sinks).astype(stat_dt)
+    return out, jnp.broadcast_to(lse[None, :, None], (b, n, t))
 
 
 # Second derivatives: differentiating a gradient differentiates both rules of the
@@ -78,7 +106,7 @@ SECOND_ORDER_MESSAGE = (
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _first_order_forward(impl_name, spec, q, k, v, masks):
     if is_empty(spec):
-        return _empty_forward(spec, q)
+        return _empty_forward(spec, q, masks.sinks)
     return _registry.get(impl_name).forward(spec, q, k, v, masks)
 
 

@@ -10,6 +10,12 @@ JAX_FLASH_CUDA_LAYOUT=warp16|warp32 chooses the kernels' warp layout (cuda/READM
 handlers read it at every call, `explain` says which one a call would run, and an unknown value
 is a ValueError when a call is traced (and an error from the handler if it changes after).
 
+JAX_FLASH_CUDA_BWD_GRID=auto|kv_heads|q_heads chooses the main backward kernel's grid
+(`backward_grid`, cuda/README.md): one CTA per (key block, kv head, batch), looping over the
+query heads of the group, or per (key block, query head, batch) with dK, dV per query head in
+float32 workspaces summed over the group after (MQA/GQA at small batch); read when the backward
+is traced, reported by `explain`, an unknown value is a ValueError.
+
 Architectures: the extension holds the images its build listed (JAX_FLASH_CUDA_ARCHS; by
 default cubins for sm_80, sm_90, sm_120 and PTX for compute_80 and compute_120). A GPU runs
 the cubin of its own major version and an equal or lower minor, else the newest PTX image it
@@ -73,6 +79,65 @@ def layout_description(head_dim: int) -> str:
     bwd = ("128 keys per CTA" if head_dim in WARP32_HEAD_DIMS["backward"]
            else "64 keys per CTA (no warp32 kernel at this head dim)")
     return f"layout warp32: forward {fwd}, backward {bwd}"
+
+
+# The backward grid (JAX_FLASH_CUDA_BWD_GRID; cuda/README.md, "Grids and GQA"). auto takes the
+# q_heads grid when the kv_heads grid would launch fewer than BACKWARD_GRID_CTA_TARGET CTAs and
+# G = N / K > 1: 528 = two waves of an H100/H200 (132 SMs) at the backward's 2 CTAs per SM
+# (warp16, docs/gpu-results.md). Below that the kv_heads grid leaves SMs idle, while the q_heads
+# grid has G times the CTAs for the same work, at the price of 2·B·S·N·H float32 workspace and
+# one more pass over it (the group sum).
+BACKWARD_GRIDS = ("auto", "kv_heads", "q_heads")
+BACKWARD_GRID_CTA_TARGET = 528
+
+
+def backward_grid_setting() -> str:
+    """JAX_FLASH_CUDA_BWD_GRID: "auto" (the default, also when unset or empty), "kv_heads" or
+    "q_heads"; anything else is a ValueError."""
+    value = os.environ.get("JAX_FLASH_CUDA_BWD_GRID", "") or "auto"
+    if value not in BACKWARD_GRIDS:
+        raise ValueError(
+            f"JAX_FLASH_CUDA_BWD_GRID={value!r} is not a grid of the CUDA backward (auto, kv_heads or q_heads)"
+        )
+    return value
+
+
+def backward_block_kv(head_dim: int) -> int:
+    """Keys per CTA of the main backward kernel under the current layout (kernels/tile.h)."""
+    return 128 if layout() == "warp32" and head_dim in WARP32_HEAD_DIMS["backward"] else 64
+
+
+def backward_ctas(spec: AttentionSpec, grid: str) -> int:
+    """CTAs of the main backward kernel: B·K·ceil(S/block_kv) (kv_heads) or B·N·ceil(S/block_kv)."""
+    heads = spec.num_kv_heads if grid == "kv_heads" else spec.num_heads
+    return spec.batch * heads * -(-spec.kv_len // backward_block_kv(spec.head_dim))
+
+
+def backward_grid(spec: AttentionSpec) -> str:
+    """The main backward kernel's grid for a call of shape `spec`: "kv_heads" or "q_heads"."""
+    setting = backward_grid_setting()
+    if setting != "auto":
+        return setting
+    few = backward_ctas(spec, "kv_heads") < BACKWARD_GRID_CTA_TARGET
+    return "q_heads" if spec.group_size > 1 and few else "kv_heads"
+
+
+def backward_grid_description(spec: AttentionSpec) -> str:
+    """What `explain` says of the backward grid of `spec`."""
+    grid, setting = backward_grid(spec), backward_grid_setting()
+    if setting == "auto":
+        few = backward_ctas(spec, "kv_heads")
+        relation = "<" if few < BACKWARD_GRID_CTA_TARGET else ">="
+        why = (f"auto: G = {spec.group_size}, B·K·ceil(S/{backward_block_kv(spec.head_dim)}) = {few} "
+               f"{relation} {BACKWARD_GRID_CTA_TARGET}")
+    else:
+        why = f"JAX_FLASH_CUDA_BWD_GRID={setting}"
+    ctas = backward_ctas(spec, grid)
+    if grid == "kv_heads":
+        return (f"backward grid kv_heads ({why}): {ctas} CTAs of (key block, kv head, batch), each looping "
+                "over its group's query heads")
+    return (f"backward grid q_heads ({why}): {ctas} CTAs of (key block, query head, batch), dK and dV per "
+            "query head in float32 workspaces, summed over the group after")
 
 
 def _prefix() -> str:
@@ -226,6 +291,10 @@ class CudaImplementation:
             how = layout_description(spec.head_dim)
         except ValueError as e:
             how = f"{e}: calls fail"
+        try:
+            how += "; " + backward_grid_description(spec)
+        except ValueError as e:
+            how += f"; {e}: backward calls fail"
         if emulated():
             return f"on the host emulation of the kernels: JAX_FLASH_EMULATE_CUDA=1; {how}"
         cc = _compute_capability()
@@ -271,9 +340,12 @@ class CudaImplementation:
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
         layout()
+        backward_grid_setting()  # an unknown JAX_FLASH_CUDA_BWD_GRID: a ValueError now
+        # The grid is chosen from the shapes each call's kernels see (a device's shards, the
+        # batch with a vmapped axis folded in).
         return _ffi.backward(
             self.name, f"{_prefix()}_bwd", spec, finite_part(q), finite_part(k), finite_part(v), masks, out,
-            lse, dout, dlse, deterministic=deterministic(),
+            lse, dout, dlse, deterministic=deterministic(), backward_grid=backward_grid,
         )
 
 

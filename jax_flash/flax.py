@@ -72,6 +72,7 @@ def attention_fn(
     scale: Optional[float] = None,
     local_window_size=None,
     segment_ids=None,
+    sinks=None,
     axis_name: Optional[str] = None,
     layout: str = "contiguous",
     **kwargs: Any,
@@ -81,8 +82,9 @@ def attention_fn(
     Every argument flax passes is named (linen drops keyword arguments that are not in the
     signature); `**kwargs` takes the extras newer flax versions may pass and ignores them.
     Options of `jax_flash.attention` (implementation, logits_soft_cap, is_causal, scale,
-    local_window_size, segment_ids) are chosen with `functools.partial` or
-    `make_attention_fn`. `axis_name` / `layout`: the sequence is sharded over that mesh
+    local_window_size, segment_ids, sinks) are chosen with `functools.partial` or
+    `make_attention_fn`; `sinks` ([N], e.g. a parameter of the caller's own module: flax's
+    attention modules have none) is passed to `jax_flash.attention`. `axis_name` / `layout`: the sequence is sharded over that mesh
     axis (inside `jax.shard_map`) and attention runs as `jax_flash.ring_attention`.
 
     Returns [batch..., T, N, H] in the dtype of query (after promotion to `dtype`).
@@ -111,14 +113,14 @@ def attention_fn(
         implementation=implementation,
     )
     if axis_name is not None:
-        if bias is not None or mask is not None:
+        if bias is not None or mask is not None or sinks is not None:
             raise ValueError(
                 f"jax_flash.flax.attention_fn with axis_name={axis_name!r} (ring attention) "
-                "takes no dense mask or bias: express the mask with is_causal, "
+                "takes no dense mask, bias or sinks: express the mask with is_causal, "
                 "local_window_size or segment_ids"
             )
         return ring_attention(query, key, value, axis_name=axis_name, layout=layout, **common)
-    return attention(query, key, value, bias=bias, mask=_as_bool_mask(mask), **common)
+    return attention(query, key, value, bias=bias, mask=_as_bool_mask(mask), sinks=sinks, **common)
 
 
 def make_attention_fn(

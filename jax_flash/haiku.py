@@ -41,6 +41,8 @@ class MultiHeadAttention(hk.MultiHeadAttention):
       implementation: None (best available), "cuda", "pallas", "cpu" or "xla".
       is_causal: query t sees keys s <= t (in addition to any mask).
       logits_soft_cap: float c: logits -> c·tanh(logits / c).
+      with_sinks: learn attention sinks (one logit per head, `jax_flash.attention`'s `sinks`):
+        a parameter "sinks" [num_heads] (float32, initialised by `sinks_init`, default zeros).
     """
 
     def __init__(
@@ -58,6 +60,8 @@ class MultiHeadAttention(hk.MultiHeadAttention):
         implementation: Optional[str] = None,
         is_causal: bool = False,
         logits_soft_cap: Optional[float] = None,
+        with_sinks: bool = False,
+        sinks_init=None,
     ):
         super().__init__(
             num_heads,
@@ -73,6 +77,8 @@ class MultiHeadAttention(hk.MultiHeadAttention):
         self.implementation = implementation
         self.is_causal = is_causal
         self.logits_soft_cap = logits_soft_cap
+        self.with_sinks = with_sinks
+        self.sinks_init = sinks_init if sinks_init is not None else jnp.zeros
 
     def __call__(self, query, key, value, mask=None):
         """Same as haiku's: query [..., T', D_q], key/value [..., T, D], mask
@@ -97,6 +103,9 @@ class MultiHeadAttention(hk.MultiHeadAttention):
         # change neither q·k nor the useful columns of P·V) and keep haiku's scale.
         head_dim = max(self.key_size, self.value_size)
         dtype = jnp.result_type(query_heads, key_heads, value_heads)
+        sinks = None
+        if self.with_sinks:
+            sinks = hk.get_parameter("sinks", [self.num_heads], jnp.float32, init=self.sinks_init)
         out = attention(
             _pad_last(query_heads, head_dim).astype(dtype),
             _pad_last(key_heads, head_dim).astype(dtype),
@@ -105,6 +114,7 @@ class MultiHeadAttention(hk.MultiHeadAttention):
             scale=1.0 / math.sqrt(self.key_size),
             is_causal=self.is_causal,
             logits_soft_cap=self.logits_soft_cap,
+            sinks=sinks,
             implementation=self.implementation,
         )[..., : self.value_size]  # [..., T', H, V]
         attn = jnp.reshape(out, (*leading_dims, sequence_length, -1))  # [..., T', H*V]

@@ -126,6 +126,7 @@ def _layout(spec: AttentionSpec, masks: MaskInputs, bq, bk, t_pad, s_pad, **kw) 
         has_lengths=masks.q_lengths is not None or masks.kv_lengths is not None,
         has_segments=masks.q_segment_ids is not None,
         has_q_offset=masks.q_offset is not None,
+        has_sinks=masks.sinks is not None,
         bias_rows=bias_rows,
         bias_cols=bias_cols,
         mask_rows=mask_rows,
@@ -171,6 +172,8 @@ class _Extras:
         self.bias = _dense(masks.bias, t_pad, s_pad, 0, jnp.float32 if f64_bias else None)
         # Booleans travel as int8 (Triton has no i1 memory type).
         self.mask = _dense(masks.mask, t_pad, s_pad, 0, jnp.int8)
+        # Sinks [N] -> [N, 1] float32: the programs of head n read sinks[n] (forward only).
+        self.sinks = None if masks.sinks is None else masks.sinks.astype(jnp.float32)[:, None]
 
     def row_grid(self, bq: int, s_pad: int):
         """Arrays and specs for a grid (query block i, head n, batch b) seeing all keys."""
@@ -201,6 +204,9 @@ class _Extras:
                     ),
                 )
             )
+        if self.sinks is not None:
+            args.append(self.sinks)
+            specs.append(pl.BlockSpec((None, 1), lambda i, n, b: (n, 0)))
         return args, specs
 
     def key_grid(self, bk: int, t_pad: int, splits: int):

@@ -30,6 +30,7 @@ def attention_reference(
     segment_ids=None,
     logits_soft_cap=None,
     query_offset=None,
+    sinks=None,
     return_residual=False,
     compute_dtype=None,
 ):
@@ -37,7 +38,8 @@ def attention_reference(
 
     compute_dtype: dtype of the logits and of the P·V product (None: the input dtype, as a
     kernel at that precision would see it). Softmax statistics are float32, or float64 when
-    compute_dtype is float64. A row that sees no key gives out = 0 and lse = -inf.
+    compute_dtype is float64. A row that sees no key gives out = 0 and lse = -inf (with
+    sinks: lse = sinks[n]).
     """
     c = canonicalize(
         query,
@@ -53,6 +55,7 @@ def attention_reference(
         segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap,
         query_offset=query_offset,
+        sinks=sinks,
     )
     out, lse = reference_canonical(c.spec, c.q, c.k, c.v, c.masks, compute_dtype)
     out, lse = restore(c, out.astype(query.dtype if compute_dtype is None else compute_dtype), lse)
@@ -72,6 +75,10 @@ def reference_canonical(
     over finite copies of q, k, v, so that a masked-out poisoned key never meets a zero
     weight (0·NaN = NaN). A row whose every visible logit is -inf (or that sees no key)
     is empty: out 0, lse -inf, no gradient.
+
+    Sinks ([N]) join each row's max and sum as one more logit with value 0 (masks, scale
+    and the soft cap do not touch it): a row that sees no key gets out 0 and lse = sink, and
+    a NaN or +inf sink makes every row of its head NaN (out and lse).
     """
     dt = jnp.dtype(q.dtype if compute_dtype is None else compute_dtype)
     stat_dt = jnp.float64 if dt == jnp.float64 else jnp.float32
@@ -122,6 +129,10 @@ def reference_canonical(
     logits = jnp.where(vis, logits, -jnp.inf)
     # XLA's max may drop a NaN logit; exp(NaN) cannot, so l is NaN for a poisoned row.
     m = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)  # S = 0: no key
+    sink = None
+    if masks.sinks is not None:
+        sink = masks.sinks.astype(stat_dt)[None, :, None, None]  # [1, N, 1, 1]
+        m = jnp.maximum(m, sink)  # a NaN sink makes m NaN
     m_safe = jnp.where(m == -jnp.inf, 0, m)
     # The row max's exponent is exactly 0, chosen by comparison rather than computed as
     # logit - max: under jit XLA recomputes the scaled logit inside the exponent's fusion and
@@ -133,6 +144,9 @@ def reference_canonical(
     shifted = jnp.where(at_max, jnp.zeros((), stat_dt), logits - m_safe)
     e = jnp.where(vis, jnp.exp(shifted), 0)  # exactly 0 where masked, even for NaN m
     l = jnp.sum(e, axis=-1, keepdims=True)
+    if sink is not None:
+        # The sink's share: 0 for a -inf sink, NaN for a NaN or +inf one (exp(inf - inf)).
+        l = l + jnp.exp(sink - m_safe)
     empty = l == 0  # sees no key, or only -inf logits (a NaN l is a poisoned row)
     p = jnp.where(vis & ~empty, e / jnp.where(empty, 1, l), 0)
     lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1, l)))[..., 0]
@@ -147,6 +161,9 @@ def reference_canonical(
     lse_f = jnp.where(jnp.isfinite(lse), lse, 0)
     v_poison = jnp.where(sees_bad_v, jnp.nan, 0).astype(stat_dt) * (lse_f - lax.stop_gradient(lse_f))
     out = out + jnp.swapaxes(v_poison, 1, 2)[..., None].astype(out.dtype)
+    if sink is not None:  # a NaN or +inf sink: every row of its head, the empty ones too
+        bad_sink = ~(masks.sinks < jnp.inf)[None, None, :, None]  # [1, 1, N, 1]
+        out = jnp.where(bad_sink, jnp.nan, out)
     return out, lse.astype(stat_dt)
 
 
@@ -192,6 +209,7 @@ def paged_attention_reference(
     is_causal=True,
     local_window_size=None,
     logits_soft_cap=None,
+    sinks=None,
     return_residual=False,
     compute_dtype=None,
 ):
@@ -215,6 +233,7 @@ def paged_attention_reference(
         query_offset=lengths - q.shape[1],
         local_window_size=local_window_size,
         logits_soft_cap=logits_soft_cap,
+        sinks=sinks,
         return_residual=return_residual,
         compute_dtype=compute_dtype,
     )

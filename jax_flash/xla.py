@@ -182,16 +182,26 @@ def nonfinite_rows(x):
     return ~jnp.all(jnp.isfinite(x), axis=-1)
 
 
-def online_softmax_init(rows: tuple, head_dim: int, acc_dt, *like):
+def online_softmax_init(rows: tuple, head_dim: int, acc_dt, *like, sink=None):
     """The running (m, l, acc, bad) of FlashAttention-2 Alg. 1 for `rows` query rows: m =
     -inf, l = 0, acc = 0 [*rows, head_dim], bad = False (the row saw a non-finite v),
-    varying like `like` (see `_full`)."""
-    return (
-        _full(rows, -jnp.inf, acc_dt, *like),
-        _full(rows, 0, acc_dt, *like),
-        _full((*rows, head_dim), 0, acc_dt, *like),
-        _full(rows, False, jnp.bool_, *like),
-    )
+    varying like `like` (see `_full`).
+
+    sink: None, or the rows' sink logit, broadcastable to `rows`: the state after one key
+    with that logit and value 0 was seen, m = sink and l = 1 (`sink_state`)."""
+    m = _full(rows, -jnp.inf, acc_dt, *like)
+    l = _full(rows, 0, acc_dt, *like)
+    if sink is not None:
+        m0, l0 = sink_state(sink.astype(acc_dt))
+        m, l = m0 + jnp.zeros_like(m), l0 + jnp.zeros_like(l)
+    return m, l, _full((*rows, head_dim), 0, acc_dt, *like), _full(rows, False, jnp.bool_, *like)
+
+
+def sink_state(sink):
+    """(m, l) of the online softmax after the sink alone: m = sink, l = 1. A -inf sink is no
+    sink (its l is scaled to 0 by the first visible key, and a row that sees none keeps lse
+    = -inf + log 1); a NaN or +inf sink gets l = NaN, which poisons every row of its head."""
+    return sink, jnp.where(sink < jnp.inf, jnp.ones_like(sink), jnp.nan)
 
 
 def online_softmax_step(carry, logits, vis, v_blk, bad_v_blk, pv=None):
@@ -257,6 +267,7 @@ def forward(
     out_dtype=None,
 ):
     """out [B, T, N, H] (dtype of q), lse [B, N, T] (float32; float64 for float64 inputs).
+    masks.sinks, when given, is the online softmax's initial state (`sink_state`).
 
     kv_blocks: None (k, v are [B, S, K, H] arrays), or (bk, fetch) where fetch(j) returns
     (k_blk, v_blk [B, bk, K, H] with v_blk finite, bad_v [B, K, 1, 1, bk] (the keys whose v
@@ -290,6 +301,8 @@ def forward(
 
     like = tuple(x for x in (q, k, v) if x is not None)
     q_offset = 0 if masks.q_offset is None else masks.q_offset  # key blocks: union over B
+    # Sinks: the online softmax starts from the sink's state (m = sink, l = 1), [1, K, G, 1].
+    sink = None if masks.sinks is None else masks.sinks.reshape(1, kh, g, 1)
 
     def query_block(i):
         q_blk = lax.dynamic_slice_in_dim(qp, i * bq, bq, axis=1)  # [B, bq, K, G, H]
@@ -303,7 +316,7 @@ def forward(
             return online_softmax_step(carry, logits, vis, v_blk, bad_v_blk)
 
         lo, hi = spec.key_block_range(i * bq, (i + 1) * bq, bk, nk, q_offset)
-        init = online_softmax_init((b, kh, g, bq), h, acc_dt, *like)
+        init = online_softmax_init((b, kh, g, bq), h, acc_dt, *like, sink=sink)
         carry = lax.fori_loop(lo, jnp.maximum(lo, hi), key_block, init)
         out, lse = online_softmax_finish(carry)
         return out.astype(out_dtype), lse

@@ -43,6 +43,9 @@ SMALL_SHAPES = {
     # a tile bound, tail guard or interior test that is off by one shows up in one of them.
     "tile_plus": Shape(2, 129, 127, 2, 1, 64),  # T = +1, S = -1 (mod 16, 32, 64, 128)
     "tile_minus": Shape(2, 127, 129, 2, 2, 128),  # T = -1, S = +1; H=128: 32-row backward blocks
+    # Attention sinks (SINK_CASES): tiny, ragged, GQA; H = 32 so that cuda serves them too.
+    "sinks_gqa": Shape(2, 40, 70, 4, 2, 32),
+    "sinks_tall": Shape(1, 50, 20, 2, 1, 32),  # T > S: with a window, the last rows see no key
 }
 
 MASK_KINDS = (
@@ -68,13 +71,14 @@ class Case:
     mask_kind: str
     dtype: str
     small: bool
+    sinks: bool = False  # pass sinks (`make_sinks`) too
 
     @property
     def shape(self) -> Shape:
         return (SMALL_SHAPES if self.small else FULL_SHAPES)[self.shape_name]
 
     def __str__(self):
-        return f"{self.shape_name}-{self.mask_kind}-{self.dtype}"
+        return f"{self.shape_name}-{self.mask_kind}-{self.dtype}" + ("-sinks" if self.sinks else "")
 
 
 def _cases():
@@ -128,6 +132,21 @@ SCALE_KINDS = ("zero_scale", "neg_zero_scale", "negative_scale")
 
 
 CASES = _cases()
+
+# Attention sinks in every implementation: GQA with causal, soft cap, lengths and segment ids
+# (rows that see no key), a window past the end of a short key sequence, and a decode step
+# over caches of which one is empty (float32: not cuda).
+SINK_CASES = [
+    Case("sinks_gqa", "combo", "bfloat16", True, sinks=True),
+    Case("sinks_tall", "window", "float16", True, sinks=True),
+    Case("sinks_gqa", "offset_decode", "float32", True, sinks=True),
+]
+
+
+def make_sinks(shape: Shape, seed: int = 3):
+    """[N] float32 sinks around log(S), so that the sink takes a large share of each row."""
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(np.log(max(shape.s, 1)) + rng.normal(size=shape.n), jnp.float32)
 
 
 def make_qkv(shape: Shape, dtype, seed: int = 0):

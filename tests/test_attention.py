@@ -7,15 +7,21 @@ finite gradients in every implementation.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_flash
+from jax_flash._spec import AttentionSpec
 from jax_flash.reference import attention_reference
 
-from cases import CASES, EPS, FACTOR, GRAD_EPS, TILE_EDGE_KINDS, Shape, make_qkv, mask_kwargs, max_err
+from cases import (
+    CASES, EPS, FACTOR, GRAD_EPS, SINK_CASES, TILE_EDGE_KINDS, Shape, make_qkv, make_sinks, mask_kwargs,
+    max_err,
+)
 from conftest import slow_impl
 
 
@@ -34,6 +40,8 @@ def _check_case(impl, case):
     dtype = jnp.dtype(case.dtype)
     q, k, v = make_qkv(case.shape, dtype)
     kw = mask_kwargs(case.mask_kind, case.shape)
+    if case.sinks:
+        kw["sinks"] = make_sinks(case.shape)
     _needs_skip(impl, q, k, v, kw)
     return q, k, v, kw
 
@@ -56,7 +64,16 @@ def test_forward(impl, case):
     lse_err = max_err(lse, lse64)
     assert lse_err <= lse_tol, f"lse error {lse_err:.3g} > {lse_tol:.3g}"
 
-    # Rows that see nothing: exactly zero output and -inf lse.
+    # Rows that see nothing: exactly zero output and -inf lse (with sinks: lse = the sink).
+    if "sinks" in kw:
+        no_sink = {key: x for key, x in kw.items() if key != "sinks"}
+        _, lse_keys = attention_reference(q, k, v, return_residual=True, compute_dtype=jnp.float64, **no_sink)
+        dead = ~np.isfinite(np.asarray(lse_keys))
+        assert dead.any() and not dead.all(), "a sinks case needs rows that see no key and rows that do"
+        sink = np.broadcast_to(np.asarray(kw["sinks"]), dead.shape)
+        assert np.all(np.asarray(out, np.float32)[dead] == 0)
+        np.testing.assert_allclose(np.asarray(lse)[dead], sink[dead], rtol=1e-6, atol=1e-6)
+        return
     dead = ~np.isfinite(np.asarray(lse64))
     if dead.any():
         assert np.all(np.asarray(out, np.float32)[dead] == 0)
@@ -70,25 +87,28 @@ def _check_backward(impl, case):
     cot = jax.random.normal(jax.random.PRNGKey(7), q.shape, jnp.float32).astype(dtype)
     dlse = jax.random.normal(jax.random.PRNGKey(8), q.shape[:-1], jnp.float32)
     bias = kw.pop("bias", None)
+    sinks = kw.pop("sinks", None)
 
     def grads(fn, *, compute_dtype="impl"):
-        def f(q, k, v, bias):
+        def f(q, k, v, bias, sinks):
             if compute_dtype == "impl":
-                out, lse = fn(q, k, v, bias, implementation=impl, return_residual=True, **kw)
+                out, lse = fn(q, k, v, bias, sinks=sinks, implementation=impl, return_residual=True, **kw)
             else:
-                out, lse = fn(q, k, v, bias, compute_dtype=compute_dtype, return_residual=True, **kw)
+                out, lse = fn(q, k, v, bias, sinks=sinks, compute_dtype=compute_dtype, return_residual=True, **kw)
             # Both outputs carry a cotangent: the gradient through lse is part of the contract.
             lse = jnp.where(jnp.isfinite(lse), lse, 0)
             return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32)) + jnp.sum(lse * dlse)
 
-        argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
-        return jax.jit(jax.grad(f, argnums=argnums))(q, k, v, bias)
+        argnums = tuple(i for i, x in enumerate((q, k, v, bias, sinks)) if x is not None)
+        return jax.jit(jax.grad(f, argnums=argnums))(q, k, v, bias, sinks)
 
     g = grads(jax_flash.attention)
     g64 = grads(attention_reference, compute_dtype=jnp.float64)
     g_lo = grads(attention_reference, compute_dtype=None)
-    for name, a, r64, rlo in zip(("dq", "dk", "dv", "dbias"), g, g64, g_lo):
-        assert a.dtype == (bias.dtype if name == "dbias" else dtype)
+    names = [n for n, x in zip(("dq", "dk", "dv", "dbias", "dsinks"), (q, k, v, bias, sinks)) if x is not None]
+    for name, a, r64, rlo in zip(names, g, g64, g_lo):
+        want = {"dbias": None if bias is None else bias.dtype, "dsinks": jnp.float32}.get(name, dtype)
+        assert a.dtype == want
         tol = FACTOR * max_err(rlo, r64) + GRAD_EPS[case.dtype]
         err = max_err(a, r64)
         assert err <= tol, f"{name} error {err:.3g} > {tol:.3g}"
@@ -97,6 +117,14 @@ def _check_backward(impl, case):
 
 @pytest.mark.parametrize("case", ALL_CASES)
 def test_backward(impl, case):
+    _check_backward(impl, case)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=str(c)) for c in SINK_CASES])
+def test_sinks(impl, case):
+    """Attention sinks: out and lse (empty rows: out 0, lse = the sink), then the gradients in
+    q, k, v and sinks, against the float64 reference."""
+    test_forward(impl, case)
     _check_backward(impl, case)
 
 
@@ -165,6 +193,74 @@ def test_backward_warp32(impl, warp32, case):
 @pytest.mark.parametrize("case", WARP32_DETERMINISTIC_CASES)
 def test_backward_deterministic_warp32(impl, warp32, case, monkeypatch):
     test_backward_deterministic(impl, case, monkeypatch)
+
+
+# The grid of the cuda backward's main kernel (JAX_FLASH_CUDA_BWD_GRID, read when the backward
+# is traced). auto takes the q_heads grid (one CTA per key block, query head and batch; dK, dV
+# per query head in float32 workspaces, summed over the group after) for G > 1 when
+# B·K·ceil(S/block_kv) < 528: every GQA/MQA case of the small shapes, so test_backward,
+# test_backward_deterministic and the warp32 tests above run it (ragged S, every mask kind,
+# soft cap, deterministic mode). These run the kv_heads grid (its loop over the group's query
+# heads) on GQA/MQA cases: G = 2 at H = 128 with the combined mask, ragged lengths at tile
+# edges, and deterministic mode.
+BACKWARD_GRID_CASES = [pytest.param(c, id=str(c)) for c in CASES
+                       if str(c) in ("small_gqa-combo-bfloat16", "tile_plus-tile_lengths-float16")]
+
+
+@pytest.mark.parametrize("case", BACKWARD_GRID_CASES)
+def test_backward_kv_heads_grid(impl, case, monkeypatch):
+    if impl != "cuda":
+        pytest.skip("JAX_FLASH_CUDA_BWD_GRID selects the cuda backward's grid")
+    monkeypatch.setenv("JAX_FLASH_CUDA_BWD_GRID", "kv_heads")
+    _check_backward(impl, case)
+
+
+def test_backward_kv_heads_grid_deterministic(impl, monkeypatch):
+    if impl != "cuda":
+        pytest.skip("JAX_FLASH_CUDA_BWD_GRID selects the cuda backward's grid")
+    monkeypatch.setenv("JAX_FLASH_CUDA_BWD_GRID", "kv_heads")
+    case = next(c for c in CASES if str(c) == "small_mqa-combo-bfloat16")
+    test_backward_deterministic(impl, case, monkeypatch)
+
+
+def test_backward_grid_choice(impl, monkeypatch):
+    """The rule and the override reach the call (the workspaces' shapes in the lowered call) and
+    explain; an unknown value is a ValueError naming the variable."""
+    if impl != "cuda":
+        pytest.skip("JAX_FLASH_CUDA_BWD_GRID selects the cuda backward's grid")
+    from jax_flash import cuda
+
+    def lowered(shape):
+        q, k, v = make_qkv(shape, jnp.bfloat16)
+        f = lambda q, k, v: jax_flash.attention(q, k, v, implementation=impl).astype(jnp.float32).sum()
+        note = jax_flash.explain(q, k, v, implementation=impl).notes[impl]
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(q, k, v).as_text(), note
+
+    mqa, mha = Shape(2, 16, 130, 4, 1, 64), Shape(2, 16, 130, 2, 2, 64)
+    per_head, empty = "tensor<2x130x4x64xf32>", "tensor<0xf32>"
+    monkeypatch.delenv("JAX_FLASH_CUDA_BWD_GRID", raising=False)
+    text, note = lowered(mqa)  # auto: B·K·ceil(S/64) = 6 < 528 and G = 4
+    assert per_head in text and "backward grid q_heads (auto: G = 4, B·K·ceil(S/64) = 6 < 528): 24 CTAs" in note
+    text, note = lowered(mha)  # G = 1
+    assert empty in text and per_head.replace("4x64", "2x64") not in text and "backward grid kv_heads" in note
+    spec = AttentionSpec(1, 16, 64 * 528, 8, 1, 64, "bfloat16", 0.125)
+    assert cuda.backward_grid(spec) == "kv_heads"  # B·K·ceil(S/64) = 528: enough CTAs
+    assert cuda.backward_grid(dataclasses.replace(spec, kv_len=64 * 527 + 1)) == "kv_heads"  # ceil: 528
+    assert cuda.backward_grid(dataclasses.replace(spec, kv_len=64 * 527)) == "q_heads"
+    assert cuda.backward_grid(dataclasses.replace(spec, kv_len=64 * 527, num_heads=1)) == "kv_heads"  # G = 1
+    monkeypatch.setenv("JAX_FLASH_CUDA_LAYOUT", "warp32")  # 128-key CTAs at H = 64
+    assert cuda.backward_grid(dataclasses.replace(spec, kv_len=128 * 528)) == "kv_heads"
+    assert cuda.backward_grid(dataclasses.replace(spec, kv_len=128 * 527)) == "q_heads"
+    monkeypatch.delenv("JAX_FLASH_CUDA_LAYOUT")
+    monkeypatch.setenv("JAX_FLASH_CUDA_BWD_GRID", "kv_heads")
+    text, note = lowered(mqa)
+    assert empty in text and per_head not in text and "backward grid kv_heads (JAX_FLASH_CUDA_BWD_GRID=kv_heads)" in note
+    monkeypatch.setenv("JAX_FLASH_CUDA_BWD_GRID", "q_heads")
+    text, note = lowered(mha)
+    assert per_head.replace("4x64", "2x64") in text and "backward grid q_heads" in note
+    monkeypatch.setenv("JAX_FLASH_CUDA_BWD_GRID", "heads")
+    with pytest.raises(ValueError, match="JAX_FLASH_CUDA_BWD_GRID='heads' is not a grid"):
+        lowered(mqa)
 
 
 def test_layout_variable_checked(impl, monkeypatch):

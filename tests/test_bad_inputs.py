@@ -235,18 +235,27 @@ _HANDLER_SCRIPT = textwrap.dedent(
     ATTRS = dict(scale=np.float32(0.1), window_left=np.int64(-1), window_right=np.int64(-1),
                  softcap=np.float32(0), use_segment_ids=False)
 
-    def fwd(target, ops, outs=None, **attrs):
+    def fwd(target, ops, outs=None, sinks=None, **attrs):
         q = ops[0]
         if outs is None:
             outs = (SDS(q.shape, q.dtype), SDS((q.shape[0], q.shape[2], q.shape[1]), F32))
-        return jax.ffi.ffi_call(target, outs)(*ops, **{**ATTRS, **attrs})
+        if sinks is None:  # the forward's last operand: sinks [N] f32, -inf = none
+            sinks = jnp.full((q.shape[2] if q.ndim == 4 else 1,), -jnp.inf, F32)
+        return jax.ffi.ffi_call(target, outs)(*ops, sinks, **{**ATTRS, **attrs})
 
-    def bwd(target, ops, outs=None, **attrs):
+    def dkv(target, shape=(0,)):
+        # The CUDA targets' dk_accum, dv_accum results: [B, S, N, H] f32 (the q_heads grid)
+        # or [0] f32 (kv_heads); the cpu target has none.
+        return (SDS(shape, F32),) * 2 if "emu" in target else ()
+
+    def bwd(target, ops, outs=None, workspaces=None, **attrs):
         q, k = ops[0], ops[1]
         b, t, n, h = q.shape
         if outs is None:
             outs = (SDS(q.shape, q.dtype), SDS(k.shape, k.dtype), SDS(k.shape, k.dtype),
                     SDS(q.shape, F32), SDS((b, n, t), F32))
+        if len(outs) == 5:
+            outs += dkv(target) if workspaces is None else workspaces
         return jax.ffi.ffi_call(target, outs)(*ops, **{**ATTRS, "deterministic": False, **attrs})
 
     def bwd_operands(dt, **kw):
@@ -276,6 +285,8 @@ _HANDLER_SCRIPT = textwrap.dedent(
             "q_segments_shape": ("q_segment_ids", lambda: fwd(f, o[:5] + [jnp.zeros((B, 3), I32)] + o[6:])),
             "kv_segments_dtype": ("kv_segment_ids", lambda: fwd(f, o[:6] + [jnp.zeros((B, S), F32)] + o[7:])),
             "q_offset_shape": ("q_offset", lambda: fwd(f, o[:7] + [jnp.zeros((B, 2), I32)])),
+            "sinks_shape": ("sinks", lambda: fwd(f, o, sinks=jnp.zeros((N + 1,), F32))),
+            "sinks_float16": ("sinks", lambda: fwd(f, o, sinks=jnp.zeros((N,), jnp.float16))),
             "kv_heads_0": ("heads", lambda: fwd(f, operands(dt, K=0))),
             "heads_not_multiple": ("heads", lambda: fwd(f, operands(dt, N=3))),
             "head_dim_0": ("head dim", lambda: fwd(f, operands(dt, H=0))),
@@ -296,7 +307,7 @@ _HANDLER_SCRIPT = textwrap.dedent(
                                   lambda: fwd(f, o, softcap=np.float32(1e-40))),
             "window_below_minus_1": ("window", lambda: fwd(f, o, window_left=np.int64(-5))),
             "window_i32_attribute": ("S64", lambda: fwd(f, o, window_right=np.int32(3))),
-            "missing_attribute": ("attributes", lambda: jax.ffi.ffi_call(f, (SDS((B, T, N, H), dt), lse_shape))(*o, scale=np.float32(1))),
+            "missing_attribute": ("attributes", lambda: jax.ffi.ffi_call(f, (SDS((B, T, N, H), dt), lse_shape))(*o, jnp.full((N,), -jnp.inf, F32), scale=np.float32(1))),
             "dout_shape": ("dout", lambda: bwd(b, bo[:4] + [bo[4][:, :4]] + bo[5:])),
             "out_dtype_backward": ("out", lambda: bwd(b, bo[:3] + [bo[3].astype(other)] + bo[4:])),
             "lse_dtype_backward": ("lse", lambda: bwd(b, bo[:5] + [bo[5].astype(jnp.float16)] + bo[6:])),
@@ -304,7 +315,14 @@ _HANDLER_SCRIPT = textwrap.dedent(
             "dq_accum_dtype": ("dq_accum", lambda: bwd(b, bo, outs=(SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), other), lse_shape))),
             "delta_shape": ("delta", lambda: bwd(b, bo, outs=(SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), SDS((B, N, T + 1), F32)))),
             "four_results": ("results", lambda: bwd(b, bo, outs=(SDS((B, T, N, H), dt),) * 3 + (SDS((B, T, N, H), F32),))),
-            "missing_deterministic": ("attributes", lambda: jax.ffi.ffi_call(b, (SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), lse_shape))(*bo, **ATTRS)),
+            "missing_deterministic": ("attributes", lambda: jax.ffi.ffi_call(b, (SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), lse_shape) + dkv(b))(*bo, **ATTRS)),
+            **({} if "emu" not in prefix else {
+                "ok_backward_q_heads": (None, lambda: bwd(b, bo, workspaces=dkv(b, (B, S, N, H)))),
+                "dk_accum_shape": ("dk_accum", lambda: bwd(b, bo, workspaces=dkv(b, (B, S, N, H + 1)))),
+                "dkv_accum_mixed": ("dk_accum and dv_accum must both be", lambda: bwd(
+                    b, bo, workspaces=(SDS((B, S, N, H), F32), SDS((0,), F32)))),
+                "dkv_accum_missing": ("results", lambda: bwd(b, bo, workspaces=dkv(b)[:1])),
+            }),
         }
 
     for prefix, dt in (("jax_flash", jnp.float32), ("jax_flash_emu", jnp.bfloat16)):

@@ -116,8 +116,9 @@ def call_forward(x: dict, attrs: dict):
     q, k = x["q"], x["k"]
     b, t, n, _ = q.shape
     shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32))
+    sinks = x.get("sinks", np.full((n,), -np.inf, np.float32))  # -inf: no sink
     return jax.ffi.ffi_call("jax_flash_fwd", shapes)(
-        q, k, x["v"], x["q_len"], x["kv_len"], x["q_seg"], x["kv_seg"], x["q_off"], **attrs
+        q, k, x["v"], x["q_len"], x["kv_len"], x["q_seg"], x["kv_seg"], x["q_off"], sinks, **attrs
     )
 
 
@@ -398,6 +399,7 @@ def bad_call(target: str, **changes):
         ("jax_flash_fwd", dict(q_len=np.zeros((1,), np.float32)), "q_lengths has dtype f32, expected s32"),
         ("jax_flash_fwd", dict(window_left=np.int64(-2)), "window_left and window_right"),
         ("jax_flash_fwd", dict(q_off=np.zeros((3,), np.int32)), r"q_offset has shape \[3\]"),
+        ("jax_flash_fwd", dict(sinks=np.zeros((3,), np.float32)), r"sinks has shape \[3\], expected \[2\]"),
         ("jax_flash_bwd", dict(q_off=np.zeros((1,), np.int64)), "q_offset has dtype"),
         ("jax_flash_fwd", dict(softcap=np.float32(-1.0)), r"softcap must be 0 \(off\) or a finite float32 normal"),
         ("jax_flash_bwd", dict(dlse=np.zeros((1, 8, 2), np.float32)), r"dlse has shape \[1, 8, 2\]"),
@@ -417,7 +419,7 @@ def test_wrong_result_shape_is_an_error():
     with pytest.raises(Exception, match=r"lse has shape \[1, 8, 2\], expected \[1, 2, 8\]"):
         jax.block_until_ready(jax.ffi.ffi_call("jax_flash_fwd", shapes)(
             x["q"], x["k"], x["v"], x["q_len"], x["kv_len"], x["q_seg"], x["kv_seg"],
-            x["q_off"], **attributes(cfg)))
+            x["q_off"], np.full((2,), -np.inf, np.float32), **attributes(cfg)))
 
 
 def test_unknown_isa_is_an_error():

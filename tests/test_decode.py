@@ -323,3 +323,36 @@ def test_decode_poison_reaches_exactly_the_rows_that_see_it(impl):
     assert np.isnan(np.asarray(out[0, :, 2:])).all() and not np.isnan(np.asarray(out[0, :, :2])).any()
     ok = ~np.isnan(np.asarray(ref64))
     assert np.max(np.abs(np.asarray(out)[ok] - np.asarray(ref64)[ok])) < 1e-5
+
+
+def test_decode_with_sinks():
+    """Sinks in decoding: paged_attention (xla, unsplit and split over page chunks) and the
+    split-KV forward against the reference (a sequence of length 0: out 0, lse = the sink);
+    the pallas decode kernel says it takes none."""
+    rng = np.random.default_rng(4)
+    b, t, n, kh, h, ps, mp = 3, 2, 4, 2, 32, 16, 6
+    kp, vp, table = _paged_cache(rng, b, kh, h, ps, mp, "float32")
+    q = jnp.asarray(rng.normal(size=(b, t, n, h)) + 0.1, jnp.float32)
+    lengths = jnp.asarray([0, 37, 96], jnp.int32)
+    sinks = jnp.asarray(np.log(50.0) + rng.normal(size=n), jnp.float32)
+    kw = dict(sinks=sinks, logits_soft_cap=5.0)
+    ref = _references(jax_flash.paged_reference, q, kp, vp, table, lengths, **kw)
+    out, lse = jax.jit(lambda *a: jax_flash.paged_attention(*a, return_residual=True, **kw))(
+        q, kp, vp, table, lengths)
+    _check(out, lse, q, ref, "float32")
+    np.testing.assert_allclose(np.asarray(lse)[0], np.broadcast_to(np.asarray(sinks), (t, n)), rtol=1e-6)
+    pspec, *_, sinks_c = paged.canonicalize_paged(q, kp, vp, table, lengths, **kw)
+    out_s, lse_s = jax.jit(lambda *a: paged.forward(pspec, *a, splits=3, sinks=sinks_c))(q, kp, vp, table, lengths)
+    _check(out_s, jnp.swapaxes(lse_s, 1, 2), q, ref, "float32")
+    assert "takes no sinks" in str(jax_flash.explain_paged(q, kp, vp, table, lengths, **kw).reasons["pallas"])
+    with pytest.raises(ValueError, match="pallas.*takes no sinks"):
+        jax_flash.paged_attention(q, kp, vp, table, lengths, implementation="pallas", **kw)
+    # Split-KV over a contiguous cache (the xla path of attention on a GPU): the sink is
+    # merged once, as one more partial.
+    q, k, v, dkw = _decode_inputs(2, 1, 1100, 4, 2, 32, [1100, 0], "float32")
+    dkw["sinks"] = sinks
+    c = canonicalize(q, k, v, **dkw)
+    ref = _references(jax_flash.reference, q, k, v, **dkw)
+    for splits in (1, 2):
+        fn = jax.jit(lambda q, k, v, m, splits=splits: split_kv.forward(c.spec, q, k, v, m, splits))
+        _check(*restore(c, *fn(c.q, c.k, c.v, c.masks)), q, ref, "float32")

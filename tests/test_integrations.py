@@ -255,3 +255,28 @@ def test_import_jax_flash_needs_neither_flax_nor_haiku():
         "assert 'flax' not in sys.modules and 'haiku' not in sys.modules, sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_haiku_with_sinks():
+    """with_sinks adds a parameter "sinks" [num_heads] that reaches jax_flash.attention and
+    gets a gradient; zeros by default (not haiku's result: each row gains e^0 in its sum)."""
+    x = _x(10)
+    ours, theirs = _haiku_fns(implementation="xla", with_sinks=True,
+                              sinks_init=hk.initializers.Constant(1.5))
+    params = ours.init(jax.random.key(0), x)
+    assert params["multi_head_attention"]["sinks"].shape == (HEADS,)
+    plain = theirs.init(jax.random.key(0), x)
+    # -inf sinks are no sinks: haiku's own result.
+    no_sink = jax.tree.map(lambda a: a, params)
+    no_sink["multi_head_attention"]["sinks"] = jnp.full((HEADS,), -jnp.inf)
+    np.testing.assert_allclose(ours.apply(no_sink, None, x), theirs.apply(plain, None, x), **TOL)
+    g = jax.grad(lambda p: jnp.sum(jnp.sin(ours.apply(p, None, x))))(params)
+    assert np.all(np.asarray(g["multi_head_attention"]["sinks"]) != 0)
+
+
+def test_flax_attention_fn_sinks():
+    q = _x(11).reshape(2, -1, HEADS, 8)[:, :8]
+    sinks = jnp.linspace(-1.0, 2.0, HEADS, dtype=jnp.float32)
+    got = jax_flash.flax.attention_fn(q, q, q, sinks=sinks, implementation="xla")
+    want = jax_flash.reference(q, q, q, sinks=sinks)
+    np.testing.assert_allclose(got, want, **TOL)

@@ -108,8 +108,10 @@ SCRIPT = textwrap.dedent(
     def rules():
         # Query heads sharded, K = 2 kv heads replicated: each device slices its kv head;
         # the backward all-reduces dK/dV over the head axis.
-        f = lambda q, k, v: jax_flash.attention(q, k, v, implementation=impl)
-        check("query heads", mesh4("heads"), heads, P(), f, (), (), "sums")
+        sinks = jnp.linspace(-1.0, 2.5, 8, dtype=jnp.float32)  # sharded with the query heads
+        f = lambda q, k, v, sinks: jax_flash.attention(q, k, v, sinks=sinks, implementation=impl)
+        check("query heads", mesh4("heads"), heads, P(), f, (sinks,), (P("heads"),), "sums",
+              argnums=(0, 1, 2, 3))
 
         # Queries over T, K/V replicated: shard-local query lengths and segment ids.
         qlens = jnp.asarray([29, 6], jnp.int32)
@@ -168,10 +170,12 @@ SCRIPT = textwrap.dedent(
         check("batch", mesh4("batch"), P("batch"), P("batch"), f, (lens, seg_q, seg_k),
               (P("batch"),) * 3, "none")
 
-        # Heads, GQA (K = 4 kv heads for N = 8), local window.
-        f = lambda q, k, v: jax_flash.attention(
-            q, k, v, local_window_size=(5, 2), implementation=impl)
-        check("heads", mesh4("heads"), heads, heads, f, (), (), "none")
+        # Heads, GQA (K = 4 kv heads for N = 8), local window; sinks shard with the heads.
+        sinks = jnp.linspace(-1.0, 2.5, 8, dtype=jnp.float32)
+        f = lambda q, k, v, sinks: jax_flash.attention(
+            q, k, v, local_window_size=(5, 2), sinks=sinks, implementation=impl)
+        check("heads", mesh4("heads"), heads, heads, f, (sinks,), (P("heads"),), "none",
+              argnums=(0, 1, 2, 3))
 
         # Batch x heads on a 2-D mesh, causal with ragged query lengths.
         mesh2 = Mesh(devs.reshape(2, 4), ("batch", "heads"))

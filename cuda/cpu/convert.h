@@ -108,5 +108,12 @@ inline void StoreZeros(ElementType type, int64_t offset, int64_t n, void* dst) {
   std::memset(static_cast<char*>(dst) + offset * width, 0, n * width);
 }
 
+// Writes n NaNs of element type `type` at element `offset` (all-ones bytes are a NaN in
+// f32, bf16 and f16 alike).
+inline void StoreNaNs(ElementType type, int64_t offset, int64_t n, void* dst) {
+  const int64_t width = type == ElementType::kF32 ? 4 : 2;
+  std::memset(static_cast<char*>(dst) + offset * width, 0xff, n * width);
+}
+
 }  // namespace cpu
 }  // namespace jax_flash

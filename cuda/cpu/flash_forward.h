@@ -48,17 +48,24 @@ struct ForwardTiles {
   int64_t floats;  // the size of the workspace
 };
 
-// Writes the rows of a query block that see no key: out = 0, lse = -inf.
+// Writes the rows of a query block that see no key: out = 0, lse = -inf, or with a sink
+// lse = sink (a NaN or +inf sink: out and lse NaN).
 inline void WriteEmptyRows(const Problem& p, int64_t b, int64_t n, int64_t t_begin, int64_t t_end) {
+  const float sink = p.sink(n);
+  const bool poisoned = Problem::SinkSum(sink) != Problem::SinkSum(sink);
   for (int64_t t = t_begin; t < t_end; ++t) {
-    StoreZeros(p.dtype, p.q_row(b, t, n), p.head_dim, p.out);
-    p.lse[p.stat(b, n, t)] = -__builtin_inff();
+    if (poisoned) {
+      StoreNaNs(p.dtype, p.q_row(b, t, n), p.head_dim, p.out);
+    } else {
+      StoreZeros(p.dtype, p.q_row(b, t, n), p.head_dim, p.out);
+    }
+    p.lse[p.stat(b, n, t)] = poisoned ? __builtin_nanf("") : sink;
   }
 }
 
-// out = O / l and lse = m + log l (natural log) for rows that saw a key; zeros and -inf
-// for empty rows (m = -inf: no key, or only -inf logits). A NaN m (a poisoned row) is not
-// empty: its out and lse come out NaN.
+// out = O / l and lse = m + log l (natural log) for rows that saw a key (or a finite
+// sink: out 0, lse = sink); zeros and -inf for empty rows (m = -inf: no key, or only -inf
+// logits). A NaN m (a poisoned row, a NaN sink) is not empty: its out and lse come out NaN.
 inline void WriteOutputRows(const Problem& p, const ForwardTiles& w, int64_t b, int64_t n,
                             int64_t t0, int64_t rows) {
   for (int64_t i = 0; i < rows; ++i) {
@@ -90,9 +97,11 @@ void ForwardTileWith(const Problem& p, int64_t item, float* workspace) {
   Products::PackQuery(
       p, {p.q, p.dtype, p.q_row(b, t0, n), p.q_heads * p.head_dim, live_rows, p.head_dim},
       rows_padded, w.q);
+  // The online softmax starts from the sink's state, m = sink and l = 1 (no sink: m =
+  // -inf, which the first visible key's exp(m_old - m_new) = 0 turns into l = 0).
   for (int64_t i = 0; i < rows_padded; ++i) {
-    w.m[i] = -__builtin_inff();
-    w.l[i] = 0.0f;
+    w.m[i] = p.sink(n);
+    w.l[i] = Problem::SinkSum(w.m[i]);
   }
   for (int64_t i = 0; i < rows_padded * ld; ++i) w.o[i] = 0.0f;
 

@@ -189,7 +189,7 @@ ffi::Error RunTiles(ffi::ThreadPool& pool, const char* target, int64_t items, in
 ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                    ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                   ffi::AnyBuffer q_offsets, ffi::Result<ffi::AnyBuffer> out,
+                   ffi::AnyBuffer q_offsets, ffi::AnyBuffer sinks, ffi::Result<ffi::AnyBuffer> out,
                    ffi::Result<ffi::AnyBuffer> lse, float scale, int64_t window_left,
                    int64_t window_right, float softcap, bool use_segment_ids) {
   Checker check("jax_flash_fwd");
@@ -197,6 +197,10 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   DescribeProblem(check, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
                   q_offsets, scale, window_left, window_right, softcap, use_segment_ids, &p);
   if (!check.ok()) return check.error();
+  // Always passed (-inf when the call has none).
+  check.Expect("sinks", sinks, {p.q_heads}, ffi::DataType::F32);
+  if (!check.ok()) return check.error();
+  p.sinks = static_cast<const float*>(sinks.untyped_data());
   check.Expect("out", *out, {p.batch, p.q_len, p.q_heads, p.head_dim}, q.element_type());
   check.Expect("lse", *lse, {p.batch, p.q_heads, p.q_len}, ffi::DataType::F32);
   if (!check.ok()) return check.error();
@@ -326,6 +330,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuForward, Forward,
                                   .Arg<ffi::AnyBuffer>()  // q_segment_ids [B, T] s32
                                   .Arg<ffi::AnyBuffer>()  // kv_segment_ids [B, S] s32
                                   .Arg<ffi::AnyBuffer>()  // q_offset [B] s32
+                                  .Arg<ffi::AnyBuffer>()  // sinks [N] f32 (-inf: none)
                                   .Ret<ffi::AnyBuffer>()  // out [B, T, N, H]
                                   .Ret<ffi::AnyBuffer>()  // lse [B, N, T] f32
                                   .Attr<float>("scale")

@@ -39,6 +39,9 @@ struct Problem {
   const int32_t* q_segment_ids = nullptr;   // [B, T]
   const int32_t* kv_segment_ids = nullptr;  // [B, S]
   const int32_t* q_offsets = nullptr;       // [B]
+  // [N] (forward): one logit per query head that joins every row's softmax with value 0
+  // (attention sinks); -inf (or null) is no sink.
+  const float* sinks = nullptr;
 
   // Forward operands and results.
   const void* q = nullptr;
@@ -77,6 +80,11 @@ struct Problem {
   bool bf16_packing = false;
 
   int64_t group_size() const { return q_heads / kv_heads; }
+  // The sink of query head n (-inf: none).
+  float sink(int64_t n) const { return sinks == nullptr ? -__builtin_inff() : sinks[n]; }
+  // The online softmax's running sum after the sink alone (its running max is the sink):
+  // 1, or NaN for a NaN or +inf sink, which poisons every row of its head.
+  static float SinkSum(float sink) { return sink < __builtin_inff() ? 1.0f : __builtin_nanf(""); }
   // Element offset of row t of query head n (q, out, dout, dq).
   int64_t q_row(int64_t b, int64_t t, int64_t n) const {
     return ((b * q_len + t) * q_heads + n) * head_dim;

@@ -26,6 +26,8 @@ inline AttentionParams EmuArgument(AttentionParams p) {
   p.dv = emu::tag_global(p.dv);
   p.dq_accum = emu::tag_global(p.dq_accum);
   p.delta = emu::tag_global(p.delta);
+  p.dk_accum = emu::tag_global(p.dk_accum);
+  p.dv_accum = emu::tag_global(p.dv_accum);
   return p;
 }
 

@@ -7,6 +7,12 @@
 //              adds dQ = dS·K into the f32 `dq_accum` workspace with atomics (red.global.add,
 //              two floats at a time on sm_90+);
 //   3. convert: dq = scale · dq_accum in the input dtype.
+// The q_heads grid (MQA/GQA at small batch: p.dkv_per_query_head()) runs the main kernel over
+// one CTA per (key block, query head, batch) instead, each CTA looping over its one head's
+// query blocks and writing that head's dK, dV in f32 into the dk_accum / dv_accum workspaces
+// [B, S, N, H]; a fourth kernel (4. below) then sums each group of G heads in a fixed order
+// into dk, dv. G times as many CTAs share the same work, with no atomics on dK, dV in
+// either grid.
 // Deterministic mode replaces the atomics and the conversion by a fourth kernel that computes dQ
 // per query block (2b below), at the price of recomputing S and dP once more.
 // The main kernel computes the transposed tiles Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (rows = keys), so
@@ -54,9 +60,10 @@ struct BackwardKernel {
   static constexpr int DQ_WARPS_PER_GROUP = WARPS / DQ_ROW_GROUPS;
   static constexpr int DQ_COLS = HEAD_DIM / DQ_WARPS_PER_GROUP;
 
-  // One CTA per (key block, kv head, batch).
+  // One CTA per (key block, kv head, batch), or per (key block, query head, batch) in the
+  // q_heads grid.
   __host__ __device__ static FoldedGrid grid(const AttentionParams& p) {
-    return {CeilDiv(p.kv_len, BLOCK_KV), p.kv_heads, p.batch};
+    return {CeilDiv(p.kv_len, BLOCK_KV), p.dkv_per_query_head() ? p.q_heads : p.kv_heads, p.batch};
   }
 
   static_assert(BLOCK_KV == WARPS * WARP_KV && WARP_KV == MMA_M, "each warp owns 16 keys");
@@ -181,6 +188,29 @@ __device__ __forceinline__ void accumulate_dq(const AttentionParams& p, const ch
   }
 }
 
+// dK (unscaled) and dV of the warp's 16 keys for query head n, in f32 into the workspaces
+// (the q_heads grid: one CTA per query head writes each row once).
+template <int HEAD_DIM>
+__device__ __forceinline__ void store_dk_dv_accum(const AttentionParams& p, const float (&dk)[HEAD_DIM / MMA_N][4],
+                                                  const float (&dv)[HEAD_DIM / MMA_N][4], int b, int n, int row0,
+                                                  int lane) {
+  JAX_FLASH_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const int s = row0 + (lane >> 2) + 8 * r;
+    if (s >= p.kv_len) continue;
+    const int64_t offset = p.dkv_accum_offset(b, s, n);
+    JAX_FLASH_UNROLL
+    for (int j = 0; j < HEAD_DIM / MMA_N; ++j) {
+      JAX_FLASH_UNROLL
+      for (int i = 0; i < 2; ++i) {
+        const int col = 8 * j + 2 * (lane & 3) + i;
+        ptx::st_global_f32(p.dk_accum + offset + col, dk[j][2 * r + i]);
+        ptx::st_global_f32(p.dv_accum + offset + col, dv[j][2 * r + i]);
+      }
+    }
+  }
+}
+
 // dK (times scale) and dV of the warp's 16 keys, written once.
 template <class Elem, int HEAD_DIM>
 __device__ __forceinline__ void store_dk_dv(const AttentionParams& p, const float (&dk)[HEAD_DIM / MMA_N][4],
@@ -208,19 +238,25 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, LAYOUT>::THREAD
   const FoldedGrid grid = K::grid(p);
   const GridIndex at = grid.index();
   if (!grid.contains(at)) return;  // past the last head (more than 65535 heads span grid.z)
-  const int kv_block = at.block, kv_head = at.head, batch = at.batch;
+  const int kv_block = at.block, batch = at.batch;
   const int warp = static_cast<int>(threadIdx.x) / WARP_SIZE, lane = static_cast<int>(threadIdx.x) % WARP_SIZE;
   const int s0 = kv_block * K::BLOCK_KV;
   const int warp_s0 = s0 + warp * K::WARP_KV;
   const int group = p.q_heads / p.kv_heads;
+  // The query heads this CTA loops over: its kv head's whole group, or (q_heads grid) the one
+  // query head of the CTA.
+  const bool one_head = p.dkv_per_query_head();
+  const int kv_head = one_head ? at.head / group : at.head;
+  const int first_head = one_head ? at.head : at.head * group;
+  const int heads = one_head ? 1 : group;
 
   const Mask mask = Mask::of(p, batch);
   const LogitScaling scaling = LogitScaling::of(p);
-  // Work items: (query head of the group, query block that sees this key block).
+  // Work items: (query head of the CTA's heads, query block that sees this key block).
   const Range rows = mask.rows_of_keys(s0, s0 + K::BLOCK_KV);
   const int q_block_begin = rows.lo / K::BLOCK_Q;
   const int q_blocks = rows.empty() ? 0 : CeilDiv(rows.hi, K::BLOCK_Q) - q_block_begin;
-  const int items = group * q_blocks;
+  const int items = heads * q_blocks;
 
   float dk[HEAD_DIM / MMA_N][4];  // (MMA_M rows, MMA_N cols, 4 regs): the warp's 16 keys x HEAD_DIM
   float dv[HEAD_DIM / MMA_N][4];
@@ -234,7 +270,7 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, LAYOUT>::THREAD
     char* const ring = smem + K::kRingOffset;
     const int64_t kv_stride = p.kv_row_stride();
     const int64_t q_stride = p.q_row_stride();
-    auto item_head = [&](int item) { return kv_head * group + item / q_blocks; };
+    auto item_head = [&](int item) { return first_head + item / q_blocks; };
     auto item_t0 = [&](int item) { return (q_block_begin + item % q_blocks) * K::BLOCK_Q; };
     auto load_item = [&](int item, int slot) {
       const int n = item_head(item), t0 = item_t0(item);
@@ -315,7 +351,11 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, LAYOUT>::THREAD
     ptx::cp_async_wait_group<0>();
   }
 
-  store_dk_dv<Elem, HEAD_DIM>(p, dk, dv, batch, kv_head, warp_s0, lane);
+  if (one_head) {
+    store_dk_dv_accum<HEAD_DIM>(p, dk, dv, batch, first_head, warp_s0, lane);
+  } else {
+    store_dk_dv<Elem, HEAD_DIM>(p, dk, dv, batch, kv_head, warp_s0, lane);
+  }
 }
 
 // ---- 3. convert -------------------------------------------------------------------------------
@@ -337,6 +377,47 @@ __global__ void __launch_bounds__(kConvertThreads) attention_backward_convert_dq
     out.w[2 + j] = Elem::pack(p.scale * __uint_as_float(hi.w[2 * j]), p.scale * __uint_as_float(hi.w[2 * j + 1]));
   }
   ptx::st_global_v4_b32(p.dq + 8 * i, out.w);
+}
+
+// ---- 4. the group sum of the q_heads grid ----------------------------------------------------
+
+// dk = scale · Σ_j dk_accum[query head g·G + j] and dv = Σ_j dv_accum[...] for j = 0 .. G−1 in
+// this order (f32 sums, one rounding to 16 bits, like the kv_heads grid's epilogue): one thread
+// per 8 elements of a row of dk / dv ([B, S, K, H], H a multiple of 8).
+template <class Elem>
+__global__ void __launch_bounds__(kConvertThreads) attention_backward_reduce_dkv_kernel(const AttentionParams p,
+                                                                                         int64_t chunks) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kConvertThreads + threadIdx.x;
+  if (i >= chunks) return;
+  const int group = p.q_heads / p.kv_heads;
+  const int64_t element = 8 * i;                     // of [B, S, K, H]
+  const int64_t row = element / p.head_dim;          // (b, s) · K + g
+  const int col = static_cast<int>(element % p.head_dim);
+  const int64_t bs = row / p.kv_heads;
+  const int g = static_cast<int>(row % p.kv_heads);
+  float dk[8] = {}, dv[8] = {};
+  for (int j = 0; j < group; ++j) {
+    const int64_t offset = (bs * p.q_heads + g * group + j) * p.head_dim + col;
+    JAX_FLASH_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      Chunk16 k, v;
+      ptx::ld_global_v4_b32(k.w, p.dk_accum + offset + 4 * half);
+      ptx::ld_global_v4_b32(v.w, p.dv_accum + offset + 4 * half);
+      JAX_FLASH_UNROLL
+      for (int c = 0; c < 4; ++c) {
+        dk[4 * half + c] += __uint_as_float(k.w[c]);
+        dv[4 * half + c] += __uint_as_float(v.w[c]);
+      }
+    }
+  }
+  Chunk16 k_out, v_out;
+  JAX_FLASH_UNROLL
+  for (int c = 0; c < 4; ++c) {
+    k_out.w[c] = Elem::pack(p.scale * dk[2 * c], p.scale * dk[2 * c + 1]);
+    v_out.w[c] = Elem::pack(dv[2 * c], dv[2 * c + 1]);
+  }
+  ptx::st_global_v4_b32(p.dk + element, k_out.w);
+  ptx::st_global_v4_b32(p.dv + element, v_out.w);
 }
 
 // ---- 2b. dQ without atomics (deterministic mode) ---------------------------------------------
@@ -484,9 +565,10 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM>::THREADS, 1)
   store_warp_rows<Elem, typename K::QTile>(p.dq, p, dq, q_tile, batch, head, warp * K::WARP_Q, warp_t0, lane);
 }
 
-// Host side: zero dq_accum, the delta kernel, then the main kernel and the dQ conversion, in
-// order on one stream. Deterministic mode adds no atomics: the main kernel computes dK and dV
-// only, and the dQ kernel computes dQ per query block.
+// Host side: zero dq_accum, the delta kernel, then the main kernel, the group sum of dK and dV
+// (q_heads grid only) and the dQ conversion, in order on one stream. Deterministic mode adds no
+// atomics: the main kernel computes dK and dV only, and the dQ kernel computes dQ per query
+// block.
 template <class Elem, int HEAD_DIM, Layout LAYOUT>
 LaunchError LaunchBackward(const AttentionParams& p_in, bool deterministic, Stream stream) {
   using K = BackwardKernel<Elem, HEAD_DIM, LAYOUT>;
@@ -497,10 +579,12 @@ LaunchError LaunchBackward(const AttentionParams& p_in, bool deterministic, Stre
   const int64_t q_elements = static_cast<int64_t>(p.batch) * p.q_len * p.q_heads * HEAD_DIM;
   const int64_t rows = static_cast<int64_t>(p.batch) * p.q_len * p.q_heads;
   const int64_t chunks = q_elements / 8;
-  dim3 delta_grid, main_grid, dq_grid, convert_grid;
+  const int64_t kv_chunks = static_cast<int64_t>(p.batch) * p.kv_len * p.kv_heads * HEAD_DIM / 8;
+  dim3 delta_grid, main_grid, dq_grid, convert_grid, reduce_grid;
   for (const LaunchError& e : {LinearGrid((rows + D::ROWS_PER_BLOCK - 1) / D::ROWS_PER_BLOCK, &delta_grid),
                                K::grid(p).dims(&main_grid), Q::grid(p).dims(&dq_grid),
-                               LinearGrid((chunks + kConvertThreads - 1) / kConvertThreads, &convert_grid)}) {
+                               LinearGrid((chunks + kConvertThreads - 1) / kConvertThreads, &convert_grid),
+                               LinearGrid((kv_chunks + kConvertThreads - 1) / kConvertThreads, &reduce_grid)}) {
     if (!e.empty()) return e;
   }
   LaunchError err = FillAsync(p.dq_accum, 0, q_elements * sizeof(float), stream);
@@ -511,6 +595,11 @@ LaunchError LaunchBackward(const AttentionParams& p_in, bool deterministic, Stre
   err = Launch("attention_backward_kernel", attention_backward_kernel<Elem, HEAD_DIM, LAYOUT>, main_grid,
                dim3(K::THREADS), K::kSmemBytes, stream, p);
   if (!err.empty()) return err;
+  if (p.dkv_per_query_head()) {
+    err = Launch("attention_backward_reduce_dkv_kernel", attention_backward_reduce_dkv_kernel<Elem>, reduce_grid,
+                 dim3(kConvertThreads), 0, stream, p, kv_chunks);
+    if (!err.empty()) return err;
+  }
   if (deterministic) {
     return Launch("attention_backward_dq_kernel", attention_backward_dq_kernel<Elem, HEAD_DIM>, dq_grid,
                   dim3(Q::THREADS), Q::kSmemBytes, stream, p);

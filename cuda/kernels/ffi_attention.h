@@ -48,6 +48,7 @@ auto ForwardSignature(Binding binding) {
                                            .template Arg<ffi::AnyBuffer>()   // q [B, T, N, H]
                                            .template Arg<ffi::AnyBuffer>()   // k [B, S, K, H]
                                            .template Arg<ffi::AnyBuffer>())  // v [B, S, K, H]
+      .template Arg<ffi::AnyBuffer>()                                        // sinks [N] f32 (-inf: none)
       .template Ret<ffi::AnyBuffer>()                                        // out [B, T, N, H]
       .template Ret<ffi::AnyBuffer>();                                       // lse [B, N, T] f32
 }
@@ -68,7 +69,9 @@ auto BackwardSignature(Binding binding) {
       .template Ret<ffi::AnyBuffer>()   // dk [B, S, K, H]
       .template Ret<ffi::AnyBuffer>()   // dv [B, S, K, H]
       .template Ret<ffi::AnyBuffer>()   // dq_accum [B, T, N, H] f32 workspace
-      .template Ret<ffi::AnyBuffer>();  // delta [B, N, T] f32 workspace
+      .template Ret<ffi::AnyBuffer>()   // delta [B, N, T] f32 workspace
+      .template Ret<ffi::AnyBuffer>()   // dk_accum [B, S, N, H] f32 workspace (q_heads grid), or [0] f32
+      .template Ret<ffi::AnyBuffer>();  // dv_accum: the same
 }
 
 // ---- validation -----------------------------------------------------------------------------
@@ -218,8 +221,8 @@ inline ffi::Error ToError(const char* target, const LaunchError& err) {
 inline ffi::Error Forward(const char* target, Stream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                           ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
                           ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_offsets, float scale, int64_t window_left,
-                          int64_t window_right, float softcap, bool use_segment_ids, ffi::Result<ffi::AnyBuffer> out,
-                          ffi::Result<ffi::AnyBuffer> lse) {
+                          int64_t window_right, float softcap, bool use_segment_ids, ffi::AnyBuffer sinks,
+                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse) {
   AttentionParams p;
   ElementType dtype;
   if (auto e = CheckOperands(target, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, q_offsets,
@@ -229,6 +232,9 @@ inline ffi::Error Forward(const char* target, Stream stream, ffi::AnyBuffer q, f
   const int64_t B = p.batch, T = p.q_len, N = p.q_heads, H = p.head_dim;
   if (auto e = Expect(target, "out", *out, {B, T, N, H}, q.element_type()); e.failure()) return e;
   if (auto e = Expect(target, "lse", *lse, {B, N, T}, ffi::DataType::F32); e.failure()) return e;
+  // Always passed (-inf when the call has none).
+  if (auto e = Expect(target, "sinks", sinks, {N}, ffi::DataType::F32); e.failure()) return e;
+  p.sinks = static_cast<const float*>(sinks.untyped_data());
   p.out = static_cast<uint16_t*>(out->untyped_data());
   p.lse = static_cast<float*>(lse->untyped_data());
   if (PoisonOutputs()) {
@@ -247,7 +253,8 @@ inline ffi::Error Backward(const char* target, Stream stream, ffi::AnyBuffer q, 
                            int64_t window_right, float softcap, bool use_segment_ids, bool deterministic,
                            ffi::Result<ffi::AnyBuffer> dq,
                            ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                           ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> delta) {
+                           ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> delta,
+                           ffi::Result<ffi::AnyBuffer> dk_accum, ffi::Result<ffi::AnyBuffer> dv_accum) {
   AttentionParams p;
   ElementType dtype;
   if (auto e = CheckOperands(target, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, q_offsets,
@@ -265,6 +272,19 @@ inline ffi::Error Backward(const char* target, Stream stream, ffi::AnyBuffer q, 
   if (auto e = Expect(target, "dv", *dv, {B, S, K, H}, t); e.failure()) return e;
   if (auto e = Expect(target, "dq_accum", *dq_accum, {B, T, N, H}, ffi::DataType::F32); e.failure()) return e;
   if (auto e = Expect(target, "delta", *delta, {B, N, T}, ffi::DataType::F32); e.failure()) return e;
+  // The dK, dV workspaces choose the main kernel's grid: [B, S, N, H] f32 the q_heads grid
+  // (one CTA per query head, the group summed after), [0] f32 the kv_heads grid.
+  const bool q_heads_grid = dk_accum->dimensions().size() == 4;
+  for (auto [name, r] : {std::pair{"dk_accum", &dk_accum}, std::pair{"dv_accum", &dv_accum}}) {
+    auto e = q_heads_grid ? Expect(target, name, **r, {B, S, N, H}, ffi::DataType::F32)
+                          : Expect(target, name, **r, {0}, ffi::DataType::F32);
+    if (e.failure())
+      return ffi::Error::InvalidArgument(std::string(target) + ": dk_accum and dv_accum must both be [" +
+                                         std::to_string(B) + ", " + std::to_string(S) + ", " + std::to_string(N) +
+                                         ", " + std::to_string(H) + "] float32 (the q_heads grid) or both [0] " +
+                                         "float32 (the kv_heads grid), got dk_accum " + Describe(*dk_accum) +
+                                         ", dv_accum " + Describe(*dv_accum));
+  }
   p.out = static_cast<uint16_t*>(out.untyped_data());
   p.dout = static_cast<const uint16_t*>(dout.untyped_data());
   p.lse_in = static_cast<const float*>(lse.untyped_data());
@@ -274,8 +294,12 @@ inline ffi::Error Backward(const char* target, Stream stream, ffi::AnyBuffer q, 
   p.dv = static_cast<uint16_t*>(dv->untyped_data());
   p.dq_accum = static_cast<float*>(dq_accum->untyped_data());
   p.delta = static_cast<float*>(delta->untyped_data());
+  if (q_heads_grid && B * S * N * H > 0) {
+    p.dk_accum = static_cast<float*>(dk_accum->untyped_data());
+    p.dv_accum = static_cast<float*>(dv_accum->untyped_data());
+  }
   if (PoisonOutputs()) {
-    for (auto* r : {&dq, &dk, &dv, &delta}) {
+    for (auto* r : {&dq, &dk, &dv, &delta, &dk_accum, &dv_accum}) {
       if (auto e = ToError(target, FillAsync((**r).untyped_data(), 0xFF, (**r).size_bytes(), stream)); e.failure())
         return e;
     }

@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, LAYOUT>::THREADS
   clear(o);
   OnlineSoftmax softmax[K::ROW_BLOCKS];
   JAX_FLASH_UNROLL
-  for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) softmax[rb].init();
+  for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) softmax[rb].init(p.sink(head), lane);
 
   if (!keys.empty()) {
     const int tile_begin = keys.lo / K::BLOCK_KV;

@@ -1,7 +1,7 @@
 // One attention call as the kernels see it (forward and backward), and the 16-bit element
-// types. Layout is BTNH for q, out, dout, dq (and dq_accum), BSKH for k, v, dk, dv; the
-// statistics lse, dlse, delta are [B, N, T]. 16-bit elements travel as raw bits (uint16_t);
-// they are converted only through the PTX wrappers.
+// types. Layout is BTNH for q, out, dout, dq (and dq_accum), BSKH for k, v, dk, dv, BSNH for
+// the q_heads grid's dk_accum, dv_accum; the statistics lse, dlse, delta are [B, N, T]. 16-bit
+// elements travel as raw bits (uint16_t); they are converted only through the PTX wrappers.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +34,9 @@ struct AttentionParams {
   const int32_t* q_segment_ids = nullptr;   // [B, T]
   const int32_t* kv_segment_ids = nullptr;  // [B, S]
   const int32_t* q_offsets = nullptr;       // [B]
+  // [N] (forward): one logit per query head that joins every row's softmax with value 0
+  // (attention sinks), the online softmax's initial state; -inf (or null) is no sink.
+  const float* sinks = nullptr;
 
   const uint16_t* q = nullptr;
   const uint16_t* k = nullptr;
@@ -49,10 +52,17 @@ struct AttentionParams {
   uint16_t* dv = nullptr;
   float* dq_accum = nullptr;  // [B, T, N, H] f32, zeroed before the main backward kernel
   float* delta = nullptr;     // [B, N, T] rowsum(dout * out) - dlse
+  // [B, S, N, H] f32: dK (unscaled) and dV of each query head, or null. When set, the main
+  // backward kernel runs one CTA per (key block, query head, batch) and writes its head's
+  // share here; a reduction kernel then sums each group into dk, dv (the q_heads grid).
+  float* dk_accum = nullptr;
+  float* dv_accum = nullptr;
 
   // Backward: whether the main kernel adds dQ into dq_accum with atomics (false in
   // deterministic mode, where a separate kernel computes dQ per query block).
   bool accumulate_dq = true;
+
+  __device__ __forceinline__ float sink(int n) const { return sinks != nullptr ? sinks[n] : -INFINITY; }
 
   // Element offsets of row t of query head n, row s of kv head g, statistic (b, n, t).
   __device__ __forceinline__ int64_t q_offset(int b, int t, int n) const {
@@ -61,6 +71,11 @@ struct AttentionParams {
   __device__ __forceinline__ int64_t kv_offset(int b, int s, int g) const {
     return ((static_cast<int64_t>(b) * kv_len + s) * kv_heads + g) * head_dim;
   }
+  // Row s of query head n in dk_accum, dv_accum.
+  __device__ __forceinline__ int64_t dkv_accum_offset(int b, int s, int n) const {
+    return ((static_cast<int64_t>(b) * kv_len + s) * q_heads + n) * head_dim;
+  }
+  __host__ __device__ __forceinline__ bool dkv_per_query_head() const { return dk_accum != nullptr; }
   __device__ __forceinline__ int64_t stat_offset(int b, int n, int t) const {
     return (static_cast<int64_t>(b) * q_heads + n) * q_len + t;
   }

@@ -121,9 +121,14 @@ struct OnlineSoftmax {
   float row_max[2];  // running max of x; −inf while nothing is visible
   float row_sum[2];  // this thread's part of the running sum l (the quad's parts add up at the end)
 
-  __device__ __forceinline__ void init() {
-    row_max[0] = row_max[1] = -INFINITY;
-    row_sum[0] = row_sum[1] = 0.0f;
+  // The state before the first key tile: after the sink alone, m = sink and l = 1 (held by
+  // the quad's first lane; the quad's parts add up in finish). No sink is sink = −inf: the
+  // first visible key's exp2(m_old − m_new) = 0 turns l back into 0 (an empty row keeps
+  // l = 1, o = 0 and lse = −inf + 0). A NaN or +inf sink gets l = NaN: its head's rows are NaN.
+  __device__ __forceinline__ void init(float sink, int lane) {
+    const float l0 = sink < INFINITY ? 1.0f : __uint_as_float(0x7fc00000u);
+    row_max[0] = row_max[1] = sink;
+    row_sum[0] = row_sum[1] = lane % 4 == 0 ? l0 : 0.0f;
   }
 
   // s (logits x) -> p = exp2((x − m_new)·exp_scale), in place; o rescaled by
@@ -158,7 +163,8 @@ struct OnlineSoftmax {
     }
   }
 
-  // o /= l, and lse (natural log) per row; rows that saw nothing (l = 0) get o = 0, lse = −inf.
+  // o /= l, and lse (natural log) per row; rows that saw nothing (l = 0) get o = 0, lse = −inf
+  // (with a sink, l = 1: o = 0 and lse = sink).
   // A NaN l (a poisoned row) is not empty: its o and lse come out NaN.
   template <int O_BLOCKS>
   __device__ __forceinline__ void finish(float (&o)[O_BLOCKS][4], float exp_scale, float lse[2]) {

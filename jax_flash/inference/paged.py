@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 
 from jax_flash import _registry, xla
-from jax_flash._normalize import IMPLEMENTATIONS, canonicalize
+from jax_flash._normalize import IMPLEMENTATIONS, _sinks, canonicalize
 from jax_flash._spec import AttentionSpec, MaskInputs
 from jax_flash.inference import split_kv
 
@@ -152,8 +152,10 @@ def canonicalize_paged(
     local_window_size=None,
     logits_soft_cap=None,
     implementation=None,
+    sinks=None,
 ):
-    """Validate a paged_attention call: (PagedSpec, q, key_pages, value_pages, table, lengths)."""
+    """Validate a paged_attention call: (PagedSpec, q, key_pages, value_pages, table, lengths,
+    sinks (float32 [N] or None))."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
     q = jnp.asarray(query)
@@ -196,7 +198,8 @@ def canonicalize_paged(
     # side lets the key loop stop at the last key instead of the table's end.
     right = spec.window_right
     right = t - 1 if right is None else min(right, t - 1)
-    spec = dataclasses.replace(spec, window_right=right)
+    sinks = None if sinks is None else _sinks(sinks, n, q.dtype)
+    spec = dataclasses.replace(spec, window_right=right, has_sinks=sinks is not None)
     tv, lv = _concrete(table), _concrete(lengths)
     if tv is not None and lv is not None:
         _check_values(tv, lv, num_pages, page_size)
@@ -206,7 +209,7 @@ def canonicalize_paged(
     splits = split_kv.num_splits(spec, _registry.platform())
     splits = max(1, min(splits, max_pages))
     pspec = PagedSpec(spec, num_pages, page_size, max_pages, splits)
-    return pspec, q, key_pages, value_pages, table, lengths
+    return pspec, q, key_pages, value_pages, table, lengths, sinks
 
 
 def paged_attention(
@@ -220,6 +223,7 @@ def paged_attention(
     is_causal: bool = True,
     local_window_size=None,
     logits_soft_cap: Optional[float] = None,
+    sinks=None,
     return_residual: bool = False,
     implementation: Optional[str] = None,
 ):
@@ -240,6 +244,8 @@ def paged_attention(
         every position < kv_lengths[b].
       local_window_size: int w or (left, right), around each query's position.
       logits_soft_cap: c > 0: logits -> c·tanh(logits / c).
+      sinks: optional [N] floating, one logit per query head, as for `jax_flash.attention`
+        (a row that sees nothing then gets out 0 and lse = sinks[n]). xla only.
       return_residual: also return lse [B, T, N] (float32 natural log; -inf for rows that see
         nothing).
       implementation: None (xla), "xla" or "pallas" (a decode kernel on the Triton backend,
@@ -255,35 +261,35 @@ def paged_attention(
     Returns:
       out [B, T, N, H] in the dtype of query, or (out, lse) with return_residual=True.
     """
-    pspec, q, kp, vp, table, lengths = canonicalize_paged(
+    pspec, q, kp, vp, table, lengths, sinks = canonicalize_paged(
         query, key_pages, value_pages, page_table, kv_lengths, scale=scale,
         is_causal=is_causal, local_window_size=local_window_size,
-        logits_soft_cap=logits_soft_cap, implementation=implementation,
+        logits_soft_cap=logits_soft_cap, implementation=implementation, sinks=sinks,
     )
     name = implementation or "xla"
     why = reason(name, pspec)
     if why is not None:
         raise ValueError(f'implementation="{name}" cannot run paged_attention: {why}')
-    out, lse = _paged(name, pspec, q, kp, vp, table, lengths)
+    out, lse = _paged(name, pspec, q, kp, vp, table, lengths, sinks)
     lse = jnp.swapaxes(lse, 1, 2)  # [B, N, T] -> [B, T, N]
     return (out, lse) if return_residual else out
 
 
-def _run(name: str, pspec: PagedSpec, *args):
-    if name == "pallas":
+def _run(name: str, pspec: PagedSpec, *args, sinks=None):
+    if name == "pallas":  # takes no sinks (pallas_decode.unsupported)
         from jax_flash.inference import pallas_decode
 
         return pallas_decode.paged_forward(pspec, *args)
-    return forward(pspec, *args)
+    return forward(pspec, *args, sinks=sinks)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _paged(name: str, pspec: PagedSpec, q, key_pages, value_pages, table, lengths):
-    return _run(name, pspec, q, key_pages, value_pages, table, lengths)
+def _paged(name: str, pspec: PagedSpec, q, key_pages, value_pages, table, lengths, sinks):
+    return _run(name, pspec, q, key_pages, value_pages, table, lengths, sinks=sinks)
 
 
-def _paged_fwd(name, pspec, q, key_pages, value_pages, table, lengths):
-    return _run(name, pspec, q, key_pages, value_pages, table, lengths), None
+def _paged_fwd(name, pspec, q, key_pages, value_pages, table, lengths, sinks):
+    return _run(name, pspec, q, key_pages, value_pages, table, lengths, sinks=sinks), None
 
 
 def _paged_bwd(name, pspec, residuals, cotangents):
@@ -297,9 +303,11 @@ def _paged_bwd(name, pspec, residuals, cotangents):
 _paged.defvjp(_paged_fwd, _paged_bwd)
 
 
-def forward(pspec: PagedSpec, q, key_pages, value_pages, table, lengths, splits=None):
+def forward(pspec: PagedSpec, q, key_pages, value_pages, table, lengths, splits=None, sinks=None):
     """The xla forward: out [B, T, N, H] (dtype of q), lse [B, N, T]. splits: the number of
-    split-KV chunks of the page table (default pspec.splits)."""
+    split-KV chunks of the page table (default pspec.splits). sinks: [N] or None; without a
+    split the online softmax's initial state, with one a partial of the merge (out 0, lse =
+    sink), as in `split_kv`."""
     spec = pspec.attention
     b, t, n, h = q.shape
     ps, cap = pspec.page_size, pspec.capacity
@@ -329,7 +337,8 @@ def forward(pspec: PagedSpec, q, key_pages, value_pages, table, lengths, splits=
         vis = jnp.repeat(valid, ps, axis=1)[:, None, None, None, :]  # [R, 1, 1, 1, pp·ps]
         return k_blk, xla.finite_part(v_blk), bad_v, vis
 
-    masks = MaskInputs(kv_lengths=row_len, q_offset=row_offset)
+    masks = MaskInputs(kv_lengths=row_len, q_offset=row_offset, sinks=sinks if c == 1 else None)
+    local = dataclasses.replace(local, has_sinks=masks.sinks is not None)
     acc_dt = xla._acc_dtype(q.dtype)
     out, lse = xla.forward(
         local, rows_q, None, None, masks, kv_blocks=(pp * ps, fetch),
@@ -341,7 +350,11 @@ def forward(pspec: PagedSpec, q, key_pages, value_pages, table, lengths, splits=
 
     out = out.reshape(b, c, t, n, h)
     lse = lse.reshape(b, c, n, t)
-    out, lse = merge_partials([out[:, i] for i in range(c)], [lse[:, i] for i in range(c)])
+    outs, lses = [out[:, i] for i in range(c)], [lse[:, i] for i in range(c)]
+    if sinks is not None:
+        outs.append(jnp.zeros_like(outs[0]))
+        lses.append(jnp.broadcast_to(sinks.astype(lses[0].dtype)[None, :, None], lses[0].shape))
+    out, lse = merge_partials(outs, lses)
     return out.astype(q.dtype), lse
 
 

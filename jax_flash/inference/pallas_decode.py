@@ -50,6 +50,8 @@ def unsupported(pspec) -> Optional[str]:
         return f"needs page_size a power of two >= 16 (Triton tiles), got {pspec.page_size}"
     if not _pow2(spec.head_dim) or spec.head_dim > 256:
         return f"needs a head dim that is a power of two in [16, 256], got {spec.head_dim}"
+    if spec.has_sinks:
+        return "takes no sinks yet (paged_attention with sinks is served by xla)"
     return None
 
 

@@ -11,6 +11,7 @@ merge order, no atomics).
 Every mask keeps its meaning in a chunk: key positions move by the chunk's start c·Sc, so
 key lengths become clip(L - c·Sc, 0, Sc), the causal/window offset o becomes o - c·Sc and
 dense bias/mask and key segment ids are cut like K/V; query-side inputs repeat per chunk.
+Sinks are one more partial of the merge (out 0, lse = sink), so no chunk counts them twice.
 
 The rule (`num_splits`) is static, from the spec and the platform, and `explain` states it.
 """
@@ -99,6 +100,7 @@ def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, splits: int):
         # right side is < 2**31 - T (`max_splits`), so a saturated row sees no key either way.
         o = o[:, None]
         q_offset = jnp.where(o < _INT32_MIN + starts, _INT32_MIN, o - starts).reshape(b * c)
+    # Sinks join once, as one more partial of the merge: out 0 and lse = sink (no chunk has them).
     chunk_masks = MaskInputs(
         bias=dense(masks.bias, 0),
         mask=dense(masks.mask, False),
@@ -116,6 +118,7 @@ def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, splits: int):
         mask_shape=None if chunk_masks.mask is None else tuple(chunk_masks.mask.shape),
         has_kv_lengths=True,
         has_q_offset=q_offset is not None,
+        has_sinks=False,
     )
     acc_dt = xla._acc_dtype(q.dtype)
     out, lse = xla.forward(
@@ -124,5 +127,9 @@ def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, splits: int):
     t, n, h = q.shape[1:]
     out = out.reshape(b, c, t, n, h)
     lse = lse.reshape(b, c, n, t)
-    out, lse = merge_partials([out[:, i] for i in range(c)], [lse[:, i] for i in range(c)])
+    outs, lses = [out[:, i] for i in range(c)], [lse[:, i] for i in range(c)]
+    if masks.sinks is not None:
+        outs.append(jnp.zeros_like(outs[0]))
+        lses.append(jnp.broadcast_to(masks.sinks.astype(lses[0].dtype)[None, :, None], lses[0].shape))
+    out, lse = merge_partials(outs, lses)
     return out.astype(q.dtype), lse

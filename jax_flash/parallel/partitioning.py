@@ -80,6 +80,7 @@ _MASK_DIMS = {
     "q_segment_ids": ("b", "t"),
     "kv_segment_ids": ("b", "s"),
     "q_offset": ("b",),
+    "sinks": ("n",),  # one logit per query head: sharded with the query heads
 }
 
 _DIM_NAMES = {
@@ -152,7 +153,9 @@ def _wrapped(name, is_backward, fn, spec, q, k, v, masks, rest):
     call = _Call(name, is_backward, fn, spec, fields, operand_dims, result_dims)
     # The dbias result has the batch extent of the bias operand (maybe a broadcast 1).
     like = {3: 3 + fields.index("bias")} if is_backward and masks.bias is not None else {}
-    outs = _fold_vmap(functools.partial(_PARTITIONED, call), like)(*operands)
+    # Operands without a batch axis (sinks [N]): passed as they are under vmap.
+    unbatched = {3 + fields.index("sinks"): "sinks"} if "sinks" in fields else {}
+    outs = _fold_vmap(functools.partial(_PARTITIONED, call), like, unbatched)(*operands)
     if is_backward:
         dq, dk, dv, *dbias = outs
         return dq, dk, dv, (dbias[0] if dbias else None)
@@ -318,6 +321,8 @@ def _ring_unavailable(call: _Call, mesh, t_axes, s_axes, plan) -> Optional[str]:
         return "the mesh axis already shards another dimension"
     if spec.bias_shape is not None or spec.mask_shape is not None:
         return "the ring takes no dense bias or mask"
+    if spec.has_sinks:
+        return "the ring takes no sinks"
     cfg = _ring_config(call, mesh, s_axes[0])
     for block in ring.block_specs(spec, cfg, dynamic_offset=spec.has_q_offset):
         why = _registry.reason(call.name, block)
@@ -467,14 +472,17 @@ def _sum_partials(plan: _Plan, x, dims):
 # ------------------------------------------------------------------------------- vmap
 
 
-def _fold_vmap(fn, like: dict):
+def _fold_vmap(fn, like: dict, unbatched: Optional[dict] = None):
     """Make `fn(*arrays)` (every operand and result has a leading batch axis of size B, or
     1 where a dense bias/mask broadcasts) fold a vmapped axis into that batch axis:
     [V, B, ...] -> [V·B, ...] -> fn -> [V, B, ...]: one call, never a loop over V.
 
     like: {result index: operand index} for a result with the batch extent of an operand
     (dbias of a bias): the operand is expanded to B rows and the result summed back.
+    unbatched: {operand index: name} of operands without a batch axis (sinks [N]): passed
+    as they are; vmapping over one is an error naming it.
     """
+    unbatched = unbatched or {}
 
     @custom_vmap
     def folded(*args):
@@ -486,6 +494,16 @@ def _fold_vmap(fn, like: dict):
         expanded = set(like.values())
         flat, broadcast = [], {}
         for i, (a, batched) in enumerate(zip(args, in_batched)):
+            if i in unbatched:
+                if batched:
+                    raise ValueError(
+                        f"{unbatched[i]} cannot be mapped by jax.vmap in the compiled "
+                        "implementations (one value per query head for the whole call); map "
+                        "only query, key and value, or use implementation='xla'"
+                    )
+                flat.append(a)
+                broadcast[i] = False
+                continue
             lead = a.shape[1] if batched else a.shape[0]
             broadcast[i] = lead != b
             if not batched and lead != b and i not in expanded:
