@@ -76,7 +76,9 @@ GATES = Gates(
 )
 
 # Examples per implementation in CI: 155 s of CPU time in all (4 min 15 s of wall time at a
-# load average of 8), measured on the 2-core machine: under 3 minutes there when idle.
+# load average of 8), measured on the 2-core machine: under 3 minutes there when idle. With
+# the poisons-with-caps and extreme-scale dimensions on (same counts): 177 s of CPU time,
+# 3 min 20 s of wall time at a load average of 9.
 CI_EXAMPLES = {"xla": 20, "cpu": 24, "pallas": 5, "cuda": 12}
 IMPLS = ("xla", "cpu", "pallas", "cuda")
 MAX_ATTEMPTS = 8  # draws until one the implementation claims to support
