@@ -78,14 +78,23 @@ POISON_CASES = {
     "mixed-combo": ("combo", [("q", (1, 12, 1, 0), INF), ("k", (1, 64, 0, 7), -INF),
                               ("v", (0, 44, 0, 9), NAN), ("k", (0, 80, 0, 2), NAN),
                               ("v", (1, 5, 0, None), NAN)]),
+    # With a soft cap (third element: extra arguments): float32's smallest normal, which
+    # saturates every logit (derivative 1 - tanh² = 0). The masked poisons still change
+    # nothing, also through the cap's derivative (never formed at a masked NaN logit); rows
+    # that see value 59 get NaN dq and dk of the keys they see (the NaN cotangent times the
+    # zero derivative, as jax.nn's autodiff gives; README, "Numerical contract").
+    "masked-lengths-saturated_cap": ("lengths", [("k", (0, 75, 0, 1), NAN), ("q", (0, 33, 0, 4), NAN),
+                                                 ("v", (0, 59, 0, 0), -INF)],
+                                     dict(logits_soft_cap=1.1754944e-38)),
 }
 
 
 def _poisoned(case):
     q, k, v = make_qkv(SHAPE, DTYPE)
-    kind, poisons = POISON_CASES[case]
+    kind, poisons, *extra = POISON_CASES[case]
     arrays = dict(q=q, k=k, v=v)
     kw = _masks(kind)
+    kw.update(*extra)
     if any(name == "bias" for name, *_ in poisons):  # [B, 1, T, S]
         rng = np.random.default_rng(3)
         arrays["bias"] = jnp.asarray(rng.normal(size=(SHAPE.b, 1, SHAPE.t, SHAPE.s)), jnp.float32)
