@@ -332,7 +332,8 @@ class Scratch:
                if not k.startswith("JAX_FLASH_") and k not in ("PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST")}
         env["JAX_FLASH_REQUIRE"] = "cuda"  # the emulated kernels must load: no pass by skipping
         env["PYTHONDONTWRITEBYTECODE"] = "1"
-        cmd = [sys.executable, "-c", _PYTEST_IN_TREE, "-q", "-x", "-rf", "-p", "no:cacheprovider",
+        # `-o addopts=`: one process (not pyproject's pytest-xdist workers), in order, so -x stops early.
+        cmd = [sys.executable, "-c", _PYTEST_IN_TREE, "-o", "addopts=", "-q", "-x", "-rf", "-p", "no:cacheprovider",
                *TEST_FILES, "-k", selection]
         try:
             r = subprocess.run(cmd, cwd=self.tree, env=env, capture_output=True, text=True, timeout=timeout)
