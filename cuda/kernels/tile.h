@@ -103,13 +103,14 @@ __host__ __device__ constexpr TileShape TileShapeFor(Pass pass, int head_dim, La
   // H=192 and 256: dK and dV of the full width would take 192 and 256 registers, so two warps
   // share each 16 keys (col_splits 2: 96 and 128 registers), both computing their Sᵀ and dPᵀ
   // (a third more MMAs than one warp per 16 keys; exchanging P through shared memory would
-  // save them, for another tile of smem). H=192: 32 keys x 32 queries, 74.5 KB (64 keys
-  // would take 100.5 KB; a third stage would fit, at 98.75 KB, left for a measurement to
-  // decide). H=256: 16 queries per stage (32 spill: 16-52 bytes on sm_90, the S and dP tiles'
-  // 32 registers on top of dK and dV), so 64 keys fit: 64 + 2 (dSᵀ) + 2 x 16.1 KB = 98.25 KB.
+  // save them, for another tile of smem). Both take 16 queries per stage: 32 spill (at H=256
+  // 16-52 bytes on sm_90, the S and dP tiles' 32 registers on top of dK and dV; at H=192 an
+  // 8-byte stack frame on sm_90 once dropout's keep bits are live). H=256: 64 keys, 64 + 2
+  // (dSᵀ) + 2 x 16.1 KB = 98.25 KB. H=192: 32 keys (4 warps: 8 would split dQ's 192 columns
+  // into 24-column shares, not whole 16-column blocks), 24 + 1 + 2 x 12.1 KB = 49.3 KB.
   if (wide && head_dim <= 64) return TileShape{64, 128, 8, 2, 16};
   if (head_dim > 192) return TileShape{16, 64, 8, 2, 16, 2};
-  if (head_dim > 128) return TileShape{32, 32, 4, 2, 16, 2};
+  if (head_dim > 128) return TileShape{16, 32, 4, 2, 16, 2};
   return head_dim <= 64 ? TileShape{64, 64, 4, 2, 16} : TileShape{32, 64, 4, 2, 16};
 }
 
