@@ -329,7 +329,8 @@ class Scratch:
     def run_tests(self, selection: str, timeout: float) -> tuple[str, str]:
         """(outcome, detail): outcome is 'pass', 'fail', 'timeout' or 'error'."""
         env = {k: v for k, v in os.environ.items()
-               if not k.startswith("JAX_FLASH_") and k not in ("PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST")}
+               if not k.startswith(("JAX_FLASH_", "PYTEST_XDIST_"))  # run from a pytest-xdist worker too
+               and k not in ("PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST")}
         env["JAX_FLASH_REQUIRE"] = "cuda"  # the emulated kernels must load: no pass by skipping
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         # `-o addopts=`: one process (not pyproject's pytest-xdist workers), in order, so -x stops early.
@@ -341,7 +342,9 @@ class Scratch:
             return "timeout", f"no result within {timeout:.0f} s"
         out = r.stdout + r.stderr
         failed = re.findall(r"^FAILED (\S+)", out, re.M)
-        summary = out.strip().splitlines()[-1] if out.strip() else ""
+        # pytest's last summary line ("N passed, ..."), not a plugin's warning after it.
+        counts = re.findall(r"^=*\s*(\d+ (?:passed|failed|error|deselected|skipped).*)$", out, re.M)
+        summary = counts[-1] if counts else (out.strip().splitlines()[-1] if out.strip() else "")
         if r.returncode == 0:
             if not re.search(r"\d+ passed", summary):
                 return "error", f"the selection ran no test: {summary}"

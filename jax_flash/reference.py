@@ -132,7 +132,11 @@ def reference_canonical(
     # Masked pairs leave the computation here, before the bias and the soft cap: the cap's
     # derivative 1 - tanh² at a masked NaN logit is NaN, and NaN times the zero cotangent of
     # a masked pair is NaN (the double-where: a masked-out poison then affects nothing).
-    bias = None if masks.bias is None else jnp.where(vis, masks.bias, jnp.zeros((), masks.bias.dtype))
+    # (In the statistics' dtype first: the broadcast bias's cotangent is summed in it.)
+    bias = None
+    if masks.bias is not None:
+        bias_dt = jnp.result_type(stat_dt, masks.bias.dtype)
+        bias = jnp.where(vis, masks.bias.astype(bias_dt), jnp.zeros((), bias_dt))
     logits = jnp.where(vis, logits, jnp.zeros((), dt))
     logits = _masking.transform_logits(spec, logits.astype(stat_dt), bias)
     logits = logits.astype(dt).astype(stat_dt)

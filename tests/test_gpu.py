@@ -116,7 +116,7 @@ class GpuCase(cases.Case):
 
 
 def _case(shape_name: str, kind: str, dtype: str, h: int) -> GpuCase:
-    return GpuCase(shape_name, kind, dtype, EMULATED, _shapes(h)[shape_name])
+    return GpuCase(shape_name, kind, dtype, EMULATED, gpu_shape=_shapes(h)[shape_name])
 
 
 def _cases() -> list[GpuCase]:

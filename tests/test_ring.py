@@ -440,7 +440,7 @@ def test_flax_ring_attention_fn_rejects_dense_masks():
     import jax_flash.flax
 
     q = jnp.ones((1, 8, 2, 4))
-    with pytest.raises(ValueError, match="takes no dense mask or bias"):
+    with pytest.raises(ValueError, match="takes no dense mask, bias or sinks"):
         jax_flash.flax.attention_fn(q, q, q, mask=jnp.ones((1, 2, 8, 8)), axis_name="seq")
 
 
