@@ -75,9 +75,11 @@ def _attributes(spec: AttentionSpec) -> dict:
     )
 
 
-def _mask_operands(spec: AttentionSpec, masks: MaskInputs):
-    """Lengths, segment ids and query offsets are always passed: full lengths, zero ids and
-    zero offsets when absent."""
+def _mask_operands(spec: AttentionSpec, masks: MaskInputs, dtype):
+    """Lengths, segment ids, query offsets, the dense bias and mask are always passed: full
+    lengths, zero ids, zero offsets, and [0] float32 / [0] bool when absent. The bias keeps
+    its [B|1, N|1, T|1, S|1] broadcast shape (the kernels read it through strides) and a
+    16-bit or float32 dtype; a float64 bias becomes float32 unless the inputs are float64."""
     b, t, s = spec.batch, spec.q_len, spec.kv_len
     q_len = masks.q_lengths if masks.q_lengths is not None else jnp.full((b,), t, jnp.int32)
     kv_len = masks.kv_lengths if masks.kv_lengths is not None else jnp.full((b,), s, jnp.int32)
@@ -86,7 +88,20 @@ def _mask_operands(spec: AttentionSpec, masks: MaskInputs):
         masks.kv_segment_ids if masks.kv_segment_ids is not None else jnp.zeros((b, s), jnp.int32)
     )
     q_off = masks.q_offset if masks.q_offset is not None else jnp.zeros((b,), jnp.int32)
-    return q_len, kv_len, q_seg, kv_seg, q_off
+    return q_len, kv_len, q_seg, kv_seg, q_off, _bias_operand(masks, dtype), _dense_mask_operand(masks)
+
+
+def _bias_operand(masks: MaskInputs, dtype):
+    if masks.bias is None:
+        return jnp.zeros((0,), jnp.float32)
+    bias = masks.bias
+    if bias.dtype not in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.dtype(dtype)):
+        bias = bias.astype(jnp.float32)
+    return bias
+
+
+def _dense_mask_operand(masks: MaskInputs):
+    return masks.mask if masks.mask is not None else jnp.zeros((0,), jnp.bool_)
 
 
 def _dropout_seed(masks: MaskInputs):
@@ -107,7 +122,8 @@ def backward(
     impl: str, target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout, dlse,
     deterministic: bool = False, backward_grid: Optional[Callable[[AttentionSpec], str]] = None,
 ):
-    """Call `target` (a backward target): dq, dk, dv (workspaces dropped), dbias None.
+    """Call `target` (a backward target): dq, dk, dv (workspaces dropped), and dbias in the
+    bias' shape and dtype (None without a bias).
 
     `backward_grid` (the CUDA targets only): spec -> "kv_heads" or "q_heads", the main
     kernel's grid for the (local) call, which sizes the dk_accum / dv_accum workspace results;
@@ -131,7 +147,7 @@ def forward_call(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):
     sinks = masks.sinks if masks.sinks is not None else jnp.full((n,), -jnp.inf, jnp.float32)
     return tuple(
         jax.ffi.ffi_call(target, shapes)(
-            q, k, v, *_mask_operands(spec, masks), sinks.astype(jnp.float32), _dropout_seed(masks),
+            q, k, v, *_mask_operands(spec, masks, q.dtype), sinks.astype(jnp.float32), _dropout_seed(masks),
             **_attributes(spec),
         )
     )
@@ -141,7 +157,9 @@ def _backward_call(
     target: str, deterministic: bool, backward_grid, spec: AttentionSpec, q, k, v,
     masks: MaskInputs, out, lse, dout, dlse,
 ):
-    """The backward custom call on (local) canonical arrays: dq, dk, dv, None."""
+    """The backward custom call on (local) canonical arrays: dq, dk, dv, dbias (None
+    without a bias). dbias is the last result (after the CUDA targets' workspaces), float32
+    in the bias' shape, summed over its broadcast dims by the kernels."""
     b, t, n, h = q.shape
     shapes = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -155,22 +173,29 @@ def _backward_call(
         grid = backward_grid(spec)
         dkv = (b, k.shape[1], n, h) if grid == "q_heads" else (0,)
         shapes += (jax.ShapeDtypeStruct(dkv, jnp.float32),) * 2
-    dq, dk, dv, *_ = jax.ffi.ffi_call(target, shapes)(
-        q, k, v, out, dout, lse, dlse, *_mask_operands(spec, masks), _dropout_seed(masks),
+    dbias_shape = (0,) if masks.bias is None else masks.bias.shape
+    shapes += (jax.ShapeDtypeStruct(dbias_shape, jnp.float32),)
+    dq, dk, dv, *_, dbias = jax.ffi.ffi_call(target, shapes)(
+        q, k, v, out, dout, lse, dlse, *_mask_operands(spec, masks, q.dtype), _dropout_seed(masks),
         **_attributes(spec), deterministic=deterministic,
     )
-    return dq, dk, dv, None
+    return dq, dk, dv, (None if masks.bias is None else dbias.astype(masks.bias.dtype))
 
 
 def compiled_kernel_reason(spec: AttentionSpec, dtypes: tuple[str, ...]) -> Optional[str]:
     """Limits common to the compiled implementations."""
     if spec.dtype not in dtypes:
         return f"supports dtypes {', '.join(dtypes)}, got {spec.dtype}"
+    return None
+
+
+def dense_reason(spec: AttentionSpec) -> Optional[str]:
+    """Why kernels that take no dense bias or mask cannot serve `spec` (None: it has neither)."""
     if spec.bias_shape is not None:
-        return "does not take a dense bias (use implementation='xla' or 'pallas')"
+        return "does not take a dense bias (use implementation='cpu', 'xla' or 'pallas')"
     if spec.mask_shape is not None:
         return (
             "does not take a dense mask (express it with is_causal, local_window_size, "
-            "*_seq_lengths or segment_ids, or use implementation='xla' or 'pallas')"
+            "*_seq_lengths or segment_ids, or use implementation='cpu', 'xla' or 'pallas')"
         )
     return None

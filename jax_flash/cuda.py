@@ -311,7 +311,7 @@ class CudaImplementation:
         why = value_head_dim_reason(spec)
         if why:
             return why
-        return _ffi.compiled_kernel_reason(spec, DTYPES) or launch_limit(spec)
+        return _ffi.compiled_kernel_reason(spec, DTYPES) or _ffi.dense_reason(spec) or launch_limit(spec)
 
     def head_dims(self) -> str:
         return ", ".join(f"({h}, {hv})" for h, hv in head_dim_pairs())

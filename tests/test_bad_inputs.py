@@ -239,7 +239,8 @@ _HANDLER_SCRIPT = textwrap.dedent(
         Hv = H if Hv is None else Hv
         return [jnp.ones((B, T, N, H), dt), jnp.ones((B, S, K, H), dt), jnp.ones((B, S, K, Hv), dt),
                 jnp.full((B,), T, I32), jnp.full((B,), S, I32), jnp.zeros((B, T), I32),
-                jnp.zeros((B, S), I32), jnp.zeros((B,), I32)]
+                jnp.zeros((B, S), I32), jnp.zeros((B,), I32),
+                jnp.zeros((0,), F32), jnp.zeros((0,), jnp.bool_)]  # bias, mask: [0] = none
 
     ATTRS = dict(scale=np.float32(0.1), window_left=np.int64(-1), window_right=np.int64(-1),
                  softcap=np.float32(0), use_segment_ids=False, dropout_rate=np.float32(0))
@@ -258,14 +259,14 @@ _HANDLER_SCRIPT = textwrap.dedent(
         # or [0] f32 (kv_heads); the cpu target has none.
         return (SDS(shape, F32),) * 2 if "emu" in target else ()
 
-    def bwd(target, ops, outs=None, workspaces=None, **attrs):
+    def bwd(target, ops, outs=None, workspaces=None, dbias=SDS((0,), F32), **attrs):
         q, k, v = ops[0], ops[1], ops[2]
         b, t, n, h = q.shape
         if outs is None:
             outs = (SDS(q.shape, q.dtype), SDS(k.shape, k.dtype), SDS(v.shape, v.dtype),
                     SDS(q.shape, F32), SDS((b, n, t), F32))
-        if len(outs) == 5:
-            outs += dkv(target) if workspaces is None else workspaces
+        if len(outs) == 5:  # then the CUDA targets' workspaces, then dbias (every target's last)
+            outs += (dkv(target) if workspaces is None else workspaces) + (dbias,)
         return jax.ffi.ffi_call(target, outs)(*ops, SEED, **{**ATTRS, "deterministic": False, **attrs})
 
     def bwd_operands(dt, **kw):
@@ -302,7 +303,14 @@ _HANDLER_SCRIPT = textwrap.dedent(
             "kv_lengths_int64": ("kv_lengths", lambda: fwd(f, o[:4] + [jnp.zeros((B,), jnp.int64)] + o[5:])),
             "q_segments_shape": ("q_segment_ids", lambda: fwd(f, o[:5] + [jnp.zeros((B, 3), I32)] + o[6:])),
             "kv_segments_dtype": ("kv_segment_ids", lambda: fwd(f, o[:6] + [jnp.zeros((B, S), F32)] + o[7:])),
-            "q_offset_shape": ("q_offset", lambda: fwd(f, o[:7] + [jnp.zeros((B, 2), I32)])),
+            "q_offset_shape": ("q_offset", lambda: fwd(f, o[:7] + [jnp.zeros((B, 2), I32)] + o[8:])),
+            # The dense bias [B|1, N|1, T|1, S|1] and mask (bool), [0] when absent.
+            "bias_rank3": ("bias", lambda: fwd(f, o[:8] + [jnp.zeros((N, T, S), F32)] + o[9:])),
+            "bias_wrong_dim": ("bias", lambda: fwd(f, o[:8] + [jnp.zeros((1, N, T, S + 1), F32)] + o[9:])),
+            "bias_int32": ("bias", lambda: fwd(f, o[:8] + [jnp.zeros((1, N, T, S), I32)] + o[9:])),
+            "mask_float32": ("mask", lambda: fwd(f, o[:9] + [jnp.zeros((1, 1, T, S), F32)])),
+            "mask_wrong_dim": ("mask", lambda: fwd(f, o[:9] + [jnp.ones((2, 1, T, S), jnp.bool_)])),
+            "dbias_without_bias": ("dbias", lambda: bwd(b, bo, dbias=SDS((1, N, T, S), F32))),
             "sinks_shape": ("sinks", lambda: fwd(f, o, sinks=jnp.zeros((N + 1,), F32))),
             "sinks_float16": ("sinks", lambda: fwd(f, o, sinks=jnp.zeros((N,), jnp.float16))),
             "dropout_seed_shape": ("dropout_seed", lambda: fwd(f, o, seed=jnp.zeros((3,), jnp.uint32))),
@@ -336,8 +344,12 @@ _HANDLER_SCRIPT = textwrap.dedent(
             "dq_accum_dtype": ("dq_accum", lambda: bwd(b, bo, outs=(SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), other), lse_shape))),
             "delta_shape": ("delta", lambda: bwd(b, bo, outs=(SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), SDS((B, N, T + 1), F32)))),
             "four_results": ("results", lambda: bwd(b, bo, outs=(SDS((B, T, N, H), dt),) * 3 + (SDS((B, T, N, H), F32),))),
-            "missing_deterministic": ("attributes", lambda: jax.ffi.ffi_call(b, (SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), lse_shape) + dkv(b))(*bo, SEED, **ATTRS)),
+            "missing_deterministic": ("attributes", lambda: jax.ffi.ffi_call(b, (SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), lse_shape) + dkv(b) + (SDS((0,), F32),))(*bo, SEED, **ATTRS)),
+            "no_dbias": ("results", lambda: jax.ffi.ffi_call(b, (SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), lse_shape) + dkv(b))(*bo, SEED, **ATTRS, deterministic=False)),
             **({} if "emu" not in prefix else {
+                # The CUDA kernels take no dense bias or mask yet: a present one is refused.
+                "bias_present": ("take no dense bias", lambda: fwd(f, o[:8] + [jnp.zeros((1, N, T, S), F32)] + o[9:])),
+                "mask_present": ("take no dense mask", lambda: fwd(f, o[:9] + [jnp.ones((1, 1, T, S), jnp.bool_)])),
                 "ok_backward_q_heads": (None, lambda: bwd(b, bo, workspaces=dkv(b, (B, S, N, H)))),
                 "dk_accum_shape": ("dk_accum", lambda: bwd(b, bo, workspaces=dkv(b, (B, S, N, H + 1)))),
                 "dkv_accum_mixed": ("dk_accum and dv_accum must both be", lambda: bwd(

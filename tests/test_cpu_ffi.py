@@ -99,7 +99,8 @@ def make_inputs(cfg: Config, dtype: str, seed: int = 0):
         kv_seg = np.zeros((cfg.b, cfg.s), np.int32)
     q_off = np.array(cfg.offsets or (0,) * cfg.b, np.int32)
     return dict(q=q, k=k, v=v, dout=dout, dlse=dlse, q_len=q_len, kv_len=kv_len,
-                q_seg=q_seg, kv_seg=kv_seg, q_off=q_off, seed=np.zeros((2,), np.uint32))
+                q_seg=q_seg, kv_seg=kv_seg, q_off=q_off, seed=np.zeros((2,), np.uint32),
+                bias=np.zeros((0,), np.float32), mask=np.zeros((0,), np.bool_))
 
 
 def attributes(cfg: Config) -> dict:
@@ -119,8 +120,8 @@ def call_forward(x: dict, attrs: dict):
     shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32))
     sinks = x.get("sinks", np.full((n,), -np.inf, np.float32))  # -inf: no sink
     return jax.ffi.ffi_call("jax_flash_fwd", shapes)(
-        q, k, x["v"], x["q_len"], x["kv_len"], x["q_seg"], x["kv_seg"], x["q_off"], sinks, x["seed"],
-        **attrs
+        q, k, x["v"], x["q_len"], x["kv_len"], x["q_seg"], x["kv_seg"], x["q_off"], x["bias"], x["mask"],
+        sinks, x["seed"], **attrs
     )
 
 
@@ -133,10 +134,11 @@ def call_backward(x: dict, out, lse, attrs: dict):
         jax.ShapeDtypeStruct(k.shape, k.dtype),
         jax.ShapeDtypeStruct((b, t, n, h), jnp.float32),
         jax.ShapeDtypeStruct((b, n, t), jnp.float32),
+        jax.ShapeDtypeStruct(x.get("dbias_shape", x["bias"].shape), jnp.float32),  # dbias
     )
     return jax.ffi.ffi_call("jax_flash_bwd", shapes)(
         q, k, x["v"], out, x["dout"], lse, x["dlse"], x["q_len"], x["kv_len"], x["q_seg"],
-        x["kv_seg"], x["q_off"], x["seed"], **attrs, deterministic=True,
+        x["kv_seg"], x["q_off"], x["bias"], x["mask"], x["seed"], **attrs, deterministic=True,
     )
 
 
@@ -221,7 +223,7 @@ def assert_close(name, got, want, dtype):
 
 def check_against_reference(cfg: Config, dtype: str, results):
     x = make_inputs(cfg, dtype)
-    out, lse, dq, dk, dv, dq_accum, delta = results
+    out, lse, dq, dk, dv, dq_accum, delta, _dbias = results
     ref_out, ref_lse, ref_dq, ref_dk, ref_dv, ref_delta = reference(cfg, x, out_used=out)
     assert out.dtype == x["q"].dtype and dq.dtype == x["q"].dtype and dk.dtype == x["k"].dtype
     assert_close("out", out, ref_out, dtype)
@@ -265,7 +267,7 @@ def test_empty_sequences(t, s):
     """T = 0 or S = 0: nothing to compute; with S = 0 every row sees nothing."""
     cfg = Config(b=2, t=t, s=s, n=2, kh=1, h=16)
     x = make_inputs(cfg, "float32")
-    out, lse, dq, dk, dv, dq_accum, delta = run_both(x, attributes(cfg))
+    out, lse, dq, dk, dv, dq_accum, delta, dbias = run_both(x, attributes(cfg))
     assert out.shape == (2, t, 2, 16) and lse.shape == (2, 2, t) and dk.shape == (2, s, 1, 16)
     assert np.all(out == 0) and np.all(np.isneginf(lse)) and np.all(dq == 0)
 
@@ -354,7 +356,7 @@ def test_jit_lowers_to_custom_calls_without_t_by_s_tensor():
     def loss(q, k, v):
         y = dict(x, q=q, k=k, v=v)
         out, lse = call_forward(y, attrs)
-        dq, dk, dv, _, _ = call_backward(y, out, lse, attrs)
+        dq, dk, dv, *_ = call_backward(y, out, lse, attrs)
         return jnp.sum(out) + jnp.sum(dq) + jnp.sum(dk) + jnp.sum(dv)
 
     text = jax.jit(loss).lower(x["q"], x["k"], x["v"]).as_text()
@@ -424,7 +426,7 @@ def test_wrong_result_shape_is_an_error():
     with pytest.raises(Exception, match=r"lse has shape \[1, 8, 2\], expected \[1, 2, 8\]"):
         jax.block_until_ready(jax.ffi.ffi_call("jax_flash_fwd", shapes)(
             x["q"], x["k"], x["v"], x["q_len"], x["kv_len"], x["q_seg"], x["kv_seg"],
-            x["q_off"], np.full((2,), -np.inf, np.float32), x["seed"], **attributes(cfg)))
+            x["q_off"], x["bias"], x["mask"], np.full((2,), -np.inf, np.float32), x["seed"], **attributes(cfg)))
 
 
 def test_unknown_isa_is_an_error():

@@ -36,6 +36,8 @@ std::string TypeName(ffi::DataType t) {
     case ffi::DataType::F16: return "f16";
     case ffi::DataType::S32: return "s32";
     case ffi::DataType::F64: return "f64";
+    case ffi::DataType::U32: return "u32";
+    case ffi::DataType::PRED: return "pred";
     default: return "dtype #" + std::to_string(static_cast<int>(t));
   }
 }
@@ -153,6 +155,12 @@ void DescribeDropout(Checker& check, ffi::AnyBuffer seed, float rate, Problem* p
   p->dropout = dropout::MakeSetting(rate, key[0], key[1]);
 }
 
+// The dense bias and mask operands: [0] f32 / [0] pred when the call has none.
+void DescribeDense(Checker& check, ffi::AnyBuffer bias, ffi::AnyBuffer mask, Problem* p) {
+  check.Expect("bias", bias, {0}, ffi::DataType::F32);
+  check.Expect("mask", mask, {0}, ffi::DataType::PRED);
+}
+
 // JAX_FLASH_POISON_OUTPUTS=1 (set by the test suite) fills every result with NaN
 // before the tiles run, so an element the algorithm forgets to write shows up.
 bool PoisonOutputs() {
@@ -181,7 +189,8 @@ ffi::Error RunTiles(ffi::ThreadPool& pool, const char* target, int64_t items, in
 ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                    ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                   ffi::AnyBuffer q_offsets, ffi::AnyBuffer sinks, ffi::AnyBuffer dropout_seed,
+                   ffi::AnyBuffer q_offsets, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
+                   ffi::AnyBuffer sinks, ffi::AnyBuffer dropout_seed,
                    ffi::Result<ffi::AnyBuffer> out,
                    ffi::Result<ffi::AnyBuffer> lse, float scale, int64_t window_left,
                    int64_t window_right, float softcap, bool use_segment_ids, float dropout_rate) {
@@ -190,6 +199,7 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   DescribeProblem(check, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
                   q_offsets, scale, window_left, window_right, softcap, use_segment_ids, &p);
   DescribeDropout(check, dropout_seed, dropout_rate, &p);
+  DescribeDense(check, bias, mask, &p);
   if (!check.ok()) return check.error();
   // Always passed (-inf when the call has none).
   check.Expect("sinks", sinks, {p.q_heads}, ffi::DataType::F32);
@@ -264,10 +274,11 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
                     ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse,
                     ffi::AnyBuffer dlse, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                     ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                    ffi::AnyBuffer q_offsets, ffi::AnyBuffer dropout_seed, ffi::Result<ffi::AnyBuffer> dq,
+                    ffi::AnyBuffer q_offsets, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
+                    ffi::AnyBuffer dropout_seed, ffi::Result<ffi::AnyBuffer> dq,
                     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                     ffi::Result<ffi::AnyBuffer> dq_accum,
-                    ffi::Result<ffi::AnyBuffer> delta, float scale, int64_t window_left,
+                    ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dbias, float scale, int64_t window_left,
                     int64_t window_right, float softcap, bool use_segment_ids,
                     float dropout_rate, bool deterministic) {
   // `deterministic` is accepted for the shared contract; this implementation is
@@ -277,6 +288,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
   DescribeProblem(check, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
                   q_offsets, scale, window_left, window_right, softcap, use_segment_ids, &p);
   DescribeDropout(check, dropout_seed, dropout_rate, &p);
+  DescribeDense(check, bias, mask, &p);
   if (!check.ok()) return check.error();
   const ffi::DataType dtype = q.element_type();
   const std::initializer_list<int64_t> q_shape = {p.batch, p.q_len, p.q_heads, p.head_dim};
@@ -293,6 +305,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
   check.Expect("dv", *dv, v_shape, dtype);
   check.Expect("dq_accum", *dq_accum, q_shape, ffi::DataType::F32);
   check.Expect("delta", *delta, stat_shape, ffi::DataType::F32);
+  check.Expect("dbias", *dbias, {0}, ffi::DataType::F32);
   if (!check.ok()) return check.error();
   std::string isa_error;
   const KernelTable* kernels = SelectKernels(&isa_error);
@@ -327,6 +340,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuForward, Forward,
                                   .Arg<ffi::AnyBuffer>()  // q_segment_ids [B, T] s32
                                   .Arg<ffi::AnyBuffer>()  // kv_segment_ids [B, S] s32
                                   .Arg<ffi::AnyBuffer>()  // q_offset [B] s32
+                                  .Arg<ffi::AnyBuffer>()  // bias [B|1, N|1, T|1, S|1] or [0] f32
+                                  .Arg<ffi::AnyBuffer>()  // mask [B|1, N|1, T|1, S|1] pred or [0]
                                   .Arg<ffi::AnyBuffer>()  // sinks [N] f32 (-inf: none)
                                   .Arg<ffi::AnyBuffer>()  // dropout_seed [2] u32
                                   .Ret<ffi::AnyBuffer>()  // out [B, T, N, Hv]
@@ -353,12 +368,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuBackward, Backward,
                                   .Arg<ffi::AnyBuffer>()  // q_segment_ids [B, T] s32
                                   .Arg<ffi::AnyBuffer>()  // kv_segment_ids [B, S] s32
                                   .Arg<ffi::AnyBuffer>()  // q_offset [B] s32
+                                  .Arg<ffi::AnyBuffer>()  // bias [B|1, N|1, T|1, S|1] or [0] f32
+                                  .Arg<ffi::AnyBuffer>()  // mask [B|1, N|1, T|1, S|1] pred or [0]
                                   .Arg<ffi::AnyBuffer>()  // dropout_seed [2] u32
                                   .Ret<ffi::AnyBuffer>()  // dq [B, T, N, H]
                                   .Ret<ffi::AnyBuffer>()  // dk [B, S, K, H]
                                   .Ret<ffi::AnyBuffer>()  // dv [B, S, K, Hv]
                                   .Ret<ffi::AnyBuffer>()  // dq_accum [B, T, N, H] f32 workspace
                                   .Ret<ffi::AnyBuffer>()  // delta [B, N, T] f32 workspace
+                                  .Ret<ffi::AnyBuffer>()  // dbias: bias' shape f32, or [0] f32
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("window_left")
                                   .Attr<int64_t>("window_right")

@@ -35,6 +35,8 @@ auto WithMaskOperandsAndAttributes(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // q_segment_ids [B, T] s32
       .template Arg<ffi::AnyBuffer>()  // kv_segment_ids [B, S] s32
       .template Arg<ffi::AnyBuffer>()  // q_offset [B] s32
+      .template Arg<ffi::AnyBuffer>()  // bias [B|1, N|1, T|1, S|1] f16/bf16/f32, or [0] f32: none
+      .template Arg<ffi::AnyBuffer>()  // mask [B|1, N|1, T|1, S|1] pred (true: may attend), or [0] pred: none
       .template Attr<float>("scale")
       .template Attr<int64_t>("window_left")
       .template Attr<int64_t>("window_right")
@@ -75,7 +77,8 @@ auto BackwardSignature(Binding binding) {
       .template Ret<ffi::AnyBuffer>()   // dq_accum [B, T, N, H] f32 workspace
       .template Ret<ffi::AnyBuffer>()   // delta [B, N, T] f32 workspace
       .template Ret<ffi::AnyBuffer>()   // dk_accum [B, S, N, H] f32 workspace (q_heads grid), or [0] f32
-      .template Ret<ffi::AnyBuffer>();  // dv_accum: the same
+      .template Ret<ffi::AnyBuffer>()   // dv_accum: the same
+      .template Ret<ffi::AnyBuffer>();  // dbias: the bias operand's shape f32, or [0] f32: no bias
 }
 
 // ---- validation -----------------------------------------------------------------------------
@@ -89,6 +92,7 @@ inline const char* DtypeName(ffi::DataType t) {
     case ffi::DataType::S32: return "int32";
     case ffi::DataType::S64: return "int64";
     case ffi::DataType::U32: return "uint32";
+    case ffi::DataType::PRED: return "bool";
     default: return "another dtype";
   }
 }
@@ -202,6 +206,23 @@ inline ffi::Error CheckDropout(const char* target, const ffi::AnyBuffer& seed, f
   return ffi::Error::Success();
 }
 
+// The dense bias and mask operands (cuda/README.md): [0] f32 / [0] pred when the call has
+// none. These kernels take neither yet: a present one is an error naming it. The backward's
+// dbias result must then be [0] f32 (nothing is written to it).
+inline ffi::Error CheckDenseOperands(const char* target, const ffi::AnyBuffer& bias, const ffi::AnyBuffer& mask,
+                                     const ffi::AnyBuffer* dbias) {
+  if (auto e = Expect(target, "bias", bias, {0}, ffi::DataType::F32); e.failure())
+    return ffi::Error::InvalidArgument(std::string(target) + ": these kernels take no dense bias (bias must be [0] " +
+                                       "float32), got " + Describe(bias));
+  if (auto e = Expect(target, "mask", mask, {0}, ffi::DataType::PRED); e.failure())
+    return ffi::Error::InvalidArgument(std::string(target) + ": these kernels take no dense mask (mask must be [0] " +
+                                       "bool), got " + Describe(mask));
+  if (dbias != nullptr) {
+    if (auto e = Expect(target, "dbias", *dbias, {0}, ffi::DataType::F32); e.failure()) return e;
+  }
+  return ffi::Error::Success();
+}
+
 // JAX_FLASH_POISON_OUTPUTS=1: results are filled with NaN bytes before the kernels run, so an
 // element a kernel forgets to write shows up in the tests.
 inline bool PoisonOutputs() {
@@ -217,10 +238,10 @@ inline ffi::Error ToError(const char* target, const LaunchError& err) {
 
 inline ffi::Error Forward(const char* target, Stream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                           ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
-                          ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_offsets, float scale, int64_t window_left,
-                          int64_t window_right, float softcap, bool use_segment_ids, float dropout_rate,
-                          ffi::AnyBuffer sinks, ffi::AnyBuffer dropout_seed, ffi::Result<ffi::AnyBuffer> out,
-                          ffi::Result<ffi::AnyBuffer> lse) {
+                          ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_offsets, ffi::AnyBuffer bias,
+                          ffi::AnyBuffer mask, float scale, int64_t window_left, int64_t window_right, float softcap,
+                          bool use_segment_ids, float dropout_rate, ffi::AnyBuffer sinks, ffi::AnyBuffer dropout_seed,
+                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse) {
   AttentionParams p;
   ElementType dtype;
   if (auto e = CheckOperands(target, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, q_offsets,
@@ -228,6 +249,7 @@ inline ffi::Error Forward(const char* target, Stream stream, ffi::AnyBuffer q, f
       e.failure())
     return e;
   if (auto e = CheckDropout(target, dropout_seed, dropout_rate, &p); e.failure()) return e;
+  if (auto e = CheckDenseOperands(target, bias, mask, nullptr); e.failure()) return e;
   const int64_t B = p.batch, T = p.q_len, N = p.q_heads, H = p.head_dim;
   if (auto e = Expect(target, "out", *out, {B, T, N, H}, q.element_type()); e.failure()) return e;
   if (auto e = Expect(target, "lse", *lse, {B, N, T}, ffi::DataType::F32); e.failure()) return e;
@@ -248,13 +270,14 @@ inline ffi::Error Forward(const char* target, Stream stream, ffi::AnyBuffer q, f
 inline ffi::Error Backward(const char* target, Stream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer dlse,
                            ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
-                           ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_offsets, float scale, int64_t window_left,
-                           int64_t window_right, float softcap, bool use_segment_ids, float dropout_rate,
-                           ffi::AnyBuffer dropout_seed, bool deterministic,
+                           ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_offsets, ffi::AnyBuffer bias,
+                           ffi::AnyBuffer mask, float scale, int64_t window_left, int64_t window_right, float softcap,
+                           bool use_segment_ids, float dropout_rate, ffi::AnyBuffer dropout_seed, bool deterministic,
                            ffi::Result<ffi::AnyBuffer> dq,
                            ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                            ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> delta,
-                           ffi::Result<ffi::AnyBuffer> dk_accum, ffi::Result<ffi::AnyBuffer> dv_accum) {
+                           ffi::Result<ffi::AnyBuffer> dk_accum, ffi::Result<ffi::AnyBuffer> dv_accum,
+                           ffi::Result<ffi::AnyBuffer> dbias) {
   AttentionParams p;
   ElementType dtype;
   if (auto e = CheckOperands(target, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, q_offsets,
@@ -262,6 +285,7 @@ inline ffi::Error Backward(const char* target, Stream stream, ffi::AnyBuffer q, 
       e.failure())
     return e;
   if (auto e = CheckDropout(target, dropout_seed, dropout_rate, &p); e.failure()) return e;
+  if (auto e = CheckDenseOperands(target, bias, mask, &*dbias); e.failure()) return e;
   const int64_t B = p.batch, T = p.q_len, S = p.kv_len, N = p.q_heads, K = p.kv_heads, H = p.head_dim;
   const ffi::DataType t = q.element_type();
   if (auto e = Expect(target, "out", out, {B, T, N, H}, t); e.failure()) return e;
