@@ -25,7 +25,7 @@ class CpuImplementation:
             return f"supports head dims up to {MAX_HEAD_DIM}, got {spec.head_dim}"
         if spec.v_head_dim > MAX_HEAD_DIM:
             return f"supports value head dims up to {MAX_HEAD_DIM}, got {spec.v_head_dim}"
-        return _ffi.compiled_kernel_reason(spec, DTYPES) or _ffi.dense_reason(spec)
+        return _ffi.compiled_kernel_reason(spec, DTYPES)
 
     def head_dims(self) -> str:
         return f"any pair with H, Hv <= {MAX_HEAD_DIM}"

@@ -193,7 +193,6 @@ IMPL_ROWS = {
         (dict(dtype=jnp.float64), r"supports dtypes float32, bfloat16, float16, got float64"),
         (dict(h=520), r"supports head dims up to 512, got 520"),
         (dict(hv=520), r"supports value head dims up to 512, got 520"),
-        (dict(bias=True), r"does not take a dense bias"),
     ],
     "pallas": [
         (dict(dtype=jnp.float64), r"supports dtypes .*got float64"),
@@ -346,6 +345,13 @@ _HANDLER_SCRIPT = textwrap.dedent(
             "four_results": ("results", lambda: bwd(b, bo, outs=(SDS((B, T, N, H), dt),) * 3 + (SDS((B, T, N, H), F32),))),
             "missing_deterministic": ("attributes", lambda: jax.ffi.ffi_call(b, (SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), lse_shape) + dkv(b) + (SDS((0,), F32),))(*bo, SEED, **ATTRS)),
             "no_dbias": ("results", lambda: jax.ffi.ffi_call(b, (SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), lse_shape) + dkv(b))(*bo, SEED, **ATTRS, deterministic=False)),
+            **({} if "emu" in prefix else {
+                # The cpu kernels read a bias [B|1, N|1, T|1, S|1] and a mask in place.
+                "ok_bias_mask": (None, lambda: fwd(f, o[:8] + [jnp.zeros((1, N, 1, S), jnp.bfloat16), jnp.ones((B, 1, T, 1), jnp.bool_)] + o[10:])),
+                "ok_bias_backward": (None, lambda: bwd(b, bo[:12] + [jnp.zeros((B, 1, T, S), F32)] + bo[13:], dbias=SDS((B, 1, T, S), F32))),
+                "dbias_shape": ("dbias", lambda: bwd(b, bo[:12] + [jnp.zeros((B, 1, T, S), F32)] + bo[13:], dbias=SDS((B, N, T, S), F32))),
+                "bias_float64": ("bias", lambda: fwd(f, o[:8] + [jnp.zeros((1, N, T, S), jnp.float64)] + o[9:])),
+            }),
             **({} if "emu" not in prefix else {
                 # The CUDA kernels take no dense bias or mask yet: a present one is refused.
                 "bias_present": ("take no dense bias", lambda: fwd(f, o[:8] + [jnp.zeros((1, N, T, S), F32)] + o[9:])),

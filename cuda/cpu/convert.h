@@ -80,6 +80,27 @@ inline void LoadRow(const void* src, ElementType type, int64_t offset, int64_t n
   }
 }
 
+// Widens keys [s0, s0 + n) of row t of a dense bias to float, zeros in [n, n_padded).
+inline void LoadBiasRow(const DenseRows& bias, int64_t t, int64_t s0, int64_t n, int64_t n_padded, float* dst) {
+  const int64_t first = bias.at(t, s0);
+  if (bias.stride_s == 1) {
+    LoadRow(bias.data, bias.dtype, first, n, dst);
+  } else {  // one value for the whole row (stride 0)
+    float value;
+    LoadRow(bias.data, bias.dtype, first, 1, &value);
+    for (int64_t j = 0; j < n; ++j) dst[j] = value;
+  }
+  for (int64_t j = n; j < n_padded; ++j) dst[j] = 0.0f;
+}
+
+// Keys [s0, s0 + n) of row t of a dense mask as lane masks (-1: may attend, 0: masked),
+// 0 in [n, n_padded).
+inline void LoadMaskRow(const DenseRows& mask, int64_t t, int64_t s0, int64_t n, int64_t n_padded, int32_t* dst) {
+  const uint8_t* row = static_cast<const uint8_t*>(mask.data) + mask.at(t, s0);
+  for (int64_t j = 0; j < n; ++j) dst[j] = row[j * mask.stride_s] != 0 ? -1 : 0;
+  for (int64_t j = n; j < n_padded; ++j) dst[j] = 0;
+}
+
 // Narrows n floats, each multiplied by `factor`, into `dst` at element `offset`.
 inline void StoreRow(const float* src, float factor, ElementType type, int64_t offset, int64_t n,
                      void* dst) {

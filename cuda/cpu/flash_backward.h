@@ -33,6 +33,10 @@ struct BackwardTiles {
   float* lse;        // [kBlockQ] (+inf for rows that saw nothing)
   float* delta;      // [kBlockQ]
   int32_t* segments; // [kBlockK]
+  float* bias_row;    // [kBlockK] one row of the dense bias (with one)
+  int32_t* mask_row;  // [kBlockK] one row of the dense mask (with one)
+  int32_t* visible;   // [kBlockQ][kBlockK] the mask's lane masks (with a bias)
+  float* bias_sum;    // [kBlockK] dS summed over a tile's rows (a bias broadcast over T)
   int64_t floats;
 
   BackwardTiles(const Problem& p, float* base) {
@@ -49,7 +53,16 @@ struct BackwardTiles {
     lse = w.Take(kBlockQ);
     delta = w.Take(kBlockQ);
     segments = reinterpret_cast<int32_t*>(w.Take(kBlockK));
+    bias_row = w.Take(p.bias.present() ? kBlockK : 0);
+    mask_row = reinterpret_cast<int32_t*>(w.Take(p.mask.present() ? kBlockK : 0));
+    visible = reinterpret_cast<int32_t*>(w.Take(p.bias.present() ? kBlockQ * kBlockK : 0));
+    bias_sum = w.Take(p.bias.present() ? kBlockK : 0);
     floats = w.used();
+  }
+
+  // The dense mask's part of masking head n of batch row b (MaskScores).
+  DenseMasking dense(const Problem& p, int64_t b, int64_t n) const {
+    return {p.mask.rows(b, n), mask_row, p.bias.present() ? visible : nullptr};
   }
 };
 
@@ -101,14 +114,42 @@ void RecomputeTileGradient(const Problem& p, BackwardTiles& w, const MaskGeometr
                                   TileVisibility visibility, int64_t b, int64_t n) {
   Products::Scores(p, s.rows_padded, s.cols_padded, in.q, in.k_t, w.s);
   PoisonInfiniteScores(s);
+  if (p.bias.present()) AddBias(s, p.bias.rows(b, n), w.bias_row);
   const bool capped = p.softcap > 0.0f;
   if (capped) ApplySoftCap(s, p.softcap, w.softcap_derivative);
-  if (visibility == TileVisibility::kPartial) MaskScores(s, mask, w.segments);
-  RecomputeProbabilities(s, w.lse);
+  const DenseMasking dense = w.dense(p, b, n);
+  if (visibility == TileVisibility::kPartial) MaskScores(s, mask, w.segments, dense);
+  RecomputeProbabilities(s, w.lse, dense.visible);
   Products::ProbabilityGradient(p, s.rows_padded, s.cols_padded, in.dout, in.v_t, w.ds);
   if (p.dropout.on) DropTile(p, s, w.ds, b, n);  // dZ -> dP = keep ∘ dZ / (1 − rate)
   ComputeScoreGradient(s, w.ds, w.delta, capped ? w.softcap_derivative : nullptr);
   if (p.dropout.on) DropTile(p, s, s.data, b, n);  // P -> Z = keep ∘ P / (1 − rate), for dV = Zᵀ dO
+}
+
+// dbias += dS of a tile (`ds`, [rows_padded][ld]) through the bias' broadcast strides:
+// `target` is the float32 dbias (or a chunk's partial of it) seen as the rows of one (b, n).
+// Along a broadcast dim the tile's elements are summed first, in a fixed order (rows in
+// order, a row's keys in order), then added once.
+inline void AccumulateBiasGradient(const ScoreTile& s, const float* ds, const DenseRows& target, float* column_sum) {
+  float* dbias = static_cast<float*>(const_cast<void*>(target.data));
+  if (target.stride_t == 0) {  // one dbias row for the whole tile: sum its rows first
+    for (int64_t j = 0; j < s.cols; ++j) column_sum[j] = ds[j];
+    for (int64_t i = 1; i < s.rows; ++i)
+      for (int64_t j = 0; j < s.cols; ++j) column_sum[j] += ds[i * s.ld + j];
+    ds = column_sum;
+  }
+  const int64_t rows = target.stride_t == 0 ? 1 : s.rows;
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* row = ds + i * s.ld;
+    float* out = dbias + target.at(s.t0 + i, s.s0);
+    if (target.stride_s == 0) {
+      float sum = row[0];
+      for (int64_t j = 1; j < s.cols; ++j) sum += row[j];
+      out[0] += sum;
+    } else {
+      for (int64_t j = 0; j < s.cols; ++j) out[j] += row[j];
+    }
+  }
 }
 
 }  // namespace JAX_FLASH_CPU_ISA

@@ -3,7 +3,9 @@
 //   S = Q·Kᵀ, dP = dO·Vᵀ (RecomputeTileGradient: P = exp(S − lse), dS = P ∘ (dP − D)),
 //   dV += Pᵀ·dO, dK += dSᵀ·Q (in the work item's accumulators), dQ += dS·K.
 // One work item per (b, kv head, chunk c) visits key blocks c, c + C, c + 2C, ... (C =
-// GradientChunks, interleaved so that a causal mask gives every chunk the same work);
+// GradientChunks, interleaved so that a causal mask gives every chunk the same work; with a
+// dense bias broadcast over B or N, one item runs every batch row or kv head of its chunk,
+// so that items own disjoint parts of dbias);
 // per key block it holds dK, dV and sums them over every visible query block of every
 // head of the GQA group, in a fixed order. dQ goes to the chunk's own float32 partial
 // (zeroed when Q is packed); ReduceQueryGradient then adds the C partials of each query
@@ -68,14 +70,20 @@ void StoreKeyValueGradients(const Problem& p, const BackwardTiles& w, int64_t b,
   }
 }
 
+// Where the dS of head n of batch row b goes in dbias: its rows of the float32 dbias, or of
+// the chunk's partial of it (BiasGradientPartials).
+inline DenseRows BiasGradientRows(const Problem& p, int64_t chunk, int64_t b, int64_t n) {
+  DenseRows rows = p.bias.rows(b, n);
+  rows.dtype = ElementType::kF32;
+  rows.data = p.dbias_partial != nullptr ? p.dbias_partial + chunk * p.bias.elements() : p.dbias;
+  return rows;
+}
+
+// The key blocks of one chunk of (batch row b, kv head g).
 template <class Products>
-void GradientTileWith(const Problem& p, int64_t item, float* workspace) {
+void GradientKeyBlocks(const Problem& p, BackwardTiles& w, const MaskGeometry& mask, int64_t b, int64_t g,
+                       int64_t chunk) {
   const int64_t chunks = GradientChunks(p);
-  const int64_t chunk = item % chunks;
-  const int64_t b = item / chunks / p.kv_heads;
-  const int64_t g = item / chunks % p.kv_heads;
-  const MaskGeometry mask(p, b);
-  BackwardTiles w(p, workspace);
   TileOperands in;
   for (int64_t block = chunk; block < KeyBlocks(p); block += chunks) {
     const int64_t s0 = block * kBlockK;
@@ -105,6 +113,7 @@ void GradientTileWith(const Problem& p, int64_t item, float* workspace) {
         LoadRowStatistics(p, w, b, n, t0, rows, rows_padded);
         const ScoreTile s{w.s, kBlockK, t0, rows, rows_padded, s0, cols, cols_padded};
         RecomputeTileGradient<Products>(p, w, mask, in, s, visibility, b, n);
+        if (p.dbias != nullptr) AccumulateBiasGradient(s, w.ds, BiasGradientRows(p, chunk, b, n), w.bias_sum);
         Products::AccumulateKeyValueGradients(p, rows, cols_padded, w.s, w.ds, in.q,
                                               in.dout, w.scratch, w.dk, w.dv);
         Products::AccumulateQueryGradient(p, rows_padded, cols, w.ds, in.k, w.scratch,
@@ -112,6 +121,24 @@ void GradientTileWith(const Problem& p, int64_t item, float* workspace) {
       }
     }
     StoreKeyValueGradients<Products>(p, w, b, g, s0, cols);
+  }
+}
+
+// One item: a chunk of the key blocks of (b, g), or of every batch row / kv head in order
+// where the bias broadcasts over them (tiling.h GradientBatchItems).
+template <class Products>
+void GradientTileWith(const Problem& p, int64_t item, float* workspace) {
+  const int64_t chunks = GradientChunks(p);
+  const int64_t chunk = item % chunks;
+  const int64_t owner = item / chunks;
+  const bool every_row = GradientBatchItems(p) == 1, every_head = GradientKvHeadItems(p) == 1;
+  const int64_t b_begin = every_row ? 0 : owner / GradientKvHeadItems(p);
+  const int64_t g_begin = every_head ? 0 : owner % GradientKvHeadItems(p);
+  BackwardTiles w(p, workspace);
+  for (int64_t b = b_begin; b < (every_row ? p.batch : b_begin + 1); ++b) {
+    const MaskGeometry mask(p, b);
+    for (int64_t g = g_begin; g < (every_head ? p.kv_heads : g_begin + 1); ++g)
+      GradientKeyBlocks<Products>(p, w, mask, b, g, chunk);
   }
 }
 

@@ -29,6 +29,9 @@ struct ForwardTiles {
   float* l;        // [kBlockQ] running sum
   float* correction;  // [kBlockQ] exp(m_old − m_new)
   int32_t* segments;  // [kBlockK]
+  float* bias_row;    // [kBlockK] one row of the dense bias (with one)
+  int32_t* mask_row;  // [kBlockK] one row of the dense mask (with one)
+  int32_t* visible;   // [kBlockQ][kBlockK] the mask's lane masks (with a bias)
   float* scratch;       // [kProductScratchFloats] the products' own (bf16 P)
 
   ForwardTiles(const Problem& p, float* base) {
@@ -42,10 +45,18 @@ struct ForwardTiles {
     l = w.Take(kBlockQ);
     correction = w.Take(kBlockQ);
     segments = reinterpret_cast<int32_t*>(w.Take(kBlockK));
+    bias_row = w.Take(p.bias.present() ? kBlockK : 0);
+    mask_row = reinterpret_cast<int32_t*>(w.Take(p.mask.present() ? kBlockK : 0));
+    visible = reinterpret_cast<int32_t*>(w.Take(p.bias.present() ? kBlockQ * kBlockK : 0));
     scratch = w.Take(kProductScratchFloats);
     floats = w.used();
   }
   int64_t floats;  // the size of the workspace
+
+  // The dense mask's part of masking head n of batch row b (MaskScores).
+  DenseMasking dense(const Problem& p, int64_t b, int64_t n) const {
+    return {p.mask.rows(b, n), mask_row, p.bias.present() ? visible : nullptr};
+  }
 };
 
 // Writes the rows of a query block that see no key: out = 0, lse = -inf, or with a sink
@@ -110,6 +121,7 @@ void ForwardTileWith(const Problem& p, int64_t item, float* workspace) {
   // Only key blocks that meet the union of the rows' visible intervals are visited.
   const KeyInterval first = mask.keys_of_row(t0);
   const KeyInterval last = mask.keys_of_row(t0 + live_rows - 1);
+  const DenseMasking dense = w.dense(p, b, n);
   const int64_t s_begin = first.lo / kBlockK * kBlockK;
   for (int64_t s0 = s_begin; s0 < last.hi; s0 += kBlockK) {
     const int64_t cols = std::min(kBlockK, last.hi - s0);
@@ -125,11 +137,12 @@ void ForwardTileWith(const Problem& p, int64_t item, float* workspace) {
     // S = scale · Q Kᵀ
     Products::Scores(p, rows_padded, cols_padded, w.q, k_t, w.s);
     PoisonInfiniteScores(s);
+    if (p.bias.present()) AddBias(s, p.bias.rows(b, n), w.bias_row);
     if (p.softcap > 0.0f) ApplySoftCap(s, p.softcap, nullptr);
-    if (visibility == TileVisibility::kPartial) MaskScores(s, mask, w.segments);
+    if (visibility == TileVisibility::kPartial) MaskScores(s, mask, w.segments, dense);
     const int32_t* bad_values = NonFiniteValues(p, b, g, s0);
     const TileDropout drop{&p.dropout, b, n};
-    UpdateOnlineSoftmax(s, w.m, w.l, w.correction, bad_values, p.dropout.on ? &drop : nullptr);
+    UpdateOnlineSoftmax(s, w.m, w.l, w.correction, bad_values, p.dropout.on ? &drop : nullptr, dense.visible);
     // O = diag(exp(m_old − m_new)) O + P V
     Products::AccumulateValues(p, rows_padded, cols, w.s, w.scratch, v, w.o, w.correction);
   }

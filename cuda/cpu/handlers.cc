@@ -155,10 +155,50 @@ void DescribeDropout(Checker& check, ffi::AnyBuffer seed, float rate, Problem* p
   p->dropout = dropout::MakeSetting(rate, key[0], key[1]);
 }
 
-// The dense bias and mask operands: [0] f32 / [0] pred when the call has none.
+// One dense operand: [0] (of `none_type`) when the call has none, else [B|1, N|1, T|1, S|1],
+// each dim 1 (broadcast, read with stride 0) or the full size. Returns whether it is present.
+bool DescribeDenseOperand(Checker& check, const char* name, ffi::AnyBuffer x, ffi::DataType none_type,
+                          const Problem& p, int64_t (&shape)[4]) {
+  const auto dims = x.dimensions();
+  if (dims.size() == 1 && dims[0] == 0) {
+    check.Expect(name, x, {0}, none_type);
+    return false;
+  }
+  const int64_t full[4] = {p.batch, p.q_heads, p.q_len, p.kv_len};
+  bool ok = dims.size() == 4;
+  for (size_t d = 0; ok && d < 4; ++d) {
+    shape[d] = dims[d];
+    ok = dims[d] == 1 || dims[d] == full[d];
+  }
+  if (!ok) {
+    check.Fail(std::string(name) + " has shape " + ShapeString(dims) +
+               ", expected [0] (none) or [B|1, N|1, T|1, S|1] with [B, N, T, S] = " +
+               ShapeString(ffi::AnyBuffer::Dimensions(full, 4)));
+  }
+  return ok;
+}
+
+// The dense bias (f32, bf16 or f16) and mask (pred): [0] f32 / [0] pred when the call has
+// none (cuda/README.md). Read in place through their broadcast strides.
 void DescribeDense(Checker& check, ffi::AnyBuffer bias, ffi::AnyBuffer mask, Problem* p) {
-  check.Expect("bias", bias, {0}, ffi::DataType::F32);
-  check.Expect("mask", mask, {0}, ffi::DataType::PRED);
+  if (!check.ok()) return;
+  int64_t shape[4];
+  if (DescribeDenseOperand(check, "bias", bias, ffi::DataType::F32, *p, shape)) {
+    ElementType dtype = ElementType::kF32;
+    switch (bias.element_type()) {
+      case ffi::DataType::F32: dtype = ElementType::kF32; break;
+      case ffi::DataType::BF16: dtype = ElementType::kBF16; break;
+      case ffi::DataType::F16: dtype = ElementType::kF16; break;
+      default:
+        return check.Fail("bias has dtype " + TypeName(bias.element_type()) + ", expected f32, bf16 or f16");
+    }
+    p->bias = DenseOperand(bias.untyped_data(), dtype, shape);
+  }
+  if (DescribeDenseOperand(check, "mask", mask, ffi::DataType::PRED, *p, shape)) {
+    if (mask.element_type() != ffi::DataType::PRED)
+      return check.Fail("mask has dtype " + TypeName(mask.element_type()) + ", expected pred");
+    p->mask = DenseOperand(mask.untyped_data(), ElementType::kF32, shape);
+  }
 }
 
 // JAX_FLASH_POISON_OUTPUTS=1 (set by the test suite) fills every result with NaN
@@ -236,6 +276,16 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                   kernels->forward_tile);
 }
 
+// dbias = Σ_c partial_c, in chunk order (the same bits whatever ran which chunk).
+void SumBiasGradientPartials(const Problem& p) {
+  const int64_t elements = p.bias.elements();
+  for (int64_t e = 0; e < elements; ++e) {
+    float sum = p.dbias_partial[e];
+    for (int64_t c = 1; c < GradientChunks(p); ++c) sum += p.dbias_partial[c * elements + e];
+    p.dbias[e] = sum;
+  }
+}
+
 // The single-pass backward (flash_backward_pass.h): pack Q, dO (with D), Kᵀ, Vᵀ and K
 // once, in the products' format, zeroing the dQ partials; one pass of key-block items;
 // then dQ = scale · Σ partials per query block.
@@ -262,11 +312,19 @@ ffi::Error RunBackward(ffi::ThreadPool& pool, const KernelTable& kernels, Proble
       e.failure()) {
     return e;
   }
+  // A bias broadcast over the keys: each chunk adds into its own partial of dbias.
+  Workspace dbias_partial(BiasGradientPartials(p) ? GradientChunks(p) * p.bias.elements() : 0);
+  if (dbias_partial.get() == nullptr) return OutOfMemory("jax_flash_bwd");
+  if (BiasGradientPartials(p)) {
+    p.dbias_partial = dbias_partial.get();
+    std::memset(p.dbias_partial, 0, GradientChunks(p) * p.bias.elements() * sizeof(float));
+  }
   if (ffi::Error e = RunTiles(pool, "jax_flash_bwd", GradientItems(p),
                               kernels.backward_workspace(p), p, kernels.gradient_tile);
       e.failure()) {
     return e;
   }
+  if (p.dbias_partial != nullptr) SumBiasGradientPartials(p);
   return RunTiles(pool, "jax_flash_bwd", QueryItems(p), row_buffer, p, kernels.reduce_query_gradient);
 }
 
@@ -305,7 +363,12 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
   check.Expect("dv", *dv, v_shape, dtype);
   check.Expect("dq_accum", *dq_accum, q_shape, ffi::DataType::F32);
   check.Expect("delta", *delta, stat_shape, ffi::DataType::F32);
-  check.Expect("dbias", *dbias, {0}, ffi::DataType::F32);
+  if (p.bias.present()) {
+    const int64_t* d = p.bias.dims;
+    check.Expect("dbias", *dbias, {d[0], d[1], d[2], d[3]}, ffi::DataType::F32);
+  } else {
+    check.Expect("dbias", *dbias, {0}, ffi::DataType::F32);
+  }
   if (!check.ok()) return check.error();
   std::string isa_error;
   const KernelTable* kernels = SelectKernels(&isa_error);
@@ -323,6 +386,10 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
   p.dv = dv->untyped_data();
   p.dq_accum = static_cast<float*>(dq_accum->untyped_data());
   p.delta = static_cast<float*>(delta->untyped_data());
+  if (p.bias.present()) {
+    p.dbias = static_cast<float*>(dbias->untyped_data());
+    std::memset(p.dbias, 0, dbias->size_bytes());  // tiles add dS; what no tile sees is 0
+  }
 
   return RunBackward(pool, *kernels, p);
 }

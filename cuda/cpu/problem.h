@@ -17,6 +17,43 @@ namespace cpu {
 
 enum class ElementType { kF32, kBF16, kF16 };
 
+// The rows of a dense operand (the bias, the mask) that one (batch row, head) reads: element
+// (t, s) at data + offset + t·stride_t + s·stride_s (in elements), a stride 0 on a broadcast dim.
+struct DenseRows {
+  const void* data = nullptr;
+  ElementType dtype = ElementType::kF32;  // the bias' (the mask is one byte per element)
+  int64_t offset = 0;
+  int64_t stride_t = 0;
+  int64_t stride_s = 0;
+  int64_t at(int64_t t, int64_t s) const { return offset + t * stride_t + s * stride_s; }
+};
+
+// A dense [B|1, N|1, T|1, S|1] operand read through broadcast strides: element (b, n, t, s)
+// at b·stride[0] + n·stride[1] + t·stride[2] + s·stride[3], the stride of a dim of size 1
+// being 0, so that a broadcast operand is never expanded in memory.
+struct DenseOperand {
+  const void* data = nullptr;  // null: the call has none
+  ElementType dtype = ElementType::kF32;
+  int64_t dims[4] = {0, 0, 0, 0};     // Bb, Nb, Tb, Sb
+  int64_t stride[4] = {0, 0, 0, 0};
+
+  DenseOperand() = default;
+  DenseOperand(const void* data, ElementType dtype, const int64_t (&shape)[4]) : data(data), dtype(dtype) {
+    int64_t step = 1;
+    for (int d = 3; d >= 0; --d) {
+      dims[d] = shape[d];
+      stride[d] = shape[d] == 1 ? 0 : step;
+      step *= shape[d];
+    }
+  }
+  bool present() const { return data != nullptr; }
+  bool broadcasts(int d) const { return dims[d] == 1; }
+  int64_t elements() const { return dims[0] * dims[1] * dims[2] * dims[3]; }
+  DenseRows rows(int64_t b, int64_t n) const {
+    return {data, dtype, b * stride[0] + n * stride[1], stride[2], stride[3]};
+  }
+};
+
 // Everything a tile needs to know about the call. Pointers are untyped for the
 // element type `dtype` of q, k, v, out, dout, dq, dk, dv; statistics are float.
 struct Problem {
@@ -46,6 +83,10 @@ struct Problem {
   const int32_t* q_segment_ids = nullptr;   // [B, T]
   const int32_t* kv_segment_ids = nullptr;  // [B, S]
   const int32_t* q_offsets = nullptr;       // [B]
+  // The dense bias (added to the scaled logits of visible pairs, before the soft cap) and the
+  // dense mask (bytes, nonzero: the pair may attend), each absent or [B|1, N|1, T|1, S|1].
+  DenseOperand bias;
+  DenseOperand mask;
   // [N] (forward): one logit per query head that joins every row's softmax with value 0
   // (attention sinks); -inf (or null) is no sink.
   const float* sinks = nullptr;
@@ -66,6 +107,11 @@ struct Problem {
   void* dv = nullptr;
   float* dq_accum = nullptr;
   float* delta = nullptr;  // rowsum(dout * out) - dlse, [B, N, T]
+  // dbias (float32, the bias' shape): dS summed over the bias' broadcast dims; null without
+  // a bias. dbias_partial: [GradientChunks][bias elements] when the bias broadcasts over
+  // the keys (the chunks of one row share its elements), null otherwise (tiling.h).
+  float* dbias = nullptr;
+  float* dbias_partial = nullptr;
 
   // Operands packed once per call into float32 tiles (see tiling.h for the layouts),
   // so that no tile re-reads, re-widens or re-transposes what another tile already did.
@@ -152,11 +198,15 @@ struct MaskGeometry {
   Band band;
   const int32_t* q_segments = nullptr;   // [T] or null when segment ids are off
   const int32_t* kv_segments = nullptr;  // [S] or null when segment ids are off
+  // A dense mask or bias: no tile is kFull, every visited tile is masked element by element
+  // (the dense mask's elements; with a bias, to tell a −inf logit from a masked pair).
+  bool dense = false;
 
   MaskGeometry(const Problem& p, int64_t b)
       : q_valid(std::clamp<int64_t>(p.q_lengths[b], 0, p.q_len)),
         kv_valid(std::clamp<int64_t>(p.kv_lengths[b], 0, p.kv_len)),
-        band(p, b) {
+        band(p, b),
+        dense(p.bias.present() || p.mask.present()) {
     if (p.use_segment_ids) {
       q_segments = p.q_segment_ids + b * p.q_len;
       kv_segments = p.kv_segment_ids + b * p.kv_len;
@@ -215,7 +265,7 @@ inline TileVisibility ClassifyTile(const MaskGeometry& g, int64_t t0, int64_t ro
   // lo and hi are non-decreasing in t: the union of the rows' intervals is
   // [first.lo, last.hi) and their intersection [last.lo, first.hi).
   if (last.hi <= s0 || first.lo >= s0 + cols) return TileVisibility::kSkip;
-  bool full = !padded && last.lo <= s0 && first.hi >= s0 + cols;
+  bool full = !padded && !g.dense && last.lo <= s0 && first.hi >= s0 + cols;
   if (g.q_segments != nullptr) {
     const SegmentRange qs = RangeOfSegments(g.q_segments + t0, rows);
     const SegmentRange ks = RangeOfSegments(g.kv_segments + s0, cols);

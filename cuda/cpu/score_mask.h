@@ -1,8 +1,10 @@
-// Turning raw scores into the logits the softmax sees: the soft cap, then the mask.
+// Turning raw scores into the logits the softmax sees: the dense bias, the soft cap, then
+// the mask (the structured masks and the dense mask).
 // One implementation serves the forward and both backward passes (FlashAttention's
 // mask.h idea), so they cannot disagree about which elements are visible.
 #pragma once
 
+#include "cpu/convert.h"
 #include "cpu/problem.h"
 #include "cpu/vec.h"
 
@@ -38,6 +40,17 @@ JAX_FLASH_INLINE void PoisonInfiniteScores(const ScoreTile& s) {
   }
 }
 
+// logits += bias over rows [0, s.rows) (the rows of one (b, n), read through their broadcast
+// strides and widened to float32 in `buffer`, [cols_padded]); after the scale and before the
+// soft cap. Padding columns get 0 (the mask then writes −inf there); padding rows are left.
+JAX_FLASH_INLINE void AddBias(const ScoreTile& s, const DenseRows& bias, float* buffer) {
+  for (int64_t i = 0; i < s.rows; ++i) {
+    if (i == 0 || bias.stride_t != 0) LoadBiasRow(bias, s.t0 + i, s.s0, s.cols, s.cols_padded, buffer);
+    float* row = s.data + i * s.ld;
+    for (int64_t j = 0; j < s.cols_padded; j += kLanes) Store(row + j, Load(row + j) + Load(buffer + j));
+  }
+}
+
 // logits -> softcap · tanh(logits / softcap) (Gemma 2's logit soft-capping). When
 // `derivative` is given it receives d capped / d logits = 1 − tanh², which the
 // backward needs and which is finite even where the mask later writes -inf.
@@ -53,17 +66,35 @@ JAX_FLASH_INLINE void ApplySoftCap(const ScoreTile& s, float softcap, float* der
   }
 }
 
+// The element-wise part of a tile's mask besides the geometry: the dense mask's rows of one
+// (b, n) (data null: none) with a [kBlockK] buffer for one row of it, and `visible` (null:
+// not wanted), which receives every element's lane mask (−1 visible, 0 masked; padding rows
+// 0), [rows_padded][ld]. With a bias a visible logit may be −inf, so the softmax asks
+// `visible` instead of testing for −inf.
+struct DenseMasking {
+  DenseRows mask;
+  int32_t* mask_row = nullptr;
+  int32_t* visible = nullptr;
+};
+
 // Writes -inf over every score the row may not see: keys outside the row's
-// interval, padding columns, and keys of another segment. Padding rows are left as
-// they are (their results are never used).
-JAX_FLASH_INLINE void MaskScores(const ScoreTile& s, const MaskGeometry& g, int32_t* segment_buffer) {
+// interval, padding columns, keys of another segment, and pairs the dense mask forbids.
+// Padding rows are left as they are (their results are never used).
+JAX_FLASH_INLINE void MaskScores(const ScoreTile& s, const MaskGeometry& g, int32_t* segment_buffer,
+                                 const DenseMasking& dense = {}) {
   const VecF minus_inf = Splat(-__builtin_inff());
   const bool segments = g.q_segments != nullptr;
+  const bool masked = dense.mask.data != nullptr;
   if (segments) {
     for (int64_t j = 0; j < s.cols_padded; ++j)
       segment_buffer[j] = j < s.cols ? g.kv_segments[s.s0 + j] : 0;
   }
+  if (dense.visible != nullptr) {
+    for (int64_t i = s.rows * s.ld; i < s.rows_padded * s.ld; ++i) dense.visible[i] = 0;
+  }
   for (int64_t i = 0; i < s.rows; ++i) {
+    if (masked && (i == 0 || dense.mask.stride_t != 0))
+      LoadMaskRow(dense.mask, s.t0 + i, s.s0, s.cols, s.cols_padded, dense.mask_row);
     const KeyInterval keys = g.keys_of_row(s.t0 + i);
     // The visible columns of this row, relative to s0 and clipped to the tile.
     const int64_t lo = keys.lo - s.s0 < 0 ? 0 : keys.lo - s.s0;
@@ -77,7 +108,9 @@ JAX_FLASH_INLINE void MaskScores(const ScoreTile& s, const MaskGeometry& g, int3
       const VecI column = LaneIndex() + static_cast<int32_t>(j);
       VecI visible = (column >= lo_v) & (column < hi_v);
       if (segments) visible &= LoadI(segment_buffer + j) == segment;
+      if (masked) visible &= LoadI(dense.mask_row + j);
       Store(row + j, visible != 0 ? Load(row + j) : minus_inf);
+      if (dense.visible != nullptr) *reinterpret_cast<VecIU*>(dense.visible + i * s.ld + j) = visible;
     }
   }
 }

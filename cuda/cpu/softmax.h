@@ -58,13 +58,19 @@ struct TileDropout {
 // summed), which makes its whole output row NaN while its lse stays finite.
 // dropout (null: off): after l has summed every P, the dropped P become 0 before P·V (the
 // 1 / (1 − rate) is applied with 1 / l at the end).
+// visible (null: −inf marks the masked pairs): MaskScores' lane masks, given with a bias,
+// under which a visible logit may be −inf and still sees its value row.
 JAX_FLASH_INLINE void UpdateOnlineSoftmax(const ScoreTile& s, float* m, float* l, float* correction,
-                                          const int32_t* bad_values, const TileDropout* dropout = nullptr) {
+                                          const int32_t* bad_values, const TileDropout* dropout = nullptr,
+                                          const int32_t* visible = nullptr) {
   for (int64_t i = 0; i < s.rows_padded; ++i) {
     float* row = s.data + i * s.ld;
     bool sees_bad_value = false;
     if (bad_values != nullptr) {
-      for (int64_t j = 0; j < s.cols; ++j) sees_bad_value |= bad_values[j] != 0 && row[j] != -__builtin_inff();
+      for (int64_t j = 0; j < s.cols; ++j) {
+        const bool seen = visible != nullptr ? visible[i * s.ld + j] != 0 : row[j] != -__builtin_inff();
+        sees_bad_value |= bad_values[j] != 0 && seen;
+      }
     }
     VecF row_max = Load(row);
     for (int64_t j = kLanes; j < s.cols_padded; j += kLanes) row_max = MaxKeepNaN(row_max, Load(row + j));
@@ -95,8 +101,11 @@ JAX_FLASH_INLINE void UpdateOnlineSoftmax(const ScoreTile& s, float* m, float* l
 constexpr int32_t kDeadBits = static_cast<int32_t>(0x80000000u);
 
 // Backward: P = exp(S − lse) in place. `lse` holds +inf for rows that saw no key, NaN for
-// poisoned rows (their visible P are NaN); masked scores (−inf) and empty rows get −0.0.
-JAX_FLASH_INLINE void RecomputeProbabilities(const ScoreTile& s, const float* lse) {
+// poisoned rows (their visible P are NaN); masked pairs and empty rows get −0.0. Masked
+// pairs are the −inf scores, or with `visible` (MaskScores' lane masks, given with a bias)
+// its zeros: a visible −inf logit then gets P = +0 (NaN for a NaN lse), whose dS is
+// 0 · (dP − D), as the reference's.
+JAX_FLASH_INLINE void RecomputeProbabilities(const ScoreTile& s, const float* lse, const int32_t* visible = nullptr) {
   const VecF minus_inf = Splat(-__builtin_inff());
   const VecF dead = reinterpret_cast<VecF>(SplatI(kDeadBits));
   for (int64_t i = 0; i < s.rows_padded; ++i) {
@@ -105,7 +114,8 @@ JAX_FLASH_INLINE void RecomputeProbabilities(const ScoreTile& s, const float* ls
     const bool empty = lse[i] == __builtin_inff();
     for (int64_t j = 0; j < s.cols_padded; j += kLanes) {
       const VecF x = Load(row + j);
-      Store(row + j, empty ? dead : x == minus_inf ? dead : Exp(x - lse_v));
+      const VecI masked = visible != nullptr ? LoadI(visible + i * s.ld + j) == 0 : x == minus_inf;
+      Store(row + j, empty ? dead : masked ? dead : Exp(x - lse_v));
     }
   }
 }

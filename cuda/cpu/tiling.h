@@ -52,13 +52,32 @@ inline KeyBlockItem KeyBlockOf(const Problem& p, int64_t item) {
 // count, which keeps the dQ sum's order fixed): enough items for the threads to share
 // (kGradientItems) when B·K alone is too few, at most kMaxGradientChunks float32 dQ
 // partials, and no chunk without a key block.
+//
+// With a dense bias the items own disjoint parts of dbias: along B or N, where the bias
+// broadcasts, every batch row or head adds into the same elements, so one item then runs
+// all of them, in order (GradientBatchItems / GradientKvHeadItems = 1): deterministic, and
+// no copy of a bias that may be [1, N, T, S]. Along S, where a bias broadcasts over the keys,
+// the chunks share its elements and add into their own partials (BiasGradientPartials),
+// summed in chunk order after the pass, like dQ.
 constexpr int64_t kGradientItems = 16;
 constexpr int64_t kMaxGradientChunks = 4;
+inline int64_t GradientBatchItems(const Problem& p) {
+  return p.bias.present() && p.bias.broadcasts(0) ? 1 : p.batch;
+}
+inline int64_t GradientKvHeadItems(const Problem& p) {
+  return p.bias.present() && p.bias.broadcasts(1) ? 1 : p.kv_heads;
+}
 inline int64_t GradientChunks(const Problem& p) {
-  const int64_t wanted = CeilDiv(kGradientItems, std::max<int64_t>(1, p.batch * p.kv_heads));
+  const int64_t owners = GradientBatchItems(p) * GradientKvHeadItems(p);
+  const int64_t wanted = CeilDiv(kGradientItems, std::max<int64_t>(1, owners));
   return std::max<int64_t>(1, std::min({wanted, kMaxGradientChunks, CeilDiv(p.kv_len, kBlockK)}));
 }
-inline int64_t GradientItems(const Problem& p) { return p.batch * p.kv_heads * GradientChunks(p); }
+inline int64_t GradientItems(const Problem& p) {
+  return GradientBatchItems(p) * GradientKvHeadItems(p) * GradientChunks(p);
+}
+inline bool BiasGradientPartials(const Problem& p) {
+  return p.bias.present() && p.bias.broadcasts(3) && GradientChunks(p) > 1;
+}
 
 // Packed operand layouts. Rows are padded to a whole number of the widest vector
 // (16 floats) whatever the ISA, so one layout serves every kernel table. Q, K rows hold H
