@@ -30,6 +30,29 @@ class CpuImplementation:
     def head_dims(self) -> str:
         return f"any pair with H, Hv <= {MAX_HEAD_DIM}"
 
+    def note(self, spec: AttentionSpec) -> Optional[str]:
+        """What `explain` adds for a dense bias or mask: read in place through its broadcast
+        strides, and how the backward reduces dbias (cuda/cpu/README.md)."""
+        parts = []
+        for name, shape in (("bias", spec.bias_shape), ("mask", spec.mask_shape)):
+            if shape is not None:
+                parts.append(f"dense {name} {list(shape)} read in place through its broadcast strides")
+        if spec.bias_shape is None:
+            return "; ".join(parts) or None
+        dims = [d for d, n, full in zip("BNTS", spec.bias_shape,
+                                        (spec.batch, spec.num_heads, spec.q_len, spec.kv_len))
+                if n == 1 and full > 1]
+        if dims:
+            text = f"dbias summed over {', '.join(dims)} inside the backward"
+            shared = [d for d in dims if d in "BN"]
+            if shared:
+                every = " and every ".join({"B": "batch row", "N": "head"}[d] for d in shared)
+                text += f" (a backward work item then runs every {every} of its key chunk, in order)"
+            parts.append(text)
+        else:
+            parts.append("dbias written tile by tile")
+        return "; ".join(parts)
+
     def forward(self, spec, q, k, v, masks):
         return _ffi.forward(self.name, "jax_flash_fwd", spec, q, k, v, masks)
 

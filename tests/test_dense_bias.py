@@ -152,6 +152,7 @@ def test_default_picks_cpu_for_a_biased_call():
     if e.reasons["cpu"] is not None:
         pytest.skip(f"cpu unavailable: {e.reasons['cpu']}")
     assert e.selected == "cpu"
+    assert "read in place" in e.notes["cpu"] and "dbias summed over B" in e.notes["cpu"]
 
 
 POISON_SHAPE = Shape(1, 130, 129, 2, 1, 32)  # two query and two key tiles, one column / row past
@@ -215,3 +216,34 @@ def test_check_grads_with_broadcast_bias(impl):
     kw = dict(mask=mask, logits_soft_cap=3.0, implementation=impl)
     f = lambda q, k, v, b: jax_flash.attention(q, k, v, b, **kw)
     check_grads(f, (q, k, v, bias), order=1, modes=["rev"], atol=2e-2, rtol=2e-2, eps=2e-3)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=str)
+def test_cpu_isas_and_threads(case, monkeypatch):
+    """The cpu kernels on every ISA this CPU has (vector widths 4, 8, 16: the visibility lane
+    masks and the bias rows of each) give results within the tolerance of the default ISA's,
+    and one thread gives the same bits as all of them: dbias' sums run in a fixed order
+    whoever ran which item."""
+    from jax_flash import _jax_flash_ext as ext
+
+    q, k, v, bias, kw, cot, dlse = _inputs(case)
+    if jax_flash.explain(q, k, v, bias, implementation="cpu", **kw).reasons["cpu"] is not None:
+        pytest.skip("cpu unavailable")
+    f = jax.jit(lambda q, k, v, bias: run(jax_flash.attention, q, k, v, bias, kw, cot, dlse, implementation="cpu"))
+    base = [np.asarray(x) for x in f(q, k, v, bias)]
+    monkeypatch.setenv("JAX_FLASH_CPU_THREADS", "1")
+    for name, a, b in zip(NAMES, base, f(q, k, v, bias)):
+        np.testing.assert_array_equal(a, np.asarray(b), err_msg=f"{name}: one thread")
+    monkeypatch.delenv("JAX_FLASH_CPU_THREADS")
+    for isa in ("generic", "avx2"):
+        monkeypatch.setenv("JAX_FLASH_CPU_ISA", isa)
+        try:
+            ext.cpu_isa()
+        except ValueError:
+            continue  # this CPU lacks it
+        for name, a, b in zip(NAMES, base, f(q, k, v, bias)):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b), err_msg=f"{name} on {isa}")
+            finite = np.isfinite(a)
+            scale = np.max(np.abs(a[finite]), initial=1.0)
+            assert np.max(np.abs(a[finite] - b[finite]), initial=0.0) <= 2e-2 * scale, f"{name} on {isa}"
