@@ -25,6 +25,14 @@ still leaves the cases it finished. The last line counts the cells by status.
     python -m jax_flash.bench --impls xla,jax.nn --seq-lens 1024,4096,16384 --json out.json
     python -m jax_flash.bench --seq-lens 8k --head-dims 128,64 --time-budget 120 --json b.json
     python -m jax_flash.bench --impls cpu,jax.nn,torch --dtype bfloat16 --seq-lens 4k,16k
+    python -m jax_flash.bench --impls cpu,jax.nn --bias t5,alibi    # dense biases (BIASES)
+
+`--bias` adds cases with a dense additive bias in the input dtype, differentiated in the
+forward+backward pass like q, k, v (a learned bias): `t5` [1, N, T, S] (T5's relative
+position bias, shared by the batch), `alibi` [1, N, 1, S] (a per-head bias of the key
+position, ALiBi's slope · s, which equals -slope · (t - s) up to a per-row constant the
+softmax ignores) and `keys` [B, 1, 1, S] (an additive key-padding bias). torch is not
+measured with a bias.
 """
 
 from __future__ import annotations
@@ -55,6 +63,8 @@ PEER_JAX_PALLAS = "jax-pallas"
 PEER_TORCH = "torch"
 PEERS = (PEER_JAX_NN, PEER_JAX_NN_CUDNN, PEER_JAX_PALLAS, PEER_TORCH)
 FLASH = ("cuda", "pallas", "cpu", "xla")
+# --bias: the dense bias of a case, one letter per dim of [B, N, T, S] (1: broadcast).
+BIASES = {"none": None, "t5": "1NTS", "alibi": "1N1S", "keys": "B11S"}
 
 
 @dataclasses.dataclass
@@ -77,6 +87,8 @@ class Result:
     vs_torch: Optional[float] = None  # torch time / this time (>1: faster than torch)
     peak_fraction: Optional[float] = None  # flops_per_s / the CPU's peak for the dtype
     reps: int = 0
+    bias: str = "none"  # BIASES
+
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -87,18 +99,21 @@ class Result:
 # ----------------------------------------------------------------------------- callables
 
 
-def _attention_fn(impl: str, causal: bool, head_dim: int) -> Callable:
-    """(q, k, v) -> out [B, T, N, H] for one implementation, or raises why it cannot run."""
+def _attention_fn(impl: str, causal: bool, head_dim: int, bias: str = "none") -> Callable:
+    """(q, k, v[, bias]) -> out [B, T, N, H] for one implementation, or raises why it cannot
+    run."""
     if impl in FLASH:
-        return lambda q, k, v: jax_flash.attention(q, k, v, is_causal=causal, implementation=impl)
+        return lambda q, k, v, *b: jax_flash.attention(q, k, v, *b, is_causal=causal, implementation=impl)
     if impl == PEER_JAX_NN:
-        return lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, is_causal=causal, implementation="xla"
+        return lambda q, k, v, *b: jax.nn.dot_product_attention(
+            q, k, v, *b, is_causal=causal, implementation="xla"
         )
     if impl == PEER_JAX_NN_CUDNN:
-        return lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, is_causal=causal, implementation="cudnn"
+        return lambda q, k, v, *b: jax.nn.dot_product_attention(
+            q, k, v, *b, is_causal=causal, implementation="cudnn"
         )
+    if bias != "none":
+        raise ValueError(f"{impl} is not measured with a dense bias")
     if impl == PEER_JAX_PALLAS:
         from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
@@ -152,14 +167,25 @@ def _torch_fn(pass_: str, causal: bool, args: list) -> Callable:
 
 
 def _pass_fn(attn: Callable, pass_: str) -> Callable:
+    """The forward, or forward+backward in every argument but the last (dO): q, k, v and the
+    bias if there is one."""
     if pass_ == "fwd":
         return attn
 
-    def fwdbwd(q, k, v, do):
-        out, vjp = jax.vjp(attn, q, k, v)
-        return out, vjp(do)
+    def fwdbwd(*args):
+        out, vjp = jax.vjp(attn, *args[:-1])
+        return out, vjp(args[-1])
 
     return fwdbwd
+
+
+def bias_shape(kind: str, batch: int, heads: int, seq_len: int) -> Optional[tuple]:
+    """The [B|1, N|1, T|1, S|1] shape of a --bias kind (None: no bias)."""
+    dims = BIASES[kind]
+    if dims is None:
+        return None
+    full = dict(B=batch, N=heads, T=seq_len, S=seq_len)
+    return tuple(1 if c == "1" else full[c] for c in dims)
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -192,7 +218,7 @@ def _device_memory_bytes() -> Optional[int]:
         return None
 
 
-def _cell(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype) -> Result:
+def _cell(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, bias="none") -> Result:
     """The not yet measured Result of one cell (its model FLOPs filled in)."""
     spec = AttentionSpec(
         batch=batch,
@@ -206,18 +232,25 @@ def _cell(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype) -> Result
         window_right=0 if causal else None,
     )
     return Result(
-        impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, spec.flops(pass_ == "fwdbwd")
+        impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, spec.flops(pass_ == "fwdbwd"),
+        bias=bias,
     )
 
 
-def _prepare(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, max_temp_bytes):
+def _prepare(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, max_temp_bytes, bias="none"):
     """Compile one cell: (Result, compiled or None, args). A failure is the result's status."""
-    r = _cell(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype)
+    r = _cell(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, bias)
     shape = (batch, seq_len, heads, head_dim)
-    keys = jax.random.split(jax.random.key(0), 4)
+    keys = jax.random.split(jax.random.key(0), 5)
     args = [jax.random.normal(kk, shape, jnp.float32).astype(dtype) for kk in keys[:3]]
+    b_shape = bias_shape(bias, batch, heads, seq_len)
+    if b_shape is not None:
+        args.append(jax.random.normal(keys[4], b_shape, jnp.float32).astype(dtype))
     if pass_ == "fwdbwd":
         args.append(jax.random.normal(keys[3], shape, jnp.float32).astype(dtype))
+    if impl == PEER_TORCH and b_shape is not None:
+        r.status = "skipped: not measured with a dense bias"
+        return r, None, None
     if impl == PEER_TORCH:
         try:
             return r, _torch_fn(pass_, causal, args), []
@@ -225,7 +258,7 @@ def _prepare(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, max_te
             r.status = f"failed: {_short(e)}"
             return r, None, None
     try:
-        fn = _pass_fn(_attention_fn(impl, causal, head_dim), pass_)
+        fn = _pass_fn(_attention_fn(impl, causal, head_dim, bias), pass_)
         t0 = time.perf_counter()
         compiled = jax.jit(fn).lower(*args).compile()
         r.compile_s = time.perf_counter() - t0
@@ -268,6 +301,7 @@ def measure_case(
     reps: int,
     max_temp_bytes: Optional[int],
     max_seconds: float,
+    bias: str = "none",
 ) -> list[Result]:
     """One case (pass, causal, H, T) for every implementation. Never raises.
 
@@ -278,7 +312,7 @@ def measure_case(
     cells = []  # [result, compiled or None, args, times]
     for impl in impls:
         r, compiled, args = _prepare(
-            impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, max_temp_bytes
+            impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, max_temp_bytes, bias
         )
         cells.append([r, compiled, args, []])
     for cell in cells:  # warm-up
@@ -370,7 +404,7 @@ def _fmt_seq(n: int) -> str:
 def format_table(results: list[Result], on_gpu: bool) -> str:
     unit, div = ("TFLOP/s", 1e12) if on_gpu else ("GFLOP/s", 1e9)
     header = (
-        f"{'impl':13s} {'pass':6s} {'causal':6s} {'H':>4s} {'T=S':>6s} {'time ms':>10s} "
+        f"{'impl':13s} {'pass':6s} {'causal':6s} {'bias':5s} {'H':>4s} {'T=S':>6s} {'time ms':>10s} "
         f"{unit:>9s} {'x jax.nn':>9s} {'x torch':>8s} {'% peak':>7s} {'temp MiB':>10s} "
         f"{'compile s':>9s}  status"
     )
@@ -384,7 +418,7 @@ def format_table(results: list[Result], on_gpu: bool) -> str:
         temp = "" if r.temp_bytes is None else f"{r.temp_bytes / 2**20:.1f}"
         comp = "" if r.compile_s is None else f"{r.compile_s:.1f}"
         lines.append(
-            f"{r.impl:13s} {r.pass_:6s} {'yes' if r.causal else 'no':6s} {r.head_dim:4d} "
+            f"{r.impl:13s} {r.pass_:6s} {'yes' if r.causal else 'no':6s} {r.bias:5s} {r.head_dim:4d} "
             f"{_fmt_seq(r.seq_len):>6s} {time_ms:>10s} {tput:>9s} {ratio:>9s} {vs_torch:>8s} "
             f"{peak:>7s} {temp:>10s} {comp:>9s}  "
             f"{r.status}"
@@ -397,9 +431,9 @@ def _attach_ratios(results: list[Result], peaks: Optional[dict] = None) -> None:
         base = {}
         for r in results:
             if r.impl == peer and r.time_s is not None:
-                base[(r.pass_, r.causal, r.head_dim, r.seq_len)] = r.time_s
+                base[(r.pass_, r.causal, r.bias, r.head_dim, r.seq_len)] = r.time_s
         for r in results:
-            t = base.get((r.pass_, r.causal, r.head_dim, r.seq_len))
+            t = base.get((r.pass_, r.causal, r.bias, r.head_dim, r.seq_len))
             if t is not None and r.time_s is not None:
                 setattr(r, attr, t / r.time_s)
     for r in results:
@@ -606,6 +640,12 @@ def parse_args(argv=None):
         choices=["float32", "bfloat16", "float16"],
     )
     p.add_argument("--causal", default="both", choices=["both", "yes", "no"])
+    p.add_argument(
+        "--bias",
+        default="none",
+        help=f"comma list among {', '.join(BIASES)}: cases with a dense bias, t5 [1, N, T, S], "
+        "alibi [1, N, 1, S], keys [B, 1, 1, S] (differentiated in fwdbwd; default: none)",
+    )
     p.add_argument("--passes", default="both", choices=["fwd", "fwdbwd", "both"])
     p.add_argument("--reps", type=int, default=5 if on_gpu else 3, help="timed repetitions")
     p.add_argument(
@@ -645,6 +685,10 @@ def parse_args(argv=None):
     args.seq_lens = _int_list(args.seq_lens)
     args.head_dims = _int_list(args.head_dims)
     args.impls = [s.strip() for s in args.impls.split(",") if s.strip()] if args.impls else None
+    args.bias = [s.strip() for s in args.bias.split(",") if s.strip()]
+    for kind in args.bias:
+        if kind not in BIASES:
+            p.error(f"--bias: {kind!r} is not one of {', '.join(BIASES)}")
     return args
 
 
@@ -940,7 +984,7 @@ def main(argv=None) -> list[Result]:
     passes = {"both": ("fwd", "fwdbwd"), "fwd": ("fwd",), "fwdbwd": ("fwdbwd",)}[args.passes]
     print(
         f"B={args.batch} N={args.heads} dtype={args.dtype} H={args.head_dims} "
-        f"T=S={args.seq_lens} reps={args.reps}"
+        f"T=S={args.seq_lens} bias={','.join(args.bias)} reps={args.reps}"
         + ("" if max_temp is None else f" max temp {max_temp / 2**30:.1f} GiB")
     )
     print(flush=True)
@@ -948,25 +992,24 @@ def main(argv=None) -> list[Result]:
     # jax.nn first: the others are compared with it.
     ordered = sorted(impls, key=lambda n: n != PEER_JAX_NN)
     results = []
-    for head_dim in args.head_dims:
-        for seq_len in args.seq_lens:
-            for causal in causals:
-                for pass_ in passes:
-                    config = (pass_, causal, head_dim, seq_len, args.batch, args.heads, args.dtype)
-                    if args.time_budget is not None and time.monotonic() - start >= args.time_budget:
-                        case = [_cell(impl, *config) for impl in ordered]
-                        for r in case:
-                            r.status = CUT
-                    else:
-                        case = measure_case(
-                            ordered, *config, args.reps, max_temp, args.max_seconds
-                        )
-                    results.extend(case)
-                    _attach_ratios(results, peaks)
-                    for line in format_table(case, on_gpu).splitlines()[2:]:
-                        print(line, flush=True)
-                    if args.json:
-                        _write_json(args.json, env, args, skipped, results, done=False)
+    cases = [(h, t, c, p, b) for h in args.head_dims for t in args.seq_lens for c in causals
+             for b in args.bias for p in passes]
+    for head_dim, seq_len, causal, pass_, bias in cases:
+        config = (pass_, causal, head_dim, seq_len, args.batch, args.heads, args.dtype)
+        if args.time_budget is not None and time.monotonic() - start >= args.time_budget:
+            case = [_cell(impl, *config, bias) for impl in ordered]
+            for r in case:
+                r.status = CUT
+        else:
+            case = measure_case(
+                ordered, *config, args.reps, max_temp, args.max_seconds, bias
+            )
+        results.extend(case)
+        _attach_ratios(results, peaks)
+        for line in format_table(case, on_gpu).splitlines()[2:]:
+            print(line, flush=True)
+        if args.json:
+            _write_json(args.json, env, args, skipped, results, done=False)
     _attach_ratios(results, peaks)
     print()
     print(format_table(results, on_gpu))

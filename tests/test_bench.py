@@ -179,3 +179,22 @@ def test_bench_decode_skips_caches_over_the_memory_cap(capsys):
     results = bench.main(["--decode", "--batch", "1", "--seq-lens", "4k", "--heads", "2",
                           "--kv-heads", "1", "--head-dim", "16", "--max-cache-gib", "0.0001"])
     assert results and all(r["status"].startswith("skipped: K+V") for r in results)
+
+
+def test_bench_dense_bias_cases(capsys):
+    """--bias: the cases run with a dense bias (differentiated in fwdbwd) against jax.nn with
+    the same bias; torch is skipped with the reason."""
+    results = bench.main(
+        ["--impls", "cpu,jax.nn", "--seq-lens", "130", "--head-dims", "16", "--heads", "2",
+         "--passes", "fwdbwd", "--causal", "yes", "--reps", "1", "--bias", "t5,keys"]
+    )
+    assert {(r.impl, r.bias) for r in results} == {(i, b) for i in ("cpu", "jax.nn") for b in ("t5", "keys")}
+    for r in results:
+        assert r.status == "ok", (r.impl, r.bias, r.status)
+        assert r.vs_jax_nn is not None
+    assert "t5" in capsys.readouterr().out
+    assert bench.bias_shape("t5", 2, 8, 64) == (1, 8, 64, 64)
+    assert bench.bias_shape("alibi", 2, 8, 64) == (1, 8, 1, 64)
+    assert bench.bias_shape("keys", 2, 8, 64) == (2, 1, 1, 64)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--bias", "rope"])
