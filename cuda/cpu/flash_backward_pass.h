@@ -79,53 +79,52 @@ inline DenseRows BiasGradientRows(const Problem& p, int64_t chunk, int64_t b, in
   return rows;
 }
 
-// The key blocks of one chunk of (batch row b, kv head g).
+// Key block `block` (of chunk `chunk`) of (batch row b, kv head g): its dK, dV, its part of
+// the chunk's dQ partials and of dbias.
 template <class Products>
-void GradientKeyBlocks(const Problem& p, BackwardTiles& w, const MaskGeometry& mask, int64_t b, int64_t g,
-                       int64_t chunk) {
-  const int64_t chunks = GradientChunks(p);
+void GradientKeyBlock(const Problem& p, BackwardTiles& w, const MaskGeometry& mask, int64_t b, int64_t g,
+                      int64_t chunk, int64_t block) {
   TileOperands in;
-  for (int64_t block = chunk; block < KeyBlocks(p); block += chunks) {
-    const int64_t s0 = block * kBlockK;
-    const int64_t keys = std::min(kBlockK, p.kv_len - s0);
-    const int64_t cols = std::clamp<int64_t>(mask.kv_valid - s0, 0, keys);  // visible at all
-    for (int64_t j = cols; j < keys; ++j) {  // keys past the length get no gradient
-      StoreZeros(p.dtype, p.kv_row(b, s0 + j, g), p.head_dim, p.dk);
-      StoreZeros(p.dtype, p.v_row(b, s0 + j, g), p.value_dim(), p.dv);
-    }
-    if (cols == 0) continue;
-    const int64_t cols_padded = RoundUp(cols, kLanes);
-    for (int64_t i = 0; i < KeyGradientFloats(p); ++i) w.dk[i] = w.dv[i] = 0.0f;
-    in.k_t = PackedKey(p, p.packed.k_t, b, g, s0);
-    in.v_t = PackedKey(p, p.packed.v_t, b, g, s0);
-    in.k = PackedKey(p, p.packed.k, b, g, s0);
-
-    // The query rows that can see any of these keys form one interval.
-    const KeyInterval rows_seen = mask.rows_of_keys(s0, s0 + cols);
-    for (int64_t n = g * p.group_size(); n < (g + 1) * p.group_size(); ++n) {
-      for (int64_t t0 = rows_seen.lo / kBlockQ * kBlockQ; t0 < rows_seen.hi; t0 += kBlockQ) {
-        const int64_t rows = std::min(kBlockQ, rows_seen.hi - t0);
-        const TileVisibility visibility = ClassifyTile(mask, t0, rows, s0, cols, cols_padded != cols);
-        if (visibility == TileVisibility::kSkip) continue;
-        const int64_t rows_padded = RoundUp(rows, kGemmRows);
-        in.q = PackedQuery(p, p.packed.q, b, n, t0);
-        in.dout = PackedQuery(p, p.packed.dout, b, n, t0);
-        LoadRowStatistics(p, w, b, n, t0, rows, rows_padded);
-        const ScoreTile s{w.s, kBlockK, t0, rows, rows_padded, s0, cols, cols_padded};
-        RecomputeTileGradient<Products>(p, w, mask, in, s, visibility, b, n);
-        if (p.dbias != nullptr) AccumulateBiasGradient(s, w.ds, BiasGradientRows(p, chunk, b, n), w.bias_sum);
-        Products::AccumulateKeyValueGradients(p, rows, cols_padded, w.s, w.ds, in.q,
-                                              in.dout, w.scratch, w.dk, w.dv);
-        Products::AccumulateQueryGradient(p, rows_padded, cols, w.ds, in.k, w.scratch,
-                                          QueryGradientPartial(p, chunk, b, n, t0));
-      }
-    }
-    StoreKeyValueGradients<Products>(p, w, b, g, s0, cols);
+  const int64_t s0 = block * kBlockK;
+  const int64_t keys = std::min(kBlockK, p.kv_len - s0);
+  const int64_t cols = std::clamp<int64_t>(mask.kv_valid - s0, 0, keys);  // visible at all
+  for (int64_t j = cols; j < keys; ++j) {  // keys past the length get no gradient
+    StoreZeros(p.dtype, p.kv_row(b, s0 + j, g), p.head_dim, p.dk);
+    StoreZeros(p.dtype, p.v_row(b, s0 + j, g), p.value_dim(), p.dv);
   }
+  if (cols == 0) return;
+  const int64_t cols_padded = RoundUp(cols, kLanes);
+  for (int64_t i = 0; i < KeyGradientFloats(p); ++i) w.dk[i] = w.dv[i] = 0.0f;
+  in.k_t = PackedKey(p, p.packed.k_t, b, g, s0);
+  in.v_t = PackedKey(p, p.packed.v_t, b, g, s0);
+  in.k = PackedKey(p, p.packed.k, b, g, s0);
+
+  // The query rows that can see any of these keys form one interval.
+  const KeyInterval rows_seen = mask.rows_of_keys(s0, s0 + cols);
+  for (int64_t n = g * p.group_size(); n < (g + 1) * p.group_size(); ++n) {
+    for (int64_t t0 = rows_seen.lo / kBlockQ * kBlockQ; t0 < rows_seen.hi; t0 += kBlockQ) {
+      const int64_t rows = std::min(kBlockQ, rows_seen.hi - t0);
+      const TileVisibility visibility = ClassifyTile(mask, t0, rows, s0, cols, cols_padded != cols);
+      if (visibility == TileVisibility::kSkip) continue;
+      const int64_t rows_padded = RoundUp(rows, kGemmRows);
+      in.q = PackedQuery(p, p.packed.q, b, n, t0);
+      in.dout = PackedQuery(p, p.packed.dout, b, n, t0);
+      LoadRowStatistics(p, w, b, n, t0, rows, rows_padded);
+      const ScoreTile s{w.s, kBlockK, t0, rows, rows_padded, s0, cols, cols_padded};
+      RecomputeTileGradient<Products>(p, w, mask, in, s, visibility, b, n);
+      if (p.dbias != nullptr) AccumulateBiasGradient(s, w.ds, BiasGradientRows(p, chunk, b, n), w.bias_sum);
+      Products::AccumulateKeyValueGradients(p, rows, cols_padded, w.s, w.ds, in.q,
+                                            in.dout, w.scratch, w.dk, w.dv);
+      Products::AccumulateQueryGradient(p, rows_padded, cols, w.ds, in.k, w.scratch,
+                                        QueryGradientPartial(p, chunk, b, n, t0));
+    }
+  }
+  StoreKeyValueGradients<Products>(p, w, b, g, s0, cols);
 }
 
-// One item: a chunk of the key blocks of (b, g), or of every batch row / kv head in order
-// where the bias broadcasts over them (tiling.h GradientBatchItems).
+// One item: a chunk of the key blocks of (b, g), or of every batch row / kv head where the
+// bias broadcasts over them (tiling.h GradientBatchItems), those in order per key block, so
+// that the key block's part of dbias stays in cache while they add to it.
 template <class Products>
 void GradientTileWith(const Problem& p, int64_t item, float* workspace) {
   const int64_t chunks = GradientChunks(p);
@@ -133,12 +132,15 @@ void GradientTileWith(const Problem& p, int64_t item, float* workspace) {
   const int64_t owner = item / chunks;
   const bool every_row = GradientBatchItems(p) == 1, every_head = GradientKvHeadItems(p) == 1;
   const int64_t b_begin = every_row ? 0 : owner / GradientKvHeadItems(p);
+  const int64_t b_end = every_row ? p.batch : b_begin + 1;
   const int64_t g_begin = every_head ? 0 : owner % GradientKvHeadItems(p);
+  const int64_t g_end = every_head ? p.kv_heads : g_begin + 1;
   BackwardTiles w(p, workspace);
-  for (int64_t b = b_begin; b < (every_row ? p.batch : b_begin + 1); ++b) {
-    const MaskGeometry mask(p, b);
-    for (int64_t g = g_begin; g < (every_head ? p.kv_heads : g_begin + 1); ++g)
-      GradientKeyBlocks<Products>(p, w, mask, b, g, chunk);
+  for (int64_t block = chunk; block < KeyBlocks(p); block += chunks) {
+    for (int64_t b = b_begin; b < b_end; ++b) {
+      const MaskGeometry mask(p, b);
+      for (int64_t g = g_begin; g < g_end; ++g) GradientKeyBlock<Products>(p, w, mask, b, g, chunk, block);
+    }
   }
 }
 
