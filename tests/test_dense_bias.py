@@ -246,3 +246,20 @@ def test_cpu_isas_and_threads(case, monkeypatch):
             finite = np.isfinite(a)
             scale = np.max(np.abs(a[finite]), initial=1.0)
             assert np.max(np.abs(a[finite] - b[finite]), initial=0.0) <= 2e-2 * scale, f"{name} on {isa}"
+
+
+@pytest.mark.parametrize("impl", DENSE_IMPLS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_minus_inf_in_a_16_bit_bias_still_sees_its_value(impl, dtype):
+    """A -inf in a 16-bit bias is found as such (the kernels then tell its visible pair from a
+    masked one): a row whose only non-finite value is behind a -inf bias is NaN; behind the
+    dense mask it is not."""
+    shape = Shape(1, 8, 20, 1, 1, 16)
+    q, k, v = make_qkv(shape, jnp.dtype(dtype))
+    v = v.at[0, 3, 0, 0].set(jnp.nan)
+    bias = jnp.zeros((1, 1, 1, 20), dtype).at[..., 3].set(-jnp.inf)
+    keep = jnp.ones((1, 1, 1, 20), bool).at[..., 3].set(False)
+    out = jax_flash.attention(q, k, v, bias, implementation=impl)
+    masked = jax_flash.attention(q, k, v, bias, mask=keep, implementation=impl)
+    assert np.isnan(np.asarray(out, np.float32)).all()
+    assert np.isfinite(np.asarray(masked, np.float32)).all()

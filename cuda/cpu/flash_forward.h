@@ -31,7 +31,7 @@ struct ForwardTiles {
   int32_t* segments;  // [kBlockK]
   float* bias_row;    // [kBlockK] one row of the dense bias (with one)
   int32_t* mask_row;  // [kBlockK] one row of the dense mask (with one)
-  int32_t* visible;   // [kBlockQ][kBlockK] the mask's lane masks (with a bias)
+  int32_t* visible;   // [kBlockQ][kBlockK] the mask's lane masks (a bias with a -inf)
   float* scratch;       // [kProductScratchFloats] the products' own (bf16 P)
 
   ForwardTiles(const Problem& p, float* base) {
@@ -47,7 +47,7 @@ struct ForwardTiles {
     segments = reinterpret_cast<int32_t*>(w.Take(kBlockK));
     bias_row = w.Take(p.bias.present() ? kBlockK : 0);
     mask_row = reinterpret_cast<int32_t*>(w.Take(p.mask.present() ? kBlockK : 0));
-    visible = reinterpret_cast<int32_t*>(w.Take(p.bias.present() ? kBlockQ * kBlockK : 0));
+    visible = reinterpret_cast<int32_t*>(w.Take(p.bias_hides_pairs() ? kBlockQ * kBlockK : 0));
     scratch = w.Take(kProductScratchFloats);
     floats = w.used();
   }
@@ -55,7 +55,7 @@ struct ForwardTiles {
 
   // The dense mask's part of masking head n of batch row b (MaskScores).
   DenseMasking dense(const Problem& p, int64_t b, int64_t n) const {
-    return {p.mask.rows(b, n), mask_row, p.bias.present() ? visible : nullptr};
+    return {p.mask.rows(b, n), mask_row, p.bias_hides_pairs() ? visible : nullptr};
   }
 };
 

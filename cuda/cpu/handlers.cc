@@ -155,6 +155,22 @@ void DescribeDropout(Checker& check, ffi::AnyBuffer seed, float rate, Problem* p
   p->dropout = dropout::MakeSetting(rate, key[0], key[1]);
 }
 
+// Whether a bias element is -inf (bit patterns: f32 0xff800000, bf16 0xff80, f16 0xfc00).
+bool HasMinusInfinity(const DenseOperand& bias) {
+  const int64_t n = bias.elements();
+  if (bias.dtype == ElementType::kF32) {
+    const uint32_t* x = static_cast<const uint32_t*>(bias.data);
+    bool found = false;
+    for (int64_t i = 0; i < n; ++i) found |= x[i] == 0xff800000u;
+    return found;
+  }
+  const uint16_t minus_inf = bias.dtype == ElementType::kBF16 ? 0xff80u : 0xfc00u;
+  const uint16_t* x = static_cast<const uint16_t*>(bias.data);
+  bool found = false;
+  for (int64_t i = 0; i < n; ++i) found |= x[i] == minus_inf;
+  return found;
+}
+
 // One dense operand: [0] (of `none_type`) when the call has none, else [B|1, N|1, T|1, S|1],
 // each dim 1 (broadcast, read with stride 0) or the full size. Returns whether it is present.
 bool DescribeDenseOperand(Checker& check, const char* name, ffi::AnyBuffer x, ffi::DataType none_type,
@@ -193,6 +209,7 @@ void DescribeDense(Checker& check, ffi::AnyBuffer bias, ffi::AnyBuffer mask, Pro
         return check.Fail("bias has dtype " + TypeName(bias.element_type()) + ", expected f32, bf16 or f16");
     }
     p->bias = DenseOperand(bias.untyped_data(), dtype, shape);
+    p->bias_minus_inf = HasMinusInfinity(p->bias);
   }
   if (DescribeDenseOperand(check, "mask", mask, ffi::DataType::PRED, *p, shape)) {
     if (mask.element_type() != ffi::DataType::PRED)

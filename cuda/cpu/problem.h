@@ -87,6 +87,9 @@ struct Problem {
   // dense mask (bytes, nonzero: the pair may attend), each absent or [B|1, N|1, T|1, S|1].
   DenseOperand bias;
   DenseOperand mask;
+  // The bias holds a -inf (handlers.cc scans it once per call): its logit is visible with
+  // weight 0, which MaskScores' lane masks then tell from a masked pair (score_mask.h).
+  bool bias_minus_inf = false;
   // [N] (forward): one logit per query head that joins every row's softmax with value 0
   // (attention sinks); -inf (or null) is no sink.
   const float* sinks = nullptr;
@@ -133,6 +136,9 @@ struct Problem {
   bool bf16_packing = false;
 
   int64_t group_size() const { return q_heads / kv_heads; }
+  // A visible pair may get a -inf logit (a -inf in the bias and no soft cap, which would make
+  // it finite): the softmax then asks MaskScores' lane masks which pairs are masked.
+  bool bias_hides_pairs() const { return bias_minus_inf && !(softcap > 0.0f); }
   int64_t value_dim() const { return value_head_dim > 0 ? value_head_dim : head_dim; }  // Hv
   // The sink of query head n (-inf: none).
   float sink(int64_t n) const { return sinks == nullptr ? -__builtin_inff() : sinks[n]; }
@@ -198,15 +204,16 @@ struct MaskGeometry {
   Band band;
   const int32_t* q_segments = nullptr;   // [T] or null when segment ids are off
   const int32_t* kv_segments = nullptr;  // [S] or null when segment ids are off
-  // A dense mask or bias: no tile is kFull, every visited tile is masked element by element
-  // (the dense mask's elements; with a bias, to tell a −inf logit from a masked pair).
+  // A dense mask, or a bias that may give a visible pair a -inf logit: no tile is kFull,
+  // every visited tile is masked element by element (the dense mask's elements; with such a
+  // bias, to tell a -inf logit from a masked pair).
   bool dense = false;
 
   MaskGeometry(const Problem& p, int64_t b)
       : q_valid(std::clamp<int64_t>(p.q_lengths[b], 0, p.q_len)),
         kv_valid(std::clamp<int64_t>(p.kv_lengths[b], 0, p.kv_len)),
         band(p, b),
-        dense(p.bias.present() || p.mask.present()) {
+        dense(p.mask.present() || p.bias_hides_pairs()) {
     if (p.use_segment_ids) {
       q_segments = p.q_segment_ids + b * p.q_len;
       kv_segments = p.kv_segment_ids + b * p.kv_len;
