@@ -130,24 +130,29 @@ void RecomputeTileGradient(const Problem& p, BackwardTiles& w, const MaskGeometr
 // `target` is the float32 dbias (or a chunk's partial of it) seen as the rows of one (b, n).
 // Along a broadcast dim the tile's elements are summed first, in a fixed order (rows in
 // order, a row's keys in order), then added once.
+// dS is exactly 0 in the padding columns (masked), which the vector sums may therefore read.
 inline void AccumulateBiasGradient(const ScoreTile& s, const float* ds, const DenseRows& target, float* column_sum) {
   float* dbias = static_cast<float*>(const_cast<void*>(target.data));
   if (target.stride_t == 0) {  // one dbias row for the whole tile: sum its rows first
-    for (int64_t j = 0; j < s.cols; ++j) column_sum[j] = ds[j];
-    for (int64_t i = 1; i < s.rows; ++i)
-      for (int64_t j = 0; j < s.cols; ++j) column_sum[j] += ds[i * s.ld + j];
+    for (int64_t j = 0; j < s.cols_padded; j += kLanes) {
+      VecF sum = Load(ds + j);
+      for (int64_t i = 1; i < s.rows; ++i) sum += Load(ds + i * s.ld + j);
+      Store(column_sum + j, sum);
+    }
     ds = column_sum;
   }
   const int64_t rows = target.stride_t == 0 ? 1 : s.rows;
+  const int64_t whole = s.cols / kLanes * kLanes;  // dbias itself is written only below cols
   for (int64_t i = 0; i < rows; ++i) {
     const float* row = ds + i * s.ld;
     float* out = dbias + target.at(s.t0 + i, s.s0);
     if (target.stride_s == 0) {
-      float sum = row[0];
-      for (int64_t j = 1; j < s.cols; ++j) sum += row[j];
-      out[0] += sum;
+      VecF sum = Load(row);
+      for (int64_t j = kLanes; j < s.cols_padded; j += kLanes) sum += Load(row + j);
+      out[0] += ReduceSum(sum);
     } else {
-      for (int64_t j = 0; j < s.cols; ++j) out[j] += row[j];
+      for (int64_t j = 0; j < whole; j += kLanes) Store(out + j, Load(out + j) + Load(row + j));
+      for (int64_t j = whole; j < s.cols; ++j) out[j] += row[j];
     }
   }
 }
