@@ -28,7 +28,7 @@ KERNELS = ROOT / "cuda" / "kernels"
 DTYPES = {"f16": "F16", "bf16": "Bf16"}
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 # (H, Hv) with a narrower value head dim (MLA), warp16 only (kernels/tile.h: the (H, H) shape).
-NARROW_VALUE_PAIRS = ((192, 128),)
+NARROW_VALUE_PAIRS = ((192, 128), (128, 64))
 PASSES = {
     "fwd": ("kernels/fwd.h", "LaunchForward", "const AttentionParams&, Stream", "kForward"),
     "bwd": ("kernels/bwd.h", "LaunchBackward", "const AttentionParams&, bool, Stream", "kBackward"),

@@ -46,7 +46,7 @@ DTYPES = ("float16", "bfloat16")
 # HEAD_DIMS with the value head dim Hv = H, and the NARROW_VALUE_PAIRS (H, Hv) with Hv < H
 # (MLA: DeepSeek's 192-wide queries and keys with 128-wide values).
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
-NARROW_VALUE_PAIRS = ((192, 128),)
+NARROW_VALUE_PAIRS = ((192, 128), (128, 64))
 MIN_COMPUTE_CAPABILITY = (8, 0)
 
 
@@ -128,8 +128,11 @@ def backward_grid_setting() -> str:
 
 
 def backward_block_kv(head_dim: int) -> int:
-    """Keys per CTA of the main backward kernel under the current layout (kernels/tile.h)."""
-    return 128 if layout() == "warp32" and head_dim in WARP32_HEAD_DIMS["backward"] else 64
+    """Keys per CTA of the main backward kernel under the current layout (kernels/tile.h; the
+    value head dim does not change it)."""
+    if layout() == "warp32" and head_dim in WARP32_HEAD_DIMS["backward"]:
+        return 128
+    return 32 if head_dim == 192 else 64
 
 
 def backward_ctas(spec: AttentionSpec, grid: str) -> int:

@@ -11,8 +11,11 @@
 // The q_heads grid (MQA/GQA at small batch: p.dkv_per_query_head()) runs the main kernel over
 // one CTA per (key block, query head, batch) instead, each CTA looping over its one head's
 // query blocks and writing that head's dK, dV in f32 into the dk_accum / dv_accum workspaces
-// [B, S, N, H] / [B, S, N, Hv]; the group sum (4. below) then adds each group's G heads in a fixed order into
-// dk, dv. G times as many CTAs share the same work, with no atomics on dK, dV in either grid.
+// ([B, S, N, H] and [B, S, N, Hv]); the group sum (4. below) then adds each group's G heads in a
+// fixed order into dk, dv. G times as many CTAs share the same work, with no atomics on dK, dV
+// in either grid.
+// The value head dim Hv (V, dO, dV: V_HEAD_DIM) may be narrower than H (Q, K, dQ, dK): dPᵀ =
+// V·dOᵀ runs over Hv, dV holds Hv columns, every other product is over H.
 // Deterministic mode replaces the atomics and the conversion by a fourth kernel that computes dQ
 // per query block (2b below), at the price of recomputing S and dP once more.
 // The main kernel computes the transposed tiles Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (rows = keys), so

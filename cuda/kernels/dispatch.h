@@ -25,12 +25,12 @@ template <class Elem, int HEAD_DIM, int V_HEAD_DIM, Layout LAYOUT>
 LaunchError LaunchBackward(const AttentionParams& p, bool deterministic, Stream stream);
 
 // Head dims H with kernels for Hv = H, and the (H, Hv) pairs with a narrower value head dim
-// (MLA: DeepSeek's 192-wide queries and keys with 128-wide values).
+// (MLA: DeepSeek's 192-wide queries and keys with 128-wide values; 128 with 64).
 constexpr int kHeadDims[] = {32, 64, 96, 128, 192, 256};
 struct HeadDimPair {
   int head_dim, v_head_dim;
 };
-constexpr HeadDimPair kNarrowValuePairs[] = {{192, 128}};
+constexpr HeadDimPair kNarrowValuePairs[] = {{192, 128}, {128, 64}};
 
 inline bool HasHeadDim(int head_dim) {
   for (int h : kHeadDims)
@@ -100,6 +100,7 @@ template <class Elem>
 LaunchError DispatchForwardHeadDim(Layout layout, const AttentionParams& p, Stream stream) {
   if (p.v_head_dim != p.head_dim) {
     if (p.head_dim == 192 && p.v_head_dim == 128) return ForwardFor<Elem, 192, 128>(layout, p, stream);
+    if (p.head_dim == 128 && p.v_head_dim == 64) return ForwardFor<Elem, 128, 64>(layout, p, stream);
     return NoKernelFor(p);
   }
   switch (p.head_dim) {
@@ -117,6 +118,7 @@ template <class Elem>
 LaunchError DispatchBackwardHeadDim(Layout layout, const AttentionParams& p, bool deterministic, Stream stream) {
   if (p.v_head_dim != p.head_dim) {
     if (p.head_dim == 192 && p.v_head_dim == 128) return BackwardFor<Elem, 192, 128>(layout, p, deterministic, stream);
+    if (p.head_dim == 128 && p.v_head_dim == 64) return BackwardFor<Elem, 128, 64>(layout, p, deterministic, stream);
     return NoKernelFor(p);
   }
   switch (p.head_dim) {

@@ -1,7 +1,8 @@
 // FlashAttention-2 forward (Dao, 2023, Alg. 1): one CTA per (query block, head, batch), each
 // warp owns 16 or 32 query rows (the layout's rows_per_warp: one or two m16 row blocks, which
 // share every K and V fragment). Q is loaded once; K and V tiles stream through a multi-stage
-// cp.async ring; S = Q·Kᵀ, the online softmax and O += P·V all stay in registers.
+// cp.async ring; S = Q·Kᵀ, the online softmax and O += P·V all stay in registers. Q and K have
+// HEAD_DIM (H) columns, V and O V_HEAD_DIM (Hv), which may be narrower.
 #pragma once
 
 #include <cstdint>

@@ -68,11 +68,13 @@ struct TileShape {
 // unpadded (SmemTile). head_dim is H (Q, K, dQ, dK), v_head_dim Hv (V, O, dO, dV).
 __host__ __device__ constexpr TileShape TileShapeFor(Pass pass, int head_dim, int v_head_dim,
                                                      Layout layout = Layout::kWarp16) {
-  // Hv < H (MLA's (192, 128), (128, 64)): the shape of (H, H). Its V, O, dO and dV tiles and
+  // Hv < H (MLA's (192, 128); (128, 64)): the shape of (H, H). Its V, O, dO and dV tiles and
   // accumulators are only narrower, so it fits shared memory and registers wherever (H, H)
-  // does, and no larger tile fits: (192, 128) takes 88 KB forward (64-key tiles would take
-  // 48 KB of Q + 2 x 40 KB), 41 KB backward, 80 KB in the dQ kernel (64-key tiles: 120 KB);
-  // (128, 64) 80 KB forward (3 stages: 104 KB).
+  // does, and no larger tile fits or stays out of local memory: (192, 128) takes 88 KB forward
+  // (64-key tiles would take 48 KB of Q + 2 x 40 KB), 41.3 KB backward (32-row query blocks,
+  // 62.5 KB, spill 24-32 bytes at 255 registers on sm_80 and sm_90: dK's 48 and dV's 32
+  // registers with S and dP of 32 queries), 80 KB in the dQ kernel (64-key tiles: 120 KB);
+  // (128, 64) 80 KB forward (3 stages: 104 KB), 52.5 KB backward, 72 KB dQ.
   if (v_head_dim < head_dim) return TileShapeFor(pass, head_dim, head_dim, layout);
   const bool wide = layout == Layout::kWarp32;
   if (pass == Pass::kForward) {
