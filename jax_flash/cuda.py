@@ -110,7 +110,7 @@ def layout_description(head_dim: int) -> str:
 # q_heads grid when the kv_heads grid would launch fewer than BACKWARD_GRID_CTA_TARGET CTAs and
 # G = N / K > 1: 528 = two waves of an H100/H200 (132 SMs) at the backward's 2 CTAs per SM
 # (warp16, docs/gpu-results.md). Below that the kv_heads grid leaves SMs idle, while the q_heads
-# grid has G times the CTAs for the same work, at the price of 2·B·S·N·H float32 workspace and
+# grid has G times the CTAs for the same work, at the price of B·S·N·(H + Hv) float32 workspace and
 # one more pass over it (the group sum).
 BACKWARD_GRIDS = ("auto", "kv_heads", "q_heads")
 BACKWARD_GRID_CTA_TARGET = 528

@@ -50,6 +50,7 @@ struct BackwardKernel {
   static constexpr int COL_SPLITS = kShape.col_splits;
   static constexpr int DK_COLS = HEAD_DIM / COL_SPLITS;
   static constexpr int DV_COLS = V_HEAD_DIM / COL_SPLITS;
+  static constexpr int DKV_BLOCKS = (DK_COLS > DV_COLS ? DK_COLS : DV_COLS) / MMA_N;  // n-blocks of the wider
   // k-steps of Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ unrolled at once: dK and dV hold (H + Hv)/2
   // registers per thread (over col_splits) for the whole kernel, so full unrolling would spill
   // at H = 128.
@@ -60,6 +61,7 @@ struct BackwardKernel {
   using QTile = SmemTile<BLOCK_Q, HEAD_DIM>;     // Q
   using DoTile = SmemTile<BLOCK_Q, V_HEAD_DIM>;  // dO (QTile when Hv = H)
   using DsTile = SmemTile<BLOCK_KV, BLOCK_Q>;    // dSᵀ, rows = keys
+  static constexpr bool kHvIsH = V_HEAD_DIM == HEAD_DIM;
   // Shared memory: [K][V][dSᵀ] then a ring of STAGES x [Q][dO][lse2][delta].
   static constexpr int kStatBytes = BLOCK_Q * 4;
   static constexpr int kStageBytes = QTile::kBytes + DoTile::kBytes + 2 * kStatBytes;
@@ -216,15 +218,16 @@ __device__ __forceinline__ void store_dk_dv_accum(const AttentionParams& p, cons
   for (int r = 0; r < 2; ++r) {
     const int s = row0 + (lane >> 2) + 8 * r;
     if (s >= p.kv_len) continue;
-    const int64_t dk_offset = p.dkv_accum_offset(b, s, n) + dk_col0, dv_offset = p.dv_accum_offset(b, s, n) + dv_col0;
+    const int64_t dk_offset = p.dkv_accum_offset(b, s, n) + dk_col0;
+    const int64_t dv_offset = p.dv_accum_offset<K::kHvIsH>(b, s, n) + dv_col0;
     JAX_FLASH_UNROLL
-    for (int i = 0; i < 2; ++i) {
+    for (int j = 0; j < K::DKV_BLOCKS; ++j) {  // dK's n-blocks and dV's, side by side
       JAX_FLASH_UNROLL
-      for (int j = 0; j < K::DK_COLS / MMA_N; ++j)
-        ptx::st_global_f32(p.dk_accum + dk_offset + 8 * j + 2 * (lane & 3) + i, dk[j][2 * r + i]);
-      JAX_FLASH_UNROLL
-      for (int j = 0; j < K::DV_COLS / MMA_N; ++j)
-        ptx::st_global_f32(p.dv_accum + dv_offset + 8 * j + 2 * (lane & 3) + i, dv[j][2 * r + i]);
+      for (int i = 0; i < 2; ++i) {
+        const int col = 8 * j + 2 * (lane & 3) + i;
+        if (j < K::DK_COLS / MMA_N) ptx::st_global_f32(p.dk_accum + dk_offset + col, dk[j][2 * r + i]);
+        if (j < K::DV_COLS / MMA_N) ptx::st_global_f32(p.dv_accum + dv_offset + col, dv[j][2 * r + i]);
+      }
     }
   }
 }
@@ -239,16 +242,13 @@ __device__ __forceinline__ void store_dk_dv(const AttentionParams& p, const floa
   for (int r = 0; r < 2; ++r) {
     const int s = row0 + (lane >> 2) + 8 * r;
     if (s >= p.kv_len) continue;
-    const int64_t dk_offset = p.kv_offset(b, s, g) + dk_col0, dv_offset = p.v_offset(b, s, g) + dv_col0;
+    const int64_t dk_offset = p.kv_offset(b, s, g) + dk_col0, dv_offset = p.v_offset<K::kHvIsH>(b, s, g) + dv_col0;
     JAX_FLASH_UNROLL
-    for (int j = 0; j < K::DK_COLS / MMA_N; ++j) {
+    for (int j = 0; j < K::DKV_BLOCKS; ++j) {  // dK's n-blocks and dV's, side by side
       const int col = 8 * j + 2 * (lane & 3);
-      ptx::st_global_b32(p.dk + dk_offset + col, Elem::pack(p.scale * dk[j][2 * r], p.scale * dk[j][2 * r + 1]));
-    }
-    JAX_FLASH_UNROLL
-    for (int j = 0; j < K::DV_COLS / MMA_N; ++j) {
-      const int col = 8 * j + 2 * (lane & 3);
-      ptx::st_global_b32(p.dv + dv_offset + col, Elem::pack(dv[j][2 * r], dv[j][2 * r + 1]));
+      if (j < K::DK_COLS / MMA_N)
+        ptx::st_global_b32(p.dk + dk_offset + col, Elem::pack(p.scale * dk[j][2 * r], p.scale * dk[j][2 * r + 1]));
+      if (j < K::DV_COLS / MMA_N) ptx::st_global_b32(p.dv + dv_offset + col, Elem::pack(dv[j][2 * r], dv[j][2 * r + 1]));
     }
   }
 }
@@ -296,15 +296,16 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAY
     char* const ds_tile = v_tile + K::VTile::kBytes;
     char* const ring = smem + K::kRingOffset;
     const int64_t kv_stride = p.kv_row_stride();
-    const int64_t q_stride = p.q_row_stride(), o_stride = p.o_row_stride();
+    const int64_t q_stride = p.q_row_stride(), o_stride = p.o_row_stride<K::kHvIsH>();
     auto item_head = [&](int item) { return first_head + item / q_blocks; };
     auto item_t0 = [&](int item) { return (q_block_begin + item % q_blocks) * K::BLOCK_Q; };
     auto load_item = [&](int item, int slot) {
       const int n = item_head(item), t0 = item_t0(item);
       char* stage = ring + slot * K::kStageBytes;
       load_tile_async<typename K::QTile, K::THREADS>(stage, p.q + p.q_offset(batch, t0, n), q_stride, p.q_len - t0);
-      load_tile_async<typename K::DoTile, K::THREADS>(stage + K::QTile::kBytes, p.dout + p.o_offset(batch, t0, n),
-                                                      o_stride, p.q_len - t0);
+      load_tile_async<typename K::DoTile, K::THREADS>(stage + K::QTile::kBytes,
+                                                      p.dout + p.o_offset<K::kHvIsH>(batch, t0, n), o_stride,
+                                                      p.q_len - t0);
       float* lse2 = reinterpret_cast<float*>(stage + K::QTile::kBytes + K::DoTile::kBytes);
       load_statistics<K>(lse2, lse2 + K::BLOCK_Q, p, batch, n, t0);
     };
@@ -316,8 +317,8 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAY
     // Prologue: K and V with the first query block, then the rest of the ring.
     load_tile_async<typename K::KVTile, K::THREADS>(k_tile, p.k + p.kv_offset(batch, s0, kv_head), kv_stride,
                                                     p.kv_len - s0);
-    load_tile_async<typename K::VTile, K::THREADS>(v_tile, p.v + p.v_offset(batch, s0, kv_head), p.v_row_stride(),
-                                                   p.kv_len - s0);
+    load_tile_async<typename K::VTile, K::THREADS>(v_tile, p.v + p.v_offset<K::kHvIsH>(batch, s0, kv_head),
+                                                   p.v_row_stride<K::kHvIsH>(), p.kv_len - s0);
     JAX_FLASH_UNROLL
     for (int stage = 0; stage < K::STAGES - 1; ++stage) {
       if (stage < items) load_item(stage, stage);
@@ -473,6 +474,7 @@ struct BackwardDqKernel {
   using DoTile = SmemTile<BLOCK_Q, V_HEAD_DIM>;   // dO (QTile when Hv = H)
   using KVTile = SmemTile<BLOCK_KV, HEAD_DIM>;    // K
   using VTile = SmemTile<BLOCK_KV, V_HEAD_DIM>;   // V (KVTile when Hv = H)
+  static constexpr bool kHvIsH = V_HEAD_DIM == HEAD_DIM;
   // Shared memory: [Q][dO] then a ring of STAGES x [K][V].
   static constexpr int kStageBytes = KVTile::kBytes + VTile::kBytes;
   static constexpr int kSmemBytes = QTile::kBytes + DoTile::kBytes + STAGES * kStageBytes;
@@ -515,9 +517,9 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM, V_HEAD_DIM>::
     const int tile_begin = keys.lo / K::BLOCK_KV;
     const int tile_end = CeilDiv(keys.hi, K::BLOCK_KV);
     char* const ring = do_tile + K::DoTile::kBytes;
-    const int64_t kv_stride = p.kv_row_stride(), v_stride = p.v_row_stride();
+    const int64_t kv_stride = p.kv_row_stride(), v_stride = p.v_row_stride<K::kHvIsH>();
     const uint16_t* const k_base = p.k + p.kv_offset(batch, 0, kv_head);
-    const uint16_t* const v_base = p.v + p.v_offset(batch, 0, kv_head);
+    const uint16_t* const v_base = p.v + p.v_offset<K::kHvIsH>(batch, 0, kv_head);
     auto load_kv = [&](int tile, int slot) {
       const int s0 = tile * K::BLOCK_KV;
       char* stage = ring + slot * K::kStageBytes;
@@ -540,8 +542,8 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM, V_HEAD_DIM>::
 
     load_tile_async<typename K::QTile, K::THREADS>(q_tile, p.q + p.q_offset(batch, t0, head), p.q_row_stride(),
                                                    p.q_len - t0);
-    load_tile_async<typename K::DoTile, K::THREADS>(do_tile, p.dout + p.o_offset(batch, t0, head),
-                                                    p.o_row_stride(), p.q_len - t0);
+    load_tile_async<typename K::DoTile, K::THREADS>(do_tile, p.dout + p.o_offset<K::kHvIsH>(batch, t0, head),
+                                                    p.o_row_stride<K::kHvIsH>(), p.q_len - t0);
     ptx::cp_async_commit_group();
     JAX_FLASH_UNROLL
     for (int stage = 0; stage < K::STAGES - 1; ++stage) {
@@ -600,7 +602,8 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM, V_HEAD_DIM>::
     JAX_FLASH_UNROLL
     for (int i = 0; i < 4; ++i) dq[j][i] *= p.scale;
   }
-  store_warp_rows<Elem, typename K::QTile>(p.dq, p, dq, q_tile, batch, head, warp * K::WARP_Q, warp_t0, lane);
+  store_warp_rows<Elem, typename K::QTile>(p.dq, p.head_dim, p, dq, q_tile, batch, head, warp * K::WARP_Q, warp_t0,
+                                           lane);
 }
 
 // Host side: zero dq_accum, the delta kernel, then the main kernel, the group sum of dK and dV

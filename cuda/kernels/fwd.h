@@ -37,8 +37,9 @@ struct ForwardKernel {
   using QTile = SmemTile<BLOCK_Q, HEAD_DIM>;
   using KVTile = SmemTile<BLOCK_KV, HEAD_DIM>;   // K
   using VTile = SmemTile<BLOCK_KV, V_HEAD_DIM>;  // V (KVTile when Hv = H)
-  // O's 16 rows of a warp, staged for the store in the bytes of the warp's own Q rows.
-  using OTile = SmemTile<MMA_M, V_HEAD_DIM>;
+  // O, staged for its store over the Q tile (QTile when Hv = H).
+  using OTile = SmemTile<BLOCK_Q, V_HEAD_DIM>;
+  static constexpr bool kHvIsH = V_HEAD_DIM == HEAD_DIM;
   // Shared memory: [Q][K_0][V_0][K_1][V_1]...: one Q tile and a ring of STAGES (K, V) tiles.
   static constexpr int kStageBytes = KVTile::kBytes + VTile::kBytes;
   static constexpr int kSmemBytes = QTile::kBytes + STAGES * kStageBytes;
@@ -50,7 +51,7 @@ struct ForwardKernel {
 
   static_assert(BLOCK_Q == WARPS * WARP_Q && WARP_Q % MMA_M == 0, "each warp owns whole m16 row blocks");
   static_assert(HEAD_DIM % 32 == 0 && V_HEAD_DIM % 32 == 0 && BLOCK_KV % 16 == 0, "fragments come in 16x16 blocks");
-  static_assert(OTile::kRowBytes <= QTile::kRowBytes, "a warp's O rows fit the bytes of its Q rows");
+  static_assert(OTile::kBytes <= QTile::kBytes, "O is staged over the Q tile");
   static_assert(STAGES >= 2, "the ring overlaps the next tile's copy with this tile's math");
   static_assert(kSmemBytes <= kMaxSmemBytes, "forward tile does not fit 99 KB of shared memory");
 };
@@ -80,8 +81,8 @@ __device__ __forceinline__ void accumulate_pv(float (&o)[K::ROW_BLOCKS][V_HEAD_D
   }
 }
 
-// out (16-bit) and lse (natural log) of one m16 row block of the warp (rows t0.., Q tile rows
-// row0.., whose bytes stage it), written once.
+// out (16-bit) and lse (natural log) of one m16 row block of the warp (rows t0.., tile rows
+// row0..), written once.
 template <class Elem, int V_HEAD_DIM, class K>
 __device__ __forceinline__ void store_output(const AttentionParams& p, const float (&o)[V_HEAD_DIM / MMA_N][4],
                                              const float lse[2], char* q_tile, int b, int n, int row0, int t0,
@@ -91,7 +92,7 @@ __device__ __forceinline__ void store_output(const AttentionParams& p, const flo
     const int t = t0 + (lane >> 2) + 8 * r;
     if ((lane & 3) == 0 && t < p.q_len) ptx::st_global_f32(p.lse + p.stat_offset(b, n, t), lse[r]);
   }
-  store_warp_rows<Elem, typename K::OTile>(p.out, p, o, q_tile + row0 * K::QTile::kRowBytes, b, n, 0, t0, lane);
+  store_warp_rows<Elem, typename K::OTile>(p.out, p.v_width<K::kHvIsH>(), p, o, q_tile, b, n, row0, t0, lane);
 }
 
 template <class Elem, int HEAD_DIM, int V_HEAD_DIM, Layout LAYOUT>
@@ -128,8 +129,8 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
     char* const kv_ring = smem + K::QTile::kBytes;
     const uint16_t* const q_base = p.q + p.q_offset(batch, t0, head);
     const uint16_t* const k_base = p.k + p.kv_offset(batch, 0, kv_head);
-    const uint16_t* const v_base = p.v + p.v_offset(batch, 0, kv_head);
-    const int64_t kv_stride = p.kv_row_stride(), v_stride = p.v_row_stride();
+    const uint16_t* const v_base = p.v + p.v_offset<K::kHvIsH>(batch, 0, kv_head);
+    const int64_t kv_stride = p.kv_row_stride(), v_stride = p.v_row_stride<K::kHvIsH>();
     auto load_kv = [&](int tile, int slot) {
       const int s0 = tile * K::BLOCK_KV;
       char* stage = kv_ring + slot * K::kStageBytes;
@@ -185,6 +186,9 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
     }
     ptx::cp_async_wait_group<0>();
   }
+  // With Hv < H, O's rows are narrower than Q's: a warp's O rows overlap another warp's Q rows,
+  // which that warp may still be reading.
+  if constexpr (!K::kHvIsH) __syncthreads();
 
   JAX_FLASH_UNROLL
   for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) {

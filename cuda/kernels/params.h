@@ -82,18 +82,35 @@ struct AttentionParams {
   __device__ __forceinline__ int64_t q_row_offset(int b, int t, int n, int width) const {
     return ((static_cast<int64_t>(b) * q_len + t) * q_heads + n) * width;
   }
-  // The rows at the value head dim Hv: row t of out, dout (query head n), row s of v, dv
-  // (kv head g).
-  __device__ __forceinline__ int64_t o_offset(int b, int t, int n) const { return q_row_offset(b, t, n, v_head_dim); }
-  __device__ __forceinline__ int64_t v_offset(int b, int s, int g) const {
-    return ((static_cast<int64_t>(b) * kv_len + s) * kv_heads + g) * v_head_dim;
-  }
   // Row s of query head n in dk_accum, dv_accum.
   __device__ __forceinline__ int64_t dkv_accum_offset(int b, int s, int n) const {
     return ((static_cast<int64_t>(b) * kv_len + s) * q_heads + n) * head_dim;
   }
+  // The rows at the value head dim: row t of out, dout (query head n), row s of v, dv (kv head
+  // g), of dv_accum (query head n), and their strides. HV_IS_H: the kernel is compiled for
+  // Hv = H (which the handler checked), and these read head_dim, so that the compiler shares
+  // V's offsets with K's (O's with Q's) instead of computing both.
+  template <bool HV_IS_H>
+  __device__ __forceinline__ int v_width() const { return HV_IS_H ? head_dim : v_head_dim; }
+  template <bool HV_IS_H>
+  __device__ __forceinline__ int64_t o_offset(int b, int t, int n) const {
+    return q_row_offset(b, t, n, v_width<HV_IS_H>());
+  }
+  template <bool HV_IS_H>
+  __device__ __forceinline__ int64_t v_offset(int b, int s, int g) const {
+    return ((static_cast<int64_t>(b) * kv_len + s) * kv_heads + g) * v_width<HV_IS_H>();
+  }
+  template <bool HV_IS_H>
   __device__ __forceinline__ int64_t dv_accum_offset(int b, int s, int n) const {
-    return ((static_cast<int64_t>(b) * kv_len + s) * q_heads + n) * v_head_dim;
+    return ((static_cast<int64_t>(b) * kv_len + s) * q_heads + n) * v_width<HV_IS_H>();
+  }
+  template <bool HV_IS_H>
+  __device__ __forceinline__ int64_t o_row_stride() const {
+    return static_cast<int64_t>(q_heads) * v_width<HV_IS_H>();
+  }
+  template <bool HV_IS_H>
+  __device__ __forceinline__ int64_t v_row_stride() const {
+    return static_cast<int64_t>(kv_heads) * v_width<HV_IS_H>();
   }
   __host__ __device__ __forceinline__ bool dkv_per_query_head() const { return dk_accum != nullptr; }
   __device__ __forceinline__ int64_t stat_offset(int b, int n, int t) const {
@@ -106,8 +123,6 @@ struct AttentionParams {
   }
   __device__ __forceinline__ int64_t q_row_stride() const { return static_cast<int64_t>(q_heads) * head_dim; }
   __device__ __forceinline__ int64_t kv_row_stride() const { return static_cast<int64_t>(kv_heads) * head_dim; }
-  __device__ __forceinline__ int64_t o_row_stride() const { return static_cast<int64_t>(q_heads) * v_head_dim; }
-  __device__ __forceinline__ int64_t v_row_stride() const { return static_cast<int64_t>(kv_heads) * v_head_dim; }
 };
 
 // The 16-bit input types: which mma to issue and how to convert.

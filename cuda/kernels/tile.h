@@ -337,13 +337,14 @@ __device__ __forceinline__ void mma_row_blocks_a_regs_b_trans(float (&acc)[ROW_B
   }
 }
 
-// Writes a warp's 16 x Tile::kCols accumulator (rows t0.. of query head n, [B, T, N, kCols]
-// layout: kCols = H for dQ, Hv for O) as 16-bit elements, through the warp's own rows (row0..)
-// of `tile`, which no other warp reads: the global stores are then whole 16-byte chunks,
-// coalesced along each row.
+// Writes a warp's 16 x Tile::kCols accumulator (rows t0.. of query head n, [B, T, N, width]
+// layout with width = Tile::kCols: H for dQ, Hv for O) as 16-bit elements, through the warp's
+// own rows (row0..) of `tile`, which no other warp reads: the global stores are then whole
+// 16-byte chunks, coalesced along each row.
 template <class Elem, class Tile, int O_BLOCKS, class Params>
-__device__ __forceinline__ void store_warp_rows(uint16_t* dst, const Params& p, const float (&o)[O_BLOCKS][4],
-                                                char* tile, int b, int n, int row0, int t0, int lane) {
+__device__ __forceinline__ void store_warp_rows(uint16_t* dst, int width, const Params& p,
+                                                const float (&o)[O_BLOCKS][4], char* tile, int b, int n, int row0,
+                                                int t0, int lane) {
   static_assert(O_BLOCKS * MMA_N == Tile::kCols, "the accumulator spans a tile row");
   __syncwarp();  // every lane is done reading the warp's rows
   JAX_FLASH_UNROLL
@@ -362,7 +363,7 @@ __device__ __forceinline__ void store_warp_rows(uint16_t* dst, const Params& p, 
     if (t0 + row < p.q_len) {
       Chunk16 c;
       ptx::ld_shared_v4_b32(c.w, tile + Tile::chunk_offset(row0 + row, chunk));
-      ptx::st_global_v4_b32(dst + p.q_row_offset(b, t0 + row, n, Tile::kCols) + chunk * 8, c.w);
+      ptx::st_global_v4_b32(dst + p.q_row_offset(b, t0 + row, n, width) + chunk * 8, c.w);
     }
   }
 }
