@@ -123,8 +123,9 @@ __host__ __device__ constexpr TileShape TileShapeFor(Pass pass, int head_dim, in
   return head_dim <= 64 ? TileShape{64, 64, 4, 2, 16} : TileShape{32, 64, 4, 2, 16};
 }
 
-// Whether `layout` gives (pass, head_dim, v_head_dim) a tile shape of its own; where it does not, the
-// kWarp16 instantiation serves both layouts (no second copy of the same kernel is compiled).
+// Whether `layout` gives (pass, head_dim, v_head_dim) a tile shape of its own; where it does
+// not, the kWarp16 instantiation serves both layouts (no second copy of the same kernel is
+// compiled).
 __host__ __device__ constexpr bool HasOwnShape(Pass pass, int head_dim, int v_head_dim, Layout layout) {
   return layout == Layout::kWarp16 ||
          !(TileShapeFor(pass, head_dim, v_head_dim, layout) == TileShapeFor(pass, head_dim, v_head_dim));
@@ -339,8 +340,9 @@ __device__ __forceinline__ void mma_row_blocks_a_regs_b_trans(float (&acc)[ROW_B
 
 // Writes a warp's 16 x Tile::kCols accumulator (rows t0.. of query head n, [B, T, N, width]
 // layout with width = Tile::kCols: H for dQ, Hv for O) as 16-bit elements, through the warp's
-// own rows (row0..) of `tile`, which no other warp reads: the global stores are then whole
-// 16-byte chunks, coalesced along each row.
+// own rows (row0..) of `tile`, which no other warp reads (the forward at Hv < H stages O over
+// its wider Q tile after a barrier): the global stores are then whole 16-byte chunks, coalesced
+// along each row.
 template <class Elem, class Tile, int O_BLOCKS, class Params>
 __device__ __forceinline__ void store_warp_rows(uint16_t* dst, int width, const Params& p,
                                                 const float (&o)[O_BLOCKS][4], char* tile, int b, int n, int row0,
