@@ -4,9 +4,11 @@ Each kernel sees squeezed 2-D tiles: rows × padded head dim (Hp for q, k, dq, d
 for v, out, dout, dv: the value head dim may differ). The wrapper in
 `jax_flash.pallas` pads, builds the BlockSpecs and launches them.
 
-Units: inside the kernels logits, running maxima and lse are in base 2 (log2(e) folded
-into the scale, so each probability is one multiply-add and one exp2). The forward
-converts lse to natural log when it stores it; the backward receives lse·log2(e).
+Units: logits, running maxima and lse are natural, each logit rounded to float32 once;
+every exponent is the difference of two such values, then times log2(e) into one exp2:
+p = exp2((x - m)·log2 e). (Folding log2(e) into the scale instead saves that multiply but
+rounds the base-2 logit and the natural lse differently: at |logit| ~ 1e9 the backward's
+exp2(x₂ - lse·log2 e) of a row's top key is then 2^-17, not 1.)
 
 Non-finite inputs follow the README's numerical contract, as in `jax_flash.xla`: ±inf raw
 scores become NaN, a NaN score reaches l through exp2 even where the row max drops it
@@ -30,7 +32,6 @@ from jax_flash import _dropout, _masking
 from jax_flash._spec import AttentionSpec
 
 LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +74,7 @@ class Layout:
 
     @property
     def folds_scale(self) -> bool:
-        """Without bias or soft cap, scale·log2(e) is one multiply of the raw scores."""
+        """Without bias or soft cap, the scale is one multiply of the raw scores."""
         return not self.has_bias and self.spec.soft_cap is None
 
 
@@ -189,13 +190,14 @@ class TileMath:
         )
 
     def logits(self, scores, bias_tile):
-        """(base-2 logits, natural transformed logits or None) of raw scores q·kᵀ [f32]."""
+        """(logits, the soft-capped/biased logits for the cap's derivative or None) of raw
+        scores q·kᵀ [f32]."""
         spec = self.lay.spec
         scores = _poison_infinite(scores)
         if self.lay.folds_scale:
-            return scores * (spec.scale * LOG2E), None
+            return scores * spec.scale, None
         t = _masking.transform_logits(spec, scores * spec.scale, bias_tile)
-        return t * LOG2E, t
+        return t, t
 
 
 def band_segments(lo, hi, full_lo, full_hi):
@@ -269,12 +271,12 @@ def query_segments(layout: Layout, tm: "TileMath", k0, k1, nq: int, ragged_block
 
 def _softmax_init(inp: Inputs, bq: int):
     """(m, l) [bq] before the first key tile: -inf and 0, or with a sink the state after it
-    alone, m = sink·log2(e) (base 2) and l = 1 (NaN for a NaN or +inf sink, which poisons
+    alone, m = sink and l = 1 (NaN for a NaN or +inf sink, which poisons
     every row of the head; a -inf sink is no sink)."""
     if inp.sinks is None:
         return jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32)
     sink = inp.sinks[...].reshape(1)  # [1]: this program's head
-    m = jnp.broadcast_to(sink * LOG2E, (bq,))
+    m = jnp.broadcast_to(sink, (bq,))
     l = jnp.broadcast_to(jnp.where(sink < jnp.inf, 1.0, jnp.nan), (bq,))
     return m, l
 
@@ -293,7 +295,7 @@ def forward_kernel(*refs, layout: Layout):
 
     def step(masked):
         def body(j, carry):
-            m, l, acc, bad = carry  # [bq], [bq] (base 2), [bq, Hvp], [bq] (1: sees a bad v)
+            m, l, acc, bad = carry  # [bq], [bq], [bq, Hvp], [bq] (1: sees a bad v)
             k0 = j * bk
             k = inp.k[pl.ds(k0, bk), :]
             v = inp.v[pl.ds(k0, bk), :]
@@ -302,7 +304,7 @@ def forward_kernel(*refs, layout: Layout):
             bias = None
             if lay.has_bias:
                 bias = dense_tile(inp.bias, lay.bias_rows, lay.bias_cols, (), 0, bq, k0, bk)
-            s2, _ = tm.logits(_dot(q, k, trans_b=True), bias)
+            x, _ = tm.logits(_dot(q, k, trans_b=True), bias)
             if masked:
                 kv_seg = None if inp.kv_seg is None else inp.kv_seg[pl.ds(k0, bk)]
                 mask = None
@@ -310,15 +312,15 @@ def forward_kernel(*refs, layout: Layout):
                     mask = dense_tile(inp.mask, lay.mask_rows, lay.mask_cols, (), 0, bq, k0, bk)
                 vis = tm.visible(q0, k0, q_seg, kv_seg, mask, bq, bk)
                 if vis is not None:
-                    s2 = jnp.where(vis, s2, -jnp.inf)
+                    x = jnp.where(vis, x, -jnp.inf)
                     bad_v = jnp.where(vis, bad_v, 0.0)
             # A NaN logit may be dropped by the max, never by exp2(NaN): l and acc carry it.
-            m_new = jnp.maximum(m, jnp.max(s2, axis=1))
+            m_new = jnp.maximum(m, jnp.max(x, axis=1))
             # A row that has seen nothing keeps m = -inf: subtract 0 instead, so that
             # exp2(-inf) = 0 rather than exp2(-inf + inf) = NaN.
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            p = jnp.exp2(_clamp_exponent(s2 - m_use[:, None]))
-            alpha = jnp.exp2(m - m_use)
+            p = jnp.exp2(_clamp_exponent(x - m_use[:, None]) * LOG2E)
+            alpha = jnp.exp2((m - m_use) * LOG2E)
             l = alpha * l + jnp.sum(p, axis=1)
             keep = tm.dropout_keep(batch, head, q0, k0, bq, bk)
             if keep is not None:  # after the statistics: P·V of the kept weights only
@@ -328,7 +330,7 @@ def forward_kernel(*refs, layout: Layout):
 
         return body
 
-    # [bq] m, l (base 2), [bq, Hvp] acc, [bq] bad
+    # [bq] m, l, [bq, Hvp] acc, [bq] bad
     carry = (*_softmax_init(inp, bq), jnp.zeros((bq, inp.v.shape[-1]), jnp.float32),
              jnp.zeros((bq,), jnp.float32))
     for lo, hi, masked in key_segments(lay, tm, q0, q0 + bq, nk):
@@ -342,23 +344,22 @@ def forward_kernel(*refs, layout: Layout):
         acc = acc * _dropout.keep_scale(spec.dropout_rate)
     out = jnp.where(bad[:, None] > 0, jnp.nan, acc / l_safe[:, None])
     out_ref[...] = jnp.where(empty[:, None], 0.0, out).astype(out_ref.dtype)
-    # lse leaves the kernel in natural log: (m + log2 l) · ln 2.
-    lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
 
 
 # ---------------------------------------------------------------------------------------
 # Backward (FlashAttention-2 Algorithm 2, split in two kernels so that nothing races):
 # dK/dV with the key block resident, looping over query blocks of every head in the
 # group; dQ with the query block resident, looping over key blocks. Both recompute
-# P = exp2(logits₂ - lse₂) from lse; dead rows arrive with lse₂ = +inf so P = 0.
+# P = exp2((x - lse)·log2 e) from lse; dead rows arrive with lse = +inf so P = 0.
 
 
-def _probabilities(tm: TileMath, lay: Layout, q, k, lse2, bias, vis):
-    """P (exactly 0 where masked and in empty rows, lse₂ = +inf; NaN in poisoned rows),
+def _probabilities(tm: TileMath, lay: Layout, q, k, lse, bias, vis):
+    """P (exactly 0 where masked and in empty rows, lse = +inf; NaN in poisoned rows),
     the natural transformed logits (or None), and `live`: where dS may be nonzero."""
-    s2, t = tm.logits(_dot(q, k, trans_b=True), bias)
-    p = jnp.exp2(_clamp_exponent(s2 - lse2[:, None]))
-    live = (lse2 != jnp.inf)[:, None]
+    x, t = tm.logits(_dot(q, k, trans_b=True), bias)
+    p = jnp.exp2(_clamp_exponent(x - lse[:, None]) * LOG2E)
+    live = (lse != jnp.inf)[:, None]
     if vis is not None:
         p = jnp.where(vis, p, 0.0)
         live = live & vis
@@ -382,7 +383,7 @@ def _drop(lay: Layout, keep, x):
 
 
 def dkdv_kernel(*refs, layout: Layout):
-    inp = Inputs(layout, refs, ("q", "k", "v", "do", "lse2", "delta"))
+    inp = Inputs(layout, refs, ("q", "k", "v", "do", "lse", "delta"))
     dk_ref, dv_ref = inp.outputs
     lay = layout
     bq, bk = lay.block_q, lay.block_k
@@ -404,7 +405,7 @@ def dkdv_kernel(*refs, layout: Layout):
             q0 = i * bq
             q = inp.q[pl.ds(q0, bq), g, :]
             do = inp.do[pl.ds(q0, bq), g, :]
-            lse2 = inp.lse2[g, pl.ds(q0, bq)]
+            lse = inp.lse[g, pl.ds(q0, bq)]
             delta = inp.delta[g, pl.ds(q0, bq)]
             gb = g if inp.bias is not None and inp.bias.shape[0] != 1 else 0
             bias = None
@@ -418,7 +419,7 @@ def dkdv_kernel(*refs, layout: Layout):
                     gm = g if inp.mask.shape[0] != 1 else 0
                     mask = dense_tile(inp.mask, lay.mask_rows, lay.mask_cols, (gm,), q0, bq, 0, bk)
                 vis = tm.visible(q0, k0, q_seg, kv_seg, mask, bq, bk)
-            p, t, live = _probabilities(tm, lay, q, k, lse2, bias, vis)
+            p, t, live = _probabilities(tm, lay, q, k, lse, bias, vis)
             keep = tm.dropout_keep(batch, first_head + g, q0, k0, bq, bk)
             dv = dv + _dot(_drop(lay, keep, p).astype(do.dtype), do, trans_a=True)
             ds = _dscores(lay, p, _drop(lay, keep, _dot(do, v, trans_b=True)), delta, t, live)
@@ -445,7 +446,7 @@ def dkdv_kernel(*refs, layout: Layout):
 
 
 def dq_kernel(*refs, layout: Layout):
-    inp = Inputs(layout, refs, ("q", "k", "v", "do", "lse2", "delta"))
+    inp = Inputs(layout, refs, ("q", "k", "v", "do", "lse", "delta"))
     dq_ref = inp.outputs[0]
     ds_ref = inp.outputs[1] if layout.write_ds else None
     lay = layout
@@ -456,7 +457,7 @@ def dq_kernel(*refs, layout: Layout):
     tm = TileMath(lay, inp)
     q = inp.q[...]
     do = inp.do[...]
-    lse2 = inp.lse2[...]
+    lse = inp.lse[...]
     delta = inp.delta[...]
     q_seg = None if inp.q_seg is None else inp.q_seg[...]
 
@@ -475,7 +476,7 @@ def dq_kernel(*refs, layout: Layout):
                 if lay.has_mask:
                     mask = dense_tile(inp.mask, lay.mask_rows, lay.mask_cols, (), 0, bq, k0, bk)
                 vis = tm.visible(q0, k0, q_seg, kv_seg, mask, bq, bk)
-            p, t, live = _probabilities(tm, lay, q, k, lse2, bias, vis)
+            p, t, live = _probabilities(tm, lay, q, k, lse, bias, vis)
             keep = tm.dropout_keep(batch, head, q0, k0, bq, bk)
             ds = _dscores(lay, p, _drop(lay, keep, _dot(do, v, trans_b=True)), delta, t, live)
             if ds_ref is not None:

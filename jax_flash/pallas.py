@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash import _registry
-from jax_flash._pallas_kernels import LOG2E, Layout, dkdv_kernel, dq_kernel, forward_kernel
+from jax_flash._pallas_kernels import Layout, dkdv_kernel, dq_kernel, forward_kernel
 from jax_flash._pallas_table import Config, fit, lookup, padded_head_dim, smem_budget
 from jax_flash._pallas_table import TABLE, tune  # noqa: F401  (re-exported for the bench)
 from jax_flash._spec import AttentionSpec, MaskInputs
@@ -336,11 +336,11 @@ def _backward_call(
         "btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32)
     ) - dlse.astype(jnp.float32)
     delta = _pad(delta, 2, t_pad)
-    # The kernels work in base 2. Rows that see nothing (lse = -inf) and padded rows get
-    # lse₂ = +inf, so that P = exp2(logit₂ - lse₂) = 0 there; a NaN lse (a poisoned row)
+    # Rows that see nothing (lse = -inf) and padded rows get lse = +inf, so that
+    # P = exp2((x - lse)·log2 e) = 0 there; a NaN lse (a poisoned row)
     # stays NaN.
-    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * LOG2E)
-    lse2 = _pad(lse2, 2, t_pad, jnp.inf)
+    lse_rows = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32))
+    lse_rows = _pad(lse_rows, 2, t_pad, jnp.inf)
     qp = _pad(_pad(q, 3, hp), 1, t_pad)
     dop = _pad(_pad(dout.astype(q.dtype), 3, hvp), 1, t_pad)
     kp = _pad(_pad(k, 3, hp), 1, s_pad)
@@ -377,7 +377,7 @@ def _backward_call(
         name="jax_flash_bwd_dkdv",
     )(
         q5, kp, vp, do5,
-        lse2.reshape(b, kh, g, t_pad), delta.reshape(b, kh, g, t_pad),
+        lse_rows.reshape(b, kh, g, t_pad), delta.reshape(b, kh, g, t_pad),
         *extra_args,
     )
 
@@ -406,7 +406,7 @@ def _backward_call(
         compiler_params=_compiler_params(cfg_q),
         interpret=interpret,
         name="jax_flash_bwd_dq",
-    )(qp, kp, vp, dop, lse2, delta, *extra_args)
+    )(qp, kp, vp, dop, lse_rows, delta, *extra_args)
     dq = res[0][:, :t, :, :h]
     dbias = None
     if write_ds:

@@ -16,8 +16,9 @@ Checks, for out, lse, dq, dk, dv and dbias:
   (float16 logits past 65504) its error is measured with float32 logits rounded to the
   input dtype, and an element of a broadcast bias's gradient, a sum of m logits' gradients,
   gets EPS·sqrt(m). (float32 examples keep their logits small: property_cases.draw.) An lse
-  may be off by LSE_ULPS_PER_SQRT_H·sqrt(H) ulps of |lse| where that exceeds its EPS, and at
-  |scale| >= 1e8 a gradient by the one-hot softmax's rounding difference (_one_hot_slack).
+  may be off by LSE_ULPS_PER_SQRT_H·sqrt(H) ulps of |lse| where that exceeds its EPS, dq and
+  dk of float16/bfloat16 inputs by the rounding of dS to the input dtype (_rounded_ds_slack),
+  and at |scale| >= 1e8 a gradient by the one-hot softmax's rounding (_one_hot_slack).
 * exact: rows with lse = -inf in the reference give out 0, lse -inf and dq 0; keys no query
   sees give dk = dv = 0 (and dbias 0 where a full bias is masked); a row the mask rules
   leave empty is -inf in the reference too.
@@ -168,23 +169,76 @@ def _first(mask):
 
 def _one_hot_slack(ex, arrays) -> dict:
     """At |scale| >= EXTREME_SCALES[0] the softmax is one-hot and the gradients are finite
-    but not exact (README, "Numerical contract"): dS = P∘(dP - D) at the row's one key is
-    dP - D = dO·v - dO·O, a difference of two rounded H-term dot products that the
-    reference's autodiff (and every other summation order) gets differently, multiplied by
-    the scale on its way to dq and dk. Each gradient may be off by that much: H ulps of
-    float32 of max|dO|·max|v|, times |scale|·max|k| for dq, |scale|·max|q| for dk, and
-    alone for dbias. (dv = Pᵀ·dO has no such term: P is exactly 0 or 1 there.)"""
+    but not exact (README, "Numerical contract"), for two reasons, each bounded here:
+
+    * dS = P∘(dP - D) at the row's one key is dP - D = dO·v - dO·O + dlse: dO·v - dO·O is a
+      difference of two rounded H-term dot products that the reference's autodiff (and every
+      other summation order) gets differently, multiplied by the scale on its way to dq and
+      dk: H ulps of float32 of max|dO|·max|v|, times |scale|·max|k| for dq, |scale|·max|q|
+      for dk, and alone for dbias.
+    * The backward recomputes P = exp(x - lse) of the row's one key from a logit x ~ |scale|
+      whose float32 ulp is >= 1 in the exponent: where XLA compiles the forward and the
+      backward's recomputation differently (xla, interpreted pallas: contracted multiplies,
+      another association) x - lse is a few ulps below 0 and P anything in [0, 1] (the
+      exponent is clamped to <= 0). Every P-weighted term may be lost: the dlse term of dq
+      (|scale|·|dlse|·max|k| per row), of dk (|scale|·max|q|·Σ|dlse| over the rows of its
+      kv head), dv (Σ|dO| over those rows) and dbias (|dlse| per logit, summed over the
+      bias's broadcast axes)."""
     if ex.scale is None or abs(ex.scale) < EXTREME_SCALES[0]:
         return {}
     top = {name: float(np.max(np.abs(x), initial=0.0, where=np.isfinite(x)))
            for name, x in ((n, _np(arrays[n])) for n in ("q", "k", "v", "ct"))}
     diff = ex.h * float(np.finfo(np.float32).eps) * top["ct"] * top["v"]
-    return {"dq": abs(ex.scale) * top["k"] * diff, "dk": abs(ex.scale) * top["q"] * diff, "dbias": diff}
+    g = ex.n // ex.kh
+    dlse = _finite_abs(arrays["dlse"])  # [B, T, N]
+    ct = _finite_abs(arrays["ct"]).max(-1)  # [B, T, N]: max over the head dim
+    per_kv = lambda x: x.reshape(ex.b, ex.t, ex.kh, g).sum((1, 3))[:, None, :, None]  # [B, 1, K, 1]
+    scale = abs(ex.scale)
+    slack = {
+        "dq": scale * top["k"] * (diff + dlse[..., None]),
+        "dk": scale * top["q"] * (diff + per_kv(dlse)),
+        "dv": per_kv(ct),
+    }
+    if ex.bias_shape is not None:
+        copies = ex.b * ex.n * ex.t * ex.s / math.prod(ex.bias_shape)
+        slack["dbias"] = copies * (diff + float(dlse.max(initial=0.0)))
+    return slack
+
+
+def _effective_scale(ex) -> float:
+    return 1 / math.sqrt(ex.h) if ex.scale is None else ex.scale
+
+
+def _finite_abs(x):
+    x = np.abs(_np(x))
+    return np.where(np.isfinite(x), x, 0.0)
+
+
+def _rounded_ds_slack(ex, arrays, ds) -> dict:
+    """The kernels round dS (the logits' cotangent, a float32 tile) to the input dtype before
+    the dS·K and dSᵀ·Q products, as FlashAttention does to feed the tensor cores: each term
+    of dq[t] = scale·Σ_s dS[t, s]·k[s] is off by up to u·|dS[t, s]·k[s]| (u the unit roundoff
+    of the input dtype), which FACTOR·err(reference at the input dtype) need not bound (that
+    reference may keep dS wider). Each element of dq and dk may be off by that sum, taken
+    from the float64 reference's dS (`ds`, [B, N, T, S]: the gradient of a full-size bias);
+    float32 inputs round nothing."""
+    if ds is None:
+        return {}
+    u = float(jnp.finfo(ex.dtype).eps) / 2
+    scale = abs(_effective_scale(ex))
+    g = ex.n // ex.kh
+    ds = _finite_abs(ds)  # [B, N, T, S]
+    q, k = _finite_abs(arrays["q"]), _finite_abs(arrays["k"])  # [B, T, N, H], [B, S, K, H]
+    kk = np.repeat(k, g, axis=2)  # [B, S, N, H]
+    dq = u * scale * np.einsum("bnts,bsnh->btnh", ds, kk)
+    dk = u * scale * np.einsum("bnts,btnh->bsnh", ds, q)
+    dk = dk.reshape(ex.b, ex.s, ex.kh, g, ex.h).sum(3)
+    return {"dq": dq, "dk": dk}
 
 
 def _compare(ex, name, got, r64, rlo, fallback, slack=0.0):
     """The non-finite pattern, then the tolerance on the finite elements (plus `slack`,
-    see _one_hot_slack)."""
+    see _one_hot_slack and _rounded_ds_slack)."""
     x, ref, lo = _np(got), _np(r64), _np(rlo)
     if x.shape != ref.shape:
         _fail(ex, f"{name} has shape {x.shape}, the reference {ref.shape}")
@@ -326,15 +380,25 @@ def check_example(ex) -> str:
 
     got = _flatten(jax.jit(step)(*args))
 
+    rounds_ds = jnp.finfo(ex.dtype).eps > np.finfo(np.float32).eps
+
     def refs(*a):
         # The float64 reference gets float64 copies of the inputs (the same values), so that its
         # gradients are not rounded to the input dtype: the ground truth, unrounded.
         wide = [None if x is None else x.astype(jnp.float64) for x in a[:4]] + list(a[4:])
-        r64 = _step(attention_reference, ex, arrays, compute_dtype=jnp.float64)(*wide)
+        f64 = _step(attention_reference, ex, arrays, compute_dtype=jnp.float64)
+        r64 = f64(*wide)
         rlo = _step(attention_reference, ex, arrays)(*a)
-        return r64, rlo
+        ds = None
+        if rounds_ds:
+            # dS: the gradient of a full-size bias (the given one broadcast, or zeros).
+            full = jnp.zeros((ex.b, ex.n, ex.t, ex.s), jnp.float64)
+            if wide[3] is not None:
+                full = full + wide[3]
+            ds = f64(*wide[:3], full, *wide[4:])[2][3]
+        return r64, rlo, ds
 
-    r64, rlo = _compile(refs, *args)(*args)
+    r64, rlo, ds = _compile(refs, *args)(*args)
     r64, rlo = _flatten(r64), _flatten(rlo)
 
     cache = {}
@@ -355,6 +419,8 @@ def check_example(ex) -> str:
         if have != want:
             _fail(ex, f"{name} has dtype {have}, expected {want}")
     slack = _one_hot_slack(ex, arrays)
+    for name, extra in _rounded_ds_slack(ex, arrays, ds).items():
+        slack[name] = slack.get(name, 0.0) + extra
     for name in ("out", "lse", "dq", "dk", "dv", "dbias"):
         if got[name] is not None:
             _compare(ex, name, got[name], r64[name], rlo[name], fallback, slack.get(name, 0.0))

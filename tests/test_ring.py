@@ -336,6 +336,15 @@ EDGES = textwrap.dedent(
             if s == 0:
                 assert np.all(np.asarray(got[1]) == -np.inf) and not np.asarray(got[0]).any()
         print("ok empty", impl, flush=True)
+    # An empty ring still refuses an implementation that cannot make the call (cuda: float32).
+    q, k, v = inputs(1, 1, 4, 0, 2, 1, 8, jnp.float32)
+    try:
+        jax.jit(ring("cuda", is_causal=True))(q, k, v)
+    except ValueError as e:
+        assert 'implementation="cuda" cannot run this ring' in str(e), e
+    else:
+        raise AssertionError("an empty ring accepted implementation='cuda' for float32")
+    print("ok empty refuses", flush=True)
     """
 )
 
@@ -446,4 +455,5 @@ def test_flax_ring_attention_fn_rejects_dense_masks():
 
 def test_ring_second_order_and_empty():
     out = _run(EDGES)
-    assert out.count("ok second order") == 2 and out.count("ok empty") == 2, out
+    assert out.count("ok second order") == 2 and out.count("ok empty ") == 3, out
+    assert "ok empty refuses" in out, out

@@ -726,6 +726,10 @@ def ring_attention(
     cfg = RingConfig("xla", axis_name, p, layout, static_offset)
     if not is_empty(spec):  # (empty: no block to run, the result is computed directly)
         cfg = dataclasses.replace(cfg, implementation=_select(spec, cfg, implementation))
+    elif implementation is not None:  # still a call that implementation must be able to make
+        why = _registry.reason(implementation, c.spec)
+        if why is not None:
+            raise ValueError(f'implementation="{implementation}" cannot run this ring: {why}')
     out, lse = ring_flash_attention(cfg, spec, c.q, c.k, c.v, masks)
     out, lse = restore(c, out, lse)
     return (out, lse) if return_residual else out
