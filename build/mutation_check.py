@@ -280,13 +280,14 @@ MUTATIONS = [
              "const int tile_end = keys.hi / K::BLOCK_KV;", DET, what="deterministic dQ kernel: ragged last key tile dropped"),
 ]
 
-# CI (--fast): quick to catch, one of each kind of fault, and the speed-only one.
-FAST = ("is_interior_cols", "det_ds_sign", "fwd_tile_end", "rows32_a_row_block", "swizzle_off")
+# CI (--fast): so that the check itself cannot rot, three quick ones: a caught forward
+# fault (the warp32 layout's second row block), a caught backward fault (the deterministic
+# dQ kernel's sign) and the speed-only one (each costs an emulation rebuild; the full table
+# is docs/verification.md).
+FAST = ("det_ds_sign", "rows32_a_row_block", "swizzle_off")
 FAST_TESTS = {  # narrower selections for --fast (the full check uses each mutation's own)
     "rows32_a_row_block": "cuda and test_forward_warp32 and tile_plus-none",
-    "is_interior_cols": "cuda and test_forward and tile_plus-none",
     "det_ds_sign": "cuda and test_backward_deterministic and tile_plus-causal",
-    "fwd_tile_end": "cuda and test_forward and tile_plus-none",
     "swizzle_off": "cuda and test_forward and tile_minus-causal",
 }
 
