@@ -43,7 +43,8 @@ SMEM_LIMIT = 101376
 # sm_90 and newer reserve 1 KB of shared memory per block for the system; cuobjdump counts it in
 # SHARED, the opt-in limit (cudaDevAttrMaxSharedMemoryPerBlockOptin = 101376 on sm_120) does not.
 RESERVED_SMEM = {80: 0, 90: 1024, 120: 1024}
-INSTANTIATION = re.compile(r"^(fwd|bwd)_(f16|bf16)_hdim(\d+)(?:_(warp32))?\.cu$")
+# fwd_f16_hdim192.cu (Hv = H), fwd_f16_hdim192_hv128.cu (the value head dim Hv = 128), *_warp32.cu.
+INSTANTIATION = re.compile(r"^(fwd|bwd)_(f16|bf16)_hdim(\d+)(?:_hv(\d+))?(?:_(warp32))?\.cu$")
 # The mma.sync kernels (dynamic shared memory, SASS checks) and the host-side traits naming
 # their shared memory size.
 MAIN_KERNELS = {
@@ -69,18 +70,18 @@ def smem_bytes_per_mma(kind: str, t: dict) -> float:
     """Estimated shared-memory bytes read by ldmatrix per mma.sync (m16n8k16), one warp, one
     tile step of the kernel's main loop (every x4 load is 512 bytes; st.shared, the statistics
     and the epilogue are left out)."""
-    h, kv, q, r = t["head_dim"], t["block_kv"], t["block_q"], t["rows_per_warp"] // 16
-    hc = h // t["col_splits"]  # the backward's dK, dV columns per warp
+    h, hv, kv, q, r = t["head_dim"], t["v_head_dim"], t["block_kv"], t["block_q"], t["rows_per_warp"] // 16
+    hc, hvc = h // t["col_splits"], hv // t["col_splits"]  # the backward's dK, dV columns per warp
     if kind == "attention_forward_kernel":  # S = Q·Kᵀ (R A-loads + KV/16 B-loads per k-step), O += P·V
-        loads = (h // 16) * (r + kv // 16) + (kv // 16) * (h // 16)
-        mmas = r * (h // 16) * (kv // 8) + r * (kv // 16) * (h // 8)
-    elif kind == "attention_backward_kernel":  # Sᵀ, dPᵀ; dV, dK (its columns); this warp's dQ share
+        loads = (h // 16) * (r + kv // 16) + (kv // 16) * (hv // 16)
+        mmas = r * (h // 16) * (kv // 8) + r * (kv // 16) * (hv // 8)
+    elif kind == "attention_backward_kernel":  # Sᵀ (over H), dPᵀ (over Hv); dV, dK (its columns); the dQ share
         dq_cols = t["dq_cols"]
-        loads = 2 * (h // 16) * (1 + q // 16) + 2 * (q // 16) * (hc // 16) + (kv // 16) * (1 + dq_cols // 16)
-        mmas = 2 * (h // 16) * (q // 8) + 2 * (q // 16) * (hc // 8) + (kv // 16) * (dq_cols // 8)
-    else:  # deterministic dQ: S, dP, dQ += dS·K
-        loads = 2 * (h // 16) * (1 + kv // 16) + (kv // 16) * (h // 16)
-        mmas = 2 * (h // 16) * (kv // 8) + (kv // 16) * (h // 8)
+        loads = ((h + hv) // 16) * (1 + q // 16) + (q // 16) * ((hc + hvc) // 16) + (kv // 16) * (1 + dq_cols // 16)
+        mmas = ((h + hv) // 16) * (q // 8) + (q // 16) * ((hc + hvc) // 8) + (kv // 16) * (dq_cols // 8)
+    else:  # deterministic dQ: S (over H), dP (over Hv), dQ += dS·K
+        loads = ((h + hv) // 16) * (1 + kv // 16) + (kv // 16) * (h // 16)
+        mmas = ((h + hv) // 16) * (kv // 8) + (kv // 16) * (h // 8)
     return LDMATRIX_X4_BYTES * loads / mmas
 
 
@@ -220,22 +221,22 @@ def ptx_has_wmma(obj: pathlib.Path, cuobjdump: str) -> bool:
 
 
 def tile_traits(sources) -> dict:
-    """{(instantiation stem, kernel): {smem, threads, head_dim, block_q, block_kv, rows_per_warp,
-    dq_cols, col_splits}} from the kernels' tile traits, compiled for the host."""
+    """{(instantiation stem, kernel): {smem, threads, head_dim, v_head_dim, block_q, block_kv,
+    rows_per_warp, dq_cols, col_splits}} from the kernels' tile traits, compiled for the host."""
     cxx = shutil.which("c++") or shutil.which("g++")
     lines = []
     for src in sources:
-        p, d, h, layout = INSTANTIATION.match(src.name).groups()
+        p, d, h, hv, layout = INSTANTIATION.match(src.name).groups()
         elem = {"f16": "F16", "bf16": "Bf16"}[d]
         layout_arg = ", Layout::kWarp32" if layout else ""
         kernels = ["attention_forward_kernel"] if p == "fwd" else ["attention_backward_kernel",
                                                                    "attention_backward_dq_kernel"]
         for kernel in kernels:
             traits = MAIN_KERNELS[kernel]
-            args = f"{elem}, {h}" + ("" if kernel == "attention_backward_dq_kernel" else layout_arg)
+            args = f"{elem}, {h}, {hv or h}" + ("" if kernel == "attention_backward_dq_kernel" else layout_arg)
             k = f"{traits}<{args}>"
             dq_cols = f"{k}::DQ_COLS" if kernel == "attention_backward_kernel" else "0"
-            lines.append(f'  std::printf("{src.stem} {kernel} %d %d {h} %d %d %d %d %d\\n", {k}::kSmemBytes, '
+            lines.append(f'  std::printf("{src.stem} {kernel} %d %d {h} {hv or h} %d %d %d %d %d\\n", {k}::kSmemBytes, '
                          f'{k}::THREADS, {k}::BLOCK_Q, {k}::BLOCK_KV, {k}::kShape.rows_per_warp, {dq_cols}, '
                          f'{k}::kShape.col_splits);')
     program = ("#include <cstdio>\n#include \"kernels/fwd.h\"\n#include \"kernels/bwd.h\"\n"
@@ -247,7 +248,8 @@ def tile_traits(sources) -> dict:
         subprocess.run([cxx, "-std=c++17", "-DJAX_FLASH_EMULATE", "-I", str(CUDA), str(cc), "-o", str(exe)],
                        check=True, capture_output=True)
         out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
-    names = ("smem", "threads", "head_dim", "block_q", "block_kv", "rows_per_warp", "dq_cols", "col_splits")
+    names = ("smem", "threads", "head_dim", "v_head_dim", "block_q", "block_kv", "rows_per_warp", "dq_cols",
+             "col_splits")
     return {(f[0], f[1]): dict(zip(names, map(int, f[2:]))) for f in (l.split() for l in out.splitlines())}
 
 
@@ -257,9 +259,10 @@ def markdown_table(rows) -> str:
     for stem, arch, kind, regs, smem, stack, local, spills, per_mma, ctas in rows:
         if "attention_" + kind not in MAIN_KERNELS:
             continue
-        p, d, h, layout = INSTANTIATION.match(stem + ".cu").groups()
-        g = groups.setdefault((kind, layout or "warp16", int(h)), {"regs": {}, "ctas": {}, "smem": set(),
-                                                                   "per_mma": set(), "bad": set()})
+        p, d, h, hv, layout = INSTANTIATION.match(stem + ".cu").groups()
+        head = h if hv is None else f"{h}, Hv {hv}"
+        g = groups.setdefault((kind, layout or "warp16", head), {"regs": {}, "ctas": {}, "smem": set(),
+                                                                 "per_mma": set(), "bad": set()})
         g["regs"].setdefault(arch, set()).add(regs)
         g["ctas"].setdefault(arch, set()).add(ctas)
         g["smem"].add(smem)
@@ -270,7 +273,12 @@ def markdown_table(rows) -> str:
              "(bytes) | smem B per MMA "
              "| CTAs per SM sm_80 / sm_90 / sm_120 |", "|---|---|---|---|---|---|---|---|"]
     order = {k: i for i, k in enumerate(("forward_kernel", "backward_kernel", "backward_dq_kernel"))}
-    for (kind, layout, h), g in sorted(groups.items(), key=lambda x: (order.get(x[0][0], 9), x[0][1], x[0][2])):
+    def head_key(head):  # (H, Hv): Hv = H first, then the narrower values
+        h, _, hv = head.partition(", Hv ")
+        return int(h), -int(hv or h)
+
+    for (kind, layout, h), g in sorted(groups.items(),
+                                       key=lambda x: (order.get(x[0][0], 9), x[0][1], head_key(x[0][2]))):
         archs = [f"sm_{a}" for a in ARCHS]
         lines.append(f"| {kind.replace('_kernel', '')} | {layout} | {h} | "
                      + " / ".join(fmt(g["regs"].get(a, {"-"})) for a in archs)

@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Writes the kernel instantiations: one .cu file per dtype x head dim x pass x layout in cuda/kernels/.
+"""Writes the kernel instantiations: one .cu file per dtype x head dims x pass x layout in cuda/kernels/.
 
 Each file explicitly instantiates one LaunchForward/LaunchBackward template (cuda/kernels/fwd.h,
 bwd.h), so CMake compiles them in parallel and a change to one head dim rebuilds one file.
-The runtime -> template dispatch (cuda/kernels/dispatch.h) lists the same head dims; this
-script checks that it does. Layouts (kernels/tile.h, JAX_FLASH_CUDA_LAYOUT): every head dim
+Head dims are pairs (H, Hv) of the query/key and the value head dim: every H of HEAD_DIMS with
+Hv = H (`fwd_f16_hdim192.cu`), and the NARROW_VALUE_PAIRS with Hv < H (`fwd_f16_hdim192_hv128.cu`).
+The runtime -> template dispatch (cuda/kernels/dispatch.h) lists the same head dims and pairs;
+this script checks that it does. Layouts (kernels/tile.h, JAX_FLASH_CUDA_LAYOUT): every head dim
 has a warp16 file (`fwd_f16_hdim64.cu`); warp32 files (`fwd_f16_hdim64_warp32.cu`) exist only
 where that layout has a tile shape of its own (HasOwnShape; each file static_asserts it, and a
 missing one is an undefined symbol at link time, since dispatch.h calls it).
@@ -25,6 +27,8 @@ KERNELS = ROOT / "cuda" / "kernels"
 
 DTYPES = {"f16": "F16", "bf16": "Bf16"}
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+# (H, Hv) with a narrower value head dim (MLA), warp16 only (kernels/tile.h: the (H, H) shape).
+NARROW_VALUE_PAIRS = ((192, 128), (128, 64))
 PASSES = {
     "fwd": ("kernels/fwd.h", "LaunchForward", "const AttentionParams&, Stream", "kForward"),
     "bwd": ("kernels/bwd.h", "LaunchBackward", "const AttentionParams&, bool, Stream", "kBackward"),
@@ -41,8 +45,9 @@ TEMPLATE = """\
 
 namespace jax_flash {{
 namespace kernels {{
-static_assert(HasOwnShape(Pass::{pass_enum}, {head_dim}, Layout::{layout}), "this layout runs another file's kernel");
-template LaunchError {function}<{elem}, {head_dim}, Layout::{layout}>({signature});
+static_assert(HasOwnShape(Pass::{pass_enum}, {head_dim}, {v_head_dim}, Layout::{layout}),
+              "this layout runs another file's kernel");
+template LaunchError {function}<{elem}, {head_dim}, {v_head_dim}, Layout::{layout}>({signature});
 }}  // namespace kernels
 }}  // namespace jax_flash
 """
@@ -53,11 +58,16 @@ def files() -> dict[pathlib.Path, str]:
     for pass_name, (header, function, signature, pass_enum) in PASSES.items():
         for dtype, elem in DTYPES.items():
             for layout, layout_enum in LAYOUTS.items():
-                for head_dim in HEAD_DIMS if layout == "warp16" else WARP32_HEAD_DIMS[pass_name]:
+                pairs = [(h, h) for h in (HEAD_DIMS if layout == "warp16" else WARP32_HEAD_DIMS[pass_name])]
+                if layout == "warp16":
+                    pairs += list(NARROW_VALUE_PAIRS)
+                for head_dim, v_head_dim in pairs:
+                    hv = "" if v_head_dim == head_dim else f"_hv{v_head_dim}"
                     suffix = "" if layout == "warp16" else f"_{layout}"
-                    path = KERNELS / f"{pass_name}_{dtype}_hdim{head_dim}{suffix}.cu"
+                    path = KERNELS / f"{pass_name}_{dtype}_hdim{head_dim}{hv}{suffix}.cu"
                     out[path] = TEMPLATE.format(header=header, function=function, elem=elem, head_dim=head_dim,
-                                                signature=signature, pass_enum=pass_enum, layout=layout_enum)
+                                                v_head_dim=v_head_dim, signature=signature, pass_enum=pass_enum,
+                                                layout=layout_enum)
     return out
 
 
@@ -67,6 +77,14 @@ def dispatch_head_dims() -> tuple[int, ...]:
     return tuple(int(x) for x in m.group(1).split(",")) if m else ()
 
 
+def dispatch_narrow_value_pairs() -> tuple[tuple[int, int], ...]:
+    """kNarrowValuePairs of dispatch.h, and the (H, Hv) pairs its dispatch functions branch on."""
+    text = (KERNELS / "dispatch.h").read_text()
+    m = re.search(r"kNarrowValuePairs\[\]\s*=\s*\{(.*?)\};", text)
+    listed = tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),\s*(\d+)\}", m.group(1))) if m else ()
+    return listed
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="verify instead of writing")
@@ -74,8 +92,16 @@ def main() -> int:
     problems = []
     if dispatch_head_dims() != HEAD_DIMS:
         problems.append(f"dispatch.h kHeadDims {dispatch_head_dims()} != generator HEAD_DIMS {HEAD_DIMS}")
+    if dispatch_narrow_value_pairs() != NARROW_VALUE_PAIRS:
+        problems.append(f"dispatch.h kNarrowValuePairs {dispatch_narrow_value_pairs()} != generator "
+                        f"NARROW_VALUE_PAIRS {NARROW_VALUE_PAIRS}")
+    dispatch = (KERNELS / "dispatch.h").read_text()
+    for h, hv in NARROW_VALUE_PAIRS:
+        for function in ("ForwardFor", "BackwardFor"):
+            if f"{function}<Elem, {h}, {hv}>" not in dispatch:
+                problems.append(f"dispatch.h does not dispatch ({h}, {hv}) to {function}<Elem, {h}, {hv}>")
     wanted = files()
-    pattern = re.compile(r"^(fwd|bwd)_(f16|bf16)_hdim\d+(_warp32)?\.cu$")
+    pattern = re.compile(r"^(fwd|bwd)_(f16|bf16)_hdim\d+(_hv\d+)?(_warp32)?\.cu$")
     stale = [p for p in KERNELS.glob("*.cu") if pattern.match(p.name) and p not in wanted]
     for path, text in wanted.items():
         current = path.read_text() if path.exists() else None

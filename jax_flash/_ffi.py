@@ -171,8 +171,9 @@ def _backward_call(
     if backward_grid is not None:
         # dk_accum, dv_accum: per-query-head dK, dV for the q_heads grid, empty for kv_heads.
         grid = backward_grid(spec)
-        dkv = (b, k.shape[1], n, h) if grid == "q_heads" else (0,)
-        shapes += (jax.ShapeDtypeStruct(dkv, jnp.float32),) * 2
+        dk_accum = (b, k.shape[1], n, h) if grid == "q_heads" else (0,)
+        dv_accum = (b, v.shape[1], n, v.shape[-1]) if grid == "q_heads" else (0,)  # [B, S, N, Hv]
+        shapes += (jax.ShapeDtypeStruct(dk_accum, jnp.float32), jax.ShapeDtypeStruct(dv_accum, jnp.float32))
     dbias_shape = (0,) if masks.bias is None else masks.bias.shape
     shapes += (jax.ShapeDtypeStruct(dbias_shape, jnp.float32),)
     dq, dk, dv, *_, dbias = jax.ffi.ffi_call(target, shapes)(

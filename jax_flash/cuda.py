@@ -42,14 +42,17 @@ from jax_flash.parallel import partitioning
 from jax_flash.xla import finite_part, nonfinite_rows
 
 DTYPES = ("float16", "bfloat16")
-# Head dims with compiled instantiations (cuda/kernels, build/generate_kernels.py).
+# Head dims with compiled instantiations (cuda/kernels, build/generate_kernels.py): every H of
+# HEAD_DIMS with the value head dim Hv = H, and the NARROW_VALUE_PAIRS (H, Hv) with Hv < H
+# (MLA: DeepSeek's 192-wide queries and keys with 128-wide values).
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+NARROW_VALUE_PAIRS = ((192, 128), (128, 64))
 MIN_COMPUTE_CAPABILITY = (8, 0)
 
 
 def head_dim_pairs() -> tuple:
     """The (H, Hv) pairs of query/key and value head dims the kernels serve."""
-    return tuple((h, h) for h in HEAD_DIMS)
+    return tuple((h, h) for h in HEAD_DIMS) + NARROW_VALUE_PAIRS
 
 
 def value_head_dim_reason(spec: AttentionSpec) -> Optional[str]:
@@ -58,7 +61,8 @@ def value_head_dim_reason(spec: AttentionSpec) -> Optional[str]:
     if pair in head_dim_pairs():
         return None
     return (
-        f"has kernels for (H, Hv) pairs with the value head dim Hv = H only "
+        f"has kernels for (H, Hv) pairs with the value head dim Hv = H and for "
+        f"{', '.join(f'({h}, {hv})' for h, hv in NARROW_VALUE_PAIRS)} "
         f"({', '.join(f'({h}, {hv})' for h, hv in head_dim_pairs())}), got H = {pair[0]}, "
         f"Hv = {pair[1]}"
     )
@@ -106,7 +110,7 @@ def layout_description(head_dim: int) -> str:
 # q_heads grid when the kv_heads grid would launch fewer than BACKWARD_GRID_CTA_TARGET CTAs and
 # G = N / K > 1: 528 = two waves of an H100/H200 (132 SMs) at the backward's 2 CTAs per SM
 # (warp16, docs/gpu-results.md). Below that the kv_heads grid leaves SMs idle, while the q_heads
-# grid has G times the CTAs for the same work, at the price of 2·B·S·N·H float32 workspace and
+# grid has G times the CTAs for the same work, at the price of B·S·N·(H + Hv) float32 workspace and
 # one more pass over it (the group sum).
 BACKWARD_GRIDS = ("auto", "kv_heads", "q_heads")
 BACKWARD_GRID_CTA_TARGET = 528
@@ -124,8 +128,11 @@ def backward_grid_setting() -> str:
 
 
 def backward_block_kv(head_dim: int) -> int:
-    """Keys per CTA of the main backward kernel under the current layout (kernels/tile.h)."""
-    return 128 if layout() == "warp32" and head_dim in WARP32_HEAD_DIMS["backward"] else 64
+    """Keys per CTA of the main backward kernel under the current layout (kernels/tile.h; the
+    value head dim does not change it)."""
+    if layout() == "warp32" and head_dim in WARP32_HEAD_DIMS["backward"]:
+        return 128
+    return 32 if head_dim == 192 else 64
 
 
 def backward_ctas(spec: AttentionSpec, grid: str) -> int:
@@ -237,7 +244,7 @@ def _compute_capability() -> Optional[tuple[int, int]]:
 # 64 query rows or keys (forward 128, backward and dQ 64), except the backward's 32 keys at
 # H = 192: B·ceil(L / 64) (B·ceil(S / 32) there) bounds grid.x for L = T and S. The backward's delta kernel is a 1-D grid of ceil(B·T·N / rows) CTAs with
 # rows = 128 threads / (lanes per row, the head dim's 16-byte chunks rounded up to a power of
-# two). The handlers hold B, N, K as int and T, S below 2**30.
+# two; rows of out, dout: Hv). The handlers hold B, N, K as int and T, S below 2**30.
 MIN_GRID_BLOCK = 64
 
 
@@ -267,7 +274,7 @@ def launch_limit(spec: AttentionSpec) -> Optional[str]:
                 f"would launch B·ceil({'T' if what == 'query' else 'S'}/{block}) = "
                 f"{ctas} CTAs ({what} blocks x batch B={b}) in grid.x, above CUDA's limit of 2**31 - 1"
             )
-    rows = _delta_rows_per_block(h)
+    rows = _delta_rows_per_block(spec.v_head_dim)  # the delta kernel reads rows of out, dout
     ctas = -(-(b * t * n) // rows)
     if ctas > MAX_GRID_X:
         return (
@@ -363,7 +370,7 @@ class CudaImplementation:
     def _sees(self, target, spec, flags, masks, dtype):
         """Bool [B, T, N]: the row sees a key whose flag is set. The kernels on q = k = 0
         (every visible logit 0, so P = 1/#visible > 0) and v = the flags, at head dim 32."""
-        small = dataclasses.replace(spec, head_dim=min(HEAD_DIMS))
+        small = dataclasses.replace(spec, head_dim=min(HEAD_DIMS), value_head_dim=None)
         b, t, n, s, kh, h = spec.batch, spec.q_len, spec.num_heads, spec.kv_len, spec.num_kv_heads, small.head_dim
         v = jnp.broadcast_to(flags[..., None], (b, s, kh, h)).astype(dtype)
         zeros_q, zeros_k = jnp.zeros((b, t, n, h), dtype), jnp.zeros((b, s, kh, h), dtype)

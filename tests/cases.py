@@ -63,6 +63,10 @@ SMALL_SHAPES = {
     # Hv != H: MLA-like (192, 128) and (64, 32) with GQA, ragged.
     "small_mla": Shape(1, 33, 70, 2, 1, 192, hv=128),
     "small_hv": Shape(1, 40, 50, 4, 2, 64, hv=32),
+    # The cuda kernels' other Hv != H cases (HV_CUDA_CASES in test_attention.py): (192, 128) with
+    # T = 31, S = 65 (-1 and +1 modulo their 16-row and 32-key blocks), (128, 64) tiny.
+    "small_mla_edge": Shape(1, 31, 65, 2, 1, 192, hv=128),
+    "small_hv_half": Shape(1, 17, 33, 2, 1, 128, hv=64),
     # Attention sinks (SINK_CASES): tiny, ragged, GQA; H = 32 so that cuda serves them too.
     "sinks_gqa": Shape(2, 40, 70, 4, 2, 32),
     "sinks_tall": Shape(1, 50, 20, 2, 1, 32),  # T > S: with a window, the last rows see no key

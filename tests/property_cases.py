@@ -183,12 +183,13 @@ def _length(rng, tiny: bool) -> int:
 
 
 def _seq_lengths(rng, b: int, full: int) -> list:
-    """One length per batch row: 0, negative, inside, exactly full, beyond full."""
+    """One length per batch row: 0, negative, inside, exactly full, beyond full (an empty
+    axis, full = 0, draws 1 for "at least one")."""
     out = []
     for _ in range(b):
         kind = rng.integers(6)
         out.append(int([0, -int(rng.integers(1, 2 * full + 2)), rng.integers(0, full + 1), full,
-                         full + int(rng.integers(1, full + 2)), rng.integers(1, full + 1)][kind]))
+                         full + int(rng.integers(1, full + 2)), rng.integers(1, max(full, 1) + 1)][kind]))
     return out
 
 

@@ -8,6 +8,7 @@ finite gradients in every implementation.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +20,8 @@ from jax_flash._spec import AttentionSpec
 from jax_flash.reference import attention_reference
 
 from cases import (
-    CASES, EPS, FACTOR, GRAD_EPS, SINK_CASES, TILE_EDGE_KINDS, Shape, make_qkv, make_sinks, mask_kwargs,
-    max_err,
+    CASES, EPS, FACTOR, GRAD_EPS, SINK_CASES, TILE_EDGE_KINDS, Case, Shape, make_qkv, make_sinks,
+    mask_kwargs, max_err,
 )
 from conftest import slow_impl
 
@@ -230,6 +231,59 @@ def test_backward_kv_heads_grid_deterministic(impl, monkeypatch):
     monkeypatch.setenv("JAX_FLASH_CUDA_BWD_GRID", "kv_heads")
     case = next(c for c in CASES if str(c) == "small_mqa-combo-bfloat16")
     test_backward_deterministic(impl, case, monkeypatch)
+
+
+# The value head dim Hv != H in the cuda kernels ((192, 128), MLA; (128, 64)). small_mla
+# (causal, GQA: the q_heads grid with dQ atomics) runs in test_forward / test_backward above;
+# these add the tile edges at (192, 128) (T = 31, S = 65 with 63 valid keys: ±1 of the 16-row
+# and 32-key blocks) on the kv_heads grid in deterministic mode (the dQ kernel), forward and
+# backward, and (128, 64) on the q_heads grid, whose workspaces are dk_accum [B, S, N, H] and
+# dv_accum [B, S, N, Hv]: its gradients only (CI time; they use the forward's out and lse, through
+# D = rowsum(dO ∘ O) and P). {case: (grid, deterministic, check the forward too)}
+HV_CUDA_CASES = {
+    Case("small_mla_edge", "tile_lengths", "float16", True): ("kv_heads", True, True),
+    Case("small_hv_half", "combo", "bfloat16", True): ("q_heads", False, False),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=str(c)) for c in HV_CUDA_CASES])
+def test_value_head_dim_cuda(impl, case, monkeypatch):
+    if impl != "cuda":
+        pytest.skip("the cuda kernels' (H, Hv) pairs with Hv != H (the suite's cases run the others)")
+    grid, det, forward = HV_CUDA_CASES[case]
+    monkeypatch.setenv("JAX_FLASH_CUDA_BWD_GRID", grid)
+    if det:
+        monkeypatch.setenv("JAX_FLASH_DETERMINISTIC", "1")
+    shape = case.shape
+    q, k, v = make_qkv(shape, jnp.dtype(case.dtype))
+    note = jax_flash.explain(q, k, v, implementation=impl).notes[impl]
+    assert f"({shape.h}, {shape.hv})" in note and f"backward grid {grid}" in note, note
+    f = lambda q, k, v: jax_flash.attention(q, k, v, implementation=impl).astype(jnp.float32).sum()
+    text = jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(q, k, v).as_text()
+    assert ("deterministic = true" in text) == det
+    if grid == "q_heads":  # the per-query-head workspaces at H and at Hv
+        for width in (shape.h, shape.hv):
+            assert f"tensor<{shape.b}x{shape.s}x{shape.n}x{width}xf32>" in text, width
+    if forward:
+        test_forward(impl, case)
+    _check_backward(impl, case)
+
+
+# A longer sweep of the same (JAX_FLASH_LONG_TESTS=1): (192, 128) and (128, 64) over more mask
+# kinds, both dtypes, both backward grids.
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("JAX_FLASH_LONG_TESTS") != "1", reason="long sweep: JAX_FLASH_LONG_TESTS=1")
+@pytest.mark.parametrize("grid", ("kv_heads", "q_heads"))
+@pytest.mark.parametrize("kind", ("combo", "window", "segments", "softcap", "all_masked", "offset_decode",
+                                  "tile_window", "tile_causal_lengths"))
+@pytest.mark.parametrize("shape_name", ("small_mla", "small_mla_edge", "small_hv_half"))
+def test_value_head_dim_cuda_sweep(impl, shape_name, kind, grid, monkeypatch):
+    if impl != "cuda":
+        pytest.skip("the cuda kernels' (H, Hv) pairs with Hv != H")
+    monkeypatch.setenv("JAX_FLASH_CUDA_BWD_GRID", grid)
+    case = Case(shape_name, kind, ("float16", "bfloat16")[len(kind) % 2], True)
+    test_forward(impl, case)
+    _check_backward(impl, case)
 
 
 def test_backward_grid_choice(impl, monkeypatch):

@@ -5,8 +5,9 @@ at full size, forward and backward, and the backward in deterministic mode
 warp layout (JAX_FLASH_CUDA_LAYOUT=warp32) with the combined mask at every head dim it has its
 own kernels for (32, 64, 96), forward and backward.
 
-Every mask kind the kernels take, every head dim with kernels (32, 64, 96, 128) and both
-dtypes appear, each (head dim, dtype) pair with the combined mask; T and S are ≡ −1 or +1
+Every mask kind the kernels take, every head dim with kernels (32, 64, 96, 128, 192, 256) and
+both dtypes appear, each (head dim, dtype) pair with the combined mask, and so do the value head
+dims Hv != H with kernels ((192, 128), (128, 64)), also in deterministic mode; T and S are ≡ −1 or +1
 modulo every tile size of the kernels (16, 32, 64, 128), so partial tiles, the ring wrap and
 the interior test meet their edges.
 
@@ -82,6 +83,8 @@ else:
 
 EMULATED = os.environ.get("JAX_FLASH_GPU_SUITE", "") == "emulated"
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+# (H, Hv) with a narrower value head dim (jax_flash.cuda.NARROW_VALUE_PAIRS).
+NARROW_VALUE_PAIRS = ((192, 128), (128, 64))
 DTYPES = ("bfloat16", "float16")
 # The mask kinds of the suite that the cuda kernels take (no dense bias or mask): window and
 # length edges at +1/-1 of the tile boundaries, scales that are not positive, query offsets.
@@ -90,14 +93,14 @@ KINDS = ("none", "causal", "window", "window_causal", "lengths", "segments", "so
          "negative_scale") + cases.OFFSET_KINDS
 
 
-def _shapes(h: int) -> dict:
+def _shapes(h: int, hv=None) -> dict:
     if EMULATED:  # the emulation is slow: still several tiles, same residues mod 16 and 64
-        return {"ragged": cases.Shape(1, 63, 129, 2, 1, h), "tall": cases.Shape(1, 65, 31, 2, 2, h)}
+        return {"ragged": cases.Shape(1, 63, 129, 2, 1, h, hv), "tall": cases.Shape(1, 65, 31, 2, 2, h, hv)}
     return {
         # T ≡ −1 and S ≡ +1 modulo 16, 32, 64 and 128; GQA.
-        "ragged": cases.Shape(2, 255, 1025, 4, 2, h),
+        "ragged": cases.Shape(2, 255, 1025, 4, 2, h, hv),
         # T > S, T ≡ +1 and S ≡ −1; MQA.
-        "tall": cases.Shape(1, 513, 127, 4, 1, h),
+        "tall": cases.Shape(1, 513, 127, 4, 1, h, hv),
     }
 
 
@@ -112,11 +115,12 @@ class GpuCase(cases.Case):
         return self.gpu_shape
 
     def __str__(self):
-        return f"{self.shape_name}-{self.mask_kind}-{self.dtype}-H{self.gpu_shape.h}"
+        hv = "" if self.gpu_shape.hv is None else f"Hv{self.gpu_shape.hv}"
+        return f"{self.shape_name}-{self.mask_kind}-{self.dtype}-H{self.gpu_shape.h}{hv}"
 
 
-def _case(shape_name: str, kind: str, dtype: str, h: int) -> GpuCase:
-    return GpuCase(shape_name, kind, dtype, EMULATED, gpu_shape=_shapes(h)[shape_name])
+def _case(shape_name: str, kind: str, dtype: str, h: int, hv=None) -> GpuCase:
+    return GpuCase(shape_name, kind, dtype, EMULATED, gpu_shape=_shapes(h, hv)[shape_name])
 
 
 def _cases() -> list[GpuCase]:
@@ -129,12 +133,18 @@ def _cases() -> list[GpuCase]:
     for h in HEAD_DIMS:
         for dtype in DTYPES:
             out.append(_case("ragged", "combo", dtype, h))
+    # Hv != H: the combined mask in both dtypes, and a window on the MQA shape.
+    for h, hv in NARROW_VALUE_PAIRS:
+        for dtype in DTYPES:
+            out.append(_case("ragged", "combo", dtype, h, hv))
+        out.append(_case("tall", "window", "bfloat16", h, hv))
     return list(dict.fromkeys(out))
 
 
 CASES = _cases()
 # Deterministic mode: the dQ kernel of every head dim, both dtypes, causal and lengths.
-DETERMINISTIC = [_case("ragged", ("causal", "lengths")[i % 2], DTYPES[i % 2], h) for i, h in enumerate(HEAD_DIMS)]
+DETERMINISTIC = [_case("ragged", ("causal", "lengths")[i % 2], DTYPES[i % 2], h) for i, h in enumerate(HEAD_DIMS)] + [
+    _case("ragged", "lengths", DTYPES[i % 2], h, hv) for i, (h, hv) in enumerate(NARROW_VALUE_PAIRS)]
 # JAX_FLASH_CUDA_LAYOUT=warp32: the head dims whose forward or backward has a kernel of that
 # layout (build/generate_kernels.py), the combined mask, both dtypes.
 WARP32 = [_case("ragged", "combo", DTYPES[i % 2], h) for i, h in enumerate((32, 64, 96))]

@@ -11,8 +11,11 @@
 // The q_heads grid (MQA/GQA at small batch: p.dkv_per_query_head()) runs the main kernel over
 // one CTA per (key block, query head, batch) instead, each CTA looping over its one head's
 // query blocks and writing that head's dK, dV in f32 into the dk_accum / dv_accum workspaces
-// [B, S, N, H]; the group sum (4. below) then adds each group's G heads in a fixed order into
-// dk, dv. G times as many CTAs share the same work, with no atomics on dK, dV in either grid.
+// ([B, S, N, H] and [B, S, N, Hv]); the group sum (4. below) then adds each group's G heads in a
+// fixed order into dk, dv. G times as many CTAs share the same work, with no atomics on dK, dV
+// in either grid.
+// The value head dim Hv (V, dO, dV: V_HEAD_DIM) may be narrower than H (Q, K, dQ, dK): dPᵀ =
+// V·dOᵀ runs over Hv, dV holds Hv columns, every other product is over H.
 // Deterministic mode replaces the atomics and the conversion by a fourth kernel that computes dQ
 // per query block (2b below), at the price of recomputing S and dP once more.
 // The main kernel computes the transposed tiles Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (rows = keys), so
@@ -34,29 +37,35 @@
 namespace jax_flash {
 namespace kernels {
 
-template <class Elem, int HEAD_DIM, Layout LAYOUT = Layout::kWarp16>
+template <class Elem, int HEAD_DIM, int V_HEAD_DIM = HEAD_DIM, Layout LAYOUT = Layout::kWarp16>
 struct BackwardKernel {
-  static constexpr TileShape kShape = TileShapeFor(Pass::kBackward, HEAD_DIM, LAYOUT);
+  static constexpr TileShape kShape = TileShapeFor(Pass::kBackward, HEAD_DIM, V_HEAD_DIM, LAYOUT);
   static constexpr int BLOCK_Q = kShape.block_q;
   static constexpr int BLOCK_KV = kShape.block_kv;
   static constexpr int WARPS = kShape.warps;
   static constexpr int STAGES = kShape.stages;
   static constexpr int THREADS = WARPS * WARP_SIZE;
   static constexpr int WARP_KV = kShape.rows_per_warp;  // keys per warp
-  // Warps per 16 keys (TileShape::col_splits): each holds dK and dV of DKV_COLS columns.
+  // Warps per 16 keys (TileShape::col_splits): each holds dK of DK_COLS and dV of DV_COLS columns.
   static constexpr int COL_SPLITS = kShape.col_splits;
-  static constexpr int DKV_COLS = HEAD_DIM / COL_SPLITS;
-  // k-steps of Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ unrolled at once: dK and dV hold 2·HEAD_DIM/2
-  // registers per thread for the whole kernel, so full unrolling would spill at HEAD_DIM 128.
+  static constexpr int DK_COLS = HEAD_DIM / COL_SPLITS;
+  static constexpr int DV_COLS = V_HEAD_DIM / COL_SPLITS;
+  static constexpr int DKV_BLOCKS = (DK_COLS > DV_COLS ? DK_COLS : DV_COLS) / MMA_N;  // n-blocks of the wider
+  // k-steps of Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ unrolled at once: dK and dV hold (H + Hv)/2
+  // registers per thread (over col_splits) for the whole kernel, so full unrolling would spill
+  // at H = 128.
   static constexpr int K_UNROLL = HEAD_DIM <= 64 ? HEAD_DIM / MMA_K : 2;
 
-  using KVTile = SmemTile<BLOCK_KV, HEAD_DIM>;
-  using QTile = SmemTile<BLOCK_Q, HEAD_DIM>;
-  using DsTile = SmemTile<BLOCK_KV, BLOCK_Q>;  // dSᵀ, rows = keys
+  using KVTile = SmemTile<BLOCK_KV, HEAD_DIM>;   // K
+  using VTile = SmemTile<BLOCK_KV, V_HEAD_DIM>;  // V (KVTile when Hv = H)
+  using QTile = SmemTile<BLOCK_Q, HEAD_DIM>;     // Q
+  using DoTile = SmemTile<BLOCK_Q, V_HEAD_DIM>;  // dO (QTile when Hv = H)
+  using DsTile = SmemTile<BLOCK_KV, BLOCK_Q>;    // dSᵀ, rows = keys
+  static constexpr bool kHvIsH = V_HEAD_DIM == HEAD_DIM;
   // Shared memory: [K][V][dSᵀ] then a ring of STAGES x [Q][dO][lse2][delta].
   static constexpr int kStatBytes = BLOCK_Q * 4;
-  static constexpr int kStageBytes = 2 * QTile::kBytes + 2 * kStatBytes;
-  static constexpr int kRingOffset = 2 * KVTile::kBytes + DsTile::kBytes;
+  static constexpr int kStageBytes = QTile::kBytes + DoTile::kBytes + 2 * kStatBytes;
+  static constexpr int kRingOffset = KVTile::kBytes + VTile::kBytes + DsTile::kBytes;
   static constexpr int kSmemBytes = kRingOffset + STAGES * kStageBytes;
 
   // dQ = dS·K of a query block is split over the warps: 16-row groups x DQ_COLS columns.
@@ -71,7 +80,9 @@ struct BackwardKernel {
   }
 
   static_assert(BLOCK_KV * COL_SPLITS == WARPS * WARP_KV && WARP_KV == MMA_M, "each warp owns 16 keys");
-  static_assert(DKV_COLS % 16 == 0 && DKV_COLS * COL_SPLITS == HEAD_DIM, "dK, dV split in 16-column blocks");
+  static_assert(DK_COLS % 16 == 0 && DK_COLS * COL_SPLITS == HEAD_DIM && DV_COLS % 16 == 0 &&
+                    DV_COLS * COL_SPLITS == V_HEAD_DIM,
+                "dK, dV split in 16-column blocks");
   static_assert(WARPS % DQ_ROW_GROUPS == 0 && DQ_COLS % 16 == 0, "dQ work splits evenly over the warps");
   static_assert(STAGES >= 2, "the ring overlaps the next query block's copy with this one's math");
   static_assert(kSmemBytes <= kMaxSmemBytes, "backward tile does not fit 99 KB of shared memory");
@@ -79,24 +90,25 @@ struct BackwardKernel {
 
 // ---- 1. delta ---------------------------------------------------------------------------------
 
-template <int HEAD_DIM>
+// Rows of V_HEAD_DIM (Hv) elements: out and dout.
+template <int V_HEAD_DIM>
 struct DeltaKernel {
   static constexpr int THREADS = 128;
-  static constexpr int CHUNKS = HEAD_DIM / 8;                        // one 16-byte chunk per lane
+  static constexpr int CHUNKS = V_HEAD_DIM / 8;                      // one 16-byte chunk per lane
   static constexpr int LANES_PER_ROW = NextPowerOfTwo(CHUNKS);  // lanes >= CHUNKS add 0
   static constexpr int ROWS_PER_BLOCK = THREADS / LANES_PER_ROW;
   static_assert(LANES_PER_ROW <= WARP_SIZE, "a row stays inside a warp");
 };
 
-template <class Elem, int HEAD_DIM>
-__global__ void __launch_bounds__(DeltaKernel<HEAD_DIM>::THREADS) attention_backward_delta_kernel(const AttentionParams p) {
-  using K = DeltaKernel<HEAD_DIM>;
+template <class Elem, int V_HEAD_DIM>
+__global__ void __launch_bounds__(DeltaKernel<V_HEAD_DIM>::THREADS) attention_backward_delta_kernel(const AttentionParams p) {
+  using K = DeltaKernel<V_HEAD_DIM>;
   const int64_t rows = static_cast<int64_t>(p.batch) * p.q_len * p.q_heads;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * K::ROWS_PER_BLOCK + threadIdx.x / K::LANES_PER_ROW;
   const int sub = static_cast<int>(threadIdx.x) % K::LANES_PER_ROW;
   float dot = 0.0f;
   if (row < rows && sub < K::CHUNKS) {
-    const int64_t offset = row * HEAD_DIM + sub * 8;
+    const int64_t offset = row * V_HEAD_DIM + sub * 8;
     Chunk16 o, d;
     ptx::ld_global_v4_b32(o.w, p.out + offset);
     ptx::ld_global_v4_b32(d.w, p.dout + offset);
@@ -195,52 +207,56 @@ __device__ __forceinline__ void accumulate_dq(const AttentionParams& p, const ch
   }
 }
 
-// dK (unscaled) and dV of the warp's 16 keys and DKV_COLS columns (from col0) for query head
-// n, in f32 into the workspaces (the q_heads grid: one CTA per query head writes each row once).
+// dK (unscaled) of the warp's 16 keys and DK_COLS columns (from dk_col0) and dV of DV_COLS
+// columns (from dv_col0) for query head n, in f32 into the workspaces (the q_heads grid: one
+// CTA per query head writes each row once).
 template <class K>
-__device__ __forceinline__ void store_dk_dv_accum(const AttentionParams& p, const float (&dk)[K::DKV_COLS / MMA_N][4],
-                                                  const float (&dv)[K::DKV_COLS / MMA_N][4], int b, int n, int row0,
-                                                  int col0, int lane) {
+__device__ __forceinline__ void store_dk_dv_accum(const AttentionParams& p, const float (&dk)[K::DK_COLS / MMA_N][4],
+                                                  const float (&dv)[K::DV_COLS / MMA_N][4], int b, int n, int row0,
+                                                  int dk_col0, int dv_col0, int lane) {
   JAX_FLASH_UNROLL
   for (int r = 0; r < 2; ++r) {
     const int s = row0 + (lane >> 2) + 8 * r;
     if (s >= p.kv_len) continue;
-    const int64_t offset = p.dkv_accum_offset(b, s, n) + col0;
+    const int64_t dk_offset = p.dkv_accum_offset(b, s, n) + dk_col0;
+    const int64_t dv_offset = p.dv_accum_offset<K::kHvIsH>(b, s, n) + dv_col0;
     JAX_FLASH_UNROLL
-    for (int j = 0; j < K::DKV_COLS / MMA_N; ++j) {
+    for (int j = 0; j < K::DKV_BLOCKS; ++j) {  // dK's n-blocks and dV's, side by side
       JAX_FLASH_UNROLL
       for (int i = 0; i < 2; ++i) {
         const int col = 8 * j + 2 * (lane & 3) + i;
-        ptx::st_global_f32(p.dk_accum + offset + col, dk[j][2 * r + i]);
-        ptx::st_global_f32(p.dv_accum + offset + col, dv[j][2 * r + i]);
+        if (j < K::DK_COLS / MMA_N) ptx::st_global_f32(p.dk_accum + dk_offset + col, dk[j][2 * r + i]);
+        if (j < K::DV_COLS / MMA_N) ptx::st_global_f32(p.dv_accum + dv_offset + col, dv[j][2 * r + i]);
       }
     }
   }
 }
 
-// dK (times scale) and dV of the warp's 16 keys and DKV_COLS columns (from col0), written once.
+// dK (times scale) of the warp's 16 keys and DK_COLS columns (from dk_col0) and dV of DV_COLS
+// columns (from dv_col0), written once.
 template <class Elem, class K>
-__device__ __forceinline__ void store_dk_dv(const AttentionParams& p, const float (&dk)[K::DKV_COLS / MMA_N][4],
-                                            const float (&dv)[K::DKV_COLS / MMA_N][4], int b, int g, int row0,
-                                            int col0, int lane) {
+__device__ __forceinline__ void store_dk_dv(const AttentionParams& p, const float (&dk)[K::DK_COLS / MMA_N][4],
+                                            const float (&dv)[K::DV_COLS / MMA_N][4], int b, int g, int row0,
+                                            int dk_col0, int dv_col0, int lane) {
   JAX_FLASH_UNROLL
   for (int r = 0; r < 2; ++r) {
     const int s = row0 + (lane >> 2) + 8 * r;
     if (s >= p.kv_len) continue;
-    const int64_t offset = p.kv_offset(b, s, g) + col0;
+    const int64_t dk_offset = p.kv_offset(b, s, g) + dk_col0, dv_offset = p.v_offset<K::kHvIsH>(b, s, g) + dv_col0;
     JAX_FLASH_UNROLL
-    for (int j = 0; j < K::DKV_COLS / MMA_N; ++j) {
+    for (int j = 0; j < K::DKV_BLOCKS; ++j) {  // dK's n-blocks and dV's, side by side
       const int col = 8 * j + 2 * (lane & 3);
-      ptx::st_global_b32(p.dk + offset + col, Elem::pack(p.scale * dk[j][2 * r], p.scale * dk[j][2 * r + 1]));
-      ptx::st_global_b32(p.dv + offset + col, Elem::pack(dv[j][2 * r], dv[j][2 * r + 1]));
+      if (j < K::DK_COLS / MMA_N)
+        ptx::st_global_b32(p.dk + dk_offset + col, Elem::pack(p.scale * dk[j][2 * r], p.scale * dk[j][2 * r + 1]));
+      if (j < K::DV_COLS / MMA_N) ptx::st_global_b32(p.dv + dv_offset + col, Elem::pack(dv[j][2 * r], dv[j][2 * r + 1]));
     }
   }
 }
 
-template <class Elem, int HEAD_DIM, Layout LAYOUT>
-__global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, LAYOUT>::THREADS, 1)
+template <class Elem, int HEAD_DIM, int V_HEAD_DIM, Layout LAYOUT>
+__global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYOUT>::THREADS, 1)
     attention_backward_kernel(const AttentionParams p) {
-  using K = BackwardKernel<Elem, HEAD_DIM, LAYOUT>;
+  using K = BackwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYOUT>;
   JAX_FLASH_DYNAMIC_SMEM(smem);
   const FoldedGrid grid = K::grid(p);
   const GridIndex at = grid.index();
@@ -249,7 +265,7 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, LAYOUT>::THREAD
   const int warp = static_cast<int>(threadIdx.x) / WARP_SIZE, lane = static_cast<int>(threadIdx.x) % WARP_SIZE;
   // The warp's 16 keys (rows key_row0.. of the K, V tiles) and its dK, dV columns.
   const int key_row0 = (warp / K::COL_SPLITS) * K::WARP_KV, split = warp % K::COL_SPLITS;
-  const int dkv_col0 = split * K::DKV_COLS;
+  const int dk_col0 = split * K::DK_COLS, dv_col0 = split * K::DV_COLS;
   const int s0 = kv_block * K::BLOCK_KV;
   const int warp_s0 = s0 + key_row0;
   const int group = p.q_heads / p.kv_heads;
@@ -269,27 +285,28 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, LAYOUT>::THREAD
   const int q_blocks = rows.empty() ? 0 : CeilDiv(rows.hi, K::BLOCK_Q) - q_block_begin;
   const int items = heads * q_blocks;
 
-  float dk[K::DKV_COLS / MMA_N][4];  // (MMA_M rows, MMA_N cols, 4 regs): the warp's 16 keys x DKV_COLS
-  float dv[K::DKV_COLS / MMA_N][4];
+  float dk[K::DK_COLS / MMA_N][4];  // (MMA_M rows, MMA_N cols, 4 regs): the warp's 16 keys x DK_COLS
+  float dv[K::DV_COLS / MMA_N][4];  // ... x DV_COLS
   clear(dk);
   clear(dv);
 
   if (items > 0) {
     char* const k_tile = smem;
     char* const v_tile = smem + K::KVTile::kBytes;
-    char* const ds_tile = smem + 2 * K::KVTile::kBytes;
+    char* const ds_tile = v_tile + K::VTile::kBytes;
     char* const ring = smem + K::kRingOffset;
     const int64_t kv_stride = p.kv_row_stride();
-    const int64_t q_stride = p.q_row_stride();
+    const int64_t q_stride = p.q_row_stride(), o_stride = p.o_row_stride<K::kHvIsH>();
     auto item_head = [&](int item) { return first_head + item / q_blocks; };
     auto item_t0 = [&](int item) { return (q_block_begin + item % q_blocks) * K::BLOCK_Q; };
     auto load_item = [&](int item, int slot) {
       const int n = item_head(item), t0 = item_t0(item);
       char* stage = ring + slot * K::kStageBytes;
       load_tile_async<typename K::QTile, K::THREADS>(stage, p.q + p.q_offset(batch, t0, n), q_stride, p.q_len - t0);
-      load_tile_async<typename K::QTile, K::THREADS>(stage + K::QTile::kBytes, p.dout + p.q_offset(batch, t0, n),
-                                                     q_stride, p.q_len - t0);
-      float* lse2 = reinterpret_cast<float*>(stage + 2 * K::QTile::kBytes);
+      load_tile_async<typename K::DoTile, K::THREADS>(stage + K::QTile::kBytes,
+                                                      p.dout + p.o_offset<K::kHvIsH>(batch, t0, n), o_stride,
+                                                      p.q_len - t0);
+      float* lse2 = reinterpret_cast<float*>(stage + K::QTile::kBytes + K::DoTile::kBytes);
       load_statistics<K>(lse2, lse2 + K::BLOCK_Q, p, batch, n, t0);
     };
 
@@ -300,8 +317,8 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, LAYOUT>::THREAD
     // Prologue: K and V with the first query block, then the rest of the ring.
     load_tile_async<typename K::KVTile, K::THREADS>(k_tile, p.k + p.kv_offset(batch, s0, kv_head), kv_stride,
                                                     p.kv_len - s0);
-    load_tile_async<typename K::KVTile, K::THREADS>(v_tile, p.v + p.kv_offset(batch, s0, kv_head), kv_stride,
-                                                    p.kv_len - s0);
+    load_tile_async<typename K::VTile, K::THREADS>(v_tile, p.v + p.v_offset<K::kHvIsH>(batch, s0, kv_head),
+                                                   p.v_row_stride<K::kHvIsH>(), p.kv_len - s0);
     JAX_FLASH_UNROLL
     for (int stage = 0; stage < K::STAGES - 1; ++stage) {
       if (stage < items) load_item(stage, stage);
@@ -319,7 +336,7 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, LAYOUT>::THREAD
       const int n = item_head(item), t0 = item_t0(item);
       const char* q_tile = ring + slot * K::kStageBytes;
       const char* do_tile = q_tile + K::QTile::kBytes;
-      const float* lse2 = reinterpret_cast<const float*>(do_tile + K::QTile::kBytes);
+      const float* lse2 = reinterpret_cast<const float*>(do_tile + K::DoTile::kBytes);
       const float* delta = lse2 + K::BLOCK_Q;
 
       float s[K::BLOCK_Q / MMA_N][4];   // (MMA_M rows = keys, MMA_N cols = queries, 4 regs): Sᵀ, then Pᵀ
@@ -336,7 +353,7 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, LAYOUT>::THREAD
       if (visible) {
         mma_a_smem_b_rows<Elem, typename K::KVTile, typename K::QTile, HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N,
                           K::K_UNROLL>(s, k_tile, key_row0, q_tile, 0, lane);
-        mma_a_smem_b_rows<Elem, typename K::KVTile, typename K::QTile, HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N,
+        mma_a_smem_b_rows<Elem, typename K::VTile, typename K::DoTile, V_HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N,
                           K::K_UNROLL>(dp, v_tile, key_row0, do_tile, 0, lane);
         const bool interior = mask.is_interior(t0, K::BLOCK_Q, warp_s0, K::WARP_KV, segments_allow_all);
         scaling.prepare<true>(s, mask, interior, warp_s0, t0, lane);
@@ -354,9 +371,9 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, LAYOUT>::THREAD
         for (int kk = 0; kk < K::BLOCK_Q / MMA_K; ++kk) {
           uint32_t a[4];
           accumulator_as_a<Elem>(a, s, kk);
-          mma_a_regs_b_trans<Elem, typename K::QTile>(dv, a, do_tile, kk * MMA_K, dkv_col0 / 8, lane);
+          mma_a_regs_b_trans<Elem, typename K::DoTile>(dv, a, do_tile, kk * MMA_K, dv_col0 / 8, lane);
           accumulator_as_a<Elem>(a, dp, kk);
-          mma_a_regs_b_trans<Elem, typename K::QTile>(dk, a, q_tile, kk * MMA_K, dkv_col0 / 8, lane);
+          mma_a_regs_b_trans<Elem, typename K::QTile>(dk, a, q_tile, kk * MMA_K, dk_col0 / 8, lane);
         }
       }
 
@@ -370,9 +387,9 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, LAYOUT>::THREAD
   }
 
   if (one_head) {
-    store_dk_dv_accum<K>(p, dk, dv, batch, first_head, warp_s0, dkv_col0, lane);
+    store_dk_dv_accum<K>(p, dk, dv, batch, first_head, warp_s0, dk_col0, dv_col0, lane);
   } else {
-    store_dk_dv<Elem, K>(p, dk, dv, batch, kv_head, warp_s0, dkv_col0, lane);
+    store_dk_dv<Elem, K>(p, dk, dv, batch, kv_head, warp_s0, dk_col0, dv_col0, lane);
   }
 }
 
@@ -401,41 +418,39 @@ __global__ void __launch_bounds__(kConvertThreads) attention_backward_convert_dq
 
 // dk = scale · Σ_j dk_accum[query head g·G + j] and dv = Σ_j dv_accum[...] for j = 0 .. G−1 in
 // this order (f32 sums, one rounding to 16 bits, like the kv_heads grid's epilogue): one thread
-// per 8 elements of a row of dk / dv ([B, S, K, H], H a multiple of 8).
+// per 8 elements of a row of dk ([B, S, K, H]: threads 0 .. dk_chunks − 1) or of dv
+// ([B, S, K, Hv]: the threads after), H and Hv multiples of 8.
 template <class Elem>
 __global__ void __launch_bounds__(kConvertThreads) attention_backward_reduce_dkv_kernel(const AttentionParams p,
+                                                                                         int64_t dk_chunks,
                                                                                          int64_t chunks) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kConvertThreads + threadIdx.x;
   if (i >= chunks) return;
+  const bool is_dk = i < dk_chunks;
+  const int width = is_dk ? p.head_dim : p.v_head_dim;
+  const float* const accum = is_dk ? p.dk_accum : p.dv_accum;
+  const float scale = is_dk ? p.scale : 1.0f;
   const int group = p.q_heads / p.kv_heads;
-  const int64_t element = 8 * i;                     // of [B, S, K, H]
-  const int64_t row = element / p.head_dim;          // (b, s) · K + g
-  const int col = static_cast<int>(element % p.head_dim);
+  const int64_t element = 8 * (is_dk ? i : i - dk_chunks);  // of [B, S, K, width]
+  const int64_t row = element / width;                        // (b, s) · K + g
+  const int col = static_cast<int>(element % width);
   const int64_t bs = row / p.kv_heads;
   const int g = static_cast<int>(row % p.kv_heads);
-  float dk[8] = {}, dv[8] = {};
+  float sum[8] = {};
   for (int j = 0; j < group; ++j) {
-    const int64_t offset = (bs * p.q_heads + g * group + j) * p.head_dim + col;
+    const int64_t offset = (bs * p.q_heads + g * group + j) * width + col;
     JAX_FLASH_UNROLL
     for (int half = 0; half < 2; ++half) {
-      Chunk16 k, v;
-      ptx::ld_global_v4_b32(k.w, p.dk_accum + offset + 4 * half);
-      ptx::ld_global_v4_b32(v.w, p.dv_accum + offset + 4 * half);
+      Chunk16 c;
+      ptx::ld_global_v4_b32(c.w, accum + offset + 4 * half);
       JAX_FLASH_UNROLL
-      for (int c = 0; c < 4; ++c) {
-        dk[4 * half + c] += __uint_as_float(k.w[c]);
-        dv[4 * half + c] += __uint_as_float(v.w[c]);
-      }
+      for (int k = 0; k < 4; ++k) sum[4 * half + k] += __uint_as_float(c.w[k]);
     }
   }
-  Chunk16 k_out, v_out;
+  Chunk16 out;
   JAX_FLASH_UNROLL
-  for (int c = 0; c < 4; ++c) {
-    k_out.w[c] = Elem::pack(p.scale * dk[2 * c], p.scale * dk[2 * c + 1]);
-    v_out.w[c] = Elem::pack(dv[2 * c], dv[2 * c + 1]);
-  }
-  ptx::st_global_v4_b32(p.dk + element, k_out.w);
-  ptx::st_global_v4_b32(p.dv + element, v_out.w);
+  for (int k = 0; k < 4; ++k) out.w[k] = Elem::pack(scale * sum[2 * k], scale * sum[2 * k + 1]);
+  ptx::st_global_v4_b32((is_dk ? p.dk : p.dv) + element, out.w);
 }
 
 // ---- 2b. dQ without atomics (deterministic mode) ---------------------------------------------
@@ -443,9 +458,9 @@ __global__ void __launch_bounds__(kConvertThreads) attention_backward_reduce_dkv
 // One CTA per (query block, head, batch), each warp owns 16 query rows and loops over the key
 // tiles its rows see, like the forward: S = Q·Kᵀ and dP = dO·Vᵀ, P from lse, dS, and
 // dQ += dS·K with dS repacked from registers; dQ is written once, in a fixed order.
-template <class Elem, int HEAD_DIM>
+template <class Elem, int HEAD_DIM, int V_HEAD_DIM = HEAD_DIM>
 struct BackwardDqKernel {
-  static constexpr TileShape kShape = TileShapeFor(Pass::kBackwardDq, HEAD_DIM);
+  static constexpr TileShape kShape = TileShapeFor(Pass::kBackwardDq, HEAD_DIM, V_HEAD_DIM);
   static constexpr int BLOCK_Q = kShape.block_q;
   static constexpr int BLOCK_KV = kShape.block_kv;
   static constexpr int WARPS = kShape.warps;
@@ -455,11 +470,14 @@ struct BackwardDqKernel {
   // k-steps of S and dP unrolled at once (dQ holds HEAD_DIM/2 registers throughout).
   static constexpr int K_UNROLL = HEAD_DIM <= 64 ? HEAD_DIM / MMA_K : 2;
 
-  using QTile = SmemTile<BLOCK_Q, HEAD_DIM>;
-  using KVTile = SmemTile<BLOCK_KV, HEAD_DIM>;
+  using QTile = SmemTile<BLOCK_Q, HEAD_DIM>;      // Q
+  using DoTile = SmemTile<BLOCK_Q, V_HEAD_DIM>;   // dO (QTile when Hv = H)
+  using KVTile = SmemTile<BLOCK_KV, HEAD_DIM>;    // K
+  using VTile = SmemTile<BLOCK_KV, V_HEAD_DIM>;   // V (KVTile when Hv = H)
+  static constexpr bool kHvIsH = V_HEAD_DIM == HEAD_DIM;
   // Shared memory: [Q][dO] then a ring of STAGES x [K][V].
-  static constexpr int kStageBytes = 2 * KVTile::kBytes;
-  static constexpr int kSmemBytes = 2 * QTile::kBytes + STAGES * kStageBytes;
+  static constexpr int kStageBytes = KVTile::kBytes + VTile::kBytes;
+  static constexpr int kSmemBytes = QTile::kBytes + DoTile::kBytes + STAGES * kStageBytes;
 
   // One CTA per (query block, head, batch).
   __host__ __device__ static FoldedGrid grid(const AttentionParams& p) {
@@ -471,10 +489,10 @@ struct BackwardDqKernel {
   static_assert(kSmemBytes <= kMaxSmemBytes, "dQ tile does not fit 99 KB of shared memory");
 };
 
-template <class Elem, int HEAD_DIM>
-__global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM>::THREADS, 1)
+template <class Elem, int HEAD_DIM, int V_HEAD_DIM>
+__global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM, V_HEAD_DIM>::THREADS, 1)
     attention_backward_dq_kernel(const AttentionParams p) {
-  using K = BackwardDqKernel<Elem, HEAD_DIM>;
+  using K = BackwardDqKernel<Elem, HEAD_DIM, V_HEAD_DIM>;
   JAX_FLASH_DYNAMIC_SMEM(smem);
   const FoldedGrid grid = K::grid(p);
   const GridIndex at = grid.index();
@@ -498,16 +516,16 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM>::THREADS, 1)
   if (!keys.empty()) {
     const int tile_begin = keys.lo / K::BLOCK_KV;
     const int tile_end = CeilDiv(keys.hi, K::BLOCK_KV);
-    char* const ring = smem + 2 * K::QTile::kBytes;
-    const int64_t kv_stride = p.kv_row_stride();
+    char* const ring = do_tile + K::DoTile::kBytes;
+    const int64_t kv_stride = p.kv_row_stride(), v_stride = p.v_row_stride<K::kHvIsH>();
     const uint16_t* const k_base = p.k + p.kv_offset(batch, 0, kv_head);
-    const uint16_t* const v_base = p.v + p.kv_offset(batch, 0, kv_head);
+    const uint16_t* const v_base = p.v + p.v_offset<K::kHvIsH>(batch, 0, kv_head);
     auto load_kv = [&](int tile, int slot) {
       const int s0 = tile * K::BLOCK_KV;
       char* stage = ring + slot * K::kStageBytes;
       load_tile_async<typename K::KVTile, K::THREADS>(stage, k_base + s0 * kv_stride, kv_stride, p.kv_len - s0);
-      load_tile_async<typename K::KVTile, K::THREADS>(stage + K::KVTile::kBytes, v_base + s0 * kv_stride,
-                                                      kv_stride, p.kv_len - s0);
+      load_tile_async<typename K::VTile, K::THREADS>(stage + K::KVTile::kBytes, v_base + s0 * v_stride, v_stride,
+                                                     p.kv_len - s0);
     };
 
     // The statistics of the thread's two rows, in registers for the whole loop.
@@ -524,8 +542,8 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM>::THREADS, 1)
 
     load_tile_async<typename K::QTile, K::THREADS>(q_tile, p.q + p.q_offset(batch, t0, head), p.q_row_stride(),
                                                    p.q_len - t0);
-    load_tile_async<typename K::QTile, K::THREADS>(do_tile, p.dout + p.q_offset(batch, t0, head),
-                                                   p.q_row_stride(), p.q_len - t0);
+    load_tile_async<typename K::DoTile, K::THREADS>(do_tile, p.dout + p.o_offset<K::kHvIsH>(batch, t0, head),
+                                                    p.o_row_stride<K::kHvIsH>(), p.q_len - t0);
     ptx::cp_async_commit_group();
     JAX_FLASH_UNROLL
     for (int stage = 0; stage < K::STAGES - 1; ++stage) {
@@ -556,7 +574,7 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM>::THREADS, 1)
       clear(dp);
       mma_a_smem_b_rows<Elem, typename K::QTile, typename K::KVTile, HEAD_DIM / MMA_K, K::BLOCK_KV / MMA_N,
                         K::K_UNROLL>(s, q_tile, warp * K::WARP_Q, k_tile, 0, lane);
-      mma_a_smem_b_rows<Elem, typename K::QTile, typename K::KVTile, HEAD_DIM / MMA_K, K::BLOCK_KV / MMA_N,
+      mma_a_smem_b_rows<Elem, typename K::DoTile, typename K::VTile, V_HEAD_DIM / MMA_K, K::BLOCK_KV / MMA_N,
                         K::K_UNROLL>(dp, do_tile, warp * K::WARP_Q, v_tile, 0, lane);
       const bool interior = mask.is_interior(warp_t0, K::WARP_Q, s0, K::BLOCK_KV, segments_allow_all);
       scaling.prepare<false>(s, mask, interior, warp_t0, s0, lane);
@@ -584,46 +602,48 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM>::THREADS, 1)
     JAX_FLASH_UNROLL
     for (int i = 0; i < 4; ++i) dq[j][i] *= p.scale;
   }
-  store_warp_rows<Elem, typename K::QTile>(p.dq, p, dq, q_tile, batch, head, warp * K::WARP_Q, warp_t0, lane);
+  store_warp_rows<Elem, typename K::QTile>(p.dq, p.head_dim, p, dq, q_tile, batch, head, warp * K::WARP_Q, warp_t0,
+                                           lane);
 }
 
 // Host side: zero dq_accum, the delta kernel, then the main kernel, the group sum of dK and dV
 // (q_heads grid only) and the dQ conversion, in order on one stream. Deterministic mode adds no
 // atomics: the main kernel computes dK and dV only, and the dQ kernel computes dQ per query
 // block.
-template <class Elem, int HEAD_DIM, Layout LAYOUT>
+template <class Elem, int HEAD_DIM, int V_HEAD_DIM, Layout LAYOUT>
 LaunchError LaunchBackward(const AttentionParams& p_in, bool deterministic, Stream stream) {
-  using K = BackwardKernel<Elem, HEAD_DIM, LAYOUT>;
-  using D = DeltaKernel<HEAD_DIM>;
-  using Q = BackwardDqKernel<Elem, HEAD_DIM>;
+  using K = BackwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYOUT>;
+  using D = DeltaKernel<V_HEAD_DIM>;
+  using Q = BackwardDqKernel<Elem, HEAD_DIM, V_HEAD_DIM>;
   AttentionParams p = p_in;
   p.accumulate_dq = !deterministic;
   const int64_t q_elements = static_cast<int64_t>(p.batch) * p.q_len * p.q_heads * HEAD_DIM;
   const int64_t rows = static_cast<int64_t>(p.batch) * p.q_len * p.q_heads;
   const int64_t chunks = q_elements / 8;
-  const int64_t kv_chunks = static_cast<int64_t>(p.batch) * p.kv_len * p.kv_heads * HEAD_DIM / 8;
+  const int64_t kv_rows = static_cast<int64_t>(p.batch) * p.kv_len * p.kv_heads;
+  const int64_t dk_chunks = kv_rows * HEAD_DIM / 8, dkv_chunks = dk_chunks + kv_rows * V_HEAD_DIM / 8;
   dim3 delta_grid, main_grid, dq_grid, convert_grid, reduce_grid;
   for (const LaunchError& e : {LinearGrid((rows + D::ROWS_PER_BLOCK - 1) / D::ROWS_PER_BLOCK, &delta_grid),
                                K::grid(p).dims(&main_grid), Q::grid(p).dims(&dq_grid),
                                LinearGrid((chunks + kConvertThreads - 1) / kConvertThreads, &convert_grid),
-                               LinearGrid((kv_chunks + kConvertThreads - 1) / kConvertThreads, &reduce_grid)}) {
+                               LinearGrid((dkv_chunks + kConvertThreads - 1) / kConvertThreads, &reduce_grid)}) {
     if (!e.empty()) return e;
   }
   LaunchError err = FillAsync(p.dq_accum, 0, q_elements * sizeof(float), stream);
   if (!err.empty()) return err;
-  err = Launch("attention_backward_delta_kernel", attention_backward_delta_kernel<Elem, HEAD_DIM>, delta_grid,
+  err = Launch("attention_backward_delta_kernel", attention_backward_delta_kernel<Elem, V_HEAD_DIM>, delta_grid,
                dim3(D::THREADS), 0, stream, p);
   if (!err.empty()) return err;
-  err = Launch("attention_backward_kernel", attention_backward_kernel<Elem, HEAD_DIM, LAYOUT>, main_grid,
+  err = Launch("attention_backward_kernel", attention_backward_kernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYOUT>, main_grid,
                dim3(K::THREADS), K::kSmemBytes, stream, p);
   if (!err.empty()) return err;
   if (p.dkv_per_query_head()) {
     err = Launch("attention_backward_reduce_dkv_kernel", attention_backward_reduce_dkv_kernel<Elem>, reduce_grid,
-                 dim3(kConvertThreads), 0, stream, p, kv_chunks);
+                 dim3(kConvertThreads), 0, stream, p, dk_chunks, dkv_chunks);
     if (!err.empty()) return err;
   }
   if (deterministic) {
-    return Launch("attention_backward_dq_kernel", attention_backward_dq_kernel<Elem, HEAD_DIM>, dq_grid,
+    return Launch("attention_backward_dq_kernel", attention_backward_dq_kernel<Elem, HEAD_DIM, V_HEAD_DIM>, dq_grid,
                   dim3(Q::THREADS), Q::kSmemBytes, stream, p);
   }
   return Launch("attention_backward_convert_dq_kernel", attention_backward_convert_dq_kernel<Elem>, convert_grid,

@@ -3,7 +3,8 @@
 
 namespace jax_flash {
 namespace kernels {
-static_assert(HasOwnShape(Pass::kBackward, 192, Layout::kWarp16), "this layout runs another file's kernel");
-template LaunchError LaunchBackward<Bf16, 192, Layout::kWarp16>(const AttentionParams&, bool, Stream);
+static_assert(HasOwnShape(Pass::kBackward, 192, 192, Layout::kWarp16),
+              "this layout runs another file's kernel");
+template LaunchError LaunchBackward<Bf16, 192, 192, Layout::kWarp16>(const AttentionParams&, bool, Stream);
 }  // namespace kernels
 }  // namespace jax_flash

@@ -1,8 +1,9 @@
-// The one runtime -> template layer: (element type, head dim, layout) of a call to the compiled
-// instantiation. The instantiations themselves are generated, one file per
-// dtype x head dim x pass x layout (build/generate_kernels.py), so the build compiles them in
-// parallel; keep kHeadDims in step with that script (it checks). A layout that gives a pass and
-// head dim no tile shape of its own (HasOwnShape, kernels/tile.h) runs the kWarp16 instantiation.
+// The one runtime -> template layer: (element type, head dims (H, Hv), layout) of a call to the
+// compiled instantiation. The instantiations themselves are generated, one file per
+// dtype x (H, Hv) x pass x layout (build/generate_kernels.py), so the build compiles them in
+// parallel; keep kHeadDims and kNarrowValuePairs in step with that script (it checks). A layout
+// that gives a pass and head dims no tile shape of its own (HasOwnShape, kernels/tile.h) runs
+// the kWarp16 instantiation.
 #pragma once
 
 #include <cstdlib>
@@ -18,17 +19,39 @@ namespace kernels {
 
 // Defined in fwd.h / bwd.h, instantiated in the generated .cu files (or, in the emulated
 // build, implicitly in the one translation unit that includes everything).
-template <class Elem, int HEAD_DIM, Layout LAYOUT>
+template <class Elem, int HEAD_DIM, int V_HEAD_DIM, Layout LAYOUT>
 LaunchError LaunchForward(const AttentionParams& p, Stream stream);
-template <class Elem, int HEAD_DIM, Layout LAYOUT>
+template <class Elem, int HEAD_DIM, int V_HEAD_DIM, Layout LAYOUT>
 LaunchError LaunchBackward(const AttentionParams& p, bool deterministic, Stream stream);
 
+// Head dims H with kernels for Hv = H, and the (H, Hv) pairs with a narrower value head dim
+// (MLA: DeepSeek's 192-wide queries and keys with 128-wide values; 128 with 64).
 constexpr int kHeadDims[] = {32, 64, 96, 128, 192, 256};
+struct HeadDimPair {
+  int head_dim, v_head_dim;
+};
+constexpr HeadDimPair kNarrowValuePairs[] = {{192, 128}, {128, 64}};
 
 inline bool HasHeadDim(int head_dim) {
   for (int h : kHeadDims)
     if (h == head_dim) return true;
   return false;
+}
+
+inline bool HasHeadDims(int head_dim, int v_head_dim) {
+  if (head_dim == v_head_dim) return HasHeadDim(head_dim);
+  for (HeadDimPair pair : kNarrowValuePairs)
+    if (pair.head_dim == head_dim && pair.v_head_dim == v_head_dim) return true;
+  return false;
+}
+
+// "(32, 32), (64, 64), ..., (192, 128)": the pairs of HasHeadDims, for messages.
+inline std::string HeadDimPairsText() {
+  std::string text;
+  for (int h : kHeadDims) text += (text.empty() ? "(" : ", (") + std::to_string(h) + ", " + std::to_string(h) + ")";
+  for (HeadDimPair pair : kNarrowValuePairs)
+    text += ", (" + std::to_string(pair.head_dim) + ", " + std::to_string(pair.v_head_dim) + ")";
+  return text;
 }
 
 // The environment variable that chooses the layout, read by the handlers at every call.
@@ -51,24 +74,35 @@ inline LaunchError LayoutFromEnvironment(Layout* layout) {
   return std::string(kLayoutVariable) + "=" + env + " is not a layout of the CUDA kernels (warp16 or warp32)";
 }
 
-template <class Elem, int HEAD_DIM>
+template <class Elem, int HEAD_DIM, int V_HEAD_DIM = HEAD_DIM>
 LaunchError ForwardFor(Layout layout, const AttentionParams& p, Stream stream) {
-  if constexpr (HasOwnShape(Pass::kForward, HEAD_DIM, Layout::kWarp32)) {
-    if (layout == Layout::kWarp32) return LaunchForward<Elem, HEAD_DIM, Layout::kWarp32>(p, stream);
+  if constexpr (HasOwnShape(Pass::kForward, HEAD_DIM, V_HEAD_DIM, Layout::kWarp32)) {
+    if (layout == Layout::kWarp32) return LaunchForward<Elem, HEAD_DIM, V_HEAD_DIM, Layout::kWarp32>(p, stream);
   }
-  return LaunchForward<Elem, HEAD_DIM, Layout::kWarp16>(p, stream);
+  return LaunchForward<Elem, HEAD_DIM, V_HEAD_DIM, Layout::kWarp16>(p, stream);
 }
 
-template <class Elem, int HEAD_DIM>
+template <class Elem, int HEAD_DIM, int V_HEAD_DIM = HEAD_DIM>
 LaunchError BackwardFor(Layout layout, const AttentionParams& p, bool deterministic, Stream stream) {
-  if constexpr (HasOwnShape(Pass::kBackward, HEAD_DIM, Layout::kWarp32)) {
-    if (layout == Layout::kWarp32) return LaunchBackward<Elem, HEAD_DIM, Layout::kWarp32>(p, deterministic, stream);
+  if constexpr (HasOwnShape(Pass::kBackward, HEAD_DIM, V_HEAD_DIM, Layout::kWarp32)) {
+    if (layout == Layout::kWarp32)
+      return LaunchBackward<Elem, HEAD_DIM, V_HEAD_DIM, Layout::kWarp32>(p, deterministic, stream);
   }
-  return LaunchBackward<Elem, HEAD_DIM, Layout::kWarp16>(p, deterministic, stream);
+  return LaunchBackward<Elem, HEAD_DIM, V_HEAD_DIM, Layout::kWarp16>(p, deterministic, stream);
+}
+
+inline std::string NoKernelFor(const AttentionParams& p) {
+  return "no kernel for head dims (H, Hv) = (" + std::to_string(p.head_dim) + ", " + std::to_string(p.v_head_dim) +
+         ")";
 }
 
 template <class Elem>
 LaunchError DispatchForwardHeadDim(Layout layout, const AttentionParams& p, Stream stream) {
+  if (p.v_head_dim != p.head_dim) {
+    if (p.head_dim == 192 && p.v_head_dim == 128) return ForwardFor<Elem, 192, 128>(layout, p, stream);
+    if (p.head_dim == 128 && p.v_head_dim == 64) return ForwardFor<Elem, 128, 64>(layout, p, stream);
+    return NoKernelFor(p);
+  }
   switch (p.head_dim) {
     case 32: return ForwardFor<Elem, 32>(layout, p, stream);
     case 64: return ForwardFor<Elem, 64>(layout, p, stream);
@@ -76,12 +110,17 @@ LaunchError DispatchForwardHeadDim(Layout layout, const AttentionParams& p, Stre
     case 128: return ForwardFor<Elem, 128>(layout, p, stream);
     case 192: return ForwardFor<Elem, 192>(layout, p, stream);
     case 256: return ForwardFor<Elem, 256>(layout, p, stream);
-    default: return "no kernel for head dim " + std::to_string(p.head_dim);
+    default: return NoKernelFor(p);
   }
 }
 
 template <class Elem>
 LaunchError DispatchBackwardHeadDim(Layout layout, const AttentionParams& p, bool deterministic, Stream stream) {
+  if (p.v_head_dim != p.head_dim) {
+    if (p.head_dim == 192 && p.v_head_dim == 128) return BackwardFor<Elem, 192, 128>(layout, p, deterministic, stream);
+    if (p.head_dim == 128 && p.v_head_dim == 64) return BackwardFor<Elem, 128, 64>(layout, p, deterministic, stream);
+    return NoKernelFor(p);
+  }
   switch (p.head_dim) {
     case 32: return BackwardFor<Elem, 32>(layout, p, deterministic, stream);
     case 64: return BackwardFor<Elem, 64>(layout, p, deterministic, stream);
@@ -89,7 +128,7 @@ LaunchError DispatchBackwardHeadDim(Layout layout, const AttentionParams& p, boo
     case 128: return BackwardFor<Elem, 128>(layout, p, deterministic, stream);
     case 192: return BackwardFor<Elem, 192>(layout, p, deterministic, stream);
     case 256: return BackwardFor<Elem, 256>(layout, p, deterministic, stream);
-    default: return "no kernel for head dim " + std::to_string(p.head_dim);
+    default: return NoKernelFor(p);
   }
 }
 

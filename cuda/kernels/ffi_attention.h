@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <utility>
 
 // The XLA headers come first: the emulation's simt.h redefines CUDA keywords as macros.
@@ -51,10 +52,10 @@ auto ForwardSignature(Binding binding) {
   return WithMaskOperandsAndAttributes(std::move(binding)
                                            .template Arg<ffi::AnyBuffer>()   // q [B, T, N, H]
                                            .template Arg<ffi::AnyBuffer>()   // k [B, S, K, H]
-                                           .template Arg<ffi::AnyBuffer>())  // v [B, S, K, H]
+                                           .template Arg<ffi::AnyBuffer>())  // v [B, S, K, Hv]
       .template Arg<ffi::AnyBuffer>()                                        // sinks [N] f32 (-inf: none)
       .template Arg<ffi::AnyBuffer>()                                        // dropout_seed [2] u32
-      .template Ret<ffi::AnyBuffer>()                                        // out [B, T, N, H]
+      .template Ret<ffi::AnyBuffer>()                                        // out [B, T, N, Hv]
       .template Ret<ffi::AnyBuffer>();                                       // lse [B, N, T] f32
 }
 
@@ -65,19 +66,19 @@ auto BackwardSignature(Binding binding) {
                                            .template Arg<ffi::AnyBuffer>()   // q
                                            .template Arg<ffi::AnyBuffer>()   // k
                                            .template Arg<ffi::AnyBuffer>()   // v
-                                           .template Arg<ffi::AnyBuffer>()   // out [B, T, N, H]
-                                           .template Arg<ffi::AnyBuffer>()   // dout [B, T, N, H]
+                                           .template Arg<ffi::AnyBuffer>()   // out [B, T, N, Hv]
+                                           .template Arg<ffi::AnyBuffer>()   // dout [B, T, N, Hv]
                                            .template Arg<ffi::AnyBuffer>()   // lse [B, N, T] f32
                                            .template Arg<ffi::AnyBuffer>())  // dlse [B, N, T] f32
       .template Arg<ffi::AnyBuffer>()   // dropout_seed [2] u32
       .template Attr<bool>("deterministic")
       .template Ret<ffi::AnyBuffer>()   // dq [B, T, N, H]
       .template Ret<ffi::AnyBuffer>()   // dk [B, S, K, H]
-      .template Ret<ffi::AnyBuffer>()   // dv [B, S, K, H]
+      .template Ret<ffi::AnyBuffer>()   // dv [B, S, K, Hv]
       .template Ret<ffi::AnyBuffer>()   // dq_accum [B, T, N, H] f32 workspace
       .template Ret<ffi::AnyBuffer>()   // delta [B, N, T] f32 workspace
       .template Ret<ffi::AnyBuffer>()   // dk_accum [B, S, N, H] f32 workspace (q_heads grid), or [0] f32
-      .template Ret<ffi::AnyBuffer>()   // dv_accum: the same
+      .template Ret<ffi::AnyBuffer>()   // dv_accum [B, S, N, Hv] f32 (q_heads grid), or [0] f32
       .template Ret<ffi::AnyBuffer>();  // dbias: the bias operand's shape f32, or [0] f32: no bias
 }
 
@@ -139,20 +140,19 @@ inline ffi::Error CheckOperands(const char* target, const ffi::AnyBuffer& q, con
   auto qd = q.dimensions(), kd = k.dimensions();
   const int64_t B = qd[0], T = qd[1], N = qd[2], H = qd[3], S = kd[1], K = kd[2];
   if (auto e = Expect(target, "k", k, {B, S, K, H}, t); e.failure()) return e;
-  // The kernels' value head dim is H (no (H, Hv) pair with Hv != H is instantiated yet).
-  if (v.dimensions().size() == 4 && v.dimensions()[3] != H)
-    return ffi::Error::InvalidArgument(where + ": the value head dim Hv = " + std::to_string(v.dimensions()[3]) +
-                                       " differs from the query/key head dim H = " + std::to_string(H) +
-                                       ", and these kernels serve Hv = H only; got v " + Describe(v));
-  if (auto e = Expect(target, "v", v, {B, S, K, H}, t); e.failure()) return e;
+  // The value head dim Hv may differ from H where an (H, Hv) pair is instantiated (below).
+  const int64_t Hv = v.dimensions().size() == 4 ? v.dimensions()[3] : H;
+  if (auto e = Expect(target, "v", v, {B, S, K, Hv}, t); e.failure()) return e;
   if (auto e = Expect(target, "q_lengths", q_lengths, {B}, ffi::DataType::S32); e.failure()) return e;
   if (auto e = Expect(target, "kv_lengths", kv_lengths, {B}, ffi::DataType::S32); e.failure()) return e;
   if (auto e = Expect(target, "q_segment_ids", q_segment_ids, {B, T}, ffi::DataType::S32); e.failure()) return e;
   if (auto e = Expect(target, "kv_segment_ids", kv_segment_ids, {B, S}, ffi::DataType::S32); e.failure()) return e;
   if (auto e = Expect(target, "q_offset", q_offsets, {B}, ffi::DataType::S32); e.failure()) return e;
-  if (!HasHeadDim(static_cast<int>(H)))
-    return ffi::Error::InvalidArgument(where + ": head dim " + std::to_string(H) +
-                                       " has no compiled kernel (32, 64, 96 and 128 do)");
+  if (!HasHeadDims(static_cast<int>(H), static_cast<int>(Hv)))
+    return ffi::Error::InvalidArgument(where + ": no compiled kernel for the query/key head dim H = " +
+                                       std::to_string(H) + " with the value head dim Hv = " + std::to_string(Hv) +
+                                       " (the (H, Hv) pairs with kernels: " + HeadDimPairsText() + "); got q " +
+                                       Describe(q) + ", v " + Describe(v));
   if (K <= 0 || N % K != 0)
     return ffi::Error::InvalidArgument(where + ": query heads N=" + std::to_string(N) +
                                        " must be a multiple of kv heads K=" + std::to_string(K));
@@ -178,6 +178,7 @@ inline ffi::Error CheckOperands(const char* target, const ffi::AnyBuffer& q, con
   p->q_heads = static_cast<int>(N);
   p->kv_heads = static_cast<int>(K);
   p->head_dim = static_cast<int>(H);
+  p->v_head_dim = static_cast<int>(Hv);
   p->scale = scale;
   p->softcap = softcap;
   p->window_left = window(window_left);
@@ -250,8 +251,8 @@ inline ffi::Error Forward(const char* target, Stream stream, ffi::AnyBuffer q, f
     return e;
   if (auto e = CheckDropout(target, dropout_seed, dropout_rate, &p); e.failure()) return e;
   if (auto e = CheckDenseOperands(target, bias, mask, nullptr); e.failure()) return e;
-  const int64_t B = p.batch, T = p.q_len, N = p.q_heads, H = p.head_dim;
-  if (auto e = Expect(target, "out", *out, {B, T, N, H}, q.element_type()); e.failure()) return e;
+  const int64_t B = p.batch, T = p.q_len, N = p.q_heads, Hv = p.v_head_dim;
+  if (auto e = Expect(target, "out", *out, {B, T, N, Hv}, q.element_type()); e.failure()) return e;
   if (auto e = Expect(target, "lse", *lse, {B, N, T}, ffi::DataType::F32); e.failure()) return e;
   // Always passed (-inf when the call has none).
   if (auto e = Expect(target, "sinks", sinks, {N}, ffi::DataType::F32); e.failure()) return e;
@@ -286,29 +287,31 @@ inline ffi::Error Backward(const char* target, Stream stream, ffi::AnyBuffer q, 
     return e;
   if (auto e = CheckDropout(target, dropout_seed, dropout_rate, &p); e.failure()) return e;
   if (auto e = CheckDenseOperands(target, bias, mask, &*dbias); e.failure()) return e;
-  const int64_t B = p.batch, T = p.q_len, S = p.kv_len, N = p.q_heads, K = p.kv_heads, H = p.head_dim;
+  const int64_t B = p.batch, T = p.q_len, S = p.kv_len, N = p.q_heads, K = p.kv_heads, H = p.head_dim,
+                Hv = p.v_head_dim;
   const ffi::DataType t = q.element_type();
-  if (auto e = Expect(target, "out", out, {B, T, N, H}, t); e.failure()) return e;
-  if (auto e = Expect(target, "dout", dout, {B, T, N, H}, t); e.failure()) return e;
+  if (auto e = Expect(target, "out", out, {B, T, N, Hv}, t); e.failure()) return e;
+  if (auto e = Expect(target, "dout", dout, {B, T, N, Hv}, t); e.failure()) return e;
   if (auto e = Expect(target, "lse", lse, {B, N, T}, ffi::DataType::F32); e.failure()) return e;
   if (auto e = Expect(target, "dlse", dlse, {B, N, T}, ffi::DataType::F32); e.failure()) return e;
   if (auto e = Expect(target, "dq", *dq, {B, T, N, H}, t); e.failure()) return e;
   if (auto e = Expect(target, "dk", *dk, {B, S, K, H}, t); e.failure()) return e;
-  if (auto e = Expect(target, "dv", *dv, {B, S, K, H}, t); e.failure()) return e;
+  if (auto e = Expect(target, "dv", *dv, {B, S, K, Hv}, t); e.failure()) return e;
   if (auto e = Expect(target, "dq_accum", *dq_accum, {B, T, N, H}, ffi::DataType::F32); e.failure()) return e;
   if (auto e = Expect(target, "delta", *delta, {B, N, T}, ffi::DataType::F32); e.failure()) return e;
-  // The dK, dV workspaces choose the main kernel's grid: [B, S, N, H] f32 the q_heads grid
-  // (one CTA per query head, the group summed after), [0] f32 the kv_heads grid.
+  // The dK, dV workspaces choose the main kernel's grid: [B, S, N, H] and [B, S, N, Hv] f32 the
+  // q_heads grid (one CTA per query head, the group summed after), [0] f32 the kv_heads grid.
   const bool q_heads_grid = dk_accum->dimensions().size() == 4;
-  for (auto [name, r] : {std::pair{"dk_accum", &dk_accum}, std::pair{"dv_accum", &dv_accum}}) {
-    auto e = q_heads_grid ? Expect(target, name, **r, {B, S, N, H}, ffi::DataType::F32)
+  for (auto [name, r, width] : {std::tuple{"dk_accum", &dk_accum, H}, std::tuple{"dv_accum", &dv_accum, Hv}}) {
+    auto e = q_heads_grid ? Expect(target, name, **r, {B, S, N, width}, ffi::DataType::F32)
                           : Expect(target, name, **r, {0}, ffi::DataType::F32);
     if (e.failure())
-      return ffi::Error::InvalidArgument(std::string(target) + ": dk_accum and dv_accum must both be [" +
+      return ffi::Error::InvalidArgument(std::string(target) + ": dk_accum and dv_accum must both be float32, [" +
                                          std::to_string(B) + ", " + std::to_string(S) + ", " + std::to_string(N) +
-                                         ", " + std::to_string(H) + "] float32 (the q_heads grid) or both [0] " +
-                                         "float32 (the kv_heads grid), got dk_accum " + Describe(*dk_accum) +
-                                         ", dv_accum " + Describe(*dv_accum));
+                                         ", " + std::to_string(H) + "] and [" + std::to_string(B) + ", " +
+                                         std::to_string(S) + ", " + std::to_string(N) + ", " + std::to_string(Hv) +
+                                         "] (the q_heads grid) or [0] (the kv_heads grid), got dk_accum " +
+                                         Describe(*dk_accum) + ", dv_accum " + Describe(*dv_accum));
   }
   p.out = static_cast<uint16_t*>(out.untyped_data());
   p.dout = static_cast<const uint16_t*>(dout.untyped_data());

@@ -1,7 +1,8 @@
 // One attention call as the kernels see it (forward and backward), and the 16-bit element
 // types. Layout is BTNH for q, out, dout, dq (and dq_accum), BSKH for k, v, dk, dv, BSNH for
-// the q_heads grid's dk_accum, dv_accum; the statistics lse, dlse, delta are [B, N, T]. 16-bit
-// elements travel as raw bits (uint16_t); they are converted only through the PTX wrappers.
+// the q_heads grid's dk_accum, dv_accum (the last dim is Hv for v, out, dout, dv, dv_accum);
+// the statistics lse, dlse, delta are [B, N, T]. 16-bit elements travel as raw bits
+// (uint16_t); they are converted only through the PTX wrappers.
 #pragma once
 
 #include <cstdint>
@@ -19,7 +20,8 @@ struct AttentionParams {
   int kv_len = 0;    // S
   int q_heads = 0;   // N
   int kv_heads = 0;  // K (N % K == 0; query head n reads kv head n / (N / K))
-  int head_dim = 0;  // H
+  int head_dim = 0;  // H: q, k (and dq, dk, dq_accum, dk_accum)
+  int v_head_dim = 0;  // Hv: v, out, dout (and dv, dv_accum); may differ from H
 
   float scale = 1.0f;      // logits = scale * q.k
   float softcap = 0.0f;    // > 0: logits -> softcap * tanh(logits / softcap), before masking
@@ -57,7 +59,7 @@ struct AttentionParams {
   uint16_t* dv = nullptr;
   float* dq_accum = nullptr;  // [B, T, N, H] f32, zeroed before the main backward kernel
   float* delta = nullptr;     // [B, N, T] rowsum(dout * out) - dlse
-  // [B, S, N, H] f32: dK (unscaled) and dV of each query head, or null. When set, the main
+  // [B, S, N, H] and [B, S, N, Hv] f32: dK (unscaled) and dV of each query head, or null. When set, the main
   // backward kernel runs one CTA per (key block, query head, batch) and writes its head's
   // share here; a reduction kernel then sums each group into dk, dv (the q_heads grid).
   float* dk_accum = nullptr;
@@ -76,9 +78,39 @@ struct AttentionParams {
   __device__ __forceinline__ int64_t kv_offset(int b, int s, int g) const {
     return ((static_cast<int64_t>(b) * kv_len + s) * kv_heads + g) * head_dim;
   }
+  // Row t of query head n in a [B, T, N, width] array (width H: q, dq; Hv: out, dout).
+  __device__ __forceinline__ int64_t q_row_offset(int b, int t, int n, int width) const {
+    return ((static_cast<int64_t>(b) * q_len + t) * q_heads + n) * width;
+  }
   // Row s of query head n in dk_accum, dv_accum.
   __device__ __forceinline__ int64_t dkv_accum_offset(int b, int s, int n) const {
     return ((static_cast<int64_t>(b) * kv_len + s) * q_heads + n) * head_dim;
+  }
+  // The rows at the value head dim: row t of out, dout (query head n), row s of v, dv (kv head
+  // g), of dv_accum (query head n), and their strides. HV_IS_H: the kernel is compiled for
+  // Hv = H (which the handler checked), and these read head_dim, so that the compiler shares
+  // V's offsets with K's (O's with Q's) instead of computing both.
+  template <bool HV_IS_H>
+  __device__ __forceinline__ int v_width() const { return HV_IS_H ? head_dim : v_head_dim; }
+  template <bool HV_IS_H>
+  __device__ __forceinline__ int64_t o_offset(int b, int t, int n) const {
+    return q_row_offset(b, t, n, v_width<HV_IS_H>());
+  }
+  template <bool HV_IS_H>
+  __device__ __forceinline__ int64_t v_offset(int b, int s, int g) const {
+    return ((static_cast<int64_t>(b) * kv_len + s) * kv_heads + g) * v_width<HV_IS_H>();
+  }
+  template <bool HV_IS_H>
+  __device__ __forceinline__ int64_t dv_accum_offset(int b, int s, int n) const {
+    return ((static_cast<int64_t>(b) * kv_len + s) * q_heads + n) * v_width<HV_IS_H>();
+  }
+  template <bool HV_IS_H>
+  __device__ __forceinline__ int64_t o_row_stride() const {
+    return static_cast<int64_t>(q_heads) * v_width<HV_IS_H>();
+  }
+  template <bool HV_IS_H>
+  __device__ __forceinline__ int64_t v_row_stride() const {
+    return static_cast<int64_t>(kv_heads) * v_width<HV_IS_H>();
   }
   __host__ __device__ __forceinline__ bool dkv_per_query_head() const { return dk_accum != nullptr; }
   __device__ __forceinline__ int64_t stat_offset(int b, int n, int t) const {

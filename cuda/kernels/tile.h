@@ -65,8 +65,17 @@ struct TileShape {
 };
 
 // The byte counts below are those of the stored rows: H = 96 padded to 128 columns, H = 192
-// unpadded (SmemTile).
-__host__ __device__ constexpr TileShape TileShapeFor(Pass pass, int head_dim, Layout layout = Layout::kWarp16) {
+// unpadded (SmemTile). head_dim is H (Q, K, dQ, dK), v_head_dim Hv (V, O, dO, dV).
+__host__ __device__ constexpr TileShape TileShapeFor(Pass pass, int head_dim, int v_head_dim,
+                                                     Layout layout = Layout::kWarp16) {
+  // Hv < H (MLA's (192, 128); (128, 64)): the shape of (H, H). Its V, O, dO and dV tiles and
+  // accumulators are only narrower, so it fits shared memory and registers wherever (H, H)
+  // does, and no larger tile fits or stays out of local memory: (192, 128) takes 88 KB forward
+  // (64-key tiles would take 48 KB of Q + 2 x 40 KB), 41.3 KB backward (32-row query blocks,
+  // 62.5 KB, spill 24-32 bytes at 255 registers on sm_80 and sm_90: dK's 48 and dV's 32
+  // registers with S and dP of 32 queries), 80 KB in the dQ kernel (64-key tiles: 120 KB);
+  // (128, 64) 80 KB forward (3 stages: 104 KB), 52.5 KB backward, 72 KB dQ.
+  if (v_head_dim < head_dim) return TileShapeFor(pass, head_dim, head_dim, layout);
   const bool wide = layout == Layout::kWarp32;
   if (pass == Pass::kForward) {
     // Q (block_q x H) + stages x (K, V) (block_kv x H): 64 KB at H=64, 96 KB at H=128 (and at
@@ -114,10 +123,12 @@ __host__ __device__ constexpr TileShape TileShapeFor(Pass pass, int head_dim, La
   return head_dim <= 64 ? TileShape{64, 64, 4, 2, 16} : TileShape{32, 64, 4, 2, 16};
 }
 
-// Whether `layout` gives (pass, head_dim) a tile shape of its own; where it does not, the
-// kWarp16 instantiation serves both layouts (no second copy of the same kernel is compiled).
-__host__ __device__ constexpr bool HasOwnShape(Pass pass, int head_dim, Layout layout) {
-  return layout == Layout::kWarp16 || !(TileShapeFor(pass, head_dim, layout) == TileShapeFor(pass, head_dim));
+// Whether `layout` gives (pass, head_dim, v_head_dim) a tile shape of its own; where it does
+// not, the kWarp16 instantiation serves both layouts (no second copy of the same kernel is
+// compiled).
+__host__ __device__ constexpr bool HasOwnShape(Pass pass, int head_dim, int v_head_dim, Layout layout) {
+  return layout == Layout::kWarp16 ||
+         !(TileShapeFor(pass, head_dim, v_head_dim, layout) == TileShapeFor(pass, head_dim, v_head_dim));
 }
 
 __host__ __device__ constexpr int CeilDiv(int a, int b) { return (a + b - 1) / b; }
@@ -327,12 +338,15 @@ __device__ __forceinline__ void mma_row_blocks_a_regs_b_trans(float (&acc)[ROW_B
   }
 }
 
-// Writes a warp's 16 x HEAD_DIM accumulator (rows t0.. of query head n, [B, T, N, H] layout)
-// as 16-bit elements, through the warp's own rows (row0..) of `tile`, which no other warp reads:
-// the global stores are then whole 16-byte chunks, coalesced along each row.
+// Writes a warp's 16 x Tile::kCols accumulator (rows t0.. of query head n, [B, T, N, width]
+// layout with width = Tile::kCols: H for dQ, Hv for O) as 16-bit elements, through the warp's
+// own rows (row0..) of `tile`, which no other warp reads (the forward at Hv < H stages O over
+// its wider Q tile after a barrier): the global stores are then whole 16-byte chunks, coalesced
+// along each row.
 template <class Elem, class Tile, int O_BLOCKS, class Params>
-__device__ __forceinline__ void store_warp_rows(uint16_t* dst, const Params& p, const float (&o)[O_BLOCKS][4],
-                                                char* tile, int b, int n, int row0, int t0, int lane) {
+__device__ __forceinline__ void store_warp_rows(uint16_t* dst, int width, const Params& p,
+                                                const float (&o)[O_BLOCKS][4], char* tile, int b, int n, int row0,
+                                                int t0, int lane) {
   static_assert(O_BLOCKS * MMA_N == Tile::kCols, "the accumulator spans a tile row");
   __syncwarp();  // every lane is done reading the warp's rows
   JAX_FLASH_UNROLL
@@ -351,7 +365,7 @@ __device__ __forceinline__ void store_warp_rows(uint16_t* dst, const Params& p, 
     if (t0 + row < p.q_len) {
       Chunk16 c;
       ptx::ld_shared_v4_b32(c.w, tile + Tile::chunk_offset(row0 + row, chunk));
-      ptx::st_global_v4_b32(dst + p.q_offset(b, t0 + row, n) + chunk * 8, c.w);
+      ptx::st_global_v4_b32(dst + p.q_row_offset(b, t0 + row, n, width) + chunk * 8, c.w);
     }
   }
 }
