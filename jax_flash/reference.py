@@ -142,7 +142,10 @@ def reference_canonical(
     logits = logits.astype(dt).astype(stat_dt)
     logits = jnp.where(vis, logits, -jnp.inf)
     # XLA's max may drop a NaN logit; exp(NaN) cannot, so l is NaN for a poisoned row.
-    m = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)  # S = 0: no key
+    # The max only shifts the exponents: no gradient flows through it (jnp.max's VJP sends
+    # the row's cotangent to the max's position, which XLA's NaN-dropping max under jit
+    # finds among the finite logits of a poisoned row: a 0 instead of NaN there).
+    m = lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf))  # S = 0: no key
     sink = None
     if masks.sinks is not None:
         sink = masks.sinks.astype(stat_dt)[None, :, None, None]  # [1, N, 1, 1]
@@ -155,7 +158,7 @@ def reference_canonical(
     # ~ulp(1e31) above 0 (exp = inf, NaN out). A comparison reads the rounded product, so any
     # other logit's exponent is < 0 either way. (A +inf logit still gives inf - inf = NaN.)
     at_max = (logits >= m_safe) & (logits < jnp.inf)
-    shifted = jnp.where(at_max, jnp.zeros((), stat_dt), logits - m_safe)
+    shifted = jnp.where(at_max, _zero_unit_slope(logits), logits - m_safe)
     e = jnp.where(vis, jnp.exp(shifted), 0)  # exactly 0 where masked, even for NaN m
     l = jnp.sum(e, axis=-1, keepdims=True)
     if sink is not None:
@@ -181,6 +184,19 @@ def reference_canonical(
         bad_sink = ~(masks.sinks < jnp.inf)[None, None, :, None]  # [1, 1, N, 1]
         out = jnp.where(bad_sink, jnp.nan, out)
     return out, lse.astype(stat_dt)
+
+
+@jax.custom_jvp
+def _zero_unit_slope(x):
+    """0 in value, derivative 1: the row max's exponent x - max, which the max (a constant
+    shift, stop_gradient) leaves at exactly 0 without computing x - x (under jit an FMA
+    could make that the product's rounding error)."""
+    return jnp.zeros_like(x)
+
+
+@_zero_unit_slope.defjvp
+def _zero_unit_slope_jvp(primals, tangents):
+    return jnp.zeros_like(primals[0]), tangents[0]
 
 
 def dropout_keep(spec: AttentionSpec, seed) -> jax.Array:
