@@ -187,8 +187,7 @@ def _one_hot_slack(ex, arrays) -> dict:
       bias's broadcast axes)."""
     if ex.scale is None or abs(ex.scale) < EXTREME_SCALES[0]:
         return {}
-    top = {name: float(np.max(np.abs(x), initial=0.0, where=np.isfinite(x)))
-           for name, x in ((n, _np(arrays[n])) for n in ("q", "k", "v", "ct"))}
+    top = {name: float(_finite_abs(arrays[name]).max(initial=0.0)) for name in ("q", "k", "v", "ct")}
     diff = ex.h * float(np.finfo(np.float32).eps) * top["ct"] * top["v"]
     g = ex.n // ex.kh
     dlse = _finite_abs(arrays["dlse"])  # [B, T, N]
