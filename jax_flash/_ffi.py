@@ -174,6 +174,9 @@ def _backward_call(
         dk_accum = (b, k.shape[1], n, h) if grid == "q_heads" else (0,)
         dv_accum = (b, v.shape[1], n, v.shape[-1]) if grid == "q_heads" else (0,)  # [B, S, N, Hv]
         shapes += (jax.ShapeDtypeStruct(dk_accum, jnp.float32), jax.ShapeDtypeStruct(dv_accum, jnp.float32))
+        # dbias_accum: deterministic mode's dbias workspace [B, N, Tb, S] for a bias broadcast
+        # over B, N or S (summed into dbias in a fixed order after), else empty.
+        shapes += (jax.ShapeDtypeStruct(_dbias_workspace(spec, masks, deterministic), jnp.float32),)
     dbias_shape = (0,) if masks.bias is None else masks.bias.shape
     shapes += (jax.ShapeDtypeStruct(dbias_shape, jnp.float32),)
     dq, dk, dv, *_, dbias = jax.ffi.ffi_call(target, shapes)(
@@ -181,6 +184,18 @@ def _backward_call(
         **_attributes(spec), deterministic=deterministic,
     )
     return dq, dk, dv, (None if masks.bias is None else dbias.astype(masks.bias.dtype))
+
+
+def _dbias_workspace(spec: AttentionSpec, masks: MaskInputs, deterministic: bool) -> tuple:
+    """The CUDA targets' dbias_accum shape (cuda/kernels/bias.h): [B, N, Tb, S] in
+    deterministic mode when the bias is broadcast over B, N or S, else (0,)."""
+    if masks.bias is None or not deterministic:
+        return (0,)
+    bb, nb, tb, sb = masks.bias.shape
+    b, n, s = spec.batch, spec.num_heads, spec.kv_len
+    if (bb, nb, sb) == (b, n, s):
+        return (0,)
+    return (b, n, tb, s)
 
 
 def compiled_kernel_reason(spec: AttentionSpec, dtypes: tuple[str, ...]) -> Optional[str]:

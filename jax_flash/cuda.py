@@ -318,7 +318,7 @@ class CudaImplementation:
         why = value_head_dim_reason(spec)
         if why:
             return why
-        return _ffi.compiled_kernel_reason(spec, DTYPES) or _ffi.dense_reason(spec) or launch_limit(spec)
+        return _ffi.compiled_kernel_reason(spec, DTYPES) or launch_limit(spec)
 
     def head_dims(self) -> str:
         return ", ".join(f"({h}, {hv})" for h, hv in head_dim_pairs())
@@ -365,6 +365,8 @@ class CudaImplementation:
         bad_v = nonfinite_rows(v)  # [B, S, K]
         sees = lax.cond(jnp.any(bad_v), lambda: self._sees(target, spec, bad_v, masks, q.dtype),
                         lambda: jnp.zeros(out.shape[:-1], bool))
+        # An empty row (lse = -inf: it sees no key, or only -inf logits, with no sink) stays 0.
+        sees = sees & (jnp.swapaxes(lse, 1, 2) != -jnp.inf)
         return jnp.where(sees[..., None], jnp.asarray(jnp.nan, out.dtype), out), lse
 
     def _sees(self, target, spec, flags, masks, dtype):
@@ -374,7 +376,9 @@ class CudaImplementation:
         b, t, n, s, kh, h = spec.batch, spec.q_len, spec.num_heads, spec.kv_len, spec.num_kv_heads, small.head_dim
         v = jnp.broadcast_to(flags[..., None], (b, s, kh, h)).astype(dtype)
         zeros_q, zeros_k = jnp.zeros((b, t, n, h), dtype), jnp.zeros((b, s, kh, h), dtype)
-        share, _ = _ffi.forward_call(target, small, zeros_q, zeros_k, v, masks)
+        # Without the bias: a -inf bias is not a mask, a non-finite v behind it still reaches
+        # the row (README, "Numerical contract"); the dense mask stays.
+        share, _ = _ffi.forward_call(target, small, zeros_q, zeros_k, v, masks._replace(bias=None))
         return share[..., 0] > 0
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):

@@ -27,7 +27,14 @@ from jax_flash.reference import attention_reference
 
 from cases import EPS, FACTOR, GRAD_EPS, Shape, make_qkv, make_sinks, mask_kwargs
 
-DENSE_IMPLS = ("cpu",)
+DENSE_IMPLS = ("cpu", "cuda")
+# Those whose float32 inputs the poison and numerical-gradient checks use (cuda takes 16-bit
+# inputs only: its poison checks run in float16, its gradients against the reference).
+F32_DENSE_IMPLS = ("cpu",)
+
+
+def _poison_dtype(impl):
+    return jnp.float32 if impl in F32_DENSE_IMPLS else jnp.float16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +169,7 @@ def test_nan_bias_at_masked_pairs_changes_nothing(impl):
     """NaN in the bias wherever the pair is masked (above the causal diagonal, or where the dense
     mask is false), with the soft cap on (whose derivative at NaN is NaN): every result is bit
     for bit that of the clean bias, and dbias is 0 there."""
-    q, k, v = make_qkv(POISON_SHAPE, jnp.float32)
+    q, k, v = make_qkv(POISON_SHAPE, _poison_dtype(impl))
     case = BiasCase("poison", POISON_SHAPE, "float32", "11TS", "float32", "11TS", "causal")
     bias, mask = make_bias(case), make_mask(case)
     t, s = POISON_SHAPE.t, POISON_SHAPE.s
@@ -187,7 +194,7 @@ def test_poisoned_bias_at_visible_pairs_like_the_reference(impl):
     the reference."""
     shape = Shape(2, 40, 129, 2, 1, 32)
     case = BiasCase("visible", shape, "float32", "1NTS", "float32", None, "none")
-    q, k, v = make_qkv(shape, jnp.float32)
+    q, k, v = make_qkv(shape, _poison_dtype(impl))
     bias = np.array(make_bias(case))
     bias[0, 1, 5, 17] = np.nan
     bias[0, 0, 9, :] = -np.inf
@@ -203,7 +210,7 @@ def test_poisoned_bias_at_visible_pairs_like_the_reference(impl):
     assert np.isfinite(out[0, 20, 0]).all()
 
 
-@pytest.mark.parametrize("impl", DENSE_IMPLS)
+@pytest.mark.parametrize("impl", F32_DENSE_IMPLS)
 def test_check_grads_with_broadcast_bias(impl):
     """Numerical gradients (reverse mode, float32) in q, k, v and a [1, N, 1, S] bias, with a
     dense mask, the soft cap and GQA."""
@@ -254,7 +261,7 @@ def test_minus_inf_in_a_16_bit_bias_still_sees_its_value(impl, dtype):
     """A -inf in a 16-bit bias is found as such (the kernels then tell its visible pair from a
     masked one): a row whose only non-finite value is behind a -inf bias is NaN; behind the
     dense mask it is not."""
-    shape = Shape(1, 8, 20, 1, 1, 16)
+    shape = Shape(1, 8, 20, 1, 1, 32)
     q, k, v = make_qkv(shape, jnp.dtype(dtype))
     v = v.at[0, 3, 0, 0].set(jnp.nan)
     bias = jnp.zeros((1, 1, 1, 20), dtype).at[..., 3].set(-jnp.inf)

@@ -1,7 +1,7 @@
 """build/mutation_check.py cannot rot: every mutation still applies to the kernel source (no
-stale original text), and the --fast subset (the warp32 layout's second row block and the
-deterministic dQ kernel's sign, both caught, and the speed-only swizzle, surviving) runs end
-to end: scratch copy, emulation-only rebuild, tests (about two minutes on 2 cores).
+stale original text), and the --fast subset (the deterministic dQ kernel's sign, caught,
+and the speed-only swizzle, surviving) runs end to end: scratch copy, emulation-only rebuild,
+tests (about two minutes on 2 cores).
 The full check (every mutation, tens of minutes) is run by hand; its table is in
 docs/verification.md."""
 
@@ -35,6 +35,6 @@ def test_fast_mutation_check():
     r = _run("--fast", timeout=1500)
     print(r.stdout[-4000:])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    for name in ("det_ds_sign", "rows32_a_row_block"):
+    for name in ("det_ds_sign",):
         assert any(line.startswith(name) and " caught " in line for line in r.stdout.splitlines()), name
     assert any(line.startswith("swizzle_off") and "survived (speed-only)" in line for line in r.stdout.splitlines())

@@ -29,6 +29,10 @@ inline AttentionParams EmuArgument(AttentionParams p) {
   p.delta = emu::tag_global(p.delta);
   p.dk_accum = emu::tag_global(p.dk_accum);
   p.dv_accum = emu::tag_global(p.dv_accum);
+  p.bias.data = emu::tag_global(p.bias.data);
+  p.mask.data = emu::tag_global(p.mask.data);
+  p.dbias.data = emu::tag_global(p.dbias.data);
+  p.dbias_out = emu::tag_global(p.dbias_out);
   return p;
 }
 

@@ -249,6 +249,18 @@ float ld_global_f32(const float* p, const char* file, int line) {
   std::memcpy(&v, p, 4);
   return v;
 }
+uint16_t ld_global_b16(const uint16_t* p, const char* file, int line) {
+  p = check_global("ld.global.b16", p, 2, detail::MemOp::kRead, file, line);
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+uint8_t ld_global_u8(const uint8_t* p, const char* file, int line) {
+  p = check_global("ld.global.u8", p, 1, detail::MemOp::kRead, file, line);
+  uint8_t v;
+  std::memcpy(&v, p, 1);
+  return v;
+}
 void ld_global_v4_b32(uint32_t r[4], const void* p, const char* file, int line) {
   p = check_global("ld.global.v4.b32", p, 16, detail::MemOp::kRead, file, line);
   std::memcpy(r, p, 16);

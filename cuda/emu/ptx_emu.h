@@ -77,6 +77,8 @@ void st_shared_f32(float* p, float v, JAX_FLASH_EMU_SITE);
 // ld.global / st.global   (9.7.9.8 "ld", 9.7.9.11 "st"): a naturally aligned access inside a
 // declared buffer, checked against the other CTAs' stores (simt.h, GlobalBufferScope).
 float ld_global_f32(const float* p, JAX_FLASH_EMU_SITE);
+uint16_t ld_global_b16(const uint16_t* p, JAX_FLASH_EMU_SITE);
+uint8_t ld_global_u8(const uint8_t* p, JAX_FLASH_EMU_SITE);
 void ld_global_v4_b32(uint32_t r[4], const void* p, JAX_FLASH_EMU_SITE);
 void st_global_f32(float* p, float v, JAX_FLASH_EMU_SITE);
 void st_global_b32(void* p, uint32_t v, JAX_FLASH_EMU_SITE);

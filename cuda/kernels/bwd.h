@@ -356,13 +356,16 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAY
         mma_a_smem_b_rows<Elem, typename K::VTile, typename K::DoTile, V_HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N,
                           K::K_UNROLL>(dp, v_tile, key_row0, do_tile, 0, lane);
         const bool interior = mask.is_interior(t0, K::BLOCK_Q, warp_s0, K::WARP_KV, segments_allow_all);
-        scaling.prepare<true>(s, mask, interior, warp_s0, t0, lane);
+        scaling.prepare<true, true>(s, mask, p.bias_rows(batch, n), p.mask_rows(batch, n), interior, warp_s0, t0, lane);
         // Dropout: out = Z·V with Z = keep ∘ P / (1 − rate); dPᵀ becomes the cotangent of P
         // and Pᵀ becomes Zᵀ for dV (D = rowsum(dO ∘ O) is unchanged).
         const uint64_t keep =
             drop.on ? keep_bits_of_fragment<true, K::BLOCK_Q / MMA_N>(drop, batch, n, warp_s0, t0, lane) : 0;
         if (drop.on) drop_fragment(dp, keep, drop.keep_scale);
         probabilities_and_ds(s, dp, lse2, delta, scaling, lane);
+        // dbias = dS summed over the bias' broadcast dims (one of the warps sharing these keys).
+        if (p.dbias.present() && split == 0)
+          accumulate_dbias(dp, p.dbias, batch, n, p.q_len, p.kv_len, warp_s0, t0, lane);
         if (drop.on) drop_fragment(s, keep, drop.keep_scale);
 
         // dV += Pᵀ·dO and dK += dSᵀ·Q (the warp's columns), A operands straight from the
@@ -453,6 +456,33 @@ __global__ void __launch_bounds__(kConvertThreads) attention_backward_reduce_dkv
   ptx::st_global_v4_b32((is_dk ? p.dk : p.dv) + element, out.w);
 }
 
+// ---- 5. the dbias sum of deterministic mode ----------------------------------------------------
+
+// dbias[bb, nn, tt, ss] = Σ W[b, n, tt, s] over b (all B where the bias has Bb = 1, else bb), n
+// (likewise) and s, in this order: one thread per element of the dbias result [Bb, Nb, Tb, Sb];
+// W is the dbias_accum workspace [B, N, Tb, S] (p.dbias, written by the main kernel). A
+// template like the other kernels of this header (which every instantiation file includes).
+template <class Elem>
+__global__ void __launch_bounds__(kConvertThreads) attention_backward_reduce_dbias_kernel(const AttentionParams p,
+                                                                                          int64_t elements) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kConvertThreads + threadIdx.x;
+  if (i >= elements) return;
+  const int64_t* d = p.dbias_dims;  // Bb, Nb, Tb, Sb
+  const int64_t ss = i % d[3], tt = (i / d[3]) % d[2], nn = (i / (d[3] * d[2])) % d[1],
+                bb = i / (d[3] * d[2] * d[1]);
+  const int64_t b_end = d[0] == 1 ? p.batch : bb + 1, n_end = d[1] == 1 ? p.q_heads : nn + 1,
+                s_end = d[3] == 1 ? p.kv_len : ss + 1;
+  const DbiasTarget& w = p.dbias;
+  float sum = 0.0f;
+  for (int64_t b = d[0] == 1 ? 0 : bb; b < b_end; ++b) {
+    for (int64_t n = d[1] == 1 ? 0 : nn; n < n_end; ++n) {
+      const float* row = w.data + b * w.stride_b + n * w.stride_n + tt * w.stride_t;
+      for (int64_t s = d[3] == 1 ? 0 : ss; s < s_end; ++s) sum += ptx::ld_global_f32(row + s * w.stride_s);
+    }
+  }
+  ptx::st_global_f32(p.dbias_out + i, sum);
+}
+
 // ---- 2b. dQ without atomics (deterministic mode) ---------------------------------------------
 
 // One CTA per (query block, head, batch), each warp owns 16 query rows and loops over the key
@@ -507,6 +537,7 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM, V_HEAD_DIM>::
   const LogitScaling scaling = LogitScaling::of(p);
   const dropout::Setting drop = p.dropout_setting();
   const Range keys = mask.keys_of_rows(t0, t0 + K::BLOCK_Q);
+  const DenseRows bias = p.bias_rows(batch, head), dense_mask = p.mask_rows(batch, head);
   char* const q_tile = smem;
   char* const do_tile = smem + K::QTile::kBytes;
 
@@ -577,7 +608,7 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM, V_HEAD_DIM>::
       mma_a_smem_b_rows<Elem, typename K::DoTile, typename K::VTile, V_HEAD_DIM / MMA_K, K::BLOCK_KV / MMA_N,
                         K::K_UNROLL>(dp, do_tile, warp * K::WARP_Q, v_tile, 0, lane);
       const bool interior = mask.is_interior(warp_t0, K::WARP_Q, s0, K::BLOCK_KV, segments_allow_all);
-      scaling.prepare<false>(s, mask, interior, warp_t0, s0, lane);
+      scaling.prepare<false, true>(s, mask, bias, dense_mask, interior, warp_t0, s0, lane);
       if (drop.on)  // dZ -> dP, the cotangent of P
         drop_fragment(dp, keep_bits_of_fragment<false, K::BLOCK_KV / MMA_N>(drop, batch, head, warp_t0, s0, lane),
                       drop.keep_scale);
@@ -640,6 +671,15 @@ LaunchError LaunchBackward(const AttentionParams& p_in, bool deterministic, Stre
   if (p.dkv_per_query_head()) {
     err = Launch("attention_backward_reduce_dkv_kernel", attention_backward_reduce_dkv_kernel<Elem>, reduce_grid,
                  dim3(kConvertThreads), 0, stream, p, dk_chunks, dkv_chunks);
+    if (!err.empty()) return err;
+  }
+  if (p.dbias_out != nullptr) {  // deterministic mode, a bias broadcast over B, N or S
+    const int64_t elements = p.dbias_dims[0] * p.dbias_dims[1] * p.dbias_dims[2] * p.dbias_dims[3];
+    dim3 dbias_grid;
+    err = LinearGrid((elements + kConvertThreads - 1) / kConvertThreads, &dbias_grid);
+    if (err.empty())
+      err = Launch("attention_backward_reduce_dbias_kernel", attention_backward_reduce_dbias_kernel<Elem>, dbias_grid,
+                   dim3(kConvertThreads), 0, stream, p, elements);
     if (!err.empty()) return err;
   }
   if (deterministic) {

@@ -79,6 +79,7 @@ auto BackwardSignature(Binding binding) {
       .template Ret<ffi::AnyBuffer>()   // delta [B, N, T] f32 workspace
       .template Ret<ffi::AnyBuffer>()   // dk_accum [B, S, N, H] f32 workspace (q_heads grid), or [0] f32
       .template Ret<ffi::AnyBuffer>()   // dv_accum [B, S, N, Hv] f32 (q_heads grid), or [0] f32
+      .template Ret<ffi::AnyBuffer>()   // dbias_accum [B, N, Tb, S] f32 workspace (deterministic, a bias broadcast over B, N or S), or [0] f32
       .template Ret<ffi::AnyBuffer>();  // dbias: the bias operand's shape f32, or [0] f32: no bias
 }
 
@@ -207,21 +208,105 @@ inline ffi::Error CheckDropout(const char* target, const ffi::AnyBuffer& seed, f
   return ffi::Error::Success();
 }
 
-// The dense bias and mask operands (cuda/README.md): [0] f32 / [0] pred when the call has
-// none. These kernels take neither yet: a present one is an error naming it. The backward's
-// dbias result must then be [0] f32 (nothing is written to it).
-inline ffi::Error CheckDenseOperands(const char* target, const ffi::AnyBuffer& bias, const ffi::AnyBuffer& mask,
-                                     const ffi::AnyBuffer* dbias) {
-  if (auto e = Expect(target, "bias", bias, {0}, ffi::DataType::F32); e.failure())
-    return ffi::Error::InvalidArgument(std::string(target) + ": these kernels take no dense bias (bias must be [0] " +
-                                       "float32), got " + Describe(bias));
-  if (auto e = Expect(target, "mask", mask, {0}, ffi::DataType::PRED); e.failure())
-    return ffi::Error::InvalidArgument(std::string(target) + ": these kernels take no dense mask (mask must be [0] " +
-                                       "bool), got " + Describe(mask));
-  if (dbias != nullptr) {
-    if (auto e = Expect(target, "dbias", *dbias, {0}, ffi::DataType::F32); e.failure()) return e;
+inline ffi::Error ToError(const char* target, const LaunchError& err) {
+  return err.empty() ? ffi::Error::Success() : ffi::Error::Internal(std::string(target) + ": " + err);
+}
+
+// One dense operand (cuda/README.md): [0] (of `none_type`) when the call has none, else
+// [B|1, N|1, T|1, S|1] of one of `types`; fills `dims` and returns whether it is present.
+inline ffi::Error CheckDenseOperand(const char* target, const char* name, const ffi::AnyBuffer& x,
+                                    ffi::DataType none_type, std::initializer_list<ffi::DataType> types,
+                                    const AttentionParams& p, int64_t (&dims)[4], bool* present) {
+  auto d = x.dimensions();
+  *present = !(d.size() == 1 && d[0] == 0);
+  if (!*present) return Expect(target, name, x, {0}, none_type);
+  const int64_t full[4] = {p.batch, p.q_heads, p.q_len, p.kv_len};
+  bool ok = d.size() == 4;
+  for (size_t i = 0; ok && i < 4; ++i) {
+    dims[i] = d[i];
+    ok = d[i] == 1 || d[i] == full[i];
   }
+  bool typed = false;
+  for (ffi::DataType t : types) typed = typed || x.element_type() == t;
+  if (ok && typed) return ffi::Error::Success();
+  std::string allowed;
+  for (ffi::DataType t : types) allowed += (allowed.empty() ? "" : " / ") + std::string(DtypeName(t));
+  return ffi::Error::InvalidArgument(std::string(target) + ": " + name + " must be [0] " + DtypeName(none_type) +
+                                     " (none) or [B|1, N|1, T|1, S|1] " + allowed + " with [B, N, T, S] = [" +
+                                     std::to_string(full[0]) + ", " + std::to_string(full[1]) + ", " +
+                                     std::to_string(full[2]) + ", " + std::to_string(full[3]) + "], got " +
+                                     Describe(x));
+}
+
+// The dense bias (f32 / f16 / bf16) and mask (pred) operands: fills p->bias and p->mask (data
+// null when absent) and, when present, the bias' dims.
+inline ffi::Error CheckDenseOperands(const char* target, const ffi::AnyBuffer& bias, const ffi::AnyBuffer& mask,
+                                     AttentionParams* p, int64_t (&bias_dims)[4]) {
+  bool present = false;
+  if (auto e = CheckDenseOperand(target, "bias", bias, ffi::DataType::F32,
+                                 {ffi::DataType::F32, ffi::DataType::F16, ffi::DataType::BF16}, *p, bias_dims,
+                                 &present);
+      e.failure())
+    return e;
+  if (present) {
+    const ffi::DataType t = bias.element_type();
+    const DenseType type = t == ffi::DataType::F16 ? DenseType::kF16
+                           : t == ffi::DataType::BF16 ? DenseType::kBf16 : DenseType::kF32;
+    p->bias = DenseOperand::of(bias.untyped_data(), type, bias_dims);
+  }
+  int64_t mask_dims[4];
+  if (auto e = CheckDenseOperand(target, "mask", mask, ffi::DataType::PRED, {ffi::DataType::PRED}, *p, mask_dims,
+                                 &present);
+      e.failure())
+    return e;
+  if (present) p->mask = DenseOperand::of(mask.untyped_data(), DenseType::kBool, mask_dims);
   return ffi::Error::Success();
+}
+
+// The backward's dbias result (the bias' shape, f32) and dbias_accum workspace, and where the
+// main kernel writes dbias (kernels/bias.h): straight into dbias when each of its elements
+// belongs to one (b, n, key) (the bias is full over B, N and S: by store, or by owned add over
+// the query blocks when it is broadcast over T); else, with atomics, or in deterministic mode
+// into dbias_accum [B, N, Tb, S], summed into dbias after. Both are zeroed first.
+inline ffi::Error CheckDbias(const char* target, const int64_t (&bias_dims)[4], bool deterministic,
+                             ffi::Result<ffi::AnyBuffer>& dbias, ffi::Result<ffi::AnyBuffer>& dbias_accum,
+                             AttentionParams* p, Stream stream) {
+  if (p->bias.data == nullptr) {
+    if (auto e = Expect(target, "dbias", *dbias, {0}, ffi::DataType::F32); e.failure()) return e;
+    return Expect(target, "dbias_accum", *dbias_accum, {0}, ffi::DataType::F32);
+  }
+  const int64_t B = p->batch, N = p->q_heads, T = p->q_len, S = p->kv_len;
+  if (auto e = Expect(target, "dbias", *dbias, {bias_dims[0], bias_dims[1], bias_dims[2], bias_dims[3]},
+                      ffi::DataType::F32);
+      e.failure())
+    return e;
+  const bool owned = bias_dims[0] == B && bias_dims[1] == N && bias_dims[3] == S;
+  const DbiasWrite write = bias_dims[2] == T ? DbiasWrite::kStore : DbiasWrite::kOwnedAdd;
+  const bool workspace = deterministic && !owned;
+  if (auto e = workspace ? Expect(target, "dbias_accum", *dbias_accum, {B, N, bias_dims[2], S}, ffi::DataType::F32)
+                         : Expect(target, "dbias_accum", *dbias_accum, {0}, ffi::DataType::F32);
+      e.failure())
+    return e;
+  ffi::Result<ffi::AnyBuffer>& into = workspace ? dbias_accum : dbias;
+  const int64_t dims[4] = {workspace ? B : bias_dims[0], workspace ? N : bias_dims[1], bias_dims[2],
+                           workspace ? S : bias_dims[3]};
+  const DenseOperand strides = DenseOperand::of(nullptr, DenseType::kF32, dims);
+  p->dbias.data = static_cast<float*>(into->untyped_data());
+  p->dbias.stride_b = strides.stride_b;
+  p->dbias.stride_n = strides.stride_n;
+  p->dbias.stride_t = strides.stride_t;
+  p->dbias.stride_s = strides.stride_s;
+  p->dbias.write = owned || workspace ? write : DbiasWrite::kAtomic;
+  if (workspace) {
+    p->dbias_out = static_cast<float*>(dbias->untyped_data());
+    for (int i = 0; i < 4; ++i) p->dbias_dims[i] = bias_dims[i];
+  }
+  if (into->size_bytes() == 0) {  // nothing to accumulate (B, N or S is 0): dbias is 0
+    p->dbias = DbiasTarget{};
+    p->dbias_out = nullptr;
+    return ToError(target, FillAsync(dbias->untyped_data(), 0, dbias->size_bytes(), stream));
+  }
+  return ToError(target, FillAsync(into->untyped_data(), 0, into->size_bytes(), stream));
 }
 
 // JAX_FLASH_POISON_OUTPUTS=1: results are filled with NaN bytes before the kernels run, so an
@@ -231,9 +316,6 @@ inline bool PoisonOutputs() {
   return env != nullptr && env[0] == '1';
 }
 
-inline ffi::Error ToError(const char* target, const LaunchError& err) {
-  return err.empty() ? ffi::Error::Success() : ffi::Error::Internal(std::string(target) + ": " + err);
-}
 
 // ---- handler bodies -------------------------------------------------------------------------
 
@@ -250,7 +332,8 @@ inline ffi::Error Forward(const char* target, Stream stream, ffi::AnyBuffer q, f
       e.failure())
     return e;
   if (auto e = CheckDropout(target, dropout_seed, dropout_rate, &p); e.failure()) return e;
-  if (auto e = CheckDenseOperands(target, bias, mask, nullptr); e.failure()) return e;
+  int64_t bias_dims[4];
+  if (auto e = CheckDenseOperands(target, bias, mask, &p, bias_dims); e.failure()) return e;
   const int64_t B = p.batch, T = p.q_len, N = p.q_heads, Hv = p.v_head_dim;
   if (auto e = Expect(target, "out", *out, {B, T, N, Hv}, q.element_type()); e.failure()) return e;
   if (auto e = Expect(target, "lse", *lse, {B, N, T}, ffi::DataType::F32); e.failure()) return e;
@@ -278,7 +361,7 @@ inline ffi::Error Backward(const char* target, Stream stream, ffi::AnyBuffer q, 
                            ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                            ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> delta,
                            ffi::Result<ffi::AnyBuffer> dk_accum, ffi::Result<ffi::AnyBuffer> dv_accum,
-                           ffi::Result<ffi::AnyBuffer> dbias) {
+                           ffi::Result<ffi::AnyBuffer> dbias_accum, ffi::Result<ffi::AnyBuffer> dbias) {
   AttentionParams p;
   ElementType dtype;
   if (auto e = CheckOperands(target, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, q_offsets,
@@ -286,7 +369,8 @@ inline ffi::Error Backward(const char* target, Stream stream, ffi::AnyBuffer q, 
       e.failure())
     return e;
   if (auto e = CheckDropout(target, dropout_seed, dropout_rate, &p); e.failure()) return e;
-  if (auto e = CheckDenseOperands(target, bias, mask, &*dbias); e.failure()) return e;
+  int64_t bias_dims[4];
+  if (auto e = CheckDenseOperands(target, bias, mask, &p, bias_dims); e.failure()) return e;
   const int64_t B = p.batch, T = p.q_len, S = p.kv_len, N = p.q_heads, K = p.kv_heads, H = p.head_dim,
                 Hv = p.v_head_dim;
   const ffi::DataType t = q.element_type();
@@ -334,6 +418,7 @@ inline ffi::Error Backward(const char* target, Stream stream, ffi::AnyBuffer q, 
   }
   Layout layout;
   if (auto e = LayoutFromEnvironment(&layout); !e.empty()) return ffi::Error::InvalidArgument(target + (": " + e));
+  if (auto e = CheckDbias(target, bias_dims, deterministic, dbias, dbias_accum, &p, stream); e.failure()) return e;
   return ToError(target, DispatchBackward(dtype, layout, p, deterministic, stream));
 }
 

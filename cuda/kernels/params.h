@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "kernels/bias.h"
 #include "kernels/dropout.h"
 #include "kernels/platform.h"
 #include "kernels/ptx.h"
@@ -45,6 +46,17 @@ struct AttentionParams {
   float dropout_rate = 0.0f;
   const uint32_t* dropout_seed = nullptr;  // [2]
 
+  // The dense bias (f32 / f16 / bf16) and mask (pred), [B|1, N|1, T|1, S|1] read through their
+  // strides (kernels/bias.h); data null when the call has none.
+  DenseOperand bias;
+  DenseOperand mask;
+  // Backward: where the main kernel puts dbias (the dbias result, or in deterministic mode the
+  // dbias_accum workspace when the bias is broadcast over B, N or S); data null without a bias.
+  DbiasTarget dbias;
+  // With the workspace: the dbias result [Bb, Nb, Tb, Sb] f32 that the reduce kernel writes.
+  float* dbias_out = nullptr;
+  int64_t dbias_dims[4] = {0, 0, 0, 0};
+
   const uint16_t* q = nullptr;
   const uint16_t* k = nullptr;
   const uint16_t* v = nullptr;
@@ -68,6 +80,10 @@ struct AttentionParams {
   // Backward: whether the main kernel adds dQ into dq_accum with atomics (false in
   // deterministic mode, where a separate kernel computes dQ per query block).
   bool accumulate_dq = true;
+
+  // The bias and mask rows of (b, n).
+  __device__ __forceinline__ DenseRows bias_rows(int b, int n) const { return bias.rows_of(b, n, q_len, kv_len); }
+  __device__ __forceinline__ DenseRows mask_rows(int b, int n) const { return mask.rows_of(b, n, q_len, kv_len); }
 
   __device__ __forceinline__ float sink(int n) const { return sinks != nullptr ? sinks[n] : -INFINITY; }
 

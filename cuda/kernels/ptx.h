@@ -203,6 +203,28 @@ __device__ __forceinline__ float ld_global_f32(const float* p JAX_FLASH_SITE) {
 #endif
 }
 
+// ld.global.b16 d, [p]: one 16-bit element from global memory (§9.7.9.8), e.g. of a bias.
+__device__ __forceinline__ uint16_t ld_global_b16(const uint16_t* p JAX_FLASH_SITE) {
+#ifndef JAX_FLASH_EMULATE
+  uint16_t v;
+  asm volatile("ld.global.b16 %0, [%1];\n" : "=h"(v) : "l"(p) : "memory");
+  return v;
+#else
+  return emu::ld_global_b16(p JAX_FLASH_AT);
+#endif
+}
+
+// ld.global.u8 d, [p]: one byte from global memory (§9.7.9.8), e.g. of a pred mask.
+__device__ __forceinline__ uint8_t ld_global_u8(const uint8_t* p JAX_FLASH_SITE) {
+#ifndef JAX_FLASH_EMULATE
+  uint16_t v;
+  asm volatile("ld.global.u8 %0, [%1];\n" : "=h"(v) : "l"(p) : "memory");
+  return static_cast<uint8_t>(v);
+#else
+  return emu::ld_global_u8(p JAX_FLASH_AT);
+#endif
+}
+
 // ld.global.v4.b32 {r0..r3}, [p]: one 16-byte-aligned chunk from global memory (§9.7.9.8).
 __device__ __forceinline__ void ld_global_v4_b32(uint32_t r[4], const void* p JAX_FLASH_SITE) {
 #ifndef JAX_FLASH_EMULATE

@@ -22,8 +22,10 @@
 // cap · 2^-11 (0.024 at cap = 50), more than a float16 reference's own error.
 #pragma once
 
+#include <cfloat>
 #include <cmath>
 
+#include "kernels/bias.h"
 #include "kernels/mask.h"
 #include "kernels/params.h"
 #include "kernels/tile.h"
@@ -55,6 +57,7 @@ __device__ __forceinline__ float poison_infinite(float s) { return fabsf(s) == I
 struct LogitScaling {
   float exp_scale;  // p = exp2((x − m) · exp_scale): log2(e), x being natural logits
   float pre_scale;  // x = cap · tanh(s · pre_scale), or x = s · pre_scale
+  float scale;      // with a bias: x = cap · tanh((s · scale + bias) · inv_cap), or s · scale + bias
   float cap;        // the soft cap; 0 when it is off
   float inv_cap;    // 1 / cap (0 when the soft cap is off)
 
@@ -63,6 +66,7 @@ struct LogitScaling {
     l.cap = p.softcap > 0.0f ? p.softcap : 0.0f;
     l.inv_cap = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
     l.pre_scale = p.softcap > 0.0f ? p.scale / p.softcap : p.scale;
+    l.scale = p.scale;
     l.exp_scale = kLog2e;
     return l;
   }
@@ -70,6 +74,12 @@ struct LogitScaling {
   __device__ __forceinline__ float transform(float s) const {
     s = poison_infinite(s);
     return cap > 0.0f ? cap * tanh_of(s * pre_scale) : s * pre_scale;
+  }
+
+  // The same with a dense bias, added in float32 after the scale and before the cap.
+  __device__ __forceinline__ float transform_biased(float s, float bias) const {
+    const float x = poison_infinite(s) * scale + bias;
+    return cap > 0.0f ? cap * tanh_of(x * inv_cap) : x;
   }
 
   // d(capped logit)/d(logit) = 1 − tanh², at transformed x; 1 when the soft cap is off.
@@ -80,17 +90,37 @@ struct LogitScaling {
     return 1.0f - th * th;
   }
 
-  // Raw scores of a tile to logits: transform (scale, soft cap, ±inf -> NaN) and, unless the
-  // tile is interior, set invisible elements to −inf.
-  template <bool TRANSPOSED, int N_BLOCKS>
-  __device__ __forceinline__ void prepare(float (&acc)[N_BLOCKS][4], const Mask& mask, bool interior, int row0,
-                                          int col0, int lane) const {
-    JAX_FLASH_UNROLL
-    for (int j = 0; j < N_BLOCKS; ++j) {
+  // Raw scores of a tile to logits: transform (scale, the dense bias of the tile's (b, n) if
+  // any, soft cap, ±inf -> NaN), then set invisible elements to −inf: unless the tile is
+  // interior, those the structured mask hides, and those the dense mask (if any) does not allow.
+  // GRADIENT (the backward kernels): a −inf bias gives its visible pair the logit −FLT_MAX
+  // instead, whose P = exp(x − lse) is still 0 for a finite lse, but which is not taken for a
+  // masked pair (P = dS = 0 whatever lse and D are): a NaN lse or D reaches it, as in the
+  // reference (a −inf bias is not a mask). The forward keeps −inf, so that a row of them is empty.
+  template <bool TRANSPOSED, bool GRADIENT = false, int N_BLOCKS>
+  __device__ __forceinline__ void prepare(float (&acc)[N_BLOCKS][4], const Mask& mask, const DenseRows& bias,
+                                          const DenseRows& dense_mask, bool interior, int row0, int col0,
+                                          int lane) const {
+    if (bias.present()) {
       JAX_FLASH_UNROLL
-      for (int i = 0; i < 4; ++i) acc[j][i] = transform(acc[j][i]);
+      for (int j = 0; j < N_BLOCKS; ++j) {
+        JAX_FLASH_UNROLL
+        for (int i = 0; i < 4; ++i) {
+          int t, s;
+          fragment_position<TRANSPOSED>(j, i, row0, col0, lane, t, s);
+          const float x = transform_biased(acc[j][i], bias.inside(t, s) ? bias.bias_at(t, s) : 0.0f);
+          acc[j][i] = GRADIENT && x == -INFINITY ? -FLT_MAX : x;
+        }
+      }
+    } else {
+      JAX_FLASH_UNROLL
+      for (int j = 0; j < N_BLOCKS; ++j) {
+        JAX_FLASH_UNROLL
+        for (int i = 0; i < 4; ++i) acc[j][i] = transform(acc[j][i]);
+      }
     }
     if (!interior) mask_fragment<TRANSPOSED>(acc, mask, row0, col0, lane);
+    if (dense_mask.present()) mask_fragment_dense<TRANSPOSED>(acc, dense_mask, row0, col0, lane);
   }
 
   // The backward's P = exp2((x − lse) · exp_scale) and dS = P ∘ (dP − D) ∘ cap′(x) of one
