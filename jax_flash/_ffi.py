@@ -203,15 +203,3 @@ def compiled_kernel_reason(spec: AttentionSpec, dtypes: tuple[str, ...]) -> Opti
     if spec.dtype not in dtypes:
         return f"supports dtypes {', '.join(dtypes)}, got {spec.dtype}"
     return None
-
-
-def dense_reason(spec: AttentionSpec) -> Optional[str]:
-    """Why kernels that take no dense bias or mask cannot serve `spec` (None: it has neither)."""
-    if spec.bias_shape is not None:
-        return "does not take a dense bias (implementation='pallas' and 'xla' do, and 'cpu' on a CPU)"
-    if spec.mask_shape is not None:
-        return (
-            "does not take a dense mask (express it with is_causal, local_window_size, "
-            "*_seq_lengths or segment_ids; implementation='pallas' and 'xla' take it, and 'cpu' on a CPU)"
-        )
-    return None

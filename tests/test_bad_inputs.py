@@ -185,8 +185,6 @@ IMPL_ROWS = {
     "cuda": [
         (dict(dtype=jnp.float32), r"supports dtypes float16, bfloat16, got float32"),
         (dict(h=48), r"has kernels for head dims \(32, 64, 96, 128, 192, 256\), got 48"),
-        (dict(bias=True), r"does not take a dense bias"),
-        (dict(mask=True), r"does not take a dense mask"),
         (dict(hv=16), r"has kernels for \(H, Hv\) pairs .*\(32, 32\).*, got H = 32, Hv = 16"),
     ],
     "cpu": [
@@ -253,10 +251,11 @@ _HANDLER_SCRIPT = textwrap.dedent(
             sinks = jnp.full((q.shape[2] if q.ndim == 4 else 1,), -jnp.inf, F32)
         return jax.ffi.ffi_call(target, outs)(*ops, sinks, seed, **{**ATTRS, **attrs})
 
-    def dkv(target, shape=(0,)):
+    def dkv(target, shape=(0,), dbias_accum=(0,)):
         # The CUDA targets' dk_accum, dv_accum results: [B, S, N, H] f32 (the q_heads grid)
-        # or [0] f32 (kv_heads); the cpu target has none.
-        return (SDS(shape, F32),) * 2 if "emu" in target else ()
+        # or [0] f32 (kv_heads), and dbias_accum ([B, N, Tb, S] f32 in deterministic mode for a
+        # bias broadcast over B, N or S, else [0]); the cpu target has none.
+        return (SDS(shape, F32),) * 2 + (SDS(dbias_accum, F32),) if "emu" in target else ()
 
     def bwd(target, ops, outs=None, workspaces=None, dbias=SDS((0,), F32), **attrs):
         q, k, v = ops[0], ops[1], ops[2]
@@ -345,21 +344,20 @@ _HANDLER_SCRIPT = textwrap.dedent(
             "four_results": ("results", lambda: bwd(b, bo, outs=(SDS((B, T, N, H), dt),) * 3 + (SDS((B, T, N, H), F32),))),
             "missing_deterministic": ("attributes", lambda: jax.ffi.ffi_call(b, (SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), lse_shape) + dkv(b) + (SDS((0,), F32),))(*bo, SEED, **ATTRS)),
             "no_dbias": ("results", lambda: jax.ffi.ffi_call(b, (SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), lse_shape) + dkv(b))(*bo, SEED, **ATTRS, deterministic=False)),
-            **({} if "emu" in prefix else {
-                # The cpu kernels read a bias [B|1, N|1, T|1, S|1] and a mask in place.
-                "ok_bias_mask": (None, lambda: fwd(f, o[:8] + [jnp.zeros((1, N, 1, S), jnp.bfloat16), jnp.ones((B, 1, T, 1), jnp.bool_)] + o[10:])),
-                "ok_bias_backward": (None, lambda: bwd(b, bo[:12] + [jnp.zeros((B, 1, T, S), F32)] + bo[13:], dbias=SDS((B, 1, T, S), F32))),
-                "dbias_shape": ("dbias", lambda: bwd(b, bo[:12] + [jnp.zeros((B, 1, T, S), F32)] + bo[13:], dbias=SDS((B, N, T, S), F32))),
-                "bias_float64": ("bias", lambda: fwd(f, o[:8] + [jnp.zeros((1, N, T, S), jnp.float64)] + o[9:])),
-            }),
+            # Every kernel reads a bias [B|1, N|1, T|1, S|1] and a mask in place.
+            "ok_bias_mask": (None, lambda: fwd(f, o[:8] + [jnp.zeros((1, N, 1, S), jnp.bfloat16), jnp.ones((B, 1, T, 1), jnp.bool_)] + o[10:])),
+            "ok_bias_backward": (None, lambda: bwd(b, bo[:12] + [jnp.zeros((B, 1, T, S), F32)] + bo[13:], dbias=SDS((B, 1, T, S), F32))),
+            "dbias_shape": ("dbias", lambda: bwd(b, bo[:12] + [jnp.zeros((B, 1, T, S), F32)] + bo[13:], dbias=SDS((B, N, T, S), F32))),
+            "bias_float64": ("bias", lambda: fwd(f, o[:8] + [jnp.zeros((1, N, T, S), jnp.float64)] + o[9:])),
             **({} if "emu" not in prefix else {
-                # The CUDA kernels take no dense bias or mask yet: a present one is refused.
-                "bias_present": ("take no dense bias", lambda: fwd(f, o[:8] + [jnp.zeros((1, N, T, S), F32)] + o[9:])),
-                "mask_present": ("take no dense mask", lambda: fwd(f, o[:9] + [jnp.ones((1, 1, T, S), jnp.bool_)])),
+                # Deterministic mode: a bias broadcast over N needs the [B, N, Tb, S] workspace.
+                "ok_bias_deterministic": (None, lambda: bwd(b, bo[:12] + [jnp.zeros((B, 1, T, S), F32)] + bo[13:], dbias=SDS((B, 1, T, S), F32), workspaces=dkv(b, dbias_accum=(B, N, T, S)), deterministic=True)),
+                "dbias_accum_missing": ("dbias_accum", lambda: bwd(b, bo[:12] + [jnp.zeros((B, 1, T, S), F32)] + bo[13:], dbias=SDS((B, 1, T, S), F32), deterministic=True)),
+                "dbias_accum_unneeded": ("dbias_accum", lambda: bwd(b, bo[:12] + [jnp.zeros((B, 1, T, S), F32)] + bo[13:], dbias=SDS((B, 1, T, S), F32), workspaces=dkv(b, dbias_accum=(B, N, T, S)))),
                 "ok_backward_q_heads": (None, lambda: bwd(b, bo, workspaces=dkv(b, (B, S, N, H)))),
                 "dk_accum_shape": ("dk_accum", lambda: bwd(b, bo, workspaces=dkv(b, (B, S, N, H + 1)))),
                 "dkv_accum_mixed": ("dk_accum and dv_accum must both be", lambda: bwd(
-                    b, bo, workspaces=(SDS((B, S, N, H), F32), SDS((0,), F32)))),
+                    b, bo, workspaces=(SDS((B, S, N, H), F32), SDS((0,), F32), SDS((0,), F32)))),
                 "dkv_accum_missing": ("results", lambda: bwd(b, bo, workspaces=dkv(b)[:1])),
             }),
         }
