@@ -41,7 +41,7 @@ DTYPES = {
     "pallas": ("float32", "bfloat16", "float16"),
     "xla": ("float32", "bfloat16", "float16", "float64"),
 }
-TAKES_DENSE = ("xla", "pallas", "cpu")  # implementations that take a dense bias / mask
+TAKES_DENSE = ("xla", "pallas", "cpu", "cuda")  # implementations that take a dense bias / mask
 
 SCALES = (0.0, -0.0, -0.3, -1.7, 1e-30, 1e-6, 0.1, 1.0, 3.0, 30.0)
 EXTREME_SCALES = (1e8, -1e8, 1e12, 1e30, -1e30)  # logits far beyond any softmax's range
