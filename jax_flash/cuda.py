@@ -284,6 +284,28 @@ def launch_limit(spec: AttentionSpec) -> Optional[str]:
     return None
 
 
+def dense_description(spec: AttentionSpec) -> Optional[str]:
+    """What `explain` says of a dense bias or mask (cuda/README.md, kernels/bias.h)."""
+    parts = [f"dense {name} {list(shape)} read in place through its broadcast strides"
+             for name, shape in (("bias", spec.bias_shape), ("mask", spec.mask_shape)) if shape is not None]
+    if spec.bias_shape is None:
+        return "; ".join(parts) or None
+    full = (spec.batch, spec.num_heads, spec.q_len, spec.kv_len)
+    summed = [d for d, n, f in zip("BNTS", spec.bias_shape, full) if n == 1 and f > 1]
+    spread = [d for d in summed if d != "T"]
+    if not summed:
+        parts.append("dbias stored element by element")
+    elif not spread:
+        parts.append("dbias summed over T by the thread that owns each key")
+    elif deterministic():
+        parts.append(f"dbias summed over {', '.join(summed)}: over B, N, S through a float32 workspace "
+                     f"[B, N, Tb, S] = {[spec.batch, spec.num_heads, spec.bias_shape[2], spec.kv_len]} "
+                     "summed in a fixed order (JAX_FLASH_DETERMINISTIC=1)")
+    else:
+        parts.append(f"dbias summed over {', '.join(summed)} with atomics (over T and S first inside each warp)")
+    return "; ".join(parts)
+
+
 class CudaImplementation:
     name = "cuda"
 
@@ -334,6 +356,9 @@ class CudaImplementation:
             how += "; " + backward_grid_description(spec)
         except ValueError as e:
             how += f"; {e}: backward calls fail"
+        dense = dense_description(spec)
+        if dense:
+            how += "; " + dense
         if emulated():
             return f"on the host emulation of the kernels: JAX_FLASH_EMULATE_CUDA=1; {how}"
         cc = _compute_capability()
