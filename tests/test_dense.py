@@ -74,6 +74,25 @@ def test_wide_heads(shape, bias_dims, monkeypatch):
     _compare("cuda", *_inputs(case))
 
 
+@pytest.mark.parametrize(
+    "shape, bias_dims",
+    [
+        # S = 1: every warp of the CTA maps to dbias' one column; only the warp that holds the key
+        # may store it (T = 1 too: the whole warp's sum).
+        pytest.param(Shape(1, 1, 1, 2, 1, 32), "1N11", id="t1_s1_store"),
+        pytest.param(Shape(2, 33, 1, 2, 2, 32), "BN11", id="s1_owned_add"),
+        pytest.param(Shape(2, 1, 65, 2, 1, 32), "BNTS", id="t1_store"),
+    ],
+)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_single_query_or_key(shape, bias_dims, deterministic, monkeypatch):
+    _cuda_or_skip()
+    if deterministic:
+        monkeypatch.setenv("JAX_FLASH_DETERMINISTIC", "1")
+    case = BiasCase("one", shape, "bfloat16", bias_dims, "float32", None, "none")
+    _compare("cuda", *_inputs(case))
+
+
 def test_deterministic_reruns_are_bitwise(monkeypatch):
     """Two orders of the CTAs and warps (the emulation reads its schedule at each launch): the
     atomics' sums differ in their last bits, deterministic mode's do not."""

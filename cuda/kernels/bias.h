@@ -161,6 +161,9 @@ __device__ __forceinline__ void write_dbias(float* p, float v, DbiasWrite how) {
 template <int N_BLOCKS>
 __device__ __forceinline__ void accumulate_dbias(const float (&ds)[N_BLOCKS][4], const DbiasTarget& target, int b,
                                                  int n, int q_len, int kv_len, int key0, int t0, int lane) {
+  // A warp past the last key adds nothing; it must not write either: with S = 1 every warp of
+  // the CTA maps to the one column of a stored dbias.
+  if (key0 >= kv_len) return;
   float* const base = target.data + b * target.stride_b + n * target.stride_n;
   const bool sum_t = target.stride_t == 0, sum_s = target.stride_s == 0;
   if (!sum_t && !sum_s) {

@@ -537,7 +537,6 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM, V_HEAD_DIM>::
   const LogitScaling scaling = LogitScaling::of(p);
   const dropout::Setting drop = p.dropout_setting();
   const Range keys = mask.keys_of_rows(t0, t0 + K::BLOCK_Q);
-  const DenseRows bias = p.bias_rows(batch, head), dense_mask = p.mask_rows(batch, head);
   char* const q_tile = smem;
   char* const do_tile = smem + K::QTile::kBytes;
 
@@ -608,7 +607,10 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM, V_HEAD_DIM>::
       mma_a_smem_b_rows<Elem, typename K::DoTile, typename K::VTile, V_HEAD_DIM / MMA_K, K::BLOCK_KV / MMA_N,
                         K::K_UNROLL>(dp, do_tile, warp * K::WARP_Q, v_tile, 0, lane);
       const bool interior = mask.is_interior(warp_t0, K::WARP_Q, s0, K::BLOCK_KV, segments_allow_all);
-      scaling.prepare<false, true>(s, mask, bias, dense_mask, interior, warp_t0, s0, lane);
+      // The bias and mask rows, derived per tile (ptx::mov_b32_volatile): held across the loop they spill.
+      const int b_tile = ptx::mov_b32_volatile(batch);
+      scaling.prepare<false, true>(s, mask, p.bias_rows(b_tile, head), p.mask_rows(b_tile, head), interior, warp_t0,
+                                   s0, lane);
       if (drop.on)  // dZ -> dP, the cotangent of P
         drop_fragment(dp, keep_bits_of_fragment<false, K::BLOCK_KV / MMA_N>(drop, batch, head, warp_t0, s0, lane),
                       drop.keep_scale);

@@ -113,7 +113,6 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
   const LogitScaling scaling = LogitScaling::of(p);
   const dropout::Setting drop = p.dropout_setting();
   const Range keys = mask.keys_of_rows(t0, t0 + K::BLOCK_Q);
-  const DenseRows bias = p.bias_rows(batch, head), dense_mask = p.mask_rows(batch, head);
 
   // ROW_BLOCKS x (MMA_M rows, MMA_N cols, 4 regs): the warp's WARP_Q x V_HEAD_DIM output, and
   // one online softmax per m16 row block.
@@ -178,7 +177,10 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
       for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) {
         const int rows_t0 = warp_t0 + MMA_M * rb;
         const bool interior = mask.is_interior(rows_t0, MMA_M, s0, K::BLOCK_KV, segments_allow_all);
-        scaling.prepare<false>(s[rb], mask, bias, dense_mask, interior, rows_t0, s0, lane);
+        // The bias and mask rows, derived per tile (ptx::mov_b32_volatile): held across the loop they spill.
+        const int b_tile = ptx::mov_b32_volatile(batch);
+        scaling.prepare<false>(s[rb], mask, p.bias_rows(b_tile, head), p.mask_rows(b_tile, head), interior, rows_t0,
+                               s0, lane);
         softmax[rb].update(s[rb], o[rb], scaling.exp_scale);
         // Dropout after the statistics: P·V of the kept weights (scaled at the end).
         if (drop.on) drop_fragment(s[rb], keep_bits_of_fragment<false, K::BLOCK_KV / MMA_N>(drop, batch, head, rows_t0, s0, lane), 1.0f);

@@ -292,6 +292,20 @@ __device__ __forceinline__ void red_global_add_v2_f32(float* p, float lo, float 
 #endif
 }
 
+// mov.b32 d, a in a volatile asm (§9.7.9.3 "mov"): the identity, which the compiler may neither
+// fold nor hoist out of a loop. Values derived from it inside a loop body are recomputed there
+// instead of living in registers across the loop: the dense bias and mask's row addresses
+// (kernels/bias.h), which would otherwise push the dQ and forward kernels into spills.
+__device__ __forceinline__ int mov_b32_volatile(int x) {
+#ifndef JAX_FLASH_EMULATE
+  int y;
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+#else
+  return x;
+#endif
+}
+
 // ex2.approx.ftz.f32: 2^x (§9.7.3.21 "Floating Point Instructions: ex2"), within 2 ulp of the
 // correctly rounded result. The softmax exponent is one FFMA + this.
 __device__ __forceinline__ float ex2_approx(float x) {
