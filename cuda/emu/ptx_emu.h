@@ -93,6 +93,10 @@ void red_global_add_f32(float* p, float v, JAX_FLASH_EMU_SITE);
 // faults).
 void red_global_add_v2_f32(float* p, float lo, float hi, JAX_FLASH_EMU_SITE);
 
+// mov.b32 (9.7.9.3): the identity (what the volatile asm keeps the compiler from hoisting is
+// a matter of registers only).
+inline int mov_b32_volatile(int x) { return x; }
+
 // ---- approximate instructions: the exact result moved by the documented worst-case error ----
 // The direction of the error is a hash of the input (and JAX_FLASH_EMU_APPROX_SEED), so that a
 // computation is reproducible run to run but the errors do not cancel: the tests' tolerances

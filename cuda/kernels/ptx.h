@@ -302,7 +302,7 @@ __device__ __forceinline__ int mov_b32_volatile(int x) {
   asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
   return y;
 #else
-  return x;
+  return emu::mov_b32_volatile(x);
 #endif
 }
 
