@@ -52,7 +52,8 @@ class Mutation:
     what: str = ""
 
 
-TEST_FILES = ("tests/test_attention.py", "tests/test_grid.py", "tests/test_nonfinite.py")
+TEST_FILES = ("tests/test_attention.py", "tests/test_grid.py", "tests/test_nonfinite.py", "tests/test_dense.py",
+              "tests/test_dense_bias.py")
 
 # Test selections (implementation "cuda" runs on the emulation here).
 FWD = "cuda and test_forward"
@@ -61,6 +62,8 @@ NONFINITE = "cuda and nonfinite"
 DET = "cuda and test_backward_deterministic"
 ALL = "cuda"
 EDGES = "cuda and (tile_plus or tile_minus)"
+# The dense bias and mask on cuda: every dbias write (test_dense.py) and the shared cases.
+DENSE = "(test_dense and not test_dense_bias) or (test_dense_bias and cuda)"
 # The backward at H = 192 and 256 (two warps per 16 keys, each with half the columns).
 BIG_H = "cuda and test_backward and (small_h192 or small_h256)"
 # The kWarp32 layout (JAX_FLASH_CUDA_LAYOUT=warp32, set by these tests themselves).
@@ -102,6 +105,23 @@ MUTATIONS = [
              what="grid.x decoded batch-fastest while the launch numbers it block-fastest"),
     Mutation("grid_heads_z", K + "grid.h", "static_cast<int>(y + grid_y * z)", "static_cast<int>(y)",
              "grid_folds", what="heads past 65535 (grid.z) decoded as the first 65535 again"),
+    # ---- bias.h, the dense bias and mask -------------------------------------------------------
+    Mutation("bias_stride_t", K + "bias.h", "return t * stride_t + s * stride_s;", "return s * stride_s;", DENSE,
+             what="a dense operand's query stride ignored: row 0 of the bias and mask read for every row"),
+    Mutation("dense_mask_backward", K + "softmax.h",
+             "if (dense_mask.present()) mask_fragment_dense", "if (dense_mask.present() && !TRANSPOSED) mask_fragment_dense",
+             DENSE, what="the dense mask not applied in the main backward kernel"),
+    Mutation("dbias_quad_sum", K + "bias.h", "sum += __shfl_xor_sync(0xffffffffu, sum, 2);\n", "", DENSE,
+             what="dbias broadcast over T: the quad's sum misses two of its four lanes"),
+    Mutation("dbias_atomic_as_store", K + "ffi_attention.h", "owned || workspace ? write : DbiasWrite::kAtomic",
+             "owned || workspace ? write : DbiasWrite::kStore", DENSE,
+             what="a broadcast bias' dbias stored instead of added: CTAs overwrite each other"),
+    Mutation("dbias_dead_warps", K + "bias.h", "if (key0 >= kv_len) return;", "", DENSE,
+             what="warps past the last key write dbias too (at S = 1 their zeros race the real column)"),
+    Mutation("minus_inf_bias_masked", K + "softmax.h", "acc[j][i] = GRADIENT && x == -INFINITY ? -FLT_MAX : x;",
+             "acc[j][i] = x;", DENSE, what="the backward takes a -inf bias for a masked pair (a NaN lse or D is dropped)"),
+    Mutation("reduce_dbias_keys", K + "bwd.h", "s_end = d[3] == 1 ? p.kv_len : ss + 1;", "s_end = ss + 1;", DENSE,
+             what="deterministic dbias: the workspace not summed over the keys of a bias broadcast over S"),
     # ---- mask.h -----------------------------------------------------------------------------
     Mutation("is_interior_cols", K + "mask.h", "key_hi(t0) >= s0 + cols;", "key_hi(t0) >= s0 + cols - 1;", ALL,
              what="Mask::is_interior off by one at the keys' end"),
