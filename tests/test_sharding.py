@@ -160,7 +160,7 @@ SCRIPT = textwrap.dedent(
         check("S", mesh_bs, P("batch", "seq"), P("batch", "seq"), f, (lens, seg, offset),
               (P("batch"), P("batch", "seq"), P("batch")), "ring")
 
-        if impl == "pallas":
+        if impl != "xla":
             # A dense bias broadcast over the batch: dbias sums over the batch shards.
             bias = jax.random.normal(jax.random.PRNGKey(7), (1, 2, 24, 24), jnp.float32)
             f = lambda q, k, v, bias: jax_flash.attention(q, k, v, bias=bias.astype(dt),

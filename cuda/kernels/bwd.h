@@ -356,7 +356,10 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAY
         mma_a_smem_b_rows<Elem, typename K::VTile, typename K::DoTile, V_HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N,
                           K::K_UNROLL>(dp, v_tile, key_row0, do_tile, 0, lane);
         const bool interior = mask.is_interior(t0, K::BLOCK_Q, warp_s0, K::WARP_KV, segments_allow_all);
-        scaling.prepare<true, true>(s, mask, p.bias_rows(batch, n), p.mask_rows(batch, n), interior, warp_s0, t0, lane);
+        // The bias and mask rows of (b, n), derived per item (ptx::mov_b32_volatile): held across the loop they spill.
+        const int b_item = ptx::mov_b32_volatile(batch);
+        scaling.prepare<true, true>(s, mask, p.bias_rows(b_item, n), p.mask_rows(b_item, n), interior, warp_s0, t0,
+                                    lane);
         // Dropout: out = Z·V with Z = keep ∘ P / (1 − rate); dPᵀ becomes the cotangent of P
         // and Pᵀ becomes Zᵀ for dV (D = rowsum(dO ∘ O) is unchanged).
         const uint64_t keep =
@@ -365,7 +368,7 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAY
         probabilities_and_ds(s, dp, lse2, delta, scaling, lane);
         // dbias = dS summed over the bias' broadcast dims (one of the warps sharing these keys).
         if (p.dbias.present() && split == 0)
-          accumulate_dbias(dp, p.dbias, batch, n, p.q_len, p.kv_len, warp_s0, t0, lane);
+          accumulate_dbias(dp, p.dbias, b_item, n, p.q_len, p.kv_len, warp_s0, t0, lane);
         if (drop.on) drop_fragment(s, keep, drop.keep_scale);
 
         // dV += Pᵀ·dO and dK += dSᵀ·Q (the warp's columns), A operands straight from the
