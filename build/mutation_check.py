@@ -56,8 +56,8 @@ TEST_FILES = ("tests/test_attention.py", "tests/test_grid.py", "tests/test_nonfi
               "tests/test_dense_bias.py")
 
 # Test selections (implementation "cuda" runs on the emulation here).
-FWD = "cuda and test_forward"
-BWD = "cuda and test_backward and not deterministic"
+FWD = "cuda and test_forward_backward"
+BWD = "cuda and (test_forward_backward or test_backward) and not deterministic"
 NONFINITE = "cuda and nonfinite"
 DET = "cuda and test_backward_deterministic"
 ALL = "cuda"
@@ -65,13 +65,13 @@ EDGES = "cuda and (tile_plus or tile_minus)"
 # The dense bias and mask on cuda: every dbias write (test_dense.py) and the shared cases.
 DENSE = "(test_dense and not test_dense_bias) or (test_dense_bias and cuda)"
 # The backward at H = 192 and 256 (two warps per 16 keys, each with half the columns).
-BIG_H = "cuda and test_backward and (small_h192 or small_h256)"
+BIG_H = "cuda and test_forward_backward and (small_h192 or small_h256)"
 # The kWarp32 layout (JAX_FLASH_CUDA_LAYOUT=warp32, set by these tests themselves).
-FWD32 = "cuda and test_forward_warp32"
-BWD32 = "cuda and test_backward_warp32"
+# (Every case of the shared suite checks its forward and its backward in one test.)
+FWD32 = BWD32 = "cuda and test_forward_backward_warp32"
 # The backward's grids: GQA/MQA cases, which JAX_FLASH_CUDA_BWD_GRID=auto runs on the q_heads
 # grid at these sizes, and the tests that set the kv_heads grid.
-BWD_GQA = ("cuda and test_backward and (small_mqa or small_gqa or tile_plus) and not deterministic "
+BWD_GQA = ("cuda and test_forward_backward and (small_mqa or small_gqa or tile_plus) and not deterministic "
            "and not warp32 and not kv_heads")
 KV_GRID = "cuda and kv_heads_grid"
 # The value head dim Hv != H ((192, 128), (128, 64)): the suite's MLA case and the cuda tests of
@@ -306,7 +306,7 @@ MUTATIONS = [
 FAST = ("det_ds_sign", "swizzle_off")
 FAST_TESTS = {  # narrower selections for --fast (the full check uses each mutation's own)
     "det_ds_sign": "cuda and test_backward_deterministic and tile_plus-causal",
-    "swizzle_off": "cuda and test_forward and tile_minus-causal",
+    "swizzle_off": "cuda and test_forward_backward and tile_minus-causal",
 }
 
 

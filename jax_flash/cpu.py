@@ -12,6 +12,31 @@ DTYPES = ("float32", "bfloat16", "float16")
 MAX_HEAD_DIM = 512
 
 
+# The forward's split-KV rule (cuda/cpu/tiling.h ForwardChunks; JAX_FLASH_CPU_SPLIT_KV overrides it
+# at run time): with fewer than FORWARD_ITEMS (batch, head, 128-row query block) items, each
+# item's keys are cut into chunks of at least MIN_CHUNK_KEY_BLOCKS 128-key blocks, merged by lse.
+BLOCK = 128
+FORWARD_ITEMS = 16
+MAX_FORWARD_CHUNKS = 16
+MIN_CHUNK_KEY_BLOCKS = 4
+
+
+def forward_chunks(spec: AttentionSpec) -> int:
+    items = spec.batch * spec.num_heads * -(-spec.q_len // BLOCK)
+    wanted = -(-FORWARD_ITEMS // max(1, items))
+    return max(1, min(wanted, MAX_FORWARD_CHUNKS, -(-spec.kv_len // BLOCK) // MIN_CHUNK_KEY_BLOCKS))
+
+
+def split_kv_description(spec: AttentionSpec) -> str:
+    chunks = forward_chunks(spec)
+    rule = (f"split-KV when B·N·ceil(T/{BLOCK}) < {FORWARD_ITEMS}: "
+            f"min(ceil({FORWARD_ITEMS} / items), {MAX_FORWARD_CHUNKS}, ceil(S/{BLOCK}) // {MIN_CHUNK_KEY_BLOCKS}) "
+            "key chunks per query block, merged by lse in chunk order")
+    if chunks == 1:
+        return f"forward: no split-KV ({rule})"
+    return f"forward: split-KV into {chunks} key chunks ({rule})"
+
+
 class CpuImplementation:
     name = "cpu"
 
@@ -31,14 +56,15 @@ class CpuImplementation:
         return f"any pair with H, Hv <= {MAX_HEAD_DIM}"
 
     def note(self, spec: AttentionSpec) -> Optional[str]:
-        """What `explain` adds for a dense bias or mask: read in place through its broadcast
-        strides, and how the backward reduces dbias (cuda/cpu/README.md)."""
-        parts = []
+        """What `explain` adds: the forward's split-KV (the rule of cuda/cpu/tiling.h), and for a
+        dense bias or mask, that it is read in place through its broadcast strides and how the
+        backward reduces dbias (cuda/cpu/README.md)."""
+        parts = [split_kv_description(spec)]
         for name, shape in (("bias", spec.bias_shape), ("mask", spec.mask_shape)):
             if shape is not None:
                 parts.append(f"dense {name} {list(shape)} read in place through its broadcast strides")
         if spec.bias_shape is None:
-            return "; ".join(parts) or None
+            return "; ".join(parts)
         dims = [d for d, n, full in zip("BNTS", spec.bias_shape,
                                         (spec.batch, spec.num_heads, spec.q_len, spec.kv_len))
                 if n == 1 and full > 1]

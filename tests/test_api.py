@@ -149,7 +149,7 @@ def test_grad_under_vmap(impl):
 def test_check_grads(impl):
     """Numerical gradients (reverse mode): float64 where the implementation takes it."""
     if impl in ("cuda",):
-        pytest.skip("cuda takes 16-bit inputs only; its gradients are checked in test_backward")
+        pytest.skip("cuda takes 16-bit inputs only; its gradients are checked in test_forward_backward")
     dt = jnp.float64 if impl == "xla" else jnp.float32
     q, k, v = make_qkv(Shape(1, 9, 11, 2, 1, 8), dt)
     bias = jnp.asarray(np.random.default_rng(0).normal(size=(1, 2, 9, 11)), dt)

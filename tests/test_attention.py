@@ -53,12 +53,8 @@ def _check_case(impl, case):
     return q, k, v, kw
 
 
-@pytest.mark.parametrize("case", ALL_CASES)
-def test_forward(impl, case):
-    q, k, v, kw = _check_case(impl, case)
-    out, lse = jax.jit(
-        lambda q, k, v: jax_flash.attention(q, k, v, implementation=impl, return_residual=True, **kw)
-    )(q, k, v)
+def _check_forward(impl, case, q, k, v, kw, out, lse):
+    """out and lse against the reference; rows that see nothing: out 0, lse -inf (the sink)."""
     assert out.shape == q.shape[:-1] + v.shape[-1:] and out.dtype == q.dtype  # [*B, T, N, Hv]
     assert lse.shape == q.shape[:-1] and lse.dtype == jnp.float32
 
@@ -87,45 +83,57 @@ def test_forward(impl, case):
         assert np.all(np.asarray(lse)[dead] == -np.inf)
 
 
-def _check_backward(impl, case):
-    """Gradients of out and lse against the reference; returns them."""
+def check_attention(impl, case):
+    """One case, forward and backward, from one jitted program per implementation: out and lse
+    (_check_forward), then the gradients in q, k, v (and bias, sinks) with cotangents on out
+    and on the finite lse, against the reference. Returns the gradients and a function that
+    traces, compiles and runs the program afresh (the gradients again)."""
     q, k, v, kw = _check_case(impl, case)
     dtype = q.dtype
     out_shape = q.shape[:-1] + v.shape[-1:]  # [*B, T, N, Hv]
     cot = jax.random.normal(jax.random.PRNGKey(7), out_shape, jnp.float32).astype(dtype)
     dlse = jax.random.normal(jax.random.PRNGKey(8), q.shape[:-1], jnp.float32)
-    bias = kw.pop("bias", None)
-    sinks = kw.pop("sinks", None)
+    bias = kw.get("bias")
+    sinks = kw.get("sinks")
+    rest = {key: x for key, x in kw.items() if key not in ("bias", "sinks")}
+    operands = (q, k, v, bias, sinks)
+    argnums = tuple(i for i, x in enumerate(operands) if x is not None)
 
-    def grads(fn, *, compute_dtype="impl"):
-        def f(q, k, v, bias, sinks):
+    def program(fn, *, compute_dtype="impl"):
+        def f(*diff):
+            args = list(operands)
+            for i, x in zip(argnums, diff):
+                args[i] = x
+            q, k, v, bias, sinks = args
             if compute_dtype == "impl":
-                out, lse = fn(q, k, v, bias, sinks=sinks, implementation=impl, return_residual=True, **kw)
-            else:
-                out, lse = fn(q, k, v, bias, sinks=sinks, compute_dtype=compute_dtype, return_residual=True, **kw)
+                return fn(q, k, v, bias, sinks=sinks, implementation=impl, return_residual=True, **rest)
+            return fn(q, k, v, bias, sinks=sinks, compute_dtype=compute_dtype, return_residual=True, **rest)
+
+        def run(*diff):
+            (out, lse), pull = jax.vjp(f, *diff)
             # Both outputs carry a cotangent: the gradient through lse is part of the contract.
-            lse = jnp.where(jnp.isfinite(lse), lse, 0)
-            return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32)) + jnp.sum(lse * dlse)
+            grads = pull((cot.astype(out.dtype), jnp.where(jnp.isfinite(lse), dlse, 0.0).astype(lse.dtype)))
+            return out, lse, grads
 
-        argnums = tuple(i for i, x in enumerate((q, k, v, bias, sinks)) if x is not None)
-        return jax.jit(jax.grad(f, argnums=argnums))(q, k, v, bias, sinks)
+        return jax.jit(run)(*(operands[i] for i in argnums))
 
-    g = grads(jax_flash.attention)
-    g64 = grads(attention_reference, compute_dtype=jnp.float64)
-    g_lo = grads(attention_reference, compute_dtype=None)
-    names = [n for n, x in zip(("dq", "dk", "dv", "dbias", "dsinks"), (q, k, v, bias, sinks)) if x is not None]
+    out, lse, g = program(jax_flash.attention)
+    _check_forward(impl, case, q, k, v, kw, out, lse)
+    _, _, g64 = program(attention_reference, compute_dtype=jnp.float64)
+    _, _, g_lo = program(attention_reference, compute_dtype=None)
+    names = [n for n, x in zip(("dq", "dk", "dv", "dbias", "dsinks"), operands) if x is not None]
     for name, a, r64, rlo in zip(names, g, g64, g_lo):
         want = {"dbias": None if bias is None else bias.dtype, "dsinks": jnp.float32}.get(name, dtype)
         assert a.dtype == want
         tol = FACTOR * max_err(rlo, r64) + GRAD_EPS[case.dtype]
         err = max_err(a, r64)
         assert err <= tol, f"{name} error {err:.3g} > {tol:.3g}"
-    return g, lambda: grads(jax_flash.attention)
+    return g, lambda: program(jax_flash.attention)[2]
 
 
 @pytest.mark.parametrize("case", ALL_CASES)
-def test_backward(impl, case):
-    _check_backward(impl, case)
+def test_forward_backward(impl, case):
+    check_attention(impl, case)
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=str(c)) for c in SINK_CASES])
@@ -134,8 +142,7 @@ def test_sinks(impl, case):
     q, k, v and sinks, against the float64 reference."""
     if impl not in SINK_CASES[case]:
         pytest.skip(f"{impl} runs the other sinks cases (the CI budget)")
-    test_forward(impl, case)
-    _check_backward(impl, case)
+    check_attention(impl, case)
 
 
 # Deterministic mode (JAX_FLASH_DETERMINISTIC=1, read when the backward is traced) runs the
@@ -159,7 +166,7 @@ def test_backward_deterministic(impl, case, monkeypatch):
     q, k, v, kw = _check_case(impl, case)
     f = lambda q: jax_flash.attention(q, k, v, implementation=impl, **kw).astype(jnp.float32).sum()
     assert "deterministic = true" in jax.jit(jax.grad(f)).lower(q).as_text(), "the mode did not reach the call"
-    g, again = _check_backward(impl, case)
+    g, again = check_attention(impl, case)
     # Bitwise equal run to run: twice more, each traced and compiled afresh.
     for other in (again(), again()):
         for name, a, b in zip(("dq", "dk", "dv"), g, other):
@@ -191,13 +198,8 @@ def warp32(impl, monkeypatch):
 
 
 @pytest.mark.parametrize("case", WARP32_CASES)
-def test_forward_warp32(impl, warp32, case):
-    test_forward(impl, case)
-
-
-@pytest.mark.parametrize("case", WARP32_CASES)
-def test_backward_warp32(impl, warp32, case):
-    _check_backward(impl, case)
+def test_forward_backward_warp32(impl, warp32, case):
+    check_attention(impl, case)
 
 
 @pytest.mark.parametrize("case", WARP32_DETERMINISTIC_CASES)
@@ -222,7 +224,7 @@ def test_backward_kv_heads_grid(impl, case, monkeypatch):
     if impl != "cuda":
         pytest.skip("JAX_FLASH_CUDA_BWD_GRID selects the cuda backward's grid")
     monkeypatch.setenv("JAX_FLASH_CUDA_BWD_GRID", "kv_heads")
-    _check_backward(impl, case)
+    check_attention(impl, case)
 
 
 def test_backward_kv_heads_grid_deterministic(impl, monkeypatch):
@@ -234,15 +236,14 @@ def test_backward_kv_heads_grid_deterministic(impl, monkeypatch):
 
 
 # The value head dim Hv != H in the cuda kernels ((192, 128), MLA; (128, 64)). small_mla
-# (causal, GQA: the q_heads grid with dQ atomics) runs in test_forward / test_backward above;
+# (causal, GQA: the q_heads grid with dQ atomics) runs in test_forward_backward above;
 # these add the tile edges at (192, 128) (T = 31, S = 65 with 63 valid keys: ±1 of the 16-row
 # and 32-key blocks) on the kv_heads grid in deterministic mode (the dQ kernel), forward and
 # backward, and (128, 64) on the q_heads grid, whose workspaces are dk_accum [B, S, N, H] and
-# dv_accum [B, S, N, Hv]: its gradients only (CI time; they use the forward's out and lse, through
-# D = rowsum(dO ∘ O) and P). {case: (grid, deterministic, check the forward too)}
+# dv_accum [B, S, N, Hv]. {case: (grid, deterministic)}
 HV_CUDA_CASES = {
-    Case("small_mla_edge", "tile_lengths", "float16", True): ("kv_heads", True, True),
-    Case("small_hv_half", "combo", "bfloat16", True): ("q_heads", False, False),
+    Case("small_mla_edge", "tile_lengths", "float16", True): ("kv_heads", True),
+    Case("small_hv_half", "combo", "bfloat16", True): ("q_heads", False),
 }
 
 
@@ -250,7 +251,7 @@ HV_CUDA_CASES = {
 def test_value_head_dim_cuda(impl, case, monkeypatch):
     if impl != "cuda":
         pytest.skip("the cuda kernels' (H, Hv) pairs with Hv != H (the suite's cases run the others)")
-    grid, det, forward = HV_CUDA_CASES[case]
+    grid, det = HV_CUDA_CASES[case]
     monkeypatch.setenv("JAX_FLASH_CUDA_BWD_GRID", grid)
     if det:
         monkeypatch.setenv("JAX_FLASH_DETERMINISTIC", "1")
@@ -264,9 +265,7 @@ def test_value_head_dim_cuda(impl, case, monkeypatch):
     if grid == "q_heads":  # the per-query-head workspaces at H and at Hv
         for width in (shape.h, shape.hv):
             assert f"tensor<{shape.b}x{shape.s}x{shape.n}x{width}xf32>" in text, width
-    if forward:
-        test_forward(impl, case)
-    _check_backward(impl, case)
+    check_attention(impl, case)
 
 
 # A longer sweep of the same (JAX_FLASH_LONG_TESTS=1): (192, 128) and (128, 64) over more mask
@@ -282,8 +281,7 @@ def test_value_head_dim_cuda_sweep(impl, shape_name, kind, grid, monkeypatch):
         pytest.skip("the cuda kernels' (H, Hv) pairs with Hv != H")
     monkeypatch.setenv("JAX_FLASH_CUDA_BWD_GRID", grid)
     case = Case(shape_name, kind, ("float16", "bfloat16")[len(kind) % 2], True)
-    test_forward(impl, case)
-    _check_backward(impl, case)
+    check_attention(impl, case)
 
 
 def test_backward_grid_choice(impl, monkeypatch):

@@ -126,6 +126,35 @@ def test_split_kv_matches_reference_and_unsplit(case):
     assert np.max(np.abs(results[1] - results[8])) <= tol
 
 
+# The cpu kernels' split-KV: chunks of key blocks, merged in chunk order (cuda/cpu/README.md).
+# JAX_FLASH_CPU_SPLIT_KV=C forces C chunks (1: unsplit); unset, the rule decides (it splits
+# the last two: fewer than 16 query blocks, S >= 1024). Sinks join the first chunk.
+@pytest.mark.parametrize("case", DECODE[:4], ids=lambda c: f"T{c[1]}S{c[2]}G{c[3] // c[4]}-{c[7]}")
+def test_cpu_split_kv_matches_reference_and_unsplit(case, monkeypatch):
+    b, t, s, n, kh, h, lengths, dtype, extra = case
+    q, k, v, kw = _decode_inputs(b, t, s, n, kh, h, lengths, dtype)
+    kw.update(extra)
+    kw["sinks"] = jnp.asarray(np.linspace(-1.0, 2.0, n), jnp.float32)
+    ref = _references(jax_flash.reference, q, k, v, **kw)
+    assert "split-KV" in jax_flash.explain(q, k, v, implementation="cpu", **kw).notes["cpu"]
+    results = {}
+    for chunks in ("1", "", "5", "40"):
+        monkeypatch.setenv("JAX_FLASH_CPU_SPLIT_KV", chunks)
+        out, lse = jax_flash.attention(q, k, v, implementation="cpu", return_residual=True, **kw)
+        _check(out, lse, q, ref, dtype)
+        results[chunks] = np.asarray(out, np.float32)
+    (ref64, _), (ref_lo, _) = ref
+    tol = 2 * (FACTOR * max_err(ref_lo, ref64) + EPS[dtype])
+    for chunks in ("", "5", "40"):
+        assert np.max(np.abs(results["1"] - results[chunks])) <= tol, chunks
+    assert np.abs(results["1"] - results["5"]).max() > 0 or dtype != "float32"  # a split ran
+    # The rule's split is the same bits for any number of threads.
+    monkeypatch.setenv("JAX_FLASH_CPU_SPLIT_KV", "")
+    monkeypatch.setenv("JAX_FLASH_CPU_THREADS", "1")
+    one = jax_flash.attention(q, k, v, implementation="cpu", **kw)
+    assert np.asarray(one, np.float32).tobytes() == results[""].tobytes()
+
+
 def test_split_kv_combine_is_bitwise_reproducible():
     q, k, v, kw = _decode_inputs(2, 3, 4096, 8, 2, 64, [4096, 3001], "float32", seed=3)
     c = canonicalize(q, k, v, **kw)
@@ -289,7 +318,7 @@ def test_pallas_paged_limits_are_stated():
     assert jax_flash.explain_paged(q, kp, kp, table, lengths).selected == "xla"
 
 
-@pytest.mark.parametrize("impl", ["split", "paged-xla", "paged-pallas"])
+@pytest.mark.parametrize("impl", ["split", "cpu-split", "paged-xla", "paged-pallas"])
 def test_decode_poison_reaches_exactly_the_rows_that_see_it(impl):
     """A NaN in a visible key or value makes that row NaN (out and lse, as the reference); a
     NaN beyond a sequence's length changes nothing — also through the split and the merge."""
@@ -311,6 +340,11 @@ def test_decode_poison_reaches_exactly_the_rows_that_see_it(impl):
         kw = dict(is_causal=True, key_value_seq_lengths=lengths, query_offset=lengths - t)
         c = canonicalize(q, k, v, **kw)
         out, lse = restore(c, *jax.jit(lambda *a: split_kv.forward(c.spec, *a, 4))(c.q, c.k, c.v, c.masks))
+    elif impl == "cpu-split":
+        kw = dict(is_causal=True, key_value_seq_lengths=lengths, query_offset=lengths - t)
+        with pytest.MonkeyPatch.context() as mp_env:
+            mp_env.setenv("JAX_FLASH_CPU_SPLIT_KV", "4")
+            out, lse = jax_flash.attention(q, k, v, implementation="cpu", return_residual=True, **kw)
     else:
         name = impl.split("-")[1]
         pspec = paged.canonicalize_paged(q, kp, vp, table, lengths)[0]

@@ -180,14 +180,8 @@ class _Env:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_gpu_forward(case):
-    suite.test_forward(_impl(), case)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_gpu_backward(case):
-    suite.test_backward(_impl(), case)
+def test_gpu_forward_backward(case):
+    suite.check_attention(_impl(), case)
 
 
 @pytest.mark.gpu
@@ -213,23 +207,16 @@ def _with_layout(fn, case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", WARP32, ids=str)
-def test_gpu_forward_warp32(case):
-    _with_layout(suite.test_forward, case)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", WARP32, ids=str)
-def test_gpu_backward_warp32(case):
-    _with_layout(suite.test_backward, case)
+def test_gpu_forward_backward_warp32(case):
+    _with_layout(suite.check_attention, case)
 
 
 # ----------------------------------------------------------------------------- without pytest
 
 
 def _all_tests():
-    for fn, params in ((test_gpu_forward, CASES), (test_gpu_backward, CASES),
-                       (test_gpu_backward_deterministic, DETERMINISTIC), (test_gpu_forward_warp32, WARP32),
-                       (test_gpu_backward_warp32, WARP32)):
+    for fn, params in ((test_gpu_forward_backward, CASES), (test_gpu_backward_deterministic, DETERMINISTIC),
+                       (test_gpu_forward_backward_warp32, WARP32)):
         for case in params:
             yield f"{fn.__name__}[{case}]", fn, case
 

@@ -77,7 +77,15 @@ inline void WriteEmptyRows(const Problem& p, int64_t b, int64_t n, int64_t t_beg
 // out = O / l and lse = m + log l (natural log) for rows that saw a key (or a finite
 // sink: out 0, lse = sink); zeros and -inf for empty rows (m = -inf: no key, or only -inf
 // logits). A NaN m (a poisoned row, a NaN sink) is not empty: its out and lse come out NaN.
-inline void WriteOutputRows(const Problem& p, const ForwardTiles& w, int64_t b, int64_t n,
+// The running state of a block's rows: O [rows][row_stride] (unnormalised), m and l [rows].
+struct RowState {
+  float* o;
+  float* m;
+  float* l;
+  int64_t row_stride;
+};
+
+inline void WriteOutputRows(const Problem& p, const RowState& w, int64_t b, int64_t n,
                             int64_t t0, int64_t rows) {
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t t = t0 + i;
@@ -93,18 +101,29 @@ inline void WriteOutputRows(const Problem& p, const ForwardTiles& w, int64_t b, 
   }
 }
 
-// Products: F32Products or BF16Products (tile_products.h).
+// Split-KV: the partial (m, l, O) that chunk c of query item `query_item` leaves.
+inline RowState ChunkPartial(const Problem& p, int64_t query_item, int64_t c) {
+  float* base = p.packed.forward_partial + (query_item * p.forward_chunks + c) * ForwardPartialFloats(p);
+  return {base + 2 * kBlockQ, base, base + kBlockQ, RowStride(p)};
+}
+
+// Products: F32Products or BF16Products (tile_products.h). One item per (query block, key
+// chunk), the chunk fastest (tiling.h ForwardChunks; without a split, one chunk).
 template <class Products>
 void ForwardTileWith(const Problem& p, int64_t item, float* workspace) {
-  const auto [b, n, t0, rows] = QueryBlockOf(p, item, /*last_first=*/true);
+  const int64_t query_item = item / p.forward_chunks, chunk = item % p.forward_chunks;
+  const auto [b, n, t0, rows] = QueryBlockOf(p, query_item, /*last_first=*/true);
   const int64_t g = n / p.group_size();
   const MaskGeometry mask(p, b);
   // Rows at or past the query length see nothing; the rest of the block is live.
   const int64_t live_rows = std::clamp<int64_t>(mask.q_valid - t0, 0, rows);
-  WriteEmptyRows(p, b, n, t0 + live_rows, t0 + rows);
+  if (chunk == 0) WriteEmptyRows(p, b, n, t0 + live_rows, t0 + rows);
   if (live_rows == 0) return;
 
   ForwardTiles w(p, workspace);
+  const bool split = p.forward_chunks > 1;
+  // A chunk keeps its running state in its partial, for MergeForwardChunks.
+  const RowState state = split ? ChunkPartial(p, query_item, chunk) : RowState{w.o, w.m, w.l, w.row_stride};
   const int64_t ld = w.row_stride;
   const int64_t rows_padded = RoundUp(live_rows, kGemmRows);
   Products::PackQuery(
@@ -112,18 +131,24 @@ void ForwardTileWith(const Problem& p, int64_t item, float* workspace) {
       rows_padded, w.q);
   // The online softmax starts from the sink's state, m = sink and l = 1 (no sink: m =
   // -inf, which the first visible key's exp(m_old - m_new) = 0 turns into l = 0).
+  // Split, the sink is the first chunk's (the others start empty).
+  const float start = chunk == 0 ? p.sink(n) : -__builtin_inff();
   for (int64_t i = 0; i < rows_padded; ++i) {
-    w.m[i] = p.sink(n);
-    w.l[i] = Problem::SinkSum(w.m[i]);
+    state.m[i] = start;
+    state.l[i] = Problem::SinkSum(start);
   }
-  for (int64_t i = 0; i < rows_padded * ld; ++i) w.o[i] = 0.0f;
+  for (int64_t i = 0; i < rows_padded * ld; ++i) state.o[i] = 0.0f;
 
-  // Only key blocks that meet the union of the rows' visible intervals are visited.
+  // Only key blocks that meet the union of the rows' visible intervals are visited (split:
+  // this chunk's share of them).
   const KeyInterval first = mask.keys_of_row(t0);
   const KeyInterval last = mask.keys_of_row(t0 + live_rows - 1);
   const DenseMasking dense = w.dense(p, b, n);
   const int64_t s_begin = first.lo / kBlockK * kBlockK;
-  for (int64_t s0 = s_begin; s0 < last.hi; s0 += kBlockK) {
+  const ChunkBlocks share =
+      ChunkBlocksOf(last.hi > s_begin ? CeilDiv(last.hi - s_begin, kBlockK) : 0, chunk, p.forward_chunks);
+  const int64_t s_end = std::min(last.hi, s_begin + share.last * kBlockK);
+  for (int64_t s0 = s_begin + share.first * kBlockK; s0 < s_end; s0 += kBlockK) {
     const int64_t cols = std::min(kBlockK, last.hi - s0);
     const int64_t cols_padded = RoundUp(cols, kLanes);
     const TileVisibility visibility =
@@ -142,11 +167,46 @@ void ForwardTileWith(const Problem& p, int64_t item, float* workspace) {
     if (visibility == TileVisibility::kPartial) MaskScores(s, mask, w.segments, dense);
     const int32_t* bad_values = NonFiniteValues(p, b, g, s0);
     const TileDropout drop{&p.dropout, b, n};
-    UpdateOnlineSoftmax(s, w.m, w.l, w.correction, bad_values, p.dropout.on ? &drop : nullptr, dense.visible);
+    UpdateOnlineSoftmax(s, state.m, state.l, w.correction, bad_values, p.dropout.on ? &drop : nullptr,
+                        dense.visible);
     // O = diag(exp(m_old − m_new)) O + P V
-    Products::AccumulateValues(p, rows_padded, cols, w.s, w.scratch, v, w.o, w.correction);
+    Products::AccumulateValues(p, rows_padded, cols, w.s, w.scratch, v, state.o, w.correction);
   }
-  WriteOutputRows(p, w, b, n, t0, live_rows);
+  if (!split) WriteOutputRows(p, state, b, n, t0, live_rows);
+}
+
+// Split-KV: merges the chunks' partials of one query block in chunk order, by their maxima
+// (m = max_c m_c, keeping a NaN; l = Σ_c l_c·e^(m_c − m), O likewise), into the first
+// chunk's partial, then writes out and lse as the unsplit forward does. A chunk that saw no
+// key (m_c = -inf) adds nothing; a row no chunk saw stays empty.
+inline void MergeForwardChunks(const Problem& p, int64_t query_item, float* /*workspace*/) {
+  const auto [b, n, t0, rows] = QueryBlockOf(p, query_item, /*last_first=*/true);
+  const MaskGeometry mask(p, b);
+  const int64_t live_rows = std::clamp<int64_t>(mask.q_valid - t0, 0, rows);
+  const RowState merged = ChunkPartial(p, query_item, 0);
+  const int64_t width = p.value_dim();
+  for (int64_t i = 0; i < live_rows; ++i) {
+    float m = merged.m[i];
+    for (int64_t c = 1; c < p.forward_chunks; ++c) {
+      const float mc = ChunkPartial(p, query_item, c).m[i];
+      if (mc > m || mc != mc) m = m != m ? m : mc;
+    }
+    if (m == -__builtin_inff()) continue;  // empty: chunk 0's m is -inf too
+    float* o = merged.o + i * merged.row_stride;
+    const float f0 = std::exp(merged.m[i] - m);
+    float l = merged.l[i] * f0;
+    for (int64_t j = 0; j < width; ++j) o[j] *= f0;
+    for (int64_t c = 1; c < p.forward_chunks; ++c) {
+      const RowState part = ChunkPartial(p, query_item, c);
+      const float f = std::exp(part.m[i] - m);
+      l += part.l[i] * f;
+      const float* oc = part.o + i * part.row_stride;
+      for (int64_t j = 0; j < width; ++j) o[j] += oc[j] * f;
+    }
+    merged.m[i] = m;
+    merged.l[i] = l;
+  }
+  WriteOutputRows(p, merged, b, n, t0, live_rows);
 }
 
 inline void ForwardTile(const Problem& p, int64_t item, float* workspace) {

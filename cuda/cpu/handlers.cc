@@ -3,6 +3,7 @@
 // runs the tiles of the chosen ISA on XLA's intra-op thread pool.
 #include "cpu/handlers.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -230,6 +231,15 @@ void Poison(ffi::AnyBuffer buffer) {
   std::memset(buffer.untyped_data(), 0xff, buffer.size_bytes());
 }
 
+// The forward's split-KV chunks: tiling.h's rule, or JAX_FLASH_CPU_SPLIT_KV=C (1: never split;
+// C is capped at one key block per chunk), which tests use to compare split and unsplit.
+int64_t ForwardChunksFor(const Problem& p) {
+  const char* value = std::getenv("JAX_FLASH_CPU_SPLIT_KV");
+  if (value == nullptr || value[0] == '\0') return ForwardChunks(p);
+  const int64_t wanted = std::strtoll(value, nullptr, 10);
+  return std::clamp<int64_t>(wanted, 1, std::max<int64_t>(1, KeyBlocks(p)));
+}
+
 ffi::Error OutOfMemory(const char* target) {
   return ffi::Error::Internal(std::string(target) + " (cpu): out of memory for packed operands");
 }
@@ -289,8 +299,16 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
       e.failure()) {
     return e;
   }
-  return RunTiles(pool, "jax_flash_fwd", QueryItems(p), kernels->forward_workspace(p), p,
-                  kernels->forward_tile);
+  p.forward_chunks = ForwardChunksFor(p);
+  Workspace partials(p.forward_chunks > 1 ? QueryItems(p) * p.forward_chunks * ForwardPartialFloats(p) : 0);
+  if (p.forward_chunks > 1 && partials.get() == nullptr) return OutOfMemory("jax_flash_fwd");
+  p.packed.forward_partial = partials.get();
+  if (ffi::Error e = RunTiles(pool, "jax_flash_fwd", ForwardItems(p), kernels->forward_workspace(p), p,
+                              kernels->forward_tile);
+      e.failure() || p.forward_chunks == 1) {
+    return e;
+  }
+  return RunTiles(pool, "jax_flash_fwd", QueryItems(p), 0, p, kernels->merge_forward_chunks);
 }
 
 // dbias = Σ_c partial_c, in chunk order (the same bits whatever ran which chunk).

@@ -19,6 +19,8 @@ struct KernelTable {
   int64_t (*forward_workspace)(const Problem&);
   // One work item each; see tiling.h for how items map to blocks.
   void (*forward_tile)(const Problem&, int64_t item, float* workspace);
+  // Split-KV (Problem::forward_chunks > 1): one item per query block, after forward_tile.
+  void (*merge_forward_chunks)(const Problem&, int64_t query_item, float* workspace);
   // The backward (flash_backward_pass.h): prepare_* pack in the format the products of
   // this ISA take for the problem's dtype (workspace 2·PaddedHeadDim floats; the forward
   // runs prepare_key_block too), backward_workspace floats per worker for

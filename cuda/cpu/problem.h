@@ -129,7 +129,12 @@ struct Problem {
     // (the packed V has zeros there); the last entry: whether any of the block does.
     int32_t* bad_values = nullptr;
     float* dq_partial = nullptr;  // float32 dQ per chunk and query block (backward)
+    // Split-KV (forward, forward_chunks > 1): each chunk's running state of each query block,
+    // [query items][forward_chunks][ForwardPartialFloats] (tiling.h).
+    float* forward_partial = nullptr;
   } packed;
+  // The forward's key chunks per query block (tiling.h ForwardChunks; 1: no split).
+  int64_t forward_chunks = 1;
 
   // Operands packed as bf16 (the BF16Products of an ISA that has them, bf16 inputs):
   // a packed key block then takes half the floats (tiling.h KeyBlockFloats).

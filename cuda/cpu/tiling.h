@@ -47,6 +47,30 @@ inline KeyBlockItem KeyBlockOf(const Problem& p, int64_t item) {
   return {item / (p.kv_heads * blocks), item / blocks % p.kv_heads, s0, std::min(kBlockK, p.kv_len - s0)};
 }
 
+// Split-KV (flash-decoding) in the forward: a call with too few (b, n, query block) items
+// for the threads (a decode step: T of 1 to a few queries, a long S) cuts each item's visited
+// key blocks into ForwardChunks contiguous chunks, run as items of their own; each leaves its
+// running state (m, l, unnormalised O) in a partial (Packed::forward_partial), and one merge
+// per query block combines them in chunk order (flash_forward.h MergeForwardChunks). Like
+// GradientChunks, the count depends on the problem only, so the results are the same bits
+// whatever the number of threads; a chunk spans at least kMinChunkKeyBlocks key blocks.
+constexpr int64_t kForwardItems = 16;
+constexpr int64_t kMaxForwardChunks = 16;
+constexpr int64_t kMinChunkKeyBlocks = 4;
+inline int64_t ForwardChunks(const Problem& p) {
+  const int64_t wanted = CeilDiv(kForwardItems, std::max<int64_t>(1, QueryItems(p)));
+  return std::max<int64_t>(1, std::min({wanted, kMaxForwardChunks, KeyBlocks(p) / kMinChunkKeyBlocks}));
+}
+inline int64_t ForwardItems(const Problem& p) { return QueryItems(p) * p.forward_chunks; }
+// The key blocks [first, last) that chunk c of a query block visits, out of the blocks
+// [0, blocks) its rows' visible keys span.
+struct ChunkBlocks {
+  int64_t first, last;
+};
+inline ChunkBlocks ChunkBlocksOf(int64_t blocks, int64_t c, int64_t chunks) {
+  return {blocks * c / chunks, blocks * (c + 1) / chunks};
+}
+
 // The backward's work items: one per (b, kv head, chunk of key blocks), chunk
 // fastest. The number of chunks depends on the problem only (never on the thread
 // count, which keeps the dQ sum's order fixed): enough items for the threads to share
@@ -96,6 +120,10 @@ inline int64_t OddLineStride(int64_t floats) {
 }
 // Leading dimension of Q, dO, K, V row tiles and of the O, dQ, dK, dV accumulators.
 inline int64_t RowStride(const Problem& p) { return OddLineStride(PaddedHeadDim(p)); }
+// One split-KV partial: m and l [kBlockQ], then O [kBlockQ][RowStride] (64-byte aligned).
+inline int64_t ForwardPartialFloats(const Problem& p) {
+  return RoundUp(2 * kBlockQ + kBlockQ * RowStride(p), kAlignFloats);
+}
 // Leading dimension of the Kᵀ, Vᵀ tiles ([H][kKeyStride], the first kBlockK used).
 constexpr int64_t kKeyStride = kBlockK + (kBlockK / kAlignFloats % 2 == 1 ? 0 : kAlignFloats);
 // Kᵀ, Vᵀ: [B][K][key block][H][kKeyStride]; K, V rows: [B][K][key block][kBlockK][RowStride].
