@@ -16,9 +16,24 @@ test's report names its schedule. An explicit JAX_FLASH_EMU_SCHEDULE applies to 
 from __future__ import annotations
 
 import os
+import tempfile
 import zlib
 
 import jax
+
+# One persistent compilation cache for the run's workers: the same reference programs are
+# compiled for every implementation's copy of a case, and each worker meets the others'
+# programs. The cache keys on the program (HLO), so a changed program is compiled afresh, and
+# the kernels behind a custom call are the loaded extension's. Set here, not in the
+# environment: the subprocesses of the multi-device tests, which check what partitioning does
+# at compile time, compile everything themselves. JAX_FLASH_TEST_COMPILATION_CACHE=0 turns
+# it off; =<dir> puts it elsewhere.
+_cache = os.environ.get("JAX_FLASH_TEST_COMPILATION_CACHE",
+                        os.path.join(tempfile.gettempdir(), f"jax_flash_test_cache_{os.getuid()}"))
+if _cache != "0":
+    jax.config.update("jax_compilation_cache_dir", _cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 jax.config.update("jax_enable_x64", True)  # float64 references and check_grads
 
