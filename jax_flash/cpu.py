@@ -13,7 +13,7 @@ MAX_HEAD_DIM = 512
 
 
 # The forward's split-KV rule (cuda/cpu/tiling.h ForwardChunks; JAX_FLASH_CPU_SPLIT_KV overrides it
-# at run time): with fewer than FORWARD_ITEMS (batch, head, 128-row query block) items, each
+# at run time): with fewer than FORWARD_ITEMS work items (ForwardQueryItems), each
 # item's keys are cut into chunks of at least MIN_CHUNK_KEY_BLOCKS 128-key blocks, merged by lse.
 BLOCK = 128
 FORWARD_ITEMS = 16
@@ -21,20 +21,36 @@ MAX_FORWARD_CHUNKS = 16
 MIN_CHUNK_KEY_BLOCKS = 4
 
 
+def packs_heads(spec: AttentionSpec) -> bool:
+    """GQA packing (tiling.h PacksHeads): at T = 1 the G query heads of a kv head share one tile."""
+    group = spec.num_heads // spec.num_kv_heads
+    return (spec.q_len == 1 and 1 < group <= BLOCK and spec.bias_shape is None and spec.mask_shape is None
+            and not spec.has_dropout)
+
+
+def forward_items(spec: AttentionSpec) -> int:
+    if packs_heads(spec):
+        return spec.batch * spec.num_kv_heads
+    return spec.batch * spec.num_heads * -(-spec.q_len // BLOCK)
+
+
 def forward_chunks(spec: AttentionSpec) -> int:
-    items = spec.batch * spec.num_heads * -(-spec.q_len // BLOCK)
+    items = forward_items(spec)
     wanted = -(-FORWARD_ITEMS // max(1, items))
     return max(1, min(wanted, MAX_FORWARD_CHUNKS, -(-spec.kv_len // BLOCK) // MIN_CHUNK_KEY_BLOCKS))
 
 
 def split_kv_description(spec: AttentionSpec) -> str:
     chunks = forward_chunks(spec)
-    rule = (f"split-KV when B·N·ceil(T/{BLOCK}) < {FORWARD_ITEMS}: "
+    packing = (f"GQA packing: the {spec.num_heads // spec.num_kv_heads} query heads of each kv head in one tile, "
+               if packs_heads(spec) else "")
+    rule = (f"split-KV when the items (B·N·ceil(T/{BLOCK}), or B·K with GQA packing at T = 1) "
+            f"are fewer than {FORWARD_ITEMS}: "
             f"min(ceil({FORWARD_ITEMS} / items), {MAX_FORWARD_CHUNKS}, ceil(S/{BLOCK}) // {MIN_CHUNK_KEY_BLOCKS}) "
             "key chunks per query block, merged by lse in chunk order")
     if chunks == 1:
-        return f"forward: no split-KV ({rule})"
-    return f"forward: split-KV into {chunks} key chunks ({rule})"
+        return f"forward: {packing}no split-KV ({rule})"
+    return f"forward: {packing}split-KV into {chunks} key chunks ({rule})"
 
 
 class CpuImplementation:

@@ -155,6 +155,34 @@ def test_cpu_split_kv_matches_reference_and_unsplit(case, monkeypatch):
     assert np.asarray(one, np.float32).tobytes() == results[""].tobytes()
 
 
+# The cpu kernels' GQA packing: at T = 1 the G query heads of one kv head are the rows of one
+# tile (K and V read once per kv head). Group sizes 2, 4 and 8, ragged lengths with a 0, sinks,
+# a soft cap and a window; split-KV on top where the rule splits; a NaN in a visible value
+# reaches exactly the rows of its kv head, as in the reference.
+@pytest.mark.parametrize("n, kh, extra", [(8, 4, {}), (8, 2, dict(logits_soft_cap=3.0)),
+                                          (8, 1, dict(local_window_size=(300, 0)))],
+                         ids=("G2", "G4-softcap", "G8-window"))
+def test_cpu_gqa_packing(n, kh, extra):
+    b, t, s, h = 3, 1, 1300, 64
+    q, k, v, kw = _decode_inputs(b, t, s, n, kh, h, [1300, 0, 333], "float32", seed=5)
+    kw.update(extra)
+    kw["sinks"] = jnp.asarray(np.linspace(-2.0, 1.0, n), jnp.float32)
+    note = jax_flash.explain(q, k, v, implementation="cpu", **kw).notes["cpu"]
+    assert f"GQA packing: the {n // kh} query heads" in note, note
+    ref = _references(jax_flash.reference, q, k, v, **kw)
+    out, lse = jax_flash.attention(q, k, v, implementation="cpu", return_residual=True, **kw)
+    _check(out, lse, q, ref, "float32")
+    # Poison: a NaN in a value row batch row 0 sees, in its last kv head.
+    v = v.at[0, 1200, kh - 1, 5].set(jnp.nan)
+    out, lse = jax_flash.attention(q, k, v, implementation="cpu", return_residual=True, **kw)
+    ref64, lse64 = jax.jit(lambda *a: jax_flash.reference(*a, return_residual=True, compute_dtype=jnp.float64,
+                                                          **kw))(q, k, v)
+    assert np.array_equal(np.isnan(np.asarray(out)), np.isnan(np.asarray(ref64)))
+    assert np.array_equal(np.isnan(np.asarray(lse)), np.isnan(np.asarray(lse64)))
+    assert np.isnan(np.asarray(out[0, 0, n - n // kh:])).all()
+    assert not np.isnan(np.asarray(out[0, 0, : n - n // kh])).any() and not np.isnan(np.asarray(out[1:])).any()
+
+
 def test_split_kv_combine_is_bitwise_reproducible():
     q, k, v, kw = _decode_inputs(2, 3, 4096, 8, 2, 64, [4096, 3001], "float32", seed=3)
     c = canonicalize(q, k, v, **kw)

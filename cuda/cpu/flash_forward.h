@@ -59,24 +59,22 @@ struct ForwardTiles {
   }
 };
 
-// Writes the rows of a query block that see no key: out = 0, lse = -inf, or with a sink
-// lse = sink (a NaN or +inf sink: out and lse NaN).
-inline void WriteEmptyRows(const Problem& p, int64_t b, int64_t n, int64_t t_begin, int64_t t_end) {
-  const float sink = p.sink(n);
-  const bool poisoned = Problem::SinkSum(sink) != Problem::SinkSum(sink);
-  for (int64_t t = t_begin; t < t_end; ++t) {
+// Writes rows [i_begin, i_end) of a block that see no key: out = 0, lse = -inf, or with a
+// sink lse = sink (a NaN or +inf sink: out and lse NaN).
+inline void WriteEmptyRows(const Problem& p, const ForwardBlock& block, int64_t i_begin, int64_t i_end) {
+  for (int64_t i = i_begin; i < i_end; ++i) {
+    const int64_t n = block.head(i), t = block.position(i);
+    const float sink = p.sink(n);
+    const bool poisoned = Problem::SinkSum(sink) != Problem::SinkSum(sink);
     if (poisoned) {
-      StoreNaNs(p.dtype, p.o_row(b, t, n), p.value_dim(), p.out);
+      StoreNaNs(p.dtype, p.o_row(block.b, t, n), p.value_dim(), p.out);
     } else {
-      StoreZeros(p.dtype, p.o_row(b, t, n), p.value_dim(), p.out);
+      StoreZeros(p.dtype, p.o_row(block.b, t, n), p.value_dim(), p.out);
     }
-    p.lse[p.stat(b, n, t)] = poisoned ? __builtin_nanf("") : sink;
+    p.lse[p.stat(block.b, n, t)] = poisoned ? __builtin_nanf("") : sink;
   }
 }
 
-// out = O / l and lse = m + log l (natural log) for rows that saw a key (or a finite
-// sink: out 0, lse = sink); zeros and -inf for empty rows (m = -inf: no key, or only -inf
-// logits). A NaN m (a poisoned row, a NaN sink) is not empty: its out and lse come out NaN.
 // The running state of a block's rows: O [rows][row_stride] (unnormalised), m and l [rows].
 struct RowState {
   float* o;
@@ -85,20 +83,28 @@ struct RowState {
   int64_t row_stride;
 };
 
-inline void WriteOutputRows(const Problem& p, const RowState& w, int64_t b, int64_t n,
-                            int64_t t0, int64_t rows) {
+// out = O / l and lse = m + log l (natural log) for rows that saw a key (or a finite
+// sink: out 0, lse = sink); zeros and -inf for empty rows (m = -inf: no key, or only -inf
+// logits). A NaN m (a poisoned row, a NaN sink) is not empty: its out and lse come out NaN.
+inline void WriteOutputRows(const Problem& p, const RowState& w, const ForwardBlock& block, int64_t rows) {
   for (int64_t i = 0; i < rows; ++i) {
-    const int64_t t = t0 + i;
+    const int64_t n = block.head(i), t = block.position(i);
     if (w.m[i] != -__builtin_inff()) {
       // Dropout scales the kept weights by 1 / (1 − rate) here, with 1 / l.
       const float factor = p.dropout.on ? p.dropout.keep_scale / w.l[i] : 1.0f / w.l[i];
-      StoreRow(w.o + i * w.row_stride, factor, p.dtype, p.o_row(b, t, n), p.value_dim(),
+      StoreRow(w.o + i * w.row_stride, factor, p.dtype, p.o_row(block.b, t, n), p.value_dim(),
                p.out);
-      p.lse[p.stat(b, n, t)] = w.m[i] + std::log(w.l[i]);
+      p.lse[p.stat(block.b, n, t)] = w.m[i] + std::log(w.l[i]);
     } else {
-      WriteEmptyRows(p, b, n, t, t + 1);
+      WriteEmptyRows(p, block, i, i + 1);
     }
   }
+}
+
+// The rows of a block at or before the query length (the rest see nothing).
+inline int64_t LiveRows(const ForwardBlock& block, const MaskGeometry& mask) {
+  if (block.heads) return mask.q_valid > block.t0 ? block.rows : 0;
+  return std::clamp<int64_t>(mask.q_valid - block.t0, 0, block.rows);
 }
 
 // Split-KV: the partial (m, l, O) that chunk c of query item `query_item` leaves.
@@ -112,13 +118,16 @@ inline RowState ChunkPartial(const Problem& p, int64_t query_item, int64_t c) {
 template <class Products>
 void ForwardTileWith(const Problem& p, int64_t item, float* workspace) {
   const int64_t query_item = item / p.forward_chunks, chunk = item % p.forward_chunks;
-  const auto [b, n, t0, rows] = QueryBlockOf(p, query_item, /*last_first=*/true);
+  const ForwardBlock block = ForwardBlockOf(p, query_item);
+  const int64_t b = block.b, n = block.n, t0 = block.t0;
   const int64_t g = n / p.group_size();
   const MaskGeometry mask(p, b);
   // Rows at or past the query length see nothing; the rest of the block is live.
-  const int64_t live_rows = std::clamp<int64_t>(mask.q_valid - t0, 0, rows);
-  if (chunk == 0) WriteEmptyRows(p, b, n, t0 + live_rows, t0 + rows);
+  const int64_t live_rows = LiveRows(block, mask);
+  if (chunk == 0) WriteEmptyRows(p, block, live_rows, block.rows);
   if (live_rows == 0) return;
+  // The positions the live rows span (packed heads: one).
+  const int64_t positions = block.heads ? 1 : live_rows;
 
   ForwardTiles w(p, workspace);
   const bool split = p.forward_chunks > 1;
@@ -126,23 +135,24 @@ void ForwardTileWith(const Problem& p, int64_t item, float* workspace) {
   const RowState state = split ? ChunkPartial(p, query_item, chunk) : RowState{w.o, w.m, w.l, w.row_stride};
   const int64_t ld = w.row_stride;
   const int64_t rows_padded = RoundUp(live_rows, kGemmRows);
+  // Packed heads lie next to each other in q [B, T, N, H]; positions N·H apart.
   Products::PackQuery(
-      p, {p.q, p.dtype, p.q_row(b, t0, n), p.q_heads * p.head_dim, live_rows, p.head_dim},
+      p, {p.q, p.dtype, p.q_row(b, t0, n), block.heads ? p.head_dim : p.q_heads * p.head_dim, live_rows,
+          p.head_dim},
       rows_padded, w.q);
   // The online softmax starts from the sink's state, m = sink and l = 1 (no sink: m =
   // -inf, which the first visible key's exp(m_old - m_new) = 0 turns into l = 0).
   // Split, the sink is the first chunk's (the others start empty).
-  const float start = chunk == 0 ? p.sink(n) : -__builtin_inff();
   for (int64_t i = 0; i < rows_padded; ++i) {
-    state.m[i] = start;
-    state.l[i] = Problem::SinkSum(start);
+    state.m[i] = chunk == 0 ? p.sink(block.head(std::min(i, live_rows - 1))) : -__builtin_inff();
+    state.l[i] = Problem::SinkSum(state.m[i]);
   }
   for (int64_t i = 0; i < rows_padded * ld; ++i) state.o[i] = 0.0f;
 
   // Only key blocks that meet the union of the rows' visible intervals are visited (split:
   // this chunk's share of them).
   const KeyInterval first = mask.keys_of_row(t0);
-  const KeyInterval last = mask.keys_of_row(t0 + live_rows - 1);
+  const KeyInterval last = mask.keys_of_row(t0 + positions - 1);
   const DenseMasking dense = w.dense(p, b, n);
   const int64_t s_begin = first.lo / kBlockK * kBlockK;
   const ChunkBlocks share =
@@ -152,13 +162,13 @@ void ForwardTileWith(const Problem& p, int64_t item, float* workspace) {
     const int64_t cols = std::min(kBlockK, last.hi - s0);
     const int64_t cols_padded = RoundUp(cols, kLanes);
     const TileVisibility visibility =
-        ClassifyTile(mask, t0, live_rows, s0, cols, cols_padded != cols);
+        ClassifyTile(mask, t0, positions, s0, cols, cols_padded != cols);
     if (visibility == TileVisibility::kSkip) continue;
 
     const int64_t key_block = KeyBlockIndex(p, b, g, s0) * KeyBlockFloats(p);
     const float* k_t = p.packed.k_t + key_block;
     const float* v = p.packed.v + key_block;
-    const ScoreTile s{w.s, kBlockK, t0, live_rows, rows_padded, s0, cols, cols_padded};
+    const ScoreTile s{w.s, kBlockK, t0, live_rows, rows_padded, s0, cols, cols_padded, live_rows / positions};
     // S = scale · Q Kᵀ
     Products::Scores(p, rows_padded, cols_padded, w.q, k_t, w.s);
     PoisonInfiniteScores(s);
@@ -172,7 +182,7 @@ void ForwardTileWith(const Problem& p, int64_t item, float* workspace) {
     // O = diag(exp(m_old − m_new)) O + P V
     Products::AccumulateValues(p, rows_padded, cols, w.s, w.scratch, v, state.o, w.correction);
   }
-  if (!split) WriteOutputRows(p, state, b, n, t0, live_rows);
+  if (!split) WriteOutputRows(p, state, block, live_rows);
 }
 
 // Split-KV: merges the chunks' partials of one query block in chunk order, by their maxima
@@ -180,9 +190,9 @@ void ForwardTileWith(const Problem& p, int64_t item, float* workspace) {
 // chunk's partial, then writes out and lse as the unsplit forward does. A chunk that saw no
 // key (m_c = -inf) adds nothing; a row no chunk saw stays empty.
 inline void MergeForwardChunks(const Problem& p, int64_t query_item, float* /*workspace*/) {
-  const auto [b, n, t0, rows] = QueryBlockOf(p, query_item, /*last_first=*/true);
-  const MaskGeometry mask(p, b);
-  const int64_t live_rows = std::clamp<int64_t>(mask.q_valid - t0, 0, rows);
+  const ForwardBlock block = ForwardBlockOf(p, query_item);
+  const MaskGeometry mask(p, block.b);
+  const int64_t live_rows = LiveRows(block, mask);
   const RowState merged = ChunkPartial(p, query_item, 0);
   const int64_t width = p.value_dim();
   for (int64_t i = 0; i < live_rows; ++i) {
@@ -206,7 +216,7 @@ inline void MergeForwardChunks(const Problem& p, int64_t query_item, float* /*wo
     merged.m[i] = m;
     merged.l[i] = l;
   }
-  WriteOutputRows(p, merged, b, n, t0, live_rows);
+  WriteOutputRows(p, merged, block, live_rows);
 }
 
 inline void ForwardTile(const Problem& p, int64_t item, float* workspace) {

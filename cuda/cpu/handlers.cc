@@ -300,7 +300,7 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
     return e;
   }
   p.forward_chunks = ForwardChunksFor(p);
-  Workspace partials(p.forward_chunks > 1 ? QueryItems(p) * p.forward_chunks * ForwardPartialFloats(p) : 0);
+  Workspace partials(p.forward_chunks > 1 ? ForwardQueryItems(p) * p.forward_chunks * ForwardPartialFloats(p) : 0);
   if (p.forward_chunks > 1 && partials.get() == nullptr) return OutOfMemory("jax_flash_fwd");
   p.packed.forward_partial = partials.get();
   if (ffi::Error e = RunTiles(pool, "jax_flash_fwd", ForwardItems(p), kernels->forward_workspace(p), p,
@@ -308,7 +308,7 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
       e.failure() || p.forward_chunks == 1) {
     return e;
   }
-  return RunTiles(pool, "jax_flash_fwd", QueryItems(p), 0, p, kernels->merge_forward_chunks);
+  return RunTiles(pool, "jax_flash_fwd", ForwardQueryItems(p), 0, p, kernels->merge_forward_chunks);
 }
 
 // dbias = Σ_c partial_c, in chunk order (the same bits whatever ran which chunk).

@@ -13,7 +13,9 @@ namespace cpu {
 namespace JAX_FLASH_CPU_ISA {
 
 // A (query rows × keys) tile of scores: rows [t0, t0 + rows) and keys [s0, s0 + cols)
-// of one sequence, stored row-major in `rows_padded × cols_padded` floats.
+// of one sequence, stored row-major in `rows_padded × cols_padded` floats. With GQA packing
+// (tiling.h ForwardBlock) consecutive rows are the heads of one query position: row i sits at
+// t0 + i / rows_per_position.
 struct ScoreTile {
   float* data;
   int64_t ld;  // = cols_padded, a multiple of kLanes
@@ -23,6 +25,8 @@ struct ScoreTile {
   int64_t s0;
   int64_t cols;
   int64_t cols_padded;
+  int64_t rows_per_position = 1;
+  int64_t position(int64_t i) const { return t0 + i / rows_per_position; }
 };
 
 // A raw score q·k that is ±inf comes from a non-finite q or k: it becomes NaN (as a NaN
@@ -95,14 +99,14 @@ JAX_FLASH_INLINE void MaskScores(const ScoreTile& s, const MaskGeometry& g, int3
   for (int64_t i = 0; i < s.rows; ++i) {
     if (masked && (i == 0 || dense.mask.stride_t != 0))
       LoadMaskRow(dense.mask, s.t0 + i, s.s0, s.cols, s.cols_padded, dense.mask_row);
-    const KeyInterval keys = g.keys_of_row(s.t0 + i);
+    const KeyInterval keys = g.keys_of_row(s.position(i));
     // The visible columns of this row, relative to s0 and clipped to the tile.
     const int64_t lo = keys.lo - s.s0 < 0 ? 0 : keys.lo - s.s0;
     int64_t hi = keys.hi - s.s0 > s.cols ? s.cols : keys.hi - s.s0;
     if (hi < lo) hi = lo;
     const VecI lo_v = SplatI(static_cast<int32_t>(lo));
     const VecI hi_v = SplatI(static_cast<int32_t>(hi));
-    const VecI segment = SplatI(segments ? g.q_segments[s.t0 + i] : 0);
+    const VecI segment = SplatI(segments ? g.q_segments[s.position(i)] : 0);
     float* row = s.data + i * s.ld;
     for (int64_t j = 0; j < s.cols_padded; j += kLanes) {
       const VecI column = LaneIndex() + static_cast<int32_t>(j);
