@@ -109,11 +109,19 @@ def pytest_runtest_makereport(item, call):
                 ("emulated CUDA schedule", f"JAX_FLASH_EMU_SCHEDULE={schedule} (reproduce with this variable set)"))
 
 
+# The longest tests (minutes each: scratch builds, ptxas over every kernel, multi-device
+# subprocesses) run first, so that no worker is left with one of them at the end of a run.
+_LONG_FIRST = ("test_mutation_check.py::test_fast_mutation_check", "test_cuda_static.py::",
+               "test_ring.py::test_ring_", "test_sharding.py::test_sharded_under_jit", "test_examples.py::",
+               "test_grid.py::test_emulated_grid_decoding")
+
+
 def pytest_collection_modifyitems(config, items):
     for name in _REQUIRED:
         why = availability(name)
         if why is not None:
             raise pytest.UsageError(f"JAX_FLASH_REQUIRE lists {name!r}, which cannot run: {why}")
+    items.sort(key=lambda item: not any(long in item.nodeid for long in _LONG_FIRST))  # stable
 
 
 @pytest.fixture(params=ALL)
