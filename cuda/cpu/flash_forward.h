@@ -168,7 +168,7 @@ void ForwardTileWith(const Problem& p, int64_t item, float* workspace) {
     const int64_t key_block = KeyBlockIndex(p, b, g, s0) * KeyBlockFloats(p);
     const float* k_t = p.packed.k_t + key_block;
     const float* v = p.packed.v + key_block;
-    const ScoreTile s{w.s, kBlockK, t0, live_rows, rows_padded, s0, cols, cols_padded, live_rows / positions};
+    const ScoreTile s{w.s, kBlockK, t0, live_rows, rows_padded, s0, cols, cols_padded, block.heads ? live_rows : 1};
     // S = scale · Q Kᵀ
     Products::Scores(p, rows_padded, cols_padded, w.q, k_t, w.s);
     PoisonInfiniteScores(s);
@@ -197,10 +197,7 @@ inline void MergeForwardChunks(const Problem& p, int64_t query_item, float* /*wo
   const int64_t width = p.value_dim();
   for (int64_t i = 0; i < live_rows; ++i) {
     float m = merged.m[i];
-    for (int64_t c = 1; c < p.forward_chunks; ++c) {
-      const float mc = ChunkPartial(p, query_item, c).m[i];
-      if (mc > m || mc != mc) m = m != m ? m : mc;
-    }
+    for (int64_t c = 1; c < p.forward_chunks; ++c) m = MaxKeepNaN(m, ChunkPartial(p, query_item, c).m[i]);
     if (m == -__builtin_inff()) continue;  // empty: chunk 0's m is -inf too
     float* o = merged.o + i * merged.row_stride;
     const float f0 = std::exp(merged.m[i] - m);
