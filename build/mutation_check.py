@@ -52,7 +52,8 @@ class Mutation:
     what: str = ""
 
 
-TEST_FILES = ("tests/test_attention.py", "tests/test_grid.py", "tests/test_nonfinite.py", "tests/test_dense.py",
+TEST_FILES = ("tests/test_attention.py", "tests/test_grid.py", "tests/test_nonfinite.py", "tests/test_decode.py",
+              "tests/test_dense.py",
               "tests/test_dense_bias.py")
 
 # Test selections (implementation "cuda" runs on the emulation here).
@@ -60,6 +61,7 @@ FWD = "cuda and test_forward_backward"
 BWD = "cuda and (test_forward_backward or test_backward) and not deterministic"
 NONFINITE = "cuda and nonfinite"
 DET = "cuda and test_backward_deterministic"
+DECODE = "test_cuda_split_kv_and_gqa_packing"
 ALL = "cuda"
 EDGES = "cuda and (tile_plus or tile_minus)"
 # The dense bias and mask on cuda: every dbias write (test_dense.py) and the shared cases.
@@ -94,7 +96,7 @@ MUTATIONS = [
     Mutation("tail_zero_fill", K + "tile.h", "const bool inside = row < rows_valid;",
              "const bool inside = row <= rows_valid;", EDGES,
              what="ragged-tail guard of every tile copy: one row past the end is read"),
-    Mutation("store_rows_guard", K + "tile.h", "if (t0 + row < p.q_len) {", "if (t0 + row <= p.q_len) {", FWD,
+    Mutation("store_rows_guard", K + "tile.h", "if (row < rows_valid) {", "if (row <= rows_valid) {", FWD,
              what="output tail guard: one row past the end of the block's rows is written"),
     Mutation("swizzle_off", K + "tile.h",
              "return kStrideChunks >= 8 ? (row & 7) : kStrideChunks == 4 ? ((row >> 1) & 3) : ((row >> 2) & 1);",
@@ -166,11 +168,24 @@ MUTATIONS = [
              what="forward: no barrier between the ring slot's readers and the next copy into it"),
     Mutation("fwd_commit", K + "fwd.h", "      ptx::cp_async_commit_group();\n", "      \n", FWD,
              what="forward: the loop's copy not committed (the wait then covers the wrong groups)"),
-    Mutation("fwd_tile_end", K + "fwd.h", "const int tile_end = CeilDiv(keys.hi, K::BLOCK_KV);",
-             "const int tile_end = keys.hi / K::BLOCK_KV;", FWD, what="forward: ragged last key tile dropped"),
-    Mutation("fwd_grid_rows", K + "fwd.h", "return {CeilDiv(p.q_len, BLOCK_Q), p.q_heads, p.batch};",
-             "return {p.q_len / BLOCK_Q, p.q_heads, p.batch};", FWD,
+    Mutation("fwd_tile_end", K + "fwd.h", "const int tiles = CeilDiv(keys.hi, K::BLOCK_KV) - first_tile;",
+             "const int tiles = keys.hi / K::BLOCK_KV - first_tile;", FWD, what="forward: ragged last key tile dropped"),
+    Mutation("fwd_grid_rows", K + "fwd.h", "return {CeilDiv(p.q_len, BLOCK_Q) * p.kv_splits,",
+             "return {p.q_len / BLOCK_Q * p.kv_splits,", FWD,
              what="forward grid: the ragged last query block not launched"),
+    # ---- fwd.h: decoding (split-KV, GQA packing) --------------------------------------------
+    Mutation("split_chunk_end", K + "fwd.h", "const int tile_end = first_tile + tiles * (split + 1) / p.kv_splits;",
+             "const int tile_end = first_tile + tiles * (split + 1) / p.kv_splits - 1;", DECODE,
+             what="split-KV: each chunk's last key tile dropped"),
+    Mutation("split_sink_every_chunk", K + "fwd.h", "const bool has_sink = split == 0 && (",
+             "const bool has_sink = (", DECODE, what="split-KV: the sink joins every chunk, not only the first"),
+    Mutation("combine_weight", K + "fwd.h", "const float w = expf(ptx::ld_global_f32(p.partial_lse + c * stats + stat) - lse);",
+             "const float w = expf(ptx::ld_global_f32(p.partial_lse + c * stats + stat) - m);", DECODE,
+             what="split-KV combine: the chunks weighted by e^{lse_c - max}, not normalised"),
+    Mutation("packed_q_stride", K + "fwd.h", "r.q_stride = p.pack_gqa ? p.head_dim : p.q_row_stride();",
+             "r.q_stride = p.q_row_stride();", DECODE, what="GQA packing: the packed heads' q rows read N·H apart"),
+    Mutation("packed_key_mask", K + "fwd.h", "if (!interior) mask_columns(s[rb], mask, 0, s0, lane);", "", DECODE,
+             what="GQA packing: the edge tiles' keys not masked (lengths, window)"),
     Mutation("fwd_kv_tail", K + "fwd.h",
              "load_tile_async<typename K::KVTile, K::THREADS>(stage, k_base + s0 * kv_stride, kv_stride, p.kv_len - s0);",
              "load_tile_async<typename K::KVTile, K::THREADS>(stage, k_base + s0 * kv_stride, kv_stride, K::BLOCK_KV);",

@@ -135,22 +135,33 @@ def backward(
     )
 
 
-def forward_call(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):
+def forward_call(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs,
+                 decoding: Optional[Callable[[AttentionSpec], tuple[int, bool]]] = None):
     """The forward custom call on (local) canonical arrays; `spec` describes them (no
-    sharding rule: for a function that runs inside one, e.g. on one device's shards)."""
+    sharding rule: for a function that runs inside one, e.g. on one device's shards).
+
+    `decoding` (the CUDA targets only): spec -> (C, pack_gqa), the split-KV chunk count (1: no
+    split), which sizes the partial_out / partial_lse workspace results, and GQA packing."""
     b, t, n, _ = q.shape
+    hv = v.shape[-1]
     shapes = (
-        jax.ShapeDtypeStruct((b, t, n, v.shape[-1]), q.dtype),  # out [B, T, N, Hv]
+        jax.ShapeDtypeStruct((b, t, n, hv), q.dtype),  # out [B, T, N, Hv]
         jax.ShapeDtypeStruct((b, n, t), jnp.float32),
     )
+    attributes = _attributes(spec)
+    if decoding is not None:
+        chunks, pack = decoding(spec)
+        split = chunks > 1
+        shapes += (jax.ShapeDtypeStruct((chunks, b, t, n, hv) if split else (0,), jnp.float32),  # partial_out
+                   jax.ShapeDtypeStruct((chunks, b, n, t) if split else (0,), jnp.float32))  # partial_lse
+        attributes["pack_gqa"] = bool(pack)
     # Sinks [N] f32 after the mask operands (forward only), -inf (no sink) when absent.
     sinks = masks.sinks if masks.sinks is not None else jnp.full((n,), -jnp.inf, jnp.float32)
-    return tuple(
-        jax.ffi.ffi_call(target, shapes)(
-            q, k, v, *_mask_operands(spec, masks, q.dtype), sinks.astype(jnp.float32), _dropout_seed(masks),
-            **_attributes(spec),
-        )
+    out, lse, *_ = jax.ffi.ffi_call(target, shapes)(
+        q, k, v, *_mask_operands(spec, masks, q.dtype), sinks.astype(jnp.float32), _dropout_seed(masks),
+        **attributes,
     )
+    return out, lse
 
 
 def _backward_call(

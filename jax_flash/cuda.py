@@ -168,6 +168,101 @@ def backward_grid_description(spec: AttentionSpec) -> str:
             "query head in float32 workspaces, summed over the group after")
 
 
+# Decoding (kernels/fwd.h; cuda/README.md, "Split-KV and GQA packing"), chosen at trace time
+# from the shapes each call's kernels see. GQA packing: at T = 1 with G = N / K > 1 (up to the
+# forward's 128-row tile), and no dense bias, dense mask or dropout (they vary per head), one CTA
+# per kv head takes its G query heads as the rows of its tile. Split-KV: when the forward's
+# grid, B·(K packed, else N)·ceil(T/128) CTAs, is smaller than the GPU's SM count (one CTA per
+# SM is one wave), each query block's key tiles are cut into
+# C = min(ceil(SMs / CTAs), ceil(S / block_kv) // SPLIT_MIN_TILES, MAX_SPLITS) chunks, one CTA
+# each, merged by lse in chunk order (deterministic). Never with dropout.
+# JAX_FLASH_CUDA_SPLIT_KV=C forces C chunks (1: never split).
+FORWARD_BLOCK_Q = 128
+SPLIT_MIN_TILES = 2
+MAX_SPLITS = 64
+DEFAULT_SM_COUNT = 132  # an H100 / H200, where the device does not say (the host emulation)
+
+
+def packs_heads(spec: AttentionSpec) -> bool:
+    """GQA packing (kernels/fwd.h): at T = 1 the G query heads of a kv head share one tile."""
+    return (spec.q_len == 1 and 1 < spec.group_size <= FORWARD_BLOCK_Q and spec.bias_shape is None
+            and spec.mask_shape is None and not spec.has_dropout)
+
+
+def forward_block_kv(head_dim: int) -> int:
+    """Keys per tile of the forward kernel under the current layout (kernels/tile.h)."""
+    if layout() == "warp32" and head_dim in WARP32_HEAD_DIMS["forward"]:
+        return 64 if head_dim <= 32 else 32
+    return 16 if head_dim > 192 else 32 if head_dim > 128 else 64
+
+
+def sm_count() -> tuple[int, str]:
+    """(SMs, where the figure comes from) of the device the kernels run on."""
+    count = getattr(jax.devices()[0], "core_count", None)
+    if emulated() or not count:
+        return DEFAULT_SM_COUNT, f"{DEFAULT_SM_COUNT} SMs (an H100/H200; the device does not say)"
+    return int(count), f"the GPU's {int(count)} SMs"
+
+
+def forward_ctas(spec: AttentionSpec) -> int:
+    heads = spec.num_kv_heads if packs_heads(spec) else spec.num_heads
+    return spec.batch * heads * -(-spec.q_len // FORWARD_BLOCK_Q)
+
+
+def split_kv_setting() -> Optional[int]:
+    """JAX_FLASH_CUDA_SPLIT_KV: None (unset or empty: the rule), else the forced chunk count."""
+    value = os.environ.get("JAX_FLASH_CUDA_SPLIT_KV", "")
+    if not value:
+        return None
+    try:
+        chunks = int(value)
+    except ValueError:
+        chunks = 0
+    if not 1 <= chunks <= 1024:
+        raise ValueError(f"JAX_FLASH_CUDA_SPLIT_KV={value!r} is not a chunk count of the CUDA forward's split-KV "
+                         "(an integer from 1, never split, to 1024)")
+    return chunks
+
+
+def split_kv_chunks(spec: AttentionSpec) -> int:
+    """The forward's split-KV chunk count C for a call of shape `spec` (1: no split)."""
+    if spec.has_dropout or spec.batch * spec.num_heads * spec.q_len == 0:
+        return 1
+    forced = split_kv_setting()
+    if forced is not None:
+        return forced
+    ctas, (sms, _) = forward_ctas(spec), sm_count()
+    if ctas >= sms:
+        return 1
+    tiles = -(-spec.kv_len // forward_block_kv(spec.head_dim))
+    return max(1, min(-(-sms // ctas), tiles // SPLIT_MIN_TILES, MAX_SPLITS))
+
+
+def decoding(spec: AttentionSpec) -> tuple[int, bool]:
+    """(split-KV chunks, GQA packing) of the forward for the (local) call `spec`."""
+    return split_kv_chunks(spec), packs_heads(spec)
+
+
+def decoding_description(spec: AttentionSpec) -> str:
+    """What `explain` says of the forward's split-KV and GQA packing."""
+    packing = (f"GQA packing: the {spec.group_size} query heads of each kv head in one tile, "
+               if packs_heads(spec) else "")
+    chunks = split_kv_chunks(spec)
+    forced = split_kv_setting()
+    if spec.has_dropout:
+        why = "never with dropout"
+    elif forced is not None:
+        why = f"JAX_FLASH_CUDA_SPLIT_KV={forced}"
+    else:
+        ctas, (_, sms) = forward_ctas(spec), sm_count()
+        why = (f"{ctas} CTAs (B·{'K' if packs_heads(spec) else 'N'}·ceil(T/{FORWARD_BLOCK_Q})) against {sms}: "
+               f"split when fewer, into min(ceil(SMs / CTAs), ceil(S/{forward_block_kv(spec.head_dim)}) // "
+               f"{SPLIT_MIN_TILES}, {MAX_SPLITS}) key chunks merged by lse in chunk order")
+    if chunks == 1:
+        return f"forward: {packing}no split-KV ({why})"
+    return f"forward: {packing}split-KV into {chunks} key chunks ({why})"
+
+
 def _prefix() -> str:
     return "jax_flash_emu" if emulated() else "jax_flash"
 
@@ -356,6 +451,10 @@ class CudaImplementation:
             how += "; " + backward_grid_description(spec)
         except ValueError as e:
             how += f"; {e}: backward calls fail"
+        try:
+            how += "; " + decoding_description(spec)
+        except ValueError as e:
+            how += f"; {e}: calls fail"
         dense = dense_description(spec)
         if dense:
             how += "; " + dense
@@ -379,6 +478,7 @@ class CudaImplementation:
     # backward needs no poisoned operand, as a poisoned row's lse and D are NaN.
     def forward(self, spec, q, k, v, masks):
         layout()  # an unknown JAX_FLASH_CUDA_LAYOUT: a ValueError now, not a failure at run time
+        split_kv_setting()  # likewise JAX_FLASH_CUDA_SPLIT_KV
         target = f"{_prefix()}_fwd"
         # The whole of _forward_local runs inside the sharding rule: its test for a non-finite
         # value is over this device's shard (a test over the global array would be an
@@ -386,7 +486,7 @@ class CudaImplementation:
         return partitioning.forward(self.name, functools.partial(self._forward_local, target), spec, q, k, v, masks)
 
     def _forward_local(self, target, spec, q, k, v, masks):
-        out, lse = _ffi.forward_call(target, spec, q, k, finite_part(v), masks)
+        out, lse = _ffi.forward_call(target, spec, q, k, finite_part(v), masks, decoding=decoding)
         bad_v = nonfinite_rows(v)  # [B, S, K]
         sees = lax.cond(jnp.any(bad_v), lambda: self._sees(target, spec, bad_v, masks, q.dtype),
                         lambda: jnp.zeros(out.shape[:-1], bool))
@@ -403,7 +503,7 @@ class CudaImplementation:
         zeros_q, zeros_k = jnp.zeros((b, t, n, h), dtype), jnp.zeros((b, s, kh, h), dtype)
         # Without the bias: a -inf bias is not a mask, a non-finite v behind it still reaches
         # the row (README, "Numerical contract"); the dense mask stays.
-        share, _ = _ffi.forward_call(target, small, zeros_q, zeros_k, v, masks._replace(bias=None))
+        share, _ = _ffi.forward_call(target, small, zeros_q, zeros_k, v, masks._replace(bias=None), decoding=decoding)
         return share[..., 0] > 0
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):

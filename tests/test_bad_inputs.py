@@ -243,10 +243,16 @@ _HANDLER_SCRIPT = textwrap.dedent(
                  softcap=np.float32(0), use_segment_ids=False, dropout_rate=np.float32(0))
     SEED = jnp.zeros((2,), jnp.uint32)  # the dropout key's words: every target's last operand
 
-    def fwd(target, ops, outs=None, sinks=None, seed=SEED, **attrs):
+    def fwd(target, ops, outs=None, sinks=None, seed=SEED, partials=None, **attrs):
         q = ops[0]
         if outs is None:
             outs = (SDS(q.shape[:3] + ops[2].shape[3:], q.dtype), SDS((q.shape[0], q.shape[2], q.shape[1]), F32))
+        if "emu" in target:
+            # The CUDA targets' split-KV workspaces partial_out, partial_lse ([0] f32: no split)
+            # and the pack_gqa attribute; the cpu target has neither.
+            if len(outs) == 2:
+                outs += (SDS((0,), F32),) * 2 if partials is None else partials
+            attrs = {"pack_gqa": False, **attrs}
         if sinks is None:  # the forward's last operand: sinks [N] f32, -inf = none
             sinks = jnp.full((q.shape[2] if q.ndim == 4 else 1,), -jnp.inf, F32)
         return jax.ffi.ffi_call(target, outs)(*ops, sinks, seed, **{**ATTRS, **attrs})
@@ -334,7 +340,7 @@ _HANDLER_SCRIPT = textwrap.dedent(
                                   lambda: fwd(f, o, softcap=np.float32(1e-40))),
             "window_below_minus_1": ("window", lambda: fwd(f, o, window_left=np.int64(-5))),
             "window_i32_attribute": ("S64", lambda: fwd(f, o, window_right=np.int32(3))),
-            "missing_attribute": ("attributes", lambda: jax.ffi.ffi_call(f, (SDS((B, T, N, H), dt), lse_shape))(*o, jnp.full((N,), -jnp.inf, F32), SEED, scale=np.float32(1))),
+            "missing_attribute": ("attributes", lambda: jax.ffi.ffi_call(f, (SDS((B, T, N, H), dt), lse_shape) + (SDS((0,), F32),) * (2 if "emu" in f else 0))(*o, jnp.full((N,), -jnp.inf, F32), SEED, scale=np.float32(1))),
             "dout_shape": ("dout", lambda: bwd(b, bo[:4] + [bo[4][:, :4]] + bo[5:])),
             "out_dtype_backward": ("out", lambda: bwd(b, bo[:3] + [bo[3].astype(other)] + bo[4:])),
             "lse_dtype_backward": ("lse", lambda: bwd(b, bo[:5] + [bo[5].astype(jnp.float16)] + bo[6:])),
@@ -359,6 +365,15 @@ _HANDLER_SCRIPT = textwrap.dedent(
                 "dkv_accum_mixed": ("dk_accum and dv_accum must both be", lambda: bwd(
                     b, bo, workspaces=(SDS((B, S, N, H), F32), SDS((0,), F32), SDS((0,), F32)))),
                 "dkv_accum_missing": ("results", lambda: bwd(b, bo, workspaces=dkv(b)[:1])),
+                # Split-KV's workspaces: [C, B, T, N, Hv] and [C, B, N, T] f32, C >= 2 chunks.
+                "ok_split_kv": (None, lambda: fwd(f, o, partials=(SDS((3, B, T, N, H), F32), SDS((3, B, N, T), F32)))),
+                "partial_out_one_chunk": ("2 <= C", lambda: fwd(f, o, partials=(SDS((1, B, T, N, H), F32), SDS((1, B, N, T), F32)))),
+                "partial_lse_shape": ("partial_lse", lambda: fwd(f, o, partials=(SDS((3, B, T, N, H), F32), SDS((3, B, N, T + 1), F32)))),
+                "partial_out_dtype": ("partial_out", lambda: fwd(f, o, partials=(SDS((3, B, T, N, H), jnp.float16), SDS((3, B, N, T), F32)))),
+                "split_kv_dropout": ("not used with dropout", lambda: fwd(f, o, dropout_rate=np.float32(0.5), partials=(SDS((3, B, T, N, H), F32), SDS((3, B, N, T), F32)))),
+                "pack_gqa_long_query": ("pack_gqa needs T = 1", lambda: fwd(f, o, pack_gqa=True)),
+                "ok_pack_gqa": (None, lambda: fwd(f, operands(dt, T=1, K=1), pack_gqa=True)),
+                "pack_gqa_bias": ("a bias", lambda: fwd(f, operands(dt, T=1, K=1)[:8] + [jnp.zeros((1, N, 1, S), F32)] + o[9:], pack_gqa=True)),
             }),
         }
 

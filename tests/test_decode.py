@@ -183,6 +183,93 @@ def test_cpu_gqa_packing(n, kh, extra):
     assert not np.isnan(np.asarray(out[0, 0, : n - n // kh])).any() and not np.isnan(np.asarray(out[1:])).any()
 
 
+# The cuda kernels' split-KV and GQA packing (kernels/fwd.h; emulated on a CPU, so small
+# caches of a few key tiles). JAX_FLASH_CUDA_SPLIT_KV=C forces C chunks (1: unsplit; 9 is more
+# chunks than some cases have key tiles: those chunks see nothing); unset, the rule splits (the
+# emulation counts 132 SMs). Sinks per query head (chunk 0 and, packed, each row its own
+# head's), windows, a soft cap, ragged lengths with a 0, T = 3 (unpacked) and Hv != H.
+CUDA_DECODE = [
+    # (B, T, S, N, K, H, lengths, dtype, extra kwargs)
+    (2, 1, 300, 8, 2, 64, [300, 0], "bfloat16", {}),
+    (2, 1, 200, 4, 4, 64, [150, 3], "float16", dict(logits_soft_cap=4.0)),
+    (1, 3, 260, 4, 1, 32, [250], "bfloat16", dict(local_window_size=(100, 0))),
+    (2, 1, 230, 16, 1, 128, [230, 77], "bfloat16", dict(local_window_size=(90, 0))),
+    (1, 1, 260, 4, 2, 128, [260], "bfloat16", dict(hv=64)),
+]
+
+
+def _cuda_or_skip():
+    from conftest import availability
+
+    why = availability("cuda")
+    if why is not None:
+        pytest.skip(f"cuda unavailable here: {why}")
+
+
+@pytest.mark.parametrize("case", CUDA_DECODE, ids=lambda c: f"T{c[1]}S{c[2]}G{c[3] // c[4]}-{c[7]}")
+def test_cuda_split_kv_and_gqa_packing(case, monkeypatch):
+    _cuda_or_skip()
+    from jax_flash import cuda
+
+    b, t, s, n, kh, h, lengths, dtype, extra = case
+    extra = dict(extra)
+    q, k, v, kw = _decode_inputs(b, t, s, n, kh, h, lengths, dtype, seed=7, hv=extra.pop("hv", None))
+    kw.update(extra)
+    kw["sinks"] = jnp.asarray(np.linspace(-1.0, 2.0, n), jnp.float32)
+    ref = _references(jax_flash.reference, q, k, v, **kw)
+    packed = t == 1 and n > kh
+    results = {}
+    for chunks in ("1", "", "3", "9"):
+        monkeypatch.setenv("JAX_FLASH_CUDA_SPLIT_KV", chunks)
+        note = jax_flash.explain(q, k, v, implementation="cuda", **kw).notes["cuda"]
+        assert ("GQA packing: the" in note) == packed, note
+        expected = {"1": "no split-KV", "3": "split-KV into 3 key chunks", "9": "split-KV into 9 key chunks"}
+        assert expected.get(chunks, "split-KV into") in note, note
+        # A fresh function each time: the rule is applied when the call is traced.
+        fn = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, implementation="cuda", return_residual=True, **kw))
+        out, lse = fn(q, k, v)
+        _check(out, lse, q, ref, dtype)
+        results[chunks] = np.asarray(out, np.float32)
+        if chunks == "3":  # the combine is deterministic: the same bits again
+            again = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, implementation="cuda", **kw))(q, k, v)
+            assert np.asarray(again, np.float32).tobytes() == results["3"].tobytes()
+    (ref64, _), (ref_lo, _) = ref
+    tol = 2 * (FACTOR * max_err(ref_lo, ref64) + EPS[dtype])
+    for chunks in ("", "3", "9"):
+        assert np.max(np.abs(results["1"] - results[chunks])) <= tol, chunks
+    monkeypatch.delenv("JAX_FLASH_CUDA_SPLIT_KV")
+    spec = canonicalize(q, k, v, **kw).spec
+    assert cuda.packs_heads(spec) == packed and cuda.split_kv_chunks(spec) > 1
+
+
+def test_cuda_split_kv_rule(monkeypatch):
+    """The rule: split when the forward's CTAs are fewer than the SMs, into min(ceil(SMs /
+    CTAs), key tiles // 2, 64) chunks; never with dropout; the override and its errors."""
+    from jax_flash import cuda
+    from jax_flash._spec import AttentionSpec
+
+    monkeypatch.delenv("JAX_FLASH_CUDA_SPLIT_KV", raising=False)
+    monkeypatch.delenv("JAX_FLASH_CUDA_LAYOUT", raising=False)
+    monkeypatch.setattr(cuda, "sm_count", lambda: (132, "132 SMs"))
+    decode = AttentionSpec(1, 1, 32768, 32, 8, 128, "bfloat16", 0.1)  # packed: B·K = 8 CTAs
+    assert cuda.packs_heads(decode) and cuda.forward_ctas(decode) == 8
+    assert cuda.split_kv_chunks(decode) == 17  # ceil(132 / 8)
+    assert cuda.split_kv_chunks(dataclasses.replace(decode, batch=8)) == 3  # 64 CTAs
+    assert cuda.split_kv_chunks(dataclasses.replace(decode, batch=17)) == 1  # 136 >= 132
+    assert cuda.split_kv_chunks(dataclasses.replace(decode, kv_len=300)) == 2  # 5 tiles // 2
+    assert cuda.split_kv_chunks(dataclasses.replace(decode, kv_len=64)) == 1
+    assert cuda.split_kv_chunks(dataclasses.replace(decode, num_kv_heads=32)) == 5  # unpacked: 32 CTAs
+    assert not cuda.packs_heads(dataclasses.replace(decode, q_len=2))
+    assert not cuda.packs_heads(dataclasses.replace(decode, bias_shape=(1, 32, 1, 32768)))
+    assert cuda.split_kv_chunks(dataclasses.replace(decode, batch=0)) == 1
+    monkeypatch.setenv("JAX_FLASH_CUDA_SPLIT_KV", "5")
+    assert cuda.split_kv_chunks(dataclasses.replace(decode, batch=64)) == 5
+    for bad in ("0", "x", "2000"):
+        monkeypatch.setenv("JAX_FLASH_CUDA_SPLIT_KV", bad)
+        with pytest.raises(ValueError, match="JAX_FLASH_CUDA_SPLIT_KV"):
+            cuda.split_kv_chunks(decode)
+
+
 def test_split_kv_combine_is_bitwise_reproducible():
     q, k, v, kw = _decode_inputs(2, 3, 4096, 8, 2, 64, [4096, 3001], "float32", seed=3)
     c = canonicalize(q, k, v, **kw)
@@ -346,7 +433,7 @@ def test_pallas_paged_limits_are_stated():
     assert jax_flash.explain_paged(q, kp, kp, table, lengths).selected == "xla"
 
 
-@pytest.mark.parametrize("impl", ["split", "cpu-split", "paged-xla", "paged-pallas"])
+@pytest.mark.parametrize("impl", ["split", "cpu-split", "cuda-split", "paged-xla", "paged-pallas"])
 def test_decode_poison_reaches_exactly_the_rows_that_see_it(impl):
     """A NaN in a visible key or value makes that row NaN (out and lse, as the reference); a
     NaN beyond a sequence's length changes nothing — also through the split and the merge."""
@@ -359,6 +446,8 @@ def test_decode_poison_reaches_exactly_the_rows_that_see_it(impl):
     v[1, 600, 0, 0] = np.inf  # beyond row 1's length: invisible
     k, v = jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32)
     q = jnp.asarray(rng.normal(size=(b, t, n, h)), jnp.float32)
+    if impl == "cuda-split":  # 16-bit kernels: the reference sees the same bf16 inputs
+        q, k, v = (x.astype(jnp.bfloat16).astype(jnp.float32) for x in (q, k, v))
     table = jnp.asarray(rng.permutation(b * mp).reshape(b, mp), jnp.int32)
     kp = jnp.zeros((b * mp, ps, kh, h), jnp.float32).at[table.reshape(-1)].set(k.reshape(b * mp, ps, kh, h))
     vp = jnp.zeros((b * mp, ps, kh, h), jnp.float32).at[table.reshape(-1)].set(v.reshape(b * mp, ps, kh, h))
@@ -368,11 +457,18 @@ def test_decode_poison_reaches_exactly_the_rows_that_see_it(impl):
         kw = dict(is_causal=True, key_value_seq_lengths=lengths, query_offset=lengths - t)
         c = canonicalize(q, k, v, **kw)
         out, lse = restore(c, *jax.jit(lambda *a: split_kv.forward(c.spec, *a, 4))(c.q, c.k, c.v, c.masks))
-    elif impl == "cpu-split":
+    elif impl in ("cpu-split", "cuda-split"):
+        name = impl.split("-")[0]
+        if name == "cuda":
+            _cuda_or_skip()
+            q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
         kw = dict(is_causal=True, key_value_seq_lengths=lengths, query_offset=lengths - t)
         with pytest.MonkeyPatch.context() as mp_env:
-            mp_env.setenv("JAX_FLASH_CPU_SPLIT_KV", "4")
-            out, lse = jax_flash.attention(q, k, v, implementation="cpu", return_residual=True, **kw)
+            mp_env.setenv(f"JAX_FLASH_{name.upper()}_SPLIT_KV", "4")
+            out, lse = jax.jit(lambda q, k, v: jax_flash.attention(
+                q, k, v, implementation=name, return_residual=True, **kw))(q, k, v)
+        if name == "cuda":
+            out = out.astype(jnp.float32)
     else:
         name = impl.split("-")[1]
         pspec = paged.canonicalize_paged(q, kp, vp, table, lengths)[0]
@@ -386,7 +482,8 @@ def test_decode_poison_reaches_exactly_the_rows_that_see_it(impl):
     assert np.array_equal(np.isnan(np.asarray(lse)), np.isnan(np.asarray(lse64)))
     assert np.isnan(np.asarray(out[0, :, 2:])).all() and not np.isnan(np.asarray(out[0, :, :2])).any()
     ok = ~np.isnan(np.asarray(ref64))
-    assert np.max(np.abs(np.asarray(out)[ok] - np.asarray(ref64)[ok])) < 1e-5
+    tol = 2e-2 if impl == "cuda-split" else 1e-5  # bf16 outputs
+    assert np.max(np.abs(np.asarray(out)[ok] - np.asarray(ref64)[ok])) < tol
 
 
 def test_decode_with_sinks():

@@ -211,12 +211,51 @@ def test_gpu_forward_backward_warp32(case):
     _with_layout(suite.check_attention, case)
 
 
+# Decoding (cuda/README.md, "Split-KV and GQA packing"): a decode step over a contiguous cache
+# with the rule's split-KV (B·K = 16 CTAs, fewer than any GPU's SMs) and GQA packing (T = 1,
+# G = 4), sinks, ragged lengths with a 0; T = 4 (unpacked, split); against the reference as in
+# the shared suite. Emulated: S = 300.
+DECODE = [(2, 1, 8, 2, 64), (2, 1, 32, 8, 128), (1, 4, 16, 4, 128)]  # (B, T, N, K, H)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", DECODE, ids=str)
+def test_gpu_decode(case):
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_flash
+
+    impl = _impl()
+    b, t, n, kh, h = case
+    s = 300 if EMULATED else 5000
+    rng = np.random.default_rng(11)
+    q = jnp.asarray(rng.normal(size=(b, t, n, h)) + 0.1, jnp.bfloat16)
+    k = jnp.asarray(rng.normal(size=(b, s, kh, h)) - 0.1, jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(b, s, kh, h)) + 0.2, jnp.bfloat16)
+    lengths = jnp.asarray([s, 0, 1234 % s][:b], jnp.int32)
+    kw = dict(is_causal=True, key_value_seq_lengths=lengths, query_offset=lengths - t,
+              sinks=jnp.asarray(np.linspace(-1.0, 2.0, n), jnp.float32))
+    note = jax_flash.explain(q, k, v, implementation=impl, **kw).notes[impl]
+    assert "split-KV into" in note and ("GQA packing" in note) == (t == 1), note
+    out, lse = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, implementation=impl, return_residual=True,
+                                                           **kw))(q, k, v)
+    ref = {dt: jax.jit(lambda q, k, v, dt=dt: jax_flash.reference(q, k, v, return_residual=True,
+                                                                  compute_dtype=dt, **kw))(q, k, v)
+           for dt in (jnp.float64, None)}
+    err = lambda a, r: float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(r, np.float64))))
+    tol = cases.FACTOR * err(ref[None][0], ref[jnp.float64][0]) + cases.EPS["bfloat16"]
+    assert err(out, ref[jnp.float64][0]) <= tol
+    assert err(lse, ref[jnp.float64][1]) <= 1e-3
+    assert np.all(np.asarray(out, np.float32)[1] == 0)  # length 0: out exactly 0
+
+
 # ----------------------------------------------------------------------------- without pytest
 
 
 def _all_tests():
     for fn, params in ((test_gpu_forward_backward, CASES), (test_gpu_backward_deterministic, DETERMINISTIC),
-                       (test_gpu_forward_backward_warp32, WARP32)):
+                       (test_gpu_forward_backward_warp32, WARP32), (test_gpu_decode, DECODE)):
         for case in params:
             yield f"{fn.__name__}[{case}]", fn, case
 

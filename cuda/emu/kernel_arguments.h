@@ -19,6 +19,8 @@ inline AttentionParams EmuArgument(AttentionParams p) {
   p.v = emu::tag_global(p.v);
   p.out = emu::tag_global(p.out);
   p.lse = emu::tag_global(p.lse);
+  p.partial_out = emu::tag_global(p.partial_out);
+  p.partial_lse = emu::tag_global(p.partial_lse);
   p.dout = emu::tag_global(p.dout);
   p.lse_in = emu::tag_global(p.lse_in);
   p.dlse = emu::tag_global(p.dlse);

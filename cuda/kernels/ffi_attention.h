@@ -55,8 +55,11 @@ auto ForwardSignature(Binding binding) {
                                            .template Arg<ffi::AnyBuffer>())  // v [B, S, K, Hv]
       .template Arg<ffi::AnyBuffer>()                                        // sinks [N] f32 (-inf: none)
       .template Arg<ffi::AnyBuffer>()                                        // dropout_seed [2] u32
-      .template Ret<ffi::AnyBuffer>()                                        // out [B, T, N, Hv]
-      .template Ret<ffi::AnyBuffer>();                                       // lse [B, N, T] f32
+      .template Attr<bool>("pack_gqa")  // T = 1: the G query heads of a kv head in one tile
+      .template Ret<ffi::AnyBuffer>()   // out [B, T, N, Hv]
+      .template Ret<ffi::AnyBuffer>()   // lse [B, N, T] f32
+      .template Ret<ffi::AnyBuffer>()   // partial_out [C, B, T, N, Hv] f32 workspace (split-KV into C >= 2 chunks), or [0] f32
+      .template Ret<ffi::AnyBuffer>();  // partial_lse [C, B, N, T] f32 workspace, or [0] f32
 }
 
 // jax_flash_bwd / jax_flash_emu_bwd.
@@ -309,6 +312,41 @@ inline ffi::Error CheckDbias(const char* target, const int64_t (&bias_dims)[4], 
   return ToError(target, FillAsync(into->untyped_data(), 0, into->size_bytes(), stream));
 }
 
+// The forward's decoding settings (kernels/fwd.h): GQA packing, which needs T = 1, G <= the
+// forward's 128-row tile and no per-head operand (dense bias or mask, dropout); and split-KV,
+// whose chunk count C is the partial workspaces' leading dim ([0] for both: no split), never
+// with dropout (its keep-mask is drawn per whole row).
+inline ffi::Error CheckDecoding(const char* target, bool pack_gqa, ffi::Result<ffi::AnyBuffer>& partial_out,
+                                ffi::Result<ffi::AnyBuffer>& partial_lse, AttentionParams* p) {
+  const std::string where = target;
+  const int64_t B = p->batch, T = p->q_len, N = p->q_heads, Hv = p->v_head_dim, G = N / p->kv_heads;
+  if (pack_gqa && (T != 1 || G > 128 || p->bias.data != nullptr || p->mask.data != nullptr || p->dropout_rate > 0.0f))
+    return ffi::Error::InvalidArgument(where + ": pack_gqa needs T = 1, G = N / K <= 128, no dense bias or mask and "
+                                       "no dropout; got T = " + std::to_string(T) + ", G = " + std::to_string(G) +
+                                       (p->bias.data != nullptr ? ", a bias" : "") +
+                                       (p->mask.data != nullptr ? ", a mask" : "") +
+                                       (p->dropout_rate > 0.0f ? ", dropout" : ""));
+  p->pack_gqa = pack_gqa;
+  auto dims = partial_out->dimensions();
+  if (dims.size() == 1) {
+    if (auto e = Expect(target, "partial_out", *partial_out, {0}, ffi::DataType::F32); e.failure()) return e;
+    return Expect(target, "partial_lse", *partial_lse, {0}, ffi::DataType::F32);
+  }
+  const int64_t C = dims.size() == 5 ? dims[0] : 0;
+  if (C < 2 || C > 1024)
+    return ffi::Error::InvalidArgument(where + ": partial_out must be [0] f32 (no split) or [C, B, T, N, Hv] f32 with " +
+                                       "2 <= C <= 1024 key chunks, got " + Describe(*partial_out));
+  if (auto e = Expect(target, "partial_out", *partial_out, {C, B, T, N, Hv}, ffi::DataType::F32); e.failure()) return e;
+  if (auto e = Expect(target, "partial_lse", *partial_lse, {C, B, N, T}, ffi::DataType::F32); e.failure()) return e;
+  if (p->dropout_rate > 0.0f)
+    return ffi::Error::InvalidArgument(where + ": split-KV (partial_out " + Describe(*partial_out) +
+                                       ") is not used with dropout");
+  p->kv_splits = static_cast<int>(C);
+  p->partial_out = static_cast<float*>(partial_out->untyped_data());
+  p->partial_lse = static_cast<float*>(partial_lse->untyped_data());
+  return ffi::Error::Success();
+}
+
 // JAX_FLASH_POISON_OUTPUTS=1: results are filled with NaN bytes before the kernels run, so an
 // element a kernel forgets to write shows up in the tests.
 inline bool PoisonOutputs() {
@@ -324,7 +362,8 @@ inline ffi::Error Forward(const char* target, Stream stream, ffi::AnyBuffer q, f
                           ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_offsets, ffi::AnyBuffer bias,
                           ffi::AnyBuffer mask, float scale, int64_t window_left, int64_t window_right, float softcap,
                           bool use_segment_ids, float dropout_rate, ffi::AnyBuffer sinks, ffi::AnyBuffer dropout_seed,
-                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse) {
+                          bool pack_gqa, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                          ffi::Result<ffi::AnyBuffer> partial_out, ffi::Result<ffi::AnyBuffer> partial_lse) {
   AttentionParams p;
   ElementType dtype;
   if (auto e = CheckOperands(target, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, q_offsets,
@@ -342,9 +381,12 @@ inline ffi::Error Forward(const char* target, Stream stream, ffi::AnyBuffer q, f
   p.sinks = static_cast<const float*>(sinks.untyped_data());
   p.out = static_cast<uint16_t*>(out->untyped_data());
   p.lse = static_cast<float*>(lse->untyped_data());
+  if (auto e = CheckDecoding(target, pack_gqa, partial_out, partial_lse, &p); e.failure()) return e;
   if (PoisonOutputs()) {
-    if (auto e = ToError(target, FillAsync(p.out, 0xFF, out->size_bytes(), stream)); e.failure()) return e;
-    if (auto e = ToError(target, FillAsync(p.lse, 0xFF, lse->size_bytes(), stream)); e.failure()) return e;
+    for (auto* r : {&out, &lse, &partial_out, &partial_lse}) {
+      if (auto e = ToError(target, FillAsync((**r).untyped_data(), 0xFF, (**r).size_bytes(), stream)); e.failure())
+        return e;
+    }
   }
   Layout layout;
   if (auto e = LayoutFromEnvironment(&layout); !e.empty()) return ffi::Error::InvalidArgument(target + (": " + e));

@@ -3,6 +3,12 @@
 // share every K and V fragment). Q is loaded once; K and V tiles stream through a multi-stage
 // cp.async ring; S = Q·Kᵀ, the online softmax and O += P·V all stay in registers. Q and K have
 // HEAD_DIM (H) columns, V and O V_HEAD_DIM (Hv), which may be narrower.
+//
+// Decoding (few queries, many keys) has two settings of the same kernel: split-KV
+// (flash-decoding), where each CTA runs one chunk of a query block's key tiles and leaves a
+// partial (O, lse) that attention_forward_combine_kernel merges, and GQA packing, where at
+// T = 1 the rows of a CTA's tile are the G query heads of one kv head (K and V read once per kv
+// head instead of G times, and G live rows of 16·ceil(G/16) per MMA instead of 1).
 #pragma once
 
 #include <cstdint>
@@ -44,9 +50,10 @@ struct ForwardKernel {
   static constexpr int kStageBytes = KVTile::kBytes + VTile::kBytes;
   static constexpr int kSmemBytes = QTile::kBytes + STAGES * kStageBytes;
 
-  // One CTA per (query block, head, batch).
+  // One CTA per (query block and key chunk, head, batch), the chunk fastest; with GQA packing
+  // the heads are the kv heads (and T = 1: one query block).
   __host__ __device__ static FoldedGrid grid(const AttentionParams& p) {
-    return {CeilDiv(p.q_len, BLOCK_Q), p.q_heads, p.batch};
+    return {CeilDiv(p.q_len, BLOCK_Q) * p.kv_splits, p.pack_gqa ? p.kv_heads : p.q_heads, p.batch};
   }
 
   static_assert(BLOCK_Q == WARPS * WARP_Q && WARP_Q % MMA_M == 0, "each warp owns whole m16 row blocks");
@@ -81,18 +88,61 @@ __device__ __forceinline__ void accumulate_pv(float (&o)[K::ROW_BLOCKS][V_HEAD_D
   }
 }
 
-// out (16-bit) and lse (natural log) of one m16 row block of the warp (rows t0.., tile rows
-// row0..), written once.
-template <class Elem, int V_HEAD_DIM, class K>
-__device__ __forceinline__ void store_output(const AttentionParams& p, const float (&o)[V_HEAD_DIM / MMA_N][4],
-                                             const float lse[2], char* q_tile, int b, int n, int row0, int t0,
+// Where the rows of a CTA's tile live in global memory: positions t0.. of query head n, or
+// with GQA packing the query heads n.. of one kv head at position 0, which lie next to each
+// other in q, out and lse (T = 1). Offsets in elements; lse rows are 1 apart either way.
+struct ForwardRows {
+  int valid;               // tile rows with a query; the others are never stored
+  int64_t q0, q_stride;    // q
+  int64_t o0, o_stride;    // out, and each chunk of partial_out
+  int64_t stat0;           // lse, and each chunk of partial_lse
+
+  template <bool HV_IS_H>
+  __device__ __forceinline__ static ForwardRows of(const AttentionParams& p, int b, int n, int t0) {
+    ForwardRows r;
+    r.valid = p.pack_gqa ? p.q_heads / p.kv_heads : p.q_len - t0;
+    r.q0 = p.q_offset(b, t0, n);
+    r.q_stride = p.pack_gqa ? p.head_dim : p.q_row_stride();
+    r.o0 = p.o_offset<HV_IS_H>(b, t0, n);
+    r.o_stride = p.pack_gqa ? p.v_width<HV_IS_H>() : p.o_row_stride<HV_IS_H>();
+    r.stat0 = p.stat_offset(b, n, t0);
+    return r;
+  }
+};
+
+// out (16-bit) and lse (natural log) of one m16 row block of the warp (tile rows row0..),
+// written once.
+template <class Elem, class K, int O_BLOCKS>
+__device__ __forceinline__ void store_output(const AttentionParams& p, const ForwardRows& rows,
+                                             const float (&o)[O_BLOCKS][4], const float lse[2], char* smem, int row0,
                                              int lane) {
   JAX_FLASH_UNROLL
   for (int r = 0; r < 2; ++r) {
-    const int t = t0 + (lane >> 2) + 8 * r;
-    if ((lane & 3) == 0 && t < p.q_len) ptx::st_global_f32(p.lse + p.stat_offset(b, n, t), lse[r]);
+    const int row = row0 + (lane >> 2) + 8 * r;
+    if ((lane & 3) == 0 && row < rows.valid) ptx::st_global_f32(p.lse + rows.stat0 + row, lse[r]);
   }
-  store_warp_rows<Elem, typename K::OTile>(p.out, p.v_width<K::kHvIsH>(), p, o, q_tile, b, n, row0, t0, lane);
+  store_warp_rows<Elem, typename K::OTile>(p.out + rows.o0, rows.o_stride, rows.valid, o, smem, row0, lane);
+}
+
+// Split-KV: the same rows' O (normalised, float32) and lse into chunk `split`'s partials.
+template <int O_BLOCKS>
+__device__ __forceinline__ void store_partial(const AttentionParams& p, const ForwardRows& rows,
+                                              const float (&o)[O_BLOCKS][4], const float lse[2], int split,
+                                              int row0, int lane) {
+  const int64_t stats = static_cast<int64_t>(p.batch) * p.q_heads * p.q_len;
+  float* const out = p.partial_out + split * stats * (O_BLOCKS * MMA_N) + rows.o0;
+  JAX_FLASH_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + (lane >> 2) + 8 * r;
+    if (row >= rows.valid) continue;
+    if ((lane & 3) == 0) ptx::st_global_f32(p.partial_lse + split * stats + rows.stat0 + row, lse[r]);
+    JAX_FLASH_UNROLL
+    for (int j = 0; j < O_BLOCKS; ++j) {
+      float* dst = out + row * rows.o_stride + 8 * j + 2 * (lane & 3);
+      ptx::st_global_f32(dst, o[j][2 * r]);
+      ptx::st_global_f32(dst + 1, o[j][2 * r + 1]);
+    }
+  }
 }
 
 template <class Elem, int HEAD_DIM, int V_HEAD_DIM, Layout LAYOUT>
@@ -103,31 +153,47 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
   const FoldedGrid grid = K::grid(p);
   const GridIndex at = grid.index();
   if (!grid.contains(at)) return;  // past the last head (more than 65535 heads span grid.z)
-  const int q_block = at.block, head = at.head, batch = at.batch;
+  const int q_block = at.block / p.kv_splits, split = at.block % p.kv_splits, batch = at.batch;
   const int warp = static_cast<int>(threadIdx.x) / WARP_SIZE, lane = static_cast<int>(threadIdx.x) % WARP_SIZE;
-  const int kv_head = head / (p.q_heads / p.kv_heads);
+  const int group = p.q_heads / p.kv_heads;
+  // The first query head of the tile's rows, and its kv head (GQA packing: grid heads are kv heads).
+  const int head = p.pack_gqa ? at.head * group : at.head;
+  const int kv_head = head / group;
   const int t0 = q_block * K::BLOCK_Q;
   const int warp_t0 = t0 + warp * K::WARP_Q;
+  // The positions the mask sees: a block of rows, or (GQA packing) the one position 0.
+  const int positions = p.pack_gqa ? 1 : K::BLOCK_Q;
 
   const Mask mask = Mask::of(p, batch);
   const LogitScaling scaling = LogitScaling::of(p);
   const dropout::Setting drop = p.dropout_setting();
-  const Range keys = mask.keys_of_rows(t0, t0 + K::BLOCK_Q);
+  const Range keys = mask.keys_of_rows(t0, t0 + positions);
 
   // ROW_BLOCKS x (MMA_M rows, MMA_N cols, 4 regs): the warp's WARP_Q x V_HEAD_DIM output, and
-  // one online softmax per m16 row block.
+  // one online softmax per m16 row block. The sink of a split belongs to its first chunk.
   float o[K::ROW_BLOCKS][V_HEAD_DIM / MMA_N][4];
   clear(o);
   OnlineSoftmax softmax[K::ROW_BLOCKS];
   JAX_FLASH_UNROLL
-  for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) softmax[rb].init(p.sink(head), lane);
+  for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) {
+    float sinks[2];
+    JAX_FLASH_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const int row = warp * K::WARP_Q + MMA_M * rb + (lane >> 2) + 8 * r;
+      const bool has_sink = split == 0 && (!p.pack_gqa || row < group);
+      sinks[r] = has_sink ? p.sink(p.pack_gqa ? head + row : head) : -INFINITY;
+    }
+    softmax[rb].init(sinks, lane);
+  }
 
   if (!keys.empty()) {
-    const int tile_begin = keys.lo / K::BLOCK_KV;
-    const int tile_end = CeilDiv(keys.hi, K::BLOCK_KV);
+    // This CTA's chunk of the key tiles the block sees (all of them without a split).
+    const int first_tile = keys.lo / K::BLOCK_KV;
+    const int tiles = CeilDiv(keys.hi, K::BLOCK_KV) - first_tile;
+    const int tile_begin = first_tile + tiles * split / p.kv_splits;
+    const int tile_end = first_tile + tiles * (split + 1) / p.kv_splits;
     char* const q_tile = smem;
     char* const kv_ring = smem + K::QTile::kBytes;
-    const uint16_t* const q_base = p.q + p.q_offset(batch, t0, head);
     const uint16_t* const k_base = p.k + p.kv_offset(batch, 0, kv_head);
     const uint16_t* const v_base = p.v + p.v_offset<K::kHvIsH>(batch, 0, kv_head);
     const int64_t kv_stride = p.kv_row_stride(), v_stride = p.v_row_stride<K::kHvIsH>();
@@ -139,12 +205,15 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
                                                      p.kv_len - s0);
     };
 
-    const SegmentRange warp_ids = mask.q_segments != nullptr
-                                      ? warp_segment_range(mask.q_segments, warp_t0, K::WARP_Q, mask.q_valid, lane)
-                                      : SegmentRange{0, 0};
+    const int warp_positions = p.pack_gqa ? 1 : K::WARP_Q;
+    const int warp_p0 = p.pack_gqa ? 0 : warp_t0;
+    const SegmentRange warp_ids =
+        mask.q_segments != nullptr ? warp_segment_range(mask.q_segments, warp_p0, warp_positions, mask.q_valid, lane)
+                                   : SegmentRange{0, 0};
 
     // Prologue: the Q tile, then the first STAGES - 1 key tiles, one commit group each.
-    load_tile_async<typename K::QTile, K::THREADS>(q_tile, q_base, p.q_row_stride(), p.q_len - t0);
+    const ForwardRows q_rows = ForwardRows::of<K::kHvIsH>(p, batch, head, t0);
+    load_tile_async<typename K::QTile, K::THREADS>(q_tile, p.q + q_rows.q0, q_rows.q_stride, q_rows.valid);
     ptx::cp_async_commit_group();
     JAX_FLASH_UNROLL
     for (int stage = 0; stage < K::STAGES - 1; ++stage) {
@@ -176,11 +245,18 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
       JAX_FLASH_UNROLL
       for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) {
         const int rows_t0 = warp_t0 + MMA_M * rb;
-        const bool interior = mask.is_interior(rows_t0, MMA_M, s0, K::BLOCK_KV, segments_allow_all);
-        // The bias and mask rows, derived per tile (ptx::mov_b32_volatile): held across the loop they spill.
-        const int b_tile = ptx::mov_b32_volatile(batch);
-        scaling.prepare<false>(s[rb], mask, p.bias_rows(b_tile, head), p.mask_rows(b_tile, head), interior, rows_t0,
-                               s0, lane);
+        if (p.pack_gqa) {
+          // Every row at position 0, no dense bias or mask (the host packs only without them).
+          const bool interior = mask.is_interior(0, 1, s0, K::BLOCK_KV, segments_allow_all);
+          scaling.prepare<false>(s[rb], mask, DenseRows{}, DenseRows{}, true, 0, s0, lane);
+          if (!interior) mask_columns(s[rb], mask, 0, s0, lane);
+        } else {
+          const bool interior = mask.is_interior(rows_t0, MMA_M, s0, K::BLOCK_KV, segments_allow_all);
+          // The bias and mask rows, derived per tile (ptx::mov_b32_volatile): held across the loop they spill.
+          const int b_tile = ptx::mov_b32_volatile(batch);
+          scaling.prepare<false>(s[rb], mask, p.bias_rows(b_tile, head), p.mask_rows(b_tile, head), interior,
+                                 rows_t0, s0, lane);
+        }
         softmax[rb].update(s[rb], o[rb], scaling.exp_scale);
         // Dropout after the statistics: P·V of the kept weights (scaled at the end).
         if (drop.on) drop_fragment(s[rb], keep_bits_of_fragment<false, K::BLOCK_KV / MMA_N>(drop, batch, head, rows_t0, s0, lane), 1.0f);
@@ -193,14 +269,59 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
   // which that warp may still be reading.
   if constexpr (!K::kHvIsH) __syncthreads();
 
+  // The rows' addresses, derived here (ptx::mov_b32_volatile): held across the loop they spill.
+  const ForwardRows rows = ForwardRows::of<K::kHvIsH>(p, ptx::mov_b32_volatile(batch), head, t0);
   JAX_FLASH_UNROLL
   for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) {
     float lse[2];
     softmax[rb].finish(o[rb], scaling.exp_scale, lse);
     if (drop.on) scale_fragment(o[rb], drop.keep_scale);
-    store_output<Elem, V_HEAD_DIM, K>(p, o[rb], lse, smem, batch, head, warp * K::WARP_Q + MMA_M * rb,
-                                      warp_t0 + MMA_M * rb, lane);
+    const int row0 = warp * K::WARP_Q + MMA_M * rb;
+    if (p.kv_splits > 1) {
+      store_partial(p, rows, o[rb], lse, split, row0, lane);
+    } else {
+      store_output<Elem, K>(p, rows, o[rb], lse, smem, row0, lane);
+    }
   }
+}
+
+// Split-KV's merge (flash-decoding): for each row, lse = log Σ_c e^{lse_c} and out = Σ_c
+// e^{lse_c − lse} · O_c over the chunks in order (deterministic, no atomics), one thread per
+// 4 features. A chunk that saw no key (lse_c = −inf, O_c = 0) adds nothing; a row no chunk
+// saw gets out 0 and lse −inf; a NaN lse_c (a poisoned row) makes the row NaN.
+template <class Elem>
+__global__ void __launch_bounds__(128) attention_forward_combine_kernel(const AttentionParams p) {
+  const int64_t quads = p.v_head_dim / 4;
+  const int64_t stats = static_cast<int64_t>(p.batch) * p.q_heads * p.q_len;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= stats * quads) return;
+  const int64_t row = i / quads, quad = i % quads;  // row (b, t, n) of out [B, T, N, Hv]
+  const int n = static_cast<int>(row % p.q_heads), t = static_cast<int>(row / p.q_heads % p.q_len);
+  const int b = static_cast<int>(row / p.q_heads / p.q_len);
+  const int64_t stat = p.stat_offset(b, n, t);
+  float m = -INFINITY;
+  for (int c = 0; c < p.kv_splits; ++c) {
+    const float x = ptx::ld_global_f32(p.partial_lse + c * stats + stat);
+    m = x != x || m != m ? __uint_as_float(0x7fc00000u) : fmaxf(m, x);
+  }
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float lse = -INFINITY;
+  if (m != -INFINITY) {
+    float sum = 0.0f;
+    for (int c = 0; c < p.kv_splits; ++c) sum += expf(ptx::ld_global_f32(p.partial_lse + c * stats + stat) - m);
+    lse = m + logf(sum);
+    for (int c = 0; c < p.kv_splits; ++c) {
+      const float w = expf(ptx::ld_global_f32(p.partial_lse + c * stats + stat) - lse);
+      uint32_t part[4];
+      ptx::ld_global_v4_b32(part, p.partial_out + (c * stats + row) * p.v_head_dim + 4 * quad);
+      JAX_FLASH_UNROLL
+      for (int e = 0; e < 4; ++e) acc[e] += w * __uint_as_float(part[e]);
+    }
+  }
+  uint16_t* dst = p.out + row * p.v_head_dim + 4 * quad;
+  ptx::st_global_b32(dst, Elem::pack(acc[0], acc[1]));
+  ptx::st_global_b32(dst + 2, Elem::pack(acc[2], acc[3]));
+  if (quad == 0) ptx::st_global_f32(p.lse + stat, lse);
 }
 
 // Host side: one launch per call.
@@ -209,8 +330,14 @@ LaunchError LaunchForward(const AttentionParams& p, Stream stream) {
   using K = ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYOUT>;
   dim3 grid;
   if (LaunchError err = K::grid(p).dims(&grid); !err.empty()) return err;
-  return Launch("attention_forward_kernel", attention_forward_kernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYOUT>, grid,
-                dim3(K::THREADS), K::kSmemBytes, stream, p);
+  LaunchError err = Launch("attention_forward_kernel", attention_forward_kernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYOUT>,
+                           grid, dim3(K::THREADS), K::kSmemBytes, stream, p);
+  if (!err.empty() || p.kv_splits == 1) return err;
+  constexpr int kCombineThreads = 128;
+  const int64_t threads = static_cast<int64_t>(p.batch) * p.q_heads * p.q_len * (p.v_head_dim / 4);
+  if (LaunchError e = LinearGrid((threads + kCombineThreads - 1) / kCombineThreads, &grid); !e.empty()) return e;
+  return Launch("attention_forward_combine_kernel", attention_forward_combine_kernel<Elem>, grid,
+                dim3(kCombineThreads), 0, stream, p);
 }
 
 }  // namespace kernels

@@ -138,5 +138,18 @@ __device__ __forceinline__ void mask_fragment(float (&acc)[N_BLOCKS][4], const M
   }
 }
 
+// The same for a tile whose rows all sit at one position t (the forward's GQA packing: the
+// rows are query heads at T = 1): the mask is one of keys only, the same in every row.
+template <int N_BLOCKS>
+__device__ __forceinline__ void mask_columns(float (&acc)[N_BLOCKS][4], const Mask& mask, int t, int col0, int lane) {
+  JAX_FLASH_UNROLL
+  for (int j = 0; j < N_BLOCKS; ++j) {
+    JAX_FLASH_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      if (!mask.visible(t, col0 + 8 * j + 2 * (lane & 3) + (i & 1))) acc[j][i] = -INFINITY;
+    }
+  }
+}
+
 }  // namespace kernels
 }  // namespace jax_flash

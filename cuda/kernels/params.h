@@ -77,6 +77,17 @@ struct AttentionParams {
   float* dk_accum = nullptr;
   float* dv_accum = nullptr;
 
+  // Decoding, forward only (cuda/README.md, "Split-KV and GQA packing"); both chosen on the host.
+  // kv_splits > 1, split-KV (flash-decoding): the key tiles a query block sees are cut into
+  // kv_splits contiguous chunks, one CTA each, which leaves its O (normalised, float32) and lse
+  // in partial_out [C, B, T, N, Hv] and partial_lse [C, B, N, T]; the combine kernel merges
+  // them in chunk order into out and lse. pack_gqa (T = 1): the G = N / K query heads of a kv
+  // head are the rows of one CTA's tile, so K and V are read once per kv head.
+  int kv_splits = 1;
+  float* partial_out = nullptr;
+  float* partial_lse = nullptr;
+  bool pack_gqa = false;
+
   // Backward: whether the main kernel adds dQ into dq_accum with atomics (false in
   // deterministic mode, where a separate kernel computes dQ per query block).
   bool accumulate_dq = true;

@@ -155,10 +155,14 @@ struct OnlineSoftmax {
   // the quad's first lane; the quad's parts add up in finish). No sink is sink = −inf: the
   // first visible key's exp2(m_old − m_new) = 0 turns l back into 0 (an empty row keeps
   // l = 1, o = 0 and lse = −inf + 0). A NaN or +inf sink gets l = NaN: its head's rows are NaN.
-  __device__ __forceinline__ void init(float sink, int lane) {
-    const float l0 = sink < INFINITY ? 1.0f : __uint_as_float(0x7fc00000u);
-    row_max[0] = row_max[1] = sink;
-    row_sum[0] = row_sum[1] = lane % 4 == 0 ? l0 : 0.0f;
+  // sinks[r]: the sink of row lane/4 + 8·r (the rows' heads differ under GQA packing).
+  __device__ __forceinline__ void init(const float (&sinks)[2], int lane) {
+    JAX_FLASH_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const float l0 = sinks[r] < INFINITY ? 1.0f : __uint_as_float(0x7fc00000u);
+      row_max[r] = sinks[r];
+      row_sum[r] = lane % 4 == 0 ? l0 : 0.0f;
+    }
   }
 
   // s (logits x) -> p = exp2((x − m_new)·exp_scale), in place; o rescaled by

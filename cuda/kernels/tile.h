@@ -338,15 +338,14 @@ __device__ __forceinline__ void mma_row_blocks_a_regs_b_trans(float (&acc)[ROW_B
   }
 }
 
-// Writes a warp's 16 x Tile::kCols accumulator (rows t0.. of query head n, [B, T, N, width]
-// layout with width = Tile::kCols: H for dQ, Hv for O) as 16-bit elements, through the warp's
-// own rows (row0..) of `tile`, which no other warp reads (the forward at Hv < H stages O over
-// its wider Q tile after a barrier): the global stores are then whole 16-byte chunks, coalesced
-// along each row.
-template <class Elem, class Tile, int O_BLOCKS, class Params>
-__device__ __forceinline__ void store_warp_rows(uint16_t* dst, int width, const Params& p,
-                                                const float (&o)[O_BLOCKS][4], char* tile, int b, int n, int row0,
-                                                int t0, int lane) {
+// Writes a warp's 16 x Tile::kCols accumulator, tile rows row0.., as 16-bit elements: tile row
+// r goes to dst + r · row_stride when r < rows_valid (dst: tile row 0's global row). It passes
+// through the warp's own rows of `tile`, which no other warp reads (the forward at Hv < H
+// stages O over its wider Q tile after a barrier): the global stores are then whole 16-byte
+// chunks, coalesced along each row.
+template <class Elem, class Tile, int O_BLOCKS>
+__device__ __forceinline__ void store_warp_rows(uint16_t* dst, int64_t row_stride, int rows_valid,
+                                                const float (&o)[O_BLOCKS][4], char* tile, int row0, int lane) {
   static_assert(O_BLOCKS * MMA_N == Tile::kCols, "the accumulator spans a tile row");
   __syncwarp();  // every lane is done reading the warp's rows
   JAX_FLASH_UNROLL
@@ -361,13 +360,24 @@ __device__ __forceinline__ void store_warp_rows(uint16_t* dst, int width, const 
   __syncwarp();
   JAX_FLASH_UNROLL
   for (int i = lane; i < MMA_M * Tile::kChunks; i += WARP_SIZE) {
-    const int row = i / Tile::kChunks, chunk = i % Tile::kChunks;
-    if (t0 + row < p.q_len) {
+    const int row = row0 + i / Tile::kChunks, chunk = i % Tile::kChunks;
+    if (row < rows_valid) {
       Chunk16 c;
-      ptx::ld_shared_v4_b32(c.w, tile + Tile::chunk_offset(row0 + row, chunk));
-      ptx::st_global_v4_b32(dst + p.q_row_offset(b, t0 + row, n, width) + chunk * 8, c.w);
+      ptx::ld_shared_v4_b32(c.w, tile + Tile::chunk_offset(row, chunk));
+      ptx::st_global_v4_b32(dst + row * row_stride + chunk * 8, c.w);
     }
   }
+}
+
+// The same for rows t0.. of query head n of a [B, T, N, width] array (width = Tile::kCols: H
+// for dQ), t0 being the position of tile row row0.
+template <class Elem, class Tile, int O_BLOCKS, class Params>
+__device__ __forceinline__ void store_warp_rows(uint16_t* dst, int width, const Params& p,
+                                                const float (&o)[O_BLOCKS][4], char* tile, int b, int n, int row0,
+                                                int t0, int lane) {
+  const int tile_t0 = t0 - row0;  // the position of tile row 0
+  store_warp_rows<Elem, Tile>(dst + p.q_row_offset(b, tile_t0, n, width),
+                              static_cast<int64_t>(p.q_heads) * width, p.q_len - tile_t0, o, tile, row0, lane);
 }
 
 }  // namespace kernels
