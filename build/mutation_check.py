@@ -62,6 +62,7 @@ BWD = "cuda and (test_forward_backward or test_backward) and not deterministic"
 NONFINITE = "cuda and nonfinite"
 DET = "cuda and test_backward_deterministic"
 DECODE = "test_cuda_split_kv_and_gqa_packing"
+PAGED = "paged and cuda"
 ALL = "cuda"
 EDGES = "cuda and (tile_plus or tile_minus)"
 # The dense bias and mask on cuda: every dbias write (test_dense.py) and the shared cases.
@@ -184,6 +185,11 @@ MUTATIONS = [
              what="split-KV combine: the chunks weighted by e^{lse_c - max}, not normalised"),
     Mutation("packed_q_stride", K + "fwd.h", "r.q_stride = p.pack_gqa ? p.head_dim : p.q_row_stride();",
              "r.q_stride = p.q_row_stride();", DECODE, what="GQA packing: the packed heads' q rows read N·H apart"),
+    Mutation("paged_slot", K + "params.h", "return static_cast<int64_t>(page) * page_size + s % page_size;",
+             "return static_cast<int64_t>(page) * page_size + s / max_pages % page_size;", PAGED,
+             what="paged cache: a key read from the wrong slot of its page"),
+    Mutation("paged_id_clamp", K + "params.h", "page = page >= 0 && page < num_pages ? page : 0;", "", PAGED,
+             what="paged cache: an out-of-range page id read out of bounds"),
     Mutation("packed_key_mask", K + "fwd.h", "if (!interior) mask_columns(s[rb], mask, 0, s0, lane);", "", DECODE,
              what="GQA packing: the edge tiles' keys not masked (lengths, window)"),
     Mutation("fwd_kv_tail", K + "fwd.h",

@@ -136,12 +136,15 @@ def backward(
 
 
 def forward_call(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs,
-                 decoding: Optional[Callable[[AttentionSpec], tuple[int, bool]]] = None):
+                 decoding: Optional[Callable[[AttentionSpec], tuple[int, bool]]] = None, page_table=None):
     """The forward custom call on (local) canonical arrays; `spec` describes them (no
     sharding rule: for a function that runs inside one, e.g. on one device's shards).
 
     `decoding` (the CUDA targets only): spec -> (C, pack_gqa), the split-KV chunk count (1: no
-    split), which sizes the partial_out / partial_lse workspace results, and GQA packing."""
+    split), which sizes the partial_out / partial_lse workspace results, and GQA packing.
+    `page_table` ([B, max_pages] int32; the paged targets, whose first operand it is): k and v
+    are then pages [num_pages, page_size, K, H], and `spec` the gathered cache's
+    (S = max_pages·page_size)."""
     b, t, n, _ = q.shape
     hv = v.shape[-1]
     shapes = (
@@ -157,8 +160,9 @@ def forward_call(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs,
         attributes["pack_gqa"] = bool(pack)
     # Sinks [N] f32 after the mask operands (forward only), -inf (no sink) when absent.
     sinks = masks.sinks if masks.sinks is not None else jnp.full((n,), -jnp.inf, jnp.float32)
+    first = () if page_table is None else (page_table,)
     out, lse, *_ = jax.ffi.ffi_call(target, shapes)(
-        q, k, v, *_mask_operands(spec, masks, q.dtype), sinks.astype(jnp.float32), _dropout_seed(masks),
+        *first, q, k, v, *_mask_operands(spec, masks, q.dtype), sinks.astype(jnp.float32), _dropout_seed(masks),
         **attributes,
     )
     return out, lse

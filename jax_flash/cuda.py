@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_flash import _ffi, _registry
-from jax_flash._spec import AttentionSpec
+from jax_flash._spec import AttentionSpec, MaskInputs
 from jax_flash.parallel import partitioning
 from jax_flash.xla import finite_part, nonfinite_rows
 
@@ -485,26 +485,45 @@ class CudaImplementation:
         # all-reduce on every call).
         return partitioning.forward(self.name, functools.partial(self._forward_local, target), spec, q, k, v, masks)
 
-    def _forward_local(self, target, spec, q, k, v, masks):
-        out, lse = _ffi.forward_call(target, spec, q, k, finite_part(v), masks, decoding=decoding)
-        bad_v = nonfinite_rows(v)  # [B, S, K]
-        sees = lax.cond(jnp.any(bad_v), lambda: self._sees(target, spec, bad_v, masks, q.dtype),
+    def _forward_local(self, target, spec, q, k, v, masks, page_table=None):
+        call = functools.partial(_ffi.forward_call, target, decoding=decoding, page_table=page_table)
+        out, lse = call(spec, q, k, finite_part(v), masks)
+        bad_v = nonfinite_rows(v)  # [B, S, K], or [num_pages, page_size, K]
+        sees = lax.cond(jnp.any(bad_v), lambda: self._sees(call, spec, bad_v, masks, q.dtype),
                         lambda: jnp.zeros(out.shape[:-1], bool))
         # An empty row (lse = -inf: it sees no key, or only -inf logits, with no sink) stays 0.
         sees = sees & (jnp.swapaxes(lse, 1, 2) != -jnp.inf)
         return jnp.where(sees[..., None], jnp.asarray(jnp.nan, out.dtype), out), lse
 
-    def _sees(self, target, spec, flags, masks, dtype):
+    def _sees(self, call, spec, flags, masks, dtype):
         """Bool [B, T, N]: the row sees a key whose flag is set. The kernels on q = k = 0
         (every visible logit 0, so P = 1/#visible > 0) and v = the flags, at head dim 32."""
         small = dataclasses.replace(spec, head_dim=min(HEAD_DIMS), value_head_dim=None)
-        b, t, n, s, kh, h = spec.batch, spec.q_len, spec.num_heads, spec.kv_len, spec.num_kv_heads, small.head_dim
-        v = jnp.broadcast_to(flags[..., None], (b, s, kh, h)).astype(dtype)
-        zeros_q, zeros_k = jnp.zeros((b, t, n, h), dtype), jnp.zeros((b, s, kh, h), dtype)
+        b, t, n, h = spec.batch, spec.q_len, spec.num_heads, small.head_dim
+        v = jnp.broadcast_to(flags[..., None], flags.shape + (h,)).astype(dtype)
+        zeros_q, zeros_k = jnp.zeros((b, t, n, h), dtype), jnp.zeros(v.shape, dtype)
         # Without the bias: a -inf bias is not a mask, a non-finite v behind it still reaches
         # the row (README, "Numerical contract"); the dense mask stays.
-        share, _ = _ffi.forward_call(target, small, zeros_q, zeros_k, v, masks._replace(bias=None), decoding=decoding)
+        share, _ = call(small, zeros_q, zeros_k, v, masks._replace(bias=None))
         return share[..., 0] > 0
+
+    def paged_forward(self, pspec, q, key_pages, value_pages, table, lengths, sinks=None):
+        """paged_attention (jax_flash/inference/paged.py) on the paged target: the forward
+        kernel reading K and V through the page table (cp.async from each page's slot), with
+        the decode settings of `attention` (split-KV, GQA packing). out [B, T, N, H], lse
+        [B, N, T]. Keys of an out-of-range page id are masked through kv segment ids (1 on
+        such a page, 0 elsewhere, the queries' 0); the kernel reads page 0 in their place."""
+        split_kv_setting()
+        spec = pspec.attention
+        b, t = q.shape[:2]
+        ps, cap = pspec.page_size, pspec.capacity
+        bad_page = (table < 0) | (table >= pspec.num_pages)  # [B, max_pages]
+        kv_ids = jnp.repeat(bad_page.astype(jnp.int32), ps, axis=1)  # [B, capacity]
+        masks = MaskInputs(kv_lengths=jnp.clip(lengths, 0, cap), q_offset=jnp.maximum(lengths, 0) - t,
+                           q_segment_ids=jnp.zeros((b, t), jnp.int32), kv_segment_ids=kv_ids, sinks=sinks)
+        spec = dataclasses.replace(spec, has_segment_ids=True, has_kv_lengths=True, has_q_offset=True,
+                                   has_sinks=sinks is not None)
+        return self._forward_local(f"{_prefix()}_paged_fwd", spec, q, key_pages, value_pages, masks, page_table=table)
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
         layout()

@@ -373,6 +373,12 @@ _HANDLER_SCRIPT = textwrap.dedent(
                 "split_kv_dropout": ("not used with dropout", lambda: fwd(f, o, dropout_rate=np.float32(0.5), partials=(SDS((3, B, T, N, H), F32), SDS((3, B, N, T), F32)))),
                 "pack_gqa_long_query": ("pack_gqa needs T = 1", lambda: fwd(f, o, pack_gqa=True)),
                 "ok_pack_gqa": (None, lambda: fwd(f, operands(dt, T=1, K=1), pack_gqa=True)),
+                # The paged forward: the page table [B, max_pages] s32 first, k and v as pages
+                # [num_pages, page_size, K, H] (S = max_pages · page_size: 2 pages of 4 here).
+                "ok_paged": (None, lambda: jax.ffi.ffi_call(prefix + "_paged_fwd", (SDS((B, T, N, H), dt), lse_shape, SDS((0,), F32), SDS((0,), F32)))(jnp.zeros((B, 2), I32), o[0], jnp.ones((3, 4, K, H), dt), jnp.ones((3, 4, K, H), dt), *o[3:], jnp.full((N,), -jnp.inf, F32), SEED, **ATTRS, pack_gqa=False)),
+                "paged_table_dtype": ("page_table", lambda: jax.ffi.ffi_call(prefix + "_paged_fwd", (SDS((B, T, N, H), dt), lse_shape, SDS((0,), F32), SDS((0,), F32)))(jnp.zeros((B, 2), F32), o[0], jnp.ones((3, 4, K, H), dt), jnp.ones((3, 4, K, H), dt), *o[3:], jnp.full((N,), -jnp.inf, F32), SEED, **ATTRS, pack_gqa=False)),
+                "paged_table_batch": ("page_table", lambda: jax.ffi.ffi_call(prefix + "_paged_fwd", (SDS((B, T, N, H), dt), lse_shape, SDS((0,), F32), SDS((0,), F32)))(jnp.zeros((B + 1, 2), I32), o[0], jnp.ones((3, 4, K, H), dt), jnp.ones((3, 4, K, H), dt), *o[3:], jnp.full((N,), -jnp.inf, F32), SEED, **ATTRS, pack_gqa=False)),
+                "paged_value_pages": ("v must be [3, 4, 2, 32]", lambda: jax.ffi.ffi_call(prefix + "_paged_fwd", (SDS((B, T, N, H), dt), lse_shape, SDS((0,), F32), SDS((0,), F32)))(jnp.zeros((B, 2), I32), o[0], jnp.ones((3, 4, K, H), dt), jnp.ones((3, 5, K, H), dt), *o[3:], jnp.full((N,), -jnp.inf, F32), SEED, **ATTRS, pack_gqa=False)),
                 "pack_gqa_bias": ("a bias", lambda: fwd(f, operands(dt, T=1, K=1)[:8] + [jnp.zeros((1, N, 1, S), F32)] + o[9:], pack_gqa=True)),
             }),
         }

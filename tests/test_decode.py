@@ -270,6 +270,43 @@ def test_cuda_split_kv_rule(monkeypatch):
             cuda.split_kv_chunks(decode)
 
 
+# The cuda paged forward (the forward kernel reading K/V through the table), emulated: pages in
+# shuffled order with NaN in the unused ones, a page size that is no power of two (48) and one
+# smaller than a key tile (16), T = 1 (GQA-packed) and 3, ragged lengths with a 0, sinks, a
+# window and soft cap; unsplit, the rule's split, and 3 chunks.
+CUDA_PAGED = [
+    # (B, T, N, K, H, page_size, max_pages, lengths, dtype, kwargs)
+    (3, 1, 8, 2, 64, 16, 20, [0, 37, 320], "bfloat16", {}),
+    (2, 3, 4, 1, 64, 48, 6, [288, 70], "float16", dict(is_causal=False)),
+    (2, 1, 8, 8, 128, 64, 4, [256, 100], "bfloat16", dict(local_window_size=(40, 0), logits_soft_cap=5.0)),
+]
+
+
+@pytest.mark.parametrize("case", CUDA_PAGED, ids=lambda c: f"T{c[1]}G{c[2] // c[3]}P{c[5]}S{c[5] * c[6]}-{c[8]}")
+def test_cuda_paged_attention(case, monkeypatch):
+    _cuda_or_skip()
+    b, t, n, kh, h, ps, mp, lengths, dtype, kw = case
+    rng = np.random.default_rng(2)
+    kp, vp, table = _paged_cache(rng, b, kh, h, ps, mp, dtype)
+    q = jnp.asarray(rng.normal(size=(b, t, n, h)) + 0.1, dtype)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    kw = dict(kw, sinks=jnp.asarray(np.linspace(-1.0, 1.5, n), jnp.float32))
+    ref = _references(jax_flash.paged_reference, q, kp, vp, table, lengths, **kw)
+    e = jax_flash.explain_paged(q, kp, vp, table, lengths, implementation="cuda", **kw)
+    assert e.selected == "cuda" and "read through the table" in e.notes["cuda"], e
+    results = {}
+    for chunks in ("1", "", "3"):
+        monkeypatch.setenv("JAX_FLASH_CUDA_SPLIT_KV", chunks)
+        out, lse = jax.jit(lambda *a: jax_flash.paged_attention(*a, return_residual=True, implementation="cuda",
+                                                                **kw))(q, kp, vp, table, lengths)
+        assert lse.shape == (b, t, n) and lse.dtype == jnp.float32
+        _check(out, lse, q, ref, dtype)
+        results[chunks] = np.asarray(out, np.float32)
+    (ref64, _), (ref_lo, _) = ref
+    tol = 2 * (FACTOR * max_err(ref_lo, ref64) + EPS[dtype])
+    assert max(np.max(np.abs(results["1"] - results[c])) for c in ("", "3")) <= tol
+
+
 def test_split_kv_combine_is_bitwise_reproducible():
     q, k, v, kw = _decode_inputs(2, 3, 4096, 8, 2, 64, [4096, 3001], "float32", seed=3)
     c = canonicalize(q, k, v, **kw)
@@ -336,30 +373,33 @@ def test_paged_bad_inputs():
         call(q=jnp.ones((2, 1, 3, 32), jnp.float32))
     with pytest.raises(ValueError, match="logits_soft_cap"):
         call(kw=dict(logits_soft_cap=-1.0))
-    with pytest.raises(ValueError, match='implementation="cuda" cannot run paged_attention: no paged kernel'):
-        call(kw=dict(implementation="cuda"))
+    with pytest.raises(ValueError, match='implementation="cpu" cannot run paged_attention: no paged kernel'):
+        call(kw=dict(implementation="cpu"))
+    with pytest.raises(ValueError, match='implementation="cuda" cannot run paged_attention: '):
+        call(kw=dict(implementation="cuda"))  # float32 (or no GPU)
     with pytest.raises(ValueError, match="implementation must be"):
         call(kw=dict(implementation="tpu"))
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("impl", ["xla", "pallas", "cuda"])
 def test_paged_traced_bad_ids_and_lengths_are_masked(impl):
     """Under jit the values are not known at trace time: bad page ids read nothing (their
     keys are masked, never read out of bounds), a length beyond the table counts the table's
     keys only, a negative one counts as 0 — as the reference defines it."""
     rng = np.random.default_rng(3)
-    kp, vp, table = _paged_cache(rng, 3, 2, 32, 16, 4, "float32", spare=0)
-    why = jax_flash.explain_paged(jnp.zeros((3, 2, 4, 32), jnp.float32), kp, vp, table, jnp.zeros((3,), jnp.int32),
+    dtype = "bfloat16" if impl == "cuda" else "float32"  # the cuda kernels are 16-bit
+    kp, vp, table = _paged_cache(rng, 3, 2, 32, 16, 4, dtype, spare=0)
+    why = jax_flash.explain_paged(jnp.zeros((3, 2, 4, 32), dtype), kp, vp, table, jnp.zeros((3,), jnp.int32),
                                   implementation=impl).reasons[impl]
     if why is not None:
         pytest.skip(f"{impl}: {why}")
     table = table.at[0, 1].set(-7).at[1, 2].set(10_000)
     lengths = jnp.asarray([50, 1000, -4], jnp.int32)
-    q = jnp.asarray(rng.normal(size=(3, 2, 4, 32)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(3, 2, 4, 32)), dtype)
     out, lse = jax.jit(lambda *a: jax_flash.paged_attention(
         *a, return_residual=True, implementation=impl))(q, kp, vp, table, lengths)
     ref = _references(jax_flash.paged_reference, q, kp, vp, table, lengths)
-    _check(out, lse, q, ref, "float32")
+    _check(out, lse, q, ref, dtype)
     assert np.all(np.asarray(out[2]) == 0)
 
 
@@ -433,7 +473,7 @@ def test_pallas_paged_limits_are_stated():
     assert jax_flash.explain_paged(q, kp, kp, table, lengths).selected == "xla"
 
 
-@pytest.mark.parametrize("impl", ["split", "cpu-split", "cuda-split", "paged-xla", "paged-pallas"])
+@pytest.mark.parametrize("impl", ["split", "cpu-split", "cuda-split", "paged-xla", "paged-pallas", "paged-cuda"])
 def test_decode_poison_reaches_exactly_the_rows_that_see_it(impl):
     """A NaN in a visible key or value makes that row NaN (out and lse, as the reference); a
     NaN beyond a sequence's length changes nothing — also through the split and the merge."""
@@ -446,7 +486,7 @@ def test_decode_poison_reaches_exactly_the_rows_that_see_it(impl):
     v[1, 600, 0, 0] = np.inf  # beyond row 1's length: invisible
     k, v = jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32)
     q = jnp.asarray(rng.normal(size=(b, t, n, h)), jnp.float32)
-    if impl == "cuda-split":  # 16-bit kernels: the reference sees the same bf16 inputs
+    if "cuda" in impl:  # 16-bit kernels: the reference sees the same bf16 inputs
         q, k, v = (x.astype(jnp.bfloat16).astype(jnp.float32) for x in (q, k, v))
     table = jnp.asarray(rng.permutation(b * mp).reshape(b, mp), jnp.int32)
     kp = jnp.zeros((b * mp, ps, kh, h), jnp.float32).at[table.reshape(-1)].set(k.reshape(b * mp, ps, kh, h))
@@ -469,6 +509,14 @@ def test_decode_poison_reaches_exactly_the_rows_that_see_it(impl):
                 q, k, v, implementation=name, return_residual=True, **kw))(q, k, v)
         if name == "cuda":
             out = out.astype(jnp.float32)
+    elif impl == "paged-cuda":
+        _cuda_or_skip()
+        with pytest.MonkeyPatch.context() as mp_env:
+            mp_env.setenv("JAX_FLASH_CUDA_SPLIT_KV", "3")
+            out, lse = jax.jit(lambda *a: jax_flash.paged_attention(
+                *(x.astype(jnp.bfloat16) for x in a[:3]), *a[3:], return_residual=True, implementation="cuda"))(
+                    q, kp, vp, table, lengths)
+        out = out.astype(jnp.float32)
     else:
         name = impl.split("-")[1]
         pspec = paged.canonicalize_paged(q, kp, vp, table, lengths)[0]
@@ -482,7 +530,7 @@ def test_decode_poison_reaches_exactly_the_rows_that_see_it(impl):
     assert np.array_equal(np.isnan(np.asarray(lse)), np.isnan(np.asarray(lse64)))
     assert np.isnan(np.asarray(out[0, :, 2:])).all() and not np.isnan(np.asarray(out[0, :, :2])).any()
     ok = ~np.isnan(np.asarray(ref64))
-    tol = 2e-2 if impl == "cuda-split" else 1e-5  # bf16 outputs
+    tol = 2e-2 if "cuda" in impl else 1e-5  # bf16 outputs
     assert np.max(np.abs(np.asarray(out)[ok] - np.asarray(ref64)[ok])) < tol
 
 

@@ -42,6 +42,10 @@ constexpr auto kForward = [](auto... args) {
   emu::GlobalBufferScope scope(BuffersOf(args...));
   return Forward("jax_flash_emu_fwd", nullptr, args...);
 };
+constexpr auto kPagedForward = [](ffi::AnyBuffer page_table, auto... args) {
+  emu::GlobalBufferScope scope(BuffersOf(page_table, args...));
+  return Forward("jax_flash_emu_paged_fwd", nullptr, args..., &page_table);
+};
 constexpr auto kBackward = [](auto... args) {
   emu::GlobalBufferScope scope(BuffersOf(args...));
   return Backward("jax_flash_emu_bwd", nullptr, args...);
@@ -53,6 +57,8 @@ constexpr auto kBackward = [](auto... args) {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashForwardEmulated, jax_flash::kernels::kForward,
                               jax_flash::kernels::ForwardSignature(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashPagedForwardEmulated, jax_flash::kernels::kPagedForward,
+                              jax_flash::kernels::PagedForwardSignature(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBackwardEmulated, jax_flash::kernels::kBackward,
                               jax_flash::kernels::BackwardSignature(xla::ffi::Ffi::Bind()));
 
@@ -61,6 +67,7 @@ namespace jax_flash {
 void AddEmulatedTargets(nanobind::dict& targets) {
   targets["jax_flash_emu_fwd"] = nanobind::capsule(reinterpret_cast<void*>(&JaxFlashForwardEmulated));
   targets["jax_flash_emu_bwd"] = nanobind::capsule(reinterpret_cast<void*>(&JaxFlashBackwardEmulated));
+  targets["jax_flash_emu_paged_fwd"] = nanobind::capsule(reinterpret_cast<void*>(&JaxFlashPagedForwardEmulated));
 }
 
 }  // namespace jax_flash

@@ -62,6 +62,13 @@ auto ForwardSignature(Binding binding) {
       .template Ret<ffi::AnyBuffer>();  // partial_lse [C, B, N, T] f32 workspace, or [0] f32
 }
 
+// jax_flash_paged_fwd / jax_flash_emu_paged_fwd: the forward over a paged KV cache, the page
+// table first, then the forward's operands with k, v as pages [num_pages, page_size, K, H|Hv].
+template <class Binding>
+auto PagedForwardSignature(Binding binding) {
+  return ForwardSignature(std::move(binding).template Arg<ffi::AnyBuffer>());  // page_table [B, max_pages] s32
+}
+
 // jax_flash_bwd / jax_flash_emu_bwd.
 template <class Binding>
 auto BackwardSignature(Binding binding) {
@@ -132,21 +139,43 @@ inline ffi::Error CheckOperands(const char* target, const ffi::AnyBuffer& q, con
                                 const ffi::AnyBuffer& kv_segment_ids, const ffi::AnyBuffer& q_offsets,
                                 float scale, int64_t window_left,
                                 int64_t window_right, float softcap, bool use_segment_ids, AttentionParams* p,
-                                ElementType* dtype) {
+                                ElementType* dtype, const ffi::AnyBuffer* page_table = nullptr) {
   const std::string where = target;
+  const char* k_layout = page_table != nullptr ? "[num_pages, page_size, K, H]" : "[B, S, K, H]";
   if (q.dimensions().size() != 4 || k.dimensions().size() != 4)
-    return ffi::Error::InvalidArgument(where + ": q and k must be [B, T, N, H] and [B, S, K, H], got q " +
+    return ffi::Error::InvalidArgument(where + ": q and k must be [B, T, N, H] and " + k_layout + ", got q " +
                                        Describe(q) + ", k " + Describe(k));
   const ffi::DataType t = q.element_type();
   if (t != ffi::DataType::F16 && t != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument(where + ": q must be float16 or bfloat16 (the CUDA kernels), got " +
                                        Describe(q));
   auto qd = q.dimensions(), kd = k.dimensions();
-  const int64_t B = qd[0], T = qd[1], N = qd[2], H = qd[3], S = kd[1], K = kd[2];
-  if (auto e = Expect(target, "k", k, {B, S, K, H}, t); e.failure()) return e;
+  const int64_t B = qd[0], T = qd[1], N = qd[2], H = qd[3], K = kd[2];
   // The value head dim Hv may differ from H where an (H, Hv) pair is instantiated (below).
   const int64_t Hv = v.dimensions().size() == 4 ? v.dimensions()[3] : H;
-  if (auto e = Expect(target, "v", v, {B, S, K, Hv}, t); e.failure()) return e;
+  int64_t S = kd[1];
+  if (page_table != nullptr) {
+    // A paged cache: S is the table's capacity, max_pages · page_size.
+    const int64_t P = kd[0], page_size = kd[1];
+    auto td = page_table->dimensions();
+    if (td.size() != 2 || page_table->element_type() != ffi::DataType::S32 || td[0] != B)
+      return ffi::Error::InvalidArgument(where + ": page_table must be [B, max_pages] int32 with B = " +
+                                         std::to_string(B) + ", got " + Describe(*page_table));
+    if (P < 1 || page_size < 1 || td[1] < 1 || td[1] * page_size >= (int64_t{1} << 30) || P >= (int64_t{1} << 31))
+      return ffi::Error::InvalidArgument(where + ": the paged cache needs num_pages >= 1, page_size >= 1, max_pages "
+                                         ">= 1 and max_pages · page_size < 2^30, got k " + Describe(k) +
+                                         ", page_table " + Describe(*page_table));
+    S = td[1] * page_size;
+    if (auto e = Expect(target, "k", k, {P, page_size, K, H}, t); e.failure()) return e;
+    if (auto e = Expect(target, "v", v, {P, page_size, K, Hv}, t); e.failure()) return e;
+    p->page_table = static_cast<const int32_t*>(page_table->untyped_data());
+    p->page_size = static_cast<int>(page_size);
+    p->max_pages = static_cast<int>(td[1]);
+    p->num_pages = static_cast<int>(P);
+  } else {
+    if (auto e = Expect(target, "k", k, {B, S, K, H}, t); e.failure()) return e;
+    if (auto e = Expect(target, "v", v, {B, S, K, Hv}, t); e.failure()) return e;
+  }
   if (auto e = Expect(target, "q_lengths", q_lengths, {B}, ffi::DataType::S32); e.failure()) return e;
   if (auto e = Expect(target, "kv_lengths", kv_lengths, {B}, ffi::DataType::S32); e.failure()) return e;
   if (auto e = Expect(target, "q_segment_ids", q_segment_ids, {B, T}, ffi::DataType::S32); e.failure()) return e;
@@ -363,11 +392,12 @@ inline ffi::Error Forward(const char* target, Stream stream, ffi::AnyBuffer q, f
                           ffi::AnyBuffer mask, float scale, int64_t window_left, int64_t window_right, float softcap,
                           bool use_segment_ids, float dropout_rate, ffi::AnyBuffer sinks, ffi::AnyBuffer dropout_seed,
                           bool pack_gqa, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                          ffi::Result<ffi::AnyBuffer> partial_out, ffi::Result<ffi::AnyBuffer> partial_lse) {
+                          ffi::Result<ffi::AnyBuffer> partial_out, ffi::Result<ffi::AnyBuffer> partial_lse,
+                          const ffi::AnyBuffer* page_table = nullptr) {
   AttentionParams p;
   ElementType dtype;
   if (auto e = CheckOperands(target, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, q_offsets,
-                             scale, window_left, window_right, softcap, use_segment_ids, &p, &dtype);
+                             scale, window_left, window_right, softcap, use_segment_ids, &p, &dtype, page_table);
       e.failure())
     return e;
   if (auto e = CheckDropout(target, dropout_seed, dropout_rate, &p); e.failure()) return e;

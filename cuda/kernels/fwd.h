@@ -194,12 +194,22 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
     const int tile_end = first_tile + tiles * (split + 1) / p.kv_splits;
     char* const q_tile = smem;
     char* const kv_ring = smem + K::QTile::kBytes;
-    const uint16_t* const k_base = p.k + p.kv_offset(batch, 0, kv_head);
-    const uint16_t* const v_base = p.v + p.v_offset<K::kHvIsH>(batch, 0, kv_head);
+    // K and V rows of this (batch, kv head): a contiguous cache's, or the pool's of a paged one.
+    const bool paged = p.page_table != nullptr;
+    const uint16_t* const k_base = p.k + (paged ? int64_t{kv_head} * HEAD_DIM : p.kv_offset(batch, 0, kv_head));
+    const uint16_t* const v_base =
+        p.v + (paged ? int64_t{kv_head} * V_HEAD_DIM : p.v_offset<K::kHvIsH>(batch, 0, kv_head));
     const int64_t kv_stride = p.kv_row_stride(), v_stride = p.v_row_stride<K::kHvIsH>();
     auto load_kv = [&](int tile, int slot) {
       const int s0 = tile * K::BLOCK_KV;
       char* stage = kv_ring + slot * K::kStageBytes;
+      if (paged) {  // each row from its page's slot (cp.async from the page's own address)
+        auto row_of = [&](int row) { return p.key_row(batch, s0 + row); };
+        load_tile_rows_async<typename K::KVTile, K::THREADS>(stage, k_base, kv_stride, p.kv_len - s0, row_of);
+        load_tile_rows_async<typename K::VTile, K::THREADS>(stage + K::KVTile::kBytes, v_base, v_stride,
+                                                            p.kv_len - s0, row_of);
+        return;
+      }
       load_tile_async<typename K::KVTile, K::THREADS>(stage, k_base + s0 * kv_stride, kv_stride, p.kv_len - s0);
       load_tile_async<typename K::VTile, K::THREADS>(stage + K::KVTile::kBytes, v_base + s0 * v_stride, v_stride,
                                                      p.kv_len - s0);

@@ -28,6 +28,10 @@ constexpr auto kForward = [](cudaStream_t stream, auto... args) {
   if (auto e = CheckDevice("jax_flash_fwd"); e.failure()) return e;
   return Forward("jax_flash_fwd", stream, args...);
 };
+constexpr auto kPagedForward = [](cudaStream_t stream, ffi::AnyBuffer page_table, auto... args) {
+  if (auto e = CheckDevice("jax_flash_paged_fwd"); e.failure()) return e;
+  return Forward("jax_flash_paged_fwd", stream, args..., &page_table);
+};
 constexpr auto kBackward = [](cudaStream_t stream, auto... args) {
   if (auto e = CheckDevice("jax_flash_bwd"); e.failure()) return e;
   return Backward("jax_flash_bwd", stream, args...);
@@ -39,6 +43,9 @@ constexpr auto kBackward = [](cudaStream_t stream, auto... args) {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashForwardCuda, jax_flash::kernels::kForward,
                               jax_flash::kernels::ForwardSignature(
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashPagedForwardCuda, jax_flash::kernels::kPagedForward,
+                              jax_flash::kernels::PagedForwardSignature(
                                   xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBackwardCuda, jax_flash::kernels::kBackward,
                               jax_flash::kernels::BackwardSignature(

@@ -87,6 +87,15 @@ struct AttentionParams {
   float* partial_out = nullptr;
   float* partial_lse = nullptr;
   bool pack_gqa = false;
+  // A paged KV cache (the paged forward target), or null: k and v are then pages
+  // [num_pages, page_size, K, H|Hv] shared by the batch, key s of batch row b is slot
+  // s % page_size of page page_table[b · max_pages + s / page_size], and kv_len = max_pages ·
+  // page_size (the table's capacity). A page id outside [0, num_pages) reads page 0: the host
+  // masks those keys (kv segment ids).
+  const int32_t* page_table = nullptr;
+  int page_size = 0;
+  int max_pages = 0;
+  int num_pages = 0;
 
   // Backward: whether the main kernel adds dQ into dq_accum with atomics (false in
   // deterministic mode, where a separate kernel computes dQ per query block).
@@ -147,6 +156,15 @@ struct AttentionParams {
   __device__ __forceinline__ dropout::Setting dropout_setting() const {
     if (dropout_rate == 0.0f) return dropout::Setting{};
     return dropout::MakeSetting(dropout_rate, dropout_seed[0], dropout_seed[1]);
+  }
+  // The row of the key/value pool that holds key s of batch row b: s itself in a contiguous
+  // [B, S, ...] cache (relative to the row's base), the page's slot in a paged one (relative to
+  // the pool).
+  __device__ __forceinline__ int64_t key_row(int b, int s) const {
+    if (page_table == nullptr) return s;
+    int page = page_table[static_cast<int64_t>(b) * max_pages + s / page_size];
+    page = page >= 0 && page < num_pages ? page : 0;
+    return static_cast<int64_t>(page) * page_size + s % page_size;
   }
   __device__ __forceinline__ int64_t q_row_stride() const { return static_cast<int64_t>(q_heads) * head_dim; }
   __device__ __forceinline__ int64_t kv_row_stride() const { return static_cast<int64_t>(kv_heads) * head_dim; }

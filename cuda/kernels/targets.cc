@@ -6,6 +6,7 @@
 #include "xla/ffi/api/c_api.h"
 
 extern "C" XLA_FFI_Error* JaxFlashForwardCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxFlashPagedForwardCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxFlashBackwardCuda(XLA_FFI_CallFrame* call_frame);
 
 namespace jax_flash {
@@ -13,6 +14,7 @@ namespace jax_flash {
 void AddCudaTargets(nanobind::dict& targets) {
   targets["jax_flash_fwd"] = nanobind::capsule(reinterpret_cast<void*>(&JaxFlashForwardCuda));
   targets["jax_flash_bwd"] = nanobind::capsule(reinterpret_cast<void*>(&JaxFlashBackwardCuda));
+  targets["jax_flash_paged_fwd"] = nanobind::capsule(reinterpret_cast<void*>(&JaxFlashPagedForwardCuda));
 }
 
 }  // namespace jax_flash

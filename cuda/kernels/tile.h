@@ -171,11 +171,12 @@ struct SmemTile {
   }
 };
 
-// Copies rows [0, ROWS) of a row-major global tile (row stride `row_stride` elements) into
-// `tile`, asynchronously; rows >= rows_valid are zero-filled (src-size 0), never read.
-template <class Tile, int THREADS>
-__device__ __forceinline__ void load_tile_async(char* tile, const uint16_t* gmem, int64_t row_stride,
-                                                int rows_valid) {
+// Copies rows [0, ROWS) of a row-major global tile into `tile`, asynchronously: tile row r is
+// global row row_of(r) (row stride `row_stride` elements from gmem: the slots of a paged cache
+// come from its table); rows >= rows_valid are zero-filled (src-size 0), never read.
+template <class Tile, int THREADS, class RowOf>
+__device__ __forceinline__ void load_tile_rows_async(char* tile, const uint16_t* gmem, int64_t row_stride,
+                                                     int rows_valid, const RowOf& row_of) {
   constexpr int kCopies = Tile::kRows * Tile::kChunks;
   static_assert(kCopies % THREADS == 0, "every thread issues the same number of copies");
   JAX_FLASH_UNROLL
@@ -184,9 +185,16 @@ __device__ __forceinline__ void load_tile_async(char* tile, const uint16_t* gmem
     const int row = copy / Tile::kChunks;
     const int chunk = copy % Tile::kChunks;
     const bool inside = row < rows_valid;
-    const uint16_t* src = gmem + (inside ? row * row_stride + chunk * 8 : 0);
+    const uint16_t* src = gmem + (inside ? row_of(row) * row_stride + chunk * 8 : 0);
     ptx::cp_async_16(tile + Tile::chunk_offset(row, chunk), src, inside ? 16 : 0);
   }
+}
+
+// The same for rows one row_stride apart.
+template <class Tile, int THREADS>
+__device__ __forceinline__ void load_tile_async(char* tile, const uint16_t* gmem, int64_t row_stride,
+                                                int rows_valid) {
+  load_tile_rows_async<Tile, THREADS>(tile, gmem, row_stride, rows_valid, [](int row) { return row; });
 }
 
 // ldmatrix addressing of the fragments (PTX ISA §9.7.14.5.8 layouts, §9.7.14.5.15 ldmatrix):

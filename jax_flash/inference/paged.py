@@ -12,8 +12,11 @@ online softmax and masks as `jax_flash.attention`) with its key blocks read thro
 page table: block j is the pages page_table[:, j·pp : (j+1)·pp], gathered page by page
 into one [B, pp·page_size, K, H] tile. The cache is never copied into a contiguous array.
 On a GPU/TPU the pages are split into chunks processed in parallel and merged by lse
-(split-KV, `split_kv`), by the same rule as `attention`. `implementation="pallas"` runs a
-decode kernel instead (`pallas_decode`); cuda and cpu have no paged kernel yet.
+(split-KV, `split_kv`), by the same rule as `attention`. `implementation="cuda"` runs the
+CUDA forward kernel with its K/V tiles read through the table (a cp.async from each page's
+slot, `jax_flash.cuda`), with the split-KV and GQA packing of a decode step; it is what
+implementation=None picks on an NVIDIA GPU. `implementation="pallas"` runs a decode kernel
+(`pallas_decode`, on request). cpu has no paged kernel yet.
 
 Bad ids and lengths: checked at trace time where the values are concrete (not traced):
 a length outside [0, max_pages·page_size] or a page id outside [0, num_pages) among the
@@ -41,11 +44,11 @@ from jax_flash._spec import AttentionSpec, MaskInputs
 from jax_flash.inference import split_kv
 
 # Implementations that serve paged_attention today, and why the others do not. None picks
-# xla everywhere: the pallas decode kernel is opt-in until it has been measured on a GPU.
-SERVED_BY = ("xla", "pallas")
+# cuda on an NVIDIA GPU (the forward kernel of `attention`, reading through the table), else
+# xla; the pallas decode kernel is opt-in until it has been measured on a GPU.
+SERVED_BY = ("xla", "cuda", "pallas")
 _NOT_SERVED = {
-    "cuda": "no paged kernel yet (paged_attention is served by xla, and pallas on request)",
-    "cpu": "no paged kernel yet (paged_attention is served by xla, and pallas on request)",
+    "cpu": "no paged kernel yet (paged_attention is served by xla, and cuda, pallas on a GPU)",
 }
 
 
@@ -57,7 +60,19 @@ def reason(name: str, pspec: "PagedSpec") -> Optional[str]:
         from jax_flash.inference import pallas_decode
 
         return pallas_decode.unsupported(pspec)
+    if name == "cuda":
+        from jax_flash import cuda
+
+        return cuda.IMPLEMENTATION.unsupported(pspec.attention)
     return _NOT_SERVED[name]
+
+
+def default_implementation(pspec: "PagedSpec") -> str:
+    """What implementation=None runs: cuda on an NVIDIA GPU where it serves the call (never
+    its host emulation), else xla."""
+    if _registry.platform() == "gpu" and reason("cuda", pspec) is None:
+        return "cuda"
+    return "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,9 +264,10 @@ def paged_attention(
         (a row that sees nothing then gets out 0 and lse = sinks[n]). xla only.
       return_residual: also return lse [B, T, N] (float32 natural log; -inf for rows that see
         nothing).
-      implementation: None (xla), "xla" or "pallas" (a decode kernel on the Triton backend,
-        interpreted on a CPU); see `explain_paged`. "cuda" and "cpu" have no paged kernel yet
-        and raise ValueError saying so.
+      implementation: None (cuda on an NVIDIA GPU, else xla), "xla", "cuda" (the forward
+        kernel reading K/V through the table) or "pallas" (a decode kernel on the Triton
+        backend, interpreted on a CPU); see `explain_paged`. "cpu" has no paged kernel yet and
+        raises ValueError saying so.
 
     Page ids and lengths that are concrete at trace time are checked (ValueError naming the
     entry); traced ones are masked at run time (never read out of bounds, see the module
@@ -267,7 +283,7 @@ def paged_attention(
         is_causal=is_causal, local_window_size=local_window_size,
         logits_soft_cap=logits_soft_cap, implementation=implementation, sinks=sinks,
     )
-    name = implementation or "xla"
+    name = implementation or default_implementation(pspec)
     why = reason(name, pspec)
     if why is not None:
         raise ValueError(f'implementation="{name}" cannot run paged_attention: {why}')
@@ -281,6 +297,10 @@ def _run(name: str, pspec: PagedSpec, *args, sinks=None):
         from jax_flash.inference import pallas_decode
 
         return pallas_decode.paged_forward(pspec, *args)
+    if name == "cuda":
+        from jax_flash import cuda
+
+        return cuda.IMPLEMENTATION.paged_forward(pspec, *args, sinks=sinks)
     return forward(pspec, *args, sinks=sinks)
 
 
@@ -422,7 +442,7 @@ def paged_cache_write(key_pages, value_pages, page_table, kv_lengths, new_k, new
 
 def explain_paged(query, key_pages, value_pages, page_table, kv_lengths, **kwargs):
     """Same arguments as `paged_attention`; which implementation would run it and why each
-    other one would not (today only xla serves paged_attention)."""
+    other one would not."""
     from jax_flash._api import Explanation
 
     kwargs.pop("return_residual", None)
@@ -432,12 +452,21 @@ def explain_paged(query, key_pages, value_pages, page_table, kv_lengths, **kwarg
 
     order = list(_registry.explain(pspec.attention).keys())
     reasons = {name: reason(name, pspec) for name in order}
-    name = requested or "xla"
+    name = requested or default_implementation(pspec)
     selected = name if reasons[name] is None else None
     pp = max(1, min(xla.BLOCK_K // pspec.page_size, pspec.max_pages))
     split = f"split-KV over {pspec.splits} page chunks" if pspec.splits > 1 else "no split-KV"
     notes = {"xla": f"reads {pp} page(s) of {pspec.page_size} per key block through the table; "
                     f"{split}; rule: {split_kv.rule()}"}
+    if reasons.get("cuda") is None:
+        from jax_flash import cuda
+
+        try:
+            how = cuda.decoding_description(pspec.attention)
+        except ValueError as e:
+            how = f"{e}: calls fail"
+        notes["cuda"] = ("the forward kernel with its K/V tiles read through the table (cp.async from each page's "
+                         f"slot, any page size); {how}")
     if reasons.get("pallas") is None:
         extra = pallas_decode.note()
         notes["pallas"] = ("on request only (implementation=None picks xla); decode kernel, one "
