@@ -19,7 +19,10 @@
 #   bench         python -m jax_flash.bench at T=S=8k, H=128/64, causal or not, fwd and fwd+bwd:
 #                 jax.nn (xla), jax.nn cuDNN, JAX's Pallas mha, cuda, pallas; then cuda again
 #                 under JAX_FLASH_CUDA_LAYOUT=warp32 (cells "cuda:warp32" in bench.json), so
-#                 that one run measures both warp layouts of the kernels
+#                 that one run measures both warp layouts of the kernels; then one decode cell
+#                 (python -m jax_flash.bench --decode, B=8, S=32k: jax.nn, cuDNN, cuda on a
+#                 contiguous and a paged cache, xla; K/V bandwidth against the H200's nominal),
+#                 under "decode" in bench.json
 #   memcheck      compute-sanitizer --tool memcheck on build/sanitizer_case.py (tiny)
 #   racecheck     compute-sanitizer --tool racecheck on the same
 # The caps sum to the budget (DEVICE_CHECK_BUDGET_S, default 480 s; each cap scales with it),
@@ -382,13 +385,49 @@ step_bench() {
     echo "bench: no time left for the warp32 layout"
     return $rc
   fi
-  echo "+ the cuda kernels again, JAX_FLASH_CUDA_LAYOUT=warp32, ${rest} s"
+  # The last eighth of the limit before 3/4 is the decode cell's.
+  local decode=$((STEP_LIMIT / 8)) dsizes
+  rest=$((rest - decode))
+  if ((rest >= 1)); then
+    echo "+ the cuda kernels again, JAX_FLASH_CUDA_LAYOUT=warp32, ${rest} s"
+    # shellcheck disable=SC2086
+    JAX_FLASH_CUDA_LAYOUT=warp32 "$PY" -m jax_flash.bench --dtype bfloat16 --passes both --causal both \
+      ${DEVICE_CHECK_BENCH_ARGS:-$sizes} --impls cuda --time-budget "$rest" --json "$WORK/bench_warp32.json" ||
+      rc=1
+    merge_layout_bench "$OUT/bench.json" "$WORK/bench_warp32.json" || rc=1
+  fi
+  rest=$((budget - ($(date +%s) - t0)))
+  if ((rest < 1)); then
+    echo "bench: no time left for the decode cell"
+    return $rc
+  fi
+  if [ "$DRY" = 1 ]; then
+    dsizes="--batch 1 --seq-lens 256 --heads 4 --kv-heads 2 --head-dim 64 --reps 2 --impls jax.nn,cuda,paged-cuda,xla"
+  else
+    dsizes="--batch 8 --seq-lens 32k --reps 10 --impls jax.nn,jax.nn-cudnn,cuda,paged-cuda,xla"
+  fi
+  echo "+ one decode cell, ${rest} s"
   # shellcheck disable=SC2086
-  JAX_FLASH_CUDA_LAYOUT=warp32 "$PY" -m jax_flash.bench --dtype bfloat16 --passes both --causal both \
-    ${DEVICE_CHECK_BENCH_ARGS:-$sizes} --impls cuda --time-budget "$rest" --json "$WORK/bench_warp32.json" ||
+  timeout "$rest" "$PY" -m jax_flash.bench --decode --dtype bfloat16 $dsizes --json "$WORK/bench_decode.json" ||
     rc=1
-  merge_layout_bench "$OUT/bench.json" "$WORK/bench_warp32.json" || rc=1
+  merge_decode_bench "$OUT/bench.json" "$WORK/bench_decode.json" || rc=1
   return $rc
+}
+
+# Puts the decode cells under "decode" in bench.json.
+merge_decode_bench() {
+  "$PY" - "$1" "$2" <<'PYEOF'
+import json, os, sys
+main_path, extra_path = sys.argv[1], sys.argv[2]
+if not os.path.exists(main_path) or not os.path.exists(extra_path):
+    sys.exit(f"bench: no decode cells to merge ({main_path if not os.path.exists(main_path) else extra_path} missing)")
+main, extra = json.load(open(main_path)), json.load(open(extra_path))
+main["decode"] = {"peak": extra.get("peak"), "results": extra.get("results", [])}
+tmp = main_path + ".tmp"
+json.dump(main, open(tmp, "w"), indent=1)
+os.replace(tmp, main_path)
+print(f"bench: {len(main['decode']['results'])} decode cells merged into {main_path}")
+PYEOF
 }
 
 # Appends the second layout's cells to bench.json as impl "cuda:warp32", with their ratio to the

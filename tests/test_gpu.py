@@ -3,7 +3,8 @@ shared suite (tests/test_attention.py, same checks and tolerances) for `implemen
 at full size, forward and backward, and the backward in deterministic mode
 (JAX_FLASH_DETERMINISTIC=1) with bitwise-equal gradients run to run; and the kernels' second
 warp layout (JAX_FLASH_CUDA_LAYOUT=warp32) with the combined mask at every head dim it has its
-own kernels for (32, 64, 96), forward and backward.
+own kernels for (32, 64, 96), forward and backward; and decoding: decode steps with split-KV and
+GQA packing over a contiguous and a paged cache.
 
 Every mask kind the kernels take, every head dim with kernels (32, 64, 96, 128, 192, 256) and
 both dtypes appear, each (head dim, dtype) pair with the combined mask, and so do the value head
@@ -247,7 +248,49 @@ def test_gpu_decode(case):
     tol = cases.FACTOR * err(ref[None][0], ref[jnp.float64][0]) + cases.EPS["bfloat16"]
     assert err(out, ref[jnp.float64][0]) <= tol
     assert err(lse, ref[jnp.float64][1]) <= 1e-3
-    assert np.all(np.asarray(out, np.float32)[1] == 0)  # length 0: out exactly 0
+    if b > 1:
+        assert np.all(np.asarray(out, np.float32)[1] == 0)  # length 0: out exactly 0
+
+
+# The paged forward: the same decode step over a paged cache (pages shuffled, NaN in the
+# unused ones), page sizes 16 (four pages per key tile) and 48 (no power of two).
+PAGED = [(2, 1, 8, 2, 64, 16), (2, 3, 32, 8, 128, 48)]  # (B, T, N, K, H, page_size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PAGED, ids=str)
+def test_gpu_paged(case):
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_flash
+
+    impl = _impl()
+    b, t, n, kh, h, ps = case
+    pages = -(-(300 if EMULATED else 5000) // ps)
+    rng = np.random.default_rng(12)
+    num_pages = b * pages + 2
+    kp = rng.normal(size=(num_pages, ps, kh, h)) - 0.1
+    vp = rng.normal(size=(num_pages, ps, kh, h)) + 0.2
+    table = rng.permutation(num_pages)[: b * pages].reshape(b, pages)
+    unused = np.setdiff1d(np.arange(num_pages), table)
+    kp[unused], vp[unused] = np.nan, np.nan
+    kp, vp = jnp.asarray(kp, jnp.bfloat16), jnp.asarray(vp, jnp.bfloat16)
+    table = jnp.asarray(table, jnp.int32)
+    q = jnp.asarray(rng.normal(size=(b, t, n, h)) + 0.1, jnp.bfloat16)
+    lengths = jnp.asarray([pages * ps, 77][:b], jnp.int32)
+    kw = dict(sinks=jnp.asarray(np.linspace(-1.0, 2.0, n), jnp.float32))
+    note = jax_flash.explain_paged(q, kp, vp, table, lengths, implementation=impl, **kw).notes[impl]
+    assert "read through the table" in note, note
+    out, lse = jax.jit(lambda *a: jax_flash.paged_attention(*a, implementation=impl, return_residual=True, **kw))(
+        q, kp, vp, table, lengths)
+    ref = {dt: jax.jit(lambda *a, dt=dt: jax_flash.paged_reference(*a, return_residual=True, compute_dtype=dt,
+                                                                   **kw))(q, kp, vp, table, lengths)
+           for dt in (jnp.float64, None)}
+    err = lambda a, r: float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(r, np.float64))))
+    tol = cases.FACTOR * err(ref[None][0], ref[jnp.float64][0]) + cases.EPS["bfloat16"]
+    assert err(out, ref[jnp.float64][0]) <= tol
+    assert err(lse, ref[jnp.float64][1]) <= 1e-3
 
 
 # ----------------------------------------------------------------------------- without pytest
@@ -255,7 +298,8 @@ def test_gpu_decode(case):
 
 def _all_tests():
     for fn, params in ((test_gpu_forward_backward, CASES), (test_gpu_backward_deterministic, DETERMINISTIC),
-                       (test_gpu_forward_backward_warp32, WARP32), (test_gpu_decode, DECODE)):
+                       (test_gpu_forward_backward_warp32, WARP32), (test_gpu_decode, DECODE),
+                       (test_gpu_paged, PAGED)):
         for case in params:
             yield f"{fn.__name__}[{case}]", fn, case
 

@@ -10,8 +10,8 @@ heads, H=128; bfloat16 on a GPU, float32 on a CPU). Measured in the same run, in
   (key_value_seq_lengths = S, query_offset = S - 1, is_causal);
 * xla-split: the xla forward forced to split-KV (the GPU rule's number of chunks), and
   xla-unsplit, to show what the split does on this machine;
-* paged-xla: `jax_flash.paged_attention` on the same cache as pages of --page-size in
-  shuffled order.
+* paged-xla (and paged-cuda on a GPU): `jax_flash.paged_attention` on the same cache as pages
+  of --page-size in shuffled order.
 
 For each: the median time, the K/V read bandwidth (bytes of K and V read / time) and its
 fraction of the machine's memory bandwidth: on a CPU the copy bandwidth (the row "copy":
@@ -80,8 +80,9 @@ def _step_fns(names, k, n, dtype):
                          split_kv.forward(spec, q, k, v, masks, splits)[0])
         elif name == "copy":
             fns[name] = ("copy", lambda x: x + 1)
-        elif name == "paged-xla":
-            fns[name] = ("paged", lambda q, kp, vp, table: jax_flash.paged_attention(q, kp, vp, table, lengths))
+        elif name.startswith("paged-"):
+            fns[name] = ("paged", lambda q, kp, vp, table, impl=name[len("paged-"):]: jax_flash.paged_attention(
+                q, kp, vp, table, lengths, implementation=impl))
         else:
             fns[name] = (None, lambda q, k, v, impl=name: jax_flash.attention(q, k, v, implementation=impl, **decode_kw))
     return q, fns
@@ -137,6 +138,8 @@ def main(argv) -> list[dict]:
     if on_gpu and reasons.get("pallas") is None:
         names.append("pallas")
     names += ["xla", "xla-unsplit", "xla-split", "paged-xla"]
+    if reasons.get("cuda") is None:
+        names.append("paged-cuda")
     if args.impls:
         names = [n.strip() for n in args.impls.split(",") if n.strip()]
     if not on_gpu:
