@@ -303,8 +303,8 @@ MUTATIONS = [
     Mutation("rows32_softmax_per_block", K + "fwd.h", "softmax[rb].update(s[rb], o[rb], scaling.exp_scale);",
              "softmax[0].update(s[rb], o[rb], scaling.exp_scale);", FWD32,
              what="one online softmax state for both row blocks"),
-    Mutation("rows32_store_rows", K + "fwd.h", "                                      warp_t0 + MMA_M * rb, lane);",
-             "                                      warp_t0, lane);", FWD32,
+    Mutation("rows32_store_rows", K + "fwd.h", "const int row0 = warp * K::WARP_Q + MMA_M * rb;",
+             "const int row0 = warp * K::WARP_Q;", FWD32,
              what="second row block's out and lse written over the first's rows"),
     # ---- bwd.h: deterministic dQ kernel -----------------------------------------------------
     Mutation("det_ds_sign", K + "bwd.h", "scaling.probability_and_ds(s[j][i], lse2[i >> 1], delta[i >> 1],",
