@@ -98,6 +98,16 @@ class CpuImplementation:
     def forward(self, spec, q, k, v, masks):
         return _ffi.forward(self.name, "jax_flash_fwd", spec, q, k, v, masks)
 
+    def paged_forward(self, pspec, q, key_pages, value_pages, table, lengths, sinks=None):
+        """paged_attention (jax_flash/inference/paged.py) on the host target
+        jax_flash_paged_fwd: the forward's tiles pack each key block from its pages' slots as
+        they visit it (cuda/cpu/README.md), with its split-KV and GQA packing. out [B, T, N,
+        H], lse [B, N, T]. Non-finite values are the kernels' own business, as in `forward`."""
+        from jax_flash.inference import paged
+
+        spec, masks = paged.target_masks(pspec, q, table, lengths, sinks)
+        return _ffi.forward_call("jax_flash_paged_fwd", spec, q, key_pages, value_pages, masks, page_table=table)
+
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
         return _ffi.backward(self.name, "jax_flash_bwd", spec, q, k, v, masks, out, lse, dout, dlse)
 

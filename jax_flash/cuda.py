@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_flash import _ffi, _registry
-from jax_flash._spec import AttentionSpec, MaskInputs
+from jax_flash._spec import AttentionSpec
 from jax_flash.parallel import partitioning
 from jax_flash.xla import finite_part, nonfinite_rows
 
@@ -513,16 +513,10 @@ class CudaImplementation:
         the decode settings of `attention` (split-KV, GQA packing). out [B, T, N, H], lse
         [B, N, T]. Keys of an out-of-range page id are masked through kv segment ids (1 on
         such a page, 0 elsewhere, the queries' 0); the kernel reads page 0 in their place."""
+        from jax_flash.inference import paged
+
         split_kv_setting()
-        spec = pspec.attention
-        b, t = q.shape[:2]
-        ps, cap = pspec.page_size, pspec.capacity
-        bad_page = (table < 0) | (table >= pspec.num_pages)  # [B, max_pages]
-        kv_ids = jnp.repeat(bad_page.astype(jnp.int32), ps, axis=1)  # [B, capacity]
-        masks = MaskInputs(kv_lengths=jnp.clip(lengths, 0, cap), q_offset=jnp.maximum(lengths, 0) - t,
-                           q_segment_ids=jnp.zeros((b, t), jnp.int32), kv_segment_ids=kv_ids, sinks=sinks)
-        spec = dataclasses.replace(spec, has_segment_ids=True, has_kv_lengths=True, has_q_offset=True,
-                                   has_sinks=sinks is not None)
+        spec, masks = paged.target_masks(pspec, q, table, lengths, sinks)
         return self._forward_local(f"{_prefix()}_paged_fwd", spec, q, key_pages, value_pages, masks, page_table=table)
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):

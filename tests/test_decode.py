@@ -83,6 +83,14 @@ def test_paged_attention_matches_reference(case):
     pspec = paged.canonicalize_paged(q, kp, vp, table, lengths, **kw)[0]
     out_s, lse_s = jax.jit(lambda *a: paged.forward(pspec, *a, splits=3))(q, kp, vp, table, lengths)
     _check(out_s, jnp.swapaxes(lse_s, 1, 2), q, ref, dtype)
+    # The cpu paged forward: each key block packed from its pages' slots by the tile that
+    # visits it (split-KV where its rule splits; forced into 3 chunks too).
+    for chunks in ("", "3"):
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("JAX_FLASH_CPU_SPLIT_KV", chunks)
+            out_c, lse_c = jax.jit(lambda *a: jax_flash.paged_attention(
+                *a, return_residual=True, implementation="cpu", **kw))(q, kp, vp, table, lengths)
+        _check(out_c, lse_c, q, ref, dtype)
 
 
 def _decode_inputs(b, t, s, n, kh, h, lengths, dtype, seed=0, hv=None):
@@ -373,15 +381,13 @@ def test_paged_bad_inputs():
         call(q=jnp.ones((2, 1, 3, 32), jnp.float32))
     with pytest.raises(ValueError, match="logits_soft_cap"):
         call(kw=dict(logits_soft_cap=-1.0))
-    with pytest.raises(ValueError, match='implementation="cpu" cannot run paged_attention: no paged kernel'):
-        call(kw=dict(implementation="cpu"))
     with pytest.raises(ValueError, match='implementation="cuda" cannot run paged_attention: '):
         call(kw=dict(implementation="cuda"))  # float32 (or no GPU)
     with pytest.raises(ValueError, match="implementation must be"):
         call(kw=dict(implementation="tpu"))
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas", "cuda"])
+@pytest.mark.parametrize("impl", ["xla", "pallas", "cuda", "cpu"])
 def test_paged_traced_bad_ids_and_lengths_are_masked(impl):
     """Under jit the values are not known at trace time: bad page ids read nothing (their
     keys are masked, never read out of bounds), a length beyond the table counts the table's
@@ -473,7 +479,8 @@ def test_pallas_paged_limits_are_stated():
     assert jax_flash.explain_paged(q, kp, kp, table, lengths).selected == "xla"
 
 
-@pytest.mark.parametrize("impl", ["split", "cpu-split", "cuda-split", "paged-xla", "paged-pallas", "paged-cuda"])
+@pytest.mark.parametrize("impl", ["split", "cpu-split", "cuda-split", "paged-xla", "paged-pallas", "paged-cuda",
+                                  "paged-cpu"])
 def test_decode_poison_reaches_exactly_the_rows_that_see_it(impl):
     """A NaN in a visible key or value makes that row NaN (out and lse, as the reference); a
     NaN beyond a sequence's length changes nothing — also through the split and the merge."""
@@ -517,6 +524,11 @@ def test_decode_poison_reaches_exactly_the_rows_that_see_it(impl):
                 *(x.astype(jnp.bfloat16) for x in a[:3]), *a[3:], return_residual=True, implementation="cuda"))(
                     q, kp, vp, table, lengths)
         out = out.astype(jnp.float32)
+    elif impl == "paged-cpu":
+        with pytest.MonkeyPatch.context() as mp_env:
+            mp_env.setenv("JAX_FLASH_CPU_SPLIT_KV", "3")
+            out, lse = jax.jit(lambda *a: jax_flash.paged_attention(*a, return_residual=True, implementation="cpu"))(
+                q, kp, vp, table, lengths)
     else:
         name = impl.split("-")[1]
         pspec = paged.canonicalize_paged(q, kp, vp, table, lengths)[0]

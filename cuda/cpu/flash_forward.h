@@ -33,6 +33,13 @@ struct ForwardTiles {
   int32_t* mask_row;  // [kBlockK] one row of the dense mask (with one)
   int32_t* visible;   // [kBlockQ][kBlockK] the mask's lane masks (a bias with a -inf)
   float* scratch;       // [kProductScratchFloats] the products' own (bf16 P)
+  // Streaming (Problem::stream_keys): the key block this worker visits, packed (Kᵀ, V rows),
+  // its value rows' flags, a row buffer, and (paged) its rows in the input dtype.
+  float* key_t;
+  float* value_rows;
+  int32_t* bad_values;  // [kBlockK + 1]
+  float* row_buffer;    // [max(H, Hv)]
+  float* staging;       // [kBlockK][max(H, Hv)] elements
 
   ForwardTiles(const Problem& p, float* base) {
     WorkspaceCarver w(base);
@@ -49,6 +56,13 @@ struct ForwardTiles {
     mask_row = reinterpret_cast<int32_t*>(w.Take(p.mask.present() ? kBlockK : 0));
     visible = reinterpret_cast<int32_t*>(w.Take(p.bias_hides_pairs() ? kBlockQ * kBlockK : 0));
     scratch = w.Take(kProductScratchFloats);
+    const bool stream = p.stream_keys;
+    const int64_t width = std::max(p.head_dim, p.value_dim());
+    key_t = w.Take(stream ? KeyBlockFloats(p) : 0);
+    value_rows = w.Take(stream ? KeyBlockFloats(p) : 0);
+    bad_values = reinterpret_cast<int32_t*>(w.Take(stream ? kBlockK + 1 : 0));
+    row_buffer = w.Take(stream ? width : 0);
+    staging = w.Take(stream && p.page_table != nullptr ? kBlockK * width : 0);
     floats = w.used();
   }
   int64_t floats;  // the size of the workspace
@@ -113,6 +127,27 @@ inline RowState ChunkPartial(const Problem& p, int64_t query_item, int64_t c) {
   return {base + 2 * kBlockQ, base, base + kBlockQ, RowStride(p)};
 }
 
+// The packed key block (Kᵀ, V rows) at (b, kv head g, first key s0) of which the tile uses
+// `cols` keys, and its bad-value flags (null when none): packed once per call before the
+// tiles, or (Problem::stream_keys) packed here by the one item that visits it.
+struct KeyBlockView {
+  const float* k_t;
+  const float* v;
+  const int32_t* bad_values;
+};
+template <class Products>
+KeyBlockView KeyBlockAt(const Problem& p, const ForwardTiles& w, int64_t b, int64_t g, int64_t s0, int64_t cols) {
+  if (!p.stream_keys) {
+    const int64_t key_block = KeyBlockIndex(p, b, g, s0) * KeyBlockFloats(p);
+    return {p.packed.k_t + key_block, p.packed.v + key_block, NonFiniteValues(p, b, g, s0)};
+  }
+  Products::PackKeys(p, KeyRows(p, b, g, s0, cols, false, w.staging), w.row_buffer, w.key_t);
+  const RowBlock v = KeyRows(p, b, g, s0, cols, true, w.staging);
+  FindNonFiniteRows(v, w.bad_values, w.row_buffer);
+  Products::PackValues(p, v, w.value_rows);
+  return {w.key_t, w.value_rows, w.bad_values[kBlockK] != 0 ? w.bad_values : nullptr};
+}
+
 // Products: F32Products or BF16Products (tile_products.h). One item per (query block, key
 // chunk), the chunk fastest (tiling.h ForwardChunks; without a split, one chunk).
 template <class Products>
@@ -165,22 +200,19 @@ void ForwardTileWith(const Problem& p, int64_t item, float* workspace) {
         ClassifyTile(mask, t0, positions, s0, cols, cols_padded != cols);
     if (visibility == TileVisibility::kSkip) continue;
 
-    const int64_t key_block = KeyBlockIndex(p, b, g, s0) * KeyBlockFloats(p);
-    const float* k_t = p.packed.k_t + key_block;
-    const float* v = p.packed.v + key_block;
+    const KeyBlockView keys = KeyBlockAt<Products>(p, w, b, g, s0, cols);
     const ScoreTile s{w.s, kBlockK, t0, live_rows, rows_padded, s0, cols, cols_padded, block.heads ? live_rows : 1};
     // S = scale · Q Kᵀ
-    Products::Scores(p, rows_padded, cols_padded, w.q, k_t, w.s);
+    Products::Scores(p, rows_padded, cols_padded, w.q, keys.k_t, w.s);
     PoisonInfiniteScores(s);
     if (p.bias.present()) AddBias(s, p.bias.rows(b, n), w.bias_row);
     if (p.softcap > 0.0f) ApplySoftCap(s, p.softcap, nullptr);
     if (visibility == TileVisibility::kPartial) MaskScores(s, mask, w.segments, dense);
-    const int32_t* bad_values = NonFiniteValues(p, b, g, s0);
     const TileDropout drop{&p.dropout, b, n};
-    UpdateOnlineSoftmax(s, state.m, state.l, w.correction, bad_values, p.dropout.on ? &drop : nullptr,
+    UpdateOnlineSoftmax(s, state.m, state.l, w.correction, keys.bad_values, p.dropout.on ? &drop : nullptr,
                         dense.visible);
     // O = diag(exp(m_old − m_new)) O + P V
-    Products::AccumulateValues(p, rows_padded, cols, w.s, w.scratch, v, state.o, w.correction);
+    Products::AccumulateValues(p, rows_padded, cols, w.s, w.scratch, keys.v, state.o, w.correction);
   }
   if (!split) WriteOutputRows(p, state, block, live_rows);
 }

@@ -84,13 +84,15 @@ void DescribeProblem(Checker& check, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
                      ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                      ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                      ffi::AnyBuffer q_offsets, float scale, int64_t window_left,
-                     int64_t window_right, float softcap, bool use_segment_ids, Problem* p) {
+                     int64_t window_right, float softcap, bool use_segment_ids, Problem* p,
+                     const ffi::AnyBuffer* page_table = nullptr) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   const auto vd = v.dimensions();
+  const std::string kv = page_table != nullptr ? "[num_pages, page_size, K, " : "[B, S, K, ";
   if (qd.size() != 4) return check.Fail("q must have rank 4 [B, T, N, H], got shape " + ShapeString(qd));
-  if (kd.size() != 4) return check.Fail("k must have rank 4 [B, S, K, H], got shape " + ShapeString(kd));
-  if (vd.size() != 4) return check.Fail("v must have rank 4 [B, S, K, Hv], got shape " + ShapeString(vd));
+  if (kd.size() != 4) return check.Fail("k must have rank 4 " + kv + "H], got shape " + ShapeString(kd));
+  if (vd.size() != 4) return check.Fail("v must have rank 4 " + kv + "Hv], got shape " + ShapeString(vd));
   switch (q.element_type()) {
     case ffi::DataType::F32: p->dtype = ElementType::kF32; break;
     case ffi::DataType::BF16: p->dtype = ElementType::kBF16; break;
@@ -106,8 +108,26 @@ void DescribeProblem(Checker& check, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
   p->kv_heads = kd[2];
   p->value_head_dim = vd[3];  // Hv: may differ from H
   const ffi::DataType dtype = q.element_type();
-  check.Expect("k", k, {p->batch, p->kv_len, p->kv_heads, p->head_dim}, dtype);
-  check.Expect("v", v, {p->batch, p->kv_len, p->kv_heads, p->value_head_dim}, dtype);
+  if (page_table != nullptr) {
+    // A paged cache: S is the table's capacity, max_pages · page_size.
+    const auto td = page_table->dimensions();
+    if (td.size() != 2 || td[0] != p->batch || page_table->element_type() != ffi::DataType::S32)
+      return check.Fail("page_table must be [B, max_pages] s32 with B = " + std::to_string(p->batch) +
+                        ", got shape " + ShapeString(td) + " " + TypeName(page_table->element_type()));
+    if (kd[0] < 1 || kd[1] < 1 || td[1] < 1)
+      return check.Fail("the paged cache needs num_pages, page_size and max_pages >= 1, got k shape " +
+                        ShapeString(kd) + ", page_table shape " + ShapeString(td));
+    p->num_pages = kd[0];
+    p->page_size = kd[1];
+    p->max_pages = td[1];
+    p->kv_len = p->max_pages * p->page_size;
+    check.Expect("k", k, {p->num_pages, p->page_size, p->kv_heads, p->head_dim}, dtype);
+    check.Expect("v", v, {p->num_pages, p->page_size, p->kv_heads, p->value_head_dim}, dtype);
+    p->page_table = static_cast<const int32_t*>(page_table->untyped_data());
+  } else {
+    check.Expect("k", k, {p->batch, p->kv_len, p->kv_heads, p->head_dim}, dtype);
+    check.Expect("v", v, {p->batch, p->kv_len, p->kv_heads, p->value_head_dim}, dtype);
+  }
   if (!check.ok()) return;
   if (p->kv_heads < 1 || p->q_heads % p->kv_heads != 0) {
     return check.Fail("the number of query heads N = " + std::to_string(p->q_heads) +
@@ -253,18 +273,20 @@ ffi::Error RunTiles(ffi::ThreadPool& pool, const char* target, int64_t items, in
   return ffi::Error::Success();
 }
 
-ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
-                   ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                   ffi::AnyBuffer q_offsets, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
-                   ffi::AnyBuffer sinks, ffi::AnyBuffer dropout_seed,
-                   ffi::Result<ffi::AnyBuffer> out,
-                   ffi::Result<ffi::AnyBuffer> lse, float scale, int64_t window_left,
-                   int64_t window_right, float softcap, bool use_segment_ids, float dropout_rate) {
-  Checker check("jax_flash_fwd");
+// jax_flash_fwd, and with a page table jax_flash_paged_fwd (k and v are then pages).
+ffi::Error ForwardWith(const char* target, const ffi::AnyBuffer* page_table, ffi::ThreadPool pool,
+                       ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                       ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
+                       ffi::AnyBuffer q_offsets, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
+                       ffi::AnyBuffer sinks, ffi::AnyBuffer dropout_seed,
+                       ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Result<ffi::AnyBuffer> lse, float scale, int64_t window_left,
+                       int64_t window_right, float softcap, bool use_segment_ids, float dropout_rate) {
+  Checker check(target);
   Problem p;
   DescribeProblem(check, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-                  q_offsets, scale, window_left, window_right, softcap, use_segment_ids, &p);
+                  q_offsets, scale, window_left, window_right, softcap, use_segment_ids, &p, page_table);
   DescribeDropout(check, dropout_seed, dropout_rate, &p);
   DescribeDense(check, bias, mask, &p);
   if (!check.ok()) return check.error();
@@ -277,7 +299,7 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   if (!check.ok()) return check.error();
   std::string isa_error;
   const KernelTable* kernels = SelectKernels(&isa_error);
-  if (kernels == nullptr) return ffi::Error::InvalidArgument("jax_flash_fwd (cpu): " + isa_error);
+  if (kernels == nullptr) return ffi::Error::InvalidArgument(std::string(target) + " (cpu): " + isa_error);
   p.bf16_packing = kernels->bf16_products && p.dtype == ElementType::kBF16;
   if (PoisonOutputs()) {
     Poison(*out);
@@ -286,29 +308,56 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   p.out = out->untyped_data();
   p.lse = static_cast<float*>(lse->untyped_data());
 
-  // Kᵀ and V packed once per key block, then the query tiles.
-  Workspace k_t(PackedKeyFloats(p)), v_rows(PackedKeyFloats(p));
-  if (k_t.get() == nullptr || v_rows.get() == nullptr) return OutOfMemory("jax_flash_fwd");
-  p.packed.k_t = k_t.get();
-  p.packed.v = v_rows.get();
-  Workspace bad_values(KeyItems(p) * (kBlockK + 1));  // int32 flags, float-sized
-  if (bad_values.get() == nullptr) return OutOfMemory("jax_flash_fwd");
-  p.packed.bad_values = reinterpret_cast<int32_t*>(bad_values.get());
-  if (ffi::Error e = RunTiles(pool, "jax_flash_fwd", KeyItems(p), 2 * PaddedHeadDim(p), p,
-                              kernels->prepare_key_block);
-      e.failure()) {
-    return e;
+  // Kᵀ and V packed once per key block, then the query tiles; or (a decode step, a paged
+  // cache) each key block packed by the one tile that visits it.
+  p.stream_keys = StreamsKeys(p);
+  const bool prepack = !p.stream_keys;
+  Workspace k_t(prepack ? PackedKeyFloats(p) : 0), v_rows(prepack ? PackedKeyFloats(p) : 0);
+  Workspace bad_values(prepack ? KeyItems(p) * (kBlockK + 1) : 0);  // int32 flags, float-sized
+  if (prepack && (k_t.get() == nullptr || v_rows.get() == nullptr || bad_values.get() == nullptr))
+    return OutOfMemory(target);
+  if (prepack) {
+    p.packed.k_t = k_t.get();
+    p.packed.v = v_rows.get();
+    p.packed.bad_values = reinterpret_cast<int32_t*>(bad_values.get());
+    if (ffi::Error e = RunTiles(pool, target, KeyItems(p), 2 * PaddedHeadDim(p), p, kernels->prepare_key_block);
+        e.failure()) {
+      return e;
+    }
   }
   p.forward_chunks = ForwardChunksFor(p);
   Workspace partials(p.forward_chunks > 1 ? ForwardQueryItems(p) * p.forward_chunks * ForwardPartialFloats(p) : 0);
-  if (p.forward_chunks > 1 && partials.get() == nullptr) return OutOfMemory("jax_flash_fwd");
+  if (p.forward_chunks > 1 && partials.get() == nullptr) return OutOfMemory(target);
   p.packed.forward_partial = partials.get();
-  if (ffi::Error e = RunTiles(pool, "jax_flash_fwd", ForwardItems(p), kernels->forward_workspace(p), p,
-                              kernels->forward_tile);
+  if (ffi::Error e = RunTiles(pool, target, ForwardItems(p), kernels->forward_workspace(p), p, kernels->forward_tile);
       e.failure() || p.forward_chunks == 1) {
     return e;
   }
-  return RunTiles(pool, "jax_flash_fwd", ForwardQueryItems(p), 0, p, kernels->merge_forward_chunks);
+  return RunTiles(pool, target, ForwardQueryItems(p), 0, p, kernels->merge_forward_chunks);
+}
+
+ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
+                   ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_offsets, ffi::AnyBuffer bias,
+                   ffi::AnyBuffer mask, ffi::AnyBuffer sinks, ffi::AnyBuffer dropout_seed,
+                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, float scale,
+                   int64_t window_left, int64_t window_right, float softcap, bool use_segment_ids,
+                   float dropout_rate) {
+  return ForwardWith("jax_flash_fwd", nullptr, pool, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+                     q_offsets, bias, mask, sinks, dropout_seed, out, lse, scale, window_left, window_right, softcap,
+                     use_segment_ids, dropout_rate);
+}
+
+ffi::Error PagedForward(ffi::ThreadPool pool, ffi::AnyBuffer page_table, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                        ffi::AnyBuffer v, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                        ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_offsets,
+                        ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer sinks,
+                        ffi::AnyBuffer dropout_seed, ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Result<ffi::AnyBuffer> lse, float scale, int64_t window_left, int64_t window_right,
+                        float softcap, bool use_segment_ids, float dropout_rate) {
+  return ForwardWith("jax_flash_paged_fwd", &page_table, pool, q, k, v, q_lengths, kv_lengths, q_segment_ids,
+                     kv_segment_ids, q_offsets, bias, mask, sinks, dropout_seed, out, lse, scale, window_left,
+                     window_right, softcap, use_segment_ids, dropout_rate);
 }
 
 // dbias = Σ_c partial_c, in chunk order (the same bits whatever ran which chunk).
@@ -437,6 +486,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuForward, Forward,
                                   .Arg<ffi::AnyBuffer>()  // q [B, T, N, H]
                                   .Arg<ffi::AnyBuffer>()  // k [B, S, K, H]
                                   .Arg<ffi::AnyBuffer>()  // v [B, S, K, Hv]
+                                  .Arg<ffi::AnyBuffer>()  // q_lengths [B] s32
+                                  .Arg<ffi::AnyBuffer>()  // kv_lengths [B] s32
+                                  .Arg<ffi::AnyBuffer>()  // q_segment_ids [B, T] s32
+                                  .Arg<ffi::AnyBuffer>()  // kv_segment_ids [B, S] s32
+                                  .Arg<ffi::AnyBuffer>()  // q_offset [B] s32
+                                  .Arg<ffi::AnyBuffer>()  // bias [B|1, N|1, T|1, S|1] or [0] f32
+                                  .Arg<ffi::AnyBuffer>()  // mask [B|1, N|1, T|1, S|1] pred or [0]
+                                  .Arg<ffi::AnyBuffer>()  // sinks [N] f32 (-inf: none)
+                                  .Arg<ffi::AnyBuffer>()  // dropout_seed [2] u32
+                                  .Ret<ffi::AnyBuffer>()  // out [B, T, N, Hv]
+                                  .Ret<ffi::AnyBuffer>()  // lse [B, N, T] f32
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window_left")
+                                  .Attr<int64_t>("window_right")
+                                  .Attr<float>("softcap")
+                                  .Attr<bool>("use_segment_ids")
+                                  .Attr<float>("dropout_rate"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuPagedForward, PagedForward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // page_table [B, max_pages] s32
+                                  .Arg<ffi::AnyBuffer>()  // q [B, T, N, H]
+                                  .Arg<ffi::AnyBuffer>()  // key pages [num_pages, page_size, K, H]
+                                  .Arg<ffi::AnyBuffer>()  // value pages [num_pages, page_size, K, Hv]
                                   .Arg<ffi::AnyBuffer>()  // q_lengths [B] s32
                                   .Arg<ffi::AnyBuffer>()  // kv_lengths [B] s32
                                   .Arg<ffi::AnyBuffer>()  // q_segment_ids [B, T] s32

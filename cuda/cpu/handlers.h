@@ -12,6 +12,7 @@ extern "C" XLA_FFI_Error* JaxFlashCpuForward(XLA_FFI_CallFrame* call_frame);
 // jax_flash_bwd: (q, k, v, out, dout, lse, dlse, q_lengths, kv_lengths, q_segment_ids,
 //   kv_segment_ids, q_offset) -> (dq, dk, dv, dq_accum, delta); the same attributes + deterministic.
 extern "C" XLA_FFI_Error* JaxFlashCpuBackward(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxFlashCpuPagedForward(XLA_FFI_CallFrame* call_frame);
 
 }  // namespace cpu
 }  // namespace jax_flash

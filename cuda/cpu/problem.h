@@ -136,6 +136,19 @@ struct Problem {
   // The forward's key chunks per query block (tiling.h ForwardChunks; 1: no split).
   int64_t forward_chunks = 1;
 
+  // A paged KV cache (the paged forward), or null: k and v are then pages [num_pages,
+  // page_size, K, H|Hv] shared by the batch, key s of batch row b is slot s % page_size of
+  // page page_table[b · max_pages + s / page_size], and kv_len = max_pages · page_size (the
+  // table's capacity). An id outside [0, num_pages) reads page 0: the caller masks those keys.
+  const int32_t* page_table = nullptr;
+  int64_t page_size = 0;
+  int64_t max_pages = 0;
+  int64_t num_pages = 0;
+  // The forward packs each key block as it visits it (tile_pack.h StreamKeyRows), instead of
+  // in a pass over the whole cache before (Packed::k_t, v): a paged cache, or a call in which
+  // one work item visits each key block (tiling.h StreamsKeys: a decode step).
+  bool stream_keys = false;
+
   // Operands packed as bf16 (the BF16Products of an ISA that has them, bf16 inputs):
   // a packed key block then takes half the floats (tiling.h KeyBlockFloats).
   bool bf16_packing = false;
@@ -158,14 +171,18 @@ struct Problem {
   int64_t o_row(int64_t b, int64_t t, int64_t n) const {
     return ((b * q_len + t) * q_heads + n) * value_dim();
   }
+  // The row of k and v that holds key s of batch row b: b·S + s, or in a paged cache its
+  // page's slot in the pool.
+  int64_t key_row(int64_t b, int64_t s) const {
+    if (page_table == nullptr) return b * kv_len + s;
+    int64_t page = page_table[b * max_pages + s / page_size];
+    page = page >= 0 && page < num_pages ? page : 0;
+    return page * page_size + s % page_size;
+  }
   // Element offset of row s of kv head g (k, dk).
-  int64_t kv_row(int64_t b, int64_t s, int64_t g) const {
-    return ((b * kv_len + s) * kv_heads + g) * head_dim;
-  }
+  int64_t kv_row(int64_t b, int64_t s, int64_t g) const { return (key_row(b, s) * kv_heads + g) * head_dim; }
   // Element offset of row s of kv head g (v, dv).
-  int64_t v_row(int64_t b, int64_t s, int64_t g) const {
-    return ((b * kv_len + s) * kv_heads + g) * value_dim();
-  }
+  int64_t v_row(int64_t b, int64_t s, int64_t g) const { return (key_row(b, s) * kv_heads + g) * value_dim(); }
   // Offset of (b, n, t) in the [B, N, T] statistics.
   int64_t stat(int64_t b, int64_t n, int64_t t) const {
     return (b * q_heads + n) * q_len + t;

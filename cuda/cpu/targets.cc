@@ -32,6 +32,7 @@ nb::capsule Capsule(Fn* fn) {
 void AddCpuTargets(nb::dict& targets) {
   targets["jax_flash_fwd"] = Capsule(cpu::JaxFlashCpuForward);
   targets["jax_flash_bwd"] = Capsule(cpu::JaxFlashCpuBackward);
+  targets["jax_flash_paged_fwd"] = Capsule(cpu::JaxFlashCpuPagedForward);
 }
 
 namespace {

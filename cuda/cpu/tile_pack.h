@@ -64,23 +64,46 @@ JAX_FLASH_INLINE void ZeroNonFinite(float* tile, int64_t n) {
   for (int64_t i = 0; i < n; ++i) tile[i] = std::isfinite(tile[i]) ? tile[i] : 0.0f;
 }
 
-// The forward's record of key block `item`'s value rows that hold a NaN/±inf (which
-// the packed V has as zeros): p.packed.bad_values, once per call and key block, so that
-// no tile widens V again. `row_buffer` holds Hv floats.
-inline void FindNonFiniteValues(const Problem& p, int64_t item, float* row_buffer) {
-  const auto [b, g, s0, keys] = KeyBlockOf(p, item);
-  int32_t* bad = p.packed.bad_values + item * (kBlockK + 1);
+// The `keys` rows of key block (b, kv head g, first key s0) of k, or of v (`values`): in
+// place in a contiguous cache. A paged cache's rows lie on several pages, so they are copied,
+// still in the input dtype, into `staging` (kBlockK x max(H, Hv) elements) first.
+inline RowBlock KeyRows(const Problem& p, int64_t b, int64_t g, int64_t s0, int64_t keys, bool values,
+                        float* staging) {
+  const int64_t width = values ? p.value_dim() : p.head_dim;
+  const void* src = values ? p.v : p.k;
+  if (p.page_table == nullptr)
+    return {src, p.dtype, (p.key_row(b, s0) * p.kv_heads + g) * width, p.kv_heads * width, keys, width};
+  const int64_t bytes = width * (p.dtype == ElementType::kF32 ? 4 : 2);
+  char* dst = reinterpret_cast<char*>(staging);
+  for (int64_t j = 0; j < keys; ++j)
+    std::memcpy(dst + j * bytes, static_cast<const char*>(src) + (p.key_row(b, s0 + j) * p.kv_heads + g) * bytes,
+                bytes);
+  return {staging, p.dtype, 0, width, keys, width};
+}
+
+// bad[j] = 1 where value row j of `v` holds a NaN/±inf (which the packed V has as zeros), 0
+// elsewhere and past its rows, for j < kBlockK; bad[kBlockK]: whether any does.
+// `row_buffer` holds v.cols floats.
+inline void FindNonFiniteRows(const RowBlock& v, int32_t* bad, float* row_buffer) {
   bool any = false;
   for (int64_t j = 0; j < kBlockK; ++j) {
     bool finite = true;
-    if (j < keys) {
-      LoadRow(p.v, p.dtype, p.v_row(b, s0 + j, g), p.value_dim(), row_buffer);
-      for (int64_t h = 0; h < p.value_dim(); ++h) finite &= std::isfinite(row_buffer[h]);
+    if (j < v.rows) {
+      LoadRow(v.base, v.type, v.first + j * v.stride, v.cols, row_buffer);
+      for (int64_t h = 0; h < v.cols; ++h) finite &= std::isfinite(row_buffer[h]);
     }
     bad[j] = finite ? 0 : 1;
     any |= !finite;
   }
   bad[kBlockK] = any ? 1 : 0;
+}
+
+// The forward's record of key block `item`'s bad value rows: p.packed.bad_values, once per
+// call and key block, so that no tile widens V again.
+inline void FindNonFiniteValues(const Problem& p, int64_t item, float* row_buffer) {
+  const auto [b, g, s0, keys] = KeyBlockOf(p, item);
+  FindNonFiniteRows(KeyRows(p, b, g, s0, keys, true, nullptr), p.packed.bad_values + item * (kBlockK + 1),
+                    row_buffer);
 }
 
 // The flags of the key block at (b, g, s0) for UpdateOnlineSoftmax: null when none of
@@ -97,8 +120,8 @@ inline void PackKeyBlock(const Problem& p, int64_t item, float* row_buffer) {
   const auto [b, g, s0, keys] = KeyBlockOf(p, item);
   const int64_t offset = item * KeyBlockFloats(p);
   const int64_t ld = RowStride(p);
-  const RowBlock k{p.k, p.dtype, p.kv_row(b, s0, g), p.kv_heads * p.head_dim, keys, p.head_dim};
-  const RowBlock v{p.v, p.dtype, p.v_row(b, s0, g), p.kv_heads * p.value_dim(), keys, p.value_dim()};
+  const RowBlock k = KeyRows(p, b, g, s0, keys, false, nullptr);
+  const RowBlock v = KeyRows(p, b, g, s0, keys, true, nullptr);
   if (p.packed.k_t != nullptr) PackTransposed(k, kBlockK, kKeyStride, row_buffer, p.packed.k_t + offset);
   if (p.packed.v_t != nullptr) PackTransposed(v, kBlockK, kKeyStride, row_buffer, p.packed.v_t + offset);
   if (p.packed.k != nullptr) {

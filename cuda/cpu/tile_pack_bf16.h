@@ -89,8 +89,8 @@ inline void PackKeyBlockBF16(const Problem& p, int64_t item) {
   const int64_t offset = item * KeyBlockFloats(p);
   const int64_t hp = PaddedHeadDim(p);
   const int64_t ld = RowStride(p);
-  const RowBlock k{p.k, p.dtype, p.kv_row(b, s0, g), p.kv_heads * p.head_dim, keys, p.head_dim};
-  const RowBlock v{p.v, p.dtype, p.v_row(b, s0, g), p.kv_heads * p.value_dim(), keys, p.value_dim()};
+  const RowBlock k = KeyRows(p, b, g, s0, keys, false, nullptr);
+  const RowBlock v = KeyRows(p, b, g, s0, keys, true, nullptr);
   if (p.packed.k_t != nullptr) PackPairsAlongRows(k, hp, kKeyStride, AsBF16(p.packed.k_t + offset));
   if (p.packed.v_t != nullptr) PackPairsAlongRows(v, hp, kKeyStride, AsBF16(p.packed.v_t + offset));
   if (p.packed.k != nullptr) {

@@ -40,6 +40,15 @@ struct F32Products {
   static void PackQuery(const Problem& p, const RowBlock& q, int64_t rows_padded, float* dst) {
     PackRows(q, p.scale, rows_padded, RowStride(p), dst);
   }
+  // A streamed key block (Problem::stream_keys) in the layouts of PackKeyBlock: Kᵀ
+  // [H][kKeyStride], and V rows [kBlockK][RowStride] with NaN/±inf as 0.
+  static void PackKeys(const Problem& p, const RowBlock& k, float* row_buffer, float* k_t) {
+    PackTransposed(k, kBlockK, kKeyStride, row_buffer, k_t);
+  }
+  static void PackValues(const Problem& p, const RowBlock& v, float* v_rows) {
+    PackRows(v, 1.0f, kBlockK, RowStride(p), v_rows);
+    ZeroNonFinite(v_rows, kBlockK * RowStride(p));
+  }
   // s = logits before the soft cap: (scale·Q)·Kᵀ (over H).  [rows_padded][cols_padded]
   static void Scores(const Problem& p, int64_t rows_padded, int64_t cols_padded, const float* q,
                      const float* k_t, float* s) {
@@ -86,6 +95,14 @@ struct F32Products {
 struct BF16Products {
   static void PackQuery(const Problem& p, const RowBlock& q, int64_t rows_padded, float* dst) {
     PackRowsBF16(q, RoundUp(rows_padded, 2), RowStride(p), AsBF16(dst));
+  }
+  // A streamed key block in the layouts of PackKeyBlockBF16.
+  static void PackKeys(const Problem& p, const RowBlock& k, float* row_buffer, float* k_t) {
+    PackPairsAlongRows(k, PaddedHeadDim(p), kKeyStride, AsBF16(k_t));
+  }
+  static void PackValues(const Problem& p, const RowBlock& v, float* v_rows) {
+    PackPairsAcrossRows(v, kBlockK, RowStride(p), AsBF16(v_rows));
+    ZeroNonFiniteBF16(AsBF16(v_rows), kBlockK * RowStride(p));
   }
   static void Scores(const Problem& p, int64_t rows_padded, int64_t cols_padded, const float* q,
                      const float* k_t, float* s) {

@@ -83,6 +83,14 @@ inline int64_t ForwardChunks(const Problem& p) {
   return std::max<int64_t>(1, std::min({wanted, kMaxForwardChunks, KeyBlocks(p) / kMinChunkKeyBlocks}));
 }
 inline int64_t ForwardItems(const Problem& p) { return ForwardQueryItems(p) * p.forward_chunks; }
+// Whether the forward packs each key block itself as it visits it (Problem::stream_keys): in
+// a paged cache (whose blocks are no rows of one stride), and where one work item visits each
+// key block (one query block, and one query head per kv head or GQA packing: a decode step),
+// so that packing them all in a pass first would read K and V, write them packed and read them
+// again, instead of once.
+inline bool StreamsKeys(const Problem& p) {
+  return p.page_table != nullptr || (QueryBlocks(p) == 1 && (p.group_size() == 1 || PacksHeads(p)));
+}
 // The key blocks [first, last) that chunk c of a query block visits, out of the blocks
 // [0, blocks) its rows' visible keys span.
 struct ChunkBlocks {

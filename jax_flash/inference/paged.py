@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_flash import _registry, xla
+from jax_flash import _ffi, _registry, xla
 from jax_flash._normalize import IMPLEMENTATIONS, _sinks, canonicalize
 from jax_flash._spec import AttentionSpec, MaskInputs
 from jax_flash.inference import split_kv
@@ -46,10 +46,7 @@ from jax_flash.inference import split_kv
 # Implementations that serve paged_attention today, and why the others do not. None picks
 # cuda on an NVIDIA GPU (the forward kernel of `attention`, reading through the table), else
 # xla; the pallas decode kernel is opt-in until it has been measured on a GPU.
-SERVED_BY = ("xla", "cuda", "pallas")
-_NOT_SERVED = {
-    "cpu": "no paged kernel yet (paged_attention is served by xla, and cuda, pallas on a GPU)",
-}
+SERVED_BY = ("xla", "cuda", "cpu", "pallas")
 
 
 def reason(name: str, pspec: "PagedSpec") -> Optional[str]:
@@ -64,7 +61,11 @@ def reason(name: str, pspec: "PagedSpec") -> Optional[str]:
         from jax_flash import cuda
 
         return cuda.IMPLEMENTATION.unsupported(pspec.attention)
-    return _NOT_SERVED[name]
+    if name == "cpu":
+        from jax_flash import cpu
+
+        return cpu.IMPLEMENTATION.unsupported(pspec.attention) or _ffi.missing("jax_flash_paged_fwd", "cpu")
+    raise ValueError(f"unknown implementation {name!r}")
 
 
 def default_implementation(pspec: "PagedSpec") -> str:
@@ -297,10 +298,11 @@ def _run(name: str, pspec: PagedSpec, *args, sinks=None):
         from jax_flash.inference import pallas_decode
 
         return pallas_decode.paged_forward(pspec, *args)
-    if name == "cuda":
-        from jax_flash import cuda
+    if name in ("cuda", "cpu"):
+        from jax_flash import cpu, cuda
 
-        return cuda.IMPLEMENTATION.paged_forward(pspec, *args, sinks=sinks)
+        impl = {"cuda": cuda.IMPLEMENTATION, "cpu": cpu.IMPLEMENTATION}[name]
+        return impl.paged_forward(pspec, *args, sinks=sinks)
     return forward(pspec, *args, sinks=sinks)
 
 
@@ -377,6 +379,23 @@ def forward(pspec: PagedSpec, q, key_pages, value_pages, table, lengths, splits=
         lses.append(jnp.broadcast_to(sinks.astype(lses[0].dtype)[None, :, None], lses[0].shape))
     out, lse = merge_partials(outs, lses)
     return out.astype(q.dtype), lse
+
+
+def target_masks(pspec: PagedSpec, q, table, lengths, sinks=None) -> tuple[AttentionSpec, MaskInputs]:
+    """The (spec, masks) under which a compiled paged target (`jax_flash_paged_fwd`: cuda,
+    cpu) sees the gathered cache of capacity S = max_pages·page_size: lengths clipped to
+    [0, S], queries at L - T, and the keys of an out-of-range page id masked by kv segment
+    ids (1 on such a page, 0 elsewhere and for the queries; the kernels read page 0 there)."""
+    b, t = q.shape[:2]
+    bad_page = (table < 0) | (table >= pspec.num_pages)  # [B, max_pages]
+    masks = MaskInputs(
+        kv_lengths=jnp.clip(lengths, 0, pspec.capacity), q_offset=jnp.maximum(lengths, 0) - t,
+        q_segment_ids=jnp.zeros((b, t), jnp.int32),
+        kv_segment_ids=jnp.repeat(bad_page.astype(jnp.int32), pspec.page_size, axis=1), sinks=sinks,
+    )
+    spec = dataclasses.replace(pspec.attention, has_segment_ids=True, has_kv_lengths=True, has_q_offset=True,
+                               has_sinks=sinks is not None)
+    return spec, masks
 
 
 def paged_cache_write(key_pages, value_pages, page_table, kv_lengths, new_k, new_v, num_new=None):
@@ -467,8 +486,13 @@ def explain_paged(query, key_pages, value_pages, page_table, kv_lengths, **kwarg
             how = f"{e}: calls fail"
         notes["cuda"] = ("the forward kernel with its K/V tiles read through the table (cp.async from each page's "
                          f"slot, any page size); {how}")
+    if reasons.get("cpu") is None:
+        from jax_flash import cpu
+
+        notes["cpu"] = ("the host forward, each key block packed from its pages' slots by the tile that visits it; "
+                        + cpu.split_kv_description(pspec.attention))
     if reasons.get("pallas") is None:
         extra = pallas_decode.note()
-        notes["pallas"] = ("on request only (implementation=None picks xla); decode kernel, one "
+        notes["pallas"] = ("on request only (implementation=None never picks it); decode kernel, one "
                            f"page per key block, GQA-packed rows; {split}" + (f"; {extra}" if extra else ""))
     return Explanation(selected=selected, reasons=reasons, notes=notes, op="jax_flash.paged_attention")
