@@ -10,8 +10,8 @@ heads, H=128; bfloat16 on a GPU, float32 on a CPU). Measured in the same run, in
   (key_value_seq_lengths = S, query_offset = S - 1, is_causal);
 * xla-split: the xla forward forced to split-KV (the GPU rule's number of chunks), and
   xla-unsplit, to show what the split does on this machine;
-* paged-xla (and paged-cuda on a GPU): `jax_flash.paged_attention` on the same cache as pages
-  of --page-size in shuffled order.
+* paged-xla, paged-cpu (on a CPU), paged-cuda (on a GPU): `jax_flash.paged_attention` on the
+  same cache as pages of --page-size in shuffled order.
 
 For each: the median time, the K/V read bandwidth (bytes of K and V read / time) and its
 fraction of the machine's memory bandwidth: on a CPU the copy bandwidth (the row "copy":
@@ -138,8 +138,7 @@ def main(argv) -> list[dict]:
     if on_gpu and reasons.get("pallas") is None:
         names.append("pallas")
     names += ["xla", "xla-unsplit", "xla-split", "paged-xla"]
-    if reasons.get("cuda") is None:
-        names.append("paged-cuda")
+    names += [f"paged-{n}" for n in ("cuda", "cpu") if reasons.get(n) is None]
     if args.impls:
         names = [n.strip() for n in args.impls.split(",") if n.strip()]
     if not on_gpu:
