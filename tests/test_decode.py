@@ -476,7 +476,9 @@ def test_pallas_paged_limits_are_stated():
     assert e.selected is None and "page_size a power of two" in e.reasons["pallas"]
     with pytest.raises(ValueError, match='implementation="pallas" cannot run paged_attention: needs page_size'):
         jax_flash.paged_attention(q, kp, kp, table, lengths, implementation="pallas")
-    assert jax_flash.explain_paged(q, kp, kp, table, lengths).selected == "xla"
+    # None: cuda on a GPU, cpu on a CPU (the extension's host kernels), else xla.
+    expected = {"cpu": "cpu", "gpu": "cuda"}.get(jax.default_backend(), "xla")
+    assert jax_flash.explain_paged(q, kp, kp, table, lengths).selected == expected
 
 
 @pytest.mark.parametrize("impl", ["split", "cpu-split", "cuda-split", "paged-xla", "paged-pallas", "paged-cuda",
