@@ -53,6 +53,9 @@ class Layout:
     mask_cols: Optional[bool] = None
     group: int = 1  # query heads one dK/dV program loops over (of the kv head's G)
     splits: int = 1  # dK/dV programs per kv head, each summing `group` heads' share
+    # Forward split-KV: programs per query block, each over a contiguous chunk of its key
+    # blocks, writing a normalised float32 partial (out, lse) that the caller merges by lse.
+    kv_chunks: int = 1
     write_ds: bool = False  # dQ kernel: also store dS (for dbias)
 
     @property
@@ -269,13 +272,13 @@ def query_segments(layout: Layout, tm: "TileMath", k0, k1, nq: int, ragged_block
 # Forward: grid (query block, head, batch); FlashAttention-2 Algorithm 1.
 
 
-def _softmax_init(inp: Inputs, bq: int):
+def _softmax_init(inp: Inputs, bq: int, first_chunk=True):
     """(m, l) [bq] before the first key tile: -inf and 0, or with a sink the state after it
     alone, m = sink and l = 1 (NaN for a NaN or +inf sink, which poisons
-    every row of the head; a -inf sink is no sink)."""
+    every row of the head; a -inf sink is no sink). Split-KV: the sink is the first chunk's."""
     if inp.sinks is None:
         return jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32)
-    sink = inp.sinks[...].reshape(1)  # [1]: this program's head
+    sink = jnp.where(first_chunk, inp.sinks[...].reshape(1), -jnp.inf)  # [1]: this program's head
     m = jnp.broadcast_to(sink, (bq,))
     l = jnp.broadcast_to(jnp.where(sink < jnp.inf, 1.0, jnp.nan), (bq,))
     return m, l
@@ -287,7 +290,9 @@ def forward_kernel(*refs, layout: Layout):
     lay, spec = layout, layout.spec
     bq, bk = lay.block_q, lay.block_k
     nk = lay.s_pad // bk
-    q0 = pl.program_id(0) * bq
+    chunks = lay.kv_chunks
+    q0 = pl.program_id(0) // chunks * bq
+    chunk = pl.program_id(0) % chunks
     batch, head = pl.program_id(2), pl.program_id(1)
     tm = TileMath(lay, inp)
     q = inp.q[...]  # [bq, Hp], resident for the whole key loop
@@ -331,9 +336,16 @@ def forward_kernel(*refs, layout: Layout):
         return body
 
     # [bq] m, l, [bq, Hvp] acc, [bq] bad
-    carry = (*_softmax_init(inp, bq), jnp.zeros((bq, inp.v.shape[-1]), jnp.float32),
+    carry = (*_softmax_init(inp, bq, chunk == 0), jnp.zeros((bq, inp.v.shape[-1]), jnp.float32),
              jnp.zeros((bq,), jnp.float32))
-    for lo, hi, masked in key_segments(lay, tm, q0, q0 + bq, nk):
+    segments = key_segments(lay, tm, q0, q0 + bq, nk)
+    if chunks > 1:  # this program's contiguous share of the block's key blocks
+        first, last = segments[0][0], segments[-1][1]
+        c_lo = first + (last - first) * chunk // chunks
+        c_hi = first + (last - first) * (chunk + 1) // chunks
+        segments = tuple((jnp.clip(lo, c_lo, c_hi), jnp.clip(hi, c_lo, c_hi), masked)
+                         for lo, hi, masked in segments)
+    for lo, hi, masked in segments:
         carry = lax.fori_loop(lo, hi, step(masked), carry)
     m, l, acc, bad = carry
     # FlashAttention-2 §3.1.1: the accumulator stays unnormalised until the last block.

@@ -25,12 +25,14 @@ the scale uses the true head dim (it comes from the spec).
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 from jax_flash import _registry
+from jax_flash._merge import merge_partials
 from jax_flash._pallas_kernels import Layout, dkdv_kernel, dq_kernel, forward_kernel
 from jax_flash._pallas_table import Config, fit, lookup, padded_head_dim, smem_budget
 from jax_flash._pallas_table import TABLE, tune  # noqa: F401  (re-exported for the bench)
@@ -178,10 +180,13 @@ class _Extras:
         # Dropout's Philox key, the same [2] words for every program (last).
         self.seed = None if masks.dropout_seed is None else masks.dropout_seed.astype(jnp.uint32)
 
-    def row_grid(self, bq: int, s_pad: int):
-        """Arrays and specs for a grid (query block i, head n, batch b) seeing all keys."""
+    def row_grid(self, bq: int, s_pad: int, chunks: int = 1):
+        """Arrays and specs for a grid (query block i, head n, batch b) seeing all keys; with
+        split-KV grid axis 0 is (query block, key chunk), the chunk fastest."""
         pl, _ = _triton()
         args, specs = [], []
+        if chunks > 1:
+            return self._chunked(self.row_grid(bq, s_pad), chunks)
         if self.lengths is not None:
             args += self.lengths
             specs += [pl.BlockSpec((None, 1), lambda i, n, b: (b, 0))] * 2
@@ -214,6 +219,14 @@ class _Extras:
             args.append(self.seed)
             specs.append(pl.BlockSpec((2,), lambda i, n, b: (0,)))
         return args, specs
+
+    @staticmethod
+    def _chunked(grid, chunks: int):
+        """A row grid's specs with axis 0 numbering (query block, key chunk) pairs."""
+        pl, _ = _triton()
+        args, specs = grid
+        chunked = [pl.BlockSpec(s.block_shape, lambda i, n, b, f=s.index_map: f(i // chunks, n, b)) for s in specs]
+        return args, chunked
 
     def key_grid(self, bk: int, t_pad: int, splits: int):
         """Arrays and specs for a grid (key block j, kv head h · splits, batch b)."""
@@ -280,6 +293,70 @@ def backward(
     return partitioning.backward("pallas", call, spec, q, k, v, masks, out, lse, dout, dlse)
 
 
+# Split-KV of the forward (flash-decoding): when the grid, B·N·ceil(T/block_q) programs, is
+# smaller than the GPU's SM count (interpret mode: 8 programs, as `_group_splits`) and the call
+# is a decode step (T <= 64, no dropout), each query block's key blocks are cut into
+# C = min(ceil(target / programs), key blocks // SPLIT_MIN_BLOCKS, MAX_SPLITS) contiguous
+# chunks, one program each, with float32 partials merged by lse in chunk order
+# (jax_flash/_merge.py). JAX_FLASH_PALLAS_SPLIT_KV=C forces C.
+SPLIT_MAX_QUERIES = 64
+SPLIT_MIN_BLOCKS = 2
+MAX_SPLITS = 64
+
+
+def split_kv_setting() -> Optional[int]:
+    """JAX_FLASH_PALLAS_SPLIT_KV: None (unset or empty: the rule), else the forced count."""
+    value = os.environ.get("JAX_FLASH_PALLAS_SPLIT_KV", "")
+    if not value:
+        return None
+    try:
+        chunks = int(value)
+    except ValueError:
+        chunks = 0
+    if not 1 <= chunks <= 1024:
+        raise ValueError(f"JAX_FLASH_PALLAS_SPLIT_KV={value!r} is not a chunk count of the pallas forward's "
+                         "split-KV (an integer from 1, never split, to 1024)")
+    return chunks
+
+
+def _split_target(interpret: bool) -> int:
+    return 8 if interpret else _num_sms()
+
+
+def split_kv_chunks(spec: AttentionSpec, block_q: int, block_k: int, interpret: bool = False) -> int:
+    """The forward's split-KV chunk count for `spec` at tiles (block_q, block_k); 1: none."""
+    if spec.has_dropout or spec.batch * spec.num_heads * spec.q_len == 0:
+        return 1
+    blocks = -(-spec.kv_len // block_k)
+    forced = split_kv_setting()
+    if forced is not None:
+        return max(1, min(forced, blocks))
+    programs = spec.batch * spec.num_heads * -(-spec.q_len // block_q)
+    target = _split_target(interpret)
+    if spec.q_len > SPLIT_MAX_QUERIES or programs >= target:
+        return 1
+    return max(1, min(-(-target // programs), blocks // SPLIT_MIN_BLOCKS, MAX_SPLITS))
+
+
+def split_kv_description(spec: AttentionSpec) -> str:
+    """What `explain` says of the forward's split-KV (at the default tiles)."""
+    try:
+        interpret = _interpret(None)
+        hp = max(padded_head_dim(spec.head_dim), padded_head_dim(spec.v_head_dim))
+        cfg = _config(spec, MaskInputs(), hp, "fwd", None, interpret)
+        ((bq, bk),), _, _ = _tiles(spec, [cfg])
+        chunks = split_kv_chunks(spec, bq, bk, interpret)
+    except ValueError as e:
+        return f"forward split-KV: {e}"
+    forced = split_kv_setting()
+    target = f"{_split_target(interpret)} " + ("programs (interpreted)" if interpret else "SMs")
+    why = (f"JAX_FLASH_PALLAS_SPLIT_KV={forced}" if forced is not None else
+           f"split when T <= {SPLIT_MAX_QUERIES} and B·N·ceil(T/{bq}) programs < {target}: "
+           f"min(ceil(target / programs), ceil(S/{bk}) // {SPLIT_MIN_BLOCKS}, {MAX_SPLITS}) key chunks "
+           "merged by lse in chunk order; never with dropout")
+    return f"forward: {'no split-KV' if chunks == 1 else f'split-KV into {chunks} key chunks'} ({why})"
+
+
 def _forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, interpret):
     """The forward kernel on (local) canonical arrays; `spec` describes them."""
     pl, _ = _triton()
@@ -290,29 +367,39 @@ def _forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, i
     cfg = _config(spec, masks, max(hp, hvp), "fwd", configs, interpret)
     ((bq, bk),), t_pad, s_pad = _tiles(spec, [cfg])
     g = spec.group_size
+    c = split_kv_chunks(spec, bq, bk, interpret)
     qp = _pad(_pad(q, 3, hp), 1, t_pad)
     kp = _pad(_pad(k, 3, hp), 1, s_pad)
     vp = _pad(_pad(v, 3, hvp), 1, s_pad)
     extras = _Extras(spec, masks, t_pad, s_pad)
-    extra_args, extra_specs = extras.row_grid(bq, s_pad)
-    layout = _layout(spec, masks, bq, bk, t_pad, s_pad)
-    row_spec = pl.BlockSpec((None, bq, None, hp), lambda i, n_, b_: (b_, i, n_, 0))
-    out_spec = pl.BlockSpec((None, bq, None, hvp), lambda i, n_, b_: (b_, i, n_, 0))
+    extra_args, extra_specs = extras.row_grid(bq, s_pad, c)
+    layout = _layout(spec, masks, bq, bk, t_pad, s_pad, kv_chunks=c)
+    # Grid axis 0: the query block (and with split-KV its key chunk, the chunk fastest).
+    row_spec = pl.BlockSpec((None, bq, None, hp), lambda i, n_, b_: (b_, i // c, n_, 0))
     kv_spec = pl.BlockSpec((None, s_pad, None, hp), lambda i, n_, b_: (b_, 0, n_ // g, 0))
     v_spec = pl.BlockSpec((None, s_pad, None, hvp), lambda i, n_, b_: (b_, 0, n_ // g, 0))
+    if c == 1:
+        out_specs = [pl.BlockSpec((None, bq, None, hvp), lambda i, n_, b_: (b_, i, n_, 0)),
+                     pl.BlockSpec((None, None, bq), lambda i, n_, b_: (b_, n_, i))]
+        out_shape = [jax.ShapeDtypeStruct((b, t_pad, n, hvp), q.dtype), jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)]
+    else:  # chunk c's normalised float32 partial out and its lse
+        out_specs = [pl.BlockSpec((None, None, bq, None, hvp), lambda i, n_, b_: (i % c, b_, i // c, n_, 0)),
+                     pl.BlockSpec((None, None, None, bq), lambda i, n_, b_: (i % c, b_, n_, i // c))]
+        out_shape = [jax.ShapeDtypeStruct((c, b, t_pad, n, hvp), jnp.float32),
+                     jax.ShapeDtypeStruct((c, b, n, t_pad), jnp.float32)]
     out, lse = pl.pallas_call(
         functools.partial(forward_kernel, layout=layout),
-        grid=(t_pad // bq, n, b),
+        grid=(t_pad // bq * c, n, b),
         in_specs=[row_spec, kv_spec, v_spec, *extra_specs],
-        out_specs=[out_spec, pl.BlockSpec((None, None, bq), lambda i, n_, b_: (b_, n_, i))],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, t_pad, n, hvp), q.dtype),
-            jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=_compiler_params(cfg),
         interpret=interpret,
         name="jax_flash_fwd",
     )(qp, kp, vp, *extra_args)
+    if c > 1:
+        out, lse = merge_partials([out[i] for i in range(c)], [lse[i] for i in range(c)])
+        out = out.astype(q.dtype)
     return out[:, :t, :, :hv], lse[:, :, :t]
 
 
@@ -471,12 +558,15 @@ class PallasImplementation:
         return f"any pair with H, Hv <= {MAX_HEAD_DIM}"
 
     def note(self, spec: AttentionSpec) -> Optional[str]:
-        """What `explain` adds: on a CPU the kernels are interpreted, which is for tests."""
+        """What `explain` adds: the forward's split-KV, and on a CPU that the kernels are
+        interpreted, which is for tests."""
+        split = split_kv_description(spec)
         if _interpret(None):
-            return "interpreted (slow): the Triton kernels run with interpret=True on the CPU"
-        return None
+            return f"interpreted (slow): the Triton kernels run with interpret=True on the CPU; {split}"
+        return split
 
     def forward(self, spec, q, k, v, masks):
+        split_kv_setting()  # an unknown JAX_FLASH_PALLAS_SPLIT_KV: a ValueError now
         return forward(spec, q, k, v, masks)
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):

@@ -250,6 +250,46 @@ def test_cuda_split_kv_and_gqa_packing(case, monkeypatch):
     assert cuda.packs_heads(spec) == packed and cuda.split_kv_chunks(spec) > 1
 
 
+# The pallas forward's split-KV (jax_flash/pallas.py; interpreted on a CPU, so small caches):
+# JAX_FLASH_PALLAS_SPLIT_KV=C forces C chunks (1: unsplit, 40: more chunks than key blocks);
+# unset, the rule (interpreted: fewer than 8 programs) splits these decode steps.
+PALLAS_DECODE = [
+    # (B, T, S, N, K, H, lengths, dtype, extra kwargs)
+    (2, 1, 300, 2, 1, 64, [300, 0], "float32", {}),
+    (1, 3, 260, 2, 1, 32, [250], "bfloat16", dict(local_window_size=(100, 0), logits_soft_cap=4.0)),
+]
+
+
+@pytest.mark.parametrize("case", PALLAS_DECODE, ids=lambda c: f"T{c[1]}S{c[2]}G{c[3] // c[4]}-{c[7]}")
+def test_pallas_split_kv(case, monkeypatch):
+    from conftest import availability
+
+    why = availability("pallas")
+    if why is not None:
+        pytest.skip(f"pallas unavailable here: {why}")
+    b, t, s, n, kh, h, lengths, dtype, extra = case
+    q, k, v, kw = _decode_inputs(b, t, s, n, kh, h, lengths, dtype, seed=9)
+    kw.update(extra)
+    kw["sinks"] = jnp.asarray(np.linspace(-1.0, 2.0, n), jnp.float32)
+    ref = _references(jax_flash.reference, q, k, v, **kw)
+    results = {}
+    for chunks in ("1", "", "3", "40"):
+        monkeypatch.setenv("JAX_FLASH_PALLAS_SPLIT_KV", chunks)
+        note = jax_flash.explain(q, k, v, implementation="pallas", **kw).notes["pallas"]
+        assert ("no split-KV" in note) == (chunks == "1"), note
+        out, lse = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, implementation="pallas",
+                                                               return_residual=True, **kw))(q, k, v)
+        _check(out, lse, q, ref, dtype)
+        results[chunks] = np.asarray(out, np.float32)
+    (ref64, _), (ref_lo, _) = ref
+    tol = 2 * (FACTOR * max_err(ref_lo, ref64) + EPS[dtype])
+    for chunks in ("", "3", "40"):
+        assert np.max(np.abs(results["1"] - results[chunks])) <= tol, chunks
+    monkeypatch.setenv("JAX_FLASH_PALLAS_SPLIT_KV", "0")
+    with pytest.raises(ValueError, match="JAX_FLASH_PALLAS_SPLIT_KV"):
+        jax_flash.attention(q, k, v, implementation="pallas", **kw)
+
+
 def test_cuda_split_kv_rule(monkeypatch):
     """The rule: split when the forward's CTAs are fewer than the SMs, into min(ceil(SMs /
     CTAs), key tiles // 2, 64) chunks; never with dropout; the override and its errors."""
@@ -481,8 +521,8 @@ def test_pallas_paged_limits_are_stated():
     assert jax_flash.explain_paged(q, kp, kp, table, lengths).selected == expected
 
 
-@pytest.mark.parametrize("impl", ["split", "cpu-split", "cuda-split", "paged-xla", "paged-pallas", "paged-cuda",
-                                  "paged-cpu"])
+@pytest.mark.parametrize("impl", ["split", "cpu-split", "cuda-split", "pallas-split", "paged-xla", "paged-pallas",
+                                  "paged-cuda", "paged-cpu"])
 def test_decode_poison_reaches_exactly_the_rows_that_see_it(impl):
     """A NaN in a visible key or value makes that row NaN (out and lse, as the reference); a
     NaN beyond a sequence's length changes nothing — also through the split and the merge."""
@@ -506,10 +546,14 @@ def test_decode_poison_reaches_exactly_the_rows_that_see_it(impl):
         kw = dict(is_causal=True, key_value_seq_lengths=lengths, query_offset=lengths - t)
         c = canonicalize(q, k, v, **kw)
         out, lse = restore(c, *jax.jit(lambda *a: split_kv.forward(c.spec, *a, 4))(c.q, c.k, c.v, c.masks))
-    elif impl in ("cpu-split", "cuda-split"):
+    elif impl in ("cpu-split", "cuda-split", "pallas-split"):
         name = impl.split("-")[0]
+        if name in ("cuda", "pallas"):
+            from conftest import availability
+
+            if availability(name) is not None:
+                pytest.skip(f"{name} unavailable here: {availability(name)}")
         if name == "cuda":
-            _cuda_or_skip()
             q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
         kw = dict(is_causal=True, key_value_seq_lengths=lengths, query_offset=lengths - t)
         with pytest.MonkeyPatch.context() as mp_env:
