@@ -63,7 +63,7 @@ def test_generate_flax_lm_paged_cache_matches_full_recomputation():
     pytest.importorskip("flax")
     pytest.importorskip("optax")
     out = _run("generate_flax_lm.py", "--gen_tokens=6", "--page_size=4")
-    assert "jax_flash.paged_attention would run: xla" in out, out
+    assert "jax_flash.paged_attention would run: cpu" in out, out  # the host kernels read the pages
     assert re.search(r"paged KV cache: [0-9,]+ tokens/s .*one compiled step \((1|\?) compilation\)", out), out
     assert re.search(r"full recomputation: [0-9,]+ tokens/s", out), out
     assert "tokens equal to greedy generation by full recomputation: True" in out, out
