@@ -211,17 +211,9 @@ def forward_ctas(spec: AttentionSpec) -> int:
 
 def split_kv_setting() -> Optional[int]:
     """JAX_FLASH_CUDA_SPLIT_KV: None (unset or empty: the rule), else the forced chunk count."""
-    value = os.environ.get("JAX_FLASH_CUDA_SPLIT_KV", "")
-    if not value:
-        return None
-    try:
-        chunks = int(value)
-    except ValueError:
-        chunks = 0
-    if not 1 <= chunks <= 1024:
-        raise ValueError(f"JAX_FLASH_CUDA_SPLIT_KV={value!r} is not a chunk count of the CUDA forward's split-KV "
-                         "(an integer from 1, never split, to 1024)")
-    return chunks
+    from jax_flash.inference import split_kv
+
+    return split_kv.forced_chunks("JAX_FLASH_CUDA_SPLIT_KV", "the CUDA forward's split-KV")
 
 
 def split_kv_chunks(spec: AttentionSpec) -> int:

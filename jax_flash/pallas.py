@@ -25,7 +25,6 @@ the scale uses the true head dim (it comes from the spec).
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import jax
@@ -306,17 +305,9 @@ MAX_SPLITS = 64
 
 def split_kv_setting() -> Optional[int]:
     """JAX_FLASH_PALLAS_SPLIT_KV: None (unset or empty: the rule), else the forced count."""
-    value = os.environ.get("JAX_FLASH_PALLAS_SPLIT_KV", "")
-    if not value:
-        return None
-    try:
-        chunks = int(value)
-    except ValueError:
-        chunks = 0
-    if not 1 <= chunks <= 1024:
-        raise ValueError(f"JAX_FLASH_PALLAS_SPLIT_KV={value!r} is not a chunk count of the pallas forward's "
-                         "split-KV (an integer from 1, never split, to 1024)")
-    return chunks
+    from jax_flash.inference import split_kv
+
+    return split_kv.forced_chunks("JAX_FLASH_PALLAS_SPLIT_KV", "the pallas forward's split-KV")
 
 
 def _split_target(interpret: bool) -> int:

@@ -480,54 +480,39 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuForward, Forward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // q [B, T, N, H]
-                                  .Arg<ffi::AnyBuffer>()  // k [B, S, K, H]
-                                  .Arg<ffi::AnyBuffer>()  // v [B, S, K, Hv]
-                                  .Arg<ffi::AnyBuffer>()  // q_lengths [B] s32
-                                  .Arg<ffi::AnyBuffer>()  // kv_lengths [B] s32
-                                  .Arg<ffi::AnyBuffer>()  // q_segment_ids [B, T] s32
-                                  .Arg<ffi::AnyBuffer>()  // kv_segment_ids [B, S] s32
-                                  .Arg<ffi::AnyBuffer>()  // q_offset [B] s32
-                                  .Arg<ffi::AnyBuffer>()  // bias [B|1, N|1, T|1, S|1] or [0] f32
-                                  .Arg<ffi::AnyBuffer>()  // mask [B|1, N|1, T|1, S|1] pred or [0]
-                                  .Arg<ffi::AnyBuffer>()  // sinks [N] f32 (-inf: none)
-                                  .Arg<ffi::AnyBuffer>()  // dropout_seed [2] u32
-                                  .Ret<ffi::AnyBuffer>()  // out [B, T, N, Hv]
-                                  .Ret<ffi::AnyBuffer>()  // lse [B, N, T] f32
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right")
-                                  .Attr<float>("softcap")
-                                  .Attr<bool>("use_segment_ids")
-                                  .Attr<float>("dropout_rate"));
+// The forward's operands, results and attributes after the thread pool (and, for the paged
+// target, the page table): q, k, v (pages for the paged target), the mask operands, sinks, the
+// dropout seed; out, lse.
+template <class Binding>
+auto ForwardSignature(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // q [B, T, N, H]
+      .template Arg<ffi::AnyBuffer>()  // k [B, S, K, H], or pages [num_pages, page_size, K, H]
+      .template Arg<ffi::AnyBuffer>()  // v [B, S, K, Hv], or pages [num_pages, page_size, K, Hv]
+      .template Arg<ffi::AnyBuffer>()  // q_lengths [B] s32
+      .template Arg<ffi::AnyBuffer>()  // kv_lengths [B] s32
+      .template Arg<ffi::AnyBuffer>()  // q_segment_ids [B, T] s32
+      .template Arg<ffi::AnyBuffer>()  // kv_segment_ids [B, S] s32
+      .template Arg<ffi::AnyBuffer>()  // q_offset [B] s32
+      .template Arg<ffi::AnyBuffer>()  // bias [B|1, N|1, T|1, S|1] or [0] f32
+      .template Arg<ffi::AnyBuffer>()  // mask [B|1, N|1, T|1, S|1] pred or [0]
+      .template Arg<ffi::AnyBuffer>()  // sinks [N] f32 (-inf: none)
+      .template Arg<ffi::AnyBuffer>()  // dropout_seed [2] u32
+      .template Ret<ffi::AnyBuffer>()  // out [B, T, N, Hv]
+      .template Ret<ffi::AnyBuffer>()  // lse [B, N, T] f32
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("window_left")
+      .template Attr<int64_t>("window_right")
+      .template Attr<float>("softcap")
+      .template Attr<bool>("use_segment_ids")
+      .template Attr<float>("dropout_rate");
+}
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuForward, Forward, ForwardSignature(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+
+// jax_flash_paged_fwd: the page table [B, max_pages] s32 first.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuPagedForward, PagedForward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // page_table [B, max_pages] s32
-                                  .Arg<ffi::AnyBuffer>()  // q [B, T, N, H]
-                                  .Arg<ffi::AnyBuffer>()  // key pages [num_pages, page_size, K, H]
-                                  .Arg<ffi::AnyBuffer>()  // value pages [num_pages, page_size, K, Hv]
-                                  .Arg<ffi::AnyBuffer>()  // q_lengths [B] s32
-                                  .Arg<ffi::AnyBuffer>()  // kv_lengths [B] s32
-                                  .Arg<ffi::AnyBuffer>()  // q_segment_ids [B, T] s32
-                                  .Arg<ffi::AnyBuffer>()  // kv_segment_ids [B, S] s32
-                                  .Arg<ffi::AnyBuffer>()  // q_offset [B] s32
-                                  .Arg<ffi::AnyBuffer>()  // bias [B|1, N|1, T|1, S|1] or [0] f32
-                                  .Arg<ffi::AnyBuffer>()  // mask [B|1, N|1, T|1, S|1] pred or [0]
-                                  .Arg<ffi::AnyBuffer>()  // sinks [N] f32 (-inf: none)
-                                  .Arg<ffi::AnyBuffer>()  // dropout_seed [2] u32
-                                  .Ret<ffi::AnyBuffer>()  // out [B, T, N, Hv]
-                                  .Ret<ffi::AnyBuffer>()  // lse [B, N, T] f32
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right")
-                                  .Attr<float>("softcap")
-                                  .Attr<bool>("use_segment_ids")
-                                  .Attr<float>("dropout_rate"));
+                              ForwardSignature(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuBackward, Backward,
                               ffi::Ffi::Bind()

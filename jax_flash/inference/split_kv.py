@@ -19,6 +19,8 @@ The rule (`num_splits`) is static, from the spec and the platform, and `explain`
 from __future__ import annotations
 
 import dataclasses
+import os
+from typing import Optional
 
 import jax.numpy as jnp
 
@@ -43,6 +45,23 @@ def rule() -> str:
         f"C = min(ceil({TARGET_UNITS} / (B·K)), S // {MIN_CHUNK}, {MAX_SPLITS}) key chunks; "
         "never on a CPU, where XLA's blockwise loop is faster (jax_flash.bench --decode)"
     )
+
+
+def forced_chunks(variable: str, what: str) -> Optional[int]:
+    """The chunk count an environment variable forces on a kernel's split-KV (`what`, for the
+    message): None when it is unset or empty (the kernel's rule decides), else an integer from
+    1 (never split) to 1024; anything else is a ValueError naming the variable."""
+    value = os.environ.get(variable, "")
+    if not value:
+        return None
+    try:
+        chunks = int(value)
+    except ValueError:
+        chunks = 0
+    if not 1 <= chunks <= 1024:
+        raise ValueError(f"{variable}={value!r} is not a chunk count of {what} (an integer from 1, never split, "
+                         "to 1024)")
+    return chunks
 
 
 def num_splits(spec: AttentionSpec, platform: str) -> int:
