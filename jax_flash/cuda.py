@@ -479,13 +479,19 @@ class CudaImplementation:
 
     def _forward_local(self, target, spec, q, k, v, masks, page_table=None):
         call = functools.partial(_ffi.forward_call, target, decoding=decoding, page_table=page_table)
-        out, lse = call(spec, q, k, finite_part(v), masks)
         bad_v = nonfinite_rows(v)  # [B, S, K], or [num_pages, page_size, K]
-        sees = lax.cond(jnp.any(bad_v), lambda: self._sees(call, spec, bad_v, masks, q.dtype),
-                        lambda: jnp.zeros(out.shape[:-1], bool))
-        # An empty row (lse = -inf: it sees no key, or only -inf logits, with no sink) stays 0.
-        sees = sees & (jnp.swapaxes(lse, 1, 2) != -jnp.inf)
-        return jnp.where(sees[..., None], jnp.asarray(jnp.nan, out.dtype), out), lse
+
+        def poisoned():
+            out, lse = call(spec, q, k, finite_part(v), masks)
+            sees = self._sees(call, spec, bad_v, masks, q.dtype)
+            # An empty row (lse = -inf: it sees no key, or only -inf logits, with no sink) stays 0.
+            sees = sees & (jnp.swapaxes(lse, 1, 2) != -jnp.inf)
+            return jnp.where(sees[..., None], jnp.asarray(jnp.nan, out.dtype), out), lse
+
+        # Only a call whose v holds a non-finite value pays for the finite copy of V and the
+        # flags call: the others read V once for the test and once in the kernel (a decode
+        # step's traffic is then K + 2V instead of K + 3V).
+        return lax.cond(jnp.any(bad_v), poisoned, lambda: call(spec, q, k, v, masks))
 
     def _sees(self, call, spec, flags, masks, dtype):
         """Bool [B, T, N]: the row sees a key whose flag is set. The kernels on q = k = 0
