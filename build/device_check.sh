@@ -19,10 +19,10 @@
 #   bench         python -m jax_flash.bench at T=S=8k, H=128/64, causal or not, fwd and fwd+bwd:
 #                 jax.nn (xla), jax.nn cuDNN, JAX's Pallas mha, cuda, pallas; then cuda again
 #                 under JAX_FLASH_CUDA_LAYOUT=warp32 (cells "cuda:warp32" in bench.json), so
-#                 that one run measures both warp layouts of the kernels; then one decode cell
-#                 (python -m jax_flash.bench --decode, B=8, S=32k: jax.nn, cuDNN, cuda on a
-#                 contiguous and a paged cache, xla; K/V bandwidth against the H200's nominal),
-#                 under "decode" in bench.json
+#                 that one run measures both warp layouts of the kernels; between the two, one
+#                 decode cell (python -m jax_flash.bench --decode, B=8, S=32k: jax.nn, cuDNN,
+#                 cuda on a contiguous and a paged cache; K/V bandwidth against the H200's
+#                 nominal), under "decode" in bench.json
 #   memcheck      compute-sanitizer --tool memcheck on build/sanitizer_case.py (tiny)
 #   racecheck     compute-sanitizer --tool racecheck on the same
 # The caps sum to the budget (DEVICE_CHECK_BUDGET_S, default 480 s; each cap scales with it),
@@ -380,37 +380,36 @@ step_bench() {
   JAX_FLASH_CUDA_LAYOUT=warp16 "$PY" -m jax_flash.bench --dtype bfloat16 --passes both --causal both \
     ${DEVICE_CHECK_BENCH_ARGS:-$sizes} --time-budget "$first" --json "$OUT/bench.json"
   rc=$?
+  # Then one decode cell (a quarter of the limit at most; the H200's decode bandwidth), then the
+  # warp32 layout in what is left until 3/4.
+  rest=$((budget - ($(date +%s) - t0)))
+  if ((rest < 1)); then
+    echo "bench: no time left for the decode cell and the warp32 layout"
+    return $rc
+  fi
+  local decode=$((STEP_LIMIT / 4)) dsizes
+  ((decode > rest)) && decode=$rest
+  if [ "$DRY" = 1 ]; then
+    dsizes="--batch 1 --seq-lens 256 --heads 4 --kv-heads 2 --head-dim 64 --reps 2 --impls jax.nn,cuda,paged-cuda"
+  else
+    dsizes="--batch 8 --seq-lens 32k --reps 5 --impls jax.nn,jax.nn-cudnn,cuda,paged-cuda"
+  fi
+  echo "+ one decode cell, at most ${decode} s"
+  # shellcheck disable=SC2086
+  timeout "$decode" "$PY" -m jax_flash.bench --decode --dtype bfloat16 $dsizes --json "$WORK/bench_decode.json" ||
+    rc=1
+  merge_decode_bench "$OUT/bench.json" "$WORK/bench_decode.json" || rc=1
   rest=$((budget - ($(date +%s) - t0)))
   if ((rest < 1)); then
     echo "bench: no time left for the warp32 layout"
     return $rc
   fi
-  # The last eighth of the limit before 3/4 is the decode cell's.
-  local decode=$((STEP_LIMIT / 8)) dsizes
-  rest=$((rest - decode))
-  if ((rest >= 1)); then
-    echo "+ the cuda kernels again, JAX_FLASH_CUDA_LAYOUT=warp32, ${rest} s"
-    # shellcheck disable=SC2086
-    JAX_FLASH_CUDA_LAYOUT=warp32 "$PY" -m jax_flash.bench --dtype bfloat16 --passes both --causal both \
-      ${DEVICE_CHECK_BENCH_ARGS:-$sizes} --impls cuda --time-budget "$rest" --json "$WORK/bench_warp32.json" ||
-      rc=1
-    merge_layout_bench "$OUT/bench.json" "$WORK/bench_warp32.json" || rc=1
-  fi
-  rest=$((budget - ($(date +%s) - t0)))
-  if ((rest < 1)); then
-    echo "bench: no time left for the decode cell"
-    return $rc
-  fi
-  if [ "$DRY" = 1 ]; then
-    dsizes="--batch 1 --seq-lens 256 --heads 4 --kv-heads 2 --head-dim 64 --reps 2 --impls jax.nn,cuda,paged-cuda,xla"
-  else
-    dsizes="--batch 8 --seq-lens 32k --reps 10 --impls jax.nn,jax.nn-cudnn,cuda,paged-cuda,xla"
-  fi
-  echo "+ one decode cell, ${rest} s"
+  echo "+ the cuda kernels again, JAX_FLASH_CUDA_LAYOUT=warp32, ${rest} s"
   # shellcheck disable=SC2086
-  timeout "$rest" "$PY" -m jax_flash.bench --decode --dtype bfloat16 $dsizes --json "$WORK/bench_decode.json" ||
+  JAX_FLASH_CUDA_LAYOUT=warp32 "$PY" -m jax_flash.bench --dtype bfloat16 --passes both --causal both \
+    ${DEVICE_CHECK_BENCH_ARGS:-$sizes} --impls cuda --time-budget "$rest" --json "$WORK/bench_warp32.json" ||
     rc=1
-  merge_decode_bench "$OUT/bench.json" "$WORK/bench_decode.json" || rc=1
+  merge_layout_bench "$OUT/bench.json" "$WORK/bench_warp32.json" || rc=1
   return $rc
 }
 
@@ -483,7 +482,7 @@ sanitize() {  # memcheck or racecheck of build/sanitizer_case.py
 step_memcheck() { sanitize memcheck; }
 step_racecheck() { sanitize racecheck; }
 
-export -f step_machine step_build step_ptx_selftest step_correctness step_bench merge_layout_bench sanitize \
+export -f step_machine step_build step_ptx_selftest step_correctness step_bench merge_layout_bench merge_decode_bench sanitize \
   step_memcheck step_racecheck
 export DRY PY WORK OUT JOBS
 
