@@ -58,6 +58,23 @@ def get(name: str) -> Implementation:
     return module.IMPLEMENTATION
 
 
+# The SM count assumed where the device does not give one (an H100 / H200; the host emulation
+# of the CUDA kernels, interpreted Pallas): the split-KV and grid rules count in SMs.
+DEFAULT_SM_COUNT = 132
+
+
+def device_sm_count() -> Optional[int]:
+    """The default device's streaming multiprocessors (jax's `core_count`), or None where it
+    has none (a CPU)."""
+    count = getattr(jax.devices()[0], "core_count", None)
+    return int(count) if count else None
+
+
+def sm_count() -> int:
+    """device_sm_count(), or DEFAULT_SM_COUNT where the device does not say."""
+    return device_sm_count() or DEFAULT_SM_COUNT
+
+
 def platform() -> str:
     """'gpu', 'cpu' or the backend's own name (e.g. 'tpu')."""
     backend = jax.default_backend()

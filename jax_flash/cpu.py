@@ -6,6 +6,7 @@ from typing import Optional
 
 from jax_flash import _ffi, _registry
 from jax_flash._spec import AttentionSpec
+from jax_flash.inference import split_kv
 
 DTYPES = ("float32", "bfloat16", "float16")
 # H and Hv each up to MAX_HEAD_DIM, in any pair (the tiles take both, cuda/cpu/tiling.h).
@@ -23,9 +24,7 @@ MIN_CHUNK_KEY_BLOCKS = 4
 
 def packs_heads(spec: AttentionSpec) -> bool:
     """GQA packing (tiling.h PacksHeads): at T = 1 the G query heads of a kv head share one tile."""
-    group = spec.num_heads // spec.num_kv_heads
-    return (spec.q_len == 1 and 1 < group <= BLOCK and spec.bias_shape is None and spec.mask_shape is None
-            and not spec.has_dropout)
+    return split_kv.packs_query_heads(spec, BLOCK)
 
 
 def forward_items(spec: AttentionSpec) -> int:
@@ -35,9 +34,8 @@ def forward_items(spec: AttentionSpec) -> int:
 
 
 def forward_chunks(spec: AttentionSpec) -> int:
-    items = forward_items(spec)
-    wanted = -(-FORWARD_ITEMS // max(1, items))
-    return max(1, min(wanted, MAX_FORWARD_CHUNKS, -(-spec.kv_len // BLOCK) // MIN_CHUNK_KEY_BLOCKS))
+    return split_kv.chunk_count(forward_items(spec), FORWARD_ITEMS, -(-spec.kv_len // BLOCK), MIN_CHUNK_KEY_BLOCKS,
+                                MAX_FORWARD_CHUNKS)
 
 
 def split_kv_description(spec: AttentionSpec) -> str:

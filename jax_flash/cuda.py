@@ -180,13 +180,13 @@ def backward_grid_description(spec: AttentionSpec) -> str:
 FORWARD_BLOCK_Q = 128
 SPLIT_MIN_TILES = 2
 MAX_SPLITS = 64
-DEFAULT_SM_COUNT = 132  # an H100 / H200, where the device does not say (the host emulation)
 
 
 def packs_heads(spec: AttentionSpec) -> bool:
     """GQA packing (kernels/fwd.h): at T = 1 the G query heads of a kv head share one tile."""
-    return (spec.q_len == 1 and 1 < spec.group_size <= FORWARD_BLOCK_Q and spec.bias_shape is None
-            and spec.mask_shape is None and not spec.has_dropout)
+    from jax_flash.inference import split_kv
+
+    return split_kv.packs_query_heads(spec, FORWARD_BLOCK_Q)
 
 
 def forward_block_kv(head_dim: int) -> int:
@@ -198,10 +198,10 @@ def forward_block_kv(head_dim: int) -> int:
 
 def sm_count() -> tuple[int, str]:
     """(SMs, where the figure comes from) of the device the kernels run on."""
-    count = getattr(jax.devices()[0], "core_count", None)
-    if emulated() or not count:
-        return DEFAULT_SM_COUNT, f"{DEFAULT_SM_COUNT} SMs (an H100/H200; the device does not say)"
-    return int(count), f"the GPU's {int(count)} SMs"
+    count = _registry.sm_count()
+    if _registry.device_sm_count() is None:
+        return count, f"{count} SMs (an H100/H200; the device does not say)"
+    return count, f"the GPU's {count} SMs"
 
 
 def forward_ctas(spec: AttentionSpec) -> int:
@@ -218,16 +218,15 @@ def split_kv_setting() -> Optional[int]:
 
 def split_kv_chunks(spec: AttentionSpec) -> int:
     """The forward's split-KV chunk count C for a call of shape `spec` (1: no split)."""
+    from jax_flash.inference import split_kv
+
     if spec.has_dropout or spec.batch * spec.num_heads * spec.q_len == 0:
         return 1
     forced = split_kv_setting()
     if forced is not None:
         return forced
-    ctas, (sms, _) = forward_ctas(spec), sm_count()
-    if ctas >= sms:
-        return 1
     tiles = -(-spec.kv_len // forward_block_kv(spec.head_dim))
-    return max(1, min(-(-sms // ctas), tiles // SPLIT_MIN_TILES, MAX_SPLITS))
+    return split_kv.chunk_count(forward_ctas(spec), sm_count()[0], tiles, SPLIT_MIN_TILES, MAX_SPLITS)
 
 
 def decoding(spec: AttentionSpec) -> tuple[int, bool]:

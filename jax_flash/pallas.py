@@ -148,7 +148,7 @@ def _group_splits(group: int, programs: int, interpret: bool) -> int:
 
 
 def _num_sms() -> int:
-    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+    return _registry.sm_count()
 
 
 class _Extras:
@@ -322,11 +322,12 @@ def split_kv_chunks(spec: AttentionSpec, block_q: int, block_k: int, interpret: 
     forced = split_kv_setting()
     if forced is not None:
         return max(1, min(forced, blocks))
-    programs = spec.batch * spec.num_heads * -(-spec.q_len // block_q)
-    target = _split_target(interpret)
-    if spec.q_len > SPLIT_MAX_QUERIES or programs >= target:
+    if spec.q_len > SPLIT_MAX_QUERIES:
         return 1
-    return max(1, min(-(-target // programs), blocks // SPLIT_MIN_BLOCKS, MAX_SPLITS))
+    from jax_flash.inference import split_kv
+
+    programs = spec.batch * spec.num_heads * -(-spec.q_len // block_q)
+    return split_kv.chunk_count(programs, _split_target(interpret), blocks, SPLIT_MIN_BLOCKS, MAX_SPLITS)
 
 
 def split_kv_description(spec: AttentionSpec) -> str:

@@ -304,10 +304,7 @@ def _run(name: str, pspec: PagedSpec, *args, sinks=None):
 
         return pallas_decode.paged_forward(pspec, *args)
     if name in ("cuda", "cpu"):
-        from jax_flash import cpu, cuda
-
-        impl = {"cuda": cuda.IMPLEMENTATION, "cpu": cpu.IMPLEMENTATION}[name]
-        return impl.paged_forward(pspec, *args, sinks=sinks)
+        return _registry.get(name).paged_forward(pspec, *args, sinks=sinks)
     return forward(pspec, *args, sinks=sinks)
 
 

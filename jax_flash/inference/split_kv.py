@@ -47,6 +47,22 @@ def rule() -> str:
     )
 
 
+def chunk_count(units: int, target: int, blocks: int, min_blocks: int, max_chunks: int) -> int:
+    """The kernels' split-KV rule (cpu, cuda, pallas, each with its own figures): enough key
+    chunks for `units` parallel work units to reach `target` (a thread count, the SMs),
+    ceil(target / units), but each chunk at least `min_blocks` of the `blocks` key blocks and
+    at most `max_chunks`; 1 (no split) when the units already reach the target."""
+    return max(1, min(-(-target // max(1, units)), blocks // min_blocks, max_chunks))
+
+
+def packs_query_heads(spec: AttentionSpec, max_group: int) -> bool:
+    """GQA packing of a kernel's forward (cpu, cuda): at T = 1 the G = N / K query heads of a
+    kv head are the rows of one tile (G <= `max_group`, the tile's rows), where no dense bias,
+    dense mask or dropout varies per head."""
+    return (spec.q_len == 1 and 1 < spec.group_size <= max_group and spec.bias_shape is None
+            and spec.mask_shape is None and not spec.has_dropout)
+
+
 def forced_chunks(variable: str, what: str) -> Optional[int]:
     """The chunk count an environment variable forces on a kernel's split-KV (`what`, for the
     message): None when it is unset or empty (the kernel's rule decides), else an integer from
