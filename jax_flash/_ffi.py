@@ -180,7 +180,8 @@ def _backward_call(
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct(k.shape, k.dtype),
         jax.ShapeDtypeStruct(v.shape, v.dtype),
-        jax.ShapeDtypeStruct((b, t, n, h), jnp.float32),  # dq_accum workspace
+        # dq_accum workspace: the CUDA targets' atomics; the cpu kernels need none ([0]).
+        jax.ShapeDtypeStruct((b, t, n, h) if backward_grid is not None else (0,), jnp.float32),
         jax.ShapeDtypeStruct((b, n, t), jnp.float32),  # delta workspace
     )
     if backward_grid is not None:

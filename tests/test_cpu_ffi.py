@@ -61,6 +61,9 @@ CONFIGS = {
     "tiny_head": Config(b=1, t=9, s=21, n=2, kh=1, h=8, window=(-1, 0)),
     "wide_head": Config(b=1, t=33, s=40, n=2, kh=2, h=256, softcap=2.0),
     "mqa_wide": Config(b=1, t=65, s=200, n=3, kh=1, h=64, window=(40, 3)),
+    # Every edge of the AMX products' tiling (tile_gemm_amx.h): 16-row and 16-column tile
+    # remainders, 22 rows past the last whole tile, 40 pairs (8 past the last 16-pair step).
+    "odd_tiles": Config(b=1, t=150, s=170, n=2, kh=1, h=80, window=(-1, 0)),
     "combo": Config(
         window=(48, 0), q_lengths=(90, 97), kv_lengths=(120, 77), segments=True, softcap=3.0
     ),
@@ -280,7 +283,7 @@ def test_fully_masked_rows_exist_in_cases():
         assert (~vis).any() and vis.any(), name
 
 
-ISAS = ["generic", "avx2", "avx512", "avx512bf16"]
+ISAS = ["generic", "avx2", "avx512", "avx512bf16", "amx", "amx_emulated"]
 
 
 def run_on(isa: str, x: dict, attrs: dict):
@@ -293,13 +296,14 @@ def run_on(isa: str, x: dict, attrs: dict):
             return None
 
 
-@pytest.mark.parametrize("config", ["combo", "tiny_head", "mqa_wide", "wide_head"])
+@pytest.mark.parametrize("config", ["combo", "tiny_head", "mqa_wide", "wide_head", "odd_tiles"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("isa", ISAS)
 def test_every_isa(isa, dtype, config):
     """Each compiled ISA (its own vector width, micro-tile shapes and, for bf16 on
-    avx512bf16, its bf16 products) matches the reference in every dtype; one this CPU
-    lacks is refused by name."""
+    avx512bf16 and amx, its bf16 products; amx_emulated: the AMX products' code with the tile
+    instructions in C++) matches the reference in every dtype; one this CPU lacks is
+    refused by name."""
     cfg = CONFIGS[config]
     x = make_inputs(cfg, dtype)
     results = run_on(isa, x, attributes(cfg))
@@ -309,7 +313,7 @@ def test_every_isa(isa, dtype, config):
 
 @pytest.mark.parametrize("config", ["none", "segments", "softcap_causal", "offset_combo"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("isa", ["avx512", "avx512bf16"])
+@pytest.mark.parametrize("isa", ["avx512", "avx512bf16", "amx", "amx_emulated"])
 def test_masks_on_wide_isas(isa, dtype, config):
     """The mask cases on the AVX-512 paths, the bf16 products included."""
     cfg = CONFIGS[config]
@@ -329,7 +333,7 @@ def test_single_pass_backward_has_several_chunks():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("isa", ["generic", "avx512", "avx512bf16"])
+@pytest.mark.parametrize("isa", ["generic", "avx512", "avx512bf16", "amx", "amx_emulated"])
 def test_threads_bitwise_deterministic(isa, dtype):
     """1, 2, 3 threads and no cap (JAX_FLASH_CPU_THREADS): the same bits (the dQ
     partials of the key-block chunks are summed in chunk order whoever ran them)."""

@@ -241,7 +241,7 @@ def test_cpu_isas_and_threads(case, monkeypatch):
     for name, a, b in zip(NAMES, base, f(q, k, v, bias)):
         np.testing.assert_array_equal(a, np.asarray(b), err_msg=f"{name}: one thread")
     monkeypatch.delenv("JAX_FLASH_CPU_THREADS")
-    for isa in ("generic", "avx2", "avx512"):
+    for isa in ("generic", "avx2", "avx512", "avx512bf16", "amx", "amx_emulated"):
         monkeypatch.setenv("JAX_FLASH_CPU_ISA", isa)
         try:
             ext.cpu_isa()

@@ -19,7 +19,8 @@ namespace jax_flash {
 namespace cpu {
 namespace JAX_FLASH_CPU_ISA {
 
-// Buffers of one backward worker. Q, dO, Kᵀ, Vᵀ and K come packed.
+// Buffers of one backward worker. Q and dO come packed; the worker packs the key block
+// it works on (Kᵀ, Vᵀ, K) into its own buffers.
 struct BackwardTiles {
   int64_t head_dim_padded;  // Hp
   int64_t row_stride;       // leading dimension of packed rows
@@ -29,6 +30,9 @@ struct BackwardTiles {
   float* dk;         // KeyGradientFloats: the key block's Σ dSᵀ·Q (format: tile_products.h)
   float* dv;         // KeyGradientFloats: Σ Pᵀ·dO
   float* scratch;    // [kProductScratchFloats] the products' own (bf16 P, dS)
+  float* key_t;      // KeyBlockFloats: the key block's Kᵀ
+  float* value_t;    // KeyBlockFloats: Vᵀ
+  float* key_rows;   // KeyBlockFloats: K rows
   float* row;        // [RowStride] one gradient row on its way out
   float* lse;        // [kBlockQ] (+inf for rows that saw nothing)
   float* delta;      // [kBlockQ]
@@ -49,6 +53,9 @@ struct BackwardTiles {
     dk = w.Take(KeyGradientFloats(p));
     dv = w.Take(KeyGradientFloats(p));
     scratch = w.Take(kProductScratchFloats);
+    key_t = w.Take(KeyBlockFloats(p));
+    value_t = w.Take(KeyBlockFloats(p));
+    key_rows = w.Take(KeyBlockFloats(p));
     row = w.Take(row_stride);
     lse = w.Take(kBlockQ);
     delta = w.Take(kBlockQ);
@@ -78,10 +85,6 @@ struct TileOperands {
 inline const float* PackedQuery(const Problem& p, const float* packed, int64_t b, int64_t n,
                                 int64_t t0) {
   return packed + QueryBlockIndex(p, b, n, t0) * QueryBlockFloats(p);
-}
-inline const float* PackedKey(const Problem& p, const float* packed, int64_t b, int64_t g,
-                              int64_t s0) {
-  return packed + KeyBlockIndex(p, b, g, s0) * KeyBlockFloats(p);
 }
 
 // Loads lse and D of query rows [t0, t0 + rows) of head n, padded to rows_padded.

@@ -49,12 +49,20 @@ inline void PrepareQueryBlock(const Problem& p, int64_t item, float* row_buffer)
   }
 }
 
+// Packs key block `block` in the products' format into `dst`.
+inline void PackKeyBlockFor(const Problem& p, const KeyBlockItem& block, const KeyBlockLayouts& dst,
+                            float* row_buffer) {
+#if defined(JAX_FLASH_CPU_BF16_PRODUCTS)
+  if (p.dtype == ElementType::kBF16) return PackKeyBlockBF16(p, block, dst);
+#endif
+  PackKeyBlock(p, block, dst, row_buffer);
+}
+
+// The forward's prepass (Problem::Packed): key block `item` packed, and its bad value rows
+// found, once per call before the tiles.
 inline void PrepareKeyBlock(const Problem& p, int64_t item, float* row_buffer) {
   if (p.packed.bad_values != nullptr) FindNonFiniteValues(p, item, row_buffer);
-#if defined(JAX_FLASH_CPU_BF16_PRODUCTS)
-  if (p.dtype == ElementType::kBF16) return PackKeyBlockBF16(p, item);
-#endif
-  PackKeyBlock(p, item, row_buffer);
+  PackKeyBlockFor(p, KeyBlockOf(p, item), PackedKeyBlock(p, item), row_buffer);
 }
 
 // dK = factor · accumulator and dV rows of keys [s0, s0 + cols) of kv head g.
@@ -95,9 +103,12 @@ void GradientKeyBlock(const Problem& p, BackwardTiles& w, const MaskGeometry& ma
   if (cols == 0) return;
   const int64_t cols_padded = RoundUp(cols, kLanes);
   for (int64_t i = 0; i < KeyGradientFloats(p); ++i) w.dk[i] = w.dv[i] = 0.0f;
-  in.k_t = PackedKey(p, p.packed.k_t, b, g, s0);
-  in.v_t = PackedKey(p, p.packed.v_t, b, g, s0);
-  in.k = PackedKey(p, p.packed.k, b, g, s0);
+  // One item visits each key block: it packs the block's Kᵀ, Vᵀ and K itself, when it
+  // starts on it (no copy of the whole K and V in the packed layouts).
+  PackKeyBlockFor(p, {b, g, s0, keys}, {w.key_t, w.value_t, w.key_rows, nullptr}, w.row);
+  in.k_t = w.key_t;
+  in.v_t = w.value_t;
+  in.k = w.key_rows;
 
   // The query rows that can see any of these keys form one interval.
   const KeyInterval rows_seen = mask.rows_of_keys(s0, s0 + cols);
@@ -152,7 +163,8 @@ inline void GradientTile(const Problem& p, int64_t item, float* workspace) {
 }
 
 // dQ of query block `item` = scale · Σ_c partial_c, c = 0, 1, ... in order; into
-// dq_accum (float32) and dq. Rows at or past the query length get zeros.
+// dq, and dq_accum (float32) when the call has one. Rows at or past the query length get
+// zeros.
 inline void ReduceQueryGradient(const Problem& p, int64_t item, float* row_buffer) {
   const auto [b, n, t0, rows] = QueryBlockOf(p, item);
   const MaskGeometry mask(p, b);
@@ -165,12 +177,13 @@ inline void ReduceQueryGradient(const Problem& p, int64_t item, float* row_buffe
       const float* partial = QueryGradientPartial(p, c, b, n, t0) + i * ld;
       for (int64_t h = 0; h < p.head_dim; ++h) row_buffer[h] += partial[h];
     }
-    StoreRow(row_buffer, p.scale, ElementType::kF32, p.q_row(b, t0 + i, n), p.head_dim, p.dq_accum);
+    if (p.dq_accum != nullptr)
+      StoreRow(row_buffer, p.scale, ElementType::kF32, p.q_row(b, t0 + i, n), p.head_dim, p.dq_accum);
     StoreRow(row_buffer, p.scale, p.dtype, p.q_row(b, t0 + i, n), p.head_dim, p.dq);
   }
   for (int64_t t = t0 + live_rows; t < t0 + rows; ++t) {
     StoreZeros(p.dtype, p.q_row(b, t, n), p.head_dim, p.dq);
-    StoreZeros(ElementType::kF32, p.q_row(b, t, n), p.head_dim, p.dq_accum);
+    if (p.dq_accum != nullptr) StoreZeros(ElementType::kF32, p.q_row(b, t, n), p.head_dim, p.dq_accum);
   }
 }
 

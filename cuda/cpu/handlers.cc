@@ -370,29 +370,20 @@ void SumBiasGradientPartials(const Problem& p) {
   }
 }
 
-// The single-pass backward (flash_backward_pass.h): pack Q, dO (with D), Kᵀ, Vᵀ and K
-// once, in the products' format, zeroing the dQ partials; one pass of key-block items;
-// then dQ = scale · Σ partials per query block.
+// The single-pass backward (flash_backward_pass.h): pack Q and dO (with D) once, in the
+// products' format, zeroing the dQ partials; one pass of key-block items, each packing
+// the key blocks it visits; then dQ = scale · Σ partials per query block.
 ffi::Error RunBackward(ffi::ThreadPool& pool, const KernelTable& kernels, Problem& p) {
   Workspace q_rows(PackedQueryFloats(p)), dout_rows(PackedQueryFloats(p));
-  Workspace k_t(PackedKeyFloats(p)), v_t(PackedKeyFloats(p)), k_rows(PackedKeyFloats(p));
   Workspace dq_partial(GradientChunks(p) * PackedQueryFloats(p));
-  for (const Workspace* w : {&q_rows, &dout_rows, &k_t, &v_t, &k_rows, &dq_partial})
+  for (const Workspace* w : {&q_rows, &dout_rows, &dq_partial})
     if (w->get() == nullptr) return OutOfMemory("jax_flash_bwd");
   p.packed.q = q_rows.get();
   p.packed.dout = dout_rows.get();
-  p.packed.k_t = k_t.get();
-  p.packed.v_t = v_t.get();
-  p.packed.k = k_rows.get();
   p.packed.dq_partial = dq_partial.get();
   const int64_t row_buffer = 2 * PaddedHeadDim(p);
   if (ffi::Error e = RunTiles(pool, "jax_flash_bwd", QueryItems(p), row_buffer, p,
                               kernels.prepare_query_block);
-      e.failure()) {
-    return e;
-  }
-  if (ffi::Error e = RunTiles(pool, "jax_flash_bwd", KeyItems(p), row_buffer, p,
-                              kernels.prepare_key_block);
       e.failure()) {
     return e;
   }
@@ -445,7 +436,13 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
   check.Expect("dq", *dq, q_shape, dtype);
   check.Expect("dk", *dk, kv_shape, dtype);
   check.Expect("dv", *dv, v_shape, dtype);
-  check.Expect("dq_accum", *dq_accum, q_shape, ffi::DataType::F32);
+  // dq_accum: [0] (the Python side's choice: nothing to write), or dQ in float32.
+  const bool writes_dq_accum = dq_accum->dimensions().size() != 1 || dq_accum->element_count() != 0;
+  if (writes_dq_accum) {
+    check.Expect("dq_accum", *dq_accum, q_shape, ffi::DataType::F32);
+  } else {
+    check.Expect("dq_accum", *dq_accum, {0}, ffi::DataType::F32);
+  }
   check.Expect("delta", *delta, stat_shape, ffi::DataType::F32);
   if (p.bias.present()) {
     const int64_t* d = p.bias.dims;
@@ -468,7 +465,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
   p.dq = dq->untyped_data();
   p.dk = dk->untyped_data();
   p.dv = dv->untyped_data();
-  p.dq_accum = static_cast<float*>(dq_accum->untyped_data());
+  p.dq_accum = writes_dq_accum ? static_cast<float*>(dq_accum->untyped_data()) : nullptr;
   p.delta = static_cast<float*>(delta->untyped_data());
   if (p.bias.present()) {
     p.dbias = static_cast<float*>(dbias->untyped_data());
@@ -535,7 +532,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuBackward, Backward,
                                   .Ret<ffi::AnyBuffer>()  // dq [B, T, N, H]
                                   .Ret<ffi::AnyBuffer>()  // dk [B, S, K, H]
                                   .Ret<ffi::AnyBuffer>()  // dv [B, S, K, Hv]
-                                  .Ret<ffi::AnyBuffer>()  // dq_accum [B, T, N, H] f32 workspace
+                                  .Ret<ffi::AnyBuffer>()  // dq_accum [B, T, N, H] f32, or [0]
                                   .Ret<ffi::AnyBuffer>()  // delta [B, N, T] f32 workspace
                                   .Ret<ffi::AnyBuffer>()  // dbias: bias' shape f32, or [0] f32
                                   .Attr<float>("scale")

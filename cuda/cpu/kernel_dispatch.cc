@@ -2,6 +2,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "cpu/kernel_table.h"
 
@@ -29,6 +33,25 @@ bool CpuHasAvx512Bf16() {
 #endif
 }
 
+// AMX-BF16 in the CPU, and the tile state granted by the operating system: Linux hands it
+// to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), once;
+// a refusal leaves the AMX kernels unused.
+bool CpuHasAmx() {
+#if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
+  static const bool granted = [] {
+    __builtin_cpu_init();
+    if (!CpuHasAvx512Bf16() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16"))
+      return false;
+    constexpr long kArchReqXcompPerm = 0x1023;
+    constexpr long kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+#else
+  return false;
+#endif
+}
+
 bool CpuHasAvx2() {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
@@ -44,6 +67,19 @@ const KernelTable* SelectKernels(std::string* error) {
   const char* requested = std::getenv("JAX_FLASH_CPU_ISA");
   const bool any = requested == nullptr || *requested == '\0';
 #if defined(__x86_64__) || defined(_M_X64)
+  if (any || std::strcmp(requested, "amx") == 0) {
+    if (CpuHasAmx()) return &amx::Kernels();
+    if (!any) {
+      *error = "JAX_FLASH_CPU_ISA=amx but this CPU lacks AMX-BF16 with AVX-512 BF16, or the "
+               "operating system refused it the tile state";
+      return nullptr;
+    }
+  }
+  if (!any && std::strcmp(requested, "amx_emulated") == 0) {
+    if (CpuHasAvx512Bf16()) return &amx_emulated::Kernels();
+    *error = "JAX_FLASH_CPU_ISA=amx_emulated but this CPU lacks AVX-512 (F, VL, BW, DQ) with BF16";
+    return nullptr;
+  }
   if (any || std::strcmp(requested, "avx512bf16") == 0) {
     if (CpuHasAvx512Bf16()) return &avx512bf16::Kernels();
     if (!any) {
@@ -68,7 +104,8 @@ const KernelTable* SelectKernels(std::string* error) {
 #endif
   if (any || std::strcmp(requested, "generic") == 0) return &generic::Kernels();
   *error = std::string("JAX_FLASH_CPU_ISA=") + requested +
-           " is not one of: avx512bf16, avx512, avx2, generic (or unset for the best this CPU runs)";
+           " is not one of: amx, avx512bf16, avx512, avx2, generic, amx_emulated (or unset for the best "
+           "this CPU runs)";
   return nullptr;
 }
 

@@ -21,11 +21,12 @@ struct KernelTable {
   void (*forward_tile)(const Problem&, int64_t item, float* workspace);
   // Split-KV (Problem::forward_chunks > 1): one item per query block, after forward_tile.
   void (*merge_forward_chunks)(const Problem&, int64_t query_item, float* workspace);
-  // The backward (flash_backward_pass.h): prepare_* pack in the format the products of
-  // this ISA take for the problem's dtype (workspace 2·PaddedHeadDim floats; the forward
-  // runs prepare_key_block too), backward_workspace floats per worker for
-  // gradient_tile (GradientItems), reduce_query_gradient per query block (workspace
-  // 2·PaddedHeadDim).
+  // prepare_key_block: the forward's prepass (Problem::Packed k_t, v and bad_values) of one
+  // key block. The backward (flash_backward_pass.h): prepare_query_block packs Q and dO in
+  // the format the products of this ISA take for the problem's dtype (workspace
+  // 2·PaddedHeadDim floats), backward_workspace floats per worker for gradient_tile
+  // (GradientItems, which packs its key blocks), reduce_query_gradient per query block
+  // (workspace 2·PaddedHeadDim).
   int64_t (*backward_workspace)(const Problem&);
   void (*prepare_query_block)(const Problem&, int64_t item, float* workspace);
   void (*prepare_key_block)(const Problem&, int64_t item, float* workspace);
@@ -38,10 +39,13 @@ namespace generic { const KernelTable& Kernels(); }
 namespace avx2 { const KernelTable& Kernels(); }
 namespace avx512 { const KernelTable& Kernels(); }
 namespace avx512bf16 { const KernelTable& Kernels(); }
+namespace amx { const KernelTable& Kernels(); }
+namespace amx_emulated { const KernelTable& Kernels(); }
 #endif
 
-// The widest ISA this CPU runs, or the one named by JAX_FLASH_CPU_ISA ("avx512bf16",
-// "avx512", "avx2", "generic"); an error message when the named one is unknown or unsupported.
+// The widest ISA this CPU runs, or the one named by JAX_FLASH_CPU_ISA ("amx", "avx512bf16",
+// "avx512", "avx2", "generic", or "amx_emulated", which is never chosen otherwise); an error
+// message when the named one is unknown or unsupported.
 const KernelTable* SelectKernels(std::string* error);
 
 }  // namespace cpu

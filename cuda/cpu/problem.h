@@ -118,10 +118,9 @@ struct Problem {
 
   // Operands packed once per call into float32 tiles (see tiling.h for the layouts),
   // so that no tile re-reads, re-widens or re-transposes what another tile already did.
+  // (The backward's key blocks are packed by the one item that visits each.)
   struct Packed {
-    float* k_t = nullptr;   // Kᵀ per key block      (forward, backward)
-    float* v_t = nullptr;   // Vᵀ per key block      (backward)
-    float* k = nullptr;     // K rows per key block  (backward)
+    float* k_t = nullptr;   // Kᵀ per key block      (forward)
     float* v = nullptr;     // V rows per key block  (forward)
     float* q = nullptr;     // scale · Q rows per query block (backward)
     float* dout = nullptr;  // dO rows per query block        (backward)

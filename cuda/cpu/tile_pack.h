@@ -113,24 +113,37 @@ inline const int32_t* NonFiniteValues(const Problem& p, int64_t b, int64_t g, in
   return bad[kBlockK] != 0 ? bad : nullptr;
 }
 
-// Packs key block `item` = (b, kv head g, key block) of every packed K/V layout the
-// problem asks for (the null ones are skipped). Runs once per call and key block,
-// before any tile that reads it. `row_buffer` holds max(H, Hv) floats.
-inline void PackKeyBlock(const Problem& p, int64_t item, float* row_buffer) {
-  const auto [b, g, s0, keys] = KeyBlockOf(p, item);
+// Where one key block's packed layouts go (the null ones are skipped): a block of the
+// forward's prepass (Problem::Packed), or a backward worker's own buffers.
+struct KeyBlockLayouts {
+  float* k_t;  // Kᵀ
+  float* v_t;  // Vᵀ
+  float* k;    // K rows
+  float* v;    // V rows
+};
+// The forward's prepass buffers of key block `item`: Kᵀ and V rows.
+inline KeyBlockLayouts PackedKeyBlock(const Problem& p, int64_t item) {
   const int64_t offset = item * KeyBlockFloats(p);
+  return {p.packed.k_t + offset, nullptr, nullptr, p.packed.v + offset};
+}
+
+// Packs the key block `block` of every layout `dst` asks for, in float32.
+// `row_buffer` holds max(H, Hv) floats.
+inline void PackKeyBlock(const Problem& p, const KeyBlockItem& block, const KeyBlockLayouts& dst,
+                         float* row_buffer) {
+  const auto [b, g, s0, keys] = block;
   const int64_t ld = RowStride(p);
   const RowBlock k = KeyRows(p, b, g, s0, keys, false, nullptr);
   const RowBlock v = KeyRows(p, b, g, s0, keys, true, nullptr);
-  if (p.packed.k_t != nullptr) PackTransposed(k, kBlockK, kKeyStride, row_buffer, p.packed.k_t + offset);
-  if (p.packed.v_t != nullptr) PackTransposed(v, kBlockK, kKeyStride, row_buffer, p.packed.v_t + offset);
-  if (p.packed.k != nullptr) {
-    PackRows(k, 1.0f, kBlockK, ld, p.packed.k + offset);
-    ZeroNonFinite(p.packed.k + offset, kBlockK * ld);
+  if (dst.k_t != nullptr) PackTransposed(k, kBlockK, kKeyStride, row_buffer, dst.k_t);
+  if (dst.v_t != nullptr) PackTransposed(v, kBlockK, kKeyStride, row_buffer, dst.v_t);
+  if (dst.k != nullptr) {
+    PackRows(k, 1.0f, kBlockK, ld, dst.k);
+    ZeroNonFinite(dst.k, kBlockK * ld);
   }
-  if (p.packed.v != nullptr) {
-    PackRows(v, 1.0f, kBlockK, ld, p.packed.v + offset);
-    ZeroNonFinite(p.packed.v + offset, kBlockK * ld);
+  if (dst.v != nullptr) {
+    PackRows(v, 1.0f, kBlockK, ld, dst.v);
+    ZeroNonFinite(dst.v, kBlockK * ld);
   }
 }
 

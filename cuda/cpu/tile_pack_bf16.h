@@ -84,22 +84,22 @@ inline const uint16_t* AsBF16(const float* p) { return reinterpret_cast<const ui
 // Offset (in bf16 elements) of the transposed copy behind a packed query block's rows.
 inline int64_t TransposedQueryOffset(const Problem& p) { return kBlockQ * RowStride(p); }
 
-inline void PackKeyBlockBF16(const Problem& p, int64_t item) {
-  const auto [b, g, s0, keys] = KeyBlockOf(p, item);
-  const int64_t offset = item * KeyBlockFloats(p);
+// PackKeyBlock (tile_pack.h) with the bf16 layouts.
+inline void PackKeyBlockBF16(const Problem& p, const KeyBlockItem& block, const KeyBlockLayouts& dst) {
+  const auto [b, g, s0, keys] = block;
   const int64_t hp = PaddedHeadDim(p);
   const int64_t ld = RowStride(p);
   const RowBlock k = KeyRows(p, b, g, s0, keys, false, nullptr);
   const RowBlock v = KeyRows(p, b, g, s0, keys, true, nullptr);
-  if (p.packed.k_t != nullptr) PackPairsAlongRows(k, hp, kKeyStride, AsBF16(p.packed.k_t + offset));
-  if (p.packed.v_t != nullptr) PackPairsAlongRows(v, hp, kKeyStride, AsBF16(p.packed.v_t + offset));
-  if (p.packed.k != nullptr) {
-    PackPairsAcrossRows(k, kBlockK, ld, AsBF16(p.packed.k + offset));
-    ZeroNonFiniteBF16(AsBF16(p.packed.k + offset), kBlockK * ld);
+  if (dst.k_t != nullptr) PackPairsAlongRows(k, hp, kKeyStride, AsBF16(dst.k_t));
+  if (dst.v_t != nullptr) PackPairsAlongRows(v, hp, kKeyStride, AsBF16(dst.v_t));
+  if (dst.k != nullptr) {
+    PackPairsAcrossRows(k, kBlockK, ld, AsBF16(dst.k));
+    ZeroNonFiniteBF16(AsBF16(dst.k), kBlockK * ld);
   }
-  if (p.packed.v != nullptr) {
-    PackPairsAcrossRows(v, kBlockK, ld, AsBF16(p.packed.v + offset));
-    ZeroNonFiniteBF16(AsBF16(p.packed.v + offset), kBlockK * ld);
+  if (dst.v != nullptr) {
+    PackPairsAcrossRows(v, kBlockK, ld, AsBF16(dst.v));
+    ZeroNonFiniteBF16(AsBF16(dst.v), kBlockK * ld);
   }
 }
 

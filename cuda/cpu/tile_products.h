@@ -2,8 +2,8 @@
 // forward and backward tiles are written once against this interface:
 //   F32Products   operands widened to float32 when packed (tile_pack.h), FMA products
 //                 (tile_gemm.h); scale·Q is packed, so S = (scale·Q)·Kᵀ and dK = dSᵀ(scale·Q).
-//   BF16Products  bf16 operands packed bit for bit (tile_pack_bf16.h), vdpbf16ps products
-//                 with float32 accumulation (tile_gemm_bf16.h); Q is packed as it is and
+//   BF16Products  bf16 operands packed bit for bit (tile_pack_bf16.h), vdpbf16ps or AMX
+//                 products with float32 accumulation (tile_gemm_bf16.h, tile_gemm_amx.h); Q is packed as it is and
 //                 scale applied in float32: S = scale·(Q·Kᵀ), dK = scale·(dSᵀ·Q). P and dS
 //                 are rounded to bf16 (nearest even) for the products they feed, as the
 //                 GPU kernels do; accumulators and the softmax statistics stay float32.
@@ -19,6 +19,9 @@
 #if defined(JAX_FLASH_CPU_BF16_PRODUCTS)
 #include "cpu/tile_gemm_bf16.h"
 #include "cpu/tile_pack_bf16.h"
+#endif
+#if defined(JAX_FLASH_CPU_AMX_TILES)
+#include "cpu/tile_gemm_amx.h"
 #endif
 
 namespace jax_flash {
@@ -92,6 +95,19 @@ struct F32Products {
 };
 
 #if defined(JAX_FLASH_CPU_BF16_PRODUCTS)
+// The bf16 tile product of this ISA: AMX tiles where the translation unit names them
+// (tile_gemm_amx.h), vdpbf16ps otherwise; the same layouts and contract.
+template <Accumulate kMode>
+JAX_FLASH_INLINE void ProductBF16(int64_t m_dim, int64_t n_dim, int64_t pairs, const uint16_t* a,
+                                  int64_t lda, const uint16_t* b, int64_t ldb, float* c, int64_t ldc,
+                                  const float* row_scale = nullptr, float out_scale = 1.0f) {
+#if defined(JAX_FLASH_CPU_AMX_TILES)
+  GemmAMX<JAX_FLASH_CPU_AMX_TILES, kMode>(m_dim, n_dim, pairs, a, lda, b, ldb, c, ldc, row_scale, out_scale);
+#else
+  GemmBF16<kMode>(m_dim, n_dim, pairs, a, lda, b, ldb, c, ldc, row_scale, out_scale);
+#endif
+}
+
 struct BF16Products {
   static void PackQuery(const Problem& p, const RowBlock& q, int64_t rows_padded, float* dst) {
     PackRowsBF16(q, RoundUp(rows_padded, 2), RowStride(p), AsBF16(dst));
@@ -106,13 +122,13 @@ struct BF16Products {
   }
   static void Scores(const Problem& p, int64_t rows_padded, int64_t cols_padded, const float* q,
                      const float* k_t, float* s) {
-    GemmBF16<Accumulate::kOverwrite>(rows_padded, cols_padded, PaddedKeyDim(p) / 2, AsBF16(q),
+    ProductBF16<Accumulate::kOverwrite>(rows_padded, cols_padded, PaddedKeyDim(p) / 2, AsBF16(q),
                                      RowStride(p), AsBF16(k_t), kKeyStride, s, kBlockK, nullptr,
                                      p.scale);
   }
   static void ProbabilityGradient(const Problem& p, int64_t rows_padded, int64_t cols_padded,
                                   const float* dout, const float* v_t, float* dp) {
-    GemmBF16<Accumulate::kOverwrite>(rows_padded, cols_padded, PaddedValueDim(p) / 2, AsBF16(dout),
+    ProductBF16<Accumulate::kOverwrite>(rows_padded, cols_padded, PaddedValueDim(p) / 2, AsBF16(dout),
                                      RowStride(p), AsBF16(v_t), kKeyStride, dp, kBlockK);
   }
   static void AccumulateValues(const Problem& p, int64_t rows_padded, int64_t cols,
@@ -123,7 +139,7 @@ struct BF16Products {
     uint16_t* p16 = AsBF16(scratch);
     RoundRowsToBF16(probabilities, kBlockK, rows_padded, RoundUp(cols, kLanes), p16, kBlockK);
     const int64_t ld = RowStride(p);
-    GemmBF16<Accumulate::kRescale>(rows_padded, PaddedValueDim(p), cols_even / 2, p16, kBlockK,
+    ProductBF16<Accumulate::kRescale>(rows_padded, PaddedValueDim(p), cols_even / 2, p16, kBlockK,
                                    AsBF16(v), ld, o, ld, correction);
   }
   // Transposed accumulators: dvᵀ += dOᵀ·P, dkᵀ += Qᵀ·dS over the tile's real rows
@@ -135,10 +151,10 @@ struct BF16Products {
     const int64_t offset = TransposedQueryOffset(p);
     uint16_t* pairs = AsBF16(scratch);
     RoundRowsToPairs(probabilities, kBlockK, rows, cols_padded, pairs, kBlockK);
-    GemmBF16<Accumulate::kAdd>(PaddedValueDim(p), cols_padded, RoundUp(rows, 2) / 2,
+    ProductBF16<Accumulate::kAdd>(PaddedValueDim(p), cols_padded, RoundUp(rows, 2) / 2,
                                AsBF16(dout) + offset, kBlockQ, pairs, kBlockK, dv, kKeyStride);
     RoundRowsToPairs(ds, kBlockK, rows, cols_padded, pairs, kBlockK);
-    GemmBF16<Accumulate::kAdd>(PaddedKeyDim(p), cols_padded, RoundUp(rows, 2) / 2,
+    ProductBF16<Accumulate::kAdd>(PaddedKeyDim(p), cols_padded, RoundUp(rows, 2) / 2,
                                AsBF16(q) + offset, kBlockQ, pairs, kBlockK, dk, kKeyStride);
   }
   static void AccumulateQueryGradient(const Problem& p, int64_t rows_padded, int64_t cols,
@@ -146,7 +162,7 @@ struct BF16Products {
     uint16_t* ds16 = AsBF16(scratch);
     RoundRowsToBF16(ds, kBlockK, rows_padded, RoundUp(cols, kLanes), ds16, kBlockK);
     const int64_t ld = RowStride(p);
-    GemmBF16<Accumulate::kAdd>(rows_padded, PaddedKeyDim(p), RoundUp(cols, 2) / 2, ds16, kBlockK,
+    ProductBF16<Accumulate::kAdd>(rows_padded, PaddedKeyDim(p), RoundUp(cols, 2) / 2, ds16, kBlockK,
                                AsBF16(k), ld, dq, ld);
   }
   static int64_t KeyGradientIndex(const Problem& p, int64_t j, int64_t h) { return h * kKeyStride + j; }

@@ -1,0 +1,35 @@
+// The algorithm for AVX-512 with AMX-BF16: the avx512bf16 algorithm, its bf16 products on
+// AMX tiles (tile_gemm_amx.h AmxTiles), chosen at run time where the CPU has AMX and the
+// operating system grants its tile state (kernel_dispatch.cc).
+#if defined(__x86_64__) || defined(_M_X64)
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+
+// Shared (baseline-ISA) headers come before the target pragma; see vec.h.
+#include "cpu/convert.h"
+#include "cpu/kernel_table.h"
+#include "cpu/problem.h"
+#include "cpu/tiling.h"
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,amx-tile,amx-bf16,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,amx-tile,amx-bf16,avx2,fma,f16c")
+#endif
+#define JAX_FLASH_CPU_ISA amx
+#define JAX_FLASH_CPU_BF16_PRODUCTS 1
+#define JAX_FLASH_CPU_AMX_HARDWARE 1
+#define JAX_FLASH_CPU_AMX_TILES AmxTiles
+#define JAX_FLASH_CPU_ISA_NAME "amx"
+#define JAX_FLASH_CPU_VECTOR_WIDTH 16
+#include "cpu/kernels_isa.inc"
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif
