@@ -6,7 +6,7 @@
 //     b[(k/2)·2·ldb + 2n + k%2], so one 64-byte load holds the pairs of 16 columns;
 //   C is row-major float32 [M][ldc].
 // One vdpbf16ps adds A[m][2p]·B[2p][n] + A[m][2p+1]·B[2p+1][n] to 16 float lanes of C.
-// The same layouts are what AMX tiles take (A rows, B pairs), see tile_amx.h.
+// The same layouts are what AMX tiles take (A rows, B pairs), see tile_gemm_amx.h.
 //
 // Also here: rounding float32 tiles (P, dS) to bf16 rows or to pair layout, with
 // round-to-nearest-even (vcvtneps2bf16, which treats float32 subnormals as zero).
