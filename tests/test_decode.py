@@ -593,9 +593,9 @@ def test_decode_poison_reaches_exactly_the_rows_that_see_it(impl):
 
 
 def test_decode_with_sinks():
-    """Sinks in decoding: paged_attention (xla, unsplit and split over page chunks) and the
-    split-KV forward against the reference (a sequence of length 0: out 0, lse = the sink);
-    the pallas decode kernel says it takes none."""
+    """Sinks in decoding: paged_attention (xla and the pallas decode kernel, unsplit and split
+    over page chunks) and the split-KV forward against the reference (a sequence of length 0:
+    out 0, lse = the sink)."""
     rng = np.random.default_rng(4)
     b, t, n, kh, h, ps, mp = 3, 2, 4, 2, 32, 16, 6
     kp, vp, table = _paged_cache(rng, b, kh, h, ps, mp, "float32")
@@ -611,9 +611,16 @@ def test_decode_with_sinks():
     pspec, *_, sinks_c = paged.canonicalize_paged(q, kp, vp, table, lengths, **kw)
     out_s, lse_s = jax.jit(lambda *a: paged.forward(pspec, *a, splits=3, sinks=sinks_c))(q, kp, vp, table, lengths)
     _check(out_s, jnp.swapaxes(lse_s, 1, 2), q, ref, "float32")
-    assert "takes no sinks" in str(jax_flash.explain_paged(q, kp, vp, table, lengths, **kw).reasons["pallas"])
-    with pytest.raises(ValueError, match="pallas.*takes no sinks"):
-        jax_flash.paged_attention(q, kp, vp, table, lengths, implementation="pallas", **kw)
+    # The pallas decode kernel (interpreted here), unsplit and over 3 page chunks: the sink
+    # joins the first chunk only.
+    out_p, lse_p = jax.jit(lambda *a: jax_flash.paged_attention(
+        *a, return_residual=True, implementation="pallas", **kw))(q, kp, vp, table, lengths)
+    _check(out_p, lse_p, q, ref, "float32")
+    from jax_flash.inference import pallas_decode
+
+    out_p, lse_p = jax.jit(lambda *a: pallas_decode.paged_forward(pspec, *a, splits=3, sinks=sinks_c))(
+        q, kp, vp, table, lengths)
+    _check(out_p, jnp.swapaxes(lse_p, 1, 2), q, ref, "float32")
     # Split-KV over a contiguous cache (the xla path of attention on a GPU): the sink is
     # merged once, as one more partial.
     q, k, v, dkw = _decode_inputs(2, 1, 1100, 4, 2, 32, [1100, 0], "float32")

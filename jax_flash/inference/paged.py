@@ -267,7 +267,7 @@ def paged_attention(
       local_window_size: int w or (left, right), around each query's position.
       logits_soft_cap: c > 0: logits -> c·tanh(logits / c).
       sinks: optional [N] floating, one logit per query head, as for `jax_flash.attention`
-        (a row that sees nothing then gets out 0 and lse = sinks[n]). xla only.
+        (a row that sees nothing then gets out 0 and lse = sinks[n]); every implementation.
       return_residual: also return lse [B, T, N] (float32 natural log; -inf for rows that see
         nothing).
       implementation: None (cuda on an NVIDIA GPU, cpu on a CPU, else xla), "xla", "cuda"
@@ -299,10 +299,10 @@ def paged_attention(
 
 
 def _run(name: str, pspec: PagedSpec, *args, sinks=None):
-    if name == "pallas":  # takes no sinks (pallas_decode.unsupported)
+    if name == "pallas":
         from jax_flash.inference import pallas_decode
 
-        return pallas_decode.paged_forward(pspec, *args)
+        return pallas_decode.paged_forward(pspec, *args, sinks=sinks)
     if name in ("cuda", "cpu"):
         return _registry.get(name).paged_forward(pspec, *args, sinks=sinks)
     return forward(pspec, *args, sinks=sinks)

@@ -50,8 +50,6 @@ def unsupported(pspec) -> Optional[str]:
         return f"needs page_size a power of two >= 16 (Triton tiles), got {pspec.page_size}"
     if not _pow2(spec.head_dim) or spec.head_dim > 256:
         return f"needs a head dim that is a power of two in [16, 256], got {spec.head_dim}"
-    if spec.has_sinks:
-        return "takes no sinks yet (paged_attention with sinks is served by xla)"
     return None
 
 
@@ -61,10 +59,11 @@ def note() -> Optional[str]:
     return None
 
 
-def _kernel(q_ref, kp_ref, vp_ref, table_ref, len_ref, out_ref, lse_ref, *, spec, pages_per_chunk,
+def _kernel(q_ref, kp_ref, vp_ref, table_ref, len_ref, sink_ref, out_ref, lse_ref, *, spec, pages_per_chunk,
             num_pages, page_size, rows):
     """One (chunk, kv head, sequence): q_ref [R, H], kp_ref/vp_ref [P, page_size, H],
-    table_ref [C·pc] (this sequence's pages), len_ref [1]; out_ref [R, H] f32, lse_ref [R]."""
+    table_ref [C·pc] (this sequence's pages), len_ref [1], sink_ref [R] (each row's head's
+    sink logit; read when spec.has_sinks); out_ref [R, H] f32, lse_ref [R]."""
     from jax.experimental import pallas as pl
 
     c = pl.program_id(0)
@@ -98,16 +97,18 @@ def _kernel(q_ref, kp_ref, vp_ref, table_ref, len_ref, out_ref, lse_ref, *, spec
             p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return xla.online_softmax_step(carry, logits, vis, xla.finite_part(v), bad_v, pv=pv)
 
-    init = (jnp.full((r,), -jnp.inf, jnp.float32), jnp.zeros((r,), jnp.float32),
-            jnp.zeros(q.shape, jnp.float32), jnp.zeros((r,), jnp.bool_))
+    # The sink joins the softmax of the first chunk only (the merge adds the chunks up).
+    sink = jnp.where(c == 0, sink_ref[...], -jnp.inf) if spec.has_sinks else None
+    init = xla.online_softmax_init((r,), q.shape[1], jnp.float32, q, sink=sink)
     carry = lax.fori_loop(lo, jnp.maximum(lo, hi), page, init)
     out, lse = xla.online_softmax_finish(carry)
     out_ref[...] = out
     lse_ref[...] = lse
 
 
-def paged_forward(pspec, q, key_pages, value_pages, table, lengths, splits=None, interpret=None):
-    """out [B, T, N, H] (dtype of q), lse [B, N, T] for a PagedSpec whose `unsupported` is None."""
+def paged_forward(pspec, q, key_pages, value_pages, table, lengths, splits=None, interpret=None, sinks=None):
+    """out [B, T, N, H] (dtype of q), lse [B, N, T] for a PagedSpec whose `unsupported` is None;
+    sinks: float32 [N] when pspec.attention.has_sinks."""
     from jax.experimental import pallas as pl
 
     from jax_flash.pallas import _compiler_params
@@ -126,6 +127,11 @@ def paged_forward(pspec, q, key_pages, value_pages, table, lengths, splits=None,
     qr = xla._pad_axis(qr, 2, rows)
     table = xla._pad_axis(table, 1, c * pc, -1)
     lengths = lengths.astype(jnp.int32)[:, None]
+    # Row g·T + t of kv head k holds head k·G + g: its sink, -inf in the padding rows.
+    if sinks is None:
+        sinks = jnp.full((n,), -jnp.inf, jnp.float32)
+    row_sinks = jnp.repeat(sinks.astype(jnp.float32).reshape(kh, g), t, axis=1)
+    row_sinks = xla._pad_axis(row_sinks, 1, rows, -jnp.inf)
     kernel = functools.partial(
         _kernel, spec=spec, pages_per_chunk=pc, num_pages=pspec.num_pages, page_size=ps, rows=rows)
     pages_spec = pl.BlockSpec((pspec.num_pages, ps, None, h), lambda c_, k_, b_: (0, 0, k_, 0))
@@ -138,6 +144,7 @@ def paged_forward(pspec, q, key_pages, value_pages, table, lengths, splits=None,
             pages_spec,
             pl.BlockSpec((None, c * pc), lambda c_, k_, b_: (b_, 0)),
             pl.BlockSpec((None, 1), lambda c_, k_, b_: (b_, 0)),
+            pl.BlockSpec((None, rows), lambda c_, k_, b_: (k_, 0)),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, h), lambda c_, k_, b_: (c_, b_, k_, 0, 0)),
@@ -150,7 +157,7 @@ def paged_forward(pspec, q, key_pages, value_pages, table, lengths, splits=None,
         compiler_params=_compiler_params(Config(rows, ps, 4, 2)),
         interpret=interpret,
         name="jax_flash_paged_decode",
-    )(qr, key_pages, value_pages, table, lengths)
+    )(qr, key_pages, value_pages, table, lengths, row_sinks)
     # [C, B, K, G·T, H] -> C partials [B, T, N, H];  [C, B, K, G·T] -> [B, N, T]
     out = out[:, :, :, : g * t].reshape(c, b, kh, g, t, h).transpose(0, 1, 4, 2, 3, 5).reshape(c, b, t, n, h)
     lse = lse[:, :, :, : g * t].reshape(c, b, n, t)
