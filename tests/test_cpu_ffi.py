@@ -323,31 +323,41 @@ def test_masks_on_wide_isas(isa, dtype, config):
         check_against_reference(cfg, dtype, results)
 
 
-def test_single_pass_backward_has_several_chunks():
-    """The determinism case below sums dQ over several key-block chunks (B·K < 16),
-    and a large B·K runs one chunk; the chunking rule is what tiling.h says."""
-    assert _jax_flash_ext.cpu_gradient_chunks(2, 4, 2, 300, 260, 64) == 3
-    assert _jax_flash_ext.cpu_gradient_chunks(1, 8, 8, 4096, 4096, 64) == 2
-    assert _jax_flash_ext.cpu_gradient_chunks(4, 8, 8, 4096, 4096, 64) == 1
-    assert _jax_flash_ext.cpu_gradient_chunks(1, 1, 1, 4096, 4096, 64) == 4
+def test_single_pass_backward_chunk_rule():
+    """The chunking rule is what tiling.h says: enough (b, kv head, chunk) items for XLA's
+    pool (here 16 or 2 threads), at most 4 chunks, one key block each at least; 1 chunk
+    (the items own their query heads) once B·K fills the pool."""
+    chunks = _jax_flash_ext.cpu_gradient_chunks
+    assert chunks(2, 4, 2, 300, 260, 64, threads=16) == 3
+    assert chunks(1, 8, 8, 4096, 4096, 64, threads=16) == 2
+    assert chunks(4, 8, 8, 4096, 4096, 64, threads=16) == 1
+    assert chunks(1, 1, 1, 4096, 4096, 64, threads=16) == 4
+    assert chunks(1, 8, 8, 4096, 4096, 64, threads=2) == 1
+    assert chunks(1, 1, 1, 4096, 4096, 64, threads=2) == 2
 
 
+@pytest.mark.parametrize("chunks", ["rule", "1", "3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("isa", ["generic", "avx512", "avx512bf16", "amx", "amx_emulated"])
-def test_threads_bitwise_deterministic(isa, dtype):
-    """1, 2, 3 threads and no cap (JAX_FLASH_CPU_THREADS): the same bits (the dQ
-    partials of the key-block chunks are summed in chunk order whoever ran them)."""
+def test_threads_bitwise_deterministic(isa, dtype, chunks):
+    """1, 2, 3 threads and no cap (JAX_FLASH_CPU_THREADS): the same bits, with the rule's
+    chunks for this machine's pool, with one chunk (each item owns its query heads: packs
+    their Q and dO, holds their dQ) and with three (the dQ partials of the key-block chunks
+    are summed in chunk order whoever ran them; JAX_FLASH_CPU_GRADIENT_CHUNKS)."""
     cfg = Config(b=2, t=300, s=260, n=4, kh=2, h=64, window=(-1, 0), softcap=4.0)
     x = make_inputs(cfg, dtype)
     attrs = attributes(cfg)
     runs = []
+    forced = {} if chunks == "rule" else {"JAX_FLASH_CPU_GRADIENT_CHUNKS": chunks}
     for threads in (1, 2, 3, 0):  # 0: no cap
-        with environment(JAX_FLASH_CPU_THREADS=threads):
+        with environment(JAX_FLASH_CPU_THREADS=threads, **forced):
             runs.append(run_on(isa, x, attrs))
     if runs[0] is None:
         return
     check_against_reference(cfg, dtype, runs[0])
-    for other in runs[1:] + [run_on(isa, x, attrs)]:
+    with environment(**forced):
+        again = run_on(isa, x, attrs)
+    for other in runs[1:] + [again]:
         for a, b in zip(runs[0], other):
             np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 

@@ -19,8 +19,9 @@ namespace jax_flash {
 namespace cpu {
 namespace JAX_FLASH_CPU_ISA {
 
-// Buffers of one backward worker. Q and dO come packed; the worker packs the key block
-// it works on (Kᵀ, Vᵀ, K) into its own buffers.
+// Buffers of one backward worker. The worker packs the key block it works on (Kᵀ, Vᵀ, K)
+// into its own buffers; Q and dO come packed, or (GradientTileOwnsQueries) the worker packs
+// those of its item's query heads into its own buffers too, where it also holds their dQ.
 struct BackwardTiles {
   int64_t head_dim_padded;  // Hp
   int64_t row_stride;       // leading dimension of packed rows
@@ -33,7 +34,10 @@ struct BackwardTiles {
   float* key_t;      // KeyBlockFloats: the key block's Kᵀ
   float* value_t;    // KeyBlockFloats: Vᵀ
   float* key_rows;   // KeyBlockFloats: K rows
-  float* row;        // [RowStride] one gradient row on its way out
+  float* row;        // [2·RowStride] one gradient row on its way out; rows being packed
+  float* group_q;     // GroupQueryFloats (an item owning its query heads, else empty)
+  float* group_dout;  // GroupQueryFloats
+  float* group_dq;    // GroupQueryFloats: float32 dQ
   float* lse;        // [kBlockQ] (+inf for rows that saw nothing)
   float* delta;      // [kBlockQ]
   int32_t* segments; // [kBlockK]
@@ -56,7 +60,11 @@ struct BackwardTiles {
     key_t = w.Take(KeyBlockFloats(p));
     value_t = w.Take(KeyBlockFloats(p));
     key_rows = w.Take(KeyBlockFloats(p));
-    row = w.Take(row_stride);
+    row = w.Take(2 * row_stride);
+    const int64_t group = GradientTileOwnsQueries(p) ? GroupQueryFloats(p) : 0;
+    group_q = w.Take(group);
+    group_dout = w.Take(group);
+    group_dq = w.Take(group);
     lse = w.Take(kBlockQ);
     delta = w.Take(kBlockQ);
     segments = reinterpret_cast<int32_t*>(w.Take(kBlockK));
@@ -82,10 +90,6 @@ struct TileOperands {
   const float* k;     // [kBlockK][RowStride]
 };
 
-inline const float* PackedQuery(const Problem& p, const float* packed, int64_t b, int64_t n,
-                                int64_t t0) {
-  return packed + QueryBlockIndex(p, b, n, t0) * QueryBlockFloats(p);
-}
 
 // Loads lse and D of query rows [t0, t0 + rows) of head n, padded to rows_padded.
 inline void LoadRowStatistics(const Problem& p, BackwardTiles& w, int64_t b, int64_t n, int64_t t0,

@@ -27,22 +27,39 @@ namespace jax_flash {
 namespace cpu {
 namespace JAX_FLASH_CPU_ISA {
 
-inline float* QueryGradientPartial(const Problem& p, int64_t chunk, int64_t b, int64_t n, int64_t t0) {
-  return p.packed.dq_partial + (chunk * QueryItems(p) + QueryBlockIndex(p, b, n, t0)) * QueryBlockFloats(p);
+// Packs query block `block` in the products' format into q_dst and dout_dst, and its D.
+inline void PackQueryBlockFor(const Problem& p, const QueryBlockItem& block, float* q_dst, float* dout_dst,
+                              float* row_buffer) {
+#if defined(JAX_FLASH_CPU_BF16_PRODUCTS)
+  if (p.dtype == ElementType::kBF16) return PackQueryBlockBF16(p, block, q_dst, dout_dst, row_buffer);
+#endif
+  PackQueryBlock(p, block, q_dst, dout_dst, row_buffer);
 }
 
-// Pack step of the backward: Q, dO (and D) of query block `item` in the products'
-// format, and the block's dQ partials zeroed.
-inline void PrepareQueryBlock(const Problem& p, int64_t item, float* row_buffer) {
-#if defined(JAX_FLASH_CPU_BF16_PRODUCTS)
-  if (p.dtype == ElementType::kBF16) {
-    PackQueryBlockBF16(p, item, row_buffer);
-  } else {
-    PackQueryBlock(p, item, row_buffer);
+// Where the packed Q, dO and the float32 dQ partial of chunk `chunk` of query block (b, n,
+// t0) lie: in the call's packed operands, or, when the work item owns its query heads
+// (GradientTileOwnsQueries), in the worker's own buffers (BackwardTiles::group_*).
+struct QueryBlockOperands {
+  float* q;
+  float* dout;
+  float* dq;
+};
+inline QueryBlockOperands QueryOperands(const Problem& p, const BackwardTiles& w, int64_t chunk, int64_t b,
+                                        int64_t n, int64_t t0) {
+  if (GradientTileOwnsQueries(p)) {
+    const int64_t offset = ((n % p.group_size()) * QueryBlocks(p) + t0 / kBlockQ) * QueryBlockFloats(p);
+    return {w.group_q + offset, w.group_dout + offset, w.group_dq + offset};
   }
-#else
-  PackQueryBlock(p, item, row_buffer);
-#endif
+  const int64_t block = QueryBlockIndex(p, b, n, t0);
+  return {p.packed.q + block * QueryBlockFloats(p), p.packed.dout + block * QueryBlockFloats(p),
+          p.packed.dq_partial + (chunk * QueryItems(p) + block) * QueryBlockFloats(p)};
+}
+
+// Pack step of the backward (when the items do not own their query heads): Q, dO (and D)
+// of query block `item` in the products' format, and the block's dQ partials zeroed.
+inline void PrepareQueryBlock(const Problem& p, int64_t item, float* row_buffer) {
+  const int64_t offset = item * QueryBlockFloats(p);
+  PackQueryBlockFor(p, QueryBlockOf(p, item), p.packed.q + offset, p.packed.dout + offset, row_buffer);
   for (int64_t c = 0; c < GradientChunks(p); ++c) {
     float* partial = p.packed.dq_partial + (c * QueryItems(p) + item) * QueryBlockFloats(p);
     for (int64_t i = 0; i < QueryBlockFloats(p); ++i) partial[i] = 0.0f;
@@ -63,6 +80,19 @@ inline void PackKeyBlockFor(const Problem& p, const KeyBlockItem& block, const K
 inline void PrepareKeyBlock(const Problem& p, int64_t item, float* row_buffer) {
   if (p.packed.bad_values != nullptr) FindNonFiniteValues(p, item, row_buffer);
   PackKeyBlockFor(p, KeyBlockOf(p, item), PackedKeyBlock(p, item), row_buffer);
+}
+
+// An item that owns its query heads (GradientTileOwnsQueries) packs the Q and dO of every
+// query block of the heads of kv head g (computing their D) into its own buffers, and
+// zeroes its dQ, before its first key block.
+inline void PackGroupQueries(const Problem& p, BackwardTiles& w, int64_t b, int64_t g) {
+  for (int64_t n = g * p.group_size(); n < (g + 1) * p.group_size(); ++n) {
+    for (int64_t t0 = 0; t0 < p.q_len; t0 += kBlockQ) {
+      const QueryBlockOperands query = QueryOperands(p, w, 0, b, n, t0);
+      PackQueryBlockFor(p, {b, n, t0, std::min(kBlockQ, p.q_len - t0)}, query.q, query.dout, w.row);
+    }
+  }
+  for (int64_t i = 0; i < GroupQueryFloats(p); ++i) w.group_dq[i] = 0.0f;
 }
 
 // dK = factor · accumulator and dV rows of keys [s0, s0 + cols) of kv head g.
@@ -118,16 +148,16 @@ void GradientKeyBlock(const Problem& p, BackwardTiles& w, const MaskGeometry& ma
       const TileVisibility visibility = ClassifyTile(mask, t0, rows, s0, cols, cols_padded != cols);
       if (visibility == TileVisibility::kSkip) continue;
       const int64_t rows_padded = RoundUp(rows, kGemmRows);
-      in.q = PackedQuery(p, p.packed.q, b, n, t0);
-      in.dout = PackedQuery(p, p.packed.dout, b, n, t0);
+      const QueryBlockOperands query = QueryOperands(p, w, chunk, b, n, t0);
+      in.q = query.q;
+      in.dout = query.dout;
       LoadRowStatistics(p, w, b, n, t0, rows, rows_padded);
       const ScoreTile s{w.s, kBlockK, t0, rows, rows_padded, s0, cols, cols_padded};
       RecomputeTileGradient<Products>(p, w, mask, in, s, visibility, b, n);
       if (p.dbias != nullptr) AccumulateBiasGradient(s, w.ds, BiasGradientRows(p, chunk, b, n), w.bias_sum);
       Products::AccumulateKeyValueGradients(p, rows, cols_padded, w.s, w.ds, in.q,
                                             in.dout, w.scratch, w.dk, w.dv);
-      Products::AccumulateQueryGradient(p, rows_padded, cols, w.ds, in.k, w.scratch,
-                                        QueryGradientPartial(p, chunk, b, n, t0));
+      Products::AccumulateQueryGradient(p, rows_padded, cols, w.ds, in.k, w.scratch, query.dq);
     }
   }
   StoreKeyValueGradients<Products>(p, w, b, g, s0, cols);
@@ -147,11 +177,19 @@ void GradientTileWith(const Problem& p, int64_t item, float* workspace) {
   const int64_t g_begin = every_head ? 0 : owner % GradientKvHeadItems(p);
   const int64_t g_end = every_head ? p.kv_heads : g_begin + 1;
   BackwardTiles w(p, workspace);
+  const bool owns_queries = GradientTileOwnsQueries(p);
+  if (owns_queries) PackGroupQueries(p, w, b_begin, g_begin);
   for (int64_t block = chunk; block < KeyBlocks(p); block += chunks) {
     for (int64_t b = b_begin; b < b_end; ++b) {
       const MaskGeometry mask(p, b);
       for (int64_t g = g_begin; g < g_end; ++g) GradientKeyBlock<Products>(p, w, mask, b, g, chunk, block);
     }
+  }
+  if (owns_queries) {
+    for (int64_t n = g_begin * p.group_size(); n < (g_begin + 1) * p.group_size(); ++n)
+      for (int64_t t0 = 0; t0 < p.q_len; t0 += kBlockQ)
+        StoreQueryGradient(p, {b_begin, n, t0, std::min(kBlockQ, p.q_len - t0)}, w.row,
+                           [&](int64_t c) { return QueryOperands(p, w, c, b_begin, n, t0).dq; });
   }
 }
 
@@ -162,20 +200,21 @@ inline void GradientTile(const Problem& p, int64_t item, float* workspace) {
   GradientTileWith<F32Products>(p, item, workspace);
 }
 
-// dQ of query block `item` = scale · Σ_c partial_c, c = 0, 1, ... in order; into
-// dq, and dq_accum (float32) when the call has one. Rows at or past the query length get
-// zeros.
-inline void ReduceQueryGradient(const Problem& p, int64_t item, float* row_buffer) {
-  const auto [b, n, t0, rows] = QueryBlockOf(p, item);
+// dQ of query block `block` = scale · Σ_c partial(c), c = 0, 1, ... in order; into dq,
+// and dq_accum (float32) when the call has one. Rows at or past the query length get
+// zeros. `row_buffer` holds H floats.
+template <class Partial>
+void StoreQueryGradient(const Problem& p, const QueryBlockItem& block, float* row_buffer, Partial partial) {
+  const auto [b, n, t0, rows] = block;
   const MaskGeometry mask(p, b);
   const int64_t live_rows = std::clamp<int64_t>(mask.q_valid - t0, 0, rows);
   const int64_t ld = RowStride(p);
   for (int64_t i = 0; i < live_rows; ++i) {
-    const float* first = QueryGradientPartial(p, 0, b, n, t0) + i * ld;
+    const float* first = partial(0) + i * ld;
     for (int64_t h = 0; h < p.head_dim; ++h) row_buffer[h] = first[h];
     for (int64_t c = 1; c < GradientChunks(p); ++c) {
-      const float* partial = QueryGradientPartial(p, c, b, n, t0) + i * ld;
-      for (int64_t h = 0; h < p.head_dim; ++h) row_buffer[h] += partial[h];
+      const float* next = partial(c) + i * ld;
+      for (int64_t h = 0; h < p.head_dim; ++h) row_buffer[h] += next[h];
     }
     if (p.dq_accum != nullptr)
       StoreRow(row_buffer, p.scale, ElementType::kF32, p.q_row(b, t0 + i, n), p.head_dim, p.dq_accum);
@@ -185,6 +224,15 @@ inline void ReduceQueryGradient(const Problem& p, int64_t item, float* row_buffe
     StoreZeros(p.dtype, p.q_row(b, t, n), p.head_dim, p.dq);
     if (p.dq_accum != nullptr) StoreZeros(ElementType::kF32, p.q_row(b, t, n), p.head_dim, p.dq_accum);
   }
+}
+
+// The reduction step (when the items do not own their query heads), per query block.
+inline void ReduceQueryGradient(const Problem& p, int64_t item, float* row_buffer) {
+  const QueryBlockItem block = QueryBlockOf(p, item);
+  const int64_t index = QueryBlockIndex(p, block.b, block.n, block.t0);
+  StoreQueryGradient(p, block, row_buffer, [&](int64_t c) {
+    return p.packed.dq_partial + (c * QueryItems(p) + index) * QueryBlockFloats(p);
+  });
 }
 
 }  // namespace JAX_FLASH_CPU_ISA

@@ -370,22 +370,35 @@ void SumBiasGradientPartials(const Problem& p) {
   }
 }
 
-// The single-pass backward (flash_backward_pass.h): pack Q and dO (with D) once, in the
-// products' format, zeroing the dQ partials; one pass of key-block items, each packing
-// the key blocks it visits; then dQ = scale · Σ partials per query block.
+// The backward's key-block chunks: tiling.h's rule for XLA's pool, or
+// JAX_FLASH_CPU_GRADIENT_CHUNKS=C (capped at kMaxGradientChunks and one key block per chunk),
+// which tests use to run both the chunked and the query-owning backward on any machine.
+int64_t GradientChunksFor(const Problem& p, ffi::ThreadPool& pool) {
+  const char* value = std::getenv("JAX_FLASH_CPU_GRADIENT_CHUNKS");
+  if (value == nullptr || value[0] == '\0') return GradientChunkRule(p, pool.num_threads());
+  const int64_t wanted = std::strtoll(value, nullptr, 10);
+  return std::clamp<int64_t>(wanted, 1, std::min(kMaxGradientChunks, std::max<int64_t>(1, KeyBlocks(p))));
+}
+
+// The single-pass backward (flash_backward_pass.h). With key-block chunks: pack Q and dO
+// (with D) once, in the products' format, zeroing the dQ partials; one pass of key-block
+// items, each packing the key blocks it visits; then dQ = scale · Σ partials per query
+// block. With one chunk the items own their query heads and do all of it in the pass.
 ffi::Error RunBackward(ffi::ThreadPool& pool, const KernelTable& kernels, Problem& p) {
-  Workspace q_rows(PackedQueryFloats(p)), dout_rows(PackedQueryFloats(p));
-  Workspace dq_partial(GradientChunks(p) * PackedQueryFloats(p));
+  const bool shared_queries = !GradientTileOwnsQueries(p);
+  Workspace q_rows(shared_queries ? PackedQueryFloats(p) : 0), dout_rows(shared_queries ? PackedQueryFloats(p) : 0);
+  Workspace dq_partial(shared_queries ? GradientChunks(p) * PackedQueryFloats(p) : 0);
   for (const Workspace* w : {&q_rows, &dout_rows, &dq_partial})
     if (w->get() == nullptr) return OutOfMemory("jax_flash_bwd");
   p.packed.q = q_rows.get();
   p.packed.dout = dout_rows.get();
   p.packed.dq_partial = dq_partial.get();
   const int64_t row_buffer = 2 * PaddedHeadDim(p);
-  if (ffi::Error e = RunTiles(pool, "jax_flash_bwd", QueryItems(p), row_buffer, p,
-                              kernels.prepare_query_block);
-      e.failure()) {
-    return e;
+  if (shared_queries) {
+    if (ffi::Error e = RunTiles(pool, "jax_flash_bwd", QueryItems(p), row_buffer, p, kernels.prepare_query_block);
+        e.failure()) {
+      return e;
+    }
   }
   // A bias broadcast over the keys: each chunk adds into its own partial of dbias.
   Workspace dbias_partial(BiasGradientPartials(p) ? GradientChunks(p) * p.bias.elements() : 0);
@@ -400,6 +413,7 @@ ffi::Error RunBackward(ffi::ThreadPool& pool, const KernelTable& kernels, Proble
     return e;
   }
   if (p.dbias_partial != nullptr) SumBiasGradientPartials(p);
+  if (!shared_queries) return ffi::Error::Success();
   return RunTiles(pool, "jax_flash_bwd", QueryItems(p), row_buffer, p, kernels.reduce_query_gradient);
 }
 
@@ -472,6 +486,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
     std::memset(p.dbias, 0, dbias->size_bytes());  // tiles add dS; what no tile sees is 0
   }
 
+  p.gradient_chunks = GradientChunksFor(p, pool);
   return RunBackward(pool, *kernels, p);
 }
 

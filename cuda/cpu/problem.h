@@ -134,6 +134,9 @@ struct Problem {
   } packed;
   // The forward's key chunks per query block (tiling.h ForwardChunks; 1: no split).
   int64_t forward_chunks = 1;
+  // The backward's key-block chunks per (b, kv head) (tiling.h GradientChunkRule, set by the
+  // handler; 1: each work item owns its query heads' rows, GradientTileOwnsQueries).
+  int64_t gradient_chunks = 1;
 
   // A paged KV cache (the paged forward), or null: k and v are then pages [num_pages,
   // page_size, K, H|Hv] shared by the batch, key s of batch row b is slot s % page_size of

@@ -102,7 +102,7 @@ void AddCpuFunctions(nb::module_& m) {
       "block sizes and the bytes one worker's forward / backward tile step keeps hot.");
   m.def(
       "cpu_gradient_chunks",
-      [](int64_t b, int64_t n, int64_t k, int64_t t, int64_t s, int64_t h) {
+      [](int64_t b, int64_t n, int64_t k, int64_t t, int64_t s, int64_t h, int64_t threads) {
         cpu::Problem p;
         p.batch = b;
         p.q_heads = n;
@@ -110,10 +110,11 @@ void AddCpuFunctions(nb::module_& m) {
         p.q_len = t;
         p.kv_len = s;
         p.head_dim = h;
-        return cpu::GradientChunks(p);
+        return cpu::GradientChunkRule(p, threads);
       },
-      "(B, N, K, T, S, H) -> the number of key-block chunks (float32 dQ partials) of the "
-      "single-pass backward.");
+      nb::arg("b"), nb::arg("n"), nb::arg("k"), nb::arg("t"), nb::arg("s"), nb::arg("h"), nb::arg("threads"),
+      "(B, N, K, T, S, H, threads of XLA's pool) -> the number of key-block chunks (float32 dQ "
+      "partials) of the single-pass backward; 1: each work item owns its query heads.");
 }
 
 }  // namespace jax_flash

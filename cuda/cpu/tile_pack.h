@@ -147,21 +147,20 @@ inline void PackKeyBlock(const Problem& p, const KeyBlockItem& block, const KeyB
   }
 }
 
-// Backward: packs query block `item` = (b, head n, query block): scale · Q and dO
-// rows, and computes D = rowsum(dO ∘ O) − dlse (FlashAttention-2 Alg. 2, line 4) for
-// its rows. `row_buffer` holds Hv floats.
-inline void PackQueryBlock(const Problem& p, int64_t item, float* row_buffer) {
-  const auto [b, n, t0, rows] = QueryBlockOf(p, item);
-  const int64_t offset = item * QueryBlockFloats(p);
+// Backward: packs query block `block` = (b, head n, rows from t0): scale · Q rows into
+// q_dst and dO rows into dout_dst (QueryBlockFloats each), and computes D = rowsum(dO ∘ O)
+// − dlse (FlashAttention-2 Alg. 2, line 4) for its rows. `row_buffer` holds Hv floats.
+inline void PackQueryBlock(const Problem& p, const QueryBlockItem& block, float* q_dst, float* dout_dst,
+                           float* row_buffer) {
+  const auto [b, n, t0, rows] = block;
   const int64_t ld = RowStride(p);
   const int64_t hv = p.value_dim();
   // Finite: the backward's scores need no poisoned q, a poisoned row's lse is NaN.
   PackRows({p.q, p.dtype, p.q_row(b, t0, n), p.q_heads * p.head_dim, rows, p.head_dim}, p.scale,
-           kBlockQ, ld, p.packed.q + offset);
-  ZeroNonFinite(p.packed.q + offset, kBlockQ * ld);
-  PackRows({p.dout, p.dtype, p.o_row(b, t0, n), p.q_heads * hv, rows, hv}, 1.0f, kBlockQ, ld,
-           p.packed.dout + offset);
-  const float* dout = p.packed.dout + offset;
+           kBlockQ, ld, q_dst);
+  ZeroNonFinite(q_dst, kBlockQ * ld);
+  PackRows({p.dout, p.dtype, p.o_row(b, t0, n), p.q_heads * hv, rows, hv}, 1.0f, kBlockQ, ld, dout_dst);
+  const float* dout = dout_dst;
   for (int64_t i = 0; i < rows; ++i) {
     LoadRow(p.out, p.dtype, p.o_row(b, t0 + i, n), hv, row_buffer);
     float sum = 0.0f;

@@ -103,18 +103,18 @@ inline void PackKeyBlockBF16(const Problem& p, const KeyBlockItem& block, const 
   }
 }
 
-// Backward: Q and dO rows and their transposes; D = rowsum(dO ∘ O) − dlse in float32
-// from the widened rows. `row_buffer` holds 2·Hv floats.
-inline void PackQueryBlockBF16(const Problem& p, int64_t item, float* row_buffer) {
-  const auto [b, n, t0, rows] = QueryBlockOf(p, item);
-  const int64_t offset = item * QueryBlockFloats(p);
+// PackQueryBlock (tile_pack.h) with the bf16 layouts: Q and dO rows and their transposes;
+// D = rowsum(dO ∘ O) − dlse in float32 from the widened rows. `row_buffer` holds 2·Hv floats.
+inline void PackQueryBlockBF16(const Problem& p, const QueryBlockItem& block, float* q_dst, float* dout_dst,
+                               float* row_buffer) {
+  const auto [b, n, t0, rows] = block;
   const int64_t hp = PaddedHeadDim(p);
   const int64_t ld = RowStride(p);
   const int64_t hv = p.value_dim();
   const RowBlock q{p.q, p.dtype, p.q_row(b, t0, n), p.q_heads * p.head_dim, rows, p.head_dim};
   const RowBlock dout{p.dout, p.dtype, p.o_row(b, t0, n), p.q_heads * hv, rows, hv};
-  uint16_t* q_rows = AsBF16(p.packed.q + offset);
-  uint16_t* dout_rows = AsBF16(p.packed.dout + offset);
+  uint16_t* q_rows = AsBF16(q_dst);
+  uint16_t* dout_rows = AsBF16(dout_dst);
   PackRowsBF16(q, kBlockQ, ld, q_rows);
   PackRowsBF16(dout, kBlockQ, ld, dout_rows);
   PackTransposedBF16(q, kBlockQ, hp, kBlockQ, q_rows + TransposedQueryOffset(p));

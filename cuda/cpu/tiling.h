@@ -101,10 +101,12 @@ inline ChunkBlocks ChunkBlocksOf(int64_t blocks, int64_t c, int64_t chunks) {
 }
 
 // The backward's work items: one per (b, kv head, chunk of key blocks), chunk
-// fastest. The number of chunks depends on the problem only (never on the thread
-// count, which keeps the dQ sum's order fixed): enough items for the threads to share
-// (kGradientItems) when B·K alone is too few, at most kMaxGradientChunks float32 dQ
-// partials, and no chunk without a key block.
+// fastest. The number of chunks C depends on the problem and the size of XLA's thread
+// pool only (never on JAX_FLASH_CPU_THREADS, which keeps the dQ sum's order fixed): enough
+// items for the pool's threads to share when B·K alone is too few, at most
+// kMaxGradientChunks float32 dQ partials, and no chunk without a key block. With one chunk
+// an item owns its query heads' rows: it packs their Q and dO and holds their dQ itself
+// (GradientTileOwnsQueries), so nothing of the size of Q exists outside the workers.
 //
 // With a dense bias the items own disjoint parts of dbias: along B or N, where the bias
 // broadcasts, every batch row or head adds into the same elements, so one item then runs
@@ -112,7 +114,6 @@ inline ChunkBlocks ChunkBlocksOf(int64_t blocks, int64_t c, int64_t chunks) {
 // no copy of a bias that may be [1, N, T, S]. Along S, where a bias broadcasts over the keys,
 // the chunks share its elements and add into their own partials (BiasGradientPartials),
 // summed in chunk order after the pass, like dQ.
-constexpr int64_t kGradientItems = 16;
 constexpr int64_t kMaxGradientChunks = 4;
 inline int64_t GradientBatchItems(const Problem& p) {
   return p.bias.present() && p.bias.broadcasts(0) ? 1 : p.batch;
@@ -120,10 +121,14 @@ inline int64_t GradientBatchItems(const Problem& p) {
 inline int64_t GradientKvHeadItems(const Problem& p) {
   return p.bias.present() && p.bias.broadcasts(1) ? 1 : p.kv_heads;
 }
-inline int64_t GradientChunks(const Problem& p) {
+inline int64_t GradientChunkRule(const Problem& p, int64_t pool_threads) {
   const int64_t owners = GradientBatchItems(p) * GradientKvHeadItems(p);
-  const int64_t wanted = CeilDiv(kGradientItems, std::max<int64_t>(1, owners));
+  const int64_t wanted = CeilDiv(std::max<int64_t>(1, pool_threads), std::max<int64_t>(1, owners));
   return std::max<int64_t>(1, std::min({wanted, kMaxGradientChunks, CeilDiv(p.kv_len, kBlockK)}));
+}
+inline int64_t GradientChunks(const Problem& p) { return p.gradient_chunks; }
+inline bool GradientTileOwnsQueries(const Problem& p) {
+  return p.gradient_chunks == 1 && GradientBatchItems(p) == p.batch && GradientKvHeadItems(p) == p.kv_heads;
 }
 inline int64_t GradientItems(const Problem& p) {
   return GradientBatchItems(p) * GradientKvHeadItems(p) * GradientChunks(p);
@@ -177,6 +182,8 @@ inline int64_t QueryBlockIndex(const Problem& p, int64_t b, int64_t n, int64_t t
   return (b * p.q_heads + n) * QueryBlocks(p) + t0 / kBlockQ;
 }
 inline int64_t PackedQueryFloats(const Problem& p) { return QueryItems(p) * QueryBlockFloats(p); }
+// The query blocks of one GQA group (the heads of kv head g): [G][query block][QueryBlockFloats].
+inline int64_t GroupQueryFloats(const Problem& p) { return p.group_size() * QueryBlocks(p) * QueryBlockFloats(p); }
 
 // The cache blocking of one (H, dtype, products) combination: the one place that states
 // the block sizes and what one worker's tile step keeps hot, so that a choice can be
