@@ -198,3 +198,15 @@ def test_bench_dense_bias_cases(capsys):
     assert bench.bias_shape("keys", 2, 8, 64) == (2, 1, 1, 64)
     with pytest.raises(SystemExit):
         bench.parse_args(["--bias", "rope"])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_bench_peak_memory_runs_each_cell_in_its_own_process(capsys):
+    """--peak-memory: one process per (implementation, case); the peak during the call is at
+    least what was resident before it, and the table row carries both."""
+    rows = bench.main(["--peak-memory", "--impls", "cpu", "--seq-lens", "256", "--head-dims", "32",
+                       "--causal", "yes", "--passes", "fwdbwd"])
+    assert len(rows) == 1 and rows[0]["impl"] == "cpu", rows
+    row = rows[0]
+    assert row["peak_mib"] >= row["before_mib"] > 0 and row["call_mib"] >= 0, row
+    assert "| cpu | float32 | 32 | 256 | yes | fwdbwd |" in capsys.readouterr().out
