@@ -63,6 +63,8 @@ NONFINITE = "cuda and nonfinite"
 DET = "cuda and test_backward_deterministic"
 DECODE = "test_cuda_split_kv_and_gqa_packing"
 PAGED = "paged and cuda"
+# The forward's own handling of a non-finite V in its decoding settings (kernels/nonfinite.h).
+SCAN = "test_cuda_decode_handles_nonfinite or (test_decode_poison and cuda)"
 ALL = "cuda"
 EDGES = "cuda and (tile_plus or tile_minus)"
 # The dense bias and mask on cuda: every dbias write (test_dense.py) and the shared cases.
@@ -190,6 +192,12 @@ MUTATIONS = [
              what="paged cache: a key read from the wrong slot of its page"),
     Mutation("paged_id_clamp", K + "params.h", "page = page >= 0 && page < num_pages ? page : 0;", "", PAGED,
              what="paged cache: an out-of-range page id read out of bounds"),
+    Mutation("scan_zeroing", K + "nonfinite.h", "ptx::st_shared_b32(at + 4 * e, w[e] & ~halves);", "", SCAN,
+             what="decoding's V scan: a non-finite value flagged but left in the tile (0·NaN reaches every row)"),
+    Mutation("scan_visibility", K + "nonfinite.h", "if (s[j][i] != -INFINITY && ptx::ld_shared_f32(",
+             "if (ptx::ld_shared_f32(", SCAN, what="decoding's V scan: rows poisoned by keys they do not see"),
+    Mutation("scan_quad_notes", K + "nonfinite.h", "seen = fmaxf(seen, __shfl_xor_sync(0xffffffffu, seen, 2));\n", "",
+             SCAN, what="decoding's V scan: a row's notes not combined over its quad (half its O columns poisoned)"),
     Mutation("packed_key_mask", K + "fwd.h", "if (!interior) mask_columns(s[rb], mask, 0, s0, lane);", "", DECODE,
              what="GQA packing: the edge tiles' keys not masked (lengths, window)"),
     Mutation("fwd_kv_tail", K + "fwd.h",

@@ -234,6 +234,13 @@ def decoding(spec: AttentionSpec) -> tuple[int, bool]:
     return split_kv_chunks(spec), packs_heads(spec)
 
 
+def scans_values(spec: AttentionSpec, masks) -> bool:
+    """Whether the forward kernel zeroes V's non-finite elements and poisons the rows that see
+    them itself (AttentionParams::scans_values): in its decoding settings, without a dense bias."""
+    chunks, pack = decoding(spec)
+    return (chunks > 1 or pack) and masks.bias is None
+
+
 def decoding_description(spec: AttentionSpec) -> str:
     """What `explain` says of the forward's split-KV and GQA packing."""
     packing = (f"GQA packing: the {spec.group_size} query heads of each kv head in one tile, "
@@ -250,8 +257,10 @@ def decoding_description(spec: AttentionSpec) -> str:
                f"split when fewer, into min(ceil(SMs / CTAs), ceil(S/{forward_block_kv(spec.head_dim)}) // "
                f"{SPLIT_MIN_TILES}, {MAX_SPLITS}) key chunks merged by lse in chunk order")
     if chunks == 1:
-        return f"forward: {packing}no split-KV ({why})"
-    return f"forward: {packing}split-KV into {chunks} key chunks ({why})"
+        return f"forward: {packing}no split-KV ({why})" + (
+            "; non-finite values of V handled in the kernel (without a dense bias)" if packing else "")
+    return (f"forward: {packing}split-KV into {chunks} key chunks ({why}); non-finite values of V handled "
+            f"in the kernel (without a dense bias)")
 
 
 def _prefix() -> str:
@@ -478,6 +487,10 @@ class CudaImplementation:
 
     def _forward_local(self, target, spec, q, k, v, masks, page_table=None):
         call = functools.partial(_ffi.forward_call, target, decoding=decoding, page_table=page_table)
+        if scans_values(spec, masks):
+            # The kernel's decoding settings handle a non-finite V themselves
+            # (kernels/nonfinite.h): a decode step reads K and V once.
+            return call(spec, q, k, v, masks)
         bad_v = nonfinite_rows(v)  # [B, S, K], or [num_pages, page_size, K]
 
         def poisoned():

@@ -10,6 +10,7 @@ shuffled order with unused pages holding poison (NaN), so a read of the wrong pa
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -248,6 +249,44 @@ def test_cuda_split_kv_and_gqa_packing(case, monkeypatch):
     monkeypatch.delenv("JAX_FLASH_CUDA_SPLIT_KV")
     spec = canonicalize(q, k, v, **kw).spec
     assert cuda.packs_heads(spec) == packed and cuda.split_kv_chunks(spec) > 1
+
+
+# In its decoding settings the cuda forward handles a non-finite V itself (kernels/nonfinite.h):
+# zeroed in shared memory, its keys flagged, the rows that see them NaN; the Python side then
+# reads V once (no test of V, no lax.cond). Poisons visible to some rows and masked for others
+# in one tile: by the lengths, by the window, and by the causal diagonal between the T rows.
+@pytest.mark.parametrize("t, chunks", [(1, "1"), (1, "3"), (3, "3")], ids=["pack", "pack-split", "split"])
+def test_cuda_decode_handles_nonfinite_values_in_the_kernel(t, chunks, monkeypatch):
+    _cuda_or_skip()
+    from jax_flash import cuda
+
+    b, s, n, kh, h = 2, 300, 4, 2, 64
+    q, k, v, kw = _decode_inputs(b, t, s, n, kh, h, [290, 200], "bfloat16", seed=11)
+    kw["local_window_size"] = (150, 0)
+    v = np.asarray(v, np.float32)
+    v[0, 289, 1, 5] = np.nan   # the newest key of batch row 0, kv head 1: seen by its last query only
+    v[0, 100, 0, 7] = np.inf   # behind the window of batch row 0 (position >= 287 - 150): seen by none
+    v[1, 250, 0, 3] = -np.inf  # past batch row 1's length: seen by none
+    v[1, 120, 1, 0] = np.nan   # inside batch row 1's window: seen by every query of kv head 1
+    v = jnp.asarray(v, jnp.bfloat16)
+    monkeypatch.setenv("JAX_FLASH_CUDA_SPLIT_KV", chunks)
+    spec = canonicalize(q, k, v, **kw).spec
+    assert cuda.scans_values(spec, canonicalize(q, k, v, **kw).masks)
+    note = jax_flash.explain(q, k, v, implementation="cuda", **kw).notes["cuda"]
+    assert "non-finite values of V handled in the kernel" in note, note
+    fn = lambda q, k, v: jax_flash.attention(q, k, v, implementation="cuda", return_residual=True, **kw)
+    assert not re.search(r"\bcond\[", str(jax.make_jaxpr(fn)(q, k, v)))  # V is not tested on the host
+    out, lse = jax.jit(fn)(q, k, v)
+    (ref64, lse64), _ = _references(jax_flash.reference, q, k, v, **kw)
+    out, ref64 = np.asarray(out, np.float32), np.asarray(ref64)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref64))
+    assert np.isnan(out[0, t - 1, 2:]).all() and not np.isnan(out[1, :, :2]).any()
+    assert np.isnan(out[1, :, 2:]).all()
+    if t > 1:
+        assert not np.isnan(out[0, : t - 1]).any()  # the earlier rows do not see key 289
+    ok = ~np.isnan(ref64)
+    assert np.max(np.abs(out[ok] - ref64[ok])) < 3e-2
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse64), atol=1e-4)  # lse is not poisoned
 
 
 # The pallas forward's split-KV (jax_flash/pallas.py; interpreted on a CPU, so small caches):

@@ -16,6 +16,7 @@
 #include "kernels/dropout.h"
 #include "kernels/grid.h"
 #include "kernels/mask.h"
+#include "kernels/nonfinite.h"
 #include "kernels/params.h"
 #include "kernels/platform.h"
 #include "kernels/ptx.h"
@@ -46,9 +47,12 @@ struct ForwardKernel {
   // O, staged for its store over the Q tile (QTile when Hv = H).
   using OTile = SmemTile<BLOCK_Q, V_HEAD_DIM>;
   static constexpr bool kHvIsH = V_HEAD_DIM == HEAD_DIM;
-  // Shared memory: [Q][K_0][V_0][K_1][V_1]...: one Q tile and a ring of STAGES (K, V) tiles.
+  // Shared memory: [Q][K_0][V_0][K_1][V_1]...[scan]: one Q tile, a ring of STAGES (K, V) tiles,
+  // and the flags of the decoding settings' scan of V (kernels/nonfinite.h).
   static constexpr int kStageBytes = KVTile::kBytes + VTile::kBytes;
-  static constexpr int kSmemBytes = QTile::kBytes + STAGES * kStageBytes;
+  using Scan = ValueScanSmem<BLOCK_KV, THREADS, ROW_BLOCKS>;
+  static constexpr int kScanOffset = QTile::kBytes + STAGES * kStageBytes;
+  static constexpr int kSmemBytes = kScanOffset + Scan::kBytes;
 
   // One CTA per (query block and key chunk, head, batch), the chunk fastest; with GQA packing
   // the heads are the kv heads (and T = 1: one query block).
@@ -185,6 +189,9 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
     }
     softmax[rb].init(sinks, lane);
   }
+  const bool scans_values = p.scans_values();
+  char* const scan = smem + K::kScanOffset;
+  if (scans_values) clear_notes<K::ROW_BLOCKS>(K::Scan::notes(scan));
 
   if (!keys.empty()) {
     // This CTA's chunk of the key tiles the block sees (all of them without a split).
@@ -243,6 +250,12 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
       const char* k_tile = kv_ring + slot * K::kStageBytes;
       const char* v_tile = k_tile + K::KVTile::kBytes;
       const int s0 = tile * K::BLOCK_KV;
+      // The decoding settings read V once: its non-finite elements are zeroed here, their keys flagged.
+      if (scans_values) {
+        zero_nonfinite_rows<Elem, typename K::VTile, K::THREADS>(kv_ring + slot * K::kStageBytes + K::KVTile::kBytes,
+                                                                 K::Scan::key_flags(scan));
+        __syncthreads();
+      }
       // Segment ids: a warp whose rows share no id with the tile skips it (warp-uniform).
       bool segments_allow_all = true;
       if (mask.q_segments != nullptr) {
@@ -267,6 +280,7 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
           scaling.prepare<false>(s[rb], mask, p.bias_rows(b_tile, head), p.mask_rows(b_tile, head), interior,
                                  rows_t0, s0, lane);
         }
+        if (scans_values) note_rows_that_see(s[rb], K::Scan::key_flags(scan), K::Scan::notes(scan), rb, lane);
         softmax[rb].update(s[rb], o[rb], scaling.exp_scale);
         // Dropout after the statistics: P·V of the kept weights (scaled at the end).
         if (drop.on) drop_fragment(s[rb], keep_bits_of_fragment<false, K::BLOCK_KV / MMA_N>(drop, batch, head, rows_t0, s0, lane), 1.0f);
@@ -285,6 +299,7 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
   for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) {
     float lse[2];
     softmax[rb].finish(o[rb], scaling.exp_scale, lse);
+    if (scans_values) poison_rows(o[rb], K::Scan::notes(scan), rb);
     if (drop.on) scale_fragment(o[rb], drop.keep_scale);
     const int row0 = warp * K::WARP_Q + MMA_M * rb;
     if (p.kv_splits > 1) {

@@ -87,6 +87,12 @@ struct AttentionParams {
   float* partial_out = nullptr;
   float* partial_lse = nullptr;
   bool pack_gqa = false;
+  // Whether the forward itself handles non-finite values of V (kernels/nonfinite.h): in its
+  // decoding settings (split-KV or GQA packing) without a dense bias. Elsewhere the caller
+  // passes a finite V and finds the rows that see a non-finite value itself.
+  __host__ __device__ __forceinline__ bool scans_values() const {
+    return (kv_splits > 1 || pack_gqa) && bias.data == nullptr;
+  }
   // A paged KV cache (the paged forward target), or null: k and v are then pages
   // [num_pages, page_size, K, H|Hv] shared by the batch, key s of batch row b is slot
   // s % page_size of page page_table[b · max_pages + s / page_size], and kv_len = max_pages ·
@@ -173,6 +179,7 @@ struct AttentionParams {
 // The 16-bit input types: which mma to issue and how to convert.
 struct F16 {
   static constexpr const char* kName = "f16";
+  static constexpr uint32_t kExponentBits = 0x7c00u;  // all set: ±inf or NaN
   __device__ __forceinline__ static void mma(float d[4], const uint32_t a[4], const uint32_t b[2],
                                              const float c[4]) {
     ptx::mma_m16n8k16_f16(d, a, b, c);
@@ -183,6 +190,7 @@ struct F16 {
 
 struct Bf16 {
   static constexpr const char* kName = "bf16";
+  static constexpr uint32_t kExponentBits = 0x7f80u;  // all set: ±inf or NaN
   __device__ __forceinline__ static void mma(float d[4], const uint32_t a[4], const uint32_t b[2],
                                              const float c[4]) {
     ptx::mma_m16n8k16_bf16(d, a, b, c);
