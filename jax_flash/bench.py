@@ -59,6 +59,9 @@ import numpy as np
 import jax_flash
 from jax_flash._spec import AttentionSpec
 
+# Seconds between two timed calls on a CPU (measure_case).
+SETTLE_S = 0.1
+
 # Peers (not jax_flash) by name; jax_flash implementations are named as in `implementation=`.
 PEER_JAX_NN = "jax.nn"
 PEER_JAX_NN_CUDNN = "jax.nn-cudnn"
@@ -310,8 +313,12 @@ def measure_case(
 
     The timed repetitions are interleaved across implementations (round robin), so a change
     of machine load during the case affects all of them alike and the ratios stay fair.
-    Each implementation stops repeating once its timed runs took `max_seconds`.
+    Each implementation stops repeating once its timed runs took `max_seconds`. On a CPU each
+    call starts SETTLE_S after the previous one ended: a call that follows a large one at
+    once (jax.nn's T×S scores) runs up to 1.5× slower while the machine settles (measured:
+    0.1 s removes it), which would charge one implementation for another.
     """
+    settle = len(impls) > 1 and jax.default_backend() == "cpu"
     cells = []  # [result, compiled or None, args, times]
     for impl in impls:
         r, compiled, args = _prepare(
@@ -325,6 +332,8 @@ def measure_case(
         for r, compiled, args, times in cells:
             if compiled is None or r.status != "ok" or sum(times) > max_seconds:
                 continue
+            if settle:
+                time.sleep(SETTLE_S)
             dt = _run_once(r, compiled, args)
             if dt is not None:
                 times.append(dt)
