@@ -167,7 +167,8 @@ MUTATIONS = [
     # ---- fwd.h ------------------------------------------------------------------------------
     Mutation("fwd_wait_count", K + "fwd.h", "ptx::cp_async_wait_group<K::STAGES - 2>();",
              "ptx::cp_async_wait_group<K::STAGES - 1>();", FWD, what="forward: one cp.async group too few awaited"),
-    Mutation("fwd_ring_barrier", K + "fwd.h", "      __syncthreads();\n", "      \n", FWD,
+    Mutation("fwd_ring_barrier", K + "fwd.h", "ptx::cp_async_wait_group<K::STAGES - 2>();\n      __syncthreads();\n",
+             "ptx::cp_async_wait_group<K::STAGES - 2>();\n", FWD,
              what="forward: no barrier between the ring slot's readers and the next copy into it"),
     Mutation("fwd_commit", K + "fwd.h", "      ptx::cp_async_commit_group();\n", "      \n", FWD,
              what="forward: the loop's copy not committed (the wait then covers the wrong groups)"),
