@@ -256,11 +256,11 @@ def decoding_description(spec: AttentionSpec) -> str:
         why = (f"{ctas} CTAs (B·{'K' if packs_heads(spec) else 'N'}·ceil(T/{FORWARD_BLOCK_Q})) against {sms}: "
                f"split when fewer, into min(ceil(SMs / CTAs), ceil(S/{forward_block_kv(spec.head_dim)}) // "
                f"{SPLIT_MIN_TILES}, {MAX_SPLITS}) key chunks merged by lse in chunk order")
+    # The decoding settings' own scan of V (scans_values, which also needs no dense bias).
+    scan = "; non-finite values of V handled in the kernel (without a dense bias)" if packing or chunks > 1 else ""
     if chunks == 1:
-        return f"forward: {packing}no split-KV ({why})" + (
-            "; non-finite values of V handled in the kernel (without a dense bias)" if packing else "")
-    return (f"forward: {packing}split-KV into {chunks} key chunks ({why}); non-finite values of V handled "
-            f"in the kernel (without a dense bias)")
+        return f"forward: {packing}no split-KV ({why}){scan}"
+    return f"forward: {packing}split-KV into {chunks} key chunks ({why}){scan}"
 
 
 def _prefix() -> str:

@@ -82,16 +82,21 @@ inline void PrepareKeyBlock(const Problem& p, int64_t item, float* row_buffer) {
   PackKeyBlockFor(p, KeyBlockOf(p, item), PackedKeyBlock(p, item), row_buffer);
 }
 
+// f(block) for every query block of the heads of kv head g in batch row b, in order.
+template <class F>
+void ForEachGroupQueryBlock(const Problem& p, int64_t b, int64_t g, F f) {
+  for (int64_t n = g * p.group_size(); n < (g + 1) * p.group_size(); ++n)
+    for (int64_t t0 = 0; t0 < p.q_len; t0 += kBlockQ) f(QueryBlockItem{b, n, t0, std::min(kBlockQ, p.q_len - t0)});
+}
+
 // An item that owns its query heads (GradientTileOwnsQueries) packs the Q and dO of every
 // query block of the heads of kv head g (computing their D) into its own buffers, and
 // zeroes its dQ, before its first key block.
 inline void PackGroupQueries(const Problem& p, BackwardTiles& w, int64_t b, int64_t g) {
-  for (int64_t n = g * p.group_size(); n < (g + 1) * p.group_size(); ++n) {
-    for (int64_t t0 = 0; t0 < p.q_len; t0 += kBlockQ) {
-      const QueryBlockOperands query = QueryOperands(p, w, 0, b, n, t0);
-      PackQueryBlockFor(p, {b, n, t0, std::min(kBlockQ, p.q_len - t0)}, query.q, query.dout, w.row);
-    }
-  }
+  ForEachGroupQueryBlock(p, b, g, [&](const QueryBlockItem& block) {
+    const QueryBlockOperands query = QueryOperands(p, w, 0, b, block.n, block.t0);
+    PackQueryBlockFor(p, block, query.q, query.dout, w.row);
+  });
   for (int64_t i = 0; i < GroupQueryFloats(p); ++i) w.group_dq[i] = 0.0f;
 }
 
@@ -186,10 +191,10 @@ void GradientTileWith(const Problem& p, int64_t item, float* workspace) {
     }
   }
   if (owns_queries) {
-    for (int64_t n = g_begin * p.group_size(); n < (g_begin + 1) * p.group_size(); ++n)
-      for (int64_t t0 = 0; t0 < p.q_len; t0 += kBlockQ)
-        StoreQueryGradient(p, {b_begin, n, t0, std::min(kBlockQ, p.q_len - t0)}, w.row,
-                           [&](int64_t c) { return QueryOperands(p, w, c, b_begin, n, t0).dq; });
+    ForEachGroupQueryBlock(p, b_begin, g_begin, [&](const QueryBlockItem& block) {
+      StoreQueryGradient(p, block, w.row,
+                         [&](int64_t c) { return QueryOperands(p, w, c, block.b, block.n, block.t0).dq; });
+    });
   }
 }
 

@@ -251,13 +251,18 @@ void Poison(ffi::AnyBuffer buffer) {
   std::memset(buffer.untyped_data(), 0xff, buffer.size_bytes());
 }
 
+// A chunk count: `rule`, or the value of the environment variable `variable` when it is set
+// (tests force a count with it), clamped to [1, most].
+int64_t ChunksFromEnvironment(const char* variable, int64_t rule, int64_t most) {
+  const char* value = std::getenv(variable);
+  if (value == nullptr || value[0] == '\0') return rule;
+  return std::clamp<int64_t>(std::strtoll(value, nullptr, 10), 1, std::max<int64_t>(1, most));
+}
+
 // The forward's split-KV chunks: tiling.h's rule, or JAX_FLASH_CPU_SPLIT_KV=C (1: never split;
 // C is capped at one key block per chunk), which tests use to compare split and unsplit.
 int64_t ForwardChunksFor(const Problem& p) {
-  const char* value = std::getenv("JAX_FLASH_CPU_SPLIT_KV");
-  if (value == nullptr || value[0] == '\0') return ForwardChunks(p);
-  const int64_t wanted = std::strtoll(value, nullptr, 10);
-  return std::clamp<int64_t>(wanted, 1, std::max<int64_t>(1, KeyBlocks(p)));
+  return ChunksFromEnvironment("JAX_FLASH_CPU_SPLIT_KV", ForwardChunks(p), KeyBlocks(p));
 }
 
 ffi::Error OutOfMemory(const char* target) {
@@ -374,10 +379,8 @@ void SumBiasGradientPartials(const Problem& p) {
 // JAX_FLASH_CPU_GRADIENT_CHUNKS=C (capped at kMaxGradientChunks and one key block per chunk),
 // which tests use to run both the chunked and the query-owning backward on any machine.
 int64_t GradientChunksFor(const Problem& p, ffi::ThreadPool& pool) {
-  const char* value = std::getenv("JAX_FLASH_CPU_GRADIENT_CHUNKS");
-  if (value == nullptr || value[0] == '\0') return GradientChunkRule(p, pool.num_threads());
-  const int64_t wanted = std::strtoll(value, nullptr, 10);
-  return std::clamp<int64_t>(wanted, 1, std::min(kMaxGradientChunks, std::max<int64_t>(1, KeyBlocks(p))));
+  return ChunksFromEnvironment("JAX_FLASH_CPU_GRADIENT_CHUNKS", GradientChunkRule(p, pool.num_threads()),
+                               std::min(kMaxGradientChunks, KeyBlocks(p)));
 }
 
 // The single-pass backward (flash_backward_pass.h). With key-block chunks: pack Q and dO

@@ -171,6 +171,13 @@ JAX_FLASH_INLINE void AmxBlock(int64_t pairs, const uint16_t* a, int64_t lda, co
   for_c([&](auto t) { Tiles::template Store<t>(c_at(t / 2, t % 2), 4 * ldc); });
 }
 
+// C[i][·] *= scale(i) for the first `rows` rows of C (n_dim a multiple of 16).
+template <class Scale>
+JAX_FLASH_INLINE void ScaleRows(float* c, int64_t ldc, int64_t rows, int64_t n_dim, Scale scale) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < n_dim; j += kLanes) Store(c + i * ldc + j, Load(c + i * ldc + j) * scale(i));
+}
+
 // GemmBF16's contract (M a multiple of kGemmRows, N of 16; A's and B's elements past the
 // real reduction length zero pairs), on AMX where the shape has whole tiles.
 template <class Tiles, Accumulate kMode>
@@ -184,10 +191,7 @@ void GemmAMX(int64_t m_dim, int64_t n_dim, int64_t pairs, const uint16_t* a, int
     return;
   }
   // The online softmax's correction first, so that the tiles only add.
-  if (kMode == Accumulate::kRescale) {
-    for (int64_t i = 0; i < m_tiles; ++i)
-      for (int64_t j = 0; j < n_dim; j += kLanes) Store(c + i * ldc + j, Load(c + i * ldc + j) * row_scale[i]);
-  }
+  if (kMode == Accumulate::kRescale) ScaleRows(c, ldc, m_tiles, n_dim, [&](int64_t i) { return row_scale[i]; });
   constexpr bool kLoadC = kMode != Accumulate::kOverwrite;
   Tiles::Configure();
   for (int64_t m = 0; m < m_tiles; m += 2 * kTileRows) {
@@ -213,10 +217,8 @@ void GemmAMX(int64_t m_dim, int64_t n_dim, int64_t pairs, const uint16_t* a, int
   if (tile_pairs < pairs)
     GemmBF16<Accumulate::kAdd>(m_tiles, n_dim, pairs - tile_pairs, a + 2 * tile_pairs, lda,
                                b + tile_pairs * 2 * ldb, ldb, c, ldc);
-  if (kMode == Accumulate::kOverwrite && out_scale != 1.0f) {
-    for (int64_t i = 0; i < m_tiles; ++i)
-      for (int64_t j = 0; j < n_dim; j += kLanes) Store(c + i * ldc + j, Load(c + i * ldc + j) * out_scale);
-  }
+  if (kMode == Accumulate::kOverwrite && out_scale != 1.0f)
+    ScaleRows(c, ldc, m_tiles, n_dim, [&](int64_t) { return out_scale; });
   // The rows past the last whole tile.
   if (m_tiles < m_dim)
     GemmBF16<kMode>(m_dim - m_tiles, n_dim, pairs, a + m_tiles * lda, lda, b, ldb, c + m_tiles * ldc, ldc,
