@@ -120,7 +120,6 @@ void RecomputeTileGradient(const Problem& p, BackwardTiles& w, const MaskGeometr
                                   const TileOperands& in, const ScoreTile& s,
                                   TileVisibility visibility, int64_t b, int64_t n) {
   Products::Scores(p, s.rows_padded, s.cols_padded, in.q, in.k_t, w.s);
-  PoisonInfiniteScores(s);
   if (p.bias.present()) AddBias(s, p.bias.rows(b, n), w.bias_row);
   const bool capped = p.softcap > 0.0f;
   if (capped) ApplySoftCap(s, p.softcap, w.softcap_derivative);

@@ -204,7 +204,6 @@ void ForwardTileWith(const Problem& p, int64_t item, float* workspace) {
     const ScoreTile s{w.s, kBlockK, t0, live_rows, rows_padded, s0, cols, cols_padded, block.heads ? live_rows : 1};
     // S = scale · Q Kᵀ
     Products::Scores(p, rows_padded, cols_padded, w.q, keys.k_t, w.s);
-    PoisonInfiniteScores(s);
     if (p.bias.present()) AddBias(s, p.bias.rows(b, n), w.bias_row);
     if (p.softcap > 0.0f) ApplySoftCap(s, p.softcap, nullptr);
     if (visibility == TileVisibility::kPartial) MaskScores(s, mask, w.segments, dense);

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <immintrin.h>
 
 // Shared (baseline-ISA) headers come before the target pragma; see vec.h.
 #include "cpu/convert.h"

@@ -1,5 +1,6 @@
 // Turning raw scores into the logits the softmax sees: the dense bias, the soft cap, then
-// the mask (the structured masks and the dense mask).
+// the mask (the structured masks and the dense mask). The raw scores come from the products
+// with a ±inf already made NaN (Accumulate::kScores, tile_gemm.h).
 // One implementation serves the forward and both backward passes (FlashAttention's
 // mask.h idea), so they cannot disagree about which elements are visible.
 #pragma once
@@ -28,21 +29,6 @@ struct ScoreTile {
   int64_t rows_per_position = 1;
   int64_t position(int64_t i) const { return t0 + i / rows_per_position; }
 };
-
-// A raw score q·k that is ±inf comes from a non-finite q or k: it becomes NaN (as a NaN
-// input gives), so that it poisons its row whatever its sign, the scale or the soft cap.
-// Runs before the soft cap and the mask, so that afterwards −inf means "masked" only.
-JAX_FLASH_INLINE void PoisonInfiniteScores(const ScoreTile& s) {
-  const VecF inf = Splat(__builtin_inff());
-  const VecF nan = Splat(__builtin_nanf(""));
-  for (int64_t i = 0; i < s.rows_padded; ++i) {
-    float* row = s.data + i * s.ld;
-    for (int64_t j = 0; j < s.cols_padded; j += kLanes) {
-      const VecF x = Load(row + j);
-      Store(row + j, Abs(x) == inf ? nan : x);
-    }
-  }
-}
 
 // logits += bias over rows [0, s.rows) (the rows of one (b, n), read through their broadcast
 // strides and widened to float32 in `buffer`, [cols_padded]); after the scale and before the

@@ -24,9 +24,7 @@ namespace JAX_FLASH_CPU_ISA {
 JAX_FLASH_INLINE VecF MaxKeepNaN(VecF a, VecF b) { return (a > b) | (a != a) ? a : b; }
 JAX_FLASH_INLINE float MaxKeepNaN(float a, float b) { return a > b || a != a ? a : b; }
 JAX_FLASH_INLINE float ReduceMaxKeepNaN(VecF v) {
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = MaxKeepNaN(m, v[i]);
-  return m;
+  return FoldHalves<kLanes>(v, [](auto a, auto b) { return (a > b) | (a != a) ? a : b; });
 }
 
 // Dropout of one row of P (row t of head n of batch row b, keys s0 + j for j < cols_padded,
@@ -63,6 +61,20 @@ struct TileDropout {
 JAX_FLASH_INLINE void UpdateOnlineSoftmax(const ScoreTile& s, float* m, float* l, float* correction,
                                           const int32_t* bad_values, const TileDropout* dropout = nullptr,
                                           const int32_t* visible = nullptr) {
+  // Every row's new max first (held in correction), then every row's exp and sum. A row's
+  // reductions are chains of dependent steps (kept two vectors wide) and rows are
+  // independent: apart, the core overlaps one row's chains with the next row's.
+  for (int64_t i = 0; i < s.rows_padded; ++i) {
+    const float* row = s.data + i * s.ld;
+    VecF even = Load(row), odd = even;
+    int64_t j = kLanes;
+    for (; j + kLanes < s.cols_padded; j += 2 * kLanes) {
+      even = MaxKeepNaN(even, Load(row + j));
+      odd = MaxKeepNaN(odd, Load(row + j + kLanes));
+    }
+    if (j < s.cols_padded) even = MaxKeepNaN(even, Load(row + j));
+    correction[i] = ReduceMaxKeepNaN(MaxKeepNaN(MaxKeepNaN(even, odd), Splat(m[i])));
+  }
   for (int64_t i = 0; i < s.rows_padded; ++i) {
     float* row = s.data + i * s.ld;
     bool sees_bad_value = false;
@@ -72,23 +84,27 @@ JAX_FLASH_INLINE void UpdateOnlineSoftmax(const ScoreTile& s, float* m, float* l
         sees_bad_value |= bad_values[j] != 0 && seen;
       }
     }
-    VecF row_max = Load(row);
-    for (int64_t j = kLanes; j < s.cols_padded; j += kLanes) row_max = MaxKeepNaN(row_max, Load(row + j));
-    const float tile_max = ReduceMaxKeepNaN(row_max);
-    const float m_new = MaxKeepNaN(tile_max, m[i]);
+    const float m_new = correction[i];
     // exp(-inf - (-inf)) would be NaN: with nothing seen yet, subtract 0 instead,
     // which sends every (masked, -inf) logit to exactly 0.
-    const float shift = m_new == -__builtin_inff() ? 0.0f : m_new;
-    const VecF shift_v = Splat(shift);
-    VecF sum = Splat(0.0f);
-    for (int64_t j = 0; j < s.cols_padded; j += kLanes) {
-      const VecF p = Exp(Load(row + j) - shift_v);
-      Store(row + j, p);
-      sum += p;
+    const VecF shift = Splat(m_new == -__builtin_inff() ? 0.0f : m_new);
+    VecF even = Splat(0.0f), odd = even;
+    int64_t j = 0;
+    for (; j + kLanes < s.cols_padded; j += 2 * kLanes) {
+      const VecF p0 = Exp(Load(row + j) - shift), p1 = Exp(Load(row + j + kLanes) - shift);
+      Store(row + j, p0);
+      Store(row + j + kLanes, p1);
+      even += p0;
+      odd += p1;
     }
-    const float alpha = Exp(Splat(m[i] - shift))[0];  // m_old = -inf: alpha = 0, O and l are 0 anyway
+    if (j < s.cols_padded) {
+      const VecF p0 = Exp(Load(row + j) - shift);
+      Store(row + j, p0);
+      even += p0;
+    }
+    const float alpha = Exp(Splat(m[i]) - shift)[0];  // m_old = -inf: alpha = 0, O and l are 0 anyway
     correction[i] = alpha;
-    l[i] = l[i] * alpha + ReduceSum(sum);
+    l[i] = l[i] * alpha + ReduceSum(even + odd);
     m[i] = m_new;
     if (dropout != nullptr) DropRow(row, s.cols_padded, *dropout->setting, dropout->b, dropout->n, s.t0 + i, s.s0, 1.0f);
     if (sees_bad_value) row[0] = __builtin_nanf("");  // any NaN weight: the whole row is NaN

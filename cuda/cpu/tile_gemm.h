@@ -22,9 +22,18 @@ constexpr int kGemmVecs = 3;  // 12 accumulators of the 16 ymm/xmm registers
 
 enum class Accumulate {
   kOverwrite,  // C = A·B
+  kScores,     // C = A·B with ±inf as NaN (PoisonInfinite): the raw scores of a tile
   kAdd,        // C += A·B
   kRescale,    // C = row_scale ∘ C + A·B (the online-softmax correction of O)
 };
+
+// A raw score q·k that is ±inf comes from a non-finite q or k: it becomes NaN (as a NaN
+// input gives), so that it poisons its row whatever its sign, the scale or the soft cap.
+// Applied as the scores leave the product (Accumulate::kScores), before the soft cap and the
+// mask, so that afterwards −inf means "masked" only.
+JAX_FLASH_INLINE VecF PoisonInfinite(VecF x) {
+  return Abs(x) == Splat(__builtin_inff()) ? Splat(__builtin_nanf("")) : x;
+}
 
 template <bool kTransposeA, Accumulate kMode, int kVecs>
 JAX_FLASH_INLINE void GemmMicroTile(int64_t k_dim, const float* a, int64_t lda, const float* b,
@@ -32,7 +41,7 @@ JAX_FLASH_INLINE void GemmMicroTile(int64_t k_dim, const float* a, int64_t lda, 
   VecF acc[kGemmRows][kVecs];  // (rows of C, vectors along a row of C)
   for (int r = 0; r < kGemmRows; ++r) {
     for (int v = 0; v < kVecs; ++v) {
-      if (kMode == Accumulate::kOverwrite) {
+      if (kMode == Accumulate::kOverwrite || kMode == Accumulate::kScores) {
         acc[r][v] = Splat(0.0f);
       } else if (kMode == Accumulate::kAdd) {
         acc[r][v] = Load(c + r * ldc + v * kLanes);
@@ -50,7 +59,8 @@ JAX_FLASH_INLINE void GemmMicroTile(int64_t k_dim, const float* a, int64_t lda, 
     }
   }
   for (int r = 0; r < kGemmRows; ++r)
-    for (int v = 0; v < kVecs; ++v) Store(c + r * ldc + v * kLanes, acc[r][v]);
+    for (int v = 0; v < kVecs; ++v)
+      Store(c + r * ldc + v * kLanes, kMode == Accumulate::kScores ? PoisonInfinite(acc[r][v]) : acc[r][v]);
 }
 
 // C[m][n] (+)= Σ_k A(m, k) · B[k][n] for m < M, n < N, k < K, where

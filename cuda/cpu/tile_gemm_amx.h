@@ -192,7 +192,8 @@ void GemmAMX(int64_t m_dim, int64_t n_dim, int64_t pairs, const uint16_t* a, int
   }
   // The online softmax's correction first, so that the tiles only add.
   if (kMode == Accumulate::kRescale) ScaleRows(c, ldc, m_tiles, n_dim, [&](int64_t i) { return row_scale[i]; });
-  constexpr bool kLoadC = kMode != Accumulate::kOverwrite;
+  constexpr bool kOverwrite = kMode == Accumulate::kOverwrite || kMode == Accumulate::kScores;
+  constexpr bool kLoadC = !kOverwrite;
   Tiles::Configure();
   for (int64_t m = 0; m < m_tiles; m += 2 * kTileRows) {
     const bool two_rows = m + 2 * kTileRows <= m_tiles;
@@ -217,8 +218,13 @@ void GemmAMX(int64_t m_dim, int64_t n_dim, int64_t pairs, const uint16_t* a, int
   if (tile_pairs < pairs)
     GemmBF16<Accumulate::kAdd>(m_tiles, n_dim, pairs - tile_pairs, a + 2 * tile_pairs, lda,
                                b + tile_pairs * 2 * ldb, ldb, c, ldc);
-  if (kMode == Accumulate::kOverwrite && out_scale != 1.0f)
+  if (kMode == Accumulate::kScores) {
+    for (int64_t i = 0; i < m_tiles; ++i)
+      for (int64_t j = 0; j < n_dim; j += kLanes)
+        Store(c + i * ldc + j, PoisonInfinite(Load(c + i * ldc + j) * out_scale));
+  } else if (kOverwrite && out_scale != 1.0f) {
     ScaleRows(c, ldc, m_tiles, n_dim, [&](int64_t) { return out_scale; });
+  }
   // The rows past the last whole tile.
   if (m_tiles < m_dim)
     GemmBF16<kMode>(m_dim - m_tiles, n_dim, pairs, a + m_tiles * lda, lda, b, ldb, c + m_tiles * ldc, ldc,

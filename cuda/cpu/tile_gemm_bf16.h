@@ -39,7 +39,7 @@ JAX_FLASH_INLINE void GemmMicroTileBF16(int64_t pairs, const uint16_t* a, int64_
   __m512 acc[kGemmRows][kVecs];
   for (int r = 0; r < kGemmRows; ++r) {
     for (int v = 0; v < kVecs; ++v) {
-      if (kMode == Accumulate::kOverwrite) {
+      if (kMode == Accumulate::kOverwrite || kMode == Accumulate::kScores) {
         acc[r][v] = _mm512_setzero_ps();
       } else if (kMode == Accumulate::kAdd) {
         acc[r][v] = _mm512_loadu_ps(c + r * ldc + v * kLanes);
@@ -61,14 +61,16 @@ JAX_FLASH_INLINE void GemmMicroTileBF16(int64_t pairs, const uint16_t* a, int64_
   for (int r = 0; r < kGemmRows; ++r) {
     for (int v = 0; v < kVecs; ++v) {
       __m512 x = acc[r][v];
-      if (kMode == Accumulate::kOverwrite) x = _mm512_mul_ps(x, _mm512_set1_ps(out_scale));
+      if (kMode == Accumulate::kOverwrite || kMode == Accumulate::kScores)
+        x = _mm512_mul_ps(x, _mm512_set1_ps(out_scale));
+      if (kMode == Accumulate::kScores) x = (__m512)PoisonInfinite((VecF)x);
       _mm512_storeu_ps(c + r * ldc + v * kLanes, x);
     }
   }
 }
 
 // C[m][n] (+)= out_scale · Σ_{k < 2·pairs} A[m][k] · B(k, n) for m < M, n < N (layouts
-// above; out_scale only with kOverwrite). M must be a multiple of kGemmRows, N of 16;
+// above; out_scale only with kOverwrite and kScores). M must be a multiple of kGemmRows, N of 16;
 // A's and B's elements past the real reduction length must be zero (finite) pairs.
 template <Accumulate kMode>
 JAX_FLASH_INLINE void GemmBF16(int64_t m_dim, int64_t n_dim, int64_t pairs, const uint16_t* a,

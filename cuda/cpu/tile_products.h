@@ -52,11 +52,12 @@ struct F32Products {
     PackRows(v, 1.0f, kBlockK, RowStride(p), v_rows);
     ZeroNonFinite(v_rows, kBlockK * RowStride(p));
   }
-  // s = logits before the soft cap: (scale·Q)·Kᵀ (over H).  [rows_padded][cols_padded]
+  // s = logits before the bias and the soft cap: (scale·Q)·Kᵀ (over H), a ±inf product as NaN
+  // (PoisonInfinite).  [rows_padded][cols_padded]
   static void Scores(const Problem& p, int64_t rows_padded, int64_t cols_padded, const float* q,
                      const float* k_t, float* s) {
-    Gemm<false, Accumulate::kOverwrite>(rows_padded, cols_padded, p.head_dim, q, RowStride(p), k_t,
-                                        kKeyStride, s, kBlockK);
+    Gemm<false, Accumulate::kScores>(rows_padded, cols_padded, p.head_dim, q, RowStride(p), k_t,
+                                     kKeyStride, s, kBlockK);
   }
   // dp = dO·Vᵀ (over Hv).
   static void ProbabilityGradient(const Problem& p, int64_t rows_padded, int64_t cols_padded,
@@ -122,9 +123,8 @@ struct BF16Products {
   }
   static void Scores(const Problem& p, int64_t rows_padded, int64_t cols_padded, const float* q,
                      const float* k_t, float* s) {
-    ProductBF16<Accumulate::kOverwrite>(rows_padded, cols_padded, PaddedKeyDim(p) / 2, AsBF16(q),
-                                     RowStride(p), AsBF16(k_t), kKeyStride, s, kBlockK, nullptr,
-                                     p.scale);
+    ProductBF16<Accumulate::kScores>(rows_padded, cols_padded, PaddedKeyDim(p) / 2, AsBF16(q),
+                                  RowStride(p), AsBF16(k_t), kKeyStride, s, kBlockK, nullptr, p.scale);
   }
   static void ProbabilityGradient(const Problem& p, int64_t rows_padded, int64_t cols_padded,
                                   const float* dout, const float* v_t, float* dp) {

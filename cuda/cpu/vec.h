@@ -43,23 +43,53 @@ JAX_FLASH_INLINE VecF Max(VecF a, VecF b) { return a > b ? a : b; }
 JAX_FLASH_INLINE VecF Min(VecF a, VecF b) { return a < b ? a : b; }
 JAX_FLASH_INLINE VecF Abs(VecF a) { return reinterpret_cast<VecF>(reinterpret_cast<VecI>(a) & 0x7fffffff); }
 
-JAX_FLASH_INLINE float ReduceMax(VecF v) {
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = m > v[i] ? m : v[i];
-  return m;
+// A vector of N floats (N a power of two, at least 4).
+template <int N>
+struct FloatsOf {
+  typedef float type __attribute__((vector_size(4 * N)));
+};
+
+// The lower and upper halves of a vector of N = 16 or 8 floats, in registers.
+template <int N>
+JAX_FLASH_INLINE typename FloatsOf<N / 2>::type LowHalf(typename FloatsOf<N>::type v) {
+  if constexpr (N == 16) return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  if constexpr (N == 8) return __builtin_shufflevector(v, v, 0, 1, 2, 3);
 }
+template <int N>
+JAX_FLASH_INLINE typename FloatsOf<N / 2>::type HighHalf(typename FloatsOf<N>::type v) {
+  if constexpr (N == 16) return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  if constexpr (N == 8) return __builtin_shufflevector(v, v, 4, 5, 6, 7);
+}
+
+// op(... op(op(lo, hi) of the halves ...)): the lanes folded in halves in registers, in a
+// fixed order (lane i with lane i + width, width = N/2, N/4, ..., 1). The last two steps
+// stay on 4-lane vectors (as vector operations, not scalar compares and branches).
+template <int N, class Op>
+JAX_FLASH_INLINE float FoldHalves(typename FloatsOf<N>::type v, Op op) {
+  if constexpr (N == 4) {
+    v = op(v, __builtin_shufflevector(v, v, 2, 3, 2, 3));
+    return op(v, __builtin_shufflevector(v, v, 1, 1, 1, 1))[0];
+  } else {
+    return FoldHalves<N / 2>(op(LowHalf<N>(v), HighHalf<N>(v)), op);
+  }
+}
+
+// Pairwise, in a fixed order: the same bits on every thread count.
 JAX_FLASH_INLINE float ReduceSum(VecF v) {
-  // Pairwise, in a fixed order: the same bits on every thread count.
-  for (int width = kLanes / 2; width > 0; width /= 2)
-    for (int i = 0; i < width; ++i) v[i] += v[i + width];
-  return v[0];
+  return FoldHalves<kLanes>(v, [](auto a, auto b) { return a + b; });
 }
 
 // exp(x) to about 2 ulp: x = k ln2 + r with |r| <= ln2/2, exp(r) by a degree-6
 // polynomial (Cephes expf coefficients), 2^k put into the exponent bits. Inputs
 // below -87.3 (including -inf, the mask value) give exactly 0; NaN gives NaN.
+// With AVX-512 (16 lanes) the clamp is one vminps and 2^k one vscalefps, with the same bits.
 JAX_FLASH_INLINE VecF Exp(VecF x) {
+#if JAX_FLASH_CPU_VECTOR_WIDTH == 16
+  // vminps returns its second operand when either is NaN: x > 88 ? 88 : x, NaN passing.
+  const VecF clamped = (VecF)_mm512_min_ps(_mm512_set1_ps(88.0f), (__m512)x);
+#else
   const VecF clamped = x > Splat(88.0f) ? Splat(88.0f) : x;  // 2^k stays normal; NaN passes
+#endif
   const VecF magic = Splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
   const VecF shifted = clamped * 1.44269504088896341f + magic;
   const VecF k = shifted - magic;
@@ -72,9 +102,15 @@ JAX_FLASH_INLINE VecF Exp(VecF x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * (r * r) + r + 1.0f;
+#if JAX_FLASH_CPU_VECTOR_WIDTH == 16
+  // Not below (NLT_UQ: true for a NaN x, which then passes as p = NaN).
+  const __mmask16 normal = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-87.33654475f), _CMP_NLT_UQ);
+  return (VecF)_mm512_maskz_scalef_ps(normal, (__m512)p, (__m512)k);
+#else
   const VecI exponent = (__builtin_convertvector(k, VecI) + 127) << 23;
   const VecF result = p * reinterpret_cast<VecF>(exponent);
   return x < Splat(-87.33654475f) ? Splat(0.0f) : result;
+#endif
 }
 
 // tanh(x): odd Taylor series where it is accurate (|x| < 0.25, error < 1e-8) and
