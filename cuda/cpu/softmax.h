@@ -19,13 +19,9 @@ namespace jax_flash {
 namespace cpu {
 namespace JAX_FLASH_CPU_ISA {
 
-// max(a, b) that keeps a NaN of either side (a > b ? a : b drops a NaN a): a row that sees
-// a NaN logit keeps m = NaN, so its P, l, out and lse are NaN, not an empty row's 0 / −inf.
-JAX_FLASH_INLINE VecF MaxKeepNaN(VecF a, VecF b) { return (a > b) | (a != a) ? a : b; }
+// max(a, b) that keeps a NaN of either side (a > b ? a : b drops a NaN a), for the split
+// chunks' merge: a row that saw a NaN logit has m = NaN, so its out and lse stay NaN.
 JAX_FLASH_INLINE float MaxKeepNaN(float a, float b) { return a > b || a != a ? a : b; }
-JAX_FLASH_INLINE float ReduceMaxKeepNaN(VecF v) {
-  return FoldHalves<kLanes>(v, [](auto a, auto b) { return (a > b) | (a != a) ? a : b; });
-}
 
 // Dropout of one row of P (row t of head n of batch row b, keys s0 + j for j < cols_padded,
 // s0 a multiple of 4): kept weights are multiplied by `factor`, dropped ones become 0. One
@@ -64,16 +60,18 @@ JAX_FLASH_INLINE void UpdateOnlineSoftmax(const ScoreTile& s, float* m, float* l
   // Every row's new max first (held in correction), then every row's exp and sum. A row's
   // reductions are chains of dependent steps (kept two vectors wide) and rows are
   // independent: apart, the core overlaps one row's chains with the next row's.
+  // The max is a plain one (vmaxps), which may drop a NaN; a NaN logit then shows as a NaN
+  // P and so a NaN sum, and the row takes m = NaN below, as a NaN-keeping max would give.
   for (int64_t i = 0; i < s.rows_padded; ++i) {
     const float* row = s.data + i * s.ld;
     VecF even = Load(row), odd = even;
     int64_t j = kLanes;
     for (; j + kLanes < s.cols_padded; j += 2 * kLanes) {
-      even = MaxKeepNaN(even, Load(row + j));
-      odd = MaxKeepNaN(odd, Load(row + j + kLanes));
+      even = Max(even, Load(row + j));
+      odd = Max(odd, Load(row + j + kLanes));
     }
-    if (j < s.cols_padded) even = MaxKeepNaN(even, Load(row + j));
-    correction[i] = ReduceMaxKeepNaN(MaxKeepNaN(MaxKeepNaN(even, odd), Splat(m[i])));
+    if (j < s.cols_padded) even = Max(even, Load(row + j));
+    correction[i] = ReduceMax(Max(Max(even, odd), Splat(m[i])));
   }
   for (int64_t i = 0; i < s.rows_padded; ++i) {
     float* row = s.data + i * s.ld;
@@ -102,10 +100,15 @@ JAX_FLASH_INLINE void UpdateOnlineSoftmax(const ScoreTile& s, float* m, float* l
       Store(row + j, p0);
       even += p0;
     }
+    const float sum = ReduceSum(even + odd);
+    // A NaN logit (a NaN P): m, l and the correction are NaN, so that the row's out and lse
+    // come out NaN (not an empty row's 0 / −inf). A row poisoned before keeps its NaN m (the
+    // second operand of Max above), so its shift and sum are NaN too.
+    const bool poisoned = sum != sum;
     const float alpha = Exp(Splat(m[i]) - shift)[0];  // m_old = -inf: alpha = 0, O and l are 0 anyway
-    correction[i] = alpha;
-    l[i] = l[i] * alpha + ReduceSum(even + odd);
-    m[i] = m_new;
+    correction[i] = poisoned ? __builtin_nanf("") : alpha;
+    l[i] = poisoned ? __builtin_nanf("") : l[i] * alpha + sum;
+    m[i] = poisoned ? __builtin_nanf("") : m_new;
     if (dropout != nullptr) DropRow(row, s.cols_padded, *dropout->setting, dropout->b, dropout->n, s.t0 + i, s.s0, 1.0f);
     if (sees_bad_value) row[0] = __builtin_nanf("");  // any NaN weight: the whole row is NaN
   }

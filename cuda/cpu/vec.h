@@ -74,6 +74,9 @@ JAX_FLASH_INLINE float FoldHalves(typename FloatsOf<N>::type v, Op op) {
   }
 }
 
+JAX_FLASH_INLINE float ReduceMax(VecF v) {
+  return FoldHalves<kLanes>(v, [](auto a, auto b) { return a > b ? a : b; });
+}
 // Pairwise, in a fixed order: the same bits on every thread count.
 JAX_FLASH_INLINE float ReduceSum(VecF v) {
   return FoldHalves<kLanes>(v, [](auto a, auto b) { return a + b; });
