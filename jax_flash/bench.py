@@ -13,7 +13,8 @@ forward's two — `AttentionSpec.flops`), the ratio to jax.nn's xla path
 and to torch measured in the same run, the compiled temporary memory
 (`jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes`) and, on a CPU,
 the fraction of the machine's peak for the dtype (`cpu_peaks`: threads × FLOP per cycle
-from the CPU flags × the clock measured by jax_flash's extension).
+from the CPU flags × the clock measured by jax_flash's extension), with a probe of whether
+the threads had a core each during the case (`cores`, `_core_share`).
 
 A case that fails, runs out of memory, or whose compiled temporary memory exceeds
 `--max-temp-gib` is reported as such in the table; the run goes on. With `--time-budget`
@@ -92,6 +93,7 @@ class Result:
     vs_jax_nn: Optional[float] = None  # jax.nn time / this time (>1: faster than jax.nn)
     vs_torch: Optional[float] = None  # torch time / this time (>1: faster than torch)
     peak_fraction: Optional[float] = None  # flops_per_s / the CPU's peak for the dtype
+    core_share: Optional[float] = None  # CPU: _core_share before and after the case, the lower
     reps: int = 0
     bias: str = "none"  # BIASES
 
@@ -318,7 +320,9 @@ def measure_case(
     once (jax.nn's T×S scores) runs up to 1.5× slower while the machine settles (measured:
     0.1 s removes it), which would charge one implementation for another.
     """
-    settle = len(impls) > 1 and jax.default_backend() == "cpu"
+    on_cpu = jax.default_backend() == "cpu"
+    settle = len(impls) > 1 and on_cpu
+    shares = [_core_share()] if on_cpu else []
     cells = []  # [result, compiled or None, args, times]
     for impl in impls:
         r, compiled, args = _prepare(
@@ -337,12 +341,31 @@ def measure_case(
             dt = _run_once(r, compiled, args)
             if dt is not None:
                 times.append(dt)
+    if on_cpu:
+        shares.append(_core_share())
     for r, _, _, times in cells:
+        if shares and None not in shares:
+            r.core_share = min(shares)
         if r.status == "ok" and times:
             r.time_s = statistics.median(times)
             r.reps = len(times)
             r.flops_per_s = r.flops / r.time_s
     return [c[0] for c in cells]
+
+
+def _core_share() -> Optional[float]:
+    """Each thread's FMA rate with all the threads running FMAs at once, over one thread's
+    alone (the extension's `cpu_core_share`): about 1 when every thread has a core, about 1/2
+    when two share one (a virtual machine's CPUs placed on one core), when every peer runs at
+    up to half speed and `% peak` is out of reach. None where it cannot be measured."""
+    try:
+        from jax_flash import _jax_flash_ext
+    except ImportError:
+        return None
+    if not hasattr(_jax_flash_ext, "cpu_core_share"):
+        return None
+    share = _jax_flash_ext.cpu_core_share(_threads())
+    return share if share > 0 else None
 
 
 def measure(impl: str, *args, **kwargs) -> Result:
@@ -417,7 +440,7 @@ def format_table(results: list[Result], on_gpu: bool) -> str:
     unit, div = ("TFLOP/s", 1e12) if on_gpu else ("GFLOP/s", 1e9)
     header = (
         f"{'impl':13s} {'pass':6s} {'causal':6s} {'bias':5s} {'H':>4s} {'T=S':>6s} {'time ms':>10s} "
-        f"{unit:>9s} {'x jax.nn':>9s} {'x torch':>8s} {'% peak':>7s} {'temp MiB':>10s} "
+        f"{unit:>9s} {'x jax.nn':>9s} {'x torch':>8s} {'% peak':>7s} {'cores':>5s} {'temp MiB':>10s} "
         f"{'compile s':>9s}  status"
     )
     lines = [header, "-" * len(header)]
@@ -427,12 +450,13 @@ def format_table(results: list[Result], on_gpu: bool) -> str:
         ratio = "" if r.vs_jax_nn is None else f"{r.vs_jax_nn:.2f}"
         vs_torch = "" if r.vs_torch is None else f"{r.vs_torch:.2f}"
         peak = "" if r.peak_fraction is None else f"{100 * r.peak_fraction:.0f}"
+        cores = "" if r.core_share is None else f"{r.core_share:.2f}"
         temp = "" if r.temp_bytes is None else f"{r.temp_bytes / 2**20:.1f}"
         comp = "" if r.compile_s is None else f"{r.compile_s:.1f}"
         lines.append(
             f"{r.impl:13s} {r.pass_:6s} {'yes' if r.causal else 'no':6s} {r.bias:5s} {r.head_dim:4d} "
             f"{_fmt_seq(r.seq_len):>6s} {time_ms:>10s} {tput:>9s} {ratio:>9s} {vs_torch:>8s} "
-            f"{peak:>7s} {temp:>10s} {comp:>9s}  "
+            f"{peak:>7s} {cores:>5s} {temp:>10s} {comp:>9s}  "
             f"{r.status}"
         )
     return "\n".join(lines)
@@ -1121,8 +1145,11 @@ def main(argv=None) -> list[Result]:
     print(
         "\nx jax.nn: jax.nn.dot_product_attention(implementation='xla') time / this time "
         "(> 1 is faster); x torch: the same for torch's scaled_dot_product_attention. % peak: "
-        "of the CPU's peak for the dtype (above). temp: compiled temporary memory (not "
-        "torch's). compile: lowering + compilation."
+        "of the CPU's peak for the dtype (above). cores (CPU): each thread's FMA rate with all "
+        "threads at once over one thread's alone, probed before and after the case (the lower): "
+        "~1 = a core each; ~0.5 = two threads shared a core, every peer ran at up to half "
+        "speed and % peak is a floor. temp: compiled temporary memory (not torch's). compile: "
+        "lowering + compilation."
     )
     if args.json:
         _write_json(args.json, env, args, skipped, results, done=True)

@@ -125,8 +125,9 @@ def test_bench_plot_without_matplotlib_fails_before_measuring(monkeypatch, capsy
 
 
 def test_bench_torch_peer_and_cpu_peak(capsys):
-    """torch's CPU SDPA in the same table (when it imports), with the ratios to it and the
-    fraction of the CPU's peak; without torch the run says why it is not measured."""
+    """torch's CPU SDPA in the same table (when it imports), with the ratios to it, the
+    fraction of the CPU's peak and the core probe; without torch the run says why it is not
+    measured."""
     results = bench.main(
         ["--impls", "cpu,jax.nn,torch", "--seq-lens", "128", "--head-dims", "32", "--heads", "2",
          "--reps", "1", "--causal", "yes", "--dtype", "bfloat16"]
@@ -148,6 +149,10 @@ def test_bench_torch_peer_and_cpu_peak(capsys):
         assert "CPU peak" in out and peaks["clock_ghz"] > 0.5
         assert peaks["bfloat16"][1] >= peaks["float32"][1] > 0
         assert 0 < by_impl[("cpu", "fwd")].peak_fraction < 1
+        # Whether the threads had a core each: one probe per case, the same for every peer.
+        assert "cores" in out
+        shares = {r.core_share for r in results if r.pass_ == "fwd"}
+        assert len(shares) == 1 and 0.2 < shares.pop() < 1.5
 
 
 def test_bench_decode_tiny_run(tmp_path, capsys):

@@ -2,10 +2,17 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include <type_traits>
 
@@ -64,9 +71,62 @@ double MeasureClockGHz() {
 #endif
 }
 
+#if defined(__x86_64__)
+// Fused multiply-adds per second of this thread, 12 independent chains of 8-lane FMAs (more
+// than an FMA unit's latency × width, so the units, not the chains, bound it): the best of
+// 5 bursts of ~1 ms.
+__attribute__((target("avx2,fma"))) double FmaRate(float seed) {
+  constexpr int kChains = 12;
+  constexpr int64_t kSteps = 100000;
+  const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-4f);
+  __m256 acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = _mm256_set1_ps(seed + c);
+  double best = 0.0;
+  for (int burst = 0; burst < 5; ++burst) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < kSteps; ++i) {
+      for (int c = 0; c < kChains; ++c) acc[c] = _mm256_fmadd_ps(acc[c], a, b);
+    }
+    for (int c = 0; c < kChains; ++c) asm volatile("" : "+x"(acc[c]));
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    best = std::max(best, kChains * 8.0 * kSteps / seconds);
+  }
+  return best;
+}
+#endif
+
+// Each thread's FMA rate when `threads` threads run FMAs at once, over one thread's alone
+// (the slowest thread's): about 1 when every thread has a core to itself, about 1/2 when two
+// share one (SMT siblings, or a hypervisor's virtual CPUs placed on one core). 0 off x86-64
+// or without FMA.
+double MeasureCoreShare(int64_t threads) {
+#if defined(__x86_64__)
+  if (threads < 1 || !__builtin_cpu_supports("fma")) return 0.0;
+  const double alone = FmaRate(1.0f);
+  std::vector<double> rates(threads);
+  std::atomic<int64_t> ready{0};
+  std::vector<std::thread> workers;
+  for (int64_t i = 0; i < threads; ++i) {
+    workers.emplace_back([&, i] {
+      ready.fetch_add(1);
+      while (ready.load() < threads) {
+      }
+      rates[i] = FmaRate(2.0f + i);
+    });
+  }
+  for (std::thread& t : workers) t.join();
+  return *std::min_element(rates.begin(), rates.end()) / alone;
+#else
+  return 0.0;
+#endif
+}
+
 }  // namespace
 
 void AddCpuFunctions(nb::module_& m) {
+  m.def("cpu_core_share", &MeasureCoreShare, nb::arg("threads"),
+        "Each thread's FMA rate with `threads` threads running FMAs at once, over one thread's "
+        "alone (the slowest's): ~1 with a core each, ~1/2 where two share a core; 0 off x86-64.");
   m.def("cpu_clock_ghz", &MeasureClockGHz,
         "One core's clock now (GHz), measured with a chain of dependent adds (0 off x86-64).");
   m.def(
