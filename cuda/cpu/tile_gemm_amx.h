@@ -171,11 +171,12 @@ JAX_FLASH_INLINE void AmxBlock(int64_t pairs, const uint16_t* a, int64_t lda, co
   for_c([&](auto t) { Tiles::template Store<t>(c_at(t / 2, t % 2), 4 * ldc); });
 }
 
-// C[i][·] *= scale(i) for the first `rows` rows of C (n_dim a multiple of 16).
-template <class Scale>
-JAX_FLASH_INLINE void ScaleRows(float* c, int64_t ldc, int64_t rows, int64_t n_dim, Scale scale) {
+// C[i][·] = f(i, C[i][·]) vector by vector for the first `rows` rows of C (n_dim a multiple
+// of 16): the products' scales and the scores' poisoning, applied around the tiles.
+template <class F>
+JAX_FLASH_INLINE void MapRows(float* c, int64_t ldc, int64_t rows, int64_t n_dim, F f) {
   for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < n_dim; j += kLanes) Store(c + i * ldc + j, Load(c + i * ldc + j) * scale(i));
+    for (int64_t j = 0; j < n_dim; j += kLanes) Store(c + i * ldc + j, f(i, Load(c + i * ldc + j)));
 }
 
 // GemmBF16's contract (M a multiple of kGemmRows, N of 16; A's and B's elements past the
@@ -191,7 +192,7 @@ void GemmAMX(int64_t m_dim, int64_t n_dim, int64_t pairs, const uint16_t* a, int
     return;
   }
   // The online softmax's correction first, so that the tiles only add.
-  if (kMode == Accumulate::kRescale) ScaleRows(c, ldc, m_tiles, n_dim, [&](int64_t i) { return row_scale[i]; });
+  if (kMode == Accumulate::kRescale) MapRows(c, ldc, m_tiles, n_dim, [&](int64_t i, VecF x) { return x * row_scale[i]; });
   constexpr bool kOverwrite = kMode == Accumulate::kOverwrite || kMode == Accumulate::kScores;
   constexpr bool kLoadC = !kOverwrite;
   Tiles::Configure();
@@ -219,11 +220,9 @@ void GemmAMX(int64_t m_dim, int64_t n_dim, int64_t pairs, const uint16_t* a, int
     GemmBF16<Accumulate::kAdd>(m_tiles, n_dim, pairs - tile_pairs, a + 2 * tile_pairs, lda,
                                b + tile_pairs * 2 * ldb, ldb, c, ldc);
   if (kMode == Accumulate::kScores) {
-    for (int64_t i = 0; i < m_tiles; ++i)
-      for (int64_t j = 0; j < n_dim; j += kLanes)
-        Store(c + i * ldc + j, PoisonInfinite(Load(c + i * ldc + j) * out_scale));
+    MapRows(c, ldc, m_tiles, n_dim, [&](int64_t, VecF x) { return PoisonInfinite(x * out_scale); });
   } else if (kOverwrite && out_scale != 1.0f) {
-    ScaleRows(c, ldc, m_tiles, n_dim, [&](int64_t) { return out_scale; });
+    MapRows(c, ldc, m_tiles, n_dim, [&](int64_t, VecF x) { return x * out_scale; });
   }
   // The rows past the last whole tile.
   if (m_tiles < m_dim)
