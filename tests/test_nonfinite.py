@@ -177,6 +177,21 @@ def test_nonfinite_pattern(impl, case):
     assert np.all(np.isnan(got[0][np.isnan(out)])), "non-finite outputs are NaN"
 
 
+@pytest.mark.parametrize("isa", ["avx512", "amx_emulated"])
+@pytest.mark.parametrize("case", ["k_inf-window", "mixed-combo"])
+def test_nonfinite_pattern_on_cpu_isas(isa, case, monkeypatch):
+    """The cpu kernels' other products make a ±inf score NaN as the default ones do: float32
+    products (avx512) and the AMX tiles' code (emulated). An ISA this CPU lacks is skipped."""
+    from jax_flash import _jax_flash_ext
+
+    monkeypatch.setenv("JAX_FLASH_CPU_ISA", isa)
+    try:
+        assert _jax_flash_ext.cpu_isa() == isa
+    except ValueError as e:
+        pytest.skip(str(e))
+    test_nonfinite_pattern("cpu", case)
+
+
 def test_nonfinite_reference_rule():
     """The reference itself, on the rule's words: causal with a NaN key 70 (seen by rows t
     with t + 50 >= 70) and a NaN value 20 (seen by every row)."""
