@@ -1,4 +1,4 @@
-"""Seeded random attention calls for the property-based suite (tests/test_property.py).
+"""Seeded random attention calls for the property-based suite (tests/contract/test_property.py).
 
 `draw(impl, index, seed)` returns one `Example`: shapes, dtype, every mask argument (alone and
 combined), soft cap, scale, bias/mask, NaN/Inf injections and the cotangents, as plain Python
@@ -55,7 +55,7 @@ POISONS = (float("nan"), float("inf"), float("-inf"))
 
 @dataclasses.dataclass
 class Gates:
-    """Which dimensions may be drawn (the switches of tests/test_property.py)."""
+    """Which dimensions may be drawn (the switches of tests/contract/test_property.py)."""
 
     poisons: bool = True  # NaN/Inf in q, k, v, bias
     huge_windows: bool = True  # window sides >= 2**31
