@@ -328,6 +328,19 @@ def _back(res, rs: _Resharder, return_residual: bool):
 # ----------------------------------------------------------------------------- hybrid
 
 
+def _global_lengths(lengths, full: int):
+    """Global lengths as int32, a wide (64-bit or unsigned) array clipped to [0, full] first.
+    ring_attention canonicalizes its *local* chunk, whose clip of a wide length array would
+    be to the local length; int32 reaches it unchanged."""
+    if lengths is None:
+        return None
+    x = jnp.asarray(lengths)
+    wide = x.dtype.itemsize > 4 or (x.dtype.itemsize == 4 and jnp.issubdtype(x.dtype, jnp.unsignedinteger))
+    if jnp.issubdtype(x.dtype, jnp.integer) and wide:
+        x = jnp.clip(x, np.asarray(0).astype(x.dtype), np.asarray(full).astype(x.dtype)).astype(jnp.int32)
+    return x
+
+
 def _merge_sinks(out, lse, sinks):
     """Add one virtual key per head with logit sinks[n] and value 0 to a finished
     (out [*B, T, N, Hv], lse [*B, T, N]): the softmax denominator gains exp(sinks[n])."""
@@ -411,14 +424,15 @@ def hybrid_attention(
     k = rs.to_heads(_expand_kv(key, pa), seq, head)
     v = rs.to_heads(_expand_kv(value, pa), seq, head)
     local_sinks = _sinks(sinks, n, rs, fn)
+    pr = lax.axis_size(ring_axis)
     out, lse = ring_attention(
         q,
         k,
         v,
         axis_name=ring_axis,
         is_causal=is_causal,
-        query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths,
+        query_seq_lengths=_global_lengths(query_seq_lengths, q.shape[-3] * pr),
+        key_value_seq_lengths=_global_lengths(key_value_seq_lengths, k.shape[-3] * pr),
         local_window_size=local_window_size,
         segment_ids=_segments(segment_ids, rs),
         logits_soft_cap=logits_soft_cap,

@@ -42,7 +42,8 @@ PRELUDE = textwrap.dedent(
 
     def case(name, p, layout="contiguous", b=2, t=16, s=None, n=4, kh=None, h=8, hv=None,
              dtype=jnp.float64, impl="xla", tol=1e-10, q_lengths=None, kv_lengths=None,
-             segment_ids=None, sinks=False, bias=None, mask=None, query_offset=None, **kw):
+             segment_ids=None, sinks=False, bias=None, mask=None, query_offset=None,
+             len_dtype=jnp.int32, **kw):
         '''p: an int (ulysses_attention over axis "sp" of p devices) or a pair (pr, pa)
         (hybrid_attention, ring over "ring" of pr, all-to-all over "a2a" of pa devices).
         bias / mask: the global shape, broadcastable to [B, N, T, S].'''
@@ -71,8 +72,8 @@ PRELUDE = textwrap.dedent(
         if bias is not None:
             diff.append(jnp.asarray(r.normal(size=bias), dtype))
         mask_arr = None if mask is None else jnp.asarray(r.random(size=mask) < 0.8)
-        ql = None if q_lengths is None else jnp.asarray(q_lengths, jnp.int32)
-        kl = None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32)
+        ql = None if q_lengths is None else jnp.asarray(q_lengths, len_dtype)
+        kl = None if kv_lengths is None else jnp.asarray(kv_lengths, len_dtype)
         qo = query_offset if query_offset is None or isinstance(query_offset, int) else jnp.asarray(query_offset, jnp.int32)
         pair = isinstance(segment_ids, tuple)
         seg = None
@@ -211,6 +212,8 @@ HYBRID = textwrap.dedent(
          kv_lengths=[14, 16], segment_ids=seg)
     case("hybrid 4x2 (ring 4, a2a 2) zigzag causal, sinks, Hv != H, T=32", (4, 2), t=32, hv=4,
          sinks=True, layout="zigzag", is_causal=True, kv_lengths=[32, 0])
+    case("hybrid 4x2 int64 lengths (global, beyond T), no mask", (4, 2), q_lengths=[40, 7],
+         kv_lengths=[16, 13], len_dtype=jnp.int64)
     """
 )
 
@@ -270,7 +273,7 @@ def test_ulysses_equals_unsharded():
 
 def test_hybrid_equals_unsharded_on_2x2_2x4_4x2():
     out = _run(HYBRID)
-    assert out.count("ok ") == 3, out
+    assert out.count("ok ") == 4, out
 
 
 def test_errors():
