@@ -400,7 +400,7 @@ def hybrid_attention(
     """
     fn = "hybrid_attention"
     pa = _axis_size(a2a_axis, fn, "a2a_axis")
-    _axis_size(ring_axis, fn, "ring_axis")
+    pr = _axis_size(ring_axis, fn, "ring_axis")
     if a2a_axis == ring_axis:
         raise ValueError(f"{fn}: a2a_axis and ring_axis must be two different mesh axes, got {a2a_axis!r} twice")
     _check_layout(layout, fn)
@@ -424,7 +424,6 @@ def hybrid_attention(
     k = rs.to_heads(_expand_kv(key, pa), seq, head)
     v = rs.to_heads(_expand_kv(value, pa), seq, head)
     local_sinks = _sinks(sinks, n, rs, fn)
-    pr = lax.axis_size(ring_axis)
     out, lse = ring_attention(
         q,
         k,
