@@ -1,16 +1,24 @@
-"""The extension module's stub (jax_flash/_jax_flash_ext.pyi) against the built module: the
-same functions with the same parameters, as nanobind's own stub generator reads them."""
+"""The native extension modules' stubs (jax_flash/_*.pyi) against the built modules: the same
+functions with the same parameters, as nanobind's own stub generator reads them."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
 
 import pytest
 
 import jax_flash
 
-STUB = pathlib.Path(jax_flash.__file__).parent / "_jax_flash_ext.pyi"
+PACKAGE = pathlib.Path(jax_flash.__file__).parent
+# The extension modules: the main one, every module with a stub, and every one built into the
+# source tree (a new module without a stub then fails here).
+MODULES = sorted(
+    {"_jax_flash_ext"}
+    | {p.stem for p in PACKAGE.glob("_*.pyi")}
+    | {p.name.split(".")[0] for p in (*PACKAGE.glob("_*.so"), *PACKAGE.glob("_*.pyd"))}
+)
 
 
 def _functions(source: str) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
@@ -24,11 +32,19 @@ def _functions(source: str) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]
     return out
 
 
-def test_stub_matches_the_built_module():
-    ext = pytest.importorskip("jax_flash._jax_flash_ext")
+@pytest.mark.parametrize("name", MODULES)
+def test_stub_matches_the_built_module(name):
     stubgen = pytest.importorskip("nanobind.stubgen")
+    try:
+        ext = importlib.import_module(f"jax_flash.{name}")
+    except ImportError as e:
+        if name == "_jax_flash_ext":  # the package cannot work without it
+            raise
+        pytest.skip(f"jax_flash.{name} is not built here (an optional module): {e}")
+    stub = PACKAGE / f"{name}.pyi"
+    assert stub.is_file(), f"jax_flash.{name} has no stub {stub.name}"
     gen = stubgen.StubGen(ext, include_docstrings=False)
     gen.put(ext)
     built = _functions(gen.get())
-    assert built, "nanobind's stub generator found no function in the extension"
-    assert _functions(STUB.read_text()) == built
+    assert built, f"nanobind's stub generator found no function in jax_flash.{name}"
+    assert _functions(stub.read_text()) == built
