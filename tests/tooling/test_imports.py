@@ -30,19 +30,20 @@ LAYERS = (
                    "jax_flash.flax", "jax_flash.haiku")),
     # Features that reach the implementations through the registry, never by import.
     ("capabilities", ("jax_flash.inference", "jax_flash.inference.paged")),
-    # The four implementations and their private parts (FFI calls, Pallas kernels, tables).
+    # The four implementations and their private parts (FFI calls, Pallas kernels).
     ("implementations", ("jax_flash.xla", "jax_flash.cpu", "jax_flash.cuda", "jax_flash.pallas",
-                         "jax_flash._ffi", "jax_flash._pallas_kernels", "jax_flash._pallas_table",
-                         "jax_flash.inference.pallas_decode")),
+                         "jax_flash._ffi", "jax_flash._pallas_kernels", "jax_flash.inference.pallas_decode")),
     # How a compiled call partitions over a mesh, and the ring that runs inside it (and
     # behind `ring_attention`): the implementations wrap their calls in it.
     ("parallel", ("jax_flash.parallel",)),
     # The one custom_vjp and the registry it dispatches through (by name).
     ("dispatch", ("jax_flash._vjp", "jax_flash._registry")),
-    # Spec, argument normalisation, masks, dropout bits, numerics, split-KV chunking, merge.
-    ("shared", ("jax_flash._spec", "jax_flash._paged_spec", "jax_flash._normalize",
+    # Spec, settings, argument normalisation, masks, dropout bits, numerics, the schedule
+    # rules and the Pallas tile table (data), split-KV chunking, the lse merge, the extension.
+    ("shared", ("jax_flash._spec", "jax_flash._paged_spec", "jax_flash._config", "jax_flash._normalize",
                 "jax_flash._numerics", "jax_flash._masking", "jax_flash._dropout", "jax_flash._merge",
-                "jax_flash.inference.split_kv", "jax_flash._jax_flash_ext")),
+                "jax_flash._heuristics", "jax_flash._pallas_table", "jax_flash.inference.split_kv",
+                "jax_flash._jax_flash_ext")),
 )
 
 
