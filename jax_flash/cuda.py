@@ -37,9 +37,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_flash import _ffi, _registry
+from jax_flash._numerics import finite_part, nonfinite_rows
+from jax_flash._paged_spec import PagedSpec, target_masks
 from jax_flash._spec import AttentionSpec
+from jax_flash.inference import split_kv
 from jax_flash.parallel import partitioning
-from jax_flash.xla import finite_part, nonfinite_rows
 
 DTYPES = ("float16", "bfloat16")
 # Head dims with compiled instantiations (cuda/kernels, build/generate_kernels.py): every H of
@@ -184,8 +186,6 @@ MAX_SPLITS = 64
 
 def packs_heads(spec: AttentionSpec) -> bool:
     """GQA packing (kernels/fwd.h): at T = 1 the G query heads of a kv head share one tile."""
-    from jax_flash.inference import split_kv
-
     return split_kv.packs_query_heads(spec, FORWARD_BLOCK_Q)
 
 
@@ -211,15 +211,11 @@ def forward_ctas(spec: AttentionSpec) -> int:
 
 def split_kv_setting() -> Optional[int]:
     """JAX_FLASH_CUDA_SPLIT_KV: None (unset or empty: the rule), else the forced chunk count."""
-    from jax_flash.inference import split_kv
-
     return split_kv.forced_chunks("JAX_FLASH_CUDA_SPLIT_KV", "the CUDA forward's split-KV")
 
 
 def split_kv_chunks(spec: AttentionSpec) -> int:
     """The forward's split-KV chunk count C for a call of shape `spec` (1: no split)."""
-    from jax_flash.inference import split_kv
-
     if spec.has_dropout or spec.batch * spec.num_heads * spec.q_len == 0:
         return 1
     forced = split_kv_setting()
@@ -517,16 +513,29 @@ class CudaImplementation:
         share, _ = call(small, zeros_q, zeros_k, v, masks._replace(bias=None))
         return share[..., 0] > 0
 
-    def paged_forward(self, pspec, q, key_pages, value_pages, table, lengths, sinks=None):
-        """paged_attention (jax_flash/inference/paged.py) on the paged target: the forward
-        kernel reading K and V through the page table (cp.async from each page's slot), with
-        the decode settings of `attention` (split-KV, GQA packing). out [B, T, N, H], lse
-        [B, N, T]. Keys of an out-of-range page id are masked through kv segment ids (1 on
-        such a page, 0 elsewhere, the queries' 0); the kernel reads page 0 in their place."""
-        from jax_flash.inference import paged
+    # paged_attention (jax_flash/inference/paged.py): what implementation=None runs on an NVIDIA
+    # GPU where it serves the call (never its host emulation: the CPU backend prefers cpu).
+    paged_default = True
 
+    def paged_unsupported(self, pspec: PagedSpec) -> Optional[str]:
+        return self.unsupported(pspec.attention)
+
+    def paged_note(self, pspec: PagedSpec) -> str:
+        try:
+            how = decoding_description(pspec.attention)
+        except ValueError as e:
+            how = f"{e}: calls fail"
+        return ("the forward kernel with its K/V tiles read through the table (cp.async from each page's "
+                f"slot, any page size); {how}")
+
+    def paged_forward(self, pspec, q, key_pages, value_pages, table, lengths, sinks=None):
+        """paged_attention on the paged target: the forward kernel reading K and V through the
+        page table (cp.async from each page's slot), with the decode settings of `attention`
+        (split-KV, GQA packing). out [B, T, N, H], lse [B, N, T]. Keys of an out-of-range page
+        id are masked through kv segment ids (1 on such a page, 0 elsewhere, the queries' 0);
+        the kernel reads page 0 in their place."""
         split_kv_setting()
-        spec, masks = paged.target_masks(pspec, q, table, lengths, sinks)
+        spec, masks = target_masks(pspec, q, table, lengths, sinks)
         return self._forward_local(f"{_prefix()}_paged_fwd", spec, q, key_pages, value_pages, masks, page_table=table)
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
