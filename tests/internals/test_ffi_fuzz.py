@@ -103,7 +103,13 @@ class Target:
     results: tuple
     attributes: dict
     dtypes: tuple  # element dtypes of q it serves
-    emulated: bool = False
+    emulated: bool = False  # the CUDA kernels on the host emulation: slow, so fewer valid calls
+    platform: str = "cpu"  # where it is registered (and called)
+    registered_as: str = ""  # the registered name, where the key differs (the CUDA platform's)
+
+    @property
+    def target(self) -> str:
+        return self.registered_as or self.name
 
 
 TARGETS = {
@@ -179,6 +185,13 @@ TARGETS = {
         ),
     )
 }
+# The CUDA platform's targets: the emulated ones' signatures (kernels/ffi_attention.h serves
+# both), called on a GPU where there is one.
+for _name in ("jax_flash_fwd", "jax_flash_paged_fwd", "jax_flash_bwd"):
+    _emulated = TARGETS[_name.replace("jax_flash_", "jax_flash_emu_")]
+    TARGETS[_name + "@CUDA"] = Target(_name + "@CUDA", _emulated.operands, _emulated.results,
+                                      dict(_emulated.attributes), _emulated.dtypes, emulated=False,
+                                      platform="CUDA", registered_as=_name)
 
 # Out-of-range values of each attribute (applied to the targets that take it). The base call
 # has T = 3, so GQA packing (T = 1 only) cannot be asked for.
@@ -194,12 +207,13 @@ INVALID_ATTRIBUTE_VALUES = {
     "isa": ["bogus", "AVX2 ", "avx512bf17", "amx;generic"],
     "layout": ["warp64", "Warp16", "warp16 ", "w"],
 }
-# A value of another type for each attribute's type.
+# A value of another type for each attribute's type; none equal to a valid value (JAX's cache
+# of compiled calls keys on attribute values, and True == 1 == 1.0 would reuse another's).
 WRONG_TYPE = {
-    np.float32: [np.float64(0.5), np.int64(1), "1.0"],
-    np.int64: [np.float32(1.0), "1", True],
-    bool: [np.int64(1), np.float32(1.0)],
-    str: [np.int64(1), np.float32(1.0)],
+    np.float32: [np.float64(0.3), np.int64(3), "0.3"],
+    np.int64: [np.float32(0.5), "1", np.int32(2**20 + 1)],
+    bool: [np.int64(2), np.float32(0.5)],
+    str: [np.int64(7), np.float32(0.5)],
 }
 
 # Words a message may use instead of an operand's name for a dim.
@@ -216,6 +230,9 @@ DIM_WORDS = {
 STRUCTURE_WORDS = ["Wrong number of arguments", "Wrong number of results"]
 ATTRIBUTE_STRUCTURE_WORDS = ["Wrong number of attributes", "Wrong scalar data type", "Wrong attribute type",
                              "Wrong data type"]
+# A case that may run or be rejected (as an invalid argument, naming anything): what matters is
+# that it neither crashes nor touches memory outside its buffers.
+ANY_OUTCOME = ["<run or reject>"]
 DTYPES = ["float32", "bfloat16", "float16", "float64", "int32", "int64", "uint32", "int8", "bool"]
 
 
@@ -248,9 +265,10 @@ def _dtype_of(buffer, dtype, variant):
 
 def valid_call(target: Target, dtype: str, variant: dict | None = None, fill: str = "valid") -> Case:
     """The valid call of `target` with element dtype `dtype`; `variant` sets the dense
-    operands' shapes (bias, mask), the bias dtype and attribute values."""
+    operands' shapes (bias, mask), the bias dtype, attribute values and dims."""
     variant = dict(variant or {})
-    dims = dict(DIMS)
+    dims = dict(DIMS, **variant.get("dims", {}))
+    dims["S"] = dims["MP"] * dims["PS"] if "paged" in target.name else dims["S"]
     operands = [(b.name, _resolve(b.shape, dims, variant), _dtype_of(b, dtype, variant), fill) for b in target.operands]
     results = [(b.name, _resolve(b.shape, dims, variant), _dtype_of(b, dtype, variant)) for b in target.results]
     attributes = dict(target.attributes)
@@ -296,7 +314,7 @@ def mutated_cases(target: Target, rng: random.Random, count: int) -> list:
     cases = []
     kinds = ["operand_shape", "operand_shape", "operand_dtype", "result_shape", "result_dtype", "dense_shape",
              "dense_shape", "attribute_value", "attribute_value", "attribute_value", "attribute_structure",
-             "operand_count", "result_count", "pages"]
+             "operand_count", "result_count", "pages", "dims"]
     for i in range(count):
         dtype = rng.choice(target.dtypes)
         kind = kinds[i % len(kinds)] if i < len(kinds) else rng.choice(kinds)
@@ -307,8 +325,20 @@ def mutated_cases(target: Target, rng: random.Random, count: int) -> list:
             full = (DIMS["B"], DIMS["N"], DIMS["T"], DIMS["S"])
             valid = tuple(d if rng.random() < 0.5 else 1 for d in full)
             variant[name] = valid
+        if kind == "dims":
+            # Every buffer consistent with one dim of an edge value (empty, one, past a tile,
+            # a head dim without kernels, kv heads that do not divide the query heads): the call
+            # either runs or is rejected as an invalid argument, never reaches memory it lacks.
+            symbol = rng.choice(["B", "T", "S", "N", "K", "H", "V", "P", "PS", "MP"])
+            values = [0, 1, 3] if target.emulated else [0, 1, 3, 129, 300]
+            if symbol in ("H", "V"):
+                values = [0, 1, 7, 64] if not target.emulated else [0, 16, 64]
+            variant["dims"] = {symbol: rng.choice(values)}
         case = valid_call(target, dtype, variant)
-        if kind in ("operand_shape", "operand_dtype", "result_shape", "result_dtype"):
+        if kind == "dims":
+            what = f"dims {variant['dims']}"
+            case.expect = ANY_OUTCOME
+        elif kind in ("operand_shape", "operand_dtype", "result_shape", "result_dtype"):
             buffers, rows = (target.operands, case.operands) if kind.startswith("operand") else (target.results, case.results)
             j = rng.randrange(len(buffers))
             buffer, row = buffers[j], list(rows[j])
@@ -467,21 +497,21 @@ def _array(jnp, name, shape, dtype, fill, rng_np):
         return jnp.asarray(rng_np.random(shape) < 0.7)
     if jnp.issubdtype(dt, jnp.integer):
         if name == "dropout_seed":
-            return jnp.asarray(rng_np.integers(0, 2**32, shape, dtype=np.uint64).astype(np.uint32))
+            return jnp.asarray(rng_np.integers(0, 2**32, shape, dtype=np.uint64)).astype(dt)
         if not hostile:
             full = {"q_lengths": DIMS["T"], "kv_lengths": DIMS["S"]}.get(name)
             if full is not None:
                 return jnp.full(shape, full, dt)
             if name == "page_table":
-                return jnp.asarray((np.arange(size).reshape(shape) % DIMS["P"]).astype(np.int32))
+                return jnp.asarray(np.arange(size).reshape(shape) % DIMS["P"]).astype(dt)
             return jnp.zeros(shape, dt)
         info = np.iinfo(np.dtype(dtype))
         extremes = np.array([info.min, info.max, -1, 0, 1, -5, DIMS["T"] + 1, DIMS["S"] + 2, DIMS["P"], 2**20],
                             dtype=np.int64).clip(info.min, info.max)
         return jnp.asarray(rng_np.choice(extremes, size=shape).astype(np.dtype(dtype)))
-    values = rng_np.standard_normal(shape).astype(np.float32)
-    if name in ("sinks",) and not hostile:
-        values[:] = -np.inf
+    values = np.asarray(rng_np.standard_normal(shape), np.float32)
+    if name == "sinks" and not hostile:
+        values[...] = -np.inf
     if hostile and size:
         flat = values.reshape(-1)
         picks = rng_np.integers(0, size, max(1, size // 8))
@@ -498,10 +528,15 @@ def run_worker(target_name: str, seed: int, count: int) -> None:
 
     from jax_flash import _ffi
 
-    registered = _ffi.targets().get("cpu", set())
     target = TARGETS[target_name]
-    if target_name not in registered:
-        print(json.dumps({"skip": f"{target_name} is not registered for platform cpu"}), flush=True)
+    registered = _ffi.targets().get(target.platform, set())
+    if target.target not in registered:
+        print(json.dumps({"skip": f"{target.target} is not registered for platform {target.platform}"}), flush=True)
+        return
+    devices = [d for d in jax.devices() if d.platform.upper() == target.platform.upper()] if target.platform != "cpu" \
+        else jax.devices("cpu")
+    if not devices:
+        print(json.dumps({"skip": f"no {target.platform} device for {target.target}"}), flush=True)
         return
     rng = random.Random(f"{seed}:{target_name}")
     cases = control_cases(target, rng) + mutated_cases(target, rng, count)
@@ -510,11 +545,14 @@ def run_worker(target_name: str, seed: int, count: int) -> None:
     for i, case in enumerate(cases):
         print(json.dumps({"start": i, "case": case.description}), flush=True)
         rng_np = np.random.default_rng([seed, i])
-        operands = [_array(jnp, name, shape, dtype, fill, rng_np) for name, shape, dtype, fill in case.operands]
+        operands = [jax.device_put(_array(jnp, name, shape, dtype, fill, rng_np), devices[0])
+                    for name, shape, dtype, fill in case.operands]
+        for array, (name, shape, dtype, _) in zip(operands, case.operands):  # the harness' own check
+            assert array.shape == tuple(shape) and array.dtype == jnp.dtype(dtype), (name, array.shape, array.dtype)
         results = tuple(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for _, shape, dtype in case.results)
         started = time.perf_counter()
         try:
-            outputs = jax.ffi.ffi_call(target_name, results)(*operands, **case.attributes)
+            outputs = jax.ffi.ffi_call(target.target, results)(*operands, **case.attributes)
             jax.block_until_ready(outputs)
             error = None
         except Exception as e:  # noqa: BLE001 - any Python exception is the error we want
@@ -536,6 +574,10 @@ def _names(message: str, word: str) -> bool:
 def verdict(record: dict) -> str | None:
     """None when the case behaved, else what went wrong."""
     error, expect = record["error"], record["expect"]
+    if expect == ANY_OUTCOME:
+        if error is None or "INVALID_ARGUMENT" in error:
+            return None
+        return f"neither ran nor was rejected as an invalid argument: {error}"
     if expect is None:
         return None if error is None else f"a valid call failed: {error}"
     if error is None:
@@ -548,7 +590,8 @@ def verdict(record: dict) -> str | None:
 def run_target(target_name: str, seed: int, count: int, timeout: float):
     """Runs the worker of one target in a subprocess; returns (records, failure or None)."""
     env = dict(os.environ)
-    env.setdefault("JAX_PLATFORMS", "cpu")
+    if TARGETS[target_name].platform == "cpu":
+        env.setdefault("JAX_PLATFORMS", "cpu")
     env["JAX_FLASH_POISON_OUTPUTS"] = "1"  # the handlers' poisoning path runs too
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), target_name, str(seed), str(count)]
@@ -588,17 +631,57 @@ SEED = int(os.environ.get("JAX_FLASH_FUZZ_SEED", "0"))
 CASES = int(os.environ.get("JAX_FLASH_FUZZ_CASES", "40"))
 
 
-@pytest.mark.parametrize("target_name", sorted(TARGETS))
-def test_ffi_target_rejects_bad_calls(target_name):
-    records, failure = run_target(target_name, SEED, CASES, timeout=120)
-    if failure and failure.startswith("skip: "):
-        pytest.skip(failure[6:])
-    assert failure is None, failure
-    done = [r for r in records if "done" in r]
-    controls = [r for r in done if r["expect"] is None]
-    assert controls and len(done) - len(controls) == CASES, "the cases did not all run"
-    print(f"{target_name}: {len(controls)} valid calls, {len(done) - len(controls)} invalid ones, "
-          f"{sum(r['seconds'] for r in done):.1f} s")
+def test_ffi_targets_reject_bad_calls():
+    """Every target of TARGETS, each in its own subprocess, two at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jax
+
+    # The CUDA platform's targets where JAX has a GPU (the others skip without a subprocess).
+    names = sorted(n for n in TARGETS if TARGETS[n].platform == "cpu" or jax.default_backend() == "gpu")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = dict(zip(names, pool.map(lambda name: run_target(name, SEED, CASES, timeout=150), names)))
+    failures, ran = [], []
+    for name, (records, failure) in runs.items():
+        if failure and failure.startswith("skip: "):
+            print(f"{name}: {failure}")
+            if _required(TARGETS[name]):
+                failures.append(f"{name}: {failure[6:]}, and JAX_FLASH_REQUIRE lists its implementation")
+            continue
+        if failure:
+            failures.append(failure)
+            continue
+        done = [r for r in records if "done" in r]
+        controls = [r for r in done if r["expect"] is None]
+        if not controls or len(done) - len(controls) != CASES:
+            failures.append(f"{name}: the cases did not all run ({len(done)} reported)")
+        ran.append(name)
+        print(f"{name}: {len(controls)} valid calls, {len(done) - len(controls)} invalid ones, "
+              f"{sum(r['seconds'] for r in done):.1f} s in the calls")
+    assert not failures, "\n".join(failures)
+    if not ran:
+        pytest.skip("no FFI target is registered (the extension is not built)")
+
+
+def _required(target: Target) -> bool:
+    """Whether JAX_FLASH_REQUIRE (tests/conftest.py) lists the target's implementation: cpu
+    for the host targets, cuda for the emulated ones (and the CUDA platform's)."""
+    required = [n for n in os.environ.get("JAX_FLASH_REQUIRE", "").split(",") if n]
+    if target.platform == "CUDA":
+        return False  # a GPU-less machine has no CUDA device to call them on
+    return ("cuda" if target.emulated else "cpu") in required
+
+
+def test_every_registered_target_is_fuzzed():
+    """A target registered for the host (or CUDA) and absent from TARGETS would go unfuzzed."""
+    from jax_flash import _ffi
+
+    registered = _ffi.targets()
+    if not registered:
+        pytest.skip("the extension is not built")
+    known = {(t.platform, t.target) for t in TARGETS.values()}
+    missing = sorted((plat, name) for plat, names in registered.items() for name in names if (plat, name) not in known)
+    assert not missing, f"registered FFI targets without a row in TARGETS: {missing}"
 
 
 def test_fuzz_verdicts_can_fail():
