@@ -521,6 +521,18 @@ def _array(jnp, name, shape, dtype, fill, rng_np):
 
 def run_worker(target_name: str, seed: int, count: int) -> None:
     """Runs the cases of one target in this process, one JSON line before and after each."""
+    selftest = os.environ.get("JAX_FLASH_FUZZ_SELFTEST")  # "abort:<case>" / "hang:<case>"
+    if selftest:  # the runner's own test: a worker that dies or hangs at one case, without JAX
+        how, at = selftest.split(":")
+        rng = random.Random(f"{seed}:{target_name}")
+        cases = control_cases(TARGETS[target_name], rng) + mutated_cases(TARGETS[target_name], rng, count)
+        for i, case in enumerate(cases):
+            print(json.dumps({"start": i, "case": case.description}), flush=True)
+            if i == int(at):
+                os.abort() if how == "abort" else time.sleep(3600)
+            print(json.dumps({"done": i, "case": case.description, "expect": None, "error": None, "seconds": 0}),
+                  flush=True)
+        return
     import jax
 
     jax.config.update("jax_enable_x64", True)  # float64 / int64 operands stay what they are
@@ -682,6 +694,14 @@ def test_every_registered_target_is_fuzzed():
     known = {(t.platform, t.target) for t in TARGETS.values()}
     missing = sorted((plat, name) for plat, names in registered.items() for name in names if (plat, name) not in known)
     assert not missing, f"registered FFI targets without a row in TARGETS: {missing}"
+
+
+@pytest.mark.parametrize("how", ["abort", "hang"])
+def test_fuzz_runner_reports_a_crash_or_hang_with_its_case(monkeypatch, how):
+    monkeypatch.setenv("JAX_FLASH_FUZZ_SELFTEST", f"{how}:3")
+    _, failure = run_target("jax_flash_fwd", SEED, 5, timeout=20 if how == "abort" else 5)
+    assert failure is not None and "at case 3 (" in failure, failure
+    assert ("hung" if how == "hang" else "exited with status") in failure, failure
 
 
 def test_fuzz_verdicts_can_fail():
