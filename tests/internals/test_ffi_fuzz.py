@@ -96,6 +96,17 @@ COMMON_ATTRIBUTES = dict(
 )
 
 
+# The attributes that take the place of the handlers' environment reads (cuda/README.md): on
+# every target poison_outputs; the cpu forward targets isa, forward_chunks, pack_gqa; the cpu
+# backward isa, gradient_chunks; the CUDA and emulated targets layout. False for an extension
+# built before them (the handlers then read JAX_FLASH_POISON_OUTPUTS and the other variables).
+SCHEDULE_ATTRIBUTES = False
+POISON_ATTRIBUTES = dict(poison_outputs=True) if SCHEDULE_ATTRIBUTES else {}
+CPU_FORWARD_ATTRIBUTES = dict(isa="", forward_chunks=np.int64(1), pack_gqa=False) if SCHEDULE_ATTRIBUTES else {}
+CPU_BACKWARD_ATTRIBUTES = dict(isa="", gradient_chunks=np.int64(0)) if SCHEDULE_ATTRIBUTES else {}
+CUDA_ATTRIBUTES = dict(layout="warp16") if SCHEDULE_ATTRIBUTES else {}
+
+
 @dataclass(frozen=True)
 class Target:
     name: str
@@ -119,14 +130,14 @@ TARGETS = {
             "jax_flash_fwd",
             operands=(Q, K, V, *_mask_operands(), SINKS, SEED),
             results=(OUT, LSE),
-            attributes=dict(COMMON_ATTRIBUTES),
+            attributes=dict(COMMON_ATTRIBUTES, **POISON_ATTRIBUTES, **CPU_FORWARD_ATTRIBUTES),
             dtypes=("float32", "bfloat16", "float16"),
         ),
         Target(
             "jax_flash_paged_fwd",
             operands=(PAGE_TABLE, Q, K_PAGES, V_PAGES, *_mask_operands(), SINKS, SEED),
             results=(OUT, LSE),
-            attributes=dict(COMMON_ATTRIBUTES),
+            attributes=dict(COMMON_ATTRIBUTES, **POISON_ATTRIBUTES, **CPU_FORWARD_ATTRIBUTES),
             dtypes=("float32", "bfloat16", "float16"),
         ),
         Target(
@@ -138,7 +149,7 @@ TARGETS = {
                 Buffer("delta", ("B", "N", "T"), "float32"),
                 Buffer("dbias", "bias", "float32"),
             ),
-            attributes=dict(COMMON_ATTRIBUTES, deterministic=False),
+            attributes=dict(COMMON_ATTRIBUTES, deterministic=False, **POISON_ATTRIBUTES, **CPU_BACKWARD_ATTRIBUTES),
             dtypes=("float32", "bfloat16", "float16"),
         ),
         Target(
@@ -150,7 +161,7 @@ TARGETS = {
                 Buffer("partial_out", EMPTY_F32, "float32"),  # [0]: no split-KV
                 Buffer("partial_lse", EMPTY_F32, "float32"),
             ),
-            attributes=dict(COMMON_ATTRIBUTES, pack_gqa=False),
+            attributes=dict(COMMON_ATTRIBUTES, pack_gqa=False, **POISON_ATTRIBUTES, **CUDA_ATTRIBUTES),
             dtypes=("float16", "bfloat16"),
             emulated=True,
         ),
@@ -163,7 +174,7 @@ TARGETS = {
                 Buffer("partial_out", EMPTY_F32, "float32"),
                 Buffer("partial_lse", EMPTY_F32, "float32"),
             ),
-            attributes=dict(COMMON_ATTRIBUTES, pack_gqa=False),
+            attributes=dict(COMMON_ATTRIBUTES, pack_gqa=False, **POISON_ATTRIBUTES, **CUDA_ATTRIBUTES),
             dtypes=("float16", "bfloat16"),
             emulated=True,
         ),
@@ -179,7 +190,7 @@ TARGETS = {
                 Buffer("dbias_accum", EMPTY_F32, "float32"),
                 Buffer("dbias", "bias", "float32"),
             ),
-            attributes=dict(COMMON_ATTRIBUTES, deterministic=False),
+            attributes=dict(COMMON_ATTRIBUTES, deterministic=False, **POISON_ATTRIBUTES, **CUDA_ATTRIBUTES),
             dtypes=("float16", "bfloat16"),
             emulated=True,
         ),
@@ -203,7 +214,7 @@ INVALID_ATTRIBUTE_VALUES = {
     "dropout_rate": [np.float32(-0.1), np.float32(1.0), np.float32(1.5), np.float32(np.nan), np.float32(-np.inf)],
     "pack_gqa": [True],
     "forward_chunks": [np.int64(0), np.int64(-1), np.int64(-(2**40))],
-    "gradient_chunks": [np.int64(-1), np.int64(-(2**40))],
+    "gradient_chunks": [np.int64(-1), np.int64(5), np.int64(-(2**40))],  # 0: the rule; 1..4 forced
     "isa": ["bogus", "AVX2 ", "avx512bf17", "amx;generic"],
     "layout": ["warp64", "Warp16", "warp16 ", "w"],
 }
@@ -475,6 +486,10 @@ def control_cases(target: Target, rng: random.Random) -> list:
                                                    softcap=np.float32(30.0), use_segment_ids=True)},
         {"attributes": dict(dropout_rate=np.float32(0.5), window_left=np.int64(2**62), window_right=np.int64(0))},
     ]
+    # The schedule attributes at other valid values (where the target takes them).
+    other = dict(forward_chunks=np.int64(3), gradient_chunks=np.int64(2), layout="warp32", isa="generic",
+                 poison_outputs=False)
+    variants[1]["attributes"] = {k: v for k, v in other.items() if k in target.attributes}
     if target.emulated:  # each emulated call runs the kernels on the SIMT emulation: fewer
         variants = [variants[0], variants[1], variants[3]]
     cases += [valid_call(target, dtype, v) for v in variants]
