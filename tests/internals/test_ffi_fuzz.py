@@ -76,7 +76,15 @@ SINKS = Buffer("sinks", ("N",), "float32")
 SEED = Buffer("dropout_seed", (2,), "uint32")
 OUT = Buffer("out", ("B", "T", "N", "V"), X)
 LSE = Buffer("lse", ("B", "N", "T"), "float32")
-BACKWARD_INPUTS = (Q, K, V, OUT, Buffer("dout", ("B", "T", "N", "V"), X), LSE, Buffer("dlse", ("B", "N", "T"), "float32"))
+BACKWARD_INPUTS = (
+    Q,
+    K,
+    V,
+    OUT,
+    Buffer("dout", ("B", "T", "N", "V"), X),
+    LSE,
+    Buffer("dlse", ("B", "N", "T"), "float32"),
+)
 GRADIENTS = (
     Buffer("dq", ("B", "T", "N", "H"), X),
     Buffer("dk", ("B", "S", "K", "H"), X),
@@ -200,9 +208,16 @@ TARGETS = {
 # both), called on a GPU where there is one.
 for _name in ("jax_flash_fwd", "jax_flash_paged_fwd", "jax_flash_bwd"):
     _emulated = TARGETS[_name.replace("jax_flash_", "jax_flash_emu_")]
-    TARGETS[_name + "@CUDA"] = Target(_name + "@CUDA", _emulated.operands, _emulated.results,
-                                      dict(_emulated.attributes), _emulated.dtypes, emulated=False,
-                                      platform="CUDA", registered_as=_name)
+    TARGETS[_name + "@CUDA"] = Target(
+        _name + "@CUDA",
+        _emulated.operands,
+        _emulated.results,
+        dict(_emulated.attributes),
+        _emulated.dtypes,
+        emulated=False,
+        platform="CUDA",
+        registered_as=_name,
+    )
 
 # Out-of-range values of each attribute (applied to the targets that take it). The base call
 # has T = 3, so GQA packing (T = 1 only) cannot be asked for.
@@ -239,8 +254,12 @@ DIM_WORDS = {
     "MP": ["max_pages", "paged cache"],
 }
 STRUCTURE_WORDS = ["Wrong number of arguments", "Wrong number of results"]
-ATTRIBUTE_STRUCTURE_WORDS = ["Wrong number of attributes", "Wrong scalar data type", "Wrong attribute type",
-                             "Wrong data type"]
+ATTRIBUTE_STRUCTURE_WORDS = [
+    "Wrong number of attributes",
+    "Wrong scalar data type",
+    "Wrong attribute type",
+    "Wrong data type",
+]
 # A case that may run or be rejected (as an invalid argument, naming anything): what matters is
 # that it neither crashes nor touches memory outside its buffers.
 ANY_OUTCOME = ["<run or reject>"]
@@ -323,9 +342,23 @@ def _mutate_shape(rng: random.Random, shape: tuple) -> tuple:
 def mutated_cases(target: Target, rng: random.Random, count: int) -> list:
     """`count` calls of `target`, each with one thing wrong."""
     cases = []
-    kinds = ["operand_shape", "operand_shape", "operand_dtype", "result_shape", "result_dtype", "dense_shape",
-             "dense_shape", "attribute_value", "attribute_value", "attribute_value", "attribute_structure",
-             "operand_count", "result_count", "pages", "dims"]
+    kinds = [
+        "operand_shape",
+        "operand_shape",
+        "operand_dtype",
+        "result_shape",
+        "result_dtype",
+        "dense_shape",
+        "dense_shape",
+        "attribute_value",
+        "attribute_value",
+        "attribute_value",
+        "attribute_structure",
+        "operand_count",
+        "result_count",
+        "pages",
+        "dims",
+    ]
     for i in range(count):
         dtype = rng.choice(target.dtypes)
         kind = kinds[i % len(kinds)] if i < len(kinds) else rng.choice(kinds)
@@ -350,7 +383,9 @@ def mutated_cases(target: Target, rng: random.Random, count: int) -> list:
             what = f"dims {variant['dims']}"
             case.expect = ANY_OUTCOME
         elif kind in ("operand_shape", "operand_dtype", "result_shape", "result_dtype"):
-            buffers, rows = (target.operands, case.operands) if kind.startswith("operand") else (target.results, case.results)
+            buffers, rows = (
+                (target.operands, case.operands) if kind.startswith("operand") else (target.results, case.results)
+            )
             j = rng.randrange(len(buffers))
             buffer, row = buffers[j], list(rows[j])
             if kind.endswith("shape"):
@@ -378,9 +413,11 @@ def mutated_cases(target: Target, rng: random.Random, count: int) -> list:
             how = rng.choice(["size", "size", "size", "rank"])
             if how == "size":
                 d = rng.randrange(4)
-                shape[d] = rng.choice([v for v in (0, 2, 3, 5, full[d] + 1, full[d] - 1) if v not in (1, full[d]) and v >= 0])
+                shape[d] = rng.choice(
+                    [v for v in (0, 2, 3, 5, full[d] + 1, full[d] - 1) if v not in (1, full[d]) and v >= 0]
+                )
             else:
-                shape = shape[:3] if rng.random() < 0.5 else shape + [1]
+                shape = shape[:3] if rng.random() < 0.5 else [*shape, 1]
             row[1] = tuple(shape)
             if name == "bias" and rng.random() < 0.3:
                 row[2] = rng.choice(["int32", "float64", "bool"])
@@ -407,7 +444,7 @@ def mutated_cases(target: Target, rng: random.Random, count: int) -> list:
                 value = rng.choice(WRONG_TYPE[type(case.attributes[name])])
                 case.attributes[name] = value
                 what = f"attribute {name} of type {type(value).__name__}: {value!r}"
-            case.expect = ATTRIBUTE_STRUCTURE_WORDS + [name]
+            case.expect = [*ATTRIBUTE_STRUCTURE_WORDS, name]
         elif kind == "operand_count":
             if rng.random() < 0.5:
                 j = rng.randrange(len(case.operands))
@@ -444,7 +481,7 @@ def mutated_cases(target: Target, rng: random.Random, count: int) -> list:
                 if how == "pages":  # no pages at all
                     for j, o in enumerate(case.operands):
                         if o[0] in ("k", "v"):
-                            case.operands[j] = (o[0], (0,) + tuple(o[1][1:]), o[2], o[3])
+                            case.operands[j] = (o[0], (0, *tuple(o[1][1:])), o[2], o[3])
                 what = f"page_table / pages: {how}"
                 case.expect = ["page_table", "paged cache", "num_pages", "k", "v"]
             elif "partial_out" in names:
@@ -465,7 +502,7 @@ def mutated_cases(target: Target, rng: random.Random, count: int) -> list:
             else:
                 j = next(i for i, o in enumerate(case.operands) if o[0] == "v")
                 o = case.operands[j]
-                case.operands[j] = (o[0], (o[1][0], o[1][1] + 1) + tuple(o[1][2:]), o[2], o[3])
+                case.operands[j] = (o[0], (o[1][0], o[1][1] + 1, *tuple(o[1][2:])), o[2], o[3])
                 what = "v one key longer than k"
                 case.expect = ["v"]
         case.description = f"{kind}: {what} ({dtype})"
@@ -482,20 +519,31 @@ def control_cases(target: Target, rng: random.Random) -> list:
     variants = [
         {"bias": (1, n, 1, s), "bias_dtype": dtype},
         {"bias": (b, 1, t, 1), "mask": (1, 1, t, s)},
-        {"mask": (b, n, t, s), "attributes": dict(window_left=np.int64(1), window_right=np.int64(0),
-                                                   softcap=np.float32(30.0), use_segment_ids=True)},
+        {
+            "mask": (b, n, t, s),
+            "attributes": dict(
+                window_left=np.int64(1), window_right=np.int64(0), softcap=np.float32(30.0), use_segment_ids=True
+            ),
+        },
         {"attributes": dict(dropout_rate=np.float32(0.5), window_left=np.int64(2**62), window_right=np.int64(0))},
     ]
     # The schedule attributes at other valid values (where the target takes them).
-    other = dict(forward_chunks=np.int64(3), gradient_chunks=np.int64(2), layout="warp32", isa="generic",
-                 poison_outputs=False)
+    other = dict(
+        forward_chunks=np.int64(3), gradient_chunks=np.int64(2), layout="warp32", isa="generic", poison_outputs=False
+    )
     variants[1]["attributes"] = {k: v for k, v in other.items() if k in target.attributes}
     if target.emulated:  # each emulated call runs the kernels on the SIMT emulation: fewer
         variants = [variants[0], variants[1], variants[3]]
     cases += [valid_call(target, dtype, v) for v in variants]
     for _ in range(2 if target.emulated else 4):
-        cases.append(valid_call(target, rng.choice(target.dtypes),
-                                {"attributes": dict(use_segment_ids=True)}, fill=f"hostile:{rng.randrange(2**31)}"))
+        cases.append(
+            valid_call(
+                target,
+                rng.choice(target.dtypes),
+                {"attributes": dict(use_segment_ids=True)},
+                fill=f"hostile:{rng.randrange(2**31)}",
+            )
+        )
     return cases
 
 
@@ -521,8 +569,9 @@ def _array(jnp, name, shape, dtype, fill, rng_np):
                 return jnp.asarray(np.arange(size).reshape(shape) % DIMS["P"]).astype(dt)
             return jnp.zeros(shape, dt)
         info = np.iinfo(np.dtype(dtype))
-        extremes = np.array([info.min, info.max, -1, 0, 1, -5, DIMS["T"] + 1, DIMS["S"] + 2, DIMS["P"], 2**20],
-                            dtype=np.int64).clip(info.min, info.max)
+        extremes = np.array(
+            [info.min, info.max, -1, 0, 1, -5, DIMS["T"] + 1, DIMS["S"] + 2, DIMS["P"], 2**20], dtype=np.int64
+        ).clip(info.min, info.max)
         return jnp.asarray(rng_np.choice(extremes, size=shape).astype(np.dtype(dtype)))
     values = np.asarray(rng_np.standard_normal(shape), np.float32)
     if name == "sinks" and not hostile:
@@ -545,8 +594,10 @@ def run_worker(target_name: str, seed: int, count: int) -> None:
             print(json.dumps({"start": i, "case": case.description}), flush=True)
             if i == int(at):
                 os.abort() if how == "abort" else time.sleep(3600)
-            print(json.dumps({"done": i, "case": case.description, "expect": None, "error": None, "seconds": 0}),
-                  flush=True)
+            print(
+                json.dumps({"done": i, "case": case.description, "expect": None, "error": None, "seconds": 0}),
+                flush=True,
+            )
         return
     import jax
 
@@ -560,8 +611,11 @@ def run_worker(target_name: str, seed: int, count: int) -> None:
     if target.target not in registered:
         print(json.dumps({"skip": f"{target.target} is not registered for platform {target.platform}"}), flush=True)
         return
-    devices = [d for d in jax.devices() if d.platform.upper() == target.platform.upper()] if target.platform != "cpu" \
+    devices = (
+        [d for d in jax.devices() if d.platform.upper() == target.platform.upper()]
+        if target.platform != "cpu"
         else jax.devices("cpu")
+    )
     if not devices:
         print(json.dumps({"skip": f"no {target.platform} device for {target.target}"}), flush=True)
         return
@@ -572,8 +626,10 @@ def run_worker(target_name: str, seed: int, count: int) -> None:
     for i, case in enumerate(cases):
         print(json.dumps({"start": i, "case": case.description}), flush=True)
         rng_np = np.random.default_rng([seed, i])
-        operands = [jax.device_put(_array(jnp, name, shape, dtype, fill, rng_np), devices[0])
-                    for name, shape, dtype, fill in case.operands]
+        operands = [
+            jax.device_put(_array(jnp, name, shape, dtype, fill, rng_np), devices[0])
+            for name, shape, dtype, fill in case.operands
+        ]
         for array, (name, shape, dtype, _) in zip(operands, case.operands):  # the harness' own check
             assert array.shape == tuple(shape) and array.dtype == jnp.dtype(dtype), (name, array.shape, array.dtype)
         results = tuple(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for _, shape, dtype in case.results)
@@ -582,10 +638,20 @@ def run_worker(target_name: str, seed: int, count: int) -> None:
             outputs = jax.ffi.ffi_call(target.target, results)(*operands, **case.attributes)
             jax.block_until_ready(outputs)
             error = None
-        except Exception as e:  # noqa: BLE001 - any Python exception is the error we want
+        except Exception as e:
             error = f"{type(e).__name__}: {e}"
-        print(json.dumps({"done": i, "case": case.description, "expect": case.expect, "error": error,
-                          "seconds": round(time.perf_counter() - started, 3)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "done": i,
+                    "case": case.description,
+                    "expect": case.expect,
+                    "error": error,
+                    "seconds": round(time.perf_counter() - started, 3),
+                }
+            ),
+            flush=True,
+        )
     print(json.dumps({"finished": len(cases)}), flush=True)
 
 
@@ -683,8 +749,10 @@ def test_ffi_targets_reject_bad_calls():
         if not controls or len(done) - len(controls) != CASES:
             failures.append(f"{name}: the cases did not all run ({len(done)} reported)")
         ran.append(name)
-        print(f"{name}: {len(controls)} valid calls, {len(done) - len(controls)} invalid ones, "
-              f"{sum(r['seconds'] for r in done):.1f} s in the calls")
+        print(
+            f"{name}: {len(controls)} valid calls, {len(done) - len(controls)} invalid ones, "
+            f"{sum(r['seconds'] for r in done):.1f} s in the calls"
+        )
     assert not failures, "\n".join(failures)
     if not ran:
         pytest.skip("no FFI target is registered (the extension is not built)")

@@ -28,13 +28,17 @@ CXXFLAGS = ["-std=c++17", "-Wall", "-Wextra", "-Wno-unknown-pragmas"]
 # (header under cuda/, text, replacement): each moves one bound of a classifier by one.
 MUTANTS = {
     "cuda is_interior: one key past the row's interval": (
-        "kernels/mask.h", "key_hi(t0) >= s0 + cols;", "key_hi(t0) >= s0 + cols - 1;"),
+        "kernels/mask.h",
+        "key_hi(t0) >= s0 + cols;",
+        "key_hi(t0) >= s0 + cols - 1;",
+    ),
     "cuda rows_of_keys: the last row dropped": (
-        "kernels/mask.h", "min(q_valid, s1 - band_lo)}", "min(q_valid, s1 - band_lo - 1)}"),
-    "cpu keys_of_row: the window's last key dropped": (
-        "cpu/problem.h", "t + band.hi + 1)}", "t + band.hi)}"),
-    "cpu ClassifyTile: full one key early": (
-        "cpu/problem.h", "first.hi >= s0 + cols;", "first.hi >= s0 + cols - 1;"),
+        "kernels/mask.h",
+        "min(q_valid, s1 - band_lo)}",
+        "min(q_valid, s1 - band_lo - 1)}",
+    ),
+    "cpu keys_of_row: the window's last key dropped": ("cpu/problem.h", "t + band.hi + 1)}", "t + band.hi)}"),
+    "cpu ClassifyTile: full one key early": ("cpu/problem.h", "first.hi >= s0 + cols;", "first.hi >= s0 + cols - 1;"),
 }
 
 
@@ -43,8 +47,9 @@ def _build(out_dir: pathlib.Path, include_first=None, optimize="-O1") -> pathlib
         pytest.skip(f"no C++ compiler ({CXX}) on PATH")
     exe = out_dir / "tile_classifier"
     includes = ([f"-I{include_first}"] if include_first else []) + [f"-I{CUDA_DIR}"]
-    proc = subprocess.run([CXX, *CXXFLAGS, optimize, *includes, str(SOURCE), "-o", str(exe)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [CXX, *CXXFLAGS, optimize, *includes, str(SOURCE), "-o", str(exe)], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, f"compiling {SOURCE.name} failed:\n{proc.stderr}"
     return exe
 

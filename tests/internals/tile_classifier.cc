@@ -6,7 +6,8 @@
 // cpu/tiling.h kBlockQ x kBlockK), with lengths, window edges and query offsets within ±2 of
 // every tile boundary. Built and run by tests/internals/test_tile_classifier.py:
 //   g++ -std=c++17 -O1 -Icuda tests/internals/tile_classifier.cc
-// `tile_classifier cuda` or `cpu` runs one part. Prints a summary; exits non-zero (after printing the first failures) when a check fails.
+// `tile_classifier cuda` or `cpu` runs one part. Prints a summary; exits non-zero (after printing the first failures)
+// when a check fails.
 #define JAX_FLASH_EMULATE 1  // the kernel headers compiled for the host, as cuda/emu does
 
 #include <algorithm>
@@ -14,8 +15,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <set>
-#include <tuple>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cpu/problem.h"
@@ -36,13 +37,14 @@ const std::string* g_name = nullptr;  // the configuration being checked, for me
 const Config* g_config = nullptr;
 
 void fail(const std::string& what) {
-  if (g_failures < 12) std::printf("FAIL %s\n     at %s: %s\n", what.c_str(), g_name->c_str(), Describe(*g_config).c_str());
+  if (g_failures < 12)
+    std::printf("FAIL %s\n     at %s: %s\n", what.c_str(), g_name->c_str(), Describe(*g_config).c_str());
   ++g_failures;
 }
-#define CHECK(cond, msg)                                         \
-  do {                                                           \
-    ++g_checks;                                                  \
-    if (!(cond)) fail(std::string(msg) + "  [" #cond "]");       \
+#define CHECK(cond, msg)                                   \
+  do {                                                     \
+    ++g_checks;                                            \
+    if (!(cond)) fail(std::string(msg) + "  [" #cond "]"); \
   } while (0)
 
 std::string S(int64_t x) { return std::to_string(x); }
@@ -192,8 +194,7 @@ void ExpectInterval(const char* what, const R& got_lo_hi, std::pair<int64_t, int
   if (want.first >= want.second) {
     CHECK(hi <= lo, call() + ", expected empty");
   } else {
-    CHECK(lo == want.first && hi == want.second,
-          call() + ", expected [" + S(want.first) + ", " + S(want.second) + ")");
+    CHECK(lo == want.first && hi == want.second, call() + ", expected [" + S(want.first) + ", " + S(want.second) + ")");
   }
 }
 
@@ -262,21 +263,23 @@ void CheckCuda(const Config& f, const Truth& truth, const KernelTiles& tiles) {
   // keys_of_rows over each query block (the forward and dQ kernels' key range).
   for (int64_t t0 = 0; t0 < f.T; t0 += tiles.block_q) {
     const k::Range r = mask.keys_of_rows(static_cast<int>(t0), static_cast<int>(t0 + tiles.block_q));
-    ExpectInterval("keys_of_rows", std::pair<int64_t, int64_t>{r.lo, r.hi},
-                   truth.KeysOfRows(t0, t0 + tiles.block_q), t0, t0 + tiles.block_q);
+    ExpectInterval("keys_of_rows", std::pair<int64_t, int64_t>{r.lo, r.hi}, truth.KeysOfRows(t0, t0 + tiles.block_q),
+                   t0, t0 + tiles.block_q);
   }
   // rows_of_keys over each key block (the backward's query range).
   for (int64_t s0 = 0; s0 < f.S; s0 += tiles.block_kv) {
     const k::Range r = mask.rows_of_keys(static_cast<int>(s0), static_cast<int>(s0 + tiles.block_kv));
-    ExpectInterval("rows_of_keys", std::pair<int64_t, int64_t>{r.lo, r.hi},
-                   truth.RowsOfKeys(s0, s0 + tiles.block_kv), s0, s0 + tiles.block_kv);
+    ExpectInterval("rows_of_keys", std::pair<int64_t, int64_t>{r.lo, r.hi}, truth.RowsOfKeys(s0, s0 + tiles.block_kv),
+                   s0, s0 + tiles.block_kv);
   }
   // is_interior over each tile (also past T and S, as the kernels' last tiles are), with the
   // segment decision the kernels take from the warp's id ranges.
   const int rows = tiles.interior_rows, cols = tiles.interior_cols;
   for (int64_t t0 = 0; t0 < f.T; t0 += rows) {
     for (int64_t s0 = 0; s0 < f.S; s0 += cols) {
-      auto tile = [&] { return "tile rows [" + S(t0) + ", " + S(t0 + rows) + ") keys [" + S(s0) + ", " + S(s0 + cols) + ")"; };
+      auto tile = [&] {
+        return "tile rows [" + S(t0) + ", " + S(t0 + rows) + ") keys [" + S(s0) + ", " + S(s0 + cols) + ")";
+      };
       const bool geo_all = truth.All(truth.geo_sum, t0, rows, s0, cols);
       CHECK(mask.is_interior(static_cast<int>(t0), rows, static_cast<int>(s0), cols, true) == geo_all,
             "is_interior(segments allow all) of " + tile() + ", brute force: " + (geo_all ? "all" : "not all") +
@@ -291,9 +294,10 @@ void CheckCuda(const Config& f, const Truth& truth, const KernelTiles& tiles) {
       const auto kr = Truth::IdRange(truth.kv_ids, s0, cols, truth.kv_valid);
       const k::SegmentRange q_ids{qr.first, qr.second}, kv_ids{kr.first, kr.second};
       const int64_t visible = truth.Count(truth.full_sum, t0, t0 + rows, s0, s0 + cols);
-      if (q_ids.disjoint(kv_ids)) CHECK(visible == 0, "segment ranges disjoint but " + S(visible) + " visible in " + tile());
-      const bool interior = mask.is_interior(static_cast<int>(t0), rows, static_cast<int>(s0), cols,
-                                             q_ids.same_single(kv_ids));
+      if (q_ids.disjoint(kv_ids))
+        CHECK(visible == 0, "segment ranges disjoint but " + S(visible) + " visible in " + tile());
+      const bool interior =
+          mask.is_interior(static_cast<int>(t0), rows, static_cast<int>(s0), cols, q_ids.same_single(kv_ids));
       if (interior) CHECK(truth.All(truth.full_sum, t0, rows, s0, cols), "is_interior with segments of " + tile());
     }
   }
@@ -350,7 +354,8 @@ void CheckCpu(const Config& f, const Truth& truth) {
           if (v == c::TileVisibility::kFull) CHECK(all && !padded && !dense, tile() + " = kFull, not all visible");
           if (f.segments == 0) {
             CHECK((v == c::TileVisibility::kSkip) == (geo_visible == 0), tile() + " skip exactly the empty tiles");
-            CHECK((v == c::TileVisibility::kFull) == (all && !padded && !dense), tile() + " full exactly the full tiles");
+            CHECK((v == c::TileVisibility::kFull) == (all && !padded && !dense),
+                  tile() + " full exactly the full tiles");
           } else if (all && !padded && !dense) {
             // One id on both sides (the full tile's ids all agree): then it is kFull.
             const auto qr = Truth::IdRange(truth.q_ids, t0, rows, f.T);
@@ -411,8 +416,8 @@ std::vector<Config> Windows(int64_t T, int64_t S, int64_t R, int64_t C) {
     }
   }
   // Offsets and windows at the ends of their ranges (clipping to [-T, S]).
-  const int64_t big[] = {int64_t{1} << 31, (int64_t{1} << 32) - 1, int64_t{1} << 32, (int64_t{1} << 32) + 1,
-                         int64_t{1} << 40, int64_t{1} << 62};
+  const int64_t big[] = {int64_t{1} << 31,       (int64_t{1} << 32) - 1, int64_t{1} << 32,
+                         (int64_t{1} << 32) + 1, int64_t{1} << 40,       int64_t{1} << 62};
   for (int64_t offset : {int64_t{INT32_MIN}, int64_t{INT32_MIN} + 1, int64_t{INT32_MAX}, int64_t{-1}, int64_t{0}}) {
     add(offset, kUnbounded, kUnbounded);
     for (int64_t w : big) {
@@ -437,8 +442,8 @@ std::vector<Config> Lengths(int64_t T, int64_t S, int64_t R, int64_t C) {
   struct W {
     int64_t offset, wl, wr;
   };
-  const std::vector<W> windows = {{0, kUnbounded, kUnbounded}, {0, kUnbounded, 0}, {S - T, kUnbounded, 0},
-                                  {C - 1, R, 0}, {-1, 2, 3}};
+  const std::vector<W> windows = {
+      {0, kUnbounded, kUnbounded}, {0, kUnbounded, 0}, {S - T, kUnbounded, 0}, {C - 1, R, 0}, {-1, 2, 3}};
   for (int64_t q : qv)
     for (int64_t kv : kvv)
       for (size_t w = 0; w < windows.size(); ++w)
@@ -457,8 +462,8 @@ std::vector<Config> Lengths(int64_t T, int64_t S, int64_t R, int64_t C) {
           if (pattern == 1 && w >= 2) continue;
           for (int64_t kv : {S, S - 1}) {
             if (pattern == 1 && kv != S) continue;
-            out.push_back(Config{T, S, T, kv, static_cast<int32_t>(windows[w].offset), windows[w].wl,
-                                 windows[w].wr, pattern, sq, skv});
+            out.push_back(Config{T, S, T, kv, static_cast<int32_t>(windows[w].offset), windows[w].wl, windows[w].wr,
+                                 pattern, sq, skv});
           }
         }
       }
@@ -471,8 +476,7 @@ std::vector<Config> Lengths(int64_t T, int64_t S, int64_t R, int64_t C) {
 // `block_q`, key tiles of `cols` inside key blocks of `block_kv`. Lengths T, S: one tile,
 // ragged tiles either side of the first boundaries, a block and one row past it.
 template <class Check>
-void Sweep(const std::string& name, int64_t rows, int64_t cols, int64_t block_q, int64_t block_kv,
-           const Check& check) {
+void Sweep(const std::string& name, int64_t rows, int64_t cols, int64_t block_q, int64_t block_kv, const Check& check) {
   const int64_t before = g_checks, configs_before = g_configs;
   const auto start = std::chrono::steady_clock::now();
   // (Two whole tiles and a ragged one where tiles are small.)
