@@ -332,38 +332,42 @@ void CheckCpu(const Config& f, const Truth& truth) {
     ExpectInterval("rows_of_keys", std::pair<int64_t, int64_t>{r.lo, r.hi}, truth.RowsOfKeys(s0, s0 + cols), s0,
                    s0 + cols);
   }
-  // ClassifyTile over the tiles the kernels classify: query blocks of live rows (below
-  // q_valid) against key blocks of keys below kv_valid, padded or not, with and without a
-  // dense operand; and the packed-heads forward's one position.
+  // ClassifyTile over the tiles the kernels classify, padded or not, with and without a dense
+  // operand: the forward's query blocks of live rows (below q_valid; the packed-heads forward's
+  // one position is T = 1) against key blocks below kv_valid, and the backward's query blocks
+  // clipped to rows_of_keys of each key block (flash_backward_pass.h).
   for (bool dense : {false, true}) {
     g.dense = dense;
     for (bool padded : {false, true}) {
-      for (int64_t t0 = 0; t0 < truth.q_valid; t0 += c::kBlockQ) {
-        const int64_t rows = std::min(c::kBlockQ, truth.q_valid - t0);
-        for (int64_t s0 = 0; s0 < truth.kv_valid; s0 += c::kBlockK) {
-          const int64_t cols = std::min(c::kBlockK, truth.kv_valid - s0);
-          auto tile = [&] {
-            return "ClassifyTile(rows [" + S(t0) + ", " + S(t0 + rows) + ") keys [" + S(s0) + ", " + S(s0 + cols) +
-                   ") padded=" + S(padded) + " dense=" + S(dense) + ")";
-          };
-          const c::TileVisibility v = c::ClassifyTile(g, t0, rows, s0, cols, padded);
-          const int64_t visible = truth.Count(truth.full_sum, t0, t0 + rows, s0, s0 + cols);
-          const int64_t geo_visible = truth.Count(truth.geo_sum, t0, t0 + rows, s0, s0 + cols);
-          const bool all = visible == rows * cols;
-          if (v == c::TileVisibility::kSkip) CHECK(visible == 0, tile() + " = kSkip with " + S(visible) + " visible");
-          if (v == c::TileVisibility::kFull) CHECK(all && !padded && !dense, tile() + " = kFull, not all visible");
-          if (f.segments == 0) {
-            CHECK((v == c::TileVisibility::kSkip) == (geo_visible == 0), tile() + " skip exactly the empty tiles");
-            CHECK((v == c::TileVisibility::kFull) == (all && !padded && !dense),
-                  tile() + " full exactly the full tiles");
-          } else if (all && !padded && !dense) {
-            // One id on both sides (the full tile's ids all agree): then it is kFull.
-            const auto qr = Truth::IdRange(truth.q_ids, t0, rows, f.T);
-            const auto kr = Truth::IdRange(truth.kv_ids, s0, cols, f.S);
-            if (qr.first == qr.second && kr.first == kr.second)
-              CHECK(v == c::TileVisibility::kFull, tile() + " of one segment, all visible, not kFull");
-          }
+      auto classify = [&](int64_t t0, int64_t rows, int64_t s0, int64_t cols) {
+        auto tile = [&] {
+          return "ClassifyTile(rows [" + S(t0) + ", " + S(t0 + rows) + ") keys [" + S(s0) + ", " + S(s0 + cols) +
+                 ") padded=" + S(padded) + " dense=" + S(dense) + ")";
+        };
+        const c::TileVisibility v = c::ClassifyTile(g, t0, rows, s0, cols, padded);
+        const int64_t visible = truth.Count(truth.full_sum, t0, t0 + rows, s0, s0 + cols);
+        const int64_t geo_visible = truth.Count(truth.geo_sum, t0, t0 + rows, s0, s0 + cols);
+        const bool all = visible == rows * cols;
+        if (v == c::TileVisibility::kSkip) CHECK(visible == 0, tile() + " = kSkip with " + S(visible) + " visible");
+        if (v == c::TileVisibility::kFull) CHECK(all && !padded && !dense, tile() + " = kFull, not all visible");
+        if (f.segments == 0) {
+          CHECK((v == c::TileVisibility::kSkip) == (geo_visible == 0), tile() + " skip exactly the empty tiles");
+          CHECK((v == c::TileVisibility::kFull) == (all && !padded && !dense), tile() + " full exactly the full tiles");
+        } else if (all && !padded && !dense) {
+          // One id on both sides (the full tile's ids all agree): then it is kFull.
+          const auto qr = Truth::IdRange(truth.q_ids, t0, rows, f.T);
+          const auto kr = Truth::IdRange(truth.kv_ids, s0, cols, f.S);
+          if (qr.first == qr.second && kr.first == kr.second)
+            CHECK(v == c::TileVisibility::kFull, tile() + " of one segment, all visible, not kFull");
         }
+      };
+      for (int64_t s0 = 0; s0 < truth.kv_valid; s0 += c::kBlockK) {
+        const int64_t cols = std::min(c::kBlockK, truth.kv_valid - s0);
+        for (int64_t t0 = 0; t0 < truth.q_valid; t0 += c::kBlockQ)
+          classify(t0, std::min(c::kBlockQ, truth.q_valid - t0), s0, cols);
+        const c::KeyInterval rows_seen = g.rows_of_keys(s0, s0 + cols);
+        for (int64_t t0 = rows_seen.lo / c::kBlockQ * c::kBlockQ; t0 < rows_seen.hi; t0 += c::kBlockQ)
+          classify(t0, std::min(c::kBlockQ, rows_seen.hi - t0), s0, cols);
       }
     }
   }
