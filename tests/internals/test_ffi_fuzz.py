@@ -15,8 +15,8 @@ target, default 40) reproduce or deepen a run.
 TARGETS below is the one place that states each target's signature: a change of operands,
 results or attributes on the C++ side is a change there.
 
-Run `python tests/internals/test_ffi_fuzz.py <target> <seed> <cases>` to see one target's
-cases and verdicts directly.
+`PYTHONPATH=. python tests/internals/test_ffi_fuzz.py <target> <seed> <cases>` runs one target's
+cases in this process and prints each case and its error as JSON lines.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -276,7 +276,6 @@ class Case:
     results: list  # [(name, shape, dtype)]
     attributes: dict
     expect: list | None  # None: must succeed; else words the error message must contain one of
-    env_dims: dict = field(default_factory=dict)
 
 
 def _resolve(shape, dims, variant):
