@@ -24,17 +24,16 @@ import os
 import sys
 import time
 
-from absl import app, flags
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import train_flax_lm as lm  # noqa: E402  (the model, the data and the training flags)
-
-import jax_flash  # noqa: E402
-import jax_flash.flax  # noqa: E402
+import jax_flash
+import jax_flash.flax
+import train_flax_lm as lm  # the model, the data and the training flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("gen_tokens", 48, "Tokens to generate per prompt (prompt + these <= seq_len).")
@@ -76,7 +75,8 @@ def decode_step(model: lm.CharTransformer, params, cache, table, tokens, positio
         h = nn.gelu(nn.Dense(4 * d).apply({"params": blk["Dense_0"]}, h))
         x = x + nn.Dense(d).apply({"params": blk["Dense_1"]}, h)
     logits = nn.Dense(model.vocab_size).apply(
-        {"params": p["Dense_0"]}, nn.LayerNorm().apply({"params": p["LayerNorm_0"]}, x))
+        {"params": p["Dense_0"]}, nn.LayerNorm().apply({"params": p["LayerNorm_0"]}, x)
+    )
     return logits[:, 0], tuple(new_cache)
 
 
@@ -149,9 +149,11 @@ def main(argv):
     logits_at = jax.jit(lambda params, toks, i: model.apply(params, toks)[:, i])
     cached, t_cached = timed(generate_cached, step, model, params, prompts, prompt_len, n)
     full, t_full = timed(generate_full, logits_at, params, prompts, prompt_len, n, FLAGS.seq_len)
-    print(f"paged KV cache: {b * n / t_cached:,.0f} tokens/s ({b} prompts x {n} tokens, "
-          f"page_size {FLAGS.page_size}, one compiled step ({compilations(step)} compilation), "
-          "cache donated)")
+    print(
+        f"paged KV cache: {b * n / t_cached:,.0f} tokens/s ({b} prompts x {n} tokens, "
+        f"page_size {FLAGS.page_size}, one compiled step ({compilations(step)} compilation), "
+        "cache donated)"
+    )
     print(f"full recomputation: {b * n / t_full:,.0f} tokens/s")
     for p, row in zip(PROMPTS, cached):
         print(f"  {p[:prompt_len]!r} -> {data.decode(row)!r}")

@@ -11,7 +11,7 @@ from jax_flash.bench import attention, decode, multi_device, peak_memory
 def main(argv=None) -> list:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--peak-memory-probe" in argv:
-        return peak_memory.peak_memory_probe(argv[argv.index("--peak-memory-probe") + 1:])
+        return peak_memory.peak_memory_probe(argv[argv.index("--peak-memory-probe") + 1 :])
     if "--peak-memory" in argv:
         return peak_memory.peak_memory_main(argv)
     if "--multi-device" in argv:

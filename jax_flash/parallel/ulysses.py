@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -52,7 +51,7 @@ from jax import lax
 from jax_flash._api import attention
 from jax_flash.parallel.ring import LAYOUTS, ring_attention, unzigzag, zigzag
 
-__all__ = ["ulysses_attention", "hybrid_attention"]
+__all__ = ["hybrid_attention", "ulysses_attention"]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -229,17 +228,17 @@ def ulysses_attention(
     *,
     axis_name: str,
     layout: str = "contiguous",
-    scale: Optional[float] = None,
+    scale: float | None = None,
     is_causal: bool = False,
     query_seq_lengths=None,
     key_value_seq_lengths=None,
     local_window_size=None,
     segment_ids=None,
-    logits_soft_cap: Optional[float] = None,
+    logits_soft_cap: float | None = None,
     query_offset=None,
     sinks=None,
     return_residual: bool = False,
-    implementation: Optional[str] = None,
+    implementation: str | None = None,
     dropout_rate: float = 0.0,
     dropout_rng=None,
 ):
@@ -361,17 +360,17 @@ def hybrid_attention(
     a2a_axis: str,
     ring_axis: str,
     layout: str = "contiguous",
-    scale: Optional[float] = None,
+    scale: float | None = None,
     is_causal: bool = False,
     query_seq_lengths=None,
     key_value_seq_lengths=None,
     local_window_size=None,
     segment_ids=None,
-    logits_soft_cap: Optional[float] = None,
+    logits_soft_cap: float | None = None,
     query_offset=None,
     sinks=None,
     return_residual: bool = False,
-    implementation: Optional[str] = None,
+    implementation: str | None = None,
     dropout_rate: float = 0.0,
     dropout_rng=None,
     bias=None,
