@@ -17,6 +17,7 @@ Prints the per-device causal block counts of both layouts, the two loss curves (
 from __future__ import annotations
 
 import os
+import pathlib
 import sys
 
 # Host devices must be requested before JAX starts.
@@ -132,7 +133,7 @@ def main(argv):
         raise SystemExit(f"need {p} devices, have {jax.device_count()}: {jax.devices()}")
     if FLAGS.seq_len % (2 * p):
         raise SystemExit(f"--seq_len must be a multiple of 2 * devices = {2 * p}")
-    text = open(FLAGS.text_file, encoding="utf-8").read() if FLAGS.text_file else lm.builtin_text()
+    text = pathlib.Path(FLAGS.text_file).read_text(encoding="utf-8") if FLAGS.text_file else lm.builtin_text()
     data = lm.CharData(text, FLAGS.seq_len)
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} devices")
     print(

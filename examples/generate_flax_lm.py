@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pathlib
 import sys
 import time
 
@@ -65,7 +66,7 @@ def decode_step(model: lm.CharTransformer, params, cache, table, tokens, positio
         blk = p[f"Block_{i}"]
         mha = blk["MultiHeadDotProductAttention_0"]
         h = nn.LayerNorm().apply({"params": blk["LayerNorm_0"]}, x)
-        proj = lambda name: nn.DenseGeneral((heads, d // heads)).apply({"params": mha[name]}, h)
+        proj = lambda name, mha=mha, h=h: nn.DenseGeneral((heads, d // heads)).apply({"params": mha[name]}, h)
         q, k, v = proj("query"), proj("key"), proj("value")  # [B, 1, heads, head_dim]
         key_pages, value_pages = jax_flash.paged_cache_write(key_pages, value_pages, table, lengths, k, v)
         new_cache.append((key_pages, value_pages))
@@ -131,7 +132,7 @@ def timed(fn, *args):
 def main(argv):
     del argv
     logging.getLogger("jax").setLevel(logging.WARNING)  # not absl's INFO about absent backends
-    text = open(FLAGS.text_file, encoding="utf-8").read() if FLAGS.text_file else lm.builtin_text()
+    text = pathlib.Path(FLAGS.text_file).read_text(encoding="utf-8") if FLAGS.text_file else lm.builtin_text()
     data = lm.CharData(text, FLAGS.seq_len)
     flash_fn = jax_flash.flax.make_attention_fn(implementation=FLAGS.implementation, is_causal=True)
     _, _, model, params = lm.train(data, flash_fn, "train")

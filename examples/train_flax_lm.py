@@ -20,6 +20,7 @@ import codecs
 import importlib.util
 import logging
 import os
+import pathlib
 import time
 
 import flax.linen as nn
@@ -64,7 +65,7 @@ flags.DEFINE_string("text_file", None, "Train on this text file instead of the b
 
 def zen_of_python() -> str:
     """The Zen of Python, read from the `this` module's source (importing it would print)."""
-    source = open(importlib.util.find_spec("this").origin, encoding="utf-8").read()
+    source = pathlib.Path(importlib.util.find_spec("this").origin).read_text(encoding="utf-8")
     for node in ast.parse(source).body:
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "s":
             return codecs.decode(ast.literal_eval(node.value), "rot13")
@@ -76,9 +77,9 @@ def builtin_text() -> str:
     parts = [zen_of_python()]
     license_txt = os.path.join(os.path.dirname(os.__file__), "LICENSE.txt")
     if os.path.exists(license_txt):
-        parts.append(open(license_txt, encoding="utf-8", errors="replace").read())
+        parts.append(pathlib.Path(license_txt).read_text(encoding="utf-8", errors="replace"))
     else:
-        parts.append(open(importlib.util.find_spec("textwrap").origin, encoding="utf-8").read())
+        parts.append(pathlib.Path(importlib.util.find_spec("textwrap").origin).read_text(encoding="utf-8"))
     return "\n\n".join(parts)
 
 
@@ -222,7 +223,7 @@ def main(argv):
     # backend 'tpu'") is one of them and says nothing about this run.
     logging.getLogger("jax").setLevel(logging.WARNING)
     del argv
-    text = open(FLAGS.text_file, encoding="utf-8").read() if FLAGS.text_file else builtin_text()
+    text = pathlib.Path(FLAGS.text_file).read_text(encoding="utf-8") if FLAGS.text_file else builtin_text()
     data = CharData(text, FLAGS.seq_len)
     head_dim = FLAGS.d_model // FLAGS.num_heads
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, jax_flash {jax_flash.__version__}")

@@ -168,7 +168,7 @@ def reference_canonical(
     """
     dt = jnp.dtype(q.dtype if compute_dtype is None else compute_dtype)
     stat_dt = jnp.float64 if dt == jnp.float64 else jnp.float32
-    b, t, n, h = q.shape
+    _b, t, n, _h = q.shape
     s, kh = k.shape[1], k.shape[2]
     g = n // kh
     q = q.astype(dt)

@@ -534,7 +534,7 @@ def main(argv=None) -> list[Result]:
                         f"forward {b['forward_bytes'] / 2**10:.0f} KiB, backward "
                         f"{b['backward_bytes'] / 2**10:.0f} KiB"
                     )
-    env["peaks"] = {k: v for k, v in peaks.items()}
+    env["peaks"] = dict(peaks)
     if args.max_temp_gib is not None:
         max_temp = int(args.max_temp_gib * 2**30)
     else:

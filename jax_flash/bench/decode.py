@@ -71,7 +71,7 @@ def _paged(k, v, page_size: int, seed=0):
 
 def _step_fns(names, k, n, dtype):
     """(q, {name: (operand kind, fn)}) of one decode step over the cache k (and v)."""
-    b, s, kh, h = k.shape
+    b, s, _kh, h = k.shape
     lengths = jnp.full((b,), s, jnp.int32)
     q = jax.random.normal(jax.random.PRNGKey(1), (b, 1, n, h), jnp.float32).astype(dtype)
     decode_kw = dict(is_causal=True, key_value_seq_lengths=lengths, query_offset=lengths - 1)
@@ -94,9 +94,10 @@ def _step_fns(names, k, n, dtype):
         elif name == "copy":
             fns[name] = ("copy", lambda x: x + 1)
         elif name.startswith("paged-"):
+            paged_impl = name[len("paged-") :]
             fns[name] = (
                 "paged",
-                lambda q, kp, vp, table, impl=name[len("paged-") :]: jax_flash.paged_attention(
+                lambda q, kp, vp, table, impl=paged_impl: jax_flash.paged_attention(
                     q, kp, vp, table, lengths, implementation=impl
                 ),
             )
@@ -140,7 +141,6 @@ def main(argv) -> list[dict]:
         f"jax_flash {env['jax_flash']}, jax {env['jax']}, backend {env['backend']} "
         f"({env['device']}, {env['cpu_count']} CPUs), {env['date']}"
     )
-    b_max, s_max = max(args.batch), max(args.seq_lens)
     itemsize = jnp.dtype(args.dtype).itemsize
     kv_bytes = lambda b, s: 2 * b * s * args.kv_heads * args.head_dim * itemsize
     if args.max_cache_gib is not None:
@@ -242,7 +242,7 @@ def _measure_cell(names, b, s, args, nbytes, max_cache, peak) -> list[dict]:
             compiled = None
         cells.append((r, compiled, operands, []))
     for _ in range(max(1, args.reps)):  # interleaved, so load changes hit every row alike
-        for r, compiled, operands, times in cells:
+        for _r, compiled, operands, times in cells:
             if compiled is not None:
                 t0 = time.perf_counter()
                 jax.block_until_ready(compiled(*operands))

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import json
@@ -50,10 +51,9 @@ def peak_memory_probe(argv) -> dict:
         if args:
             jax.block_until_ready(args)
         gc.collect()
-        try:  # hand freed heap (the compiler's) back, so that "before" is what is held
+        # Hand freed heap (the compiler's) back, so that "before" is what is held.
+        with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
         before = _status_kib("VmRSS")
         try:
             with open("/proc/self/clear_refs", "w") as f:
@@ -121,7 +121,9 @@ def peak_memory_main(argv) -> list[dict]:
                                 f"| {p_} | {row['status']} | | | | |"
                             )
                             continue
-                        ratio = lambda key: f"{row[key] / peer[key]:.2f}" if peer and peer[key] > 0 else ""
+                        ratio = lambda key, row=row, peer=peer: (
+                            f"{row[key] / peer[key]:.2f}" if peer and peer[key] > 0 else ""
+                        )
                         print(
                             f"| {row['impl']} | {args.dtype} | {h} | {fmt_seq(t)} | {'yes' if c else 'no'} | {p_} "
                             f"| {row['peak_mib']:.0f} | {row['before_mib']:.0f} | {row['call_mib']:.0f} "

@@ -110,6 +110,14 @@ def test_jit_vmap_checkpoint_scan(impl):
     vq = jax.vmap(f, in_axes=(0, None, None))(q[None].repeat(2, 0), k, v)
     _close(vq[1], base, 1e-6)
 
+    # The forward under jax.checkpoint inside lax.scan gives the plain call's values.
+    def scanned(q, k, v):
+        step = lambda c, _: (c, jax.checkpoint(f)(q, k, v))
+        return jax.lax.scan(step, jnp.zeros((), jnp.float32), None, length=2)[1]
+
+    for o in jax.jit(scanned)(q, k, v):
+        _close(o, base, tol)
+
     # jax.checkpoint and lax.scan around it, differentiated.
     def loss(q, k, v):
         def step(c, _):
@@ -163,7 +171,7 @@ def test_check_grads(impl):
 
 def test_forward_mode_raises():
     q, k, v = make_qkv(SMALL, jnp.float32)
-    with pytest.raises(TypeError, match="forward-mode|jvp"):
+    with pytest.raises(TypeError, match=r"forward-mode|jvp"):
         jax.jvp(lambda q: jax_flash.attention(q, k, v, implementation="xla"), (q,), (q,))
 
 
@@ -315,7 +323,7 @@ def test_explain_says_pallas_is_interpreted_on_a_cpu():
     if e.reasons["pallas"] is not None:
         pytest.skip(f"pallas cannot run here: {e.reasons['pallas']}")
     assert "interpreted (slow)" in e.notes["pallas"]
-    line = [l for l in str(e).splitlines() if "pallas" in l][0]
+    line = next(l for l in str(e).splitlines() if "pallas" in l)
     assert "available (interpreted (slow)" in line
 
 

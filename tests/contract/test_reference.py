@@ -31,7 +31,7 @@ def loop_attention(
     query_offset=None,
 ):
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    b_, t_, n_, h_ = q.shape
+    b_, t_, n_, _h = q.shape
     s_, kh = k.shape[1], k.shape[2]
     out = np.zeros_like(q)
     lse = np.full((b_, t_, n_), -np.inf)

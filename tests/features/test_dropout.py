@@ -222,7 +222,7 @@ def test_vmap():
     per_key = jax.vmap(f("xla"))(x, keys)
     np.testing.assert_array_equal(per_key[1], f("xla")(x[1], keys[1]))
     jax.vmap(f("cpu"), in_axes=(0, None))(x, KEY)
-    with pytest.raises(ValueError, match="dropout_rng cannot be mapped by jax.vmap"):
+    with pytest.raises(ValueError, match=r"dropout_rng cannot be mapped by jax\.vmap"):
         jax.vmap(f("cpu"))(x, keys)
 
 

@@ -111,7 +111,8 @@ KINDS = (
     "tile_lengths",
     "zero_scale",
     "negative_scale",
-) + cases.OFFSET_KINDS
+    *cases.OFFSET_KINDS,
+)
 
 
 def _shapes(h: int, hv=None) -> dict:

@@ -58,7 +58,6 @@ def test_small_blocks(kind, blocks):
 
 def test_band_skips_key_blocks():
     """Causal at T == S visits about half the key blocks (the inner loops are bounded)."""
-    q = jax.ShapeDtypeStruct((1, 4096, 1, 64), jnp.float32)
 
     def cost(is_causal):
         c = canonicalize(

@@ -41,10 +41,10 @@ def test_bench_tiny_run_writes_table_json_and_plot(tmp_path, capsys):
         # torch (a peer measured outside XLA, when it imports) has no compiled temp memory.
         assert r.flops_per_s > 0 and (r.temp_bytes is not None or r.impl == "torch")
         assert r.vs_jax_nn is not None
-    causal_fwd = [r for r in results if r.causal and r.pass_ == "fwd"][0]
-    full_fwd = [r for r in results if not r.causal and r.pass_ == "fwd"][0]
+    causal_fwd = next(r for r in results if r.causal and r.pass_ == "fwd")
+    full_fwd = next(r for r in results if not r.causal and r.pass_ == "fwd")
     assert causal_fwd.flops == full_fwd.flops / 2
-    full_fwdbwd = [r for r in results if not r.causal and r.pass_ == "fwdbwd"][0]
+    full_fwdbwd = next(r for r in results if not r.causal and r.pass_ == "fwdbwd")
     # forward 4·B·N·T·S·H; forward+backward counts the backward's five products too: 3.5x.
     b, n, t, h = full_fwd.batch, full_fwd.heads, full_fwd.seq_len, full_fwd.head_dim
     assert full_fwd.flops == 4 * b * n * t * t * h
