@@ -118,20 +118,20 @@ def _torch_fn(pass_: str, causal: bool, args: list) -> Callable:
     if pass_ == "fwd":
         q, k, v = (tensor(a, False) for a in args[:3])
 
-        def run():
+        def run_forward():
             with torch.no_grad():
                 sdpa(q, k, v, is_causal=causal)
 
-        return run
+        return run_forward
     q, k, v = (tensor(a, True) for a in args[:3])
     do = tensor(args[3], False)
 
-    def run():
+    def run_fwdbwd():
         for t in (q, k, v):
             t.grad = None
         sdpa(q, k, v, is_causal=causal).backward(do)
 
-    return run
+    return run_fwdbwd
 
 
 def pass_fn(attn: Callable, pass_: str) -> Callable:
@@ -212,7 +212,8 @@ def prepare(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, max_tem
         r.status = "OOM" if is_oom(e) else f"failed: {short(e)}"
         return r, None, None
     try:
-        r.temp_bytes = int(compiled.memory_analysis().temp_size_in_bytes)
+        analysis = compiled.memory_analysis()
+        r.temp_bytes = None if analysis is None else int(analysis.temp_size_in_bytes)
     except Exception:  # some backends have no memory analysis
         r.temp_bytes = None
     if max_temp_bytes is not None and r.temp_bytes is not None and r.temp_bytes > max_temp_bytes:
@@ -278,7 +279,7 @@ def measure_case(
         shares.append(core_share())
     for r, _, _, times in cells:
         if shares and None not in shares:
-            r.core_share = min(shares)
+            r.core_share = min(s for s in shares if s is not None)
         if r.status == "ok" and times:
             r.time_s = statistics.median(times)
             r.reps = len(times)
@@ -535,6 +536,7 @@ def main(argv=None) -> list[Result]:
                         f"{b['backward_bytes'] / 2**10:.0f} KiB"
                     )
     env["peaks"] = dict(peaks)
+    max_temp: int | None
     if args.max_temp_gib is not None:
         max_temp = int(args.max_temp_gib * 2**30)
     else:

@@ -14,8 +14,9 @@ from jax_flash.bench.common import thread_count
 _AMX_FLOP_PER_CYCLE = 1024
 
 
-def _cpu_flags() -> tuple[set, dict]:
-    flags, info = set(), {}
+def _cpu_flags() -> tuple[set[str], dict[str, str]]:
+    flags: set[str] = set()
+    info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -27,6 +27,8 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,8 +76,8 @@ def _step_fns(names, k, n, dtype):
     b, s, _kh, h = k.shape
     lengths = jnp.full((b,), s, jnp.int32)
     q = jax.random.normal(jax.random.PRNGKey(1), (b, 1, n, h), jnp.float32).astype(dtype)
-    decode_kw = dict(is_causal=True, key_value_seq_lengths=lengths, query_offset=lengths - 1)
-    fns = {}
+    decode_kw: dict[str, Any] = dict(is_causal=True, key_value_seq_lengths=lengths, query_offset=lengths - 1)
+    fns: dict[str, tuple[str | None, Callable[..., Any]]] = {}
     for name in names:
         if name == "jax.nn":
             fns[name] = (None, lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"))
@@ -226,12 +228,14 @@ def _measure_cell(names, b, s, args, nbytes, max_cache, peak) -> list[dict]:
     k, v = _cache(b, s, args.kv_heads, args.head_dim, args.dtype)
     q, fns = _step_fns(names, k, args.heads, args.dtype)
     paged = None
-    cells = []
+    cells: list[tuple[dict[str, Any], Any, tuple[Any, ...], list[float]]] = []
     for r in rows:
         kind, fn = fns[r["impl"]]
-        if kind == "paged" and paged is None:
-            paged = _paged(k, v, args.page_size)
-        operands = (q, *paged) if kind == "paged" else (q, k, v)
+        operands: tuple[Any, ...] = (q, k, v)
+        if kind == "paged":
+            if paged is None:
+                paged = _paged(k, v, args.page_size)
+            operands = (q, *paged)
         if kind == "copy":
             operands = (jnp.zeros((nbytes // 4,), jnp.float32),)
         try:

@@ -118,9 +118,12 @@ def measure_multi_device(
                     fn = pass_fn(_md_fn(variant, mesh, causal, impl), pass_)
                     compiled = jax.jit(fn).lower(*args).compile()
                     mem = compiled.memory_analysis()
+                    assert mem is not None, "no memory analysis on this backend"
                     r.temp_bytes = int(mem.temp_size_in_bytes)
                     r.arg_bytes = int(mem.argument_size_in_bytes)
-                    r.collectives = count_collectives(compiled.as_text())
+                    hlo_text = compiled.as_text()
+                    assert hlo_text is not None, "no HLO text of the compiled program"
+                    r.collectives = count_collectives(hlo_text)
                     jax.block_until_ready(compiled(*args))  # warm-up
                     times = []
                     for _ in range(max(1, reps)):
@@ -143,6 +146,9 @@ def format_multi_device(results: list[DeviceResult]) -> str:
         if r.status != "ok":
             lines.append(f"{r.variant:16s} {r.pass_:6s} {r.causal!s:6s} {r.devices:7d} {r.status}")
             continue
+        # An "ok" cell has every measurement (measure_multi_device sets them before the status could change).
+        assert r.collectives is not None and r.time_s is not None
+        assert r.temp_bytes is not None and r.arg_bytes is not None
         coll = ", ".join(f"{n} {op}" for op, n in r.collectives.items() if n) or "none"
         lines.append(
             f"{r.variant:16s} {r.pass_:6s} {r.causal!s:6s} {r.devices:7d} "

@@ -64,6 +64,7 @@ def peak_memory_probe(argv) -> dict:
         if before is not None:
             run()
             peak = _status_kib("VmHWM")
+            assert peak is not None  # the file that gave VmRSS
             row.update(before_mib=before / 1024, peak_mib=peak / 1024, call_mib=(peak - before) / 1024)
     print(json.dumps(row), flush=True)
     return row

@@ -27,7 +27,7 @@ def write_plot(results: list[Result], path: str, on_gpu: bool) -> None:
     fig, axes = plt.subplots(len(passes), len(causals), figsize=(5.5 * len(causals), 4 * len(passes)), squeeze=False)
     panels = [(ax, p, c) for row, p in zip(axes, passes) for ax, c in zip(row, causals)]
     for ax, pass_, causal in panels:
-        series = {}
+        series: dict[tuple[str, int], list[tuple[int, float]]] = {}
         for r in results:
             if (r.pass_, r.causal) == (pass_, causal) and r.flops_per_s is not None:
                 series.setdefault((r.impl, r.head_dim), []).append((r.seq_len, r.flops_per_s / div))

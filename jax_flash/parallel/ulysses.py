@@ -206,7 +206,9 @@ def _dense(x, name: str, q, s_global: int, rs: _Resharder, fn: str):
 
 
 def _check_dropout(dropout_rate, p: int, fn: str):
-    if p > 1 and isinstance(dropout_rate, numbers.Real) and not isinstance(dropout_rate, bool) and dropout_rate > 0:
+    # bool is a numbers.Real at run time (typeshed's classes do not say so): tested first.
+    is_real = not isinstance(dropout_rate, bool) and isinstance(dropout_rate, numbers.Real)
+    if p > 1 and is_real and dropout_rate > 0:
         raise NotImplementedError(
             f"{fn}: dropout over P={p} devices is not supported: the unsharded call's keep-mask "
             "counts the global query head (jax_flash._dropout: counter (s >> 2, t, n, b)), and "
@@ -317,11 +319,10 @@ def ulysses_attention(
 
 
 def _back(res, rs: _Resharder, return_residual: bool):
-    out, lse = res if return_residual else (res, None)
-    out = rs.to_sequence(out, out.ndim - 3, out.ndim - 2)
     if not return_residual:
-        return out
-    return out, rs.to_sequence(lse, lse.ndim - 2, lse.ndim - 1)
+        return rs.to_sequence(res, res.ndim - 3, res.ndim - 2)
+    out, lse = res
+    return rs.to_sequence(out, out.ndim - 3, out.ndim - 2), rs.to_sequence(lse, lse.ndim - 2, lse.ndim - 1)
 
 
 # ----------------------------------------------------------------------------- hybrid
