@@ -43,12 +43,16 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Literal, overload
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike
 
 from jax_flash._api import attention
+from jax_flash._types import OutAndLse, SegmentIds, Window
 from jax_flash.parallel.ring import LAYOUTS, ring_attention, unzigzag, zigzag
 
 __all__ = ["hybrid_attention", "ulysses_attention"]
@@ -221,29 +225,107 @@ def _check_dropout(dropout_rate, p: int, fn: str):
 # ----------------------------------------------------------------------------- ulysses
 
 
+@overload
 def ulysses_attention(
-    query,
-    key,
-    value,
-    bias=None,
-    mask=None,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
     *,
     axis_name: str,
     layout: str = "contiguous",
     scale: float | None = None,
     is_causal: bool = False,
-    query_seq_lengths=None,
-    key_value_seq_lengths=None,
-    local_window_size=None,
-    segment_ids=None,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
     logits_soft_cap: float | None = None,
-    query_offset=None,
-    sinks=None,
+    query_offset: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: Literal[False] = False,
+    implementation: str | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: ArrayLike | None = None,
+) -> jax.Array: ...
+
+
+@overload
+def ulysses_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    axis_name: str,
+    layout: str = "contiguous",
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    query_offset: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: Literal[True],
+    implementation: str | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: ArrayLike | None = None,
+) -> OutAndLse: ...
+
+
+@overload
+def ulysses_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    axis_name: str,
+    layout: str = "contiguous",
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    query_offset: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
     return_residual: bool = False,
     implementation: str | None = None,
     dropout_rate: float = 0.0,
-    dropout_rng=None,
-):
+    dropout_rng: ArrayLike | None = None,
+) -> jax.Array | OutAndLse: ...
+
+
+def ulysses_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    axis_name: str,
+    layout: str = "contiguous",
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    query_offset: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: bool = False,
+    implementation: str | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: ArrayLike | None = None,
+) -> jax.Array | OutAndLse:
     """All-to-all sequence parallelism (DeepSpeed-Ulysses) inside `jax.shard_map`: the
     sequences are sharded over mesh axis `axis_name` (P devices); one all-to-all re-shards
     q, k, v to head-sharded full sequences, `jax_flash.attention` runs locally on N/P heads,
@@ -353,30 +435,111 @@ def _merge_sinks(out, lse, sinks):
     return out, jnp.where(bad, jnp.nan, new_lse)
 
 
+@overload
 def hybrid_attention(
-    query,
-    key,
-    value,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
     a2a_axis: str,
     ring_axis: str,
     layout: str = "contiguous",
     scale: float | None = None,
     is_causal: bool = False,
-    query_seq_lengths=None,
-    key_value_seq_lengths=None,
-    local_window_size=None,
-    segment_ids=None,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
     logits_soft_cap: float | None = None,
-    query_offset=None,
-    sinks=None,
+    query_offset: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: Literal[False] = False,
+    implementation: str | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: ArrayLike | None = None,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+) -> jax.Array: ...
+
+
+@overload
+def hybrid_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    *,
+    a2a_axis: str,
+    ring_axis: str,
+    layout: str = "contiguous",
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    query_offset: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: Literal[True],
+    implementation: str | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: ArrayLike | None = None,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+) -> OutAndLse: ...
+
+
+@overload
+def hybrid_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    *,
+    a2a_axis: str,
+    ring_axis: str,
+    layout: str = "contiguous",
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    query_offset: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
     return_residual: bool = False,
     implementation: str | None = None,
     dropout_rate: float = 0.0,
-    dropout_rng=None,
-    bias=None,
-    mask=None,
-):
+    dropout_rng: ArrayLike | None = None,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+) -> jax.Array | OutAndLse: ...
+
+
+def hybrid_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    *,
+    a2a_axis: str,
+    ring_axis: str,
+    layout: str = "contiguous",
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    query_offset: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: bool = False,
+    implementation: str | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: ArrayLike | None = None,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+) -> jax.Array | OutAndLse:
     """2-D sequence parallelism inside `jax.shard_map` ("USP"): all-to-all over `a2a_axis`
     (size Pa, which must divide N), ring attention over `ring_axis` (size Pr).
 
