@@ -65,9 +65,16 @@ def files() -> dict[pathlib.Path, str]:
                     hv = "" if v_head_dim == head_dim else f"_hv{v_head_dim}"
                     suffix = "" if layout == "warp16" else f"_{layout}"
                     path = KERNELS / f"{pass_name}_{dtype}_hdim{head_dim}{hv}{suffix}.cu"
-                    out[path] = TEMPLATE.format(header=header, function=function, elem=elem, head_dim=head_dim,
-                                                v_head_dim=v_head_dim, signature=signature, pass_enum=pass_enum,
-                                                layout=layout_enum)
+                    out[path] = TEMPLATE.format(
+                        header=header,
+                        function=function,
+                        elem=elem,
+                        head_dim=head_dim,
+                        v_head_dim=v_head_dim,
+                        signature=signature,
+                        pass_enum=pass_enum,
+                        layout=layout_enum,
+                    )
     return out
 
 
@@ -93,8 +100,10 @@ def main() -> int:
     if dispatch_head_dims() != HEAD_DIMS:
         problems.append(f"dispatch.h kHeadDims {dispatch_head_dims()} != generator HEAD_DIMS {HEAD_DIMS}")
     if dispatch_narrow_value_pairs() != NARROW_VALUE_PAIRS:
-        problems.append(f"dispatch.h kNarrowValuePairs {dispatch_narrow_value_pairs()} != generator "
-                        f"NARROW_VALUE_PAIRS {NARROW_VALUE_PAIRS}")
+        problems.append(
+            f"dispatch.h kNarrowValuePairs {dispatch_narrow_value_pairs()} != generator "
+            f"NARROW_VALUE_PAIRS {NARROW_VALUE_PAIRS}"
+        )
     dispatch = (KERNELS / "dispatch.h").read_text()
     for h, hv in NARROW_VALUE_PAIRS:
         for function in ("ForwardFor", "BackwardFor"):

@@ -55,9 +55,11 @@ def main() -> int:
                 errs.append(float(np.max(np.abs(a - r))) / scale if np.all(np.isfinite(a)) else np.inf)
             ok = all(e <= 0.03 for e in errs)
             failures += not ok
-            print(f"{'ok  ' if ok else 'FAIL'} {jnp.dtype(dtype).name} H={h} {mode}: relative max error "
-                  + " ".join(f"{name} {e:.2g}" for name, e in zip(("out", "dq", "dk", "dv"), errs)),
-                  flush=True)
+            print(
+                f"{'ok  ' if ok else 'FAIL'} {jnp.dtype(dtype).name} H={h} {mode}: relative max error "
+                + " ".join(f"{name} {e:.2g}" for name, e in zip(("out", "dq", "dk", "dv"), errs)),
+                flush=True,
+            )
     return 1 if failures else 0
 
 

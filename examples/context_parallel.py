@@ -17,6 +17,7 @@ Prints the per-device causal block counts of both layouts, the two loss curves (
 from __future__ import annotations
 
 import os
+import pathlib
 import sys
 
 # Host devices must be requested before JAX starts.
@@ -31,19 +32,19 @@ os.environ["XLA_FLAGS"] = (
 import logging  # noqa: E402
 import time  # noqa: E402
 
-from absl import app, flags  # noqa: E402
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from absl import app, flags  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_flash  # noqa: E402
 import jax_flash.flax  # noqa: E402
-from jax_flash.parallel.ring import block_counts  # noqa: E402
 import train_flax_lm as lm  # noqa: E402  (the model, data and flags of the main example)
+from jax_flash.parallel.ring import block_counts  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("devices", 8, "Devices of the sequence axis (host devices on a CPU).")
@@ -59,8 +60,7 @@ class SeqShardedCharTransformer(lm.CharTransformer):
     @nn.compact
     def __call__(self, tokens, positions):
         x = nn.Embed(self.vocab_size, self.d_model)(tokens)
-        pos = self.param("pos_embedding", nn.initializers.normal(0.02),
-                         (self.max_len, self.d_model))
+        pos = self.param("pos_embedding", nn.initializers.normal(0.02), (self.max_len, self.d_model))
         x = x + pos[positions]
         for _ in range(self.num_layers):
             x = lm.Block(self.num_heads, self.attention_fn)(x)
@@ -69,7 +69,8 @@ class SeqShardedCharTransformer(lm.CharTransformer):
 
 def optimizer():
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, FLAGS.learning_rate, max(1, FLAGS.steps // 10), max(2, FLAGS.steps))
+        0.0, FLAGS.learning_rate, max(1, FLAGS.steps // 10), max(2, FLAGS.steps)
+    )
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
 
 
@@ -77,6 +78,7 @@ def one_device_loss(model):
     def loss(params, inputs, targets):
         logits = model.apply(params, inputs)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
     return loss
 
 
@@ -93,6 +95,7 @@ def sequence_parallel_loss(model, mesh):
 
     def loss(params, inputs, targets, positions):
         return sharded(params, inputs, targets, positions) / inputs.size
+
     return loss
 
 
@@ -130,49 +133,55 @@ def main(argv):
         raise SystemExit(f"need {p} devices, have {jax.device_count()}: {jax.devices()}")
     if FLAGS.seq_len % (2 * p):
         raise SystemExit(f"--seq_len must be a multiple of 2 * devices = {2 * p}")
-    text = open(FLAGS.text_file, encoding="utf-8").read() if FLAGS.text_file else lm.builtin_text()
+    text = pathlib.Path(FLAGS.text_file).read_text(encoding="utf-8") if FLAGS.text_file else lm.builtin_text()
     data = lm.CharData(text, FLAGS.seq_len)
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} devices")
-    print(f"model d={FLAGS.d_model}, {FLAGS.num_layers} layers, {FLAGS.num_heads} heads; batch "
-          f"{FLAGS.batch_size} x {FLAGS.seq_len}, sequence sharded over {p} devices "
-          f"({FLAGS.seq_len // p} tokens each, layout {layout})")
+    print(
+        f"model d={FLAGS.d_model}, {FLAGS.num_layers} layers, {FLAGS.num_heads} heads; batch "
+        f"{FLAGS.batch_size} x {FLAGS.seq_len}, sequence sharded over {p} devices "
+        f"({FLAGS.seq_len // p} tokens each, layout {layout})"
+    )
     for name in ("contiguous", "zigzag"):
-        print(f"causal blocks per device, {name:10s}: "
-              f"{block_counts(p, layout=name, is_causal=True)}")
+        print(f"causal blocks per device, {name:10s}: {block_counts(p, layout=name, is_causal=True)}")
 
     mesh = Mesh(np.array(jax.devices()[:p]), ("seq",))
     flash = jax_flash.flax.make_attention_fn(is_causal=True, implementation=FLAGS.implementation)
-    ring = jax_flash.flax.make_attention_fn(is_causal=True, implementation=FLAGS.implementation,
-                                            axis_name="seq", layout=layout)
+    ring = jax_flash.flax.make_attention_fn(
+        is_causal=True, implementation=FLAGS.implementation, axis_name="seq", layout=layout
+    )
     dims = (data.vocab_size, FLAGS.d_model, FLAGS.num_heads, FLAGS.num_layers, FLAGS.seq_len)
     model_1 = lm.CharTransformer(*dims, flash)
     model_p = SeqShardedCharTransformer(*dims, ring)
-    params = model_1.init(jax.random.key(FLAGS.seed),
-                          jnp.zeros((FLAGS.batch_size, FLAGS.seq_len), jnp.int32))
+    params = model_1.init(jax.random.key(FLAGS.seed), jnp.zeros((FLAGS.batch_size, FLAGS.seq_len), jnp.int32))
 
-    losses_1, tps_1 = train(one_device_loss(model_1), params,
-                            data.batches(FLAGS.seed, FLAGS.batch_size),
-                            lambda x, y: (x, y), "1 device")
+    losses_1, tps_1 = train(
+        one_device_loss(model_1), params, data.batches(FLAGS.seed, FLAGS.batch_size), lambda x, y: (x, y), "1 device"
+    )
 
     shard = NamedSharding(mesh, P(None, "seq"))
     order = (lambda x: jax_flash.zigzag(x, p)) if layout == "zigzag" else (lambda x: x)
     positions = np.broadcast_to(np.arange(FLAGS.seq_len), (FLAGS.batch_size, FLAGS.seq_len))
 
     def prepare(inputs, targets):
-        return tuple(jax.device_put(order(jnp.asarray(x, jnp.int32)), shard)
-                     for x in (inputs, targets, positions))
+        return tuple(jax.device_put(order(jnp.asarray(x, jnp.int32)), shard) for x in (inputs, targets, positions))
 
     replicated = jax.device_put(params, NamedSharding(mesh, P()))
-    losses_p, tps_p = train(sequence_parallel_loss(model_p, mesh), replicated,
-                            data.batches(FLAGS.seed, FLAGS.batch_size), prepare,
-                            f"{p} devices, ring {layout}")
+    losses_p, tps_p = train(
+        sequence_parallel_loss(model_p, mesh),
+        replicated,
+        data.batches(FLAGS.seed, FLAGS.batch_size),
+        prepare,
+        f"{p} devices, ring {layout}",
+    )
 
     print("step   1 device   ring")
     for i in range(0, FLAGS.steps, max(1, FLAGS.log_every)):
         print(f"{i:4d}   {losses_1[i]:.5f}    {losses_p[i]:.5f}")
     diff = np.abs(losses_1 - losses_p)
-    print(f"loss curves, {p} devices (ring_attention, {layout}) vs 1 device: max abs diff "
-          f"{diff.max():.2e} (step {int(diff.argmax())}); tokens/s {tps_p:,.0f} vs {tps_1:,.0f}")
+    print(
+        f"loss curves, {p} devices (ring_attention, {layout}) vs 1 device: max abs diff "
+        f"{diff.max():.2e} (step {int(diff.argmax())}); tokens/s {tps_p:,.0f} vs {tps_1:,.0f}"
+    )
 
 
 if __name__ == "__main__":

@@ -21,20 +21,20 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pathlib
 import sys
 import time
 
-from absl import app, flags
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import train_flax_lm as lm  # noqa: E402  (the model, the data and the training flags)
-
-import jax_flash  # noqa: E402
-import jax_flash.flax  # noqa: E402
+import jax_flash
+import jax_flash.flax
+import train_flax_lm as lm  # the model, the data and the training flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("gen_tokens", 48, "Tokens to generate per prompt (prompt + these <= seq_len).")
@@ -66,7 +66,7 @@ def decode_step(model: lm.CharTransformer, params, cache, table, tokens, positio
         blk = p[f"Block_{i}"]
         mha = blk["MultiHeadDotProductAttention_0"]
         h = nn.LayerNorm().apply({"params": blk["LayerNorm_0"]}, x)
-        proj = lambda name: nn.DenseGeneral((heads, d // heads)).apply({"params": mha[name]}, h)
+        proj = lambda name, mha=mha, h=h: nn.DenseGeneral((heads, d // heads)).apply({"params": mha[name]}, h)
         q, k, v = proj("query"), proj("key"), proj("value")  # [B, 1, heads, head_dim]
         key_pages, value_pages = jax_flash.paged_cache_write(key_pages, value_pages, table, lengths, k, v)
         new_cache.append((key_pages, value_pages))
@@ -76,7 +76,8 @@ def decode_step(model: lm.CharTransformer, params, cache, table, tokens, positio
         h = nn.gelu(nn.Dense(4 * d).apply({"params": blk["Dense_0"]}, h))
         x = x + nn.Dense(d).apply({"params": blk["Dense_1"]}, h)
     logits = nn.Dense(model.vocab_size).apply(
-        {"params": p["Dense_0"]}, nn.LayerNorm().apply({"params": p["LayerNorm_0"]}, x))
+        {"params": p["Dense_0"]}, nn.LayerNorm().apply({"params": p["LayerNorm_0"]}, x)
+    )
     return logits[:, 0], tuple(new_cache)
 
 
@@ -131,7 +132,7 @@ def timed(fn, *args):
 def main(argv):
     del argv
     logging.getLogger("jax").setLevel(logging.WARNING)  # not absl's INFO about absent backends
-    text = open(FLAGS.text_file, encoding="utf-8").read() if FLAGS.text_file else lm.builtin_text()
+    text = pathlib.Path(FLAGS.text_file).read_text(encoding="utf-8") if FLAGS.text_file else lm.builtin_text()
     data = lm.CharData(text, FLAGS.seq_len)
     flash_fn = jax_flash.flax.make_attention_fn(implementation=FLAGS.implementation, is_causal=True)
     _, _, model, params = lm.train(data, flash_fn, "train")
@@ -149,9 +150,11 @@ def main(argv):
     logits_at = jax.jit(lambda params, toks, i: model.apply(params, toks)[:, i])
     cached, t_cached = timed(generate_cached, step, model, params, prompts, prompt_len, n)
     full, t_full = timed(generate_full, logits_at, params, prompts, prompt_len, n, FLAGS.seq_len)
-    print(f"paged KV cache: {b * n / t_cached:,.0f} tokens/s ({b} prompts x {n} tokens, "
-          f"page_size {FLAGS.page_size}, one compiled step ({compilations(step)} compilation), "
-          "cache donated)")
+    print(
+        f"paged KV cache: {b * n / t_cached:,.0f} tokens/s ({b} prompts x {n} tokens, "
+        f"page_size {FLAGS.page_size}, one compiled step ({compilations(step)} compilation), "
+        "cache donated)"
+    )
     print(f"full recomputation: {b * n / t_full:,.0f} tokens/s")
     for p, row in zip(PROMPTS, cached):
         print(f"  {p[:prompt_len]!r} -> {data.decode(row)!r}")

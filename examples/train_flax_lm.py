@@ -20,14 +20,15 @@ import codecs
 import importlib.util
 import logging
 import os
+import pathlib
 import time
 
-from absl import app, flags
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import app, flags
 from tqdm import tqdm
 
 import jax_flash
@@ -43,11 +44,17 @@ flags.DEFINE_integer("num_layers", 2, "Transformer blocks.")
 flags.DEFINE_float("learning_rate", 3e-3, "Peak AdamW learning rate.")
 flags.DEFINE_integer("seed", 0, "Seed of the parameters and of the batches.")
 flags.DEFINE_enum(
-    "implementation", None, ["cuda", "pallas", "cpu", "xla"],
-    "jax_flash implementation (default: the best one available).")
-flags.DEFINE_bool("compare", False,
-                  "Also train with jax.nn.dot_product_attention from the same seed and "
-                  "report the max abs difference of the two loss curves.")
+    "implementation",
+    None,
+    ["cuda", "pallas", "cpu", "xla"],
+    "jax_flash implementation (default: the best one available).",
+)
+flags.DEFINE_bool(
+    "compare",
+    False,
+    "Also train with jax.nn.dot_product_attention from the same seed and "
+    "report the max abs difference of the two loss curves.",
+)
 flags.DEFINE_integer("log_every", 25, "Print the loss every this many steps.")
 flags.DEFINE_integer("sample_chars", 120, "Characters to sample after training (0: none).")
 flags.DEFINE_string("text_file", None, "Train on this text file instead of the built-in text.")
@@ -58,7 +65,7 @@ flags.DEFINE_string("text_file", None, "Train on this text file instead of the b
 
 def zen_of_python() -> str:
     """The Zen of Python, read from the `this` module's source (importing it would print)."""
-    source = open(importlib.util.find_spec("this").origin, encoding="utf-8").read()
+    source = pathlib.Path(importlib.util.find_spec("this").origin).read_text(encoding="utf-8")
     for node in ast.parse(source).body:
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "s":
             return codecs.decode(ast.literal_eval(node.value), "rot13")
@@ -70,9 +77,9 @@ def builtin_text() -> str:
     parts = [zen_of_python()]
     license_txt = os.path.join(os.path.dirname(os.__file__), "LICENSE.txt")
     if os.path.exists(license_txt):
-        parts.append(open(license_txt, encoding="utf-8", errors="replace").read())
+        parts.append(pathlib.Path(license_txt).read_text(encoding="utf-8", errors="replace"))
     else:
-        parts.append(open(importlib.util.find_spec("textwrap").origin, encoding="utf-8").read())
+        parts.append(pathlib.Path(importlib.util.find_spec("textwrap").origin).read_text(encoding="utf-8"))
     return "\n\n".join(parts)
 
 
@@ -95,7 +102,7 @@ class CharData:
         rng = np.random.default_rng(seed)
         while True:
             starts = rng.integers(0, len(self.ids) - self.seq_len - 1, batch_size)
-            window = np.stack([self.ids[s:s + self.seq_len + 1] for s in starts])
+            window = np.stack([self.ids[s : s + self.seq_len + 1] for s in starts])
             yield window[:, :-1], window[:, 1:]
 
     def decode(self, ids) -> str:
@@ -113,8 +120,7 @@ class Block(nn.Module):
     def __call__(self, x):
         d = x.shape[-1]
         h = nn.LayerNorm()(x)
-        h = nn.MultiHeadDotProductAttention(num_heads=self.num_heads,
-                                            attention_fn=self.attention_fn)(h)
+        h = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, attention_fn=self.attention_fn)(h)
         x = x + h
         h = nn.LayerNorm()(x)
         h = nn.Dense(4 * d)(h)
@@ -134,8 +140,7 @@ class CharTransformer(nn.Module):
     def __call__(self, tokens):
         t = tokens.shape[-1]
         x = nn.Embed(self.vocab_size, self.d_model)(tokens)
-        pos = self.param("pos_embedding", nn.initializers.normal(0.02),
-                         (self.max_len, self.d_model))
+        pos = self.param("pos_embedding", nn.initializers.normal(0.02), (self.max_len, self.d_model))
         x = x + pos[:t]
         for _ in range(self.num_layers):
             x = Block(self.num_heads, self.attention_fn)(x)
@@ -155,12 +160,14 @@ def jax_nn_causal_attention_fn(query, key, value, bias=None, mask=None, dtype=No
 
 def train(data: CharData, attention_fn, label: str):
     """Trains from FLAGS.seed; returns (losses per step, tokens/s, model, params)."""
-    model = CharTransformer(data.vocab_size, FLAGS.d_model, FLAGS.num_heads, FLAGS.num_layers,
-                            FLAGS.seq_len, attention_fn)
+    model = CharTransformer(
+        data.vocab_size, FLAGS.d_model, FLAGS.num_heads, FLAGS.num_layers, FLAGS.seq_len, attention_fn
+    )
     tokens0 = jnp.zeros((FLAGS.batch_size, FLAGS.seq_len), jnp.int32)
     params = model.init(jax.random.key(FLAGS.seed), tokens0)
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, FLAGS.learning_rate, max(1, FLAGS.steps // 10), max(2, FLAGS.steps))
+        0.0, FLAGS.learning_rate, max(1, FLAGS.steps // 10), max(2, FLAGS.steps)
+    )
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
     opt_state = tx.init(params)
 
@@ -197,12 +204,12 @@ def train(data: CharData, attention_fn, label: str):
 
 def sample(model, params, data: CharData, prompt: str, n: int, seed: int) -> str:
     """Autoregressive sampling (temperature 0.8) over a fixed window, one jit."""
-    ids = [data.index.get(c, 0) for c in prompt][-FLAGS.seq_len:]
+    ids = [data.index.get(c, 0) for c in prompt][-FLAGS.seq_len :]
     logits_at = jax.jit(lambda p, toks, i: model.apply(p, toks[None])[0, i])
     key = jax.random.key(seed)
     out = []
     for _ in range(n):
-        window = ids[-FLAGS.seq_len:]
+        window = ids[-FLAGS.seq_len :]
         toks = jnp.array(window + [0] * (FLAGS.seq_len - len(window)), jnp.int32)
         key, sub = jax.random.split(key)
         nxt = int(jax.random.categorical(sub, logits_at(params, toks, len(window) - 1) / 0.8))
@@ -216,14 +223,15 @@ def main(argv):
     # backend 'tpu'") is one of them and says nothing about this run.
     logging.getLogger("jax").setLevel(logging.WARNING)
     del argv
-    text = open(FLAGS.text_file, encoding="utf-8").read() if FLAGS.text_file else builtin_text()
+    text = pathlib.Path(FLAGS.text_file).read_text(encoding="utf-8") if FLAGS.text_file else builtin_text()
     data = CharData(text, FLAGS.seq_len)
     head_dim = FLAGS.d_model // FLAGS.num_heads
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, "
-          f"jax_flash {jax_flash.__version__}")
-    print(f"text: {len(data.ids)} characters, vocabulary {data.vocab_size}; model d={FLAGS.d_model}, "
-          f"{FLAGS.num_layers} layers, {FLAGS.num_heads} heads of {head_dim}, "
-          f"batch {FLAGS.batch_size} x {FLAGS.seq_len}")
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, jax_flash {jax_flash.__version__}")
+    print(
+        f"text: {len(data.ids)} characters, vocabulary {data.vocab_size}; model d={FLAGS.d_model}, "
+        f"{FLAGS.num_layers} layers, {FLAGS.num_heads} heads of {head_dim}, "
+        f"batch {FLAGS.batch_size} x {FLAGS.seq_len}"
+    )
 
     # Which implementation jax_flash runs for exactly the model's attention shapes.
     q = jnp.zeros((FLAGS.batch_size, FLAGS.seq_len, FLAGS.num_heads, head_dim), jnp.float32)
@@ -231,26 +239,27 @@ def main(argv):
     print(explanation)
     print(f"jax_flash implementation: {explanation.selected}")
 
-    flash_fn = jax_flash.flax.make_attention_fn(implementation=FLAGS.implementation,
-                                                is_causal=True)
+    flash_fn = jax_flash.flax.make_attention_fn(implementation=FLAGS.implementation, is_causal=True)
     losses, tps, model, params = train(data, flash_fn, f"jax_flash[{explanation.selected}]")
     k = max(1, min(10, len(losses) // 5))
-    print(f"jax_flash[{explanation.selected}]: loss {losses[:k].mean():.4f} (first {k} steps) -> "
-          f"{losses[-k:].mean():.4f} (last {k}), {tps:,.0f} tokens/s")
+    print(
+        f"jax_flash[{explanation.selected}]: loss {losses[:k].mean():.4f} (first {k} steps) -> "
+        f"{losses[-k:].mean():.4f} (last {k}), {tps:,.0f} tokens/s"
+    )
 
     if FLAGS.compare:
         ref_losses, ref_tps, _, _ = train(data, jax_nn_causal_attention_fn, "jax.nn")
         diff = np.abs(losses - ref_losses)
-        print(f"jax.nn: loss {ref_losses[:k].mean():.4f} -> {ref_losses[-k:].mean():.4f}, "
-              f"{ref_tps:,.0f} tokens/s")
-        print(f"loss curves, jax_flash[{explanation.selected}] vs jax.nn.dot_product_attention: "
-              f"max abs diff {diff.max():.2e} (step {int(diff.argmax())}), "
-              f"final {diff[-1]:.2e}; speed ratio {tps / ref_tps:.2f}x")
+        print(f"jax.nn: loss {ref_losses[:k].mean():.4f} -> {ref_losses[-k:].mean():.4f}, {ref_tps:,.0f} tokens/s")
+        print(
+            f"loss curves, jax_flash[{explanation.selected}] vs jax.nn.dot_product_attention: "
+            f"max abs diff {diff.max():.2e} (step {int(diff.argmax())}), "
+            f"final {diff[-1]:.2e}; speed ratio {tps / ref_tps:.2f}x"
+        )
 
     if FLAGS.sample_chars:
         prompt = "Beautiful is "
-        print(f"sample: {prompt!r} -> "
-              f"{sample(model, params, data, prompt, FLAGS.sample_chars, FLAGS.seed)!r}")
+        print(f"sample: {prompt!r} -> {sample(model, params, data, prompt, FLAGS.sample_chars, FLAGS.seed)!r}")
 
 
 if __name__ == "__main__":

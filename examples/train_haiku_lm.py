@@ -15,12 +15,12 @@ import logging
 import os
 import time
 
-from absl import app, flags
 import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import app, flags
 from tqdm import tqdm
 
 import jax_flash
@@ -36,8 +36,11 @@ flags.DEFINE_integer("num_layers", 2, "Transformer blocks.")
 flags.DEFINE_float("learning_rate", 3e-3, "AdamW learning rate.")
 flags.DEFINE_integer("seed", 0, "Seed of the parameters and of the batches.")
 flags.DEFINE_enum(
-    "implementation", None, ["cuda", "pallas", "cpu", "xla"],
-    "jax_flash implementation (default: the best one available).")
+    "implementation",
+    None,
+    ["cuda", "pallas", "cpu", "xla"],
+    "jax_flash implementation (default: the best one available).",
+)
 flags.DEFINE_integer("log_every", 25, "Print the loss every this many steps.")
 
 
@@ -52,13 +55,21 @@ def model_fn(tokens, vocab_size: int):
     head_dim = FLAGS.d_model // FLAGS.num_heads
     init = hk.initializers.VarianceScaling(1.0)
     x = hk.Embed(vocab_size, FLAGS.d_model)(tokens)
-    x = x + hk.get_parameter("pos_embedding", [FLAGS.seq_len, FLAGS.d_model],
-                             init=hk.initializers.TruncatedNormal(0.02))[:t]
+    x = (
+        x
+        + hk.get_parameter("pos_embedding", [FLAGS.seq_len, FLAGS.d_model], init=hk.initializers.TruncatedNormal(0.02))[
+            :t
+        ]
+    )
     for _ in range(FLAGS.num_layers):
         h = hk.LayerNorm(axis=-1, create_scale=True, create_offset=True)(x)
         x = x + jax_flash.haiku.MultiHeadAttention(
-            num_heads=FLAGS.num_heads, key_size=head_dim, w_init=init,
-            is_causal=True, implementation=FLAGS.implementation)(h, h, h)
+            num_heads=FLAGS.num_heads,
+            key_size=head_dim,
+            w_init=init,
+            is_causal=True,
+            implementation=FLAGS.implementation,
+        )(h, h, h)
         h = hk.LayerNorm(axis=-1, create_scale=True, create_offset=True)(x)
         x = x + hk.nets.MLP([4 * FLAGS.d_model, FLAGS.d_model], activation=jax.nn.gelu)(h)
     x = hk.LayerNorm(axis=-1, create_scale=True, create_offset=True)(x)
@@ -76,10 +87,8 @@ def main(argv):
     vocab = len(chars)
     head_dim = FLAGS.d_model // FLAGS.num_heads
     q = jnp.zeros((FLAGS.batch_size, FLAGS.seq_len, FLAGS.num_heads, head_dim), jnp.float32)
-    selected = jax_flash.explain(q, q, q, is_causal=True,
-                                 implementation=FLAGS.implementation).selected
-    print(f"text: {len(ids)} characters, vocabulary {vocab}; "
-          f"jax_flash implementation: {selected}")
+    selected = jax_flash.explain(q, q, q, is_causal=True, implementation=FLAGS.implementation).selected
+    print(f"text: {len(ids)} characters, vocabulary {vocab}; jax_flash implementation: {selected}")
 
     model = hk.without_apply_rng(hk.transform(lambda toks: model_fn(toks, vocab)))
     params = model.init(jax.random.key(FLAGS.seed), jnp.zeros((1, FLAGS.seq_len), jnp.int32))
@@ -100,7 +109,7 @@ def main(argv):
     losses, t0 = [], None
     for i in (bar := tqdm(range(FLAGS.steps), desc=f"haiku+jax_flash[{selected}]")):
         starts = rng.integers(0, len(ids) - FLAGS.seq_len - 1, FLAGS.batch_size)
-        window = np.stack([ids[s:s + FLAGS.seq_len + 1] for s in starts])
+        window = np.stack([ids[s : s + FLAGS.seq_len + 1] for s in starts])
         params, opt_state, loss = step(params, opt_state, window[:, :-1], window[:, 1:])
         losses.append(float(loss))
         if i == 0:
@@ -111,8 +120,10 @@ def main(argv):
     elapsed = time.perf_counter() - t0
     k = max(1, min(10, len(losses) // 5))
     tokens_per_s = (FLAGS.steps - 1) * FLAGS.batch_size * FLAGS.seq_len / max(elapsed, 1e-9)
-    print(f"jax_flash[{selected}]: loss {np.mean(losses[:k]):.4f} -> {np.mean(losses[-k:]):.4f}, "
-          f"{tokens_per_s:,.0f} tokens/s")
+    print(
+        f"jax_flash[{selected}]: loss {np.mean(losses[:k]):.4f} -> {np.mean(losses[-k:]):.4f}, "
+        f"{tokens_per_s:,.0f} tokens/s"
+    )
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ serves every caller, so there is one rule for rows that saw nothing and one summ
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 

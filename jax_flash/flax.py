@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -77,13 +77,13 @@ def attention_fn(
     module: Any = None,
     is_causal: bool = False,
     *,
-    implementation: Optional[str] = None,
-    logits_soft_cap: Optional[float] = None,
-    scale: Optional[float] = None,
+    implementation: str | None = None,
+    logits_soft_cap: float | None = None,
+    scale: float | None = None,
     local_window_size: Window | None = None,
     segment_ids: SegmentIds | None = None,
     sinks: ArrayLike | None = None,
-    axis_name: Optional[str] = None,
+    axis_name: str | None = None,
     layout: str = "contiguous",
     **kwargs: Any,
 ) -> jax.Array:
@@ -145,12 +145,12 @@ def attention_fn(
 
 def make_attention_fn(
     *,
-    implementation: Optional[str] = None,
+    implementation: str | None = None,
     is_causal: bool = False,
-    logits_soft_cap: Optional[float] = None,
-    scale: Optional[float] = None,
+    logits_soft_cap: float | None = None,
+    scale: float | None = None,
     local_window_size: Window | None = None,
-    axis_name: Optional[str] = None,
+    axis_name: str | None = None,
     layout: str = "contiguous",
 ) -> Callable[..., jax.Array]:
     """An `attention_fn` with jax_flash options bound (`axis_name`, `layout`: ring

@@ -19,7 +19,6 @@ as in haiku).
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import haiku as hk
 import jax
@@ -45,17 +44,17 @@ class MultiHeadAttention(hk.MultiHeadAttention):
         self,
         num_heads: int,
         key_size: int,
-        w_init_scale: Optional[float] = None,
+        w_init_scale: float | None = None,
         *,
         w_init: hk.initializers.Initializer | None = None,
         with_bias: bool = True,
         b_init: hk.initializers.Initializer | None = None,
-        value_size: Optional[int] = None,
-        model_size: Optional[int] = None,
-        name: Optional[str] = "multi_head_attention",
-        implementation: Optional[str] = None,
+        value_size: int | None = None,
+        model_size: int | None = None,
+        name: str | None = "multi_head_attention",
+        implementation: str | None = None,
         is_causal: bool = False,
-        logits_soft_cap: Optional[float] = None,
+        logits_soft_cap: float | None = None,
         with_sinks: bool = False,
         sinks_init: hk.initializers.Initializer | None = None,
     ) -> None:
@@ -76,9 +75,7 @@ class MultiHeadAttention(hk.MultiHeadAttention):
         self.with_sinks = with_sinks
         self.sinks_init = sinks_init if sinks_init is not None else jnp.zeros
 
-    def __call__(
-        self, query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None
-    ) -> jax.Array:
+    def __call__(self, query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         """Same as haiku's: query [..., T', D_q], key/value [..., T, D], mask
         [..., H|1, T', T] (True / nonzero = may attend) -> [..., T', model_size]."""
         *leading_dims, sequence_length, _ = query.shape
@@ -115,7 +112,5 @@ class MultiHeadAttention(hk.MultiHeadAttention):
         )  # [..., T', H, V]
         attn = jnp.reshape(out, (*leading_dims, sequence_length, -1))  # [..., T', H*V]
 
-        final_projection = hk.Linear(
-            self.model_size, w_init=self.w_init, with_bias=self.with_bias, b_init=self.b_init
-        )
+        final_projection = hk.Linear(self.model_size, w_init=self.w_init, with_bias=self.with_bias, b_init=self.b_init)
         return final_projection(attn)  # [..., T', D']

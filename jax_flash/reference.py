@@ -168,7 +168,7 @@ def reference_canonical(
     """
     dt = jnp.dtype(q.dtype if compute_dtype is None else compute_dtype)
     stat_dt = jnp.float64 if dt == jnp.float64 else jnp.float32
-    b, t, n, h = q.shape
+    _b, t, n, _h = q.shape
     s, kh = k.shape[1], k.shape[2]
     g = n // kh
     q = q.astype(dt)
@@ -195,12 +195,8 @@ def reference_canonical(
         band=spec.band(q_offset),
         q_lengths=None if masks.q_lengths is None else masks.q_lengths[:, None, None, None],
         kv_lengths=None if masks.kv_lengths is None else masks.kv_lengths[:, None, None, None],
-        q_segment_ids=None
-        if masks.q_segment_ids is None
-        else masks.q_segment_ids[:, None, :, None],
-        kv_segment_ids=None
-        if masks.kv_segment_ids is None
-        else masks.kv_segment_ids[:, None, None, :],
+        q_segment_ids=None if masks.q_segment_ids is None else masks.q_segment_ids[:, None, :, None],
+        kv_segment_ids=None if masks.kv_segment_ids is None else masks.kv_segment_ids[:, None, None, :],
     )
     if masks.mask is not None:
         vis = masks.mask if vis is None else vis & masks.mask
@@ -249,9 +245,7 @@ def reference_canonical(
     # A row that sees a non-finite v[s] is NaN; so are its gradients, as the kernels'
     # D = rowsum(dO ∘ O) makes them: NaN · (lse - stop_gradient(lse)) is NaN in value and
     # sends a NaN cotangent to every logit the row sees (its lse stays finite).
-    sees_bad_v = jnp.einsum(
-        "bnts,bsn->bnt", vis.astype(stat_dt), bad_v.astype(stat_dt)
-    ) > 0
+    sees_bad_v = jnp.einsum("bnts,bsn->bnt", vis.astype(stat_dt), bad_v.astype(stat_dt)) > 0
     sees_bad_v = sees_bad_v & ~empty[..., 0]
     lse_f = jnp.where(jnp.isfinite(lse), lse, 0)
     v_poison = jnp.where(sees_bad_v, jnp.nan, 0).astype(stat_dt) * (lse_f - lax.stop_gradient(lse_f))
@@ -281,11 +275,13 @@ def dropout_keep(spec: AttentionSpec, seed) -> jax.Array:
     b, n, t, s = spec.batch, spec.num_heads, spec.q_len, spec.kv_len
     width = -(-s // _dropout.COLUMNS_PER_CALL) * _dropout.COLUMNS_PER_CALL
     keep = _dropout.keep_mask_groups(
-        seed, spec.dropout_rate,
+        seed,
+        spec.dropout_rate,
         jnp.arange(b, dtype=jnp.uint32)[:, None, None],
         jnp.arange(n, dtype=jnp.uint32)[None, :, None],
         jnp.arange(t, dtype=jnp.uint32)[None, None, :],
-        0, width,
+        0,
+        width,
     )
     return keep[..., :s]
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +17,7 @@ class Shape:
     n: int
     kh: int
     h: int
-    hv: Optional[int] = None  # the value head dim Hv (None: Hv = H)
+    hv: int | None = None  # the value head dim Hv (None: Hv = H)
 
     @property
     def v_h(self) -> int:
@@ -162,8 +161,15 @@ def _cases():
 
 # Mask kinds of the tile-edge shapes: every edge of the visible region (sequence ends, the
 # diagonal, window edges, lengths) lands at +1 / -1 of a tile boundary somewhere.
-TILE_EDGE_KINDS = ("none", "causal", "tile_window", "tile_window_wide", "tile_lengths", "tile_causal_lengths",
-                   "segments")
+TILE_EDGE_KINDS = (
+    "none",
+    "causal",
+    "tile_window",
+    "tile_window_wide",
+    "tile_lengths",
+    "tile_causal_lengths",
+    "segments",
+)
 SCALE_KINDS = ("zero_scale", "neg_zero_scale", "negative_scale")
 
 

@@ -28,8 +28,9 @@ import jax
 # environment: the subprocesses of the multi-device tests, which check what partitioning does
 # at compile time, compile everything themselves. JAX_FLASH_TEST_COMPILATION_CACHE=0 turns
 # it off; =<dir> puts it elsewhere.
-_cache = os.environ.get("JAX_FLASH_TEST_COMPILATION_CACHE",
-                        os.path.join(tempfile.gettempdir(), f"jax_flash_test_cache_{os.getuid()}"))
+_cache = os.environ.get(
+    "JAX_FLASH_TEST_COMPILATION_CACHE", os.path.join(tempfile.gettempdir(), f"jax_flash_test_cache_{os.getuid()}")
+)
 if _cache != "0":
     jax.config.update("jax_compilation_cache_dir", _cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -54,13 +55,18 @@ ALL = ("xla", "cpu", "pallas", "cuda")
 
 def pytest_addoption(parser):
     group = parser.getgroup("jax_flash property suite (tests/contract/test_property.py)")
-    group.addoption("--property-examples", default=None,
-                    help="examples per implementation: N, or xla:N,cpu:N,cuda:N,pallas:N (env "
-                         "JAX_FLASH_PROPERTY_EXAMPLES; default: the CI budget)")
-    group.addoption("--property-example", default=None,
-                    help="run only this example, e.g. cuda-17 (what a failure's message names)")
-    group.addoption("--property-seed", default=None,
-                    help="the seed of the drawn examples (env JAX_FLASH_PROPERTY_SEED, default 0)")
+    group.addoption(
+        "--property-examples",
+        default=None,
+        help="examples per implementation: N, or xla:N,cpu:N,cuda:N,pallas:N (env "
+        "JAX_FLASH_PROPERTY_EXAMPLES; default: the CI budget)",
+    )
+    group.addoption(
+        "--property-example", default=None, help="run only this example, e.g. cuda-17 (what a failure's message names)"
+    )
+    group.addoption(
+        "--property-seed", default=None, help="the seed of the drawn examples (env JAX_FLASH_PROPERTY_SEED, default 0)"
+    )
 
 
 def on_gpu() -> bool:
@@ -106,14 +112,20 @@ def pytest_runtest_makereport(item, call):
         schedule = dict(item.user_properties).get("emu_schedule")
         if schedule is not None:
             report.sections.append(
-                ("emulated CUDA schedule", f"JAX_FLASH_EMU_SCHEDULE={schedule} (reproduce with this variable set)"))
+                ("emulated CUDA schedule", f"JAX_FLASH_EMU_SCHEDULE={schedule} (reproduce with this variable set)")
+            )
 
 
 # The longest tests (minutes each: scratch builds, ptxas over every kernel, multi-device
 # subprocesses) run first, so that no worker is left with one of them at the end of a run.
-_LONG_FIRST = ("test_mutation_check.py::test_fast_mutation_check", "test_cuda_static.py::",
-               "test_ring.py::test_ring_", "test_sharding.py::test_sharded_under_jit", "test_examples.py::",
-               "test_grid.py::test_emulated_grid_decoding")
+_LONG_FIRST = (
+    "test_mutation_check.py::test_fast_mutation_check",
+    "test_cuda_static.py::",
+    "test_ring.py::test_ring_",
+    "test_sharding.py::test_sharded_under_jit",
+    "test_examples.py::",
+    "test_grid.py::test_emulated_grid_decoding",
+)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -154,7 +166,9 @@ def pytest_runtest_logreport(report):
 
 def pytest_sessionfinish(session, exitstatus):
     if _selects_gpu(session.config) and _gpu_passed == 0:
-        print(f"\n-m {session.config.getoption('markexpr')!r}: no gpu test passed "
-              f"({session.testscollected} collected); that is a failure")
+        print(
+            f"\n-m {session.config.getoption('markexpr')!r}: no gpu test passed "
+            f"({session.testscollected} collected); that is a failure"
+        )
         if exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
             session.exitstatus = pytest.ExitCode.TESTS_FAILED

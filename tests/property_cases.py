@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from typing import Any, Optional
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -72,23 +72,23 @@ class Example:
     seed: int
     shape: Shape  # B, T, S, N, K, H (also read as ex.b, ex.t, ... below)
     dtype: str
-    scale: Optional[float] = None
+    scale: float | None = None
     is_causal: bool = False
     window: Any = None  # None, int or (left, right)
-    q_lengths: Optional[list] = None
-    kv_lengths: Optional[list] = None
-    segments: Optional[tuple] = None  # (q_ids [B][T], kv_ids [B][S], single array?)
+    q_lengths: list | None = None
+    kv_lengths: list | None = None
+    segments: tuple | None = None  # (q_ids [B][T], kv_ids [B][S], single array?)
     q_offset: Any = None  # None, int or per-row list
-    soft_cap: Optional[float] = None
-    bias_shape: Optional[tuple] = None
-    bias_dtype: Optional[str] = None
+    soft_cap: float | None = None
+    bias_shape: tuple | None = None
+    bias_dtype: str | None = None
     bias_neg_inf: float = 0.0  # fraction of bias entries set to -inf (an additive mask)
-    mask_shape: Optional[tuple] = None
+    mask_shape: tuple | None = None
     mask_density: float = 1.0
     poisons: tuple = ()  # ((tensor, flat index, value), ...)
     magnitude: float = 1.0  # std of q and k
     dlse_on_empty: bool = False  # the lse cotangent is nonzero on rows that see no key
-    expect_error: Optional[str] = None  # the argument a ValueError must name
+    expect_error: str | None = None  # the argument a ValueError must name
 
     b = property(lambda self: self.shape.b)
     t = property(lambda self: self.shape.t)
@@ -103,9 +103,24 @@ class Example:
 
     def describe(self) -> str:
         parts = [f"B{self.b} T{self.t} S{self.s} N{self.n} K{self.kh} H{self.h} {self.dtype}"]
-        for name in ("scale", "is_causal", "window", "q_lengths", "kv_lengths", "q_offset", "soft_cap",
-                     "bias_shape", "bias_dtype", "bias_neg_inf", "mask_shape", "mask_density", "poisons",
-                     "magnitude", "dlse_on_empty", "expect_error"):
+        for name in (
+            "scale",
+            "is_causal",
+            "window",
+            "q_lengths",
+            "kv_lengths",
+            "q_offset",
+            "soft_cap",
+            "bias_shape",
+            "bias_dtype",
+            "bias_neg_inf",
+            "mask_shape",
+            "mask_density",
+            "poisons",
+            "magnitude",
+            "dlse_on_empty",
+            "expect_error",
+        ):
             value = getattr(self, name)
             default = Example.__dataclass_fields__[name].default
             if value != default and not (isinstance(value, float) and math.isnan(value)):
@@ -165,8 +180,9 @@ class Example:
             kv_ids = jnp.asarray(kv_ids, jnp.int32).reshape(self.b, self.s)
             kw["segment_ids"] = q_ids if single else (q_ids, kv_ids)
         if self.q_offset is not None:
-            kw["query_offset"] = (self.q_offset if isinstance(self.q_offset, int)
-                                  else jnp.asarray(self.q_offset, jnp.int32))
+            kw["query_offset"] = (
+                self.q_offset if isinstance(self.q_offset, int) else jnp.asarray(self.q_offset, jnp.int32)
+            )
         if self.soft_cap is not None:
             kw["logits_soft_cap"] = self.soft_cap
         return kw
@@ -189,8 +205,18 @@ def _seq_lengths(rng, b: int, full: int) -> list:
     out = []
     for _ in range(b):
         kind = rng.integers(6)
-        out.append(int([0, -int(rng.integers(1, 2 * full + 2)), rng.integers(0, full + 1), full,
-                         full + int(rng.integers(1, full + 2)), rng.integers(1, max(full, 1) + 1)][kind]))
+        out.append(
+            int(
+                [
+                    0,
+                    -int(rng.integers(1, 2 * full + 2)),
+                    rng.integers(0, full + 1),
+                    full,
+                    full + int(rng.integers(1, full + 2)),
+                    rng.integers(1, max(full, 1) + 1),
+                ][kind]
+            )
+        )
     return out
 
 
@@ -268,8 +294,13 @@ def draw(impl: str, index: int, seed: int, *, tiny: bool, gates: Gates, attempt:
         kv_ids = q_ids if single else _segment_ids(rng, b, s, num + int(rng.integers(0, 2)))
         ex.segments = (q_ids, kv_ids, single)
     if flags[5] < 0.3:
-        choices = [s - t, -int(rng.integers(1, t + 3)), s + int(rng.integers(0, 5)),
-                   int(rng.integers(-t, s + 1)), int(rng.choice((-(2**30), 2**30, 2**31 - 1, -(2**31))))]
+        choices = [
+            s - t,
+            -int(rng.integers(1, t + 3)),
+            s + int(rng.integers(0, 5)),
+            int(rng.integers(-t, s + 1)),
+            int(rng.choice((-(2**30), 2**30, 2**31 - 1, -(2**31)))),
+        ]
         if rng.random() < 0.5:
             ex.q_offset = int(rng.choice(choices[:4]) if rng.random() < 0.9 else choices[4])
         else:
@@ -300,8 +331,9 @@ def draw(impl: str, index: int, seed: int, *, tiny: bool, gates: Gates, attempt:
     if flags[10] < 0.25:
         targets = ["q", "k", "v"] + (["bias"] if ex.bias_shape is not None else [])
         count = int(rng.integers(1, 4))
-        poisons = tuple((str(rng.choice(targets)), int(rng.integers(0, 2**31)), float(rng.choice(POISONS)))
-                        for _ in range(count))
+        poisons = tuple(
+            (str(rng.choice(targets)), int(rng.integers(0, 2**31)), float(rng.choice(POISONS))) for _ in range(count)
+        )
         if gates.poisons:
             ex.poisons = poisons
     if flags[11] < 0.2:
@@ -353,7 +385,7 @@ def visibility(ex: Example) -> np.ndarray:
     return vis
 
 
-def dense_mask(ex: Example, arrays: dict) -> Optional[np.ndarray]:
+def dense_mask(ex: Example, arrays: dict) -> np.ndarray | None:
     if ex.mask_shape is None:
         return None
     return np.broadcast_to(np.asarray(arrays["mask"]), (ex.b, ex.n, ex.t, ex.s))

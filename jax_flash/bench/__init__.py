@@ -21,7 +21,6 @@ from jax_flash.bench.attention import (
     FLASH,
     PEERS,
     Result,
-    torch_unavailable,  # noqa: F401  (why torch is not measured here; the tests ask it)
     available_impls,
     bias_shape,
     format_table,
@@ -29,6 +28,7 @@ from jax_flash.bench.attention import (
     measure_case,
     parse_args,
     status_counts,
+    torch_unavailable,  # noqa: F401  (why torch is not measured here; the tests ask it)
 )
 from jax_flash.bench.cli import main
 from jax_flash.bench.common import environment

@@ -39,13 +39,12 @@ measured with a bias.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
 import statistics
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -56,12 +55,12 @@ from jax_flash._spec import AttentionSpec
 from jax_flash.bench.common import (
     Result,
     device_memory_bytes,
+    environment,
     fmt_seq,
     int_list,
     is_oom,
     short,
     thread_count,
-    environment,
 )
 from jax_flash.bench.cpu_peak import core_share, cpu_peaks, format_peaks
 from jax_flash.bench.pallas_tuning import tune_pallas
@@ -90,13 +89,9 @@ def _attention_fn(impl: str, causal: bool, head_dim: int, bias: str = "none") ->
     if impl in FLASH:
         return lambda q, k, v, *b: jax_flash.attention(q, k, v, *b, is_causal=causal, implementation=impl)
     if impl == PEER_JAX_NN:
-        return lambda q, k, v, *b: jax.nn.dot_product_attention(
-            q, k, v, *b, is_causal=causal, implementation="xla"
-        )
+        return lambda q, k, v, *b: jax.nn.dot_product_attention(q, k, v, *b, is_causal=causal, implementation="xla")
     if impl == PEER_JAX_NN_CUDNN:
-        return lambda q, k, v, *b: jax.nn.dot_product_attention(
-            q, k, v, *b, is_causal=causal, implementation="cudnn"
-        )
+        return lambda q, k, v, *b: jax.nn.dot_product_attention(q, k, v, *b, is_causal=causal, implementation="cudnn")
     if bias != "none":
         raise ValueError(f"{impl} is not measured with a dense bias")
     if impl == PEER_JAX_PALLAS:
@@ -113,9 +108,7 @@ def _torch_fn(pass_: str, causal: bool, args: list) -> Callable:
     import torch
 
     torch.set_num_threads(thread_count())
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
-        str(args[0].dtype)
-    ]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[str(args[0].dtype)]
 
     def tensor(a, grad):
         t = torch.from_numpy(np.asarray(a, np.float32)).to(dtype).transpose(1, 2).contiguous()
@@ -125,20 +118,20 @@ def _torch_fn(pass_: str, causal: bool, args: list) -> Callable:
     if pass_ == "fwd":
         q, k, v = (tensor(a, False) for a in args[:3])
 
-        def run():
+        def run_forward():
             with torch.no_grad():
                 sdpa(q, k, v, is_causal=causal)
 
-        return run
+        return run_forward
     q, k, v = (tensor(a, True) for a in args[:3])
     do = tensor(args[3], False)
 
-    def run():
+    def run_fwdbwd():
         for t in (q, k, v):
             t.grad = None
         sdpa(q, k, v, is_causal=causal).backward(do)
 
-    return run
+    return run_fwdbwd
 
 
 def pass_fn(attn: Callable, pass_: str) -> Callable:
@@ -154,7 +147,7 @@ def pass_fn(attn: Callable, pass_: str) -> Callable:
     return fwdbwd
 
 
-def bias_shape(kind: str, batch: int, heads: int, seq_len: int) -> Optional[tuple]:
+def bias_shape(kind: str, batch: int, heads: int, seq_len: int) -> tuple | None:
     """The [B|1, N|1, T|1, S|1] shape of a --bias kind (None: no bias)."""
     dims = BIASES[kind]
     if dims is None:
@@ -177,7 +170,15 @@ def _cell(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, bias="non
         window_right=0 if causal else None,
     )
     return Result(
-        impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, spec.flops(pass_ == "fwdbwd"),
+        impl,
+        pass_,
+        causal,
+        head_dim,
+        seq_len,
+        batch,
+        heads,
+        dtype,
+        spec.flops(pass_ == "fwdbwd"),
         bias=bias,
     )
 
@@ -199,7 +200,7 @@ def prepare(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, max_tem
     if impl == PEER_TORCH:
         try:
             return r, _torch_fn(pass_, causal, args), []
-        except Exception as e:  # noqa: BLE001 - reported in the table
+        except Exception as e:  # reported in the table
             r.status = f"failed: {short(e)}"
             return r, None, None
     try:
@@ -207,29 +208,27 @@ def prepare(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, max_tem
         t0 = time.perf_counter()
         compiled = jax.jit(fn).lower(*args).compile()
         r.compile_s = time.perf_counter() - t0
-    except Exception as e:  # noqa: BLE001 - reported in the table
+    except Exception as e:  # reported in the table
         r.status = "OOM" if is_oom(e) else f"failed: {short(e)}"
         return r, None, None
     try:
-        r.temp_bytes = int(compiled.memory_analysis().temp_size_in_bytes)
-    except Exception:  # noqa: BLE001 - some backends have no memory analysis
+        analysis = compiled.memory_analysis()
+        r.temp_bytes = None if analysis is None else int(analysis.temp_size_in_bytes)
+    except Exception:  # some backends have no memory analysis
         r.temp_bytes = None
     if max_temp_bytes is not None and r.temp_bytes is not None and r.temp_bytes > max_temp_bytes:
-        r.status = (
-            f"skipped: needs {r.temp_bytes / 2**30:.1f} GiB temp > --max-temp-gib "
-            f"{max_temp_bytes / 2**30:.1f}"
-        )
+        r.status = f"skipped: needs {r.temp_bytes / 2**30:.1f} GiB temp > --max-temp-gib {max_temp_bytes / 2**30:.1f}"
         return r, None, None
     return r, compiled, args
 
 
-def _run_once(r: Result, compiled, args) -> Optional[float]:
+def _run_once(r: Result, compiled, args) -> float | None:
     """Seconds for one call, or None (and r.status set) when it fails."""
     try:
         t0 = time.perf_counter()
         jax.block_until_ready(compiled(*args))
         return time.perf_counter() - t0
-    except Exception as e:  # noqa: BLE001 - reported in the table
+    except Exception as e:  # reported in the table
         r.status = "OOM" if is_oom(e) else f"failed: {short(e)}"
         return None
 
@@ -244,7 +243,7 @@ def measure_case(
     heads: int,
     dtype: str,
     reps: int,
-    max_temp_bytes: Optional[int],
+    max_temp_bytes: int | None,
     max_seconds: float,
     bias: str = "none",
 ) -> list[Result]:
@@ -262,9 +261,7 @@ def measure_case(
     shares = [core_share()] if on_cpu else []
     cells = []  # [result, compiled or None, args, times]
     for impl in impls:
-        r, compiled, args = prepare(
-            impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, max_temp_bytes, bias
-        )
+        r, compiled, args = prepare(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, max_temp_bytes, bias)
         cells.append([r, compiled, args, []])
     for cell in cells:  # warm-up
         if cell[1] is not None and _run_once(cell[0], cell[1], cell[2]) is None:
@@ -282,7 +279,7 @@ def measure_case(
         shares.append(core_share())
     for r, _, _, times in cells:
         if shares and None not in shares:
-            r.core_share = min(shares)
+            r.core_share = min(s for s in shares if s is not None)
         if r.status == "ok" and times:
             r.time_s = statistics.median(times)
             r.reps = len(times)
@@ -298,18 +295,18 @@ def measure(impl: str, *args, **kwargs) -> Result:
 # ----------------------------------------------------------------------------- which impls
 
 
-def torch_unavailable(on_gpu: bool) -> Optional[str]:
+def torch_unavailable(on_gpu: bool) -> str | None:
     """None if torch's CPU SDPA can be measured here, else why not."""
     if on_gpu:
         return "the torch peer is PyTorch's CPU kernel, measured on a CPU backend only"
     try:
         import torch  # noqa: F401
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return f"does not import ({short(e, 60)}); pip install torch"
     return None
 
 
-def available_impls(requested: Optional[list[str]], dtype: str) -> tuple[list[str], dict]:
+def available_impls(requested: list[str] | None, dtype: str) -> tuple[list[str], dict]:
     """(implementations to run, {name: why skipped}) for this machine."""
     on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
     probe = jnp.zeros((1, 128, 1, 64), dtype)
@@ -330,7 +327,7 @@ def available_impls(requested: Optional[list[str]], dtype: str) -> tuple[list[st
             from jax.experimental.pallas.ops.gpu import attention  # noqa: F401
 
             names.append(PEER_JAX_PALLAS)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             skipped[PEER_JAX_PALLAS] = f"does not import: {short(e)}"
     else:
         skipped[PEER_JAX_NN_CUDNN] = "needs a GPU"
@@ -380,7 +377,7 @@ def format_table(results: list[Result], on_gpu: bool) -> str:
     return "\n".join(lines)
 
 
-def _attach_ratios(results: list[Result], peaks: Optional[dict] = None) -> None:
+def _attach_ratios(results: list[Result], peaks: dict | None = None) -> None:
     for peer, attr in ((PEER_JAX_NN, "vs_jax_nn"), (PEER_TORCH, "vs_torch")):
         base = {}
         for r in results:
@@ -527,14 +524,19 @@ def main(argv=None) -> list[Result]:
 
             if hasattr(_jax_flash_ext, "cpu_isa"):
                 isa = _jax_flash_ext.cpu_isa()
-                print(f"cpu kernels: ISA {isa}, {thread_count()} threads"
-                      + (f"; torch: {thread_count()} threads" if PEER_TORCH in impls else ""))
+                print(
+                    f"cpu kernels: ISA {isa}, {thread_count()} threads"
+                    + (f"; torch: {thread_count()} threads" if PEER_TORCH in impls else "")
+                )
                 for h in args.head_dims:
                     b = _jax_flash_ext.cpu_blocking(h, args.dtype, isa in ("amx", "avx512bf16", "amx_emulated"))
-                    print(f"  blocking H={h}: {b['block_q']} x {b['block_k']}, tile step "
-                          f"forward {b['forward_bytes'] / 2**10:.0f} KiB, backward "
-                          f"{b['backward_bytes'] / 2**10:.0f} KiB")
-    env["peaks"] = {k: v for k, v in peaks.items()}
+                    print(
+                        f"  blocking H={h}: {b['block_q']} x {b['block_k']}, tile step "
+                        f"forward {b['forward_bytes'] / 2**10:.0f} KiB, backward "
+                        f"{b['backward_bytes'] / 2**10:.0f} KiB"
+                    )
+    env["peaks"] = dict(peaks)
+    max_temp: int | None
     if args.max_temp_gib is not None:
         max_temp = int(args.max_temp_gib * 2**30)
     else:
@@ -552,8 +554,14 @@ def main(argv=None) -> list[Result]:
     # jax.nn first: the others are compared with it.
     ordered = sorted(impls, key=lambda n: n != PEER_JAX_NN)
     results = []
-    cases = [(h, t, c, p, b) for h in args.head_dims for t in args.seq_lens for c in causals
-             for b in args.bias for p in passes]
+    cases = [
+        (h, t, c, p, b)
+        for h in args.head_dims
+        for t in args.seq_lens
+        for c in causals
+        for b in args.bias
+        for p in passes
+    ]
     for head_dim, seq_len, causal, pass_, bias in cases:
         config = (pass_, causal, head_dim, seq_len, args.batch, args.heads, args.dtype)
         if args.time_budget is not None and time.monotonic() - start >= args.time_budget:
@@ -561,9 +569,7 @@ def main(argv=None) -> list[Result]:
             for r in case:
                 r.status = CUT
         else:
-            case = measure_case(
-                ordered, *config, args.reps, max_temp, args.max_seconds, bias
-            )
+            case = measure_case(ordered, *config, args.reps, max_temp, args.max_seconds, bias)
         results.extend(case)
         _attach_ratios(results, peaks)
         for line in format_table(case, on_gpu).splitlines()[2:]:

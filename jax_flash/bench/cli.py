@@ -4,14 +4,15 @@ section a flag names, or the attention table."""
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from jax_flash.bench import attention, decode, multi_device, peak_memory
 
 
-def main(argv=None) -> list:
+def main(argv=None) -> list[Any] | dict[str, Any]:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--peak-memory-probe" in argv:
-        return peak_memory.peak_memory_probe(argv[argv.index("--peak-memory-probe") + 1:])
+        return peak_memory.peak_memory_probe(argv[argv.index("--peak-memory-probe") + 1 :])
     if "--peak-memory" in argv:
         return peak_memory.peak_memory_main(argv)
     if "--multi-device" in argv:

@@ -7,7 +7,6 @@ import dataclasses
 import datetime
 import os
 import platform as _platform
-from typing import Optional
 
 import jax
 
@@ -26,9 +25,7 @@ def thread_count() -> int:
 
 def is_oom(e: BaseException) -> bool:
     text = f"{type(e).__name__}: {e}"
-    return any(
-        s in text for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "MemoryError")
-    )
+    return any(s in text for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "MemoryError"))
 
 
 def short(e: BaseException, limit: int = 90) -> str:
@@ -36,21 +33,21 @@ def short(e: BaseException, limit: int = 90) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def physical_memory_bytes() -> Optional[int]:
+def physical_memory_bytes() -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
 
 
-def device_memory_bytes() -> Optional[int]:
+def device_memory_bytes() -> int | None:
     dev = jax.devices()[0]
     if dev.platform == "cpu":
         return physical_memory_bytes()
     try:
         stats = dev.memory_stats() or {}
         return stats.get("bytes_limit")
-    except Exception:  # noqa: BLE001 - not every backend has memory stats
+    except Exception:  # not every backend has memory stats
         return None
 
 
@@ -61,7 +58,7 @@ def fmt_seq(n: int) -> str:
 def environment() -> dict:
     dev = jax.devices()[0]
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "jax": jax.__version__,
         "jax_flash": jax_flash.__version__,
         "backend": jax.default_backend(),
@@ -95,14 +92,14 @@ class Result:
     dtype: str
     flops: float
     status: str = "ok"  # "ok", "skipped: ...", "OOM", "failed: ..."
-    time_s: Optional[float] = None
-    flops_per_s: Optional[float] = None
-    temp_bytes: Optional[int] = None
-    compile_s: Optional[float] = None  # lowering + compilation
-    vs_jax_nn: Optional[float] = None  # jax.nn time / this time (>1: faster than jax.nn)
-    vs_torch: Optional[float] = None  # torch time / this time (>1: faster than torch)
-    peak_fraction: Optional[float] = None  # flops_per_s / the CPU's peak for the dtype
-    core_share: Optional[float] = None  # CPU: core_share before and after the case, the lower
+    time_s: float | None = None
+    flops_per_s: float | None = None
+    temp_bytes: int | None = None
+    compile_s: float | None = None  # lowering + compilation
+    vs_jax_nn: float | None = None  # jax.nn time / this time (>1: faster than jax.nn)
+    vs_torch: float | None = None  # torch time / this time (>1: faster than torch)
+    peak_fraction: float | None = None  # flops_per_s / the CPU's peak for the dtype
+    core_share: float | None = None  # CPU: core_share before and after the case, the lower
     reps: int = 0
     bias: str = "none"  # BIASES
 

@@ -4,8 +4,6 @@ core each (`core_share`, the `cores` column)."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 from jax_flash.bench.common import thread_count
 
 # ----------------------------------------------------------------------------- CPU peak
@@ -16,8 +14,9 @@ from jax_flash.bench.common import thread_count
 _AMX_FLOP_PER_CYCLE = 1024
 
 
-def _cpu_flags() -> tuple[set, dict]:
-    flags, info = set(), {}
+def _cpu_flags() -> tuple[set[str], dict[str, str]]:
+    flags: set[str] = set()
+    info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -32,7 +31,7 @@ def _cpu_flags() -> tuple[set, dict]:
     return flags, info
 
 
-def cpu_peaks(threads: Optional[int] = None) -> dict:
+def cpu_peaks(threads: int | None = None) -> dict:
     """{dtype: (path, FLOP/s)}: the peak of the widest path this CPU has for each dtype,
     over `threads` cores; also "paths" ({path: FLOP/s}), "clock_ghz", "threads" and "cpu".
     Empty when the flags or the clock cannot be read (not Linux on x86-64)."""
@@ -83,7 +82,7 @@ def format_peaks(peaks: dict) -> str:
     )
 
 
-def core_share() -> Optional[float]:
+def core_share() -> float | None:
     """Each thread's FMA rate with all the threads running FMAs at once, over one thread's
     alone (the extension's `cpu_core_share`): about 1 when every thread has a core, about 1/2
     when two share one (a virtual machine's CPUs placed on one core), when every peer runs at

@@ -15,7 +15,7 @@ import json
 import os
 import statistics
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,7 @@ import numpy as np
 
 import jax_flash
 from jax_flash.bench.attention import FLASH, pass_fn
-from jax_flash.bench.common import int_list, is_oom, short, environment
+from jax_flash.bench.common import environment, int_list, is_oom, short
 
 MD_VARIANTS = ("one device", "ring contiguous", "ring zigzag", "all-gather K/V")
 _COLLECTIVE_OPS = ("collective-permute", "all-gather", "all-reduce", "all-to-all", "reduce-scatter")
@@ -37,10 +37,10 @@ class DeviceResult:
     devices: int
     seq_len: int
     status: str = "ok"
-    time_s: Optional[float] = None
-    temp_bytes: Optional[int] = None  # compiled temporary memory of one device
-    arg_bytes: Optional[int] = None  # arguments held by one device
-    collectives: Optional[dict] = None  # op -> count in the compiled program
+    time_s: float | None = None
+    temp_bytes: int | None = None  # compiled temporary memory of one device
+    arg_bytes: int | None = None  # arguments held by one device
+    collectives: dict | None = None  # op -> count in the compiled program
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -53,12 +53,10 @@ def count_collectives(hlo_text: str) -> dict:
     op names only, not metadata)."""
     import re
 
-    return {
-        op: len(re.findall(rf"\b{op}(?:-start)?\(", hlo_text)) for op in _COLLECTIVE_OPS
-    }
+    return {op: len(re.findall(rf"\b{op}(?:-start)?\(", hlo_text)) for op in _COLLECTIVE_OPS}
 
 
-def _md_fn(variant: str, mesh, causal: bool, impl: Optional[str]) -> Callable:
+def _md_fn(variant: str, mesh, causal: bool, impl: str | None) -> Callable:
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
@@ -79,15 +77,12 @@ def _md_fn(variant: str, mesh, causal: bool, impl: Optional[str]) -> Callable:
             k_all = lax.all_gather(k, "seq", axis=1, tiled=True)
             v_all = lax.all_gather(v, "seq", axis=1, tiled=True)
             offset = lax.axis_index("seq") * q.shape[1]
-            return jax_flash.attention(
-                q, k_all, v_all, is_causal=causal, query_offset=offset, implementation=impl
-            )
+            return jax_flash.attention(q, k_all, v_all, is_causal=causal, query_offset=offset, implementation=impl)
 
     # The gathered K/V are replicated over the axis while the queries vary: without the
     # varying-type check the gradient of the gather is the usual reduce-scatter.
     check_vma = variant.startswith("ring")
-    return jax.shard_map(local, mesh=mesh, in_specs=(seq,) * 3, out_specs=seq,
-                         check_vma=check_vma)
+    return jax.shard_map(local, mesh=mesh, in_specs=(seq,) * 3, out_specs=seq, check_vma=check_vma)
 
 
 def measure_multi_device(
@@ -101,7 +96,7 @@ def measure_multi_device(
     causals=(True,),
     passes=("fwd", "fwdbwd"),
     reps: int = 3,
-    impl: Optional[str] = None,
+    impl: str | None = None,
     variants=MD_VARIANTS,
 ) -> list[DeviceResult]:
     """Every variant at global T = S = seq_len over `devices` devices. Never raises."""
@@ -115,19 +110,20 @@ def measure_multi_device(
     for causal in causals:
         for pass_ in passes:
             for variant in variants:
-                r = DeviceResult(variant, pass_, causal, 1 if variant == "one device" else devices,
-                                 seq_len)
+                r = DeviceResult(variant, pass_, causal, 1 if variant == "one device" else devices, seq_len)
                 results.append(r)
-                where = (jax.devices()[0] if variant == "one device"
-                         else NamedSharding(mesh, P(None, "seq")))
+                where = jax.devices()[0] if variant == "one device" else NamedSharding(mesh, P(None, "seq"))
                 args = [jax.device_put(x, where) for x in host[: 4 if pass_ == "fwdbwd" else 3]]
                 try:
                     fn = pass_fn(_md_fn(variant, mesh, causal, impl), pass_)
                     compiled = jax.jit(fn).lower(*args).compile()
                     mem = compiled.memory_analysis()
+                    assert mem is not None, "no memory analysis on this backend"
                     r.temp_bytes = int(mem.temp_size_in_bytes)
                     r.arg_bytes = int(mem.argument_size_in_bytes)
-                    r.collectives = count_collectives(compiled.as_text())
+                    hlo_text = compiled.as_text()
+                    assert hlo_text is not None, "no HLO text of the compiled program"
+                    r.collectives = count_collectives(hlo_text)
                     jax.block_until_ready(compiled(*args))  # warm-up
                     times = []
                     for _ in range(max(1, reps)):
@@ -135,23 +131,27 @@ def measure_multi_device(
                         jax.block_until_ready(compiled(*args))
                         times.append(time.perf_counter() - t0)
                     r.time_s = statistics.median(times)
-                except Exception as e:  # noqa: BLE001 - reported in the table
+                except Exception as e:  # reported in the table
                     r.status = "OOM" if is_oom(e) else f"failed: {short(e)}"
     return results
 
 
 def format_multi_device(results: list[DeviceResult]) -> str:
-    head = (f"{'variant':16s} {'pass':6s} {'causal':6s} {'devices':>7s} {'time ms':>9s} "
-            f"{'temp MiB/dev':>12s} {'args MiB/dev':>12s}  collectives")
+    head = (
+        f"{'variant':16s} {'pass':6s} {'causal':6s} {'devices':>7s} {'time ms':>9s} "
+        f"{'temp MiB/dev':>12s} {'args MiB/dev':>12s}  collectives"
+    )
     lines = [head, "-" * len(head)]
     for r in results:
         if r.status != "ok":
-            lines.append(f"{r.variant:16s} {r.pass_:6s} {str(r.causal):6s} {r.devices:7d} "
-                         f"{r.status}")
+            lines.append(f"{r.variant:16s} {r.pass_:6s} {r.causal!s:6s} {r.devices:7d} {r.status}")
             continue
+        # An "ok" cell has every measurement (measure_multi_device sets them before the status could change).
+        assert r.collectives is not None and r.time_s is not None
+        assert r.temp_bytes is not None and r.arg_bytes is not None
         coll = ", ".join(f"{n} {op}" for op, n in r.collectives.items() if n) or "none"
         lines.append(
-            f"{r.variant:16s} {r.pass_:6s} {str(r.causal):6s} {r.devices:7d} "
+            f"{r.variant:16s} {r.pass_:6s} {r.causal!s:6s} {r.devices:7d} "
             f"{r.time_s * 1e3:9.2f} {r.temp_bytes / 2**20:12.2f} {r.arg_bytes / 2**20:12.2f}"
             f"  {coll}"
         )
@@ -165,10 +165,13 @@ def _md_parse_args(argv):
         "zigzag) vs one device vs the all-gather fallback, per-device memory and time.",
     )
     p.add_argument("--multi-device", action="store_true", help="run this section")
-    p.add_argument("--devices", type=int, default=8,
-                   help="devices of the sequence axis (host devices on a CPU)")
-    p.add_argument("--seq-len", type=int_list, default=None,
-                   help="global T = S (suffix k = 1024; default 4k on a CPU, 32k on a GPU)")
+    p.add_argument("--devices", type=int, default=8, help="devices of the sequence axis (host devices on a CPU)")
+    p.add_argument(
+        "--seq-len",
+        type=int_list,
+        default=None,
+        help="global T = S (suffix k = 1024; default 4k on a CPU, 32k on a GPU)",
+    )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
@@ -176,8 +179,12 @@ def _md_parse_args(argv):
     p.add_argument("--causal", default="yes", choices=["both", "yes", "no"])
     p.add_argument("--passes", default="both", choices=["fwd", "fwdbwd", "both"])
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--impl", default=None, choices=FLASH,
-                   help="implementation of every attention call (default: jax_flash's choice)")
+    p.add_argument(
+        "--impl",
+        default=None,
+        choices=FLASH,
+        help="implementation of every attention call (default: jax_flash's choice)",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     return p.parse_args(argv)
 
@@ -193,25 +200,39 @@ def multi_device_main(argv) -> list[DeviceResult]:
     seq_len = (args.seq_len or [32768 if on_gpu else 4096])[0]
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     p = args.devices
-    print(f"jax_flash {jax_flash.__version__}, jax {jax.__version__}, backend "
-          f"{jax.default_backend()}, {jax.device_count()} devices ({jax.devices()[0].device_kind})")
+    print(
+        f"jax_flash {jax_flash.__version__}, jax {jax.__version__}, backend "
+        f"{jax.default_backend()}, {jax.device_count()} devices ({jax.devices()[0].device_kind})"
+    )
     if jax.device_count() < p:
-        print(f"multi-device: needs {p} devices, have {jax.device_count()} "
-              f"(on a CPU run it in a fresh process, or set XLA_FLAGS={flag})")
+        print(
+            f"multi-device: needs {p} devices, have {jax.device_count()} "
+            f"(on a CPU run it in a fresh process, or set XLA_FLAGS={flag})"
+        )
         return []
     if seq_len % (2 * p):
         raise SystemExit(f"--seq-len must be a multiple of 2 * devices = {2 * p}")
-    print(f"global T = S = {seq_len}, B={args.batch} N={args.heads} H={args.head_dim} {dtype}, "
-          f"sequence over {p} devices ({seq_len // p} each), implementation "
-          f"{args.impl or 'auto'}")
+    print(
+        f"global T = S = {seq_len}, B={args.batch} N={args.heads} H={args.head_dim} {dtype}, "
+        f"sequence over {p} devices ({seq_len // p} each), implementation "
+        f"{args.impl or 'auto'}"
+    )
     if jax.default_backend() == "cpu":
         print("(host devices share this machine's cores: times add up over the devices)")
     print()
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     passes = {"both": ("fwd", "fwdbwd"), "fwd": ("fwd",), "fwdbwd": ("fwdbwd",)}[args.passes]
     results = measure_multi_device(
-        p, seq_len, batch=args.batch, heads=args.heads, head_dim=args.head_dim, dtype=dtype,
-        causals=causals, passes=passes, reps=args.reps, impl=args.impl,
+        p,
+        seq_len,
+        batch=args.batch,
+        heads=args.heads,
+        head_dim=args.head_dim,
+        dtype=dtype,
+        causals=causals,
+        passes=passes,
+        reps=args.reps,
+        impl=args.impl,
     )
     print(format_multi_device(results))
     print()
@@ -220,13 +241,22 @@ def multi_device_main(argv) -> list[DeviceResult]:
     counts = {}
     for layout in ("contiguous", "zigzag"):
         counts[layout] = block_counts(p, layout=layout, is_causal=True)
-        print(f"causal blocks per device, {layout:10s}: {counts[layout]} "
-              f"(max {max(counts[layout])}, total {sum(counts[layout])})")
+        print(
+            f"causal blocks per device, {layout:10s}: {counts[layout]} "
+            f"(max {max(counts[layout])}, total {sum(counts[layout])})"
+        )
     print(f"(units: one (T/{2 * p}) x (S/{2 * p}) block; the step time follows the max)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": environment(), "config": vars(args),
-                       "results": [r.to_json() for r in results],
-                       "causal_block_counts": counts}, f, indent=1)
+            json.dump(
+                {
+                    "environment": environment(),
+                    "config": vars(args),
+                    "results": [r.to_json() for r in results],
+                    "causal_block_counts": counts,
+                },
+                f,
+                indent=1,
+            )
         print(f"wrote {args.json}")
     return results

@@ -12,7 +12,7 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError as e:
-        sys.exit(f"--plot needs matplotlib ({e}): pip install \".[bench]\" (or matplotlib)")
+        sys.exit(f'--plot needs matplotlib ({e}): pip install ".[bench]" (or matplotlib)')
 
 
 def write_plot(results: list[Result], path: str, on_gpu: bool) -> None:
@@ -24,12 +24,10 @@ def write_plot(results: list[Result], path: str, on_gpu: bool) -> None:
     unit, div = ("TFLOP/s", 1e12) if on_gpu else ("GFLOP/s", 1e9)
     passes = sorted({r.pass_ for r in results}, key=("fwd", "fwdbwd").index)
     causals = sorted({r.causal for r in results})
-    fig, axes = plt.subplots(
-        len(passes), len(causals), figsize=(5.5 * len(causals), 4 * len(passes)), squeeze=False
-    )
+    fig, axes = plt.subplots(len(passes), len(causals), figsize=(5.5 * len(causals), 4 * len(passes)), squeeze=False)
     panels = [(ax, p, c) for row, p in zip(axes, passes) for ax, c in zip(row, causals)]
     for ax, pass_, causal in panels:
-        series = {}
+        series: dict[tuple[str, int], list[tuple[int, float]]] = {}
         for r in results:
             if (r.pass_, r.causal) == (pass_, causal) and r.flops_per_s is not None:
                 series.setdefault((r.impl, r.head_dim), []).append((r.seq_len, r.flops_per_s / div))

@@ -51,9 +51,8 @@ import itertools
 import math
 import threading
 import warnings
-from typing import Callable, Optional
+from collections.abc import Callable
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.custom_batching import custom_vmap
@@ -120,7 +119,16 @@ def forward(name: str, fn: Callable, spec: AttentionSpec, q, k, v, masks: MaskIn
 
 
 def backward(
-    name: str, fn: Callable, spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout,
+    name: str,
+    fn: Callable,
+    spec: AttentionSpec,
+    q,
+    k,
+    v,
+    masks: MaskInputs,
+    out,
+    lse,
+    dout,
     dlse,
 ):
     """fn(spec, q, k, v, masks, out, lse, dout, dlse) -> (dq, dk, dv, dbias or None)."""
@@ -134,11 +142,7 @@ def sharding_rule(call: _Call, *_) -> str:
     def spell(dims):
         return " ".join(d if d is not None else next(fresh) for d in dims)
 
-    return (
-        ", ".join(spell(d) for d in call.operand_dims)
-        + " -> "
-        + ", ".join(spell(d) for d in call.result_dims)
-    )
+    return ", ".join(spell(d) for d in call.operand_dims) + " -> " + ", ".join(spell(d) for d in call.result_dims)
 
 
 # ------------------------------------------------------------------------ the wrapping
@@ -150,7 +154,10 @@ def _wrapped(name, is_backward, fn, spec, q, k, v, masks, rest):
     operands = (q, k, v, *mask_arrays, *rest)
     out_dims, v_dims = (_Q, _KV) if spec.v_head_dim == spec.head_dim else (_OUT_HV, _V_HV)
     operand_dims: tuple[tuple[str | None, ...], ...] = (
-        _Q, _KV, v_dims, *(_dims(_MASK_DIMS[f], getattr(masks, f)) for f in fields)
+        _Q,
+        _KV,
+        v_dims,
+        *(_dims(_MASK_DIMS[f], getattr(masks, f)) for f in fields),
     )
     result_dims: tuple[tuple[str | None, ...], ...] = (out_dims, _STAT)
     if is_backward:
@@ -200,7 +207,7 @@ class _Plan:
 
     axes: tuple = ()  # ((factor, (axis, ...)), ...)
     slice_kv_heads: bool = False  # n sharded, k replicated: take the local kv heads
-    ring_axis: Optional[str] = None  # T and S sharded over it: ring attention
+    ring_axis: str | None = None  # T and S sharded over it: ring attention
 
     def of(self, factor) -> tuple:
         return dict(self.axes).get(factor, ())
@@ -259,7 +266,9 @@ def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
         # gathered, so each device draws the unsharded call's mask.
         for d, axes in found.items():
             _warn_once(
-                call, d, axes,
+                call,
+                d,
+                axes,
                 "attention dropout's keep-mask is counted by global (batch, head, query, key) "
                 "positions, which a shard does not know",
             )
@@ -284,7 +293,9 @@ def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
     slice_kv = False
     if k_axes and k_axes != n_axes:
         _warn_once(
-            call, "k", k_axes,
+            call,
+            "k",
+            k_axes,
             "the key/value heads must be sharded over the same mesh axes as the query heads",
         )
         k_axes = ()
@@ -301,9 +312,10 @@ def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
             slice_kv = "n" in plan
         else:
             _warn_once(
-                call, "n", n_axes,
-                f"{local} local query heads do not cover whole groups of {group} query heads "
-                "per kv head",
+                call,
+                "n",
+                n_axes,
+                f"{local} local query heads do not cover whole groups of {group} query heads per kv head",
             )
     t_axes, s_axes = found.get("t", ()), found.get("s", ())
     ring_axis = None
@@ -332,7 +344,7 @@ def _ring_config(call: _Call, mesh, axis: str):
     return ring.RingConfig(call.name, axis, mesh.shape[axis])
 
 
-def _ring_unavailable(call: _Call, mesh, t_axes, s_axes, plan) -> Optional[str]:
+def _ring_unavailable(call: _Call, mesh, t_axes, s_axes, plan) -> str | None:
     """None if K/V sharded over `s_axes` can run as a ring inside the partitioned call,
     else why not."""
     spec = call.spec
@@ -357,7 +369,7 @@ def _ring_unavailable(call: _Call, mesh, t_axes, s_axes, plan) -> Optional[str]:
     return None
 
 
-def _query_shard_unsupported(call: _Call) -> Optional[str]:
+def _query_shard_unsupported(call: _Call) -> str | None:
     """None if a shard of the queries can run on its own (with its query offset when the
     masks need positions), else why not."""
     spec = call.spec
@@ -365,10 +377,7 @@ def _query_shard_unsupported(call: _Call) -> Optional[str]:
         return None
     why = _registry.reason(call.name, dataclasses.replace(spec, has_q_offset=True))
     if why is not None:
-        return (
-            "causal and window masks of a query shard need its offset in the sequence, and "
-            f"{call.name} {why}"
-        )
+        return f"causal and window masks of a query shard need its offset in the sequence, and {call.name} {why}"
     return None
 
 
@@ -450,9 +459,7 @@ def _local(call: _Call, mesh, plan: _Plan):
                 masks = masks._replace(q_lengths=jnp.clip(masks.q_lengths - start, 0, t_local))
             if spec.is_windowed:
                 off = masks.q_offset if masks.q_offset is not None else 0
-                masks = masks._replace(
-                    q_offset=(off + start + jnp.zeros((q.shape[0],), jnp.int32)).astype(jnp.int32)
-                )
+                masks = masks._replace(q_offset=(off + start + jnp.zeros((q.shape[0],), jnp.int32)).astype(jnp.int32))
         local_spec = _local_spec(spec, q, k, masks)
         if plan.ring_axis is not None:
             results = _ring_call(call, mesh, plan.ring_axis, local_spec, q, k, v, masks, rest)
@@ -498,7 +505,7 @@ def _sum_partials(plan: _Plan, x, dims):
 # ------------------------------------------------------------------------------- vmap
 
 
-def _fold_vmap(fn, like: dict, unbatched: Optional[dict] = None):
+def _fold_vmap(fn, like: dict, unbatched: dict | None = None):
     """Make `fn(*arrays)` (every operand and result has a leading batch axis of size B, or
     1 where a dense bias/mask broadcasts) fold a vmapped axis into that batch axis:
     [V, B, ...] -> [V·B, ...] -> fn -> [V, B, ...]: one call, never a loop over V.

@@ -43,16 +43,19 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional
+from typing import Literal, overload
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike
 
 from jax_flash._api import attention
+from jax_flash._types import OutAndLse, SegmentIds, Window
 from jax_flash.parallel.ring import LAYOUTS, ring_attention, unzigzag, zigzag
 
-__all__ = ["ulysses_attention", "hybrid_attention"]
+__all__ = ["hybrid_attention", "ulysses_attention"]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -207,7 +210,9 @@ def _dense(x, name: str, q, s_global: int, rs: _Resharder, fn: str):
 
 
 def _check_dropout(dropout_rate, p: int, fn: str):
-    if p > 1 and isinstance(dropout_rate, numbers.Real) and not isinstance(dropout_rate, bool) and dropout_rate > 0:
+    # bool is a numbers.Real at run time (typeshed's classes do not say so): tested first.
+    is_real = not isinstance(dropout_rate, bool) and isinstance(dropout_rate, numbers.Real)
+    if p > 1 and is_real and dropout_rate > 0:
         raise NotImplementedError(
             f"{fn}: dropout over P={p} devices is not supported: the unsharded call's keep-mask "
             "counts the global query head (jax_flash._dropout: counter (s >> 2, t, n, b)), and "
@@ -220,29 +225,107 @@ def _check_dropout(dropout_rate, p: int, fn: str):
 # ----------------------------------------------------------------------------- ulysses
 
 
+@overload
 def ulysses_attention(
-    query,
-    key,
-    value,
-    bias=None,
-    mask=None,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
     *,
     axis_name: str,
     layout: str = "contiguous",
-    scale: Optional[float] = None,
+    scale: float | None = None,
     is_causal: bool = False,
-    query_seq_lengths=None,
-    key_value_seq_lengths=None,
-    local_window_size=None,
-    segment_ids=None,
-    logits_soft_cap: Optional[float] = None,
-    query_offset=None,
-    sinks=None,
-    return_residual: bool = False,
-    implementation: Optional[str] = None,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    query_offset: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: Literal[False] = False,
+    implementation: str | None = None,
     dropout_rate: float = 0.0,
-    dropout_rng=None,
-):
+    dropout_rng: ArrayLike | None = None,
+) -> jax.Array: ...
+
+
+@overload
+def ulysses_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    axis_name: str,
+    layout: str = "contiguous",
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    query_offset: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: Literal[True],
+    implementation: str | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: ArrayLike | None = None,
+) -> OutAndLse: ...
+
+
+@overload
+def ulysses_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    axis_name: str,
+    layout: str = "contiguous",
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    query_offset: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: bool = False,
+    implementation: str | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: ArrayLike | None = None,
+) -> jax.Array | OutAndLse: ...
+
+
+def ulysses_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    axis_name: str,
+    layout: str = "contiguous",
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    query_offset: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: bool = False,
+    implementation: str | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: ArrayLike | None = None,
+) -> jax.Array | OutAndLse:
     """All-to-all sequence parallelism (DeepSpeed-Ulysses) inside `jax.shard_map`: the
     sequences are sharded over mesh axis `axis_name` (P devices); one all-to-all re-shards
     q, k, v to head-sharded full sequences, `jax_flash.attention` runs locally on N/P heads,
@@ -318,11 +401,10 @@ def ulysses_attention(
 
 
 def _back(res, rs: _Resharder, return_residual: bool):
-    out, lse = res if return_residual else (res, None)
-    out = rs.to_sequence(out, out.ndim - 3, out.ndim - 2)
     if not return_residual:
-        return out
-    return out, rs.to_sequence(lse, lse.ndim - 2, lse.ndim - 1)
+        return rs.to_sequence(res, res.ndim - 3, res.ndim - 2)
+    out, lse = res
+    return rs.to_sequence(out, out.ndim - 3, out.ndim - 2), rs.to_sequence(lse, lse.ndim - 2, lse.ndim - 1)
 
 
 # ----------------------------------------------------------------------------- hybrid
@@ -353,30 +435,111 @@ def _merge_sinks(out, lse, sinks):
     return out, jnp.where(bad, jnp.nan, new_lse)
 
 
+@overload
 def hybrid_attention(
-    query,
-    key,
-    value,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
     a2a_axis: str,
     ring_axis: str,
     layout: str = "contiguous",
-    scale: Optional[float] = None,
+    scale: float | None = None,
     is_causal: bool = False,
-    query_seq_lengths=None,
-    key_value_seq_lengths=None,
-    local_window_size=None,
-    segment_ids=None,
-    logits_soft_cap: Optional[float] = None,
-    query_offset=None,
-    sinks=None,
-    return_residual: bool = False,
-    implementation: Optional[str] = None,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    query_offset: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: Literal[False] = False,
+    implementation: str | None = None,
     dropout_rate: float = 0.0,
-    dropout_rng=None,
-    bias=None,
-    mask=None,
-):
+    dropout_rng: ArrayLike | None = None,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+) -> jax.Array: ...
+
+
+@overload
+def hybrid_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    *,
+    a2a_axis: str,
+    ring_axis: str,
+    layout: str = "contiguous",
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    query_offset: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: Literal[True],
+    implementation: str | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: ArrayLike | None = None,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+) -> OutAndLse: ...
+
+
+@overload
+def hybrid_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    *,
+    a2a_axis: str,
+    ring_axis: str,
+    layout: str = "contiguous",
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    query_offset: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: bool = False,
+    implementation: str | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: ArrayLike | None = None,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+) -> jax.Array | OutAndLse: ...
+
+
+def hybrid_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    *,
+    a2a_axis: str,
+    ring_axis: str,
+    layout: str = "contiguous",
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    query_offset: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: bool = False,
+    implementation: str | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: ArrayLike | None = None,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+) -> jax.Array | OutAndLse:
     """2-D sequence parallelism inside `jax.shard_map` ("USP"): all-to-all over `a2a_axis`
     (size Pa, which must divide N), ring attention over `ring_axis` (size Pr).
 

@@ -13,10 +13,9 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_flash
-from jax_flash.reference import attention_reference
-
 from cases import Shape, make_qkv
 from conftest import slow_impl
+from jax_flash.reference import attention_reference
 
 SMALL = Shape(2, 24, 40, 4, 2, 64)
 
@@ -41,9 +40,7 @@ PARITY_KWARGS = {
         query_seq_lengths=jnp.asarray([s.t, s.t - 7], jnp.int32),
         key_value_seq_lengths=jnp.asarray([s.s - 3, s.s], jnp.int32),
     ),
-    "bias": lambda s: dict(
-        bias=jnp.asarray(np.random.default_rng(0).normal(size=(s.b, s.n, s.t, s.s)), jnp.float32)
-    ),
+    "bias": lambda s: dict(bias=jnp.asarray(np.random.default_rng(0).normal(size=(s.b, s.n, s.t, s.s)), jnp.float32)),
     "mask": lambda s: dict(
         mask=jnp.asarray(np.random.default_rng(1).random((1, 1, s.t, s.s)) < 0.8).at[..., 0].set(True)
     ),
@@ -113,6 +110,14 @@ def test_jit_vmap_checkpoint_scan(impl):
     vq = jax.vmap(f, in_axes=(0, None, None))(q[None].repeat(2, 0), k, v)
     _close(vq[1], base, 1e-6)
 
+    # The forward under jax.checkpoint inside lax.scan gives the plain call's values.
+    def scanned(q, k, v):
+        step = lambda c, _: (c, jax.checkpoint(f)(q, k, v))
+        return jax.lax.scan(step, jnp.zeros((), jnp.float32), None, length=2)[1]
+
+    for o in jax.jit(scanned)(q, k, v):
+        _close(o, base, tol)
+
     # jax.checkpoint and lax.scan around it, differentiated.
     def loss(q, k, v):
         def step(c, _):
@@ -166,7 +171,7 @@ def test_check_grads(impl):
 
 def test_forward_mode_raises():
     q, k, v = make_qkv(SMALL, jnp.float32)
-    with pytest.raises(TypeError, match="forward-mode|jvp"):
+    with pytest.raises(TypeError, match=r"forward-mode|jvp"):
         jax.jvp(lambda q: jax_flash.attention(q, k, v, implementation="xla"), (q,), (q,))
 
 
@@ -176,9 +181,7 @@ def test_all_masked_rows_have_zero_finite_gradients(impl):
     kw = dict(key_value_seq_lengths=jnp.asarray([0, SMALL.s], jnp.int32), implementation=impl)
     out = jax_flash.attention(q, k, v, **kw)
     assert np.all(np.asarray(out[0], np.float32) == 0)
-    g = jax.grad(
-        lambda q, k, v: jnp.sum(jax_flash.attention(q, k, v, **kw).astype(jnp.float32)), (0, 1, 2)
-    )(q, k, v)
+    g = jax.grad(lambda q, k, v: jnp.sum(jax_flash.attention(q, k, v, **kw).astype(jnp.float32)), (0, 1, 2))(q, k, v)
     for x in g:
         x = np.asarray(x, np.float32)
         assert np.isfinite(x).all()
@@ -202,13 +205,38 @@ KV = jnp.zeros((2, 10, 2, 16), jnp.float32)
         ((Q.astype(jnp.int32), KV, KV), {}, TypeError, r"query must be float16, bfloat16"),
         ((Q.astype(jnp.bfloat16), KV, KV), {}, TypeError, r"share one dtype"),
         ((Q, KV, KV), dict(mask=jnp.ones((8, 10), jnp.float32)), TypeError, r"mask must be a boolean"),
-        ((Q, KV, KV), dict(mask=jnp.ones((3, 8, 10), bool)), ValueError, r"mask must be broadcastable .*\(2, 4, 8, 10\)"),
+        (
+            (Q, KV, KV),
+            dict(mask=jnp.ones((3, 8, 10), bool)),
+            ValueError,
+            r"mask must be broadcastable .*\(2, 4, 8, 10\)",
+        ),
         ((Q, KV, KV), dict(bias=jnp.ones((8, 11), jnp.float32)), ValueError, r"bias must be broadcastable"),
         ((Q, KV, KV), dict(bias=jnp.ones((8, 10), jnp.int32)), TypeError, r"bias must be a floating"),
-        ((Q, KV, KV), dict(query_seq_lengths=jnp.ones((3,), jnp.int32)), ValueError, r"query_seq_lengths must have shape \(2,\)"),
-        ((Q, KV, KV), dict(key_value_seq_lengths=jnp.ones((2,), jnp.float32)), TypeError, r"key_value_seq_lengths must be an integer"),
-        ((Q, KV, KV), dict(segment_ids=jnp.ones((2, 8), jnp.int32)), ValueError, r"single segment_ids array needs self-attention"),
-        ((Q, KV, KV), dict(segment_ids=(jnp.ones((2, 8), jnp.int32), jnp.ones((2, 9), jnp.int32))), ValueError, r"segment_ids \(key/value\) must have shape \(2, 10\)"),
+        (
+            (Q, KV, KV),
+            dict(query_seq_lengths=jnp.ones((3,), jnp.int32)),
+            ValueError,
+            r"query_seq_lengths must have shape \(2,\)",
+        ),
+        (
+            (Q, KV, KV),
+            dict(key_value_seq_lengths=jnp.ones((2,), jnp.float32)),
+            TypeError,
+            r"key_value_seq_lengths must be an integer",
+        ),
+        (
+            (Q, KV, KV),
+            dict(segment_ids=jnp.ones((2, 8), jnp.int32)),
+            ValueError,
+            r"single segment_ids array needs self-attention",
+        ),
+        (
+            (Q, KV, KV),
+            dict(segment_ids=(jnp.ones((2, 8), jnp.int32), jnp.ones((2, 9), jnp.int32))),
+            ValueError,
+            r"segment_ids \(key/value\) must have shape \(2, 10\)",
+        ),
         ((Q, KV, KV), dict(segment_ids=(jnp.ones((2, 8), jnp.int32),)), ValueError, r"pair"),
         ((Q, KV, KV), dict(local_window_size=(-1, 2)), ValueError, r"local_window_size must be non-negative"),
         ((Q, KV, KV), dict(local_window_size=(1, 2, 3)), ValueError, r"local_window_size must be an int"),
@@ -221,8 +249,18 @@ KV = jnp.zeros((2, 10, 2, 16), jnp.float32)
         ((Q, KV, KV), dict(implementation="triton"), ValueError, r"implementation must be None or one of"),
         ((Q, KV, KV), dict(query_offset=1.5), TypeError, r"query_offset must be an int or an integer array"),
         ((Q, KV, KV), dict(query_offset=True), TypeError, r"query_offset must be an int or an integer array"),
-        ((Q, KV, KV), dict(query_offset=jnp.ones((2,), jnp.float32)), TypeError, r"query_offset must be an int or an integer array"),
-        ((Q, KV, KV), dict(query_offset=jnp.ones((3,), jnp.int32)), ValueError, r"query_offset must be an int or an integer array broadcastable to \[\*B\] = \(2,\)"),
+        (
+            (Q, KV, KV),
+            dict(query_offset=jnp.ones((2,), jnp.float32)),
+            TypeError,
+            r"query_offset must be an int or an integer array",
+        ),
+        (
+            (Q, KV, KV),
+            dict(query_offset=jnp.ones((3,), jnp.int32)),
+            ValueError,
+            r"query_offset must be an int or an integer array broadcastable to \[\*B\] = \(2,\)",
+        ),
         ((Q, KV, KV), dict(query_offset=jnp.ones((2, 8), jnp.int32)), ValueError, r"query_offset .*broadcastable"),
         ((Q, KV, KV), dict(query_offset=2**31), ValueError, r"query_offset must fit in int32"),
         ((Q, KV, KV), dict(query_offset=np.asarray([0, 2**40])), ValueError, r"query_offset must fit in int32"),
@@ -243,9 +281,7 @@ def test_query_offset_forms():
     r = lambda x: x.reshape(2, 3, *x.shape[1:])
     kw = dict(is_causal=True, implementation="xla")
     per_row = jax_flash.attention(q, k, v, query_offset=jnp.asarray([5, 5, -2, 5, 9, 5]), **kw)
-    grid = jax_flash.attention(
-        r(q), r(k), r(v), query_offset=jnp.asarray([[5, 5, -2], [5, 9, 5]], jnp.int16), **kw
-    )
+    grid = jax_flash.attention(r(q), r(k), r(v), query_offset=jnp.asarray([[5, 5, -2], [5, 9, 5]], jnp.int16), **kw)
     _close(grid.reshape(per_row.shape), per_row, 1e-6)
     same = jax_flash.attention(r(q), r(k), r(v), query_offset=5, **kw)
     for offset in (jnp.asarray(5), jnp.asarray([5, 5, 5]), jnp.asarray([[5], [5]])):
@@ -287,7 +323,7 @@ def test_explain_says_pallas_is_interpreted_on_a_cpu():
     if e.reasons["pallas"] is not None:
         pytest.skip(f"pallas cannot run here: {e.reasons['pallas']}")
     assert "interpreted (slow)" in e.notes["pallas"]
-    line = [l for l in str(e).splitlines() if "pallas" in l][0]
+    line = next(l for l in str(e).splitlines() if "pallas" in l)
     assert "available (interpreted (slow)" in line
 
 
@@ -354,6 +390,9 @@ def test_jax_export_round_trip(impl):
         exported = export.export(fn, disabled_checks=jax_flash.export_disabled_checks())(q, k, v)
         loaded = export.deserialize(exported.serialize())
         jax.tree.map(
-            lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                                    rtol=tol, atol=tol),
-            loaded.call(q, k, v), fn(q, k, v))
+            lambda a, b: np.testing.assert_allclose(
+                np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol
+            ),
+            loaded.call(q, k, v),
+            fn(q, k, v),
+        )

@@ -10,13 +10,11 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import cuda as cuda_impl
-from jax_flash import pallas as pallas_impl
+from cases import EPS, FACTOR, GRAD_EPS, Shape, make_qkv, max_err
+from jax_flash import cuda as cuda_impl, pallas as pallas_impl
 from jax_flash._normalize import canonicalize
 from jax_flash._vjp import SECOND_ORDER_MESSAGE
 from jax_flash.reference import attention_reference
-
-from cases import EPS, FACTOR, GRAD_EPS, Shape, make_qkv, max_err
 
 # H = 32 has cuda kernels; T, S cross no tile of the compiled implementations, so every
 # window below is decided by the band, not by a block boundary.
@@ -107,9 +105,7 @@ def test_soft_cap_extremes_exact(impl, cap):
     _check(impl, dict(logits_soft_cap=cap), grads=cap != float(np.finfo(np.float32).tiny))
 
 
-@pytest.mark.parametrize(
-    "cap", [0.0, -0.0, -1.0, 1e-46, 1e-40, 1.1e-38, 1.01e30, 3.4e38, float("inf"), float("nan")]
-)
+@pytest.mark.parametrize("cap", [0.0, -0.0, -1.0, 1e-46, 1e-40, 1.1e-38, 1.01e30, 3.4e38, float("inf"), float("nan")])
 def test_soft_cap_outside_float32_normals_refused(impl, cap):
     q, k, v = make_qkv(SHAPE, _dtype(impl))
     with pytest.raises(ValueError, match="logits_soft_cap"):
@@ -139,8 +135,9 @@ def test_zero_size(impl, name):
     bias = None
     if impl in ("xla", "pallas"):
         bias = jnp.ones((*qs[:-3], qs[-2], qs[-3], ks[-3]), jnp.float32)
-    run = jax.jit(lambda q, k, v, b: jax_flash.attention(
-        q, k, v, b, implementation=impl, is_causal=True, return_residual=True))
+    run = jax.jit(
+        lambda q, k, v, b: jax_flash.attention(q, k, v, b, implementation=impl, is_causal=True, return_residual=True)
+    )
     out, lse = run(q, k, v, bias)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == q.shape[:-1]
@@ -177,7 +174,7 @@ def test_second_derivatives_refused(impl):
         "jacrev_of_grad": jax.jacrev(jax.grad(f)),
     }
     for name, fn in second.items():
-        with pytest.raises(NotImplementedError, match="jax_flash.reference") as e:
+        with pytest.raises(NotImplementedError, match=r"jax_flash\.reference") as e:
             jax.jit(fn).trace(q)
         assert str(e.value) == SECOND_ORDER_MESSAGE, name
     for fn in (jax.jacfwd(f), lambda q: jax.jvp(f, (q,), (q,))):
@@ -231,7 +228,7 @@ def test_trace_time_limits(name):
             continue
         assert why is not None and limit in why, why
         with pytest.raises(ValueError, match=f'implementation="{impl}" cannot run this call: .*{limit}'):
-            jax.jit(lambda q, k: jax_flash.attention(q, k, k, implementation=impl)).trace(q, k)
+            jax.jit(lambda q, k, impl=impl: jax_flash.attention(q, k, k, implementation=impl)).trace(q, k)
     assert e.selected is not None and e.reasons[e.selected] is None
     jax.jit(lambda q, k: jax_flash.attention(q, k, k)).trace(q, k)  # None picks one that runs
 

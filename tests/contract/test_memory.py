@@ -27,8 +27,9 @@ def _temp_bytes(fn, *args) -> int:
 def test_temp_memory_is_linear_in_sequence_length(impl, is_causal):
     dt = jnp.float32
     q = jax.ShapeDtypeStruct((1, T, N, H), dt)
-    why = jax_flash.explain(jnp.zeros((1, 8, N, H), dt), jnp.zeros((1, 8, N, H), dt),
-                            jnp.zeros((1, 8, N, H), dt), implementation=impl).reasons[impl]
+    why = jax_flash.explain(
+        jnp.zeros((1, 8, N, H), dt), jnp.zeros((1, 8, N, H), dt), jnp.zeros((1, 8, N, H), dt), implementation=impl
+    ).reasons[impl]
     if why is not None:
         pytest.skip(f"{impl}: {why}")
     f = lambda q, k, v: jax_flash.attention(q, k, v, is_causal=is_causal, implementation=impl)

@@ -19,9 +19,8 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash.reference import attention_reference
-
 from cases import EPS, FACTOR, GRAD_EPS, Shape, make_qkv
+from jax_flash.reference import attention_reference
 
 SHAPE = Shape(2, 40, 90, 2, 1, 32)  # B, T, S, N, K, H: two query heads share the kv head
 DTYPE = jnp.bfloat16
@@ -37,8 +36,9 @@ def _masks(kind):
     if kind == "window":
         return dict(local_window_size=(6, 2), query_offset=30)
     if kind == "lengths":  # batch row 0: 30 queries, 60 keys; row 1: everything
-        return dict(query_seq_lengths=jnp.asarray([30, t], jnp.int32),
-                    key_value_seq_lengths=jnp.asarray([60, s], jnp.int32))
+        return dict(
+            query_seq_lengths=jnp.asarray([30, t], jnp.int32), key_value_seq_lengths=jnp.asarray([60, s], jnp.int32)
+        )
     if kind == "segments":  # query segment 2 of row 1 sees no key (keys have 0 and 1 only)
         q_seg = np.zeros((2, t), np.int32)
         q_seg[:, 20:] = 1
@@ -68,24 +68,42 @@ POISON_CASES = {
     "q_neginf-segments": ("segments", [("q", (1, 30, 0, None), -INF)]),
     # Keys / values / queries past the lengths are masked for everyone: nothing changes,
     # but value 59 (inside row 0's 60 keys) poisons all of row 0's valid queries.
-    "masked-lengths": ("lengths", [("k", (0, 75, 0, 1), NAN), ("v", (0, 61, 0, 3), INF),
-                                   ("q", (0, 33, 0, 4), NAN), ("v", (0, 59, 0, 0), -INF)]),
+    "masked-lengths": (
+        "lengths",
+        [("k", (0, 75, 0, 1), NAN), ("v", (0, 61, 0, 3), INF), ("q", (0, 33, 0, 4), NAN), ("v", (0, 59, 0, 0), -INF)],
+    ),
     # bias (xla, pallas): NaN at a visible pair poisons row 5 of batch 0; +inf behind the
     # causal mask changes nothing; a -inf row (3 of batch 1) is empty even with NaN value 2
     # visible behind it.
-    "bias-causal": ("causal", [("bias", (0, 0, 5, 30), NAN), ("bias", (1, 0, 10, 70), INF),
-                               ("bias", (1, 0, 3, None), -INF), ("v", (1, 2, 0, 1), NAN)]),
-    "mixed-combo": ("combo", [("q", (1, 12, 1, 0), INF), ("k", (1, 64, 0, 7), -INF),
-                              ("v", (0, 44, 0, 9), NAN), ("k", (0, 80, 0, 2), NAN),
-                              ("v", (1, 5, 0, None), NAN)]),
+    "bias-causal": (
+        "causal",
+        [
+            ("bias", (0, 0, 5, 30), NAN),
+            ("bias", (1, 0, 10, 70), INF),
+            ("bias", (1, 0, 3, None), -INF),
+            ("v", (1, 2, 0, 1), NAN),
+        ],
+    ),
+    "mixed-combo": (
+        "combo",
+        [
+            ("q", (1, 12, 1, 0), INF),
+            ("k", (1, 64, 0, 7), -INF),
+            ("v", (0, 44, 0, 9), NAN),
+            ("k", (0, 80, 0, 2), NAN),
+            ("v", (1, 5, 0, None), NAN),
+        ],
+    ),
     # With a soft cap (third element: extra arguments): float32's smallest normal, which
     # saturates every logit (derivative 1 - tanh² = 0). The masked poisons still change
     # nothing, also through the cap's derivative (never formed at a masked NaN logit); rows
     # that see value 59 get NaN dq and dk of the keys they see (the NaN cotangent times the
     # zero derivative, as jax.nn's autodiff gives; README, "Numerical contract").
-    "masked-lengths-saturated_cap": ("lengths", [("k", (0, 75, 0, 1), NAN), ("q", (0, 33, 0, 4), NAN),
-                                                 ("v", (0, 59, 0, 0), -INF)],
-                                     dict(logits_soft_cap=1.1754944e-38)),
+    "masked-lengths-saturated_cap": (
+        "lengths",
+        [("k", (0, 75, 0, 1), NAN), ("q", (0, 33, 0, 4), NAN), ("v", (0, 59, 0, 0), -INF)],
+        dict(logits_soft_cap=1.1754944e-38),
+    ),
 }
 
 
@@ -127,12 +145,14 @@ def _outputs_and_grads(fn, q, k, v, kw, **extra):
     return tuple(np.asarray(jnp.asarray(x, jnp.float64)) for x in (out, lse, *grads))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _references(case):
     """(float64 reference, reference at the input dtype) of a case, shared by the impls."""
     q, k, v, kw = _inputs(case)
-    return (_outputs_and_grads(attention_reference, q, k, v, kw, compute_dtype=jnp.float64),
-            _outputs_and_grads(attention_reference, q, k, v, kw))
+    return (
+        _outputs_and_grads(attention_reference, q, k, v, kw, compute_dtype=jnp.float64),
+        _outputs_and_grads(attention_reference, q, k, v, kw),
+    )
 
 
 def _inputs(case):
@@ -153,8 +173,10 @@ def _check_against_reference(impl, case, *, grads_exact=True):
     for i, (name, a, r64, rlo) in enumerate(zip(NAMES, got, ref64, ref_lo)):
         finite = np.isfinite(r64)
         bad = np.argwhere(np.isfinite(a) != finite)
-        assert bad.size == 0, (f"{name}: non-finite pattern differs from the reference at {len(bad)} elements, "
-                               f"first {bad[:4].tolist()} (impl {a[tuple(bad[0])]}, reference {r64[tuple(bad[0])]})")
+        assert bad.size == 0, (
+            f"{name}: non-finite pattern differs from the reference at {len(bad)} elements, "
+            f"first {bad[:4].tolist()} (impl {a[tuple(bad[0])]}, reference {r64[tuple(bad[0])]})"
+        )
         if name == "lse":  # -inf exactly where the reference has -inf (rows that see nothing)
             np.testing.assert_array_equal(a == -np.inf, r64 == -np.inf, err_msg="lse -inf pattern")
         if i >= 2 and not grads_exact:

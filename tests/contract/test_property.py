@@ -43,10 +43,9 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash.reference import attention_reference
-
 from cases import EPS, FACTOR, GRAD_EPS
 from conftest import availability, slow_impl
+from jax_flash.reference import attention_reference
 from property_cases import EXTREME_SCALES, Gates, dense_mask, draw, visibility
 
 # ---- dimensions that wait for other work ---------------------------------------------------
@@ -93,7 +92,7 @@ def _counts(config) -> dict:
     if spec:
         for part in str(spec).split(","):
             name, _, num = part.rpartition(":")
-            for impl in ([name] if name else IMPLS):
+            for impl in [name] if name else IMPLS:
                 if impl not in IMPLS:
                     raise pytest.UsageError(f"--property-examples: unknown implementation {impl!r}")
                 counts[impl] = int(num)
@@ -248,8 +247,11 @@ def _compare(ex, name, got, r64, rlo, fallback, slack=0.0):
     differs = np.isfinite(x) != finite
     if differs.any():
         i = _first(differs)
-        _fail(ex, f"{name}: non-finite pattern differs from the reference at {int(differs.sum())} of "
-                  f"{x.size} elements, first {i}: got {x[i]}, reference {ref[i]}")
+        _fail(
+            ex,
+            f"{name}: non-finite pattern differs from the reference at {int(differs.sum())} of "
+            f"{x.size} elements, first {i}: got {x[i]}, reference {ref[i]}",
+        )
     if not finite.any():
         return
     if not np.array_equal(np.isfinite(lo), finite):
@@ -257,7 +259,7 @@ def _compare(ex, name, got, r64, rlo, fallback, slack=0.0):
         # precision's error with float32 logits instead, rounded to the input dtype like a kernel.
         lo = _np(fallback()[name])
     lo = np.where(np.isfinite(lo), lo, ref)
-    eps = (EPS["float32"] * 10 if name == "lse" else (EPS if name == "out" else GRAD_EPS)[ex.dtype])
+    eps = EPS["float32"] * 10 if name == "lse" else (EPS if name == "out" else GRAD_EPS)[ex.dtype]
     if name in ("dq", "dk", "dv", "dbias"):
         # The gradients' eps is absolute for gradients of magnitude <= 1 and relative above:
         # a scale of 30 makes dk ~ 15 out of the same rounding errors (seed 5, cpu-27: a
@@ -282,8 +284,11 @@ def _compare(ex, name, got, r64, rlo, fallback, slack=0.0):
     over = err - tol
     if over.max() > 0:
         i = _first(over == over.max())
-        _fail(ex, f"{name} error {err[i]:.3g} > tolerance {np.broadcast_to(tol, err.shape)[i]:.3g} at {i}: "
-                  f"got {x[i]}, reference {ref[i]}")
+        _fail(
+            ex,
+            f"{name} error {err[i]:.3g} > tolerance {np.broadcast_to(tol, err.shape)[i]:.3g} at {i}: "
+            f"got {x[i]}, reference {ref[i]}",
+        )
 
 
 def _exact_checks(ex, arrays, got, ref):
@@ -327,7 +332,7 @@ def _expect_value_error(ex, call, what):
         call()
     except ValueError as e:
         return str(e)
-    except Exception as e:  # noqa: BLE001 - any other exception is the failure
+    except Exception as e:  # any other exception is the failure
         _fail(ex, f"{what} raised {type(e).__name__} instead of ValueError: {str(e).splitlines()[0][:300]}")
     _fail(ex, f"{what} did not raise")
 
@@ -343,7 +348,7 @@ def _check_zero_size(ex, arrays, args):
         except ValueError as e:
             outcomes.append(("ValueError", str(e).splitlines()[0][:200]))
             continue
-        except Exception as e:  # noqa: BLE001 - any other exception is the failure
+        except Exception as e:  # any other exception is the failure
             _fail(ex, f"an empty axis on {name} raised {type(e).__name__}: {str(e).splitlines()[0][:300]}")
         outcomes.append({key: None if x is None else (tuple(x.shape), str(x.dtype)) for key, x in res.items()})
         for key, x in res.items():
@@ -364,8 +369,10 @@ def check_example(ex) -> str:
     impl = ex.impl
     call = lambda: jax_flash.attention(q, k, v, bias, mask, implementation=impl, **kw)
     if ex.expect_error is not None:
-        for what, fn in (("explain", lambda: jax_flash.explain(q, k, v, bias, mask, implementation=impl, **kw)),
-                         ("attention", call)):
+        for what, fn in (
+            ("explain", lambda: jax_flash.explain(q, k, v, bias, mask, implementation=impl, **kw)),
+            ("attention", call),
+        ):
             msg = _expect_value_error(ex, fn, f"{what} with an invalid {ex.expect_error}")
             if ex.expect_error not in msg:
                 _fail(ex, f"{what}'s ValueError does not name {ex.expect_error}: {msg}")
@@ -418,8 +425,14 @@ def check_example(ex) -> str:
         return cache
 
     # dtypes: out and gradients like their inputs, lse like the reference's.
-    for name, want in (("out", q.dtype), ("lse", rlo["lse"].dtype), ("dq", q.dtype), ("dk", k.dtype),
-                       ("dv", v.dtype), ("dbias", None if bias is None else bias.dtype)):
+    for name, want in (
+        ("out", q.dtype),
+        ("lse", rlo["lse"].dtype),
+        ("dq", q.dtype),
+        ("dk", k.dtype),
+        ("dv", v.dtype),
+        ("dbias", None if bias is None else bias.dtype),
+    ):
         have = None if got[name] is None else got[name].dtype
         if have != want:
             _fail(ex, f"{name} has dtype {have}, expected {want}")
@@ -457,7 +470,7 @@ def test_property(example_id, request):
         except Failure as e:
             _log(str(e))
             raise
-        except Exception as e:  # noqa: BLE001 - a crash of the call: the same one line first
+        except Exception as e:  # a crash of the call: the same one line first
             message = f"{_reproduce(ex)}  # raised {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''} | drawn: {ex.describe()}"
             _log(message)
             raise Failure(message) from e
@@ -472,8 +485,9 @@ def test_generator_is_seeded():
     a = draw("cuda", 17, 0, tiny=True, gates=Gates())
     b = draw("cuda", 17, 0, tiny=True, gates=Gates())
     assert a == b and a.describe() == b.describe()
-    assert np.array_equal(np.asarray(a.arrays()["q"], np.float32), np.asarray(b.arrays()["q"], np.float32),
-                          equal_nan=True)
+    assert np.array_equal(
+        np.asarray(a.arrays()["q"], np.float32), np.asarray(b.arrays()["q"], np.float32), equal_nan=True
+    )
     others = {draw("cuda", i, 0, tiny=True, gates=Gates()).describe() for i in range(20)}
     assert len(others) == 20
 

@@ -10,16 +10,28 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cases import OFFSET_KINDS, Shape, make_qkv, mask_kwargs
 from jax_flash.reference import attention_reference
 
-from cases import OFFSET_KINDS, Shape, make_qkv, mask_kwargs
 
-
-def loop_attention(q, k, v, *, scale, bias=None, mask=None, is_causal=False,
-                   query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                   segment_ids=None, logits_soft_cap=None, query_offset=None):
+def loop_attention(
+    q,
+    k,
+    v,
+    *,
+    scale,
+    bias=None,
+    mask=None,
+    is_causal=False,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    local_window_size=None,
+    segment_ids=None,
+    logits_soft_cap=None,
+    query_offset=None,
+):
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    b_, t_, n_, h_ = q.shape
+    b_, t_, n_, _h = q.shape
     s_, kh = k.shape[1], k.shape[2]
     out = np.zeros_like(q)
     lse = np.full((b_, t_, n_), -np.inf)
@@ -37,7 +49,9 @@ def loop_attention(q, k, v, *, scale, bias=None, mask=None, is_causal=False,
                 for s in range(s_):
                     if is_causal and s > pos:
                         continue
-                    if local_window_size is not None and not (pos - local_window_size[0] <= s <= pos + local_window_size[1]):
+                    if local_window_size is not None and not (
+                        pos - local_window_size[0] <= s <= pos + local_window_size[1]
+                    ):
                         continue
                     if query_seq_lengths is not None and t >= int(query_seq_lengths[b]):
                         continue
@@ -62,9 +76,23 @@ def loop_attention(q, k, v, *, scale, bias=None, mask=None, is_causal=False,
     return out, lse
 
 
-@pytest.mark.parametrize("kind", ["none", "causal", "window", "window_causal", "lengths",
-                                  "segments", "softcap", "bias", "mask", "combo", "all_masked",
-                                  *OFFSET_KINDS])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "none",
+        "causal",
+        "window",
+        "window_causal",
+        "lengths",
+        "segments",
+        "softcap",
+        "bias",
+        "mask",
+        "combo",
+        "all_masked",
+        *OFFSET_KINDS,
+    ],
+)
 @pytest.mark.parametrize("shape", [Shape(2, 9, 13, 4, 2, 8), Shape(2, 13, 9, 2, 1, 8)], ids=str)
 def test_reference_matches_loop(kind, shape):
     q, k, v = make_qkv(shape, jnp.float64)

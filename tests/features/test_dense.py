@@ -16,13 +16,12 @@ H = 192) and held to the shared tolerance against the float64 reference (test_de
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_dense_bias import BiasCase, _compare, _inputs
 
 from cases import Shape
-from test_dense_bias import BiasCase, _compare, _inputs
 
 
 def _cuda_or_skip():
@@ -37,19 +36,21 @@ def _cuda_or_skip():
 SHAPE = Shape(2, 33, 65, 4, 2, 32)  # GQA, T = 32 + 1, S = 64 + 1
 BROADCASTS = [
     # (bias dims, mask dims, structured masks, what dbias exercises)
-    ("BNTS", None, "causal"),        # store
-    ("BN1S", "B11S", "window"),      # owned add (T summed in the quad, query blocks in order)
-    ("1N1S", None, "none"),          # ALiBi: atomics after the sum over T
-    ("B1T1", "1NTS", "softcap"),     # atomics after the sum over S (8 lanes of a column)
-    ("1111", None, "causal"),        # atomics after the sum over the whole warp
-    ("1NTS", "BNTS", "none"),        # T5: atomics per element (summed over B)
+    ("BNTS", None, "causal"),  # store
+    ("BN1S", "B11S", "window"),  # owned add (T summed in the quad, query blocks in order)
+    ("1N1S", None, "none"),  # ALiBi: atomics after the sum over T
+    ("B1T1", "1NTS", "softcap"),  # atomics after the sum over S (8 lanes of a column)
+    ("1111", None, "causal"),  # atomics after the sum over the whole warp
+    ("1NTS", "BNTS", "none"),  # T5: atomics per element (summed over B)
 ]
 # Deterministic mode differs where dbias needs atomics: the workspace with B, N and S at full
 # size (store or owned add into it), then the fixed-order sum (a bias full over B, N and S is
 # written the same way in both modes).
 CASES = [pytest.param(*b, "kv_heads", id=f"{b[0]}-kv_heads") for b in BROADCASTS] + [
     pytest.param(*b, "q_heads_deterministic", id=f"{b[0]}-q_heads_deterministic")
-    for b in BROADCASTS if b[0] in ("1N1S", "B1T1", "1111", "1NTS")]
+    for b in BROADCASTS
+    if b[0] in ("1N1S", "B1T1", "1111", "1NTS")
+]
 
 
 @pytest.mark.parametrize("bias_dims, mask_dims, kind, mode", CASES)
@@ -100,8 +101,9 @@ def test_deterministic_reruns_are_bitwise(monkeypatch):
     """Two orders of the CTAs and warps (the emulation reads its schedule at each launch): the
     atomics' sums differ in their last bits, deterministic mode's do not."""
     _cuda_or_skip()
-    import jax_flash
     from test_dense_bias import run
+
+    import jax_flash
 
     case = BiasCase("rerun", SHAPE, "bfloat16", "11T1", "float32", None, "causal")
     q, k, v, bias, kw, cot, dlse = _inputs(case)

@@ -351,11 +351,19 @@ EDGES = textwrap.dedent(
     """
 )
 
+
 def _run(body: str, timeout: int = 600) -> str:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-c", PRELUDE + body + "\nprint('done')\n"], env=env,
-                       cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT)
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", PRELUDE + body + "\nprint('done')\n"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert r.returncode == 0 and r.stdout.strip().endswith("done"), r.stdout + r.stderr[-6000:]
     return r.stdout
 
@@ -426,9 +434,27 @@ def test_bench_multi_device_section(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env.pop("XLA_FLAGS", None)
     r = subprocess.run(
-        [sys.executable, "-m", "jax_flash.bench", "--multi-device", "--devices", "4",
-         "--seq-len", "512", "--heads", "2", "--reps", "1", "--json", str(path)],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "jax_flash.bench",
+            "--multi-device",
+            "--devices",
+            "4",
+            "--seq-len",
+            "512",
+            "--heads",
+            "2",
+            "--reps",
+            "1",
+            "--json",
+            str(path),
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
     assert "zigzag    : [9, 9, 9, 9]" in r.stdout, r.stdout

@@ -222,8 +222,9 @@ SCRIPT = textwrap.dedent(
 
 def _run(impl, partitioner):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    r = subprocess.run([sys.executable, "-c", SCRIPT, impl, partitioner], env=env,
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT, impl, partitioner], env=env, capture_output=True, text=True, timeout=900
+    )
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
     print(r.stdout)
 
@@ -309,8 +310,9 @@ SHARD_MAP_SCRIPT = textwrap.dedent(
 def test_shard_map(impl):
     """Inside shard_map (every mesh axis manual) the calls run unpartitioned on the shards."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    r = subprocess.run([sys.executable, "-c", SHARD_MAP_SCRIPT, impl], env=env,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", SHARD_MAP_SCRIPT, impl], env=env, capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
 
@@ -336,12 +338,14 @@ def test_vmap_folds_a_broadcast_bias():
         o = jax_flash.attention(q, k, v, bias=bias, mask=mask, implementation=impl)
         return jnp.sum(o * jnp.cos(o))
 
-    for bias, axis in ((jax.random.normal(ks[4], (1, n, t, t), jnp.float32), None),
-                       (jax.random.normal(ks[4], (v_, 1, 1, t, t), jnp.float32), 0)):
+    for bias, axis in (
+        (jax.random.normal(ks[4], (1, n, t, t), jnp.float32), None),
+        (jax.random.normal(ks[4], (v_, 1, 1, t, t), jnp.float32), 0),
+    ):
         g = jax.vmap(jax.value_and_grad(loss, (0, 1, 2, 3)), in_axes=(0, 0, 0, axis, None))
         got = jax.jit(g, static_argnums=4)(q, k, v, bias, "pallas")
         want = jax.jit(g, static_argnums=4)(q, k, v, bias, "xla")
-        assert got[1][3].shape == (v_, *bias.shape[(0 if axis is None else 1):])
+        assert got[1][3].shape == (v_, *bias.shape[(0 if axis is None else 1) :])
         for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             assert x.shape == y.shape
             assert float(jnp.max(jnp.abs(x - y))) < 1e-4 * (1 + float(jnp.max(jnp.abs(y))))

@@ -10,9 +10,8 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_flash
-from jax_flash.reference import attention_reference
-
 from cases import Shape, make_qkv, make_sinks
+from jax_flash.reference import attention_reference
 
 # H = 32: a head dim every implementation serves (cuda: 16-bit inputs).
 SHAPE = Shape(2, 12, 19, 4, 2, 32)
@@ -29,9 +28,16 @@ def test_sinks_check_grads(fn):
     shape = Shape(1, 9, 11, 2, 1, 8)
     q, k, v = make_qkv(shape, jnp.float64)
     sinks = make_sinks(shape).astype(jnp.float64)
-    kw = dict(is_causal=True, logits_soft_cap=3.0, key_value_seq_lengths=jnp.asarray([7], jnp.int32),
-              query_offset=-2, return_residual=True)  # the first two rows see no key
-    call = attention_reference if fn == "reference" else lambda *a, **k: jax_flash.attention(*a, implementation="xla", **k)
+    kw = dict(
+        is_causal=True,
+        logits_soft_cap=3.0,
+        key_value_seq_lengths=jnp.asarray([7], jnp.int32),
+        query_offset=-2,
+        return_residual=True,
+    )  # the first two rows see no key
+    call = (
+        attention_reference if fn == "reference" else lambda *a, **k: jax_flash.attention(*a, implementation="xla", **k)
+    )
 
     f = jax.jit(lambda q, k, v, sinks: call(q, k, v, sinks=sinks, **kw))
 
@@ -71,8 +77,9 @@ def test_sinks_nonfinite(impl):
     kw = dict(is_causal=True, key_value_seq_lengths=jnp.asarray([19, 0], jnp.int32), return_residual=True)
     run = jax.jit(lambda q, k, v, s: jax_flash.attention(q, k, v, sinks=s, implementation=impl, **kw))
     out, lse = (np.asarray(x, np.float32) for x in run(q, k, v, sinks))
-    ref, ref_lse = jax.jit(lambda q, k, v, s: attention_reference(
-        q, k, v, sinks=s, compute_dtype=jnp.float64, **kw))(q, k, v, sinks)
+    ref, ref_lse = jax.jit(lambda q, k, v, s: attention_reference(q, k, v, sinks=s, compute_dtype=jnp.float64, **kw))(
+        q, k, v, sinks
+    )
     for head in (1, 3):
         assert np.isnan(out[:, :, head]).all() and np.isnan(lse[:, :, head]).all(), head
         assert np.isnan(np.asarray(ref)[:, :, head]).all() and np.isnan(np.asarray(ref_lse)[:, :, head]).all()
@@ -134,7 +141,7 @@ def test_sinks_vmap(impl):
         want = jax.jit(f)(stack(q)[1], stack(k)[1], stack(v)[1], sinks + 1.0)
         np.testing.assert_allclose(np.asarray(out[1]), np.asarray(want), atol=1e-5)
     else:
-        with pytest.raises(ValueError, match="sinks cannot be mapped by jax.vmap"):
+        with pytest.raises(ValueError, match=r"sinks cannot be mapped by jax\.vmap"):
             jax.vmap(f)(stack(q), stack(k), stack(v), per_call)
 
 

@@ -258,10 +258,17 @@ ERRORS = textwrap.dedent(
 
 
 def _run(body: str, timeout: int = 600) -> str:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-c", PRELUDE + body + "\nprint('done')\n"], env=env,
-                       cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT)
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", PRELUDE + body + "\nprint('done')\n"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert r.returncode == 0 and r.stdout.strip().endswith("done"), r.stdout + r.stderr[-6000:]
     return r.stdout
 
@@ -290,7 +297,7 @@ def test_expanded_kv_heads_serve_each_devices_query_heads(n, kh, p):
     kp = kx.shape[0]
     assert kp == math.lcm(kh, p) and kp % p == 0 and n % kp == 0
     for d in range(p):
-        local = kx[d * kp // p:(d + 1) * kp // p]
+        local = kx[d * kp // p : (d + 1) * kp // p]
         for i in range(n // p):
             global_head = d * n // p + i
             assert local[i // (n // kp)] == global_head // (n // kh)

@@ -9,8 +9,15 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-TINY = ["--steps=4", "--batch_size=2", "--seq_len=16", "--d_model=16", "--num_heads=2",
-        "--num_layers=1", "--log_every=2"]
+TINY = [
+    "--steps=4",
+    "--batch_size=2",
+    "--seq_len=16",
+    "--d_model=16",
+    "--num_heads=2",
+    "--num_layers=1",
+    "--log_every=2",
+]
 
 
 def _run(script, *flags):
@@ -18,7 +25,11 @@ def _run(script, *flags):
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), *TINY, *flags],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout + proc.stderr

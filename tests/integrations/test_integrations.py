@@ -57,20 +57,14 @@ def test_linen_matches_flax_attention(mask_kind):
     ours = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=D, attention_fn=XLA_FN)
     theirs = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=D)
     params = theirs.init(jax.random.key(1), x, x, mask=mask)
-    assert jax.tree.structure(ours.init(jax.random.key(1), x, x, mask=mask)) == jax.tree.structure(
-        params
-    )
+    assert jax.tree.structure(ours.init(jax.random.key(1), x, x, mask=mask)) == jax.tree.structure(params)
 
     def loss(module, params, x):
         y = module.apply(params, x, x, mask=mask)
         return jnp.sum(jnp.sin(y)), y
 
-    (l1, y1), g1 = jax.value_and_grad(functools.partial(loss, ours), argnums=(0, 1), has_aux=True)(
-        params, x
-    )
-    (l2, y2), g2 = jax.value_and_grad(
-        functools.partial(loss, theirs), argnums=(0, 1), has_aux=True
-    )(params, x)
+    (l1, y1), g1 = jax.value_and_grad(functools.partial(loss, ours), argnums=(0, 1), has_aux=True)(params, x)
+    (l2, y2), g2 = jax.value_and_grad(functools.partial(loss, theirs), argnums=(0, 1), has_aux=True)(params, x)
     np.testing.assert_allclose(y1, y2, **TOL)
     np.testing.assert_allclose(l1, l2, rtol=1e-5)
     _assert_trees_close(g1, g2, rtol=1e-4, atol=1e-5)
@@ -101,9 +95,7 @@ def test_linen_decoder_self_attention_default_implementation():
 
 def test_linen_dropout():
     x = _x()
-    mha = nn.MultiHeadDotProductAttention(
-        num_heads=HEADS, qkv_features=D, dropout_rate=0.25, attention_fn=XLA_FN
-    )
+    mha = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=D, dropout_rate=0.25, attention_fn=XLA_FN)
     params = mha.init(jax.random.key(0), x, deterministic=True)
     # Deterministic: dropout is off, exactly the module without dropout.
     y0 = mha.apply(params, x, deterministic=True)
@@ -113,7 +105,10 @@ def test_linen_dropout():
     with pytest.raises(ValueError, match="broadcast_dropout"):
         mha.apply(params, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
     mha = nn.MultiHeadDotProductAttention(
-        num_heads=HEADS, qkv_features=D, dropout_rate=0.25, broadcast_dropout=False,
+        num_heads=HEADS,
+        qkv_features=D,
+        dropout_rate=0.25,
+        broadcast_dropout=False,
         attention_fn=XLA_FN,
     )
     y1 = mha.apply(params, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
@@ -277,8 +272,7 @@ def test_haiku_with_sinks():
     """with_sinks adds a parameter "sinks" [num_heads] that reaches jax_flash.attention and
     gets a gradient; zeros by default (not haiku's result: each row gains e^0 in its sum)."""
     x = _x(10)
-    ours, theirs = _haiku_fns(implementation="xla", with_sinks=True,
-                              sinks_init=hk.initializers.Constant(1.5))
+    ours, theirs = _haiku_fns(implementation="xla", with_sinks=True, sinks_init=hk.initializers.Constant(1.5))
     params = ours.init(jax.random.key(0), x)
     assert params["multi_head_attention"]["sinks"].shape == (HEADS,)
     plain = theirs.init(jax.random.key(0), x)

@@ -14,8 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_flash
-from jax_flash import _ffi, _registry
-from jax_flash import cuda as jf_cuda
+from jax_flash import _ffi, _registry, cuda as jf_cuda
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

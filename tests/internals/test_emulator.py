@@ -71,13 +71,16 @@ def _run(exe, env_extra=None):
 def objects(tmp_path_factory):
     _need_cxx()
     out = tmp_path_factory.mktemp("emu")
-    objs = _compile_all(out, {
-        "emu_test": (EMU_TEST, []),
-        "simt": (SIMT, []),
-        "ptx_emu": (PTX_EMU, []),
-        # The portable context switch (ucontext), used where the x86-64 one is not.
-        "simt_ucontext": (SIMT, ["-DJAX_FLASH_EMU_UCONTEXT"]),
-    })
+    objs = _compile_all(
+        out,
+        {
+            "emu_test": (EMU_TEST, []),
+            "simt": (SIMT, []),
+            "ptx_emu": (PTX_EMU, []),
+            # The portable context switch (ucontext), used where the x86-64 one is not.
+            "simt_ucontext": (SIMT, ["-DJAX_FLASH_EMU_UCONTEXT"]),
+        },
+    )
     return out, objs
 
 
@@ -108,8 +111,12 @@ def test_emulator_unit_tests_asan(tmp_path):
     _need_cxx()
     probe = tmp_path / "probe.cc"
     probe.write_text("int main() { return 0; }\n")
-    if subprocess.run([CXX, "-fsanitize=address", str(probe), "-o", str(tmp_path / "probe")],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            [CXX, "-fsanitize=address", str(probe), "-o", str(tmp_path / "probe")], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("no AddressSanitizer runtime")
     flags = ["-g", "-fsanitize=address", "-fno-omit-frame-pointer"]
     objs = _compile_all(tmp_path, {"emu_test": (EMU_TEST, []), "simt": (SIMT, []), "ptx_emu": (PTX_EMU, [])}, flags)
@@ -129,8 +136,23 @@ def test_ptx_selftest_builds(objects, tmp_path):
     exe = tmp_path / "ptx_selftest"
     # sm_80 SASS plus compute_80 PTX: runs on every supported GPU (JIT-compiled on newer ones).
     arch = os.environ.get("JAX_FLASH_SELFTEST_ARCH", "sm_80")
-    _run_checked([nvcc, "-std=c++17", "-O2", f"-arch={arch}", f"-I{CUDA_DIR}", SELFTEST, side, objs["simt"],
-                  objs["ptx_emu"], "-o", exe], "nvcc", timeout=600)
+    _run_checked(
+        [
+            nvcc,
+            "-std=c++17",
+            "-O2",
+            f"-arch={arch}",
+            f"-I{CUDA_DIR}",
+            SELFTEST,
+            side,
+            objs["simt"],
+            objs["ptx_emu"],
+            "-o",
+            exe,
+        ],
+        "nvcc",
+        timeout=600,
+    )
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     if run.returncode == 2 and "NO DEVICE" in run.stdout:
         pytest.skip(f"built with nvcc; not run: {run.stdout.strip()}")
@@ -142,14 +164,24 @@ def test_ptx_selftest_host_driver(objects, tmp_path):
     comparisons pass on identical sides, and the emulated approximate instructions stay within
     their documented bounds; with one side perturbed every check fails (the self-test can fail)."""
     _, objs = objects
-    sides = _compile_all(tmp_path, {
-        "emu_side": (SELFTEST, ["-DJAX_FLASH_EMULATE", "-x", "c++"]),
-        "host_side": (SELFTEST, ["-DJAX_FLASH_EMULATE", "-DJAX_FLASH_SELFTEST_HOST_DRIVER", "-x", "c++"]),
-    })
+    sides = _compile_all(
+        tmp_path,
+        {
+            "emu_side": (SELFTEST, ["-DJAX_FLASH_EMULATE", "-x", "c++"]),
+            "host_side": (SELFTEST, ["-DJAX_FLASH_EMULATE", "-DJAX_FLASH_SELFTEST_HOST_DRIVER", "-x", "c++"]),
+        },
+    )
     exe = _link(tmp_path, "host_selftest", [sides["host_side"], sides["emu_side"], objs["simt"], objs["ptx_emu"]])
     for perturb in ("0", "1"):
-        run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
-                             env=dict(os.environ, JAX_FLASH_SELFTEST_PERTURB=perturb))
+        run = subprocess.run(
+            [str(exe)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, JAX_FLASH_SELFTEST_PERTURB=perturb),
+        )
         assert run.returncode == 0, run.stdout + run.stderr
         checks = [line for line in run.stdout.splitlines() if line.startswith(("PASS ", "FAIL "))]
-        assert len(checks) >= 12 and all(c.startswith("FAIL " if perturb == "1" else "PASS ") for c in checks), run.stdout
+        assert len(checks) >= 12 and all(c.startswith("FAIL " if perturb == "1" else "PASS ") for c in checks), (
+            run.stdout
+        )

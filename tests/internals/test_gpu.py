@@ -40,7 +40,7 @@ if os.path.join(_TESTS, "contract") not in sys.path:
     sys.path.append(os.path.join(_TESTS, "contract"))
 
 # jax and what it imports first: they look for pytest, and must not find the stand-in below.
-import jax  # noqa: E402, F401
+import jax  # noqa: E402
 
 import cases  # noqa: E402
 
@@ -79,13 +79,15 @@ if pytest is None:
     pytest.mark = _Decorators("pytest.mark")
     sys.modules["pytest"] = pytest
     try:
-        import conftest
         import test_attention as suite
+
+        import conftest
     finally:
         del sys.modules["pytest"]
 else:
-    import conftest
     import test_attention as suite
+
+    import conftest
 
 EMULATED = os.environ.get("JAX_FLASH_GPU_SUITE", "") == "emulated"
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
@@ -94,9 +96,23 @@ NARROW_VALUE_PAIRS = ((192, 128), (128, 64))
 DTYPES = ("bfloat16", "float16")
 # The mask kinds of the suite that the cuda kernels take (no dense bias or mask): window and
 # length edges at +1/-1 of the tile boundaries, scales that are not positive, query offsets.
-KINDS = ("none", "causal", "window", "window_causal", "lengths", "segments", "softcap", "combo",
-         "all_masked", "tile_window", "tile_window_wide", "tile_lengths", "zero_scale",
-         "negative_scale") + cases.OFFSET_KINDS
+KINDS = (
+    "none",
+    "causal",
+    "window",
+    "window_causal",
+    "lengths",
+    "segments",
+    "softcap",
+    "combo",
+    "all_masked",
+    "tile_window",
+    "tile_window_wide",
+    "tile_lengths",
+    "zero_scale",
+    "negative_scale",
+    *cases.OFFSET_KINDS,
+)
 
 
 def _shapes(h: int, hv=None) -> dict:
@@ -150,7 +166,8 @@ def _cases() -> list[GpuCase]:
 CASES = _cases()
 # Deterministic mode: the dQ kernel of every head dim, both dtypes, causal and lengths.
 DETERMINISTIC = [_case("ragged", ("causal", "lengths")[i % 2], DTYPES[i % 2], h) for i, h in enumerate(HEAD_DIMS)] + [
-    _case("ragged", "lengths", DTYPES[i % 2], h, hv) for i, (h, hv) in enumerate(NARROW_VALUE_PAIRS)]
+    _case("ragged", "lengths", DTYPES[i % 2], h, hv) for i, (h, hv) in enumerate(NARROW_VALUE_PAIRS)
+]
 # JAX_FLASH_CUDA_LAYOUT=warp32: the head dims whose forward or backward has a kernel of that
 # layout (build/generate_kernels.py), the combined mask, both dtypes.
 WARP32 = [_case("ragged", "combo", DTYPES[i % 2], h) for i, h in enumerate((32, 64, 96))]
@@ -240,15 +257,23 @@ def test_gpu_decode(case):
     k = jnp.asarray(rng.normal(size=(b, s, kh, h)) - 0.1, jnp.bfloat16)
     v = jnp.asarray(rng.normal(size=(b, s, kh, h)) + 0.2, jnp.bfloat16)
     lengths = jnp.asarray([s, 0, 1234 % s][:b], jnp.int32)
-    kw = dict(is_causal=True, key_value_seq_lengths=lengths, query_offset=lengths - t,
-              sinks=jnp.asarray(np.linspace(-1.0, 2.0, n), jnp.float32))
+    kw = dict(
+        is_causal=True,
+        key_value_seq_lengths=lengths,
+        query_offset=lengths - t,
+        sinks=jnp.asarray(np.linspace(-1.0, 2.0, n), jnp.float32),
+    )
     note = jax_flash.explain(q, k, v, implementation=impl, **kw).notes[impl]
     assert "split-KV into" in note and ("GQA packing" in note) == (t == 1), note
-    out, lse = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, implementation=impl, return_residual=True,
-                                                           **kw))(q, k, v)
-    ref = {dt: jax.jit(lambda q, k, v, dt=dt: jax_flash.reference(q, k, v, return_residual=True,
-                                                                  compute_dtype=dt, **kw))(q, k, v)
-           for dt in (jnp.float64, None)}
+    out, lse = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, implementation=impl, return_residual=True, **kw))(
+        q, k, v
+    )
+    ref = {
+        dt: jax.jit(lambda q, k, v, dt=dt: jax_flash.reference(q, k, v, return_residual=True, compute_dtype=dt, **kw))(
+            q, k, v
+        )
+        for dt in (jnp.float64, None)
+    }
     err = lambda a, r: float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(r, np.float64))))
     tol = cases.FACTOR * err(ref[None][0], ref[jnp.float64][0]) + cases.EPS["bfloat16"]
     assert err(out, ref[jnp.float64][0]) <= tol
@@ -288,10 +313,14 @@ def test_gpu_paged(case):
     note = jax_flash.explain_paged(q, kp, vp, table, lengths, implementation=impl, **kw).notes[impl]
     assert "read through the table" in note, note
     out, lse = jax.jit(lambda *a: jax_flash.paged_attention(*a, implementation=impl, return_residual=True, **kw))(
-        q, kp, vp, table, lengths)
-    ref = {dt: jax.jit(lambda *a, dt=dt: jax_flash.paged_reference(*a, return_residual=True, compute_dtype=dt,
-                                                                   **kw))(q, kp, vp, table, lengths)
-           for dt in (jnp.float64, None)}
+        q, kp, vp, table, lengths
+    )
+    ref = {
+        dt: jax.jit(lambda *a, dt=dt: jax_flash.paged_reference(*a, return_residual=True, compute_dtype=dt, **kw))(
+            q, kp, vp, table, lengths
+        )
+        for dt in (jnp.float64, None)
+    }
     err = lambda a, r: float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(r, np.float64))))
     tol = cases.FACTOR * err(ref[None][0], ref[jnp.float64][0]) + cases.EPS["bfloat16"]
     assert err(out, ref[jnp.float64][0]) <= tol
@@ -302,9 +331,13 @@ def test_gpu_paged(case):
 
 
 def _all_tests():
-    for fn, params in ((test_gpu_forward_backward, CASES), (test_gpu_backward_deterministic, DETERMINISTIC),
-                       (test_gpu_forward_backward_warp32, WARP32), (test_gpu_decode, DECODE),
-                       (test_gpu_paged, PAGED)):
+    for fn, params in (
+        (test_gpu_forward_backward, CASES),
+        (test_gpu_backward_deterministic, DETERMINISTIC),
+        (test_gpu_forward_backward_warp32, WARP32),
+        (test_gpu_decode, DECODE),
+        (test_gpu_paged, PAGED),
+    ):
         for case in params:
             yield f"{fn.__name__}[{case}]", fn, case
 
@@ -328,7 +361,7 @@ def main(argv: list[str]) -> int:
             outcome, detail = "passed", ""
         except pytest.skip.Exception as e:
             outcome, detail = "skipped", f" ({e})"
-        except Exception:  # noqa: BLE001 - reported, and the run goes on
+        except Exception:  # reported, and the run goes on
             outcome, detail = "failed", "\n" + traceback.format_exc()
         counts[outcome] += 1
         print(f"{name} {outcome.upper()} {time.monotonic() - t0:.1f}s{detail}", flush=True)

@@ -20,9 +20,8 @@ import numpy as np
 import pytest
 
 import jax_flash
+from cases import EPS, FACTOR, GRAD_EPS, Shape, make_qkv, max_err
 from jax_flash.reference import attention_reference
-
-from cases import GRAD_EPS, EPS, FACTOR, Shape, make_qkv, max_err
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -112,8 +111,12 @@ def test_grid_folds_batch_and_heads_into_x(tmp_path):
     src = tmp_path / "grid.cc"
     src.write_text(PROGRAM)
     exe = tmp_path / "grid"
-    subprocess.run([cxx, "-std=c++17", "-O1", "-DJAX_FLASH_EMULATE", "-I", str(ROOT / "cuda"), str(src), "-o",
-                    str(exe)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [cxx, "-std=c++17", "-O1", "-DJAX_FLASH_EMULATE", "-I", str(ROOT / "cuda"), str(src), "-o", str(exe)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout + r.stderr
 
@@ -122,16 +125,23 @@ def test_grid_folds_batch_and_heads_into_x(tmp_path):
 def test_emulated_grid_decoding(deterministic, monkeypatch):
     """Uneven B=3, N=3 (MQA), 2 forward / 3 dQ query blocks, 2 key blocks; per-batch lengths
     differ, so a CTA that took another batch element's or head's place gives wrong numbers."""
-    why = jax_flash.explain(jnp.zeros((1, 8, 2, 64), jnp.bfloat16), jnp.zeros((1, 8, 2, 64), jnp.bfloat16),
-                            jnp.zeros((1, 8, 2, 64), jnp.bfloat16), implementation="cuda").reasons["cuda"]
+    why = jax_flash.explain(
+        jnp.zeros((1, 8, 2, 64), jnp.bfloat16),
+        jnp.zeros((1, 8, 2, 64), jnp.bfloat16),
+        jnp.zeros((1, 8, 2, 64), jnp.bfloat16),
+        implementation="cuda",
+    ).reasons["cuda"]
     if why is not None:
         pytest.skip(f"cuda unavailable here: {why}")
     if deterministic:
         monkeypatch.setenv("JAX_FLASH_DETERMINISTIC", "1")
     shape = Shape(3, 130, 70, 3, 1, 32)
     q, k, v = make_qkv(shape, jnp.bfloat16, seed=3)
-    kw = dict(is_causal=True, key_value_seq_lengths=jnp.asarray([70, 41, 9], jnp.int32),
-              query_seq_lengths=jnp.asarray([130, 77, 100], jnp.int32))
+    kw = dict(
+        is_causal=True,
+        key_value_seq_lengths=jnp.asarray([70, 41, 9], jnp.int32),
+        query_seq_lengths=jnp.asarray([130, 77, 100], jnp.int32),
+    )
 
     def loss(fn, **extra):
         def f(q, k, v):

@@ -23,8 +23,16 @@ KERNELS = ("jax_flash_fwd", "jax_flash_bwd_dkdv", "jax_flash_bwd_dq")
 
 def _spec(h, dtype, causal=False, **kw):
     base = dict(
-        batch=1, q_len=200, kv_len=300, num_heads=4, num_kv_heads=2, head_dim=h, dtype=dtype,
-        scale=h**-0.5, window_left=None, window_right=0 if causal else None,
+        batch=1,
+        q_len=200,
+        kv_len=300,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=h,
+        dtype=dtype,
+        scale=h**-0.5,
+        window_left=None,
+        window_right=0 if causal else None,
     )
     base.update(kw)
     return AttentionSpec(**base)
@@ -32,8 +40,7 @@ def _spec(h, dtype, causal=False, **kw):
 
 def _lowered_text(spec: AttentionSpec, masks: MaskInputs) -> str:
     dt = jnp.dtype(spec.dtype)
-    b, t, s, n, kh, h = (spec.batch, spec.q_len, spec.kv_len, spec.num_heads,
-                         spec.num_kv_heads, spec.head_dim)
+    b, t, s, n, kh, h = (spec.batch, spec.q_len, spec.kv_len, spec.num_heads, spec.num_kv_heads, spec.head_dim)
     q = jax.ShapeDtypeStruct((b, t, n, h), dt)
     kv = jax.ShapeDtypeStruct((b, s, kh, h), dt)
 
@@ -72,25 +79,27 @@ def _sds(shape, dtype):
 
 MASK_CASES = {
     "window": (dict(window_left=7, window_right=3), {}),
-    "lengths": (dict(has_q_lengths=True, has_kv_lengths=True),
-                dict(q_lengths=_sds((2,), np.int32), kv_lengths=_sds((2,), np.int32))),
-    "segments": (dict(has_segment_ids=True),
-                 dict(q_segment_ids=_sds((2, 200), np.int32),
-                      kv_segment_ids=_sds((2, 300), np.int32))),
-    "softcap_bias": (dict(soft_cap=5.0, bias_shape=(2, 1, 200, 300)),
-                     dict(bias=_sds((2, 1, 200, 300), np.float32))),
+    "lengths": (
+        dict(has_q_lengths=True, has_kv_lengths=True),
+        dict(q_lengths=_sds((2,), np.int32), kv_lengths=_sds((2,), np.int32)),
+    ),
+    "segments": (
+        dict(has_segment_ids=True),
+        dict(q_segment_ids=_sds((2, 200), np.int32), kv_segment_ids=_sds((2, 300), np.int32)),
+    ),
+    "softcap_bias": (dict(soft_cap=5.0, bias_shape=(2, 1, 200, 300)), dict(bias=_sds((2, 1, 200, 300), np.float32))),
     "key_bias": (dict(bias_shape=(1, 4, 1, 300)), dict(bias=_sds((1, 4, 1, 300), np.float32))),
     "mask": (dict(mask_shape=(2, 4, 200, 300)), dict(mask=_sds((2, 4, 200, 300), np.bool_))),
     "row_mask": (dict(mask_shape=(1, 1, 200, 1)), dict(mask=_sds((1, 1, 200, 1), np.bool_))),
     # A runtime query offset per batch row moves the band (and the skipped tiles); a huge
     # window exercises the saturating band arithmetic.
-    "offset_window": (dict(window_left=7, window_right=3, has_q_offset=True),
-                      dict(q_offset=_sds((2,), np.int32))),
-    "offset_huge_window": (dict(window_left=2**31 - 1, window_right=2**33, has_q_offset=True),
-                           dict(q_offset=_sds((2,), np.int32))),
+    "offset_window": (dict(window_left=7, window_right=3, has_q_offset=True), dict(q_offset=_sds((2,), np.int32))),
+    "offset_huge_window": (
+        dict(window_left=2**31 - 1, window_right=2**33, has_q_offset=True),
+        dict(q_offset=_sds((2,), np.int32)),
+    ),
     # G = 1: one dK/dV program per kv head, no partial sums.
-    "mha_bias": (dict(num_kv_heads=4, bias_shape=(2, 4, 200, 300)),
-                 dict(bias=_sds((2, 4, 200, 300), np.float32))),
+    "mha_bias": (dict(num_kv_heads=4, bias_shape=(2, 4, 200, 300)), dict(bias=_sds((2, 4, 200, 300), np.float32))),
 }
 
 
@@ -102,8 +111,7 @@ def test_optional_inputs_lower(kind):
 
 
 def test_table_complete():
-    from jax_flash._pallas_table import HEAD_DIMS as TABLE_HEAD_DIMS
-    from jax_flash._pallas_table import PASSES
+    from jax_flash._pallas_table import HEAD_DIMS as TABLE_HEAD_DIMS, PASSES
 
     for h in TABLE_HEAD_DIMS:
         for dtype in DTYPES:
@@ -124,9 +132,7 @@ def test_gpu_tiles_interpreted(monkeypatch):
     from jax_flash import _pallas_table, xla
 
     for pass_ in _pallas_table.PASSES:
-        monkeypatch.setitem(
-            _pallas_table.INTERPRET_CONFIG, pass_, TABLE[(64, "bfloat16", pass_)]
-        )
+        monkeypatch.setitem(_pallas_table.INTERPRET_CONFIG, pass_, TABLE[(64, "bfloat16", pass_)])
     spec = _spec(64, "float32", causal=True, q_len=130, kv_len=200, bias_shape=(1, 4, 130, 200))
     keys = jax.random.split(jax.random.PRNGKey(0), 5)
     q = jax.random.normal(keys[0], (1, 130, 4, 64), jnp.float32)

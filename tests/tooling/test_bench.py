@@ -15,12 +15,18 @@ def test_bench_tiny_run_writes_table_json_and_plot(tmp_path, capsys):
     png_path = tmp_path / "bench.png"
     results = bench.main(
         [
-            "--seq-lens", "128",
-            "--head-dims", "32",
-            "--heads", "2",
-            "--reps", "1",
-            "--json", str(json_path),
-            "--plot", str(png_path),
+            "--seq-lens",
+            "128",
+            "--head-dims",
+            "32",
+            "--heads",
+            "2",
+            "--reps",
+            "1",
+            "--json",
+            str(json_path),
+            "--plot",
+            str(png_path),
         ]
     )
     out = capsys.readouterr().out
@@ -35,10 +41,10 @@ def test_bench_tiny_run_writes_table_json_and_plot(tmp_path, capsys):
         # torch (a peer measured outside XLA, when it imports) has no compiled temp memory.
         assert r.flops_per_s > 0 and (r.temp_bytes is not None or r.impl == "torch")
         assert r.vs_jax_nn is not None
-    causal_fwd = [r for r in results if r.causal and r.pass_ == "fwd"][0]
-    full_fwd = [r for r in results if not r.causal and r.pass_ == "fwd"][0]
+    causal_fwd = next(r for r in results if r.causal and r.pass_ == "fwd")
+    full_fwd = next(r for r in results if not r.causal and r.pass_ == "fwd")
     assert causal_fwd.flops == full_fwd.flops / 2
-    full_fwdbwd = [r for r in results if not r.causal and r.pass_ == "fwdbwd"][0]
+    full_fwdbwd = next(r for r in results if not r.causal and r.pass_ == "fwdbwd")
     # forward 4·B·N·T·S·H; forward+backward counts the backward's five products too: 3.5x.
     b, n, t, h = full_fwd.batch, full_fwd.heads, full_fwd.seq_len, full_fwd.head_dim
     assert full_fwd.flops == 4 * b * n * t * t * h
@@ -52,8 +58,22 @@ def test_bench_tiny_run_writes_table_json_and_plot(tmp_path, capsys):
 def test_bench_reports_failing_peer_without_crashing(capsys):
     # cuDNN attention cannot run on a CPU: the row says so and the run completes.
     results = bench.main(
-        ["--impls", "jax.nn-cudnn,xla", "--seq-lens", "64", "--head-dims", "16", "--heads", "1",
-         "--passes", "fwd", "--causal", "no", "--reps", "1"]
+        [
+            "--impls",
+            "jax.nn-cudnn,xla",
+            "--seq-lens",
+            "64",
+            "--head-dims",
+            "16",
+            "--heads",
+            "1",
+            "--passes",
+            "fwd",
+            "--causal",
+            "no",
+            "--reps",
+            "1",
+        ]
     )
     by_impl = {r.impl: r for r in results}
     assert by_impl["xla"].status == "ok"
@@ -66,8 +86,22 @@ def test_bench_reports_failing_peer_without_crashing(capsys):
 
 def test_bench_temp_memory_limit_skips():
     results = bench.main(
-        ["--impls", "xla", "--seq-lens", "64", "--head-dims", "16", "--heads", "1",
-         "--passes", "fwd", "--causal", "no", "--max-temp-gib", "0"]
+        [
+            "--impls",
+            "xla",
+            "--seq-lens",
+            "64",
+            "--head-dims",
+            "16",
+            "--heads",
+            "1",
+            "--passes",
+            "fwd",
+            "--causal",
+            "no",
+            "--max-temp-gib",
+            "0",
+        ]
     )
     assert results[0].status.startswith("skipped")
 
@@ -84,8 +118,24 @@ def test_bench_time_budget_cuts_cases_and_json_says_so(tmp_path, capsys):
     # (rewritten after every case) is complete and counts them.
     json_path = tmp_path / "bench.json"
     results = bench.main(
-        ["--impls", "xla,jax.nn", "--seq-lens", "64", "--head-dims", "16", "--heads", "1",
-         "--passes", "both", "--causal", "no", "--time-budget", "0", "--json", str(json_path)]
+        [
+            "--impls",
+            "xla,jax.nn",
+            "--seq-lens",
+            "64",
+            "--head-dims",
+            "16",
+            "--heads",
+            "1",
+            "--passes",
+            "both",
+            "--causal",
+            "no",
+            "--time-budget",
+            "0",
+            "--json",
+            str(json_path),
+        ]
     )
     assert len(results) == 4 and all(r.status == bench.CUT and r.time_s is None for r in results)
     assert all(r.flops > 0 for r in results)
@@ -97,8 +147,26 @@ def test_bench_time_budget_cuts_cases_and_json_says_so(tmp_path, capsys):
 def test_bench_time_budget_not_reached_measures_everything(tmp_path):
     json_path = tmp_path / "bench.json"
     results = bench.main(
-        ["--impls", "xla", "--seq-lens", "64", "--head-dims", "16", "--heads", "1", "--passes", "fwd",
-         "--causal", "both", "--reps", "1", "--time-budget", "600", "--json", str(json_path)]
+        [
+            "--impls",
+            "xla",
+            "--seq-lens",
+            "64",
+            "--head-dims",
+            "16",
+            "--heads",
+            "1",
+            "--passes",
+            "fwd",
+            "--causal",
+            "both",
+            "--reps",
+            "1",
+            "--time-budget",
+            "600",
+            "--json",
+            str(json_path),
+        ]
     )
     assert [r.status for r in results] == ["ok", "ok"] and all(r.compile_s > 0 for r in results)
     assert json.loads(json_path.read_text())["counts"] == {"ok": 2, "failed": 0, "OOM": 0, "skipped": 0, "cut": 0}
@@ -129,8 +197,22 @@ def test_bench_torch_peer_and_cpu_peak(capsys):
     fraction of the CPU's peak and the core probe; without torch the run says why it is not
     measured."""
     results = bench.main(
-        ["--impls", "cpu,jax.nn,torch", "--seq-lens", "128", "--head-dims", "32", "--heads", "2",
-         "--reps", "1", "--causal", "yes", "--dtype", "bfloat16"]
+        [
+            "--impls",
+            "cpu,jax.nn,torch",
+            "--seq-lens",
+            "128",
+            "--head-dims",
+            "32",
+            "--heads",
+            "2",
+            "--reps",
+            "1",
+            "--causal",
+            "yes",
+            "--dtype",
+            "bfloat16",
+        ]
     )
     out = capsys.readouterr().out
     assert "x torch" in out and "% peak" in out
@@ -157,9 +239,27 @@ def test_bench_torch_peer_and_cpu_peak(capsys):
 
 def test_bench_decode_tiny_run(tmp_path, capsys):
     json_path = tmp_path / "decode.json"
-    results = bench.main(["--decode", "--batch", "1,2", "--seq-lens", "300", "--heads", "4",
-                          "--kv-heads", "2", "--head-dim", "32", "--page-size", "16", "--reps", "1",
-                          "--json", str(json_path)])
+    results = bench.main(
+        [
+            "--decode",
+            "--batch",
+            "1,2",
+            "--seq-lens",
+            "300",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "32",
+            "--page-size",
+            "16",
+            "--reps",
+            "1",
+            "--json",
+            str(json_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert "GB/s" in out and "x jax.nn" in out and "memory bandwidth" in out
     impls = {r["impl"] for r in results}
@@ -168,7 +268,7 @@ def test_bench_decode_tiny_run(tmp_path, capsys):
     for r in results:
         assert r["status"] == "ok", r
         assert r["kv_bytes"] == 2 * r["batch"] * 300 * 2 * 32 * 4
-        assert r["kv_bytes_per_s"] > 0 and 0 < r["peak_fraction"]
+        assert r["kv_bytes_per_s"] > 0 and r["peak_fraction"] > 0
         assert (r["vs_jax_nn"] is None) == (r["impl"] == "copy")
     import jax
 
@@ -181,8 +281,23 @@ def test_bench_decode_tiny_run(tmp_path, capsys):
 
 
 def test_bench_decode_skips_caches_over_the_memory_cap(capsys):
-    results = bench.main(["--decode", "--batch", "1", "--seq-lens", "4k", "--heads", "2",
-                          "--kv-heads", "1", "--head-dim", "16", "--max-cache-gib", "0.0001"])
+    results = bench.main(
+        [
+            "--decode",
+            "--batch",
+            "1",
+            "--seq-lens",
+            "4k",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--head-dim",
+            "16",
+            "--max-cache-gib",
+            "0.0001",
+        ]
+    )
     assert results and all(r["status"].startswith("skipped: K+V") for r in results)
 
 
@@ -190,8 +305,24 @@ def test_bench_dense_bias_cases(capsys):
     """--bias: the cases run with a dense bias (differentiated in fwdbwd) against jax.nn with
     the same bias; torch is skipped with the reason."""
     results = bench.main(
-        ["--impls", "cpu,jax.nn", "--seq-lens", "130", "--head-dims", "16", "--heads", "2",
-         "--passes", "fwdbwd", "--causal", "yes", "--reps", "1", "--bias", "t5,keys"]
+        [
+            "--impls",
+            "cpu,jax.nn",
+            "--seq-lens",
+            "130",
+            "--head-dims",
+            "16",
+            "--heads",
+            "2",
+            "--passes",
+            "fwdbwd",
+            "--causal",
+            "yes",
+            "--reps",
+            "1",
+            "--bias",
+            "t5,keys",
+        ]
     )
     assert {(r.impl, r.bias) for r in results} == {(i, b) for i in ("cpu", "jax.nn") for b in ("t5", "keys")}
     for r in results:
@@ -209,8 +340,21 @@ def test_bench_dense_bias_cases(capsys):
 def test_bench_peak_memory_runs_each_cell_in_its_own_process(capsys):
     """--peak-memory: one process per (implementation, case); the peak during the call is at
     least what was resident before it, and the table row carries both."""
-    rows = bench.main(["--peak-memory", "--impls", "cpu", "--seq-lens", "256", "--head-dims", "32",
-                       "--causal", "yes", "--passes", "fwdbwd"])
+    rows = bench.main(
+        [
+            "--peak-memory",
+            "--impls",
+            "cpu",
+            "--seq-lens",
+            "256",
+            "--head-dims",
+            "32",
+            "--causal",
+            "yes",
+            "--passes",
+            "fwdbwd",
+        ]
+    )
     assert len(rows) == 1 and rows[0]["impl"] == "cpu", rows
     row = rows[0]
     assert row["peak_mib"] >= row["before_mib"] > 0 and row["call_mib"] >= 0, row

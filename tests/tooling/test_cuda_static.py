@@ -41,9 +41,13 @@ def test_no_spills_smem_fits_and_sass_uses_mma_sync():
     rows = [line.split() for line in r.stdout.splitlines()]
     for pair in ("hdim192_hv128", "hdim128_hv64"):
         for dtype in ("f16", "bf16"):
-            for pass_name, kernels in (("fwd", {"forward_kernel"}),
-                                       ("bwd", {"backward_kernel", "backward_dq_kernel", "backward_delta_kernel",
-                                                "backward_reduce_dkv_kernel"})):
+            for pass_name, kernels in (
+                ("fwd", {"forward_kernel"}),
+                (
+                    "bwd",
+                    {"backward_kernel", "backward_dq_kernel", "backward_delta_kernel", "backward_reduce_dkv_kernel"},
+                ),
+            ):
                 stem = f"{pass_name}_{dtype}_{pair}"
                 for arch in ("sm_80", "sm_90", "sm_120"):
                     seen = {row[2] for row in rows if len(row) > 2 and row[0] == stem and row[1] == arch}

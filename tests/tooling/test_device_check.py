@@ -61,8 +61,9 @@ def _stubbed_run(tmp_path, budget=16, **stubs):
     cmds = {f"DEVICE_CHECK_CMD_{k}": v for k, v in stubs.items()}
     env = _env(tmp_path, DEVICE_CHECK_BUDGET_S=str(budget), **cmds)
     t0 = time.monotonic()
-    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True, env=env,
-                          timeout=budget + 30)
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True, env=env, timeout=budget + 30
+    )
     return proc, time.monotonic() - t0, tmp_path / "out"
 
 
@@ -84,10 +85,17 @@ def test_stubbed_run_records_every_outcome(tmp_path):
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr  # a failed and a cut step
     assert seconds < 16 + 5
-    expected = {"machine": "ran", "build": "passed", "ptx_selftest": "failed", "correctness": "passed",
-                "bench": "passed", "memcheck": "cut", "racecheck": "skipped"}
+    expected = {
+        "machine": "ran",
+        "build": "passed",
+        "ptx_selftest": "failed",
+        "correctness": "passed",
+        "bench": "passed",
+        "memcheck": "cut",
+        "racecheck": "skipped",
+    }
     # The summary table is printed last and names every step.
-    tail = proc.stdout[proc.stdout.rindex("---- device_check:"):]
+    tail = proc.stdout[proc.stdout.rindex("---- device_check:") :]
     assert _summary_states(tail) == expected
     assert "failed in" in tail.splitlines()[0]
     data = json.loads((out / "device_check.json").read_text())
@@ -109,8 +117,15 @@ def test_stubbed_run_records_every_outcome(tmp_path):
 
 def test_stubbed_run_elastic_steps_take_unused_time(tmp_path):
     proc, _, out = _stubbed_run(
-        tmp_path, budget=20, machine="true", build="true", ptx_selftest="true",
-        correctness='echo "limit $STEP_LIMIT"', bench='echo "limit $STEP_LIMIT"', memcheck="true", racecheck="true",
+        tmp_path,
+        budget=20,
+        machine="true",
+        build="true",
+        ptx_selftest="true",
+        correctness='echo "limit $STEP_LIMIT"',
+        bench='echo "limit $STEP_LIMIT"',
+        memcheck="true",
+        racecheck="true",
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((out / "device_check.json").read_text())
@@ -130,8 +145,14 @@ def test_failed_build_skips_the_steps_that_need_it(tmp_path):
     for name in ("bench.json", "bench.log", "correctness.log"):  # a previous run's
         (stale / name).write_text("old")
     proc, _, out = _stubbed_run(
-        tmp_path, machine="true", build="echo 'nvcc: error'; exit 2", ptx_selftest="echo PASS",
-        correctness="echo ran", bench="echo ran", memcheck="echo ran", racecheck="echo ran",
+        tmp_path,
+        machine="true",
+        build="echo 'nvcc: error'; exit 2",
+        ptx_selftest="echo PASS",
+        correctness="echo ran",
+        bench="echo ran",
+        memcheck="echo ran",
+        racecheck="echo ran",
     )
     assert proc.returncode == 1
     states = {s["step"]: (s["state"], s["note"]) for s in json.loads((out / "device_check.json").read_text())["steps"]}
@@ -144,8 +165,15 @@ def test_failed_build_skips_the_steps_that_need_it(tmp_path):
 
 
 def test_a_stopped_run_leaves_its_summary(tmp_path):
-    cmds = dict(machine="true", build="true", ptx_selftest="true", correctness="echo started; sleep 60",
-                bench="true", memcheck="true", racecheck="true")
+    cmds = dict(
+        machine="true",
+        build="true",
+        ptx_selftest="true",
+        correctness="echo started; sleep 60",
+        bench="true",
+        memcheck="true",
+        racecheck="true",
+    )
     env = _env(tmp_path, DEVICE_CHECK_BUDGET_S="100", **{f"DEVICE_CHECK_CMD_{k}": v for k, v in cmds.items()})
     proc = subprocess.Popen(["bash", str(SCRIPT), "--dry-run"], stdout=subprocess.PIPE, text=True, env=env)
     status, log = tmp_path / "out" / "device_check.json", tmp_path / "out" / "correctness.log"
@@ -162,9 +190,16 @@ def test_a_stopped_run_leaves_its_summary(tmp_path):
     stdout, _ = proc.communicate(timeout=20)
     assert proc.returncode == 143
     states = {s["step"]: s["state"] for s in json.loads(status.read_text())["steps"]}
-    assert states == {"machine": "ran", "build": "passed", "ptx_selftest": "passed", "correctness": "cut",
-                      "bench": "skipped", "memcheck": "skipped", "racecheck": "skipped"}
-    assert _summary_states(stdout[stdout.rindex("---- device_check:"):])["correctness"] == "cut"
+    assert states == {
+        "machine": "ran",
+        "build": "passed",
+        "ptx_selftest": "passed",
+        "correctness": "cut",
+        "bench": "skipped",
+        "memcheck": "skipped",
+        "racecheck": "skipped",
+    }
+    assert _summary_states(stdout[stdout.rindex("---- device_check:") :])["correctness"] == "cut"
 
 
 def _ptx_wrappers() -> set[str]:
@@ -188,9 +223,11 @@ def test_ptx_selftest_covers_every_wrapper():
 def test_gpu_pass_runs_without_pytest():
     # tests/internals/test_gpu.py's own runner, with pytest hidden: conftest and the shared suite import
     # through its stand-in, and a selection that runs nothing exits 5 (not a pass).
-    code = ("import runpy, sys; sys.modules['pytest'] = None; sys.path.insert(0, 'tests'); "
-            "sys.argv = ['tests/internals/test_gpu.py', '-k', 'no such test']; "
-            "runpy.run_path('tests/internals/test_gpu.py', run_name='__main__')")
+    code = (
+        "import runpy, sys; sys.modules['pytest'] = None; sys.path.insert(0, 'tests'); "
+        "sys.argv = ['tests/internals/test_gpu.py', '-k', 'no such test']; "
+        "runpy.run_path('tests/internals/test_gpu.py', run_name='__main__')"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 5, proc.stdout + proc.stderr
     assert "no tests ran" in proc.stdout

@@ -19,8 +19,9 @@ SCRIPT = ROOT / "build" / "mutation_check.py"
 
 
 def _run(*args, timeout):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def test_every_mutation_applies():
