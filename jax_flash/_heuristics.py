@@ -372,9 +372,10 @@ def pallas_split_kv_description(spec: AttentionSpec, block_q: int, block_k: int,
     return f"forward: {'no split-KV' if chunks == 1 else f'split-KV into {chunks} key chunks'} ({why})"
 
 
-def pallas_group_splits(group: int, programs: int, target: int) -> int:
+def pallas_group_splits(group: int, programs: int, interpret: bool, sms: int) -> int:
     """How many pallas dK/dV programs share one kv head's group: the smallest divisor of G
-    that gives `target` programs (about two per SM; interpreted: 8)."""
+    that gives about two programs per SM (interpreted: 8 programs)."""
+    target = PALLAS_INTERPRET_PROGRAMS if interpret else 2 * sms
     for d in range(1, group + 1):
         if group % d == 0 and programs * d >= target:
             return d

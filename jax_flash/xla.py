@@ -489,11 +489,9 @@ class XlaImplementation:
         return split_kv.forward(spec, q, k, v, masks, split_kv.num_splits(spec, _registry.platform()))
 
     def note(self, spec) -> str:
-        from jax_flash.inference import split_kv
+        from jax_flash import _heuristics
 
-        c = split_kv.num_splits(spec, _registry.platform())
-        chosen = f"split-KV over {c} key chunks" if c > 1 else "no split-KV"
-        return f"{chosen}; rule: {split_kv.rule()}"
+        return _heuristics.xla_description(spec, _registry.platform())
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
         return backward(spec, q, k, v, masks, out, lse, dout, dlse)
