@@ -235,7 +235,9 @@ def test_cpu_isas_and_threads(case, monkeypatch):
     q, k, v, bias, kw, cot, dlse = _inputs(case)
     if jax_flash.explain(q, k, v, bias, implementation="cpu", **kw).reasons["cpu"] is not None:
         pytest.skip("cpu unavailable")
-    f = jax.jit(lambda q, k, v, bias: run(jax_flash.attention, q, k, v, bias, kw, cot, dlse, implementation="cpu"))
+    # A fresh jit per call: the ISA is a call setting, fixed when the call is traced.
+    f = lambda q, k, v, bias: jax.jit(
+        lambda q, k, v, bias: run(jax_flash.attention, q, k, v, bias, kw, cot, dlse, implementation="cpu"))(q, k, v, bias)
     base = [np.asarray(x) for x in f(q, k, v, bias)]
     monkeypatch.setenv("JAX_FLASH_CPU_THREADS", "1")
     for name, a, b in zip(NAMES, base, f(q, k, v, bias)):
