@@ -14,7 +14,7 @@
 #   ptx_selftest  build/ptx_selftest.cu: every wrapper of cuda/kernels/ptx.h on the real
 #                 instruction against the emulation, lane by lane (and a check that it covers
 #                 every wrapper)
-#   correctness   tests/test_gpu.py (-m gpu): a subset of the shared suite at full size,
+#   correctness   tests/internals/test_gpu.py (-m gpu): a subset of the shared suite at full size,
 #                 forward, backward, deterministic mode; plain runner if pytest is missing
 #   bench         python -m jax_flash.bench at T=S=8k, H=128/64, causal or not, fwd and fwd+bwd:
 #                 jax.nn (xla), jax.nn cuDNN, JAX's Pallas mha, cuda, pallas; then cuda again
@@ -354,10 +354,10 @@ step_correctness() {
   [ "$DRY" = 1 ] && export JAX_FLASH_GPU_SUITE=emulated
   if "$PY" -c "import pytest" 2>/dev/null; then
     # -o addopts=: pyproject.toml asks for pytest-xdist workers, which this machine may lack.
-    "$PY" -m pytest -o addopts= tests/test_gpu.py -m gpu -v -p no:cacheprovider -rfEs --durations=5
+    "$PY" -m pytest -o addopts= tests/internals/test_gpu.py -m gpu -v -p no:cacheprovider -rfEs --durations=5
   else
-    echo "pytest is not installed: tests/test_gpu.py's own runner"
-    "$PY" tests/test_gpu.py
+    echo "pytest is not installed: tests/internals/test_gpu.py's own runner"
+    "$PY" tests/internals/test_gpu.py
   fi
 }
 

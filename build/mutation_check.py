@@ -17,7 +17,7 @@ build error or empty selection; before the mutations the unmutated copy must pas
 selection (baseline).
 
   python build/mutation_check.py            # every mutation (about 20-40 min on 2 cores)
-  python build/mutation_check.py --fast     # a few, for CI (tests/test_mutation_check.py)
+  python build/mutation_check.py --fast     # a few, for CI (tests/tooling/test_mutation_check.py)
   python build/mutation_check.py --only is_interior_cols --list --markdown
 """
 
@@ -52,9 +52,8 @@ class Mutation:
     what: str = ""
 
 
-TEST_FILES = ("tests/test_attention.py", "tests/test_grid.py", "tests/test_nonfinite.py", "tests/test_decode.py",
-              "tests/test_dense.py",
-              "tests/test_dense_bias.py")
+TEST_FILES = ("tests/contract/test_attention.py", "tests/internals/test_grid.py", "tests/contract/test_nonfinite.py",
+              "tests/features/test_decode.py", "tests/features/test_dense.py", "tests/features/test_dense_bias.py")
 
 # Test selections (implementation "cuda" runs on the emulation here).
 FWD = "cuda and test_forward_backward"

@@ -1,6 +1,7 @@
 """jax_flash: exact tiled softmax attention for JAX (FlashAttention), four implementations
 behind one function and one custom_vjp. See `attention`; `ring_attention` for sequences
-sharded over a mesh axis (context parallelism); `paged_attention` and `paged_cache_write`
+sharded over a mesh axis (context parallelism), `ulysses_attention` (all-to-all to heads) and
+`hybrid_attention` (all-to-all × ring on two mesh axes); `paged_attention` and `paged_cache_write`
 for decoding with a paged KV cache. Call settings (`Config`, `config`) are fixed when a call
 is traced (docs/configuration.md)."""
 
@@ -9,6 +10,7 @@ from jax_flash._config import Config, config, current_config
 from jax_flash._export import export_disabled_checks
 from jax_flash.inference.paged import explain_paged, paged_attention, paged_cache_write
 from jax_flash.parallel.ring import ring_attention, unzigzag, zigzag
+from jax_flash.parallel.ulysses import hybrid_attention, ulysses_attention
 from jax_flash.reference import attention_reference as reference
 from jax_flash.reference import paged_attention_reference as paged_reference
 
@@ -29,5 +31,7 @@ __all__ = [
     "ring_attention",
     "zigzag",
     "unzigzag",
+    "ulysses_attention",
+    "hybrid_attention",
     "__version__",
 ]

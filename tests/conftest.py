@@ -1,6 +1,6 @@
 """Shared fixtures: which implementations run here, and how big their test shapes may be.
 
-Every implementation runs through the same tests (tests/test_attention.py). On a CPU
+Every implementation runs through the same tests (tests/contract/test_attention.py). On a CPU
 machine that means: `xla`, `cpu` (the C++ kernels), `pallas` in interpret mode and `cuda`
 emulated on the host (JAX_FLASH_EMULATE_CUDA=1); on a GPU: `xla`, `cuda`, `pallas`.
 
@@ -53,7 +53,7 @@ ALL = ("xla", "cpu", "pallas", "cuda")
 
 
 def pytest_addoption(parser):
-    group = parser.getgroup("jax_flash property suite (tests/test_property.py)")
+    group = parser.getgroup("jax_flash property suite (tests/contract/test_property.py)")
     group.addoption("--property-examples", default=None,
                     help="examples per implementation: N, or xla:N,cpu:N,cuda:N,pallas:N (env "
                          "JAX_FLASH_PROPERTY_EXAMPLES; default: the CI budget)")
@@ -133,7 +133,7 @@ def impl(request):
     return name
 
 
-# ---- `-m gpu`: the GPU correctness pass (tests/test_gpu.py) must run something -------------
+# ---- `-m gpu`: the GPU correctness pass (tests/internals/test_gpu.py) must run something -------------
 # An expression that selects the gpu marker (not `not gpu`) fails the session when no gpu test
 # passed: a GPU run that selected nothing, or skipped everything, is not a pass.
 _gpu_passed = 0

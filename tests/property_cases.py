@@ -1,4 +1,4 @@
-"""Seeded random attention calls for the property-based suite (tests/test_property.py).
+"""Seeded random attention calls for the property-based suite (tests/contract/test_property.py).
 
 `draw(impl, index, seed)` returns one `Example`: shapes, dtype, every mask argument (alone and
 combined), soft cap, scale, bias/mask, NaN/Inf injections and the cotangents, as plain Python
@@ -7,8 +7,9 @@ values (so that it prints and reproduces), drawn from a numpy Generator seeded b
 machine and in every run, whatever else is collected. `Example.arrays()` builds its inputs
 and `Example.kwargs(arrays)` the keyword arguments of `jax_flash.attention`.
 
-`visibility(example)` is an independent numpy statement of DESIGN's mask rules (which keys
-each query may see), used for the exact checks (empty rows, keys no query sees).
+`visibility(example)` is an independent numpy statement of the mask rules (which keys
+each query may see; docs/design.md, "Masks"), used for the exact checks (empty rows, keys no
+query sees).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ POISONS = (float("nan"), float("inf"), float("-inf"))
 
 @dataclasses.dataclass
 class Gates:
-    """Which dimensions may be drawn (the switches of tests/test_property.py)."""
+    """Which dimensions may be drawn (the switches of tests/contract/test_property.py)."""
 
     poisons: bool = True  # NaN/Inf in q, k, v, bias
     huge_windows: bool = True  # window sides >= 2**31
@@ -320,7 +321,7 @@ def draw(impl: str, index: int, seed: int, *, tiny: bool, gates: Gates, attempt:
     return ex
 
 
-# ---- what each query may see: DESIGN's rules, restated in numpy ---------------------------
+# ---- what each query may see: docs/design.md's "Masks", restated in numpy -------------------
 def visibility(ex: Example) -> np.ndarray:
     """bool [B, N, T, S]: query t of (batch b, head n) may see key s (masks combine by AND);
     the dense bias is not a mask (a -inf bias entry still counts as visible here)."""

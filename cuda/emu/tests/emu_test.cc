@@ -1,6 +1,6 @@
 // Unit tests of the host emulation (cuda/emu/): every emulated PTX wrapper against the PTX ISA's
 // fragment tables, the SIMT runtime, and the strictness checks. Built and run by
-// tests/test_emulator.py:
+// tests/internals/test_emulator.py:
 //   g++ -std=c++17 -O1 -Icuda cuda/emu/tests/emu_test.cc cuda/emu/simt.cc cuda/emu/ptx_emu.cc
 // Prints one line per test and a summary; exits non-zero when a test fails.
 //

@@ -1,5 +1,6 @@
 """The reference itself, checked against a plain loop over (b, n, t) written from the
-specification's words alone (DESIGN §1), sharing no code with the library."""
+specification's words alone (docs/design.md, "The call" and "Masks"), sharing no code
+with the library."""
 
 from __future__ import annotations
 

@@ -117,7 +117,7 @@ def test_bench_plot_without_matplotlib_fails_before_measuring(monkeypatch, capsy
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     measured = []
-    monkeypatch.setattr(bench, "measure_case", lambda *a, **k: measured.append(a) or [])
+    monkeypatch.setattr(bench.attention, "measure_case", lambda *a, **k: measured.append(a) or [])
     with pytest.raises(SystemExit) as e:
         bench.main(["--impls", "xla", "--seq-lens", "16", "--plot", "x.png"])
     assert ".[bench]" in str(e.value.code) and "matplotlib" in str(e.value.code)

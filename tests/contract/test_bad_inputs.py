@@ -401,7 +401,7 @@ def test_ffi_handlers_return_errors(tmp_path):
 
     if _ffi.missing("jax_flash_fwd", "cpu") or _ffi.missing("jax_flash_emu_fwd", "cpu"):
         pytest.skip("the extension's cpu and emulated targets are not built")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "JAX_PLATFORMS": "cpu", "JAX_FLASH_POISON_OUTPUTS": "1"}
     proc = subprocess.run([sys.executable, "-c", _HANDLER_SCRIPT], capture_output=True, text=True,

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "build" / "device_check.sh"
 STEPS = ["machine", "build", "ptx_selftest", "correctness", "bench", "memcheck", "racecheck"]
 # What the device machine brings back from $OUT: at most 8 files with plain names.
@@ -186,11 +186,11 @@ def test_ptx_selftest_covers_every_wrapper():
 
 
 def test_gpu_pass_runs_without_pytest():
-    # tests/test_gpu.py's own runner, with pytest hidden: conftest and the shared suite import
+    # tests/internals/test_gpu.py's own runner, with pytest hidden: conftest and the shared suite import
     # through its stand-in, and a selection that runs nothing exits 5 (not a pass).
     code = ("import runpy, sys; sys.modules['pytest'] = None; sys.path.insert(0, 'tests'); "
-            "sys.argv = ['tests/test_gpu.py', '-k', 'no such test']; "
-            "runpy.run_path('tests/test_gpu.py', run_name='__main__')")
+            "sys.argv = ['tests/internals/test_gpu.py', '-k', 'no such test']; "
+            "runpy.run_path('tests/internals/test_gpu.py', run_name='__main__')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 5, proc.stdout + proc.stderr
     assert "no tests ran" in proc.stdout

@@ -1,8 +1,8 @@
 """The shared suite: every implementation against the reference, forward and backward.
 
-Tolerance (DESIGN §5): err(impl, float64 reference) <= 2·err(reference at the input dtype,
-float64 reference) + eps. Rows that see no key must give out = 0, lse = -inf and zero,
-finite gradients in every implementation.
+Tolerance (docs/design.md, "Accuracy"): err(impl, float64 reference) <= 2·err(reference at
+the input dtype, float64 reference) + eps. Rows that see no key must give out = 0, lse = -inf
+and zero, finite gradients in every implementation (docs/design.md, "Numerical contract").
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from jax_flash.reference import attention_reference
 
 from cases import GRAD_EPS, EPS, FACTOR, Shape, make_qkv, max_err
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 PROGRAM = r"""
 #include <cstdio>

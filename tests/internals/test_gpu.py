@@ -1,5 +1,5 @@
 """The GPU correctness pass (`pytest -m gpu`, run by build/device_check.sh): a subset of the
-shared suite (tests/test_attention.py, same checks and tolerances) for `implementation="cuda"`
+shared suite (tests/contract/test_attention.py, same checks and tolerances) for `implementation="cuda"`
 at full size, forward and backward, and the backward in deterministic mode
 (JAX_FLASH_DETERMINISTIC=1) with bitwise-equal gradients run to run; and the kernels' second
 warp layout (JAX_FLASH_CUDA_LAYOUT=warp32) with the combined mask at every head dim it has its
@@ -19,7 +19,7 @@ Where the tests run:
 - elsewhere they skip. `-m gpu` fails when no gpu test passed (tests/conftest.py), so a GPU
   run in which nothing ran cannot count as a pass.
 
-Without pytest: `python tests/test_gpu.py [-k SUBSTRING]` runs the same checks (exit status
+Without pytest: `python tests/internals/test_gpu.py [-k SUBSTRING]` runs the same checks (exit status
 0 when all that ran passed, 1 on a failure, 5 when none passed).
 """
 
@@ -31,8 +31,13 @@ import sys
 import time
 import traceback
 
-if __name__ == "__main__":  # run as a script: the package of this tree, as under pytest
-    sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":  # run as a script: the package of this tree and tests/, as under pytest
+    sys.path[:0] = [os.path.dirname(_TESTS), _TESTS]
+# The shared suite this runs a subset of (tests/contract/test_attention.py), also when this file is
+# collected alone.
+if os.path.join(_TESTS, "contract") not in sys.path:
+    sys.path.append(os.path.join(_TESTS, "contract"))
 
 # jax and what it imports first: they look for pytest, and must not find the stand-in below.
 import jax  # noqa: E402, F401

@@ -120,7 +120,7 @@ def pytest_generate_tests(metafunc):
 def _reproduce(ex) -> str:
     env = f"JAX_FLASH_PROPERTY_SEED={ex.seed}"
     flags = "".join(f" {name}=1" for name, merged in _SWITCHES.items() if _ON[name] and not merged)
-    return f"{env}{flags} python -m pytest -q tests/test_property.py --property-example={ex.id}"
+    return f"{env}{flags} python -m pytest -q tests/contract/test_property.py --property-example={ex.id}"
 
 
 class Failure(AssertionError):

@@ -297,5 +297,5 @@ def test_sharded_call_draws_the_unsharded_mask():
 
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     r = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True, text=True,
-                       timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                       timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr

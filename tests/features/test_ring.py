@@ -18,7 +18,7 @@ import pytest
 
 from jax_flash.parallel.ring import block_counts
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Shared by every subprocess: one case = one ring configuration checked against the
 # reference (f64 for xla, f32 for cpu): out and lse, and the VJP of a random-weighted loss

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: CUDA kernels not compiled here")
 

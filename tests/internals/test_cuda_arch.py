@@ -17,7 +17,7 @@ import jax_flash
 from jax_flash import _ffi, _registry
 from jax_flash import cuda as jf_cuda
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _defaults():

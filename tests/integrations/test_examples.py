@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ["--steps=4", "--batch_size=2", "--seq_len=16", "--d_model=16", "--num_heads=2",
         "--num_layers=1", "--log_every=2"]
 

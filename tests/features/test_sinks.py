@@ -1,4 +1,4 @@
-"""Attention sinks beyond the shared suite (tests/test_attention.py::test_sinks): numerical
+"""Attention sinks beyond the shared suite (tests/contract/test_attention.py::test_sinks): numerical
 gradients, the argument's validation, non-finite sinks, S = 0, vmap and explain."""
 
 from __future__ import annotations

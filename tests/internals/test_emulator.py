@@ -20,7 +20,7 @@ import subprocess
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CUDA_DIR = ROOT / "cuda"
 EMU_TEST = CUDA_DIR / "emu" / "tests" / "emu_test.cc"
 SIMT = CUDA_DIR / "emu" / "simt.cc"

@@ -326,7 +326,7 @@ def test_cuda_head_dims_match_the_instantiations():
 
     from jax_flash import cuda
 
-    root = pathlib.Path(__file__).resolve().parents[1] / "cuda" / "kernels"
+    root = pathlib.Path(__file__).resolve().parents[2] / "cuda" / "kernels"
     built = {int(m.group(1)) for f in root.glob("*.cu") if (m := re.search(r"hdim(\d+)\.cu$", f.name))}
     assert built == set(cuda.HEAD_DIMS)
 

@@ -1,0 +1,21 @@
+"""`python -m jax_flash.bench [--decode | --multi-device | --peak-memory] [options]`: the
+section a flag names, or the attention table."""
+
+from __future__ import annotations
+
+import sys
+
+from jax_flash.bench import attention, decode, multi_device, peak_memory
+
+
+def main(argv=None) -> list:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--peak-memory-probe" in argv:
+        return peak_memory.peak_memory_probe(argv[argv.index("--peak-memory-probe") + 1:])
+    if "--peak-memory" in argv:
+        return peak_memory.peak_memory_main(argv)
+    if "--multi-device" in argv:
+        return multi_device.multi_device_main(argv)
+    if "--decode" in argv:  # one decode step against a KV cache (jax_flash/bench/decode.py)
+        return decode.main(argv)
+    return attention.main(argv)

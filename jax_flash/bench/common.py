@@ -1,0 +1,82 @@
+"""What every section of the benchmark shares: the machine's description, its memory, how a
+failure is reported, and the parsing of size lists."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform as _platform
+from typing import Optional
+
+import jax
+
+import jax_flash
+
+
+def _threads() -> int:
+    """The threads the cpu kernels use (JAX_FLASH_CPU_THREADS, else every CPU): torch gets
+    as many."""
+    try:
+        n = int(os.environ.get("JAX_FLASH_CPU_THREADS", "0"))
+    except ValueError:
+        n = 0
+    return n if n > 0 else (os.cpu_count() or 1)
+
+
+def _is_oom(e: BaseException) -> bool:
+    text = f"{type(e).__name__}: {e}"
+    return any(
+        s in text for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "MemoryError")
+    )
+
+
+def _short(e: BaseException, limit: int = 90) -> str:
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _physical_memory_bytes() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _device_memory_bytes() -> Optional[int]:
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        return _physical_memory_bytes()
+    try:
+        stats = dev.memory_stats() or {}
+        return stats.get("bytes_limit")
+    except Exception:  # noqa: BLE001 - not every backend has memory stats
+        return None
+
+
+def _fmt_seq(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 and n >= 1024 else str(n)
+
+
+def environment() -> dict:
+    dev = jax.devices()[0]
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "jax": jax.__version__,
+        "jax_flash": jax_flash.__version__,
+        "backend": jax.default_backend(),
+        "device": getattr(dev, "device_kind", str(dev)),
+        "cpu_count": os.cpu_count(),
+        "machine": _platform.machine(),
+        "python": _platform.python_version(),
+    }
+
+
+def _int_list(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        mult = 1024 if part.endswith("k") else 1
+        out.append(int(part.rstrip("k")) * mult)
+    return out
