@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from typing import Optional
+
+import numpy as np
 
 from jax_flash import _ffi, _registry
 from jax_flash._spec import AttentionSpec
@@ -13,9 +16,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 MAX_HEAD_DIM = 512
 
 
-# The forward's split-KV rule (cuda/cpu/tiling.h ForwardChunks; JAX_FLASH_CPU_SPLIT_KV overrides it
-# at run time): with fewer than FORWARD_ITEMS work items (ForwardQueryItems), each
-# item's keys are cut into chunks of at least MIN_CHUNK_KEY_BLOCKS 128-key blocks, merged by lse.
+# The forward's split-KV rule (the kernels receive the count as the forward_chunks attribute;
+# JAX_FLASH_CPU_SPLIT_KV overrides it when the call is traced): with fewer than FORWARD_ITEMS
+# work items (cuda/cpu/tiling.h ForwardQueryItems), each item's keys are cut into chunks of at
+# least MIN_CHUNK_KEY_BLOCKS 128-key blocks, merged by lse.
 BLOCK = 128
 FORWARD_ITEMS = 16
 MAX_FORWARD_CHUNKS = 16
@@ -23,7 +27,8 @@ MIN_CHUNK_KEY_BLOCKS = 4
 
 
 def packs_heads(spec: AttentionSpec) -> bool:
-    """GQA packing (tiling.h PacksHeads): at T = 1 the G query heads of a kv head share one tile."""
+    """GQA packing (the pack_gqa attribute; tiling.h ForwardBlock): at T = 1 the G query heads of
+    a kv head share one tile."""
     return split_kv.packs_query_heads(spec, BLOCK)
 
 
@@ -36,6 +41,52 @@ def forward_items(spec: AttentionSpec) -> int:
 def forward_chunks(spec: AttentionSpec) -> int:
     return split_kv.chunk_count(forward_items(spec), FORWARD_ITEMS, -(-spec.kv_len // BLOCK), MIN_CHUNK_KEY_BLOCKS,
                                 MAX_FORWARD_CHUNKS)
+
+
+def split_kv_setting() -> Optional[int]:
+    """JAX_FLASH_CPU_SPLIT_KV: None (unset or empty: the rule), else the forced chunk count (the
+    kernels cap it at one 128-key block per chunk)."""
+    return split_kv.forced_chunks("JAX_FLASH_CPU_SPLIT_KV", "the cpu forward's split-KV")
+
+
+def gradient_chunks_setting() -> int:
+    """JAX_FLASH_CPU_GRADIENT_CHUNKS: 0 (unset or empty: the kernels' rule, from the size of XLA's
+    thread pool), else the forced count of the backward's key-block chunks, 1 to 4 (the kernels cap
+    it at one key block per chunk)."""
+    value = os.environ.get("JAX_FLASH_CPU_GRADIENT_CHUNKS", "")
+    if not value:
+        return 0
+    try:
+        chunks = int(value)
+    except ValueError:
+        raise ValueError(f"JAX_FLASH_CPU_GRADIENT_CHUNKS={value!r} is not a chunk count of the cpu backward "
+                         "(an integer, 1 to 4)") from None
+    return min(max(chunks, 1), 4)
+
+
+def isa() -> str:
+    """JAX_FLASH_CPU_ISA: "" (unset: the widest ISA this CPU runs) or one of amx, avx512bf16,
+    avx512, avx2, generic, amx_emulated; an unknown one, or one this CPU lacks, is a ValueError
+    naming the variable."""
+    value = os.environ.get("JAX_FLASH_CPU_ISA", "")
+    if value:
+        from jax_flash import _jax_flash_ext
+
+        _jax_flash_ext.cpu_isa(value)
+    return value
+
+
+def forward_attributes(spec: AttentionSpec) -> dict:
+    """The cpu forward targets' own attributes for the (local) call `spec`: the ISA, the split-KV
+    chunk count and GQA packing (cuda/README.md), decided when the call is traced."""
+    forced = split_kv_setting()
+    return dict(isa=isa(), forward_chunks=np.int64(forward_chunks(spec) if forced is None else forced),
+                pack_gqa=bool(packs_heads(spec)))
+
+
+def backward_attributes(spec: AttentionSpec) -> dict:
+    """The cpu backward target's own attributes: the ISA and the key-block chunks (0: the rule)."""
+    return dict(isa=isa(), gradient_chunks=np.int64(gradient_chunks_setting()))
 
 
 def split_kv_description(spec: AttentionSpec) -> str:
@@ -94,7 +145,7 @@ class CpuImplementation:
         return "; ".join(parts)
 
     def forward(self, spec, q, k, v, masks):
-        return _ffi.forward(self.name, "jax_flash_fwd", spec, q, k, v, masks)
+        return _ffi.forward(self.name, "jax_flash_fwd", spec, q, k, v, masks, attributes=forward_attributes)
 
     def paged_forward(self, pspec, q, key_pages, value_pages, table, lengths, sinks=None):
         """paged_attention (jax_flash/inference/paged.py) on the host target
@@ -104,10 +155,12 @@ class CpuImplementation:
         from jax_flash.inference import paged
 
         spec, masks = paged.target_masks(pspec, q, table, lengths, sinks)
-        return _ffi.forward_call("jax_flash_paged_fwd", spec, q, key_pages, value_pages, masks, page_table=table)
+        return _ffi.forward_call("jax_flash_paged_fwd", spec, q, key_pages, value_pages, masks, page_table=table,
+                                 attributes=forward_attributes)
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
-        return _ffi.backward(self.name, "jax_flash_bwd", spec, q, k, v, masks, out, lse, dout, dlse)
+        return _ffi.backward(self.name, "jax_flash_bwd", spec, q, k, v, masks, out, lse, dout, dlse,
+                             attributes=backward_attributes)
 
 
 IMPLEMENTATION = CpuImplementation()

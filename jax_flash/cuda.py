@@ -6,9 +6,9 @@ against an emulation of the SIMT model and of each PTX instruction runs instead 
 
 JAX_FLASH_DETERMINISTIC=1 makes the backward accumulate dQ without racing atomics.
 
-JAX_FLASH_CUDA_LAYOUT=warp16|warp32 chooses the kernels' warp layout (cuda/README.md); the
-handlers read it at every call, `explain` says which one a call would run, and an unknown value
-is a ValueError when a call is traced (and an error from the handler if it changes after).
+JAX_FLASH_CUDA_LAYOUT=warp16|warp32 chooses the kernels' warp layout (cuda/README.md); read
+when a call is traced and passed to the handlers as their `layout` attribute, `explain` says
+which one a call would run, and an unknown value is a ValueError when a call is traced.
 
 JAX_FLASH_CUDA_BWD_GRID=auto|kv_heads|q_heads chooses the main backward kernel's grid
 (`backward_grid`, cuda/README.md): one CTA per (key block, kv head, batch), looping over the
@@ -88,6 +88,12 @@ def layout() -> str:
     if value not in LAYOUTS:
         raise ValueError(f"JAX_FLASH_CUDA_LAYOUT={value!r} is not a layout of the CUDA kernels (warp16 or warp32)")
     return value
+
+
+def target_attributes(spec: AttentionSpec) -> dict:
+    """The CUDA (and emulated) targets' own attribute beside the shared ones: the warp layout,
+    decided when the call is traced (cuda/README.md)."""
+    return dict(layout=layout())
 
 
 def layout_description(head_dim: int) -> str:
@@ -486,7 +492,8 @@ class CudaImplementation:
         return partitioning.forward(self.name, functools.partial(self._forward_local, target), spec, q, k, v, masks)
 
     def _forward_local(self, target, spec, q, k, v, masks, page_table=None):
-        call = functools.partial(_ffi.forward_call, target, decoding=decoding, page_table=page_table)
+        call = functools.partial(_ffi.forward_call, target, decoding=decoding, page_table=page_table,
+                                 attributes=target_attributes)
         if scans_values(spec, masks):
             # The kernel's decoding settings handle a non-finite V themselves
             # (kernels/nonfinite.h): a decode step reads K and V once.
@@ -537,6 +544,7 @@ class CudaImplementation:
         return _ffi.backward(
             self.name, f"{_prefix()}_bwd", spec, finite_part(q), finite_part(k), finite_part(v), masks, out,
             lse, dout, dlse, deterministic=deterministic(), backward_grid=backward_grid,
+            attributes=target_attributes,
         )
 
 
