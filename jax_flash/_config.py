@@ -49,10 +49,12 @@ from typing import Any, Callable, Iterator, Optional
 CPU_ISAS = ("amx", "avx512bf16", "avx512", "avx2", "generic", "amx_emulated")
 CUDA_LAYOUTS = ("warp16", "warp32")
 CUDA_BACKWARD_GRIDS = ("auto", "kv_heads", "q_heads")
-# A forced chunk count (split-KV, the cpu backward's key-block chunks): 1 to MAX_CHUNKS; 0 is
-# the rule. The kernels clamp a count to what a call has (one key block per chunk, and the cpu
-# backward to its own maximum).
+# A forced split-KV chunk count: 1 to MAX_CHUNKS; 0 is the rule. The kernels use at most one
+# chunk per key block.
 MAX_CHUNKS = 1024
+# The cpu backward's forced key-block chunks: 1 to MAX_GRADIENT_CHUNKS (the range its
+# gradient_chunks attribute accepts, cuda/README.md); 0 is the rule.
+MAX_GRADIENT_CHUNKS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,14 +69,14 @@ class _Field:
     invalid: str = ""  # the message for a bad variable: "{variable}={value!r} ..." formatted
 
 
-def _chunks(text: str) -> Optional[int]:
+def _chunks(text: str, most: int = MAX_CHUNKS) -> Optional[int]:
     if not text:
         return 0
     try:
         value = int(text)
     except ValueError:
         return None
-    return value if 1 <= value <= MAX_CHUNKS else None
+    return value if 1 <= value <= most else None
 
 
 def _choice(choices: tuple, empty: str) -> Callable[[str], Optional[str]]:
@@ -96,9 +98,10 @@ _FIELDS: dict[str, _Field] = {
         "(or unset for the best this CPU runs)"),
     "cpu_split_kv": _chunk_field("JAX_FLASH_CPU_SPLIT_KV", "the cpu forward's split-KV"),
     "cpu_gradient_chunks": _Field(
-        "JAX_FLASH_CPU_GRADIENT_CHUNKS", 0, int, what="the cpu backward's key-block chunks", parse=_chunks,
-        invalid="{variable}={value!r} is not a chunk count of the cpu backward's key-block chunks "
-                "(an integer from 1, the items own their query heads, to 1024; at most 4 are used)"),
+        "JAX_FLASH_CPU_GRADIENT_CHUNKS", 0, int, what="the cpu backward's key-block chunks",
+        parse=lambda text: _chunks(text, MAX_GRADIENT_CHUNKS),
+        invalid="{variable}={value!r} is not a chunk count of the cpu backward (an integer from 1, the "
+                "items own their query heads, to 4)"),
     "cuda_layout": _Field(
         "JAX_FLASH_CUDA_LAYOUT", "warp16", str, CUDA_LAYOUTS, "the CUDA kernels' warp layout",
         _choice(CUDA_LAYOUTS, "warp16"),
@@ -133,7 +136,8 @@ class Config:
       cpu_split_kv: the `cpu` forward's split-KV chunks: 0 the rule, C >= 1 forces C (1:
         never split; at most one chunk per key block is used).
       cpu_gradient_chunks: the `cpu` backward's key-block chunks: 0 the rule (from XLA's
-        thread pool), C >= 1 forces C (1: each work item owns its query heads; at most 4).
+        thread pool), C from 1 to 4 forces C (1: each work item owns its query heads; at most
+        one chunk per key block is used).
       cuda_layout: the `cuda` kernels' warp layout, "warp16" or "warp32".
       cuda_backward_grid: the `cuda` backward's grid, "auto", "kv_heads" or "q_heads".
       cuda_split_kv: the `cuda` forward's split-KV chunks: 0 the rule, C >= 1 forces C.
@@ -215,8 +219,9 @@ def _check(name: str, spec: _Field, value: Any) -> None:
     elif spec.kind is int:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{where} must be an int or None, got {value!r}")
-        if not 0 <= value <= MAX_CHUNKS:
-            raise ValueError(f"{where} must be 0 (the rule) or a chunk count from 1 to {MAX_CHUNKS}, got {value!r}")
+        most = MAX_GRADIENT_CHUNKS if name == "cpu_gradient_chunks" else MAX_CHUNKS
+        if not 0 <= value <= most:
+            raise ValueError(f"{where} must be 0 (the rule) or a chunk count from 1 to {most}, got {value!r}")
     else:
         if not isinstance(value, str):
             raise TypeError(f"{where} must be a str or None, got {value!r}")

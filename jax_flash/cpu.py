@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
+
 from jax_flash import _ffi, _heuristics, _registry
 from jax_flash._spec import AttentionSpec
 
@@ -24,6 +26,29 @@ def forward_chunks(spec: AttentionSpec) -> int:
 
 def split_kv_description(spec: AttentionSpec) -> str:
     return _heuristics.cpu_forward_description(spec)
+
+
+def isa(spec: AttentionSpec) -> str:
+    """The call's ISA (Config.cpu_isa): "" (the widest this CPU runs) or one ISA; an unknown
+    one, or one this CPU lacks, is a ValueError naming JAX_FLASH_CPU_ISA when the call is traced."""
+    value = _heuristics.cpu_isa(spec)
+    if value:
+        from jax_flash import _jax_flash_ext
+
+        _jax_flash_ext.cpu_isa(value)
+    return value
+
+
+def forward_attributes(spec: AttentionSpec) -> dict:
+    """The cpu forward targets' own attributes for the (local) call `spec` (cuda/README.md): the
+    ISA, the split-KV chunk count and GQA packing, decided when the call is traced."""
+    return dict(isa=isa(spec), forward_chunks=np.int64(forward_chunks(spec)), pack_gqa=bool(packs_heads(spec)))
+
+
+def backward_attributes(spec: AttentionSpec) -> dict:
+    """The cpu backward target's own attributes: the ISA and the key-block chunks (0: the
+    kernels' rule, from the size of XLA's thread pool)."""
+    return dict(isa=isa(spec), gradient_chunks=np.int64(_heuristics.cpu_gradient_chunks(spec)))
 
 
 class CpuImplementation:
@@ -73,8 +98,8 @@ class CpuImplementation:
 
     def forward(self, spec, q, k, v, masks):
         # Bad settings (JAX_FLASH_CPU_ISA, JAX_FLASH_CPU_SPLIT_KV): a ValueError now.
-        _heuristics.cpu_isa(spec), _heuristics.cpu_forward_chunks(spec)
-        return _ffi.forward(self.name, "jax_flash_fwd", spec, q, k, v, masks)
+        forward_attributes(spec)
+        return _ffi.forward(self.name, "jax_flash_fwd", spec, q, k, v, masks, attributes=forward_attributes)
 
     def paged_forward(self, pspec, q, key_pages, value_pages, table, lengths, sinks=None):
         """paged_attention (jax_flash/inference/paged.py) on the host target
@@ -84,11 +109,13 @@ class CpuImplementation:
         from jax_flash.inference import paged
 
         spec, masks = paged.target_masks(pspec, q, table, lengths, sinks)
-        return _ffi.forward_call("jax_flash_paged_fwd", spec, q, key_pages, value_pages, masks, page_table=table)
+        return _ffi.forward_call("jax_flash_paged_fwd", spec, q, key_pages, value_pages, masks, page_table=table,
+                                 attributes=forward_attributes)
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
-        _heuristics.cpu_isa(spec), _heuristics.cpu_gradient_chunks(spec)
-        return _ffi.backward(self.name, "jax_flash_bwd", spec, q, k, v, masks, out, lse, dout, dlse)
+        backward_attributes(spec)
+        return _ffi.backward(self.name, "jax_flash_bwd", spec, q, k, v, masks, out, lse, dout, dlse,
+                             attributes=backward_attributes)
 
 
 IMPLEMENTATION = CpuImplementation()

@@ -368,7 +368,8 @@ class CudaImplementation:
         return partitioning.forward(self.name, functools.partial(self._forward_local, target), spec, q, k, v, masks)
 
     def _forward_local(self, target, spec, q, k, v, masks, page_table=None):
-        call = functools.partial(_ffi.forward_call, target, decoding=decoding, page_table=page_table)
+        call = functools.partial(_ffi.forward_call, target, decoding=decoding, page_table=page_table,
+                                 attributes=target_attributes)
         if scans_values(spec, masks):
             # The kernel's decoding settings handle a non-finite V themselves
             # (kernels/nonfinite.h): a decode step reads K and V once.
@@ -421,6 +422,7 @@ class CudaImplementation:
         return _ffi.backward(
             self.name, f"{_prefix(spec)}_bwd", spec, finite_part(q), finite_part(k), finite_part(v), masks, out,
             lse, dout, dlse, deterministic=deterministic(spec), backward_grid=backward_grid,
+            attributes=target_attributes,
         )
 
 

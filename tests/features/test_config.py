@@ -136,6 +136,7 @@ def test_config_reaches_the_spec(clean_env):
     (dict(cuda_split_kv=1025), ValueError, "Config.cuda_split_kv"),
     (dict(pallas_split_kv="2"), TypeError, "Config.pallas_split_kv must be an int"),
     (dict(cpu_gradient_chunks=True), TypeError, "Config.cpu_gradient_chunks"),
+    (dict(cpu_gradient_chunks=5), ValueError, "Config.cpu_gradient_chunks must be 0 .the rule. or a chunk count from 1 to 4"),
     (dict(deterministic=1), TypeError, "Config.deterministic must be a bool"),
     (dict(warp_layout="warp32"), TypeError, "warp_layout"),
 ])
