@@ -242,7 +242,8 @@ def config(settings: Optional[Config] = None, /, **overrides: Any) -> Iterator[C
     `settings` (a `Config`) and keyword fields (those of `Config`) are combined, the keywords
     winning; nested blocks override the fields they set. The values are checked on entry.
     A jitted function traced before, or outside, the block keeps the settings it was traced
-    with. Yields the settings now in force from contexts (unset fields None)."""
+    with (jax caches the trace of a function, also across `jax.jit` wrappers of it). Yields
+    the settings now in force from contexts (unset fields None)."""
     if settings is not None and not isinstance(settings, Config):
         raise TypeError(f"jax_flash.config takes a jax_flash.Config, got {type(settings).__name__}")
     here = Config(**overrides)

@@ -198,7 +198,8 @@ def test_hashable_and_part_of_the_spec(clean_env):
 
 def test_jit_keeps_the_settings_of_its_trace(clean_env):
     """A jitted function is traced once: a later change of a variable neither retraces it nor
-    changes what it runs. Passed as a static argument, a Config keys the jit cache."""
+    changes what it runs (nor does a new jax.jit of the same function: jax keys its trace cache
+    on the function). Passed as a static argument, a Config keys the jit cache."""
     _needs("cpu")
     q, k, v = _qkv()
     traces = []
@@ -212,7 +213,12 @@ def test_jit_keeps_the_settings_of_its_trace(clean_env):
     first = np.asarray(fixed(q, k, v))
     clean_env.setenv("JAX_FLASH_CPU_SPLIT_KV", "4")
     second = np.asarray(fixed(q, k, v))
-    assert len(traces) == 1 and first.tobytes() == second.tobytes()
+    third = np.asarray(jax.jit(f)(q, k, v))
+    assert len(traces) == 1 and first.tobytes() == second.tobytes() == third.tobytes()
+    jax.clear_caches()  # now the new value decides
+    fourth = np.asarray(jax.jit(f)(q, k, v))
+    assert len(traces) == 2 and fourth.tobytes() != first.tobytes()
+    clean_env.setenv("JAX_FLASH_CPU_SPLIT_KV", "1")
 
     traces.clear()
     static = jax.jit(f, static_argnames="config")
@@ -240,7 +246,9 @@ def test_cpu_program_keeps_its_settings(clean_env):
     refuses the ISA."""
     _needs("cpu")
     q, k, v = _qkv()  # B·N = 4 work items < 16: the rule would split (4 chunks of 8 key blocks)
-    f = lambda q, k, v: jax_flash.attention(q, k, v, implementation="cpu")
+    # A new function for each trace: jax caches the trace of a function (whatever jax.jit wraps it).
+    new = lambda: (lambda q, k, v: jax_flash.attention(q, k, v, implementation="cpu"))
+    f = new()
     clean_env.setenv("JAX_FLASH_CPU_SPLIT_KV", "1")
     clean_env.setenv("JAX_FLASH_CPU_ISA", "generic")
     clean_env.setenv("JAX_FLASH_POISON_OUTPUTS", "1")
@@ -262,11 +270,12 @@ def test_cpu_program_keeps_its_settings(clean_env):
     assert np.asarray(restored.call(q, k, v)).tobytes() == want.tobytes()
     assert np.asarray(jax.jit(restored.call)(q, k, v)).tobytes() == want.tobytes()
 
-    # Traced now: the new environment decides.
+    # The same function keeps its trace; traced afresh, the new environment decides.
+    assert np.asarray(jax.jit(f)(q, k, v)).tobytes() == want.tobytes()
     with pytest.raises(ValueError, match="JAX_FLASH_CPU_ISA=sse9"):
-        jax.jit(f).lower(q, k, v)
+        jax.jit(new()).lower(q, k, v)
     clean_env.setenv("JAX_FLASH_CPU_ISA", "generic")
-    fresh = jax.jit(f).lower(q, k, v)
+    fresh = jax.jit(new()).lower(q, k, v)
     assert set(_attribute(fresh.as_text(), "forward_chunks")) == {"4"}
     assert np.asarray(fresh.compile()(q, k, v)).tobytes() != want.tobytes(), "the split did not run"
 
@@ -306,7 +315,8 @@ def test_cuda_layout_fixed_at_lowering(clean_env):
         clean_env.setenv("JAX_FLASH_EMULATE_CUDA", "1")
     _needs("cuda")
     q, k, v = _qkv(b=1, t=16, s=48, n=2, kh=1, h=64, dtype=jnp.bfloat16)
-    f = lambda q, k, v: jax_flash.attention(q, k, v, implementation="cuda", is_causal=True)
+    new = lambda: (lambda q, k, v: jax_flash.attention(q, k, v, implementation="cuda", is_causal=True))
+    f = new()
     clean_env.setenv("JAX_FLASH_CUDA_LAYOUT", "warp32")
     lowered = jax.jit(f).lower(q, k, v)
     assert set(_attribute(lowered.as_text(), "layout")) == {'"warp32"'}
@@ -318,6 +328,6 @@ def test_cuda_layout_fixed_at_lowering(clean_env):
     restored = jax.export.deserialize(exported.serialize())
     assert np.asarray(restored.call(q, k, v)).tobytes() == want.tobytes()
     with pytest.raises(ValueError, match="JAX_FLASH_CUDA_LAYOUT='warp64'"):
-        jax.jit(f).lower(q, k, v)
+        jax.jit(new()).lower(q, k, v)
     clean_env.setenv("JAX_FLASH_CUDA_LAYOUT", "warp16")
-    assert set(_attribute(jax.jit(f).lower(q, k, v).as_text(), "layout")) == {'"warp16"'}
+    assert set(_attribute(jax.jit(new()).lower(q, k, v).as_text(), "layout")) == {'"warp16"'}
