@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import numpy as np
@@ -10,7 +9,10 @@ import numpy as np
 from jax_flash import _registry
 from jax_flash._config import Config
 from jax_flash._normalize import canonicalize, restore
+from jax_flash._registry import Explanation
 from jax_flash._vjp import flash_attention
+
+__all__ = ["Explanation", "attention", "explain"]
 
 
 def attention(
@@ -127,24 +129,6 @@ def attention(
 def _check_return_residual(return_residual) -> None:
     if not isinstance(return_residual, (bool, np.bool_)):
         raise TypeError(f"return_residual must be a Python bool, got {return_residual!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Explanation:
-    """Which implementation `attention` would run for a call, and why not the others."""
-
-    selected: Optional[str]
-    reasons: dict  # name -> None (can run) or the reason it cannot
-    notes: dict = dataclasses.field(default_factory=dict)  # name -> how it runs (e.g. the kernel image)
-    op: str = "jax_flash.attention"  # the function explained
-
-    def __str__(self) -> str:
-        lines = [f"{self.op} would run: {self.selected or 'nothing'}"]
-        for name, why in self.reasons.items():
-            mark = "*" if name == self.selected else " "
-            text = why if why is not None else "available" + (f" ({self.notes[name]})" if name in self.notes else "")
-            lines.append(f" {mark} {name:7s} {text}")
-        return "\n".join(lines)
 
 
 def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:

@@ -161,8 +161,8 @@ def _window_bound(t: int, s: int) -> int:
     return t + s + 2**31
 
 
-def _window(local_window_size, is_causal, t: Optional[int] = None, s: Optional[int] = None
-            ) -> tuple[Optional[int], Optional[int]]:
+def window(local_window_size, is_causal, t: Optional[int] = None, s: Optional[int] = None
+           ) -> tuple[Optional[int], Optional[int]]:
     """(left, right), None = unbounded; clamped by `_window_bound(t, s)` when T and S are given."""
     left = right = None
     if local_window_size is not None:
@@ -194,7 +194,7 @@ def _window(local_window_size, is_causal, t: Optional[int] = None, s: Optional[i
     return left, right
 
 
-def _sinks(sinks, n: int, dtype) -> jax.Array:
+def sinks_array(sinks, n: int, dtype) -> jax.Array:
     """A floating array [N] (one logit per query head) -> float32 (float64 for float64
     inputs: the statistics' dtype)."""
     x = _as_array("sinks", sinks)
@@ -335,7 +335,7 @@ def canonicalize(
         raise ValueError(f"scale must be finite, got {scale}")
 
     logits_soft_cap = _soft_cap(logits_soft_cap)
-    left, right = _window(local_window_size, is_causal, t, s)
+    left, right = window(local_window_size, is_causal, t, s)
 
     bias_c = mask_c = None
     if bias is not None:
@@ -375,7 +375,7 @@ def canonicalize(
         kv_seg = _check_int_array("segment_ids (key/value)", kv_ids, (*batch_shape, s)).reshape(b, s)
 
     q_off = None if query_offset is None else _query_offset(query_offset, batch_shape, b)
-    sinks_c = None if sinks is None else _sinks(sinks, n, q.dtype)
+    sinks_c = None if sinks is None else sinks_array(sinks, n, q.dtype)
 
     rate = _dropout.check_rate(dropout_rate)
     # rate 0 ignores the key: the call is exactly the one without dropout.

@@ -10,7 +10,8 @@ p = exp2((x - m)·log2 e). (Folding log2(e) into the scale instead saves that mu
 rounds the base-2 logit and the natural lse differently: at |logit| ~ 1e9 the backward's
 exp2(x₂ - lse·log2 e) of a row's top key is then 2^-17, not 1.)
 
-Non-finite inputs follow the README's numerical contract, as in `jax_flash.xla`: ±inf raw
+Non-finite inputs follow the README's numerical contract with the functions of
+`jax_flash._numerics`, as `jax_flash.xla` does: ±inf raw
 scores become NaN, a NaN score reaches l through exp2 even where the row max drops it
 (Triton's max does), a row is empty only when l == 0, exponents are clamped to <= 0 by a
 select (min(NaN, 0) may be 0) (the scaled logit may be evaluated twice, once fused into an FMA), and the products
@@ -29,9 +30,25 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_flash import _dropout, _masking
+from jax_flash._numerics import clamp_exponent, finite_part, poison_infinite
+from jax_flash._pallas_table import Config
 from jax_flash._spec import AttentionSpec
 
 LOG2E = math.log2(math.e)
+
+
+def triton():
+    """(jax.experimental.pallas, its Triton module), or ImportError with the reason."""
+    from jax.experimental.pallas import triton as plt
+
+    return pl, plt
+
+
+def compiler_params(cfg: Config):
+    """Triton parameters: `CompilerParams` in jax 0.10-0.12 (`TritonCompilerParams` before)."""
+    _, plt = triton()
+    cls = getattr(plt, "CompilerParams", None) or getattr(plt, "TritonCompilerParams")
+    return cls(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,26 +128,6 @@ def _iota(n: int, axis: int):
     return lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
-def _finite(x):
-    """Bool: x is neither NaN nor ±inf (|x| < inf is False for both)."""
-    return jnp.abs(x) < jnp.inf
-
-
-def _finite_part(x):
-    """The tile with NaN/±inf replaced by 0: an operand that meets masked (zero) weights."""
-    return jnp.where(_finite(x), x, jnp.zeros((), x.dtype))
-
-
-def _clamp_exponent(d):
-    """min(d, 0) that keeps NaN (a select; Triton's minimum drops NaN)."""
-    return jnp.where(d > 0, 0.0, d)
-
-
-def _poison_infinite(scores):
-    """±inf raw scores (from a non-finite q or k) become NaN, whatever the scale's sign."""
-    return jnp.where(jnp.abs(scores) == jnp.inf, jnp.nan, scores)
-
-
 def _dot(a, b, trans_b: bool = False, trans_a: bool = False):
     """a @ b (optionally transposed operands) with float32 accumulation."""
     dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
@@ -196,7 +193,7 @@ class TileMath:
         """(logits, the soft-capped/biased logits for the cap's derivative or None) of raw
         scores q·kᵀ [f32]."""
         spec = self.lay.spec
-        scores = _poison_infinite(scores)
+        scores = poison_infinite(scores)
         if self.lay.folds_scale:
             return scores * spec.scale, None
         t = _masking.transform_logits(spec, scores * spec.scale, bias_tile)
@@ -304,8 +301,8 @@ def forward_kernel(*refs, layout: Layout):
             k0 = j * bk
             k = inp.k[pl.ds(k0, bk), :]
             v = inp.v[pl.ds(k0, bk), :]
-            bad_v = jnp.max(jnp.where(_finite(v), 0.0, 1.0).astype(jnp.float32), axis=1)[None, :]
-            v = _finite_part(v)
+            bad_v = jnp.max(jnp.where(jnp.isfinite(v), 0.0, 1.0).astype(jnp.float32), axis=1)[None, :]
+            v = finite_part(v)
             bias = None
             if lay.has_bias:
                 bias = dense_tile(inp.bias, lay.bias_rows, lay.bias_cols, (), 0, bq, k0, bk)
@@ -324,7 +321,7 @@ def forward_kernel(*refs, layout: Layout):
             # A row that has seen nothing keeps m = -inf: subtract 0 instead, so that
             # exp2(-inf) = 0 rather than exp2(-inf + inf) = NaN.
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            p = jnp.exp2(_clamp_exponent(x - m_use[:, None]) * LOG2E)
+            p = jnp.exp2(clamp_exponent(x - m_use[:, None]) * LOG2E)
             alpha = jnp.exp2((m - m_use) * LOG2E)
             l = alpha * l + jnp.sum(p, axis=1)
             keep = tm.dropout_keep(batch, head, q0, k0, bq, bk)
@@ -370,7 +367,7 @@ def _probabilities(tm: TileMath, lay: Layout, q, k, lse, bias, vis):
     """P (exactly 0 where masked and in empty rows, lse = +inf; NaN in poisoned rows),
     the natural transformed logits (or None), and `live`: where dS may be nonzero."""
     x, t = tm.logits(_dot(q, k, trans_b=True), bias)
-    p = jnp.exp2(_clamp_exponent(x - lse[:, None]) * LOG2E)
+    p = jnp.exp2(clamp_exponent(x - lse[:, None]) * LOG2E)
     live = (lse != jnp.inf)[:, None]
     if vis is not None:
         p = jnp.where(vis, p, 0.0)
@@ -435,7 +432,7 @@ def dkdv_kernel(*refs, layout: Layout):
             keep = tm.dropout_keep(batch, first_head + g, q0, k0, bq, bk)
             dv = dv + _dot(_drop(lay, keep, p).astype(do.dtype), do, trans_a=True)
             ds = _dscores(lay, p, _drop(lay, keep, _dot(do, v, trans_b=True)), delta, t, live)
-            dk = dk + _dot(ds.astype(q.dtype), _finite_part(q), trans_a=True)
+            dk = dk + _dot(ds.astype(q.dtype), finite_part(q), trans_a=True)
             return dk, dv
 
         return body
@@ -493,7 +490,7 @@ def dq_kernel(*refs, layout: Layout):
             ds = _dscores(lay, p, _drop(lay, keep, _dot(do, v, trans_b=True)), delta, t, live)
             if ds_ref is not None:
                 ds_ref[:, pl.ds(k0, bk)] = ds
-            return dq + _dot(ds.astype(k.dtype), _finite_part(k))
+            return dq + _dot(ds.astype(k.dtype), finite_part(k))
 
         return body
 

@@ -2,7 +2,10 @@
 
 Each implementation is an object with a name, `unsupported(spec)` (None, or the reason it
 cannot serve the call) and `forward`/`backward` on canonical inputs. They all plug into the
-one custom_vjp in `_vjp.py`; none has its own autodiff rule.
+one custom_vjp in `_vjp.py`; none has its own autodiff rule. The capabilities reach them
+through here by name, never by importing them: paged attention asks `paged_unsupported(pspec)`
+and runs `paged_forward` (`paged_reason`, `paged_default`); ring attention runs `forward` and
+`backward` on its blocks.
 
 Choice (`implementation=None`), at trace time, by the default backend:
 GPU -> cuda, then pallas, then xla; CPU -> cpu, then xla; anything else -> xla.
@@ -12,11 +15,13 @@ silently becomes another.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Optional, Protocol
 
 import jax
 
+from jax_flash._paged_spec import PagedSpec
 from jax_flash._spec import AttentionSpec, MaskInputs
 
 
@@ -35,6 +40,21 @@ class Implementation(Protocol):
 
     def backward(self, spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout, dlse):
         """-> dq, dk, dv (input dtypes), dbias (shape and dtype of masks.bias, or None)."""
+
+
+class PagedImplementation(Implementation, Protocol):
+    """An implementation that serves `paged_attention` (jax_flash/inference/paged.py)."""
+
+    paged_default: bool  # whether implementation=None may pick it (in the platform's order)
+
+    def paged_unsupported(self, pspec: PagedSpec) -> Optional[str]:
+        """None if it can run the paged call `pspec` here, else why not (one sentence)."""
+
+    def paged_forward(self, pspec: PagedSpec, q, key_pages, value_pages, table, lengths, sinks=None):
+        """-> out [B, T, N, H] (dtype of q), lse [B, N, T] float32."""
+
+    def paged_note(self, pspec: PagedSpec) -> Optional[str]:
+        """How it runs the paged call (`explain_paged`)."""
 
 
 # name -> module that defines IMPLEMENTATION; imported on first use so that optional
@@ -81,6 +101,17 @@ def platform() -> str:
     return "gpu" if backend in ("gpu", "cuda", "rocm") else backend
 
 
+def preference() -> tuple[str, ...]:
+    """The implementations implementation=None tries on this platform, in order."""
+    return _PREFERENCE.get(platform(), ("xla",))
+
+
+def names() -> list[str]:
+    """Every implementation: this platform's preference order, then the others."""
+    order = list(preference())
+    return order + [n for n in _MODULES if n not in order]
+
+
 def reason(name: str, spec: AttentionSpec) -> Optional[str]:
     """Why `name` cannot serve `spec` here, or None when it can."""
     try:
@@ -92,9 +123,7 @@ def reason(name: str, spec: AttentionSpec) -> Optional[str]:
 
 def explain(spec: AttentionSpec, requested: Optional[str] = None) -> dict[str, Optional[str]]:
     """{name: None if it can run else the reason}, in preference order for this platform."""
-    order = list(_PREFERENCE.get(platform(), ("xla",)))
-    order += [n for n in _MODULES if n not in order]
-    return {name: reason(name, spec) for name in order}
+    return {name: reason(name, spec) for name in names()}
 
 
 def notes(spec: AttentionSpec, reasons: dict[str, Optional[str]]) -> dict[str, str]:
@@ -123,7 +152,46 @@ def select(spec: AttentionSpec, requested: Optional[str]) -> str:
         if why is not None:
             raise ValueError(f'implementation="{requested}" cannot run this call: {why}')
         return requested
-    for name in _PREFERENCE.get(platform(), ("xla",)):
+    for name in preference():
         if reason(name, spec) is None:
             return name
     raise ValueError(f"no implementation can run this call: {explain(spec)}")
+
+
+def paged_reason(name: str, pspec: PagedSpec) -> Optional[str]:
+    """Why `name` cannot serve the paged_attention call `pspec` here, or None when it can."""
+    try:
+        impl = get(name)
+    except ImportError as e:  # an optional dependency is missing
+        return f"cannot be loaded: {e}"
+    if not hasattr(impl, "paged_forward"):
+        return "does not serve paged_attention"
+    return impl.paged_unsupported(pspec)
+
+
+def paged_default(pspec: PagedSpec) -> str:
+    """What paged_attention(implementation=None) runs: the first implementation of this
+    platform's preference order that may be picked by default (`paged_default`) and serves
+    the call; xla (which serves every call) when none does."""
+    for name in preference():
+        if paged_reason(name, pspec) is None and getattr(get(name), "paged_default", False):
+            return name
+    return "xla"
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """Which implementation `attention` would run for a call, and why not the others."""
+
+    selected: Optional[str]
+    reasons: dict  # name -> None (can run) or the reason it cannot
+    notes: dict = dataclasses.field(default_factory=dict)  # name -> how it runs (e.g. the kernel image)
+    op: str = "jax_flash.attention"  # the function explained
+
+    def __str__(self) -> str:
+        lines = [f"{self.op} would run: {self.selected or 'nothing'}"]
+        for name, why in self.reasons.items():
+            mark = "*" if name == self.selected else " "
+            text = why if why is not None else "available" + (f" ({self.notes[name]})" if name in self.notes else "")
+            lines.append(f" {mark} {name:7s} {text}")
+        return "\n".join(lines)

@@ -38,9 +38,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_flash import _ffi, _heuristics, _registry
+from jax_flash._numerics import finite_part, nonfinite_rows
+from jax_flash._paged_spec import PagedSpec, target_masks
 from jax_flash._spec import AttentionSpec
 from jax_flash.parallel import partitioning
-from jax_flash.xla import finite_part, nonfinite_rows
 
 DTYPES = ("float16", "bfloat16")
 # Head dims with compiled instantiations (cuda/kernels, build/generate_kernels.py): every H of
@@ -400,15 +401,28 @@ class CudaImplementation:
         share, _ = call(small, zeros_q, zeros_k, v, masks._replace(bias=None))
         return share[..., 0] > 0
 
-    def paged_forward(self, pspec, q, key_pages, value_pages, table, lengths, sinks=None):
-        """paged_attention (jax_flash/inference/paged.py) on the paged target: the forward
-        kernel reading K and V through the page table (cp.async from each page's slot), with
-        the decode settings of `attention` (split-KV, GQA packing). out [B, T, N, H], lse
-        [B, N, T]. Keys of an out-of-range page id are masked through kv segment ids (1 on
-        such a page, 0 elsewhere, the queries' 0); the kernel reads page 0 in their place."""
-        from jax_flash.inference import paged
+    # paged_attention (jax_flash/inference/paged.py): what implementation=None runs on an NVIDIA
+    # GPU where it serves the call (never its host emulation: the CPU backend prefers cpu).
+    paged_default = True
 
-        spec, masks = paged.target_masks(pspec, q, table, lengths, sinks)
+    def paged_unsupported(self, pspec: PagedSpec) -> Optional[str]:
+        return self.unsupported(pspec.attention)
+
+    def paged_note(self, pspec: PagedSpec) -> str:
+        try:
+            how = decoding_description(pspec.attention)
+        except ValueError as e:
+            how = f"{e}: calls fail"
+        return ("the forward kernel with its K/V tiles read through the table (cp.async from each page's "
+                f"slot, any page size); {how}")
+
+    def paged_forward(self, pspec, q, key_pages, value_pages, table, lengths, sinks=None):
+        """paged_attention on the paged target: the forward kernel reading K and V through the
+        page table (cp.async from each page's slot), with the decode settings of `attention`
+        (split-KV, GQA packing). out [B, T, N, H], lse [B, N, T]. Keys of an out-of-range page
+        id are masked through kv segment ids (1 on such a page, 0 elsewhere, the queries' 0);
+        the kernel reads page 0 in their place."""
+        spec, masks = target_masks(pspec, q, table, lengths, sinks)
         layout(spec)
         split_kv_chunks(spec)
         return self._forward_local(f"{_prefix(spec)}_paged_fwd", spec, q, key_pages, value_pages, masks,

@@ -13,10 +13,11 @@ kernel over (query block, head, batch) that loops over key blocks and, when a bi
 given, also writes dS for dbias (a [B, N, T, S] float32 buffer, summed over the axes the
 bias broadcasts along). D = rowsum(dO ∘ O) - dlse is one XLA reduction before them.
 
-Tiles, warps and stages come from `_pallas_table.TABLE` (made for sm_90), shrunk to the
-GPU's shared memory where it has less (`_heuristics.pallas_tile_config`, with the forward's
-split-KV and the dK/dV kernel's group split); `tune()` searches candidates on a GPU and prints a
-table to paste there.
+Tiles, warps and stages come from `_pallas_table.TABLE` (made for sm_90; the data file
+`pallas_table.json`), shrunk to the GPU's shared memory where it has less
+(`_heuristics.pallas_tile_config`, beside the forward's split-KV and the dK/dV kernel's group
+split);
+`jax_flash._pallas_tune.tune()` searches candidates on a GPU and writes that file.
 
 The wrapper pads what Triton needs powers of two for (the head dims H and Hv, each to at
 least 16) and the sequence lengths to whole tiles; padded keys are masked, padded rows sliced off, and
@@ -33,30 +34,17 @@ import jax.numpy as jnp
 
 from jax_flash import _heuristics, _registry
 from jax_flash._merge import merge_partials
-from jax_flash._pallas_kernels import Layout, dkdv_kernel, dq_kernel, forward_kernel
-from jax_flash._pallas_table import Config, padded_head_dim, smem_budget
-from jax_flash._pallas_table import TABLE, tune  # noqa: F401  (re-exported for the bench)
+from jax_flash._numerics import pad_axis, round_up
+from jax_flash._pallas_kernels import Layout, compiler_params, dkdv_kernel, dq_kernel, forward_kernel, triton
+from jax_flash._pallas_table import padded_head_dim, smem_budget
+from jax_flash._paged_spec import PagedSpec
 from jax_flash._spec import AttentionSpec, MaskInputs
+from jax_flash.inference import pallas_decode
 from jax_flash.parallel import partitioning
 
 DTYPES = ("float16", "bfloat16", "float32")
 # H and Hv each up to MAX_HEAD_DIM, in any pair (each padded to its own power of two).
 MAX_HEAD_DIM = 256
-
-
-def _triton():
-    """The Pallas Triton module, or ImportError with the reason."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plt
-
-    return pl, plt
-
-
-def _compiler_params(cfg: Config):
-    """Triton parameters: `CompilerParams` in jax 0.10-0.12 (`TritonCompilerParams` before)."""
-    _, plt = _triton()
-    cls = getattr(plt, "CompilerParams", None) or getattr(plt, "TritonCompilerParams")
-    return cls(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _interpret(interpret: Optional[bool]) -> bool:
@@ -71,29 +59,17 @@ def _config(spec: AttentionSpec, masks: MaskInputs, hp: int, pass_: str, configs
     dense_bytes = (0 if masks.bias is None else min(4, masks.bias.dtype.itemsize)) + (
         0 if masks.mask is None else 1
     )
-    budget = None if interpret else smem_budget(_compute_capability())
+    budget = None if interpret else smem_budget(compute_capability())
     return _heuristics.pallas_tile_config(hp, spec.dtype, pass_, interpret, budget, dense_bytes)
 
 
-def _compute_capability():
+def compute_capability():
     """(major, minor) of the first device if it is an NVIDIA GPU, else None."""
     cc = getattr(jax.devices()[0], "compute_capability", None)
     if cc is None:
         return None
     major, minor = str(cc).split(".")[:2]
     return int(major), int(minor)
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def _pad(x, axis: int, size: int, value=0):
-    if x.shape[axis] == size:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad, constant_values=value)
 
 
 def _dense(x, t_pad: int, s_pad: int, value, dtype=None):
@@ -103,9 +79,9 @@ def _dense(x, t_pad: int, s_pad: int, value, dtype=None):
     if dtype is not None:
         x = x.astype(dtype)
     if x.shape[2] != 1:
-        x = _pad(x, 2, t_pad, value)
+        x = pad_axis(x, 2, t_pad, value)
     if x.shape[3] != 1:
-        x = _pad(x, 3, s_pad, value)
+        x = pad_axis(x, 3, s_pad, value)
     return x
 
 
@@ -149,8 +125,8 @@ class _Extras:
         self.segments = None
         if masks.q_segment_ids is not None:
             self.segments = (
-                _pad(masks.q_segment_ids.astype(jnp.int32), 1, t_pad),
-                _pad(masks.kv_segment_ids.astype(jnp.int32), 1, s_pad),
+                pad_axis(masks.q_segment_ids.astype(jnp.int32), 1, t_pad),
+                pad_axis(masks.kv_segment_ids.astype(jnp.int32), 1, s_pad),
             )
         # One query offset per batch row: the programs of row b read q_offset[b].
         self.q_offset = None if masks.q_offset is None else masks.q_offset.astype(jnp.int32)[:, None]
@@ -166,7 +142,7 @@ class _Extras:
     def row_grid(self, bq: int, s_pad: int, chunks: int = 1):
         """Arrays and specs for a grid (query block i, head n, batch b) seeing all keys; with
         split-KV grid axis 0 is (query block, key chunk), the chunk fastest."""
-        pl, _ = _triton()
+        pl, _ = triton()
         args, specs = [], []
         if chunks > 1:
             return self._chunked(self.row_grid(bq, s_pad), chunks)
@@ -206,14 +182,14 @@ class _Extras:
     @staticmethod
     def _chunked(grid, chunks: int):
         """A row grid's specs with axis 0 numbering (query block, key chunk) pairs."""
-        pl, _ = _triton()
+        pl, _ = triton()
         args, specs = grid
         chunked = [pl.BlockSpec(s.block_shape, lambda i, n, b, f=s.index_map: f(i // chunks, n, b)) for s in specs]
         return args, chunked
 
     def key_grid(self, bk: int, t_pad: int, splits: int):
         """Arrays and specs for a grid (key block j, kv head h · splits, batch b)."""
-        pl, _ = _triton()
+        pl, _ = triton()
         spec = self.spec
         kh, g = spec.num_kv_heads, spec.group_size
         args, specs = [], []
@@ -255,8 +231,8 @@ def _tiles(spec: AttentionSpec, cfgs):
     """(block_q, block_k) per config and the common padded lengths T_pad, S_pad."""
     tile = _heuristics.pallas_tile
     blocks = [(tile(spec.q_len, c.block_q), tile(spec.kv_len, c.block_k)) for c in cfgs]
-    t_pad = _round_up(spec.q_len, max(b[0] for b in blocks))
-    s_pad = _round_up(spec.kv_len, max(b[1] for b in blocks))
+    t_pad = round_up(spec.q_len, max(b[0] for b in blocks))
+    s_pad = round_up(spec.kv_len, max(b[1] for b in blocks))
     return blocks, t_pad, s_pad
 
 
@@ -302,7 +278,7 @@ def split_kv_description(spec: AttentionSpec) -> str:
 
 def _forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, interpret):
     """The forward kernel on (local) canonical arrays; `spec` describes them."""
-    pl, _ = _triton()
+    pl, _ = triton()
     interpret = _interpret(interpret)
     b, t, n, h = q.shape
     hv = v.shape[-1]
@@ -311,9 +287,9 @@ def _forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, i
     ((bq, bk),), t_pad, s_pad = _tiles(spec, [cfg])
     g = spec.group_size
     c = split_kv_chunks(spec, bq, bk, interpret)
-    qp = _pad(_pad(q, 3, hp), 1, t_pad)
-    kp = _pad(_pad(k, 3, hp), 1, s_pad)
-    vp = _pad(_pad(v, 3, hvp), 1, s_pad)
+    qp = pad_axis(pad_axis(q, 3, hp), 1, t_pad)
+    kp = pad_axis(pad_axis(k, 3, hp), 1, s_pad)
+    vp = pad_axis(pad_axis(v, 3, hvp), 1, s_pad)
     extras = _Extras(spec, masks, t_pad, s_pad)
     extra_args, extra_specs = extras.row_grid(bq, s_pad, c)
     layout = _layout(spec, masks, bq, bk, t_pad, s_pad, kv_chunks=c)
@@ -336,7 +312,7 @@ def _forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, i
         in_specs=[row_spec, kv_spec, v_spec, *extra_specs],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=_compiler_params(cfg),
+        compiler_params=compiler_params(cfg),
         interpret=interpret,
         name="jax_flash_fwd",
     )(qp, kp, vp, *extra_args)
@@ -350,7 +326,7 @@ def _backward_call(
     spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout, dlse, *, configs, interpret,
 ):
     """The dK/dV and dQ kernels on (local) canonical arrays; `spec` describes them."""
-    pl, _ = _triton()
+    pl, _ = triton()
     interpret = _interpret(interpret)
     b, t, n, h = q.shape
     s, hv = k.shape[1], v.shape[-1]
@@ -365,16 +341,16 @@ def _backward_call(
     delta = jnp.einsum(
         "btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32)
     ) - dlse.astype(jnp.float32)
-    delta = _pad(delta, 2, t_pad)
+    delta = pad_axis(delta, 2, t_pad)
     # Rows that see nothing (lse = -inf) and padded rows get lse = +inf, so that
     # P = exp2((x - lse)·log2 e) = 0 there; a NaN lse (a poisoned row)
     # stays NaN.
     lse_rows = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32))
-    lse_rows = _pad(lse_rows, 2, t_pad, jnp.inf)
-    qp = _pad(_pad(q, 3, hp), 1, t_pad)
-    dop = _pad(_pad(dout.astype(q.dtype), 3, hvp), 1, t_pad)
-    kp = _pad(_pad(k, 3, hp), 1, s_pad)
-    vp = _pad(_pad(v, 3, hvp), 1, s_pad)
+    lse_rows = pad_axis(lse_rows, 2, t_pad, jnp.inf)
+    qp = pad_axis(pad_axis(q, 3, hp), 1, t_pad)
+    dop = pad_axis(pad_axis(dout.astype(q.dtype), 3, hvp), 1, t_pad)
+    kp = pad_axis(pad_axis(k, 3, hp), 1, s_pad)
+    vp = pad_axis(pad_axis(v, 3, hvp), 1, s_pad)
     extras = _Extras(spec, masks, t_pad, s_pad)
 
     # dK, dV: grid (key block, kv head · splits, batch); each program loops over G / splits
@@ -402,7 +378,7 @@ def _backward_call(
             jax.ShapeDtypeStruct((b, s_pad, kh * splits, hp), dkv_dtype(k)),
             jax.ShapeDtypeStruct((b, s_pad, kh * splits, hvp), dkv_dtype(v)),
         ],
-        compiler_params=_compiler_params(cfg_kv),
+        compiler_params=compiler_params(cfg_kv),
         interpret=interpret,
         name="jax_flash_bwd_dkdv",
     )(
@@ -433,7 +409,7 @@ def _backward_call(
         in_specs=[row_blk, kv_full, v_full, do_blk, stat, stat, *extra_specs],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=_compiler_params(cfg_q),
+        compiler_params=compiler_params(cfg_q),
         interpret=interpret,
         name="jax_flash_bwd_dq",
     )(qp, kp, vp, dop, lse_rows, delta, *extra_args)
@@ -486,7 +462,7 @@ class PallasImplementation:
         if plat not in ("gpu", "cpu"):
             return f"runs on GPUs through Triton (and interpreted on the CPU), not on {plat}"
         try:
-            _triton()
+            triton()
         except ImportError as e:
             return f"jax.experimental.pallas.triton cannot be imported: {e}"
         if spec.dtype not in DTYPES:
@@ -514,6 +490,22 @@ class PallasImplementation:
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
         return backward(spec, q, k, v, masks, out, lse, dout, dlse)
+
+    # paged_attention (jax_flash/inference/paged.py): a decode kernel of its own
+    # (`inference/pallas_decode.py`), on request only until it has been measured on a GPU.
+    paged_default = False
+
+    def paged_unsupported(self, pspec: PagedSpec) -> Optional[str]:
+        return pallas_decode.unsupported(pspec)
+
+    def paged_note(self, pspec: PagedSpec) -> str:
+        split = f"split-KV over {pspec.splits} page chunks" if pspec.splits > 1 else "no split-KV"
+        extra = pallas_decode.note()
+        return ("on request only (implementation=None never picks it); decode kernel, one "
+                f"page per key block, GQA-packed rows; {split}" + (f"; {extra}" if extra else ""))
+
+    def paged_forward(self, pspec, q, key_pages, value_pages, table, lengths, sinks=None):
+        return pallas_decode.paged_forward(pspec, q, key_pages, value_pages, table, lengths, sinks=sinks)
 
 
 IMPLEMENTATION = PallasImplementation()

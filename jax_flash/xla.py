@@ -21,14 +21,16 @@ Key blocks entirely outside a causal/window band are never visited (the inner lo
 per-block bounds), so causal at T == S costs about half of full attention. With per-row
 query offsets one loop serves the whole batch, so it visits the union of the rows' bands.
 
-The forward's key blocks may come from a caller (`kv_blocks`: the paged cache reads them
-through its page table), and its online-softmax step is a function the inference paths
-share. Few-query, long-key calls may run split-KV (`jax_flash.inference.split_kv`), by a
-rule `explain` states in this implementation's note.
+The forward's key blocks may come from a caller (`kv_blocks`: `paged_forward` reads them
+through a paged cache's page table); its online-softmax step and NaN/±inf rules are the shared
+ones of `jax_flash._numerics` (the Pallas kernels use them too). Few-query, long-key calls
+may run split-KV (`jax_flash.inference.split_kv`, around `forward`), by a rule `explain`
+states in this implementation's note.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -36,49 +38,39 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_flash import _dropout, _masking, _registry
+from jax_flash import _dropout, _heuristics, _masking, _registry
+from jax_flash._merge import merge_partials
+from jax_flash._numerics import (
+    acc_dtype,
+    clamp_exponent,
+    finite_part,
+    full,
+    nonfinite_rows,
+    online_softmax_finish,
+    online_softmax_init,
+    online_softmax_step,
+    pad_axis,
+    poison_infinite,
+    round_up,
+)
+from jax_flash._paged_spec import PagedSpec
 from jax_flash._spec import AttentionSpec, MaskInputs
+from jax_flash.inference import split_kv
 
 # Tile sizes: large enough that each step is a few hundred MFLOPs of dense matmul.
 BLOCK_Q = 512
 BLOCK_K = 512
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
 def _blocks(length: int, block: int) -> tuple[int, int]:
     """(block size, number of blocks): small inputs get one block rounded up to 8."""
-    block = min(block, _round_up(length, 8))
+    block = min(block, round_up(length, 8))
     return block, -(-length // block)
-
-
-def _acc_dtype(dtype) -> jnp.dtype:
-    """Statistics and accumulators: float32, or float64 for float64 inputs."""
-    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
 
 def _index(*xs):
     """Start indices of one dynamic_slice, all int32 (also when x64 is enabled)."""
     return tuple(jnp.asarray(x, jnp.int32) for x in xs)
-
-
-def _full(shape, value, dtype, *like):
-    """jnp.full whose result varies over the same mesh axes as `like` (inside shard_map a
-    loop carry must start as varying as what the loop makes of it: check_vma)."""
-    x = jnp.full_like(like[0], value, dtype, shape)
-    for y in like[1:]:
-        x = x + jnp.zeros_like(y, dtype, ())
-    return x
-
-
-def _pad_axis(x, axis: int, size: int, value=0):
-    if x.shape[axis] == size:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad, constant_values=value)
 
 
 class _Tiles:
@@ -92,10 +84,10 @@ class _Tiles:
             mask=self._pad_dense(masks.mask, False),
             q_segment_ids=None
             if masks.q_segment_ids is None
-            else _pad_axis(masks.q_segment_ids, 1, self.t_pad),
+            else pad_axis(masks.q_segment_ids, 1, self.t_pad),
             kv_segment_ids=None
             if masks.kv_segment_ids is None
-            else _pad_axis(masks.kv_segment_ids, 1, self.s_pad),
+            else pad_axis(masks.kv_segment_ids, 1, self.s_pad),
         )
         # The causal/window band of every batch row, shaped [B|1, 1, 1, 1, 1] like a tile.
         q_offset = 0 if masks.q_offset is None else masks.q_offset[:, None, None, None, None]
@@ -105,9 +97,9 @@ class _Tiles:
         if x is None:
             return None
         if x.shape[2] != 1:
-            x = _pad_axis(x, 2, self.t_pad, value)
+            x = pad_axis(x, 2, self.t_pad, value)
         if x.shape[3] != 1:
-            x = _pad_axis(x, 3, self.s_pad, value)
+            x = pad_axis(x, 3, self.s_pad, value)
         return x
 
     def dense_tile(self, x, i, j):
@@ -177,96 +169,6 @@ class _Tiles:
         return _masking.transform_logits(self.spec, s, self.dense_tile(self.masks.bias, i, j))
 
 
-def poison_infinite(scores):
-    """A raw score q·k that is ±inf comes from a non-finite q or k: make it NaN, like the
-    NaN one would give, so that it poisons its row whatever its sign and the scale."""
-    return jnp.where(jnp.isinf(scores), jnp.nan, scores)
-
-
-def clamp_exponent(d):
-    """min(d, 0) that keeps NaN (a select: jnp.minimum may drop it in a fused reduction)."""
-    return jnp.where(d > 0, jnp.zeros((), d.dtype), d)
-
-
-def finite_part(x):
-    """x with NaN/±inf replaced by 0: the operand of a product that meets masked weights."""
-    return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
-
-
-def nonfinite_rows(x):
-    """[B, L, N, H] -> bool [B, L, N]: the row holds a NaN or ±inf."""
-    return ~jnp.all(jnp.isfinite(x), axis=-1)
-
-
-def online_softmax_init(rows: tuple, head_dim: int, acc_dt, *like, sink=None):
-    """The running (m, l, acc, bad) of FlashAttention-2 Alg. 1 for `rows` query rows: m =
-    -inf, l = 0, acc = 0 [*rows, head_dim], bad = False (the row saw a non-finite v),
-    varying like `like` (see `_full`).
-
-    sink: None, or the rows' sink logit, broadcastable to `rows`: the state after one key
-    with that logit and value 0 was seen, m = sink and l = 1 (`sink_state`)."""
-    m = _full(rows, -jnp.inf, acc_dt, *like)
-    l = _full(rows, 0, acc_dt, *like)
-    if sink is not None:
-        m0, l0 = sink_state(sink.astype(acc_dt))
-        m, l = m0 + jnp.zeros_like(m), l0 + jnp.zeros_like(l)
-    return m, l, _full((*rows, head_dim), 0, acc_dt, *like), _full(rows, False, jnp.bool_, *like)
-
-
-def sink_state(sink):
-    """(m, l) of the online softmax after the sink alone: m = sink, l = 1. A -inf sink is no
-    sink (its l is scaled to 0 by the first visible key, and a row that sees none keeps lse
-    = -inf + log 1); a NaN or +inf sink gets l = NaN, which poisons every row of its head."""
-    return sink, jnp.where(sink < jnp.inf, jnp.ones_like(sink), jnp.nan)
-
-
-def online_softmax_step(carry, logits, vis, v_blk, bad_v_blk, pv=None, keep=None):
-    """One key tile of the online softmax (FlashAttention-2 Alg. 1, inner loop).
-
-    carry: (m, l, acc, bad) [..., q] x2, [..., q, Hv], bool [..., q] (running max, running
-    sum, unnormalised output in the accumulator dtype, saw a non-finite v); logits
-    [B, K, G, q, s] (scaled, biased, capped); vis: bool broadcastable to logits, or None;
-    v_blk [B, s, K, Hv], finite (`finite_part`); bad_v_blk: bool broadcastable to logits,
-    the keys whose v row is non-finite, or None. pv: optional P·V for other layouts,
-    pv(p, v_blk) -> [..., q, Hv] in the accumulator dtype (a kernel's 2-D tiles). keep:
-    dropout's keep bits (bool like logits) or None: the statistics see every p, the
-    accumulator only the kept ones (the 1 / (1 - rate) scaling is the caller's, at the end)."""
-    m, l, acc, bad = carry
-    if vis is not None:
-        logits = jnp.where(vis, logits, -jnp.inf)
-        bad_v_blk = None if bad_v_blk is None else bad_v_blk & vis
-    # A NaN logit may be dropped by the max, never by p = exp(NaN): l and acc carry it.
-    m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
-    # A row that has seen nothing yet keeps m = -inf; exponentiate against 0 so
-    # exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN.
-    m_safe = jnp.where(m_new == -jnp.inf, 0, m_new)
-    p = jnp.exp(clamp_exponent(logits - m_safe[..., None]))
-    alpha = jnp.exp(m - m_safe)
-    l = alpha * l + jnp.sum(p, axis=-1)
-    if pv is None:
-        pv = lambda p, v: jnp.einsum(
-            "bkgqs,bskh->bkgqh", p.astype(v.dtype), v, preferred_element_type=acc.dtype
-        )
-    if bad_v_blk is not None:
-        bad = bad | jnp.any(jnp.broadcast_to(bad_v_blk, logits.shape), axis=-1)
-    p_kept = p if keep is None else jnp.where(keep, p, 0)
-    return m_new, l, alpha[..., None] * acc + pv(p_kept, v_blk), bad
-
-
-def online_softmax_finish(carry):
-    """(out, lse) from the running (m, l, acc, bad): out = acc / l (accumulator dtype), lse =
-    m + log l; a row that saw no key (l == 0) gets out 0 and lse -inf; a poisoned row (NaN
-    l, or a visible non-finite v) is NaN."""
-    m, l, acc, bad = carry
-    # Empty: saw no key, or only -inf logits (l = 0). A NaN l (a poisoned row) is not.
-    empty = l == 0
-    l_safe = jnp.where(empty, 1, l)
-    out = jnp.where(bad[..., None], jnp.nan, acc / l_safe[..., None])
-    out = jnp.where(empty[..., None], 0, out)
-    lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
-    return out, lse
-
-
 def _split_heads(x, spec: AttentionSpec):
     """[B, L, N, H] -> [B, L, K, G, H]: query head n = k·G + g uses kv head k."""
     b, l, _, h = x.shape
@@ -298,7 +200,7 @@ def forward(
     hv = spec.v_head_dim
     s = spec.kv_len
     kh, g = spec.num_kv_heads, spec.group_size
-    acc_dt = _acc_dtype(q.dtype)
+    acc_dt = acc_dtype(q.dtype)
     out_dtype = q.dtype if out_dtype is None else out_dtype
     bq, nq = _blocks(t, block_q)
     if kv_blocks is None:
@@ -307,11 +209,11 @@ def forward(
         bk, fetch = kv_blocks
         nk = -(-s // bk)
     tiles = _Tiles(spec, masks, bq, nq, bk, nk)
-    qp = _split_heads(_pad_axis(q, 1, tiles.t_pad), spec)
+    qp = _split_heads(pad_axis(q, 1, tiles.t_pad), spec)
     if kv_blocks is None:
-        kp = _pad_axis(k, 1, tiles.s_pad)
-        vp = _pad_axis(finite_part(v), 1, tiles.s_pad)
-        bad_v = _pad_axis(nonfinite_rows(v), 1, tiles.s_pad, False)  # [B, S_pad, K]
+        kp = pad_axis(k, 1, tiles.s_pad)
+        vp = pad_axis(finite_part(v), 1, tiles.s_pad)
+        bad_v = pad_axis(nonfinite_rows(v), 1, tiles.s_pad, False)  # [B, S_pad, K]
 
         def fetch(j):
             k_blk = lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1)  # [B, bk, K, H]
@@ -368,22 +270,22 @@ def backward(
     b, t, n, h = q.shape
     s, hv = k.shape[1], v.shape[-1]
     kh, g = spec.num_kv_heads, spec.group_size
-    acc_dt = _acc_dtype(q.dtype)
+    acc_dt = acc_dtype(q.dtype)
     bq, nq = _blocks(t, block_q)
     bk, nk = _blocks(s, block_k)
     tiles = _Tiles(spec, masks, bq, nq, bk, nk)
-    qp = _split_heads(_pad_axis(q, 1, tiles.t_pad), spec)
-    dop = _split_heads(_pad_axis(dout, 1, tiles.t_pad), spec)
-    kp = _pad_axis(k, 1, tiles.s_pad)
-    vp = _pad_axis(v, 1, tiles.s_pad)
+    qp = _split_heads(pad_axis(q, 1, tiles.t_pad), spec)
+    dop = _split_heads(pad_axis(dout, 1, tiles.t_pad), spec)
+    kp = pad_axis(k, 1, tiles.s_pad)
+    vp = pad_axis(v, 1, tiles.s_pad)
     # dQ = dS·K and dK = dSᵀ·Q also multiply masked (zero) dS: over finite copies, so that
     # a poisoned key/query reaches only what sees it (through dS, which is NaN there).
-    qcp = _split_heads(_pad_axis(finite_part(q), 1, tiles.t_pad), spec)
-    kcp = _pad_axis(finite_part(k), 1, tiles.s_pad)
+    qcp = _split_heads(pad_axis(finite_part(q), 1, tiles.t_pad), spec)
+    kcp = pad_axis(finite_part(k), 1, tiles.s_pad)
     q_offset = 0 if masks.q_offset is None else masks.q_offset  # query blocks: union over B
 
     def per_row(x):  # [B, N, T] -> [B, K, G, T_pad]
-        return _pad_axis(x.astype(acc_dt), 2, tiles.t_pad).reshape(b, kh, g, tiles.t_pad)
+        return pad_axis(x.astype(acc_dt), 2, tiles.t_pad).reshape(b, kh, g, tiles.t_pad)
 
     # D = rowsum(dO ∘ O) (FlashAttention-2 §3.2); the lse cotangent enters as
     # d lse / d logit = P, i.e. it shifts D by -dlse.
@@ -396,7 +298,7 @@ def backward(
     lse_safe = jnp.where(seen, lse, 0)
 
     bias = tiles.masks.bias
-    dbias0 = None if bias is None else _full(bias.shape, 0, acc_dt, q, k, v, dout)
+    dbias0 = None if bias is None else full(bias.shape, 0, acc_dt, q, k, v, dout)
     cdt = q.dtype  # matmul operand dtype for P and dS, as the kernels use
     drop_scale = _dropout.keep_scale(spec.dropout_rate, acc_dt) if spec.has_dropout else None
 
@@ -441,14 +343,14 @@ def backward(
             return dk, dv, dq_acc, dbias
 
         lo, hi = spec.query_block_range(j * bk, (j + 1) * bk, bq, nq, q_offset)
-        zeros_k = _full((b, bk, kh, h), 0, acc_dt, q, k, v, dout)
-        zeros_v = _full((b, bk, kh, hv), 0, acc_dt, q, k, v, dout)
+        zeros_k = full((b, bk, kh, h), 0, acc_dt, q, k, v, dout)
+        zeros_v = full((b, bk, kh, hv), 0, acc_dt, q, k, v, dout)
         dk, dv, dq_acc, dbias = lax.fori_loop(
             lo, jnp.maximum(lo, hi), query_block, (zeros_k, zeros_v, dq_acc, dbias)
         )
         return (dq_acc, dbias), (dk.astype(k.dtype), dv.astype(v.dtype))
 
-    dq0 = _full((b, tiles.t_pad, kh, g, h), 0, acc_dt, q, k, v, dout)
+    dq0 = full((b, tiles.t_pad, kh, g, h), 0, acc_dt, q, k, v, dout)
     (dq_acc, dbias), (dk, dv) = lax.scan(
         key_block, (dq0, dbias0), jnp.arange(nk, dtype=jnp.int32)
     )
@@ -459,6 +361,63 @@ def backward(
     if dbias is not None:
         dbias = dbias[:, :, : masks.bias.shape[2], : masks.bias.shape[3]].astype(masks.bias.dtype)
     return dq, dk, dv, dbias
+
+
+def paged_forward(pspec: PagedSpec, q, key_pages, value_pages, table, lengths, splits=None, sinks=None):
+    """paged_attention on the xla forward: out [B, T, N, H] (dtype of q), lse [B, N, T].
+    splits: the number of split-KV chunks of the page table (default pspec.splits). sinks: [N] or None; without a
+    split the online softmax's initial state, with one a partial of the merge (out 0, lse =
+    sink), as in `split_kv`.
+
+    The blockwise forward (`forward`) with its key blocks read through the page table: block
+    j is the pages table[:, j·pp : (j+1)·pp], gathered page by page into one [B, pp·page_size,
+    K, H] tile; the cache is never copied into a contiguous array."""
+    spec = pspec.attention
+    b, t, n, h = q.shape
+    ps, cap = pspec.page_size, pspec.capacity
+    c = pspec.splits if splits is None else max(1, min(splits, pspec.max_pages))
+    lengths = jnp.maximum(lengths, 0)
+    key_len = jnp.minimum(lengths, cap)  # keys beyond the table do not exist
+    offset = lengths - t  # >= -T: no int32 wrap-around below
+    # Chunk c of sequence b is row b·C + c: pages [c·pc, (c+1)·pc) of its table.
+    pc = -(-pspec.max_pages // c)
+    pp = max(1, min(BLOCK_K // ps, pc))  # pages per key block
+    pc = -(-pc // pp) * pp
+    table = pad_axis(table, 1, c * pc, -1).reshape(b * c, pc)
+    base = jnp.arange(c, dtype=jnp.int32) * (pc * ps)  # position of each chunk's first key
+    row_len = jnp.clip(key_len[:, None] - base, 0, pc * ps).reshape(b * c)
+    row_offset = (offset[:, None] - base).reshape(b * c)
+    rows_q = q if c == 1 else jnp.broadcast_to(q[:, None], (b, c, t, n, h)).reshape(b * c, t, n, h)
+    local = dataclasses.replace(spec, batch=b * c, kv_len=pc * ps, has_kv_lengths=True, has_q_offset=True)
+    num_pages = pspec.num_pages
+
+    def fetch(j):
+        ids = lax.dynamic_slice_in_dim(table, j * pp, pp, axis=1)  # [R, pp]
+        valid = (ids >= 0) & (ids < num_pages)
+        ids = jnp.where(valid, ids, 0)  # an invalid id reads page 0, masked below
+        k_blk = jnp.take(key_pages, ids, axis=0).reshape(b * c, pp * ps, *key_pages.shape[2:])
+        v_blk = jnp.take(value_pages, ids, axis=0).reshape(b * c, pp * ps, *value_pages.shape[2:])
+        bad_v = jnp.transpose(nonfinite_rows(v_blk), (0, 2, 1))[:, :, None, None, :]
+        vis = jnp.repeat(valid, ps, axis=1)[:, None, None, None, :]  # [R, 1, 1, 1, pp·ps]
+        return k_blk, finite_part(v_blk), bad_v, vis
+
+    masks = MaskInputs(kv_lengths=row_len, q_offset=row_offset, sinks=sinks if c == 1 else None)
+    local = dataclasses.replace(local, has_sinks=masks.sinks is not None)
+    acc_dt = acc_dtype(q.dtype)
+    out, lse = forward(
+        local, rows_q, None, None, masks, kv_blocks=(pp * ps, fetch),
+        out_dtype=q.dtype if c == 1 else acc_dt,
+    )
+    if c == 1:
+        return out, lse
+    out = out.reshape(b, c, t, n, h)
+    lse = lse.reshape(b, c, n, t)
+    outs, lses = [out[:, i] for i in range(c)], [lse[:, i] for i in range(c)]
+    if sinks is not None:
+        outs.append(jnp.zeros_like(outs[0]))
+        lses.append(jnp.broadcast_to(sinks.astype(lses[0].dtype)[None, :, None], lses[0].shape))
+    out, lse = merge_partials(outs, lses)
+    return out.astype(q.dtype), lse
 
 
 def _accumulate_dbias(dbias, ds, row0, col0, bq: int, bk: int):
@@ -484,14 +443,26 @@ class XlaImplementation:
         return "any pair"
 
     def forward(self, spec, q, k, v, masks):
-        from jax_flash.inference import split_kv  # split-KV decoding: few queries, long S
-
-        return split_kv.forward(spec, q, k, v, masks, split_kv.num_splits(spec, _registry.platform()))
+        # Split-KV decoding: few queries, long S (`split_kv`), around this forward.
+        return split_kv.forward(forward, spec, q, k, v, masks, split_kv.num_splits(spec, _registry.platform()))
 
     def note(self, spec) -> str:
-        from jax_flash import _heuristics
-
         return _heuristics.xla_description(spec, _registry.platform())
+
+    # paged_attention (jax_flash/inference/paged.py): every paged call.
+    paged_default = True
+
+    def paged_unsupported(self, pspec: PagedSpec) -> Optional[str]:
+        return None
+
+    def paged_forward(self, pspec, q, key_pages, value_pages, table, lengths, sinks=None):
+        return paged_forward(pspec, q, key_pages, value_pages, table, lengths, sinks=sinks)
+
+    def paged_note(self, pspec: PagedSpec) -> str:
+        pp = max(1, min(BLOCK_K // pspec.page_size, pspec.max_pages))
+        split = f"split-KV over {pspec.splits} page chunks" if pspec.splits > 1 else "no split-KV"
+        return (f"reads {pp} page(s) of {pspec.page_size} per key block through the table; "
+                f"{split}; rule: {split_kv.rule()}")
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
         return backward(spec, q, k, v, masks, out, lse, dout, dlse)

@@ -7,8 +7,8 @@ pages without moving anything, and a server allocates pages instead of max-lengt
 
 `paged_attention` is attention of the last T positions of each sequence (a decode step:
 T = 1; speculative / chunked prefill: T > 1) against that sequence's first kv_lengths[b]
-positions. The xla implementation runs the blockwise forward (`xla.forward`, the same
-online softmax and masks as `jax_flash.attention`) with its key blocks read through the
+positions. The xla implementation runs the blockwise forward (`xla.paged_forward`: the
+same online softmax and masks as `jax_flash.attention`) with its key blocks read through the
 page table: block j is the pages page_table[:, j·pp : (j+1)·pp], gathered page by page
 into one [B, pp·page_size, K, H] tile. The cache is never copied into a contiguous array.
 On a GPU/TPU the pages are split into chunks processed in parallel and merged by lse
@@ -18,6 +18,11 @@ slot, `jax_flash.cuda`), with the split-KV and GQA packing of a decode step; it 
 implementation=None picks on an NVIDIA GPU. `implementation="cpu"` (None on a CPU) runs the
 host forward, each tile packing its key block from the pages' slots. `implementation="pallas"`
 runs a decode kernel (`pallas_decode`, on request).
+
+Dispatch goes through the registry (`_registry.paged_reason`, `paged_default`): each
+implementation says what it serves with `paged_unsupported(pspec)`, runs it with
+`paged_forward` and describes it with `paged_note`; `paged_default` marks the ones that
+implementation=None may pick, in the platform's order of preference.
 
 Bad ids and lengths: checked at trace time where the values are concrete (not traced):
 a length outside [0, max_pages·page_size] or a page id outside [0, num_pages) among the
@@ -30,70 +35,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import numbers
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from jax_flash import _ffi, _registry, xla
-from jax_flash._normalize import IMPLEMENTATIONS, _sinks, canonicalize
-from jax_flash._spec import AttentionSpec, MaskInputs
+from jax_flash import _registry
+from jax_flash._normalize import IMPLEMENTATIONS, canonicalize, sinks_array
+from jax_flash._paged_spec import PagedSpec
 from jax_flash.inference import split_kv
 
-# Implementations that serve paged_attention. None picks cuda on an NVIDIA GPU (the forward
-# kernel of `attention`, reading through the table), cpu on a CPU, else xla; the pallas decode
-# kernel is opt-in until it has been measured on a GPU.
-SERVED_BY = ("xla", "cuda", "cpu", "pallas")
 
-
-def reason(name: str, pspec: "PagedSpec") -> Optional[str]:
-    """Why implementation `name` cannot serve this paged call, or None."""
-    if name == "xla":
-        return None
-    if name == "pallas":
-        from jax_flash.inference import pallas_decode
-
-        return pallas_decode.unsupported(pspec)
-    if name == "cuda":
-        from jax_flash import cuda
-
-        return cuda.IMPLEMENTATION.unsupported(pspec.attention)
-    if name == "cpu":
-        from jax_flash import cpu
-
-        return cpu.IMPLEMENTATION.unsupported(pspec.attention) or _ffi.missing("jax_flash_paged_fwd", "cpu")
-    raise ValueError(f"unknown implementation {name!r}")
-
-
-def default_implementation(pspec: "PagedSpec") -> str:
-    """What implementation=None runs: cuda on an NVIDIA GPU where it serves the call (never
-    its host emulation), cpu on the CPU backend where it serves the call (2.9-3.0x paged xla's
-    speed in a decode step, README), else xla."""
-    platform = _registry.platform()
-    if platform == "gpu" and reason("cuda", pspec) is None:
-        return "cuda"
-    if platform == "cpu" and reason("cpu", pspec) is None:
-        return "cpu"
-    return "xla"
-
-
-@dataclasses.dataclass(frozen=True)
-class PagedSpec:
-    """Static description of one paged_attention call."""
-
-    attention: AttentionSpec  # B, T, S = max_pages·page_size (the table's capacity), masks
-    num_pages: int
-    page_size: int
-    max_pages: int
-    splits: int  # split-KV chunks of the page table (1: none)
-
-    @property
-    def capacity(self) -> int:
-        return self.max_pages * self.page_size
+def reason(name: str, pspec: PagedSpec) -> Optional[str]:
+    """Why implementation `name` cannot serve this paged call, or None (the registry asks the
+    implementation: `paged_unsupported`)."""
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown implementation {name!r}")
+    return _registry.paged_reason(name, pspec)
 
 
 def _shape_str(x) -> str:
@@ -175,9 +134,11 @@ def canonicalize_paged(
     logits_soft_cap=None,
     implementation=None,
     sinks=None,
+    config=None,
 ):
     """Validate a paged_attention call: (PagedSpec, q, key_pages, value_pages, table, lengths,
-    sinks (float32 [N] or None))."""
+    sinks (float32 [N] or None)); the call's settings (`config`, a `jax_flash.Config`) are
+    resolved now, into the spec."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
     q = jnp.asarray(query)
@@ -203,7 +164,7 @@ def canonicalize_paged(
         holder["c"] = canonicalize(
             q, k, k, scale=scale, is_causal=is_causal, key_value_seq_lengths=lens,
             query_offset=lens, local_window_size=local_window_size,
-            logits_soft_cap=logits_soft_cap,
+            logits_soft_cap=logits_soft_cap, config=config,
         )
         return lens
 
@@ -220,7 +181,7 @@ def canonicalize_paged(
     # side lets the key loop stop at the last key instead of the table's end.
     right = spec.window_right
     right = t - 1 if right is None else min(right, t - 1)
-    sinks = None if sinks is None else _sinks(sinks, n, q.dtype)
+    sinks = None if sinks is None else sinks_array(sinks, n, q.dtype)
     spec = dataclasses.replace(spec, window_right=right, has_sinks=sinks is not None)
     tv, lv = _concrete(table), _concrete(lengths)
     if tv is not None and lv is not None:
@@ -248,6 +209,7 @@ def paged_attention(
     sinks=None,
     return_residual: bool = False,
     implementation: Optional[str] = None,
+    config=None,
 ):
     """Attention of the newest T positions of each sequence against its paged KV cache.
 
@@ -274,6 +236,8 @@ def paged_attention(
         (the forward kernel reading K/V through the table), "cpu" (the host forward, packing
         each key block from its pages) or "pallas" (a decode kernel on the Triton backend,
         interpreted on a CPU); see `explain_paged`.
+      config: a `jax_flash.Config` of call settings, as for `jax_flash.attention` (the cpu
+        and cuda kernels' split-KV counts, ISA, warp layout, ...), resolved when traced.
 
     Page ids and lengths that are concrete at trace time are checked (ValueError naming the
     entry); traced ones are masked at run time (never read out of bounds, see the module
@@ -287,9 +251,9 @@ def paged_attention(
     pspec, q, kp, vp, table, lengths, sinks = canonicalize_paged(
         query, key_pages, value_pages, page_table, kv_lengths, scale=scale,
         is_causal=is_causal, local_window_size=local_window_size,
-        logits_soft_cap=logits_soft_cap, implementation=implementation, sinks=sinks,
+        logits_soft_cap=logits_soft_cap, implementation=implementation, sinks=sinks, config=config,
     )
-    name = implementation or default_implementation(pspec)
+    name = implementation or _registry.paged_default(pspec)
     why = reason(name, pspec)
     if why is not None:
         raise ValueError(f'implementation="{name}" cannot run paged_attention: {why}')
@@ -299,13 +263,7 @@ def paged_attention(
 
 
 def _run(name: str, pspec: PagedSpec, *args, sinks=None):
-    if name == "pallas":
-        from jax_flash.inference import pallas_decode
-
-        return pallas_decode.paged_forward(pspec, *args, sinks=sinks)
-    if name in ("cuda", "cpu"):
-        return _registry.get(name).paged_forward(pspec, *args, sinks=sinks)
-    return forward(pspec, *args, sinks=sinks)
+    return _registry.get(name).paged_forward(pspec, *args, sinks=sinks)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -326,78 +284,6 @@ def _paged_bwd(name, pspec, residuals, cotangents):
 
 
 _paged.defvjp(_paged_fwd, _paged_bwd)
-
-
-def forward(pspec: PagedSpec, q, key_pages, value_pages, table, lengths, splits=None, sinks=None):
-    """The xla forward: out [B, T, N, H] (dtype of q), lse [B, N, T]. splits: the number of
-    split-KV chunks of the page table (default pspec.splits). sinks: [N] or None; without a
-    split the online softmax's initial state, with one a partial of the merge (out 0, lse =
-    sink), as in `split_kv`."""
-    spec = pspec.attention
-    b, t, n, h = q.shape
-    ps, cap = pspec.page_size, pspec.capacity
-    c = pspec.splits if splits is None else max(1, min(splits, pspec.max_pages))
-    lengths = jnp.maximum(lengths, 0)
-    key_len = jnp.minimum(lengths, cap)  # keys beyond the table do not exist
-    offset = lengths - t  # >= -T: no int32 wrap-around below
-    # Chunk c of sequence b is row b·C + c: pages [c·pc, (c+1)·pc) of its table.
-    pc = -(-pspec.max_pages // c)
-    pp = max(1, min(xla.BLOCK_K // ps, pc))  # pages per key block
-    pc = -(-pc // pp) * pp
-    table = xla._pad_axis(table, 1, c * pc, -1).reshape(b * c, pc)
-    base = jnp.arange(c, dtype=jnp.int32) * (pc * ps)  # position of each chunk's first key
-    row_len = jnp.clip(key_len[:, None] - base, 0, pc * ps).reshape(b * c)
-    row_offset = (offset[:, None] - base).reshape(b * c)
-    rows_q = q if c == 1 else jnp.broadcast_to(q[:, None], (b, c, t, n, h)).reshape(b * c, t, n, h)
-    local = dataclasses.replace(spec, batch=b * c, kv_len=pc * ps, has_kv_lengths=True, has_q_offset=True)
-    num_pages = pspec.num_pages
-
-    def fetch(j):
-        ids = lax.dynamic_slice_in_dim(table, j * pp, pp, axis=1)  # [R, pp]
-        valid = (ids >= 0) & (ids < num_pages)
-        ids = jnp.where(valid, ids, 0)  # an invalid id reads page 0, masked below
-        k_blk = jnp.take(key_pages, ids, axis=0).reshape(b * c, pp * ps, *key_pages.shape[2:])
-        v_blk = jnp.take(value_pages, ids, axis=0).reshape(b * c, pp * ps, *value_pages.shape[2:])
-        bad_v = jnp.transpose(xla.nonfinite_rows(v_blk), (0, 2, 1))[:, :, None, None, :]
-        vis = jnp.repeat(valid, ps, axis=1)[:, None, None, None, :]  # [R, 1, 1, 1, pp·ps]
-        return k_blk, xla.finite_part(v_blk), bad_v, vis
-
-    masks = MaskInputs(kv_lengths=row_len, q_offset=row_offset, sinks=sinks if c == 1 else None)
-    local = dataclasses.replace(local, has_sinks=masks.sinks is not None)
-    acc_dt = xla._acc_dtype(q.dtype)
-    out, lse = xla.forward(
-        local, rows_q, None, None, masks, kv_blocks=(pp * ps, fetch),
-        out_dtype=q.dtype if c == 1 else acc_dt,
-    )
-    if c == 1:
-        return out, lse
-    from jax_flash._merge import merge_partials
-
-    out = out.reshape(b, c, t, n, h)
-    lse = lse.reshape(b, c, n, t)
-    outs, lses = [out[:, i] for i in range(c)], [lse[:, i] for i in range(c)]
-    if sinks is not None:
-        outs.append(jnp.zeros_like(outs[0]))
-        lses.append(jnp.broadcast_to(sinks.astype(lses[0].dtype)[None, :, None], lses[0].shape))
-    out, lse = merge_partials(outs, lses)
-    return out.astype(q.dtype), lse
-
-
-def target_masks(pspec: PagedSpec, q, table, lengths, sinks=None) -> tuple[AttentionSpec, MaskInputs]:
-    """The (spec, masks) under which a compiled paged target (`jax_flash_paged_fwd`: cuda,
-    cpu) sees the gathered cache of capacity S = max_pages·page_size: lengths clipped to
-    [0, S], queries at L - T, and the keys of an out-of-range page id masked by kv segment
-    ids (1 on such a page, 0 elsewhere and for the queries; the kernels read page 0 there)."""
-    b, t = q.shape[:2]
-    bad_page = (table < 0) | (table >= pspec.num_pages)  # [B, max_pages]
-    masks = MaskInputs(
-        kv_lengths=jnp.clip(lengths, 0, pspec.capacity), q_offset=jnp.maximum(lengths, 0) - t,
-        q_segment_ids=jnp.zeros((b, t), jnp.int32),
-        kv_segment_ids=jnp.repeat(bad_page.astype(jnp.int32), pspec.page_size, axis=1), sinks=sinks,
-    )
-    spec = dataclasses.replace(pspec.attention, has_segment_ids=True, has_kv_lengths=True, has_q_offset=True,
-                               has_sinks=sinks is not None)
-    return spec, masks
 
 
 def paged_cache_write(key_pages, value_pages, page_table, kv_lengths, new_k, new_v, num_new=None):
@@ -464,37 +350,11 @@ def paged_cache_write(key_pages, value_pages, page_table, kv_lengths, new_k, new
 def explain_paged(query, key_pages, value_pages, page_table, kv_lengths, **kwargs):
     """Same arguments as `paged_attention`; which implementation would run it and why each
     other one would not."""
-    from jax_flash._api import Explanation
-
     kwargs.pop("return_residual", None)
     requested = kwargs.get("implementation")
     pspec = canonicalize_paged(query, key_pages, value_pages, page_table, kv_lengths, **kwargs)[0]
-    from jax_flash.inference import pallas_decode
-
-    order = list(_registry.explain(pspec.attention).keys())
-    reasons = {name: reason(name, pspec) for name in order}
-    name = requested or default_implementation(pspec)
+    reasons = {name: reason(name, pspec) for name in _registry.names()}
+    name = requested or _registry.paged_default(pspec)
     selected = name if reasons[name] is None else None
-    pp = max(1, min(xla.BLOCK_K // pspec.page_size, pspec.max_pages))
-    split = f"split-KV over {pspec.splits} page chunks" if pspec.splits > 1 else "no split-KV"
-    notes = {"xla": f"reads {pp} page(s) of {pspec.page_size} per key block through the table; "
-                    f"{split}; rule: {split_kv.rule()}"}
-    if reasons.get("cuda") is None:
-        from jax_flash import cuda
-
-        try:
-            how = cuda.decoding_description(pspec.attention)
-        except ValueError as e:
-            how = f"{e}: calls fail"
-        notes["cuda"] = ("the forward kernel with its K/V tiles read through the table (cp.async from each page's "
-                         f"slot, any page size); {how}")
-    if reasons.get("cpu") is None:
-        from jax_flash import cpu
-
-        notes["cpu"] = ("the host forward, each key block packed from its pages' slots by the tile that visits it; "
-                        + cpu.split_kv_description(pspec.attention))
-    if reasons.get("pallas") is None:
-        extra = pallas_decode.note()
-        notes["pallas"] = ("on request only (implementation=None never picks it); decode kernel, one "
-                           f"page per key block, GQA-packed rows; {split}" + (f"; {extra}" if extra else ""))
-    return Explanation(selected=selected, reasons=reasons, notes=notes, op="jax_flash.paged_attention")
+    notes = {name: _registry.get(name).paged_note(pspec) for name, why in reasons.items() if why is None}
+    return _registry.Explanation(selected=selected, reasons=reasons, notes=notes, op="jax_flash.paged_attention")

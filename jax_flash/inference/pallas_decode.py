@@ -5,7 +5,7 @@ that share kv head k packed into the rows of one tile (GQA packing: row r = g·T
 to a power of two >= 16), so each K/V page is read once per kv head, not once per query
 head. It walks its chunk's pages through the page table (one page per key block, loaded
 from that page's own address: the cache is never gathered), with the xla path's online
-softmax step (`xla.online_softmax_step`) and the one mask (`_masking.visible`), and writes
+softmax step (`_numerics.online_softmax_step`) and the one mask (`_masking.visible`), and writes
 a partial (out, lse). The C chunks are merged by lse outside (`_merge.merge_partials`),
 exact and in a fixed order; C = 1 is no split.
 
@@ -23,8 +23,19 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_flash import _masking, _registry, xla
+from jax_flash import _masking, _registry
 from jax_flash._merge import merge_partials
+from jax_flash._numerics import (
+    finite_part,
+    nonfinite_rows,
+    online_softmax_finish,
+    online_softmax_init,
+    online_softmax_step,
+    pad_axis,
+    poison_infinite,
+)
+from jax_flash._pallas_kernels import compiler_params, triton
+from jax_flash._pallas_table import Config
 
 DTYPES = ("float16", "bfloat16", "float32")
 
@@ -36,9 +47,7 @@ def _pow2(x: int) -> bool:
 def unsupported(pspec) -> Optional[str]:
     """None, or why the pallas decode kernel cannot serve this paged call."""
     try:
-        from jax_flash import pallas
-
-        pallas._triton()
+        triton()
     except ImportError as e:
         return f"jax.experimental.pallas.triton cannot be imported: {e}"
     spec = pspec.attention
@@ -88,20 +97,20 @@ def _kernel(q_ref, kp_ref, vp_ref, table_ref, len_ref, sink_ref, out_ref, lse_re
         pid = jnp.where(valid, pid, 0)  # an invalid id reads page 0, masked below
         k = kp_ref[pid]  # [page_size, H], read at the page's own address
         v = vp_ref[pid]
-        bad_v = xla.nonfinite_rows(v[None])  # [1, page_size]: keys whose v row is non-finite
+        bad_v = nonfinite_rows(v[None])  # [1, page_size]: keys whose v row is non-finite
         scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        logits = _masking.transform_logits(spec, xla.poison_infinite(scores) * spec.scale)
+        logits = _masking.transform_logits(spec, poison_infinite(scores) * spec.scale)
         cols = j * page_size + lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
         vis = _masking.visible(spec, query_t, cols, kv_lengths=key_len, band=band) & valid
         pv = lambda p, v: lax.dot_general(
             p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return xla.online_softmax_step(carry, logits, vis, xla.finite_part(v), bad_v, pv=pv)
+        return online_softmax_step(carry, logits, vis, finite_part(v), bad_v, pv=pv)
 
     # The sink joins the softmax of the first chunk only (the merge adds the chunks up).
     sink = jnp.where(c == 0, sink_ref[...], -jnp.inf) if spec.has_sinks else None
-    init = xla.online_softmax_init((r,), q.shape[1], jnp.float32, q, sink=sink)
+    init = online_softmax_init((r,), q.shape[1], jnp.float32, q, sink=sink)
     carry = lax.fori_loop(lo, jnp.maximum(lo, hi), page, init)
-    out, lse = xla.online_softmax_finish(carry)
+    out, lse = online_softmax_finish(carry)
     out_ref[...] = out
     lse_ref[...] = lse
 
@@ -110,9 +119,6 @@ def paged_forward(pspec, q, key_pages, value_pages, table, lengths, splits=None,
     """out [B, T, N, H] (dtype of q), lse [B, N, T] for a PagedSpec whose `unsupported` is None;
     sinks: float32 [N] when pspec.attention.has_sinks."""
     from jax.experimental import pallas as pl
-
-    from jax_flash.pallas import _compiler_params
-    from jax_flash._pallas_table import Config
 
     spec = pspec.attention
     b, t, n, h = q.shape
@@ -124,14 +130,14 @@ def paged_forward(pspec, q, key_pages, value_pages, table, lengths, splits=None,
     interpret = _registry.platform() == "cpu" if interpret is None else interpret
     # [B, T, K·G, H] -> [B, K, G·T, H]: the query heads of one kv head packed into rows.
     qr = q.reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, h)
-    qr = xla._pad_axis(qr, 2, rows)
-    table = xla._pad_axis(table, 1, c * pc, -1)
+    qr = pad_axis(qr, 2, rows)
+    table = pad_axis(table, 1, c * pc, -1)
     lengths = lengths.astype(jnp.int32)[:, None]
     # Row g·T + t of kv head k holds head k·G + g: its sink, -inf in the padding rows.
     if sinks is None:
         sinks = jnp.full((n,), -jnp.inf, jnp.float32)
     row_sinks = jnp.repeat(sinks.astype(jnp.float32).reshape(kh, g), t, axis=1)
-    row_sinks = xla._pad_axis(row_sinks, 1, rows, -jnp.inf)
+    row_sinks = pad_axis(row_sinks, 1, rows, -jnp.inf)
     kernel = functools.partial(
         _kernel, spec=spec, pages_per_chunk=pc, num_pages=pspec.num_pages, page_size=ps, rows=rows)
     pages_spec = pl.BlockSpec((pspec.num_pages, ps, None, h), lambda c_, k_, b_: (0, 0, k_, 0))
@@ -154,7 +160,7 @@ def paged_forward(pspec, q, key_pages, value_pages, table, lengths, splits=None,
             jax.ShapeDtypeStruct((c, b, kh, rows, h), jnp.float32),
             jax.ShapeDtypeStruct((c, b, kh, rows), jnp.float32),
         ],
-        compiler_params=_compiler_params(Config(rows, ps, 4, 2)),
+        compiler_params=compiler_params(Config(rows, ps, 4, 2)),
         interpret=interpret,
         name="jax_flash_paged_decode",
     )(qr, key_pages, value_pages, table, lengths, row_sinks)

@@ -20,11 +20,13 @@ and `explain` states it.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax.numpy as jnp
 
-from jax_flash import _heuristics, xla
+from jax_flash import _heuristics
 from jax_flash._merge import merge_partials
+from jax_flash._numerics import acc_dtype, pad_axis, round_up
 from jax_flash._spec import AttentionSpec, MaskInputs
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
@@ -45,21 +47,25 @@ def max_splits(spec: AttentionSpec, wanted: int) -> int:
     return _heuristics.xla_max_splits(spec, wanted)
 
 
-def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, splits: int):
-    """xla forward of `spec` over `splits` key chunks, merged by lse: out [B, T, N, Hv] (dtype
-    of q), lse [B, N, T]. splits = 1 is the plain blockwise forward."""
+def forward(inner: Callable, spec: AttentionSpec, q, k, v, masks: MaskInputs, splits: int):
+    """The forward `inner` of `spec` over `splits` key chunks, merged by lse: out [B, T, N, Hv]
+    (dtype of q), lse [B, N, T]. splits = 1 is `inner` itself.
+
+    inner(spec, q, k, v, masks, out_dtype=None) -> (out, lse): a blockwise forward of
+    canonical inputs (`jax_flash.xla.forward`); each chunk is a batch row of one call of it,
+    its out kept in the accumulator dtype for the merge."""
     if splits <= 1:
-        return xla.forward(spec, q, k, v, masks)
+        return inner(spec, q, k, v, masks)
     b, c = spec.batch, splits
     s = spec.kv_len
-    sc = xla._round_up(-(-s // c), 8)  # keys per chunk
+    sc = round_up(-(-s // c), 8)  # keys per chunk
     s_pad = c * sc
 
     def per_chunk(x):  # [B, ...] -> [B·C, ...]: the same for every chunk of a batch row
         return jnp.broadcast_to(x[:, None], (b, c, *x.shape[1:])).reshape(b * c, *x.shape[1:])
 
     def cut(x, axis, value=0):  # [B|1, ..., S (axis), ...] -> [B·C, ..., Sc, ...]
-        x = xla._pad_axis(x, axis, s_pad, value)
+        x = pad_axis(x, axis, s_pad, value)
         x = x.reshape(*x.shape[:axis], c, sc, *x.shape[axis + 1 :])
         x = jnp.moveaxis(x, axis, 1)  # [B|1, C, ...]
         x = jnp.broadcast_to(x, (b, *x.shape[1:]))
@@ -102,8 +108,8 @@ def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, splits: int):
         has_q_offset=q_offset is not None,
         has_sinks=False,
     )
-    acc_dt = xla._acc_dtype(q.dtype)
-    out, lse = xla.forward(
+    acc_dt = acc_dtype(q.dtype)
+    out, lse = inner(
         chunk_spec, per_chunk(q), cut(k, 1), cut(v, 1), chunk_masks, out_dtype=acc_dt
     )
     t, n = q.shape[1:3]

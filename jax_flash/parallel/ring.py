@@ -53,7 +53,8 @@ from jax import lax
 
 from jax_flash import _registry
 from jax_flash._merge import merge_partials
-from jax_flash._normalize import _window, canonicalize, restore
+from jax_flash._numerics import acc_dtype
+from jax_flash._normalize import canonicalize, restore, window
 from jax_flash._spec import AttentionSpec, MaskInputs
 from jax_flash._vjp import SECOND_ORDER_MESSAGE, is_empty
 
@@ -234,7 +235,7 @@ def block_counts(
     for name, n in (("q_len", q_len), ("kv_len", kv_len)):
         if n % (2 * p):
             raise ValueError(f"{name} must be a multiple of 2 * axis_size = {2 * p}, got {n}")
-    left, right = _window(local_window_size, is_causal)
+    left, right = window(local_window_size, is_causal)
     spec = AttentionSpec(batch=1, q_len=q_len, kv_len=kv_len, num_heads=1, num_kv_heads=1,
                          head_dim=1, dtype="float32", scale=1.0, window_left=left,
                          window_right=right)
@@ -247,10 +248,6 @@ def block_counts(
 
 
 # ----------------------------------------------------------------------------- one block
-
-
-def _acc_dtype(dtype):
-    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
 
 class _At(NamedTuple):
@@ -433,7 +430,7 @@ def ring_forward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks: MaskInput
     body that pairs it with `ring_backward` in its own custom_vjp."""
     impl = _registry.get(cfg.implementation)
     tq, tk = _sizes(spec, cfg)
-    acc_dt = _acc_dtype(q.dtype)
+    acc_dt = acc_dtype(q.dtype)
     schedule = _schedule(spec, cfg, masks.q_offset is not None)
     b, _, n, _ = q.shape
     hv = v.shape[-1]  # out has the value head dim
@@ -477,7 +474,7 @@ def ring_backward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks, out, lse
     v, out, lse and the cotangents dout [B, T/P, N, Hv], dlse [B, N, T/P]."""
     impl = _registry.get(cfg.implementation)
     tq, tk = _sizes(spec, cfg)
-    acc_dt = _acc_dtype(q.dtype)
+    acc_dt = acc_dtype(q.dtype)
     schedule = _schedule(spec, cfg, masks.q_offset is not None)
     n_p = cfg.pieces
     rows = tuple(
@@ -755,7 +752,7 @@ def _select(spec: AttentionSpec, cfg: RingConfig, requested: Optional[str]) -> s
             raise ValueError(f'implementation="{requested}" cannot run a block of this ring: {why}')
         return requested
     reasons = {}
-    for name in _registry._PREFERENCE.get(_registry.platform(), ("xla",)):
+    for name in _registry.preference():
         reasons[name] = why_not(name)
         if reasons[name] is None:
             return name

@@ -19,6 +19,7 @@ import pytest
 
 import jax_flash
 from jax_flash._normalize import canonicalize, restore
+from jax_flash import xla
 from jax_flash.inference import paged, split_kv
 from jax_flash.reference import gather_pages
 
@@ -82,7 +83,7 @@ def test_paged_attention_matches_reference(case):
     _check(out, lse, q, ref, dtype)
     # Split over page chunks (what a GPU runs): the same within tolerance, finite.
     pspec = paged.canonicalize_paged(q, kp, vp, table, lengths, **kw)[0]
-    out_s, lse_s = jax.jit(lambda *a: paged.forward(pspec, *a, splits=3))(q, kp, vp, table, lengths)
+    out_s, lse_s = jax.jit(lambda *a: xla.paged_forward(pspec, *a, splits=3))(q, kp, vp, table, lengths)
     _check(out_s, jnp.swapaxes(lse_s, 1, 2), q, ref, dtype)
     # The cpu paged forward: each key block packed from its pages' slots by the tile that
     # visits it (split-KV where its rule splits; forced into 3 chunks too).
@@ -125,7 +126,7 @@ def test_split_kv_matches_reference_and_unsplit(case):
     ref = _references(jax_flash.reference, q, k, v, **kw)
     results = {}
     for splits in (1, 8):
-        fn = jax.jit(lambda q, k, v, m, splits=splits: split_kv.forward(c.spec, q, k, v, m, splits))
+        fn = jax.jit(lambda q, k, v, m, splits=splits: split_kv.forward(xla.forward, c.spec, q, k, v, m, splits))
         out, lse = restore(c, *fn(c.q, c.k, c.v, c.masks))
         _check(out, lse, q, ref, dtype)
         results[splits] = np.asarray(out, np.float32)
@@ -402,7 +403,7 @@ def test_cuda_paged_attention(case, monkeypatch):
 def test_split_kv_combine_is_bitwise_reproducible():
     q, k, v, kw = _decode_inputs(2, 3, 4096, 8, 2, 64, [4096, 3001], "float32", seed=3)
     c = canonicalize(q, k, v, **kw)
-    run = lambda: jax.jit(lambda q, k, v, m: split_kv.forward(c.spec, q, k, v, m, 16))(
+    run = lambda: jax.jit(lambda q, k, v, m: split_kv.forward(xla.forward, c.spec, q, k, v, m, 16))(
         c.q, c.k, c.v, c.masks)
     first = run()
     for _ in range(2):  # same compiled step, then a fresh trace and compilation
@@ -589,7 +590,7 @@ def test_decode_poison_reaches_exactly_the_rows_that_see_it(impl):
     if impl == "split":
         kw = dict(is_causal=True, key_value_seq_lengths=lengths, query_offset=lengths - t)
         c = canonicalize(q, k, v, **kw)
-        out, lse = restore(c, *jax.jit(lambda *a: split_kv.forward(c.spec, *a, 4))(c.q, c.k, c.v, c.masks))
+        out, lse = restore(c, *jax.jit(lambda *a: split_kv.forward(xla.forward, c.spec, *a, 4))(c.q, c.k, c.v, c.masks))
     elif impl in ("cpu-split", "cuda-split", "pallas-split"):
         name = impl.split("-")[0]
         if name in ("cuda", "pallas"):
@@ -624,7 +625,7 @@ def test_decode_poison_reaches_exactly_the_rows_that_see_it(impl):
         pspec = paged.canonicalize_paged(q, kp, vp, table, lengths)[0]
         if paged.reason(name, pspec) is not None:
             pytest.skip(paged.reason(name, pspec))
-        fwd = paged.forward if name == "xla" else __import__(
+        fwd = xla.paged_forward if name == "xla" else __import__(
             "jax_flash.inference.pallas_decode", fromlist=["x"]).paged_forward
         out, lse = jax.jit(lambda *a: fwd(pspec, *a, splits=3))(q, kp, vp, table, lengths)
         lse = jnp.swapaxes(lse, 1, 2)
@@ -653,7 +654,7 @@ def test_decode_with_sinks():
     _check(out, lse, q, ref, "float32")
     np.testing.assert_allclose(np.asarray(lse)[0], np.broadcast_to(np.asarray(sinks), (t, n)), rtol=1e-6)
     pspec, *_, sinks_c = paged.canonicalize_paged(q, kp, vp, table, lengths, **kw)
-    out_s, lse_s = jax.jit(lambda *a: paged.forward(pspec, *a, splits=3, sinks=sinks_c))(q, kp, vp, table, lengths)
+    out_s, lse_s = jax.jit(lambda *a: xla.paged_forward(pspec, *a, splits=3, sinks=sinks_c))(q, kp, vp, table, lengths)
     _check(out_s, jnp.swapaxes(lse_s, 1, 2), q, ref, "float32")
     # The pallas decode kernel (interpreted here), unsplit and over 3 page chunks: the sink
     # joins the first chunk only.
@@ -671,5 +672,5 @@ def test_decode_with_sinks():
     dkw["sinks"] = sinks
     c = canonicalize(q, k, v, **dkw)
     ref = _references(jax_flash.reference, q, k, v, **dkw)
-    fn = jax.jit(lambda q, k, v, m: split_kv.forward(c.spec, q, k, v, m, 2))
+    fn = jax.jit(lambda q, k, v, m: split_kv.forward(xla.forward, c.spec, q, k, v, m, 2))
     _check(*restore(c, *fn(c.q, c.k, c.v, c.masks)), q, ref, "float32")
