@@ -293,7 +293,8 @@ def test_exported_program_in_another_process(clean_env, tmp_path):
     np.savez(tmp_path / "inputs.npz", q=np.asarray(q), k=np.asarray(k), v=np.asarray(v))
     script = textwrap.dedent(f"""
         import numpy as np, jax, jax_flash
-        jax_flash._ffi.targets()  # registers the extension's FFI targets with XLA
+        from jax_flash import _ffi
+        _ffi.targets()  # registers the extension's FFI targets with XLA
         x = np.load({str(tmp_path / "inputs.npz")!r})
         program = jax.export.deserialize(open({str(tmp_path / "program.bin")!r}, "rb").read())
         out = np.asarray(program.call(x["q"], x["k"], x["v"]))
