@@ -9,12 +9,17 @@ with the same jax_flash version.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jax.export import DisabledSafetyCheck
+
 # Every FFI target jax_flash registers: the C++ cpu kernels and the CUDA kernels (the same
 # names on both platforms), and the host emulation of the CUDA kernels (tests).
 FFI_TARGETS = ("jax_flash_fwd", "jax_flash_bwd", "jax_flash_emu_fwd", "jax_flash_emu_bwd")
 
 
-def export_disabled_checks() -> list:
+def export_disabled_checks() -> list[DisabledSafetyCheck]:
     """The `disabled_checks` that `jax.export.export` needs for a function using jax_flash:
 
         exported = jax.export.export(jax.jit(f), disabled_checks=jax_flash.export_disabled_checks())(*args)

@@ -295,9 +295,9 @@ def canonicalize(
             "query and key must have the same leading batch axes, got query "
             f"{tuple(q.shape)} and key {tuple(k.shape)}"
         )
-    *batch_shape, t, n, h = q.shape
+    *batch_axes, t, n, h = q.shape
     s, kh, hk = k.shape[-3:]
-    batch_shape = tuple(batch_shape)
+    batch_shape = tuple(batch_axes)
     if h != hk:
         raise ValueError(
             f"query and key must have the same head dim H, got query {tuple(q.shape)} and key "

@@ -8,6 +8,7 @@ Implementations only provide forward/backward on canonical inputs (see `_registr
 from __future__ import annotations
 
 import functools
+from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
@@ -132,9 +133,9 @@ def _empty_backward(spec: AttentionSpec, q, k, v, masks: MaskInputs):
     return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), dbias
 
 
-def _vma(*xs) -> frozenset:
+def _vma(*xs) -> frozenset[Hashable]:
     """The mesh axes (inside shard_map) over which any of `xs` varies; empty elsewhere."""
-    axes = set()
+    axes: set[Hashable] = set()
     for x in xs:
         aval = jax.typeof(x)
         vma = getattr(aval, "vma", None)  # named manual_axis_type.varying in jax 0.10

@@ -40,17 +40,21 @@ With `layout="zigzag"` the activations are expected already in the zigzag order
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, Optional
 
+import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike, DTypeLike
 
 from jax_flash._api import attention
+from jax_flash._types import SegmentIds, Window
 from jax_flash.parallel.ring import ring_attention
 
 __all__ = ["attention_fn", "make_attention_fn"]
 
 
-def _as_bool_mask(mask):
+def _as_bool_mask(mask: ArrayLike | None) -> jax.Array | None:
     if mask is None:
         return None
     mask = jnp.asarray(mask)
@@ -59,30 +63,30 @@ def _as_bool_mask(mask):
 
 
 def attention_fn(
-    query,
-    key,
-    value,
-    bias=None,
-    mask=None,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
     broadcast_dropout: bool = True,
-    dropout_rng=None,
+    dropout_rng: ArrayLike | None = None,
     dropout_rate: float = 0.0,
     deterministic: bool = False,
-    dtype=None,
-    precision=None,
-    module=None,
+    dtype: DTypeLike | None = None,
+    precision: Any = None,
+    module: Any = None,
     is_causal: bool = False,
     *,
     implementation: Optional[str] = None,
     logits_soft_cap: Optional[float] = None,
     scale: Optional[float] = None,
-    local_window_size=None,
-    segment_ids=None,
-    sinks=None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    sinks: ArrayLike | None = None,
     axis_name: Optional[str] = None,
     layout: str = "contiguous",
     **kwargs: Any,
-):
+) -> jax.Array:
     """`flax.linen.dot_product_attention`-compatible attention computed by jax_flash.
 
     Every argument flax passes is named (linen drops keyword arguments that are not in the
@@ -112,7 +116,7 @@ def attention_fn(
     if dtype is None:
         dtype = jnp.result_type(query, key, value)
     query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
-    common = dict(
+    common: dict[str, Any] = dict(
         scale=scale,
         is_causal=bool(is_causal),
         local_window_size=local_window_size,
@@ -145,10 +149,10 @@ def make_attention_fn(
     is_causal: bool = False,
     logits_soft_cap: Optional[float] = None,
     scale: Optional[float] = None,
-    local_window_size=None,
+    local_window_size: Window | None = None,
     axis_name: Optional[str] = None,
     layout: str = "contiguous",
-):
+) -> Callable[..., jax.Array]:
     """An `attention_fn` with jax_flash options bound (`axis_name`, `layout`: ring
     attention over a sequence sharded over that mesh axis, see the module docstring).
 
@@ -160,21 +164,21 @@ def make_attention_fn(
 
     @functools.wraps(attention_fn)
     def fn(
-        query,
-        key,
-        value,
-        bias=None,
-        mask=None,
+        query: ArrayLike,
+        key: ArrayLike,
+        value: ArrayLike,
+        bias: ArrayLike | None = None,
+        mask: ArrayLike | None = None,
         broadcast_dropout: bool = True,
-        dropout_rng=None,
+        dropout_rng: ArrayLike | None = None,
         dropout_rate: float = 0.0,
         deterministic: bool = False,
-        dtype=None,
-        precision=None,
-        module=None,
+        dtype: DTypeLike | None = None,
+        precision: Any = None,
+        module: Any = None,
         is_causal: bool = False,
         **kwargs: Any,
-    ):
+    ) -> jax.Array:
         return attention_fn(
             query,
             key,

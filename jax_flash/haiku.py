@@ -22,6 +22,7 @@ import math
 from typing import Optional
 
 import haiku as hk
+import jax
 import jax.numpy as jnp
 
 from jax_flash._api import attention
@@ -46,9 +47,9 @@ class MultiHeadAttention(hk.MultiHeadAttention):
         key_size: int,
         w_init_scale: Optional[float] = None,
         *,
-        w_init=None,
+        w_init: hk.initializers.Initializer | None = None,
         with_bias: bool = True,
-        b_init=None,
+        b_init: hk.initializers.Initializer | None = None,
         value_size: Optional[int] = None,
         model_size: Optional[int] = None,
         name: Optional[str] = "multi_head_attention",
@@ -56,8 +57,8 @@ class MultiHeadAttention(hk.MultiHeadAttention):
         is_causal: bool = False,
         logits_soft_cap: Optional[float] = None,
         with_sinks: bool = False,
-        sinks_init=None,
-    ):
+        sinks_init: hk.initializers.Initializer | None = None,
+    ) -> None:
         super().__init__(
             num_heads,
             key_size,
@@ -75,7 +76,9 @@ class MultiHeadAttention(hk.MultiHeadAttention):
         self.with_sinks = with_sinks
         self.sinks_init = sinks_init if sinks_init is not None else jnp.zeros
 
-    def __call__(self, query, key, value, mask=None):
+    def __call__(
+        self, query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None
+    ) -> jax.Array:
         """Same as haiku's: query [..., T', D_q], key/value [..., T, D], mask
         [..., H|1, T', T] (True / nonzero = may attend) -> [..., T', model_size]."""
         *leading_dims, sequence_length, _ = query.shape

@@ -6,36 +6,112 @@ much error that precision itself makes). Never used by `jax_flash.attention`.
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import ArrayLike, DTypeLike
 
 from jax_flash import _dropout, _masking
 from jax_flash._normalize import canonicalize, restore
 from jax_flash._spec import AttentionSpec, MaskInputs
+from jax_flash._types import OutAndLse, SegmentIds, Window
+
+
+@overload
+def attention_reference(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    query_offset: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: Literal[False] = False,
+    compute_dtype: DTypeLike | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: ArrayLike | None = None,
+) -> jax.Array: ...
+
+
+@overload
+def attention_reference(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    query_offset: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: Literal[True],
+    compute_dtype: DTypeLike | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: ArrayLike | None = None,
+) -> OutAndLse: ...
+
+
+@overload
+def attention_reference(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    query_offset: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: bool = False,
+    compute_dtype: DTypeLike | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: ArrayLike | None = None,
+) -> jax.Array | OutAndLse: ...
 
 
 def attention_reference(
-    query,
-    key,
-    value,
-    bias=None,
-    mask=None,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
     *,
-    scale=None,
-    is_causal=False,
-    query_seq_lengths=None,
-    key_value_seq_lengths=None,
-    local_window_size=None,
-    segment_ids=None,
-    logits_soft_cap=None,
-    query_offset=None,
-    sinks=None,
-    return_residual=False,
-    compute_dtype=None,
-    dropout_rate=0.0,
-    dropout_rng=None,
-):
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    query_offset: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: bool = False,
+    compute_dtype: DTypeLike | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: ArrayLike | None = None,
+) -> jax.Array | OutAndLse:
     """Same arguments and semantics as `jax_flash.attention`, computed densely.
 
     compute_dtype: dtype of the logits and of the P·V product (None: the input dtype, as a
@@ -68,7 +144,7 @@ def attention_reference(
         dropout_rng=dropout_rng,
     )
     out, lse = reference_canonical(c.spec, c.q, c.k, c.v, c.masks, compute_dtype)
-    out, lse = restore(c, out.astype(query.dtype if compute_dtype is None else compute_dtype), lse)
+    out, lse = restore(c, out.astype(c.q.dtype if compute_dtype is None else compute_dtype), lse)
     return (out, lse) if return_residual else out
 
 
@@ -180,7 +256,7 @@ def reference_canonical(
     lse_f = jnp.where(jnp.isfinite(lse), lse, 0)
     v_poison = jnp.where(sees_bad_v, jnp.nan, 0).astype(stat_dt) * (lse_f - lax.stop_gradient(lse_f))
     out = out + jnp.swapaxes(v_poison, 1, 2)[..., None].astype(out.dtype)
-    if sink is not None:  # a NaN or +inf sink: every row of its head, the empty ones too
+    if masks.sinks is not None:  # a NaN or +inf sink: every row of its head, the empty ones too
         bad_sink = ~(masks.sinks < jnp.inf)[None, None, :, None]  # [1, 1, N, 1]
         out = jnp.where(bad_sink, jnp.nan, out)
     return out, lse.astype(stat_dt)
@@ -233,7 +309,7 @@ def _finite_part_jvp(primals, tangents):
     return _finite_part(x), dx
 
 
-def gather_pages(pages, page_table):
+def gather_pages(pages: ArrayLike, page_table: ArrayLike) -> jax.Array:
     """The contiguous cache [B, max_pages·page_size, K, H] of a paged one: pages
     [num_pages, page_size, K, H] read in page_table [B, max_pages] order. Ids out of range
     read page 0 (`paged_attention_reference` masks those keys). For tests and references
@@ -245,21 +321,75 @@ def gather_pages(pages, page_table):
     return g.reshape(table.shape[0], -1, *pages.shape[2:])
 
 
+@overload
 def paged_attention_reference(
-    query,
-    key_pages,
-    value_pages,
-    page_table,
-    kv_lengths,
+    query: ArrayLike,
+    key_pages: ArrayLike,
+    value_pages: ArrayLike,
+    page_table: ArrayLike,
+    kv_lengths: ArrayLike,
     *,
-    scale=None,
-    is_causal=True,
-    local_window_size=None,
-    logits_soft_cap=None,
-    sinks=None,
-    return_residual=False,
-    compute_dtype=None,
-):
+    scale: float | None = None,
+    is_causal: bool = True,
+    local_window_size: Window | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: Literal[False] = False,
+    compute_dtype: DTypeLike | None = None,
+) -> jax.Array: ...
+
+
+@overload
+def paged_attention_reference(
+    query: ArrayLike,
+    key_pages: ArrayLike,
+    value_pages: ArrayLike,
+    page_table: ArrayLike,
+    kv_lengths: ArrayLike,
+    *,
+    scale: float | None = None,
+    is_causal: bool = True,
+    local_window_size: Window | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: Literal[True],
+    compute_dtype: DTypeLike | None = None,
+) -> OutAndLse: ...
+
+
+@overload
+def paged_attention_reference(
+    query: ArrayLike,
+    key_pages: ArrayLike,
+    value_pages: ArrayLike,
+    page_table: ArrayLike,
+    kv_lengths: ArrayLike,
+    *,
+    scale: float | None = None,
+    is_causal: bool = True,
+    local_window_size: Window | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: bool = False,
+    compute_dtype: DTypeLike | None = None,
+) -> jax.Array | OutAndLse: ...
+
+
+def paged_attention_reference(
+    query: ArrayLike,
+    key_pages: ArrayLike,
+    value_pages: ArrayLike,
+    page_table: ArrayLike,
+    kv_lengths: ArrayLike,
+    *,
+    scale: float | None = None,
+    is_causal: bool = True,
+    local_window_size: Window | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: bool = False,
+    compute_dtype: DTypeLike | None = None,
+) -> jax.Array | OutAndLse:
     """The specification of `jax_flash.paged_attention`: `attention_reference` on the
     gathered cache, with key_value_seq_lengths = kv_lengths and query_offset = kv_lengths - T
     (the queries are the last T positions), keys of out-of-range page ids masked and a

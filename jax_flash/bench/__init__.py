@@ -21,7 +21,7 @@ from jax_flash.bench.attention import (
     FLASH,
     PEERS,
     Result,
-    _torch_unavailable,  # noqa: F401  (why torch is not measured here; the tests ask it)
+    torch_unavailable,  # noqa: F401  (why torch is not measured here; the tests ask it)
     available_impls,
     bias_shape,
     format_table,

@@ -14,7 +14,7 @@ and to torch measured in the same run, the compiled temporary memory
 (`jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes`) and, on a CPU,
 the fraction of the machine's peak for the dtype (`cpu_peaks`: threads × FLOP per cycle
 from the CPU flags × the clock measured by jax_flash's extension), with a probe of whether
-the threads had a core each during the case (`cores`, `_core_share`).
+the threads had a core each during the case (`cores`, `core_share`).
 
 A case that fails, runs out of memory, or whose compiled temporary memory exceeds
 `--max-temp-gib` is reported as such in the table; the run goes on. With `--time-budget`
@@ -54,17 +54,18 @@ import numpy as np
 import jax_flash
 from jax_flash._spec import AttentionSpec
 from jax_flash.bench.common import (
-    _device_memory_bytes,
-    _fmt_seq,
-    _int_list,
-    _is_oom,
-    _short,
-    _threads,
+    Result,
+    device_memory_bytes,
+    fmt_seq,
+    int_list,
+    is_oom,
+    short,
+    thread_count,
     environment,
 )
-from jax_flash.bench.cpu_peak import _core_share, cpu_peaks, format_peaks
-from jax_flash.bench.pallas_tuning import _tune_pallas
-from jax_flash.bench.plot import _require_matplotlib, write_plot
+from jax_flash.bench.cpu_peak import core_share, cpu_peaks, format_peaks
+from jax_flash.bench.pallas_tuning import tune_pallas
+from jax_flash.bench.plot import require_matplotlib, write_plot
 
 # Seconds between two timed calls on a CPU (measure_case).
 SETTLE_S = 0.1
@@ -78,35 +79,6 @@ PEERS = (PEER_JAX_NN, PEER_JAX_NN_CUDNN, PEER_JAX_PALLAS, PEER_TORCH)
 FLASH = ("cuda", "pallas", "cpu", "xla")
 # --bias: the dense bias of a case, one letter per dim of [B, N, T, S] (1: broadcast).
 BIASES = {"none": None, "t5": "1NTS", "alibi": "1N1S", "keys": "B11S"}
-
-
-@dataclasses.dataclass
-class Result:
-    impl: str
-    pass_: str  # "fwd" or "fwdbwd"
-    causal: bool
-    head_dim: int
-    seq_len: int
-    batch: int
-    heads: int
-    dtype: str
-    flops: float
-    status: str = "ok"  # "ok", "skipped: ...", "OOM", "failed: ..."
-    time_s: Optional[float] = None
-    flops_per_s: Optional[float] = None
-    temp_bytes: Optional[int] = None
-    compile_s: Optional[float] = None  # lowering + compilation
-    vs_jax_nn: Optional[float] = None  # jax.nn time / this time (>1: faster than jax.nn)
-    vs_torch: Optional[float] = None  # torch time / this time (>1: faster than torch)
-    peak_fraction: Optional[float] = None  # flops_per_s / the CPU's peak for the dtype
-    core_share: Optional[float] = None  # CPU: _core_share before and after the case, the lower
-    reps: int = 0
-    bias: str = "none"  # BIASES
-
-    def to_json(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["pass"] = d.pop("pass_")
-        return d
 
 
 # ----------------------------------------------------------------------------- callables
@@ -140,7 +112,7 @@ def _torch_fn(pass_: str, causal: bool, args: list) -> Callable:
     `args` (BTNH jax arrays, transposed to torch's BNTH), forward or forward+backward."""
     import torch
 
-    torch.set_num_threads(_threads())
+    torch.set_num_threads(thread_count())
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
         str(args[0].dtype)
     ]
@@ -169,7 +141,7 @@ def _torch_fn(pass_: str, causal: bool, args: list) -> Callable:
     return run
 
 
-def _pass_fn(attn: Callable, pass_: str) -> Callable:
+def pass_fn(attn: Callable, pass_: str) -> Callable:
     """The forward, or forward+backward in every argument but the last (dO): q, k, v and the
     bias if there is one."""
     if pass_ == "fwd":
@@ -210,7 +182,7 @@ def _cell(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, bias="non
     )
 
 
-def _prepare(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, max_temp_bytes, bias="none"):
+def prepare(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, max_temp_bytes, bias="none"):
     """Compile one cell: (Result, compiled or None, args). A failure is the result's status."""
     r = _cell(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, bias)
     shape = (batch, seq_len, heads, head_dim)
@@ -228,15 +200,15 @@ def _prepare(impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, max_te
         try:
             return r, _torch_fn(pass_, causal, args), []
         except Exception as e:  # noqa: BLE001 - reported in the table
-            r.status = f"failed: {_short(e)}"
+            r.status = f"failed: {short(e)}"
             return r, None, None
     try:
-        fn = _pass_fn(_attention_fn(impl, causal, head_dim, bias), pass_)
+        fn = pass_fn(_attention_fn(impl, causal, head_dim, bias), pass_)
         t0 = time.perf_counter()
         compiled = jax.jit(fn).lower(*args).compile()
         r.compile_s = time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - reported in the table
-        r.status = "OOM" if _is_oom(e) else f"failed: {_short(e)}"
+        r.status = "OOM" if is_oom(e) else f"failed: {short(e)}"
         return r, None, None
     try:
         r.temp_bytes = int(compiled.memory_analysis().temp_size_in_bytes)
@@ -258,7 +230,7 @@ def _run_once(r: Result, compiled, args) -> Optional[float]:
         jax.block_until_ready(compiled(*args))
         return time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - reported in the table
-        r.status = "OOM" if _is_oom(e) else f"failed: {_short(e)}"
+        r.status = "OOM" if is_oom(e) else f"failed: {short(e)}"
         return None
 
 
@@ -287,10 +259,10 @@ def measure_case(
     """
     on_cpu = jax.default_backend() == "cpu"
     settle = len(impls) > 1 and on_cpu
-    shares = [_core_share()] if on_cpu else []
+    shares = [core_share()] if on_cpu else []
     cells = []  # [result, compiled or None, args, times]
     for impl in impls:
-        r, compiled, args = _prepare(
+        r, compiled, args = prepare(
             impl, pass_, causal, head_dim, seq_len, batch, heads, dtype, max_temp_bytes, bias
         )
         cells.append([r, compiled, args, []])
@@ -307,7 +279,7 @@ def measure_case(
             if dt is not None:
                 times.append(dt)
     if on_cpu:
-        shares.append(_core_share())
+        shares.append(core_share())
     for r, _, _, times in cells:
         if shares and None not in shares:
             r.core_share = min(shares)
@@ -326,14 +298,14 @@ def measure(impl: str, *args, **kwargs) -> Result:
 # ----------------------------------------------------------------------------- which impls
 
 
-def _torch_unavailable(on_gpu: bool) -> Optional[str]:
+def torch_unavailable(on_gpu: bool) -> Optional[str]:
     """None if torch's CPU SDPA can be measured here, else why not."""
     if on_gpu:
         return "the torch peer is PyTorch's CPU kernel, measured on a CPU backend only"
     try:
         import torch  # noqa: F401
     except Exception as e:  # noqa: BLE001
-        return f"does not import ({_short(e, 60)}); pip install torch"
+        return f"does not import ({short(e, 60)}); pip install torch"
     return None
 
 
@@ -359,11 +331,11 @@ def available_impls(requested: Optional[list[str]], dtype: str) -> tuple[list[st
 
             names.append(PEER_JAX_PALLAS)
         except Exception as e:  # noqa: BLE001
-            skipped[PEER_JAX_PALLAS] = f"does not import: {_short(e)}"
+            skipped[PEER_JAX_PALLAS] = f"does not import: {short(e)}"
     else:
         skipped[PEER_JAX_NN_CUDNN] = "needs a GPU"
         skipped[PEER_JAX_PALLAS] = "needs a GPU"
-    why_not_torch = _torch_unavailable(on_gpu)
+    why_not_torch = torch_unavailable(on_gpu)
     if why_not_torch is None:
         names.append(PEER_TORCH)
     else:
@@ -401,7 +373,7 @@ def format_table(results: list[Result], on_gpu: bool) -> str:
         comp = "" if r.compile_s is None else f"{r.compile_s:.1f}"
         lines.append(
             f"{r.impl:13s} {r.pass_:6s} {'yes' if r.causal else 'no':6s} {r.bias:5s} {r.head_dim:4d} "
-            f"{_fmt_seq(r.seq_len):>6s} {time_ms:>10s} {tput:>9s} {ratio:>9s} {vs_torch:>8s} "
+            f"{fmt_seq(r.seq_len):>6s} {time_ms:>10s} {tput:>9s} {ratio:>9s} {vs_torch:>8s} "
             f"{peak:>7s} {cores:>5s} {temp:>10s} {comp:>9s}  "
             f"{r.status}"
         )
@@ -489,11 +461,11 @@ def parse_args(argv=None):
     p.add_argument(
         "--tune-pallas",
         action="store_true",
-        help="first tune the Pallas block sizes with jax_flash.pallas.tune(...)",
+        help="first tune the Pallas block sizes with jax_flash._pallas_tune.tune(...)",
     )
     args = p.parse_args(argv)
-    args.seq_lens = _int_list(args.seq_lens)
-    args.head_dims = _int_list(args.head_dims)
+    args.seq_lens = int_list(args.seq_lens)
+    args.head_dims = int_list(args.head_dims)
     args.impls = [s.strip() for s in args.impls.split(",") if s.strip()] if args.impls else None
     args.bias = [s.strip() for s in args.bias.split(",") if s.strip()]
     for kind in args.bias:
@@ -534,7 +506,7 @@ def main(argv=None) -> list[Result]:
     start = time.monotonic()
     args = parse_args(argv)
     if args.plot:
-        _require_matplotlib()  # before a run of minutes, not after it
+        require_matplotlib()  # before a run of minutes, not after it
     on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
     env = environment()
     print(
@@ -542,7 +514,7 @@ def main(argv=None) -> list[Result]:
         f"({env['device']}, {env['cpu_count']} CPUs), {env['date']}"
     )
     if args.tune_pallas:
-        _tune_pallas(args)
+        tune_pallas(args)
     impls, skipped = available_impls(args.impls, args.dtype)
     print(f"implementations: {', '.join(impls)}")
     for name, why in skipped.items():
@@ -555,8 +527,8 @@ def main(argv=None) -> list[Result]:
 
             if hasattr(_jax_flash_ext, "cpu_isa"):
                 isa = _jax_flash_ext.cpu_isa()
-                print(f"cpu kernels: ISA {isa}, {_threads()} threads"
-                      + (f"; torch: {_threads()} threads" if PEER_TORCH in impls else ""))
+                print(f"cpu kernels: ISA {isa}, {thread_count()} threads"
+                      + (f"; torch: {thread_count()} threads" if PEER_TORCH in impls else ""))
                 for h in args.head_dims:
                     b = _jax_flash_ext.cpu_blocking(h, args.dtype, isa in ("amx", "avx512bf16", "amx_emulated"))
                     print(f"  blocking H={h}: {b['block_q']} x {b['block_k']}, tile step "
@@ -566,7 +538,7 @@ def main(argv=None) -> list[Result]:
     if args.max_temp_gib is not None:
         max_temp = int(args.max_temp_gib * 2**30)
     else:
-        mem = _device_memory_bytes()
+        mem = device_memory_bytes()
         max_temp = None if mem is None else mem // 4
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     passes = {"both": ("fwd", "fwdbwd"), "fwd": ("fwd",), "fwdbwd": ("fwdbwd",)}[args.passes]

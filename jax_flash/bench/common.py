@@ -3,6 +3,7 @@ failure is reported, and the parsing of size lists."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import platform as _platform
@@ -13,7 +14,7 @@ import jax
 import jax_flash
 
 
-def _threads() -> int:
+def thread_count() -> int:
     """The threads the cpu kernels use (JAX_FLASH_CPU_THREADS, else every CPU): torch gets
     as many."""
     try:
@@ -23,29 +24,29 @@ def _threads() -> int:
     return n if n > 0 else (os.cpu_count() or 1)
 
 
-def _is_oom(e: BaseException) -> bool:
+def is_oom(e: BaseException) -> bool:
     text = f"{type(e).__name__}: {e}"
     return any(
         s in text for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "MemoryError")
     )
 
 
-def _short(e: BaseException, limit: int = 90) -> str:
+def short(e: BaseException, limit: int = 90) -> str:
     text = " ".join(f"{type(e).__name__}: {e}".split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _physical_memory_bytes() -> Optional[int]:
+def physical_memory_bytes() -> Optional[int]:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
 
 
-def _device_memory_bytes() -> Optional[int]:
+def device_memory_bytes() -> Optional[int]:
     dev = jax.devices()[0]
     if dev.platform == "cpu":
-        return _physical_memory_bytes()
+        return physical_memory_bytes()
     try:
         stats = dev.memory_stats() or {}
         return stats.get("bytes_limit")
@@ -53,7 +54,7 @@ def _device_memory_bytes() -> Optional[int]:
         return None
 
 
-def _fmt_seq(n: int) -> str:
+def fmt_seq(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 and n >= 1024 else str(n)
 
 
@@ -71,7 +72,7 @@ def environment() -> dict:
     }
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
     out = []
     for part in text.split(","):
         part = part.strip().lower()
@@ -80,3 +81,32 @@ def _int_list(text: str) -> list[int]:
         mult = 1024 if part.endswith("k") else 1
         out.append(int(part.rstrip("k")) * mult)
     return out
+
+
+@dataclasses.dataclass
+class Result:
+    impl: str
+    pass_: str  # "fwd" or "fwdbwd"
+    causal: bool
+    head_dim: int
+    seq_len: int
+    batch: int
+    heads: int
+    dtype: str
+    flops: float
+    status: str = "ok"  # "ok", "skipped: ...", "OOM", "failed: ..."
+    time_s: Optional[float] = None
+    flops_per_s: Optional[float] = None
+    temp_bytes: Optional[int] = None
+    compile_s: Optional[float] = None  # lowering + compilation
+    vs_jax_nn: Optional[float] = None  # jax.nn time / this time (>1: faster than jax.nn)
+    vs_torch: Optional[float] = None  # torch time / this time (>1: faster than torch)
+    peak_fraction: Optional[float] = None  # flops_per_s / the CPU's peak for the dtype
+    core_share: Optional[float] = None  # CPU: core_share before and after the case, the lower
+    reps: int = 0
+    bias: str = "none"  # BIASES
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["pass"] = d.pop("pass_")
+        return d

@@ -1,12 +1,12 @@
 """The CPU's peak FLOP rate per dtype (`cpu_peaks`: threads × FLOP per cycle from the CPU
 flags × the clock measured by jax_flash's extension) and the probe of whether the threads had a
-core each (`_core_share`, the `cores` column)."""
+core each (`core_share`, the `cores` column)."""
 
 from __future__ import annotations
 
 from typing import Optional
 
-from jax_flash.bench.common import _threads
+from jax_flash.bench.common import thread_count
 
 # ----------------------------------------------------------------------------- CPU peak
 # FLOP per cycle per core of the widest unit each flag brings (two 512-bit FMA pipes on
@@ -44,7 +44,7 @@ def cpu_peaks(threads: Optional[int] = None) -> dict:
     clock = _jax_flash_ext.cpu_clock_ghz() if hasattr(_jax_flash_ext, "cpu_clock_ghz") else 0.0
     if clock <= 0:
         return {}
-    threads = threads or _threads()
+    threads = threads or thread_count()
     half = info.get("vendor_id") == "AuthenticAMD" and info.get("cpu family") == "25"
     if "avx512f" in flags:
         fma = 32 if half else 64
@@ -83,7 +83,7 @@ def format_peaks(peaks: dict) -> str:
     )
 
 
-def _core_share() -> Optional[float]:
+def core_share() -> Optional[float]:
     """Each thread's FMA rate with all the threads running FMAs at once, over one thread's
     alone (the extension's `cpu_core_share`): about 1 when every thread has a core, about 1/2
     when two share one (a virtual machine's CPUs placed on one core), when every peer runs at
@@ -94,5 +94,5 @@ def _core_share() -> Optional[float]:
         return None
     if not hasattr(_jax_flash_ext, "cpu_core_share"):
         return None
-    share = _jax_flash_ext.cpu_core_share(_threads())
+    share = _jax_flash_ext.cpu_core_share(thread_count())
     return share if share > 0 else None

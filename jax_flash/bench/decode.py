@@ -35,14 +35,15 @@ import numpy as np
 import jax_flash
 from jax_flash._normalize import canonicalize
 from jax_flash.bench.common import (
-    _device_memory_bytes,
-    _fmt_seq,
-    _int_list,
-    _is_oom,
-    _physical_memory_bytes,
-    _short,
+    device_memory_bytes,
+    fmt_seq,
+    int_list,
+    is_oom,
+    physical_memory_bytes,
+    short,
     environment,
 )
+from jax_flash import xla
 from jax_flash.inference import split_kv
 
 NOMINAL_GBS = {"H200": 4800.0, "H100": 3350.0, "B200": 8000.0, "A100": 2039.0}
@@ -85,7 +86,7 @@ def _step_fns(names, k, n, dtype):
             splits = split_kv.num_splits(c.spec, "gpu") if name == "xla-split" else 1
             spec, masks = c.spec, c.masks
             fns[name] = (None, lambda q, k, v, spec=spec, masks=masks, splits=splits:
-                         split_kv.forward(spec, q, k, v, masks, splits)[0])
+                         split_kv.forward(xla.forward, spec, q, k, v, masks, splits)[0])
         elif name == "copy":
             fns[name] = ("copy", lambda x: x + 1)
         elif name.startswith("paged-"):
@@ -101,8 +102,8 @@ def main(argv) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m jax_flash.bench --decode", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--decode", action="store_true", help="run this section")
-    p.add_argument("--batch", type=_int_list, default=[1, 8, 32])
-    p.add_argument("--seq-lens", type=_int_list, default=[4096, 32768])
+    p.add_argument("--batch", type=int_list, default=[1, 8, 32])
+    p.add_argument("--seq-lens", type=int_list, default=[4096, 32768])
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -126,7 +127,7 @@ def main(argv) -> list[dict]:
     if args.max_cache_gib is not None:
         max_cache = int(args.max_cache_gib * 2**30)
     else:
-        mem = _device_memory_bytes() or _physical_memory_bytes() or 2**34
+        mem = device_memory_bytes() or physical_memory_bytes() or 2**34
         max_cache = mem // 4 if on_gpu else mem // 8  # the paged copy and the copy test too
     if on_gpu:
         peak = args.peak_gbs or next((v for k, v in NOMINAL_GBS.items() if k in env["device"]), None)
@@ -171,10 +172,10 @@ def main(argv) -> list[dict]:
 
 def _format(r) -> str:
     if r["status"] != "ok":
-        return f"{r['batch']:>3} {_fmt_seq(r['seq_len']):>6} {r['impl']:13} {r['status']}"
+        return f"{r['batch']:>3} {fmt_seq(r['seq_len']):>6} {r['impl']:13} {r['status']}"
     frac = "" if r["peak_fraction"] is None else f"{100 * r['peak_fraction']:.0f}%"
     ratio = "" if r["vs_jax_nn"] is None else f"{r['vs_jax_nn']:.2f}"
-    return (f"{r['batch']:>3} {_fmt_seq(r['seq_len']):>6} {r['impl']:13} "
+    return (f"{r['batch']:>3} {fmt_seq(r['seq_len']):>6} {r['impl']:13} "
             f"{1e3 * r['time_s']:9.2f} {r['kv_bytes_per_s'] / 1e9:9.1f} {frac:>8} {ratio:>9}")
 
 
@@ -200,7 +201,7 @@ def _measure_cell(names, b, s, args, nbytes, max_cache, peak) -> list[dict]:
             compiled = jax.jit(fn).lower(*operands).compile()
             jax.block_until_ready(compiled(*operands))  # warm-up
         except Exception as e:  # noqa: BLE001 - reported in the table
-            r["status"] = "OOM" if _is_oom(e) else f"failed: {_short(e)}"
+            r["status"] = "OOM" if is_oom(e) else f"failed: {short(e)}"
             compiled = None
         cells.append((r, compiled, operands, []))
     for _ in range(max(1, args.reps)):  # interleaved, so load changes hit every row alike

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flash
-from jax_flash.bench.attention import FLASH, _pass_fn
-from jax_flash.bench.common import _int_list, _is_oom, _short, environment
+from jax_flash.bench.attention import FLASH, pass_fn
+from jax_flash.bench.common import int_list, is_oom, short, environment
 
 MD_VARIANTS = ("one device", "ring contiguous", "ring zigzag", "all-gather K/V")
 _COLLECTIVE_OPS = ("collective-permute", "all-gather", "all-reduce", "all-to-all", "reduce-scatter")
@@ -122,7 +122,7 @@ def measure_multi_device(
                          else NamedSharding(mesh, P(None, "seq")))
                 args = [jax.device_put(x, where) for x in host[: 4 if pass_ == "fwdbwd" else 3]]
                 try:
-                    fn = _pass_fn(_md_fn(variant, mesh, causal, impl), pass_)
+                    fn = pass_fn(_md_fn(variant, mesh, causal, impl), pass_)
                     compiled = jax.jit(fn).lower(*args).compile()
                     mem = compiled.memory_analysis()
                     r.temp_bytes = int(mem.temp_size_in_bytes)
@@ -136,7 +136,7 @@ def measure_multi_device(
                         times.append(time.perf_counter() - t0)
                     r.time_s = statistics.median(times)
                 except Exception as e:  # noqa: BLE001 - reported in the table
-                    r.status = "OOM" if _is_oom(e) else f"failed: {_short(e)}"
+                    r.status = "OOM" if is_oom(e) else f"failed: {short(e)}"
     return results
 
 
@@ -167,7 +167,7 @@ def _md_parse_args(argv):
     p.add_argument("--multi-device", action="store_true", help="run this section")
     p.add_argument("--devices", type=int, default=8,
                    help="devices of the sequence axis (host devices on a CPU)")
-    p.add_argument("--seq-len", type=_int_list, default=None,
+    p.add_argument("--seq-len", type=int_list, default=None,
                    help="global T = S (suffix k = 1024; default 4k on a CPU, 32k on a GPU)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)

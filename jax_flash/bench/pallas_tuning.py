@@ -1,18 +1,14 @@
 """`--tune-pallas`: the Pallas block sizes tuned before the attention table is measured,
-with `jax_flash.pallas.tune(...)`."""
+with `jax_flash._pallas_tune.tune(...)` (which writes the tile table, jax_flash/pallas_table.json)."""
 
 from __future__ import annotations
 
 
-def _tune_pallas(args) -> None:
+def tune_pallas(args) -> None:
     try:
-        import jax_flash.pallas as pallas_mod
+        from jax_flash._pallas_tune import tune
     except ImportError as e:
         print(f"--tune-pallas: jax_flash.pallas is not available ({e})")
-        return
-    tune = getattr(pallas_mod, "tune", None)
-    if tune is None:
-        print("--tune-pallas: this version of jax_flash.pallas has no tune()")
         return
     import inspect
 
@@ -27,7 +23,7 @@ def _tune_pallas(args) -> None:
     params = inspect.signature(tune).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     kwargs = {k: v for k, v in offered.items() if takes_any or k in params}
-    print(f"tuning Pallas block sizes: jax_flash.pallas.tune({kwargs})")
+    print(f"tuning Pallas block sizes: jax_flash._pallas_tune.tune({kwargs})")
     result = tune(**kwargs)
     if result is not None:
         print(result)

@@ -13,8 +13,8 @@ from typing import Optional
 
 import jax
 
-from jax_flash.bench.attention import PEER_TORCH, _prepare, available_impls, parse_args
-from jax_flash.bench.common import _fmt_seq, _short
+from jax_flash.bench.attention import PEER_TORCH, prepare, available_impls, parse_args
+from jax_flash.bench.common import fmt_seq, short
 
 
 def _status_kib(field: str) -> Optional[int]:
@@ -36,7 +36,7 @@ def peak_memory_probe(argv) -> dict:
     difference, the call's own memory. Prints and returns them as JSON."""
     impl, pass_, causal, head_dim, seq_len, batch, heads, dtype = argv
     cell = (impl, pass_, causal == "yes", int(head_dim), int(seq_len), int(batch), int(heads), dtype)
-    r, fn, args = _prepare(*cell, None)
+    r, fn, args = prepare(*cell, None)
     row = {"impl": impl, "pass": pass_, "causal": causal == "yes", "head_dim": int(head_dim),
            "seq_len": int(seq_len), "dtype": dtype, "status": r.status}
     if fn is not None:
@@ -88,16 +88,16 @@ def peak_memory_main(argv) -> list[dict]:
                         done = subprocess.run(cmd, capture_output=True, text=True)
                         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
                         row = json.loads(lines[-1]) if lines else {
-                            "impl": impl, "status": f"failed: {_short(RuntimeError(done.stderr.strip()[-300:]))}"}
+                            "impl": impl, "status": f"failed: {short(RuntimeError(done.stderr.strip()[-300:]))}"}
                         case.append(row)
                     peer = next((r for r in case if r["impl"] == PEER_TORCH and "peak_mib" in r), None)
                     for row in case:
                         if "peak_mib" not in row:
-                            print(f"| {row['impl']} | {args.dtype} | {h} | {_fmt_seq(t)} | {'yes' if c else 'no'} "
+                            print(f"| {row['impl']} | {args.dtype} | {h} | {fmt_seq(t)} | {'yes' if c else 'no'} "
                                   f"| {p_} | {row['status']} | | | | |")
                             continue
                         ratio = lambda key: f"{row[key] / peer[key]:.2f}" if peer and peer[key] > 0 else ""
-                        print(f"| {row['impl']} | {args.dtype} | {h} | {_fmt_seq(t)} | {'yes' if c else 'no'} | {p_} "
+                        print(f"| {row['impl']} | {args.dtype} | {h} | {fmt_seq(t)} | {'yes' if c else 'no'} | {p_} "
                               f"| {row['peak_mib']:.0f} | {row['before_mib']:.0f} | {row['call_mib']:.0f} "
                               f"| {ratio('peak_mib')} | {ratio('call_mib')} |", flush=True)
                     rows.extend(case)

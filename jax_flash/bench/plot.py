@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from jax_flash.bench.attention import Result
+from jax_flash.bench.common import Result
 
 
-def _require_matplotlib() -> None:
+def require_matplotlib() -> None:
     """Exits with a message (status 1) if `--plot` cannot work here."""
     try:
         import matplotlib  # noqa: F401

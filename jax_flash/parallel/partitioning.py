@@ -149,8 +149,10 @@ def _wrapped(name, is_backward, fn, spec, q, k, v, masks, rest):
     mask_arrays = tuple(getattr(masks, f) for f in fields)
     operands = (q, k, v, *mask_arrays, *rest)
     out_dims, v_dims = (_Q, _KV) if spec.v_head_dim == spec.head_dim else (_OUT_HV, _V_HV)
-    operand_dims = (_Q, _KV, v_dims, *(_dims(_MASK_DIMS[f], getattr(masks, f)) for f in fields))
-    result_dims = (out_dims, _STAT)
+    operand_dims: tuple[tuple[str | None, ...], ...] = (
+        _Q, _KV, v_dims, *(_dims(_MASK_DIMS[f], getattr(masks, f)) for f in fields)
+    )
+    result_dims: tuple[tuple[str | None, ...], ...] = (out_dims, _STAT)
     if is_backward:
         operand_dims += (out_dims, _STAT, out_dims, _STAT)
         result_dims = (_Q, _KV, v_dims)

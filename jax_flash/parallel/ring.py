@@ -44,18 +44,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-from typing import NamedTuple, Optional
+from typing import Any, Literal, NamedTuple, Optional, overload
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike
 
 from jax_flash import _registry
 from jax_flash._merge import merge_partials
 from jax_flash._numerics import acc_dtype
 from jax_flash._normalize import canonicalize, restore, window
 from jax_flash._spec import AttentionSpec, MaskInputs
+from jax_flash._types import OutAndLse, SegmentIds, Window
 from jax_flash._vjp import SECOND_ORDER_MESSAGE, is_empty
 
 __all__ = [
@@ -109,7 +111,7 @@ def _reorder(x, axis_size, axis, order, name):
     return chunks.reshape(x.shape)
 
 
-def zigzag(x, axis_size: int, axis: int = 1):
+def zigzag(x: ArrayLike, axis_size: int, axis: int = 1) -> jax.Array:
     """Reorder a global array along `axis` (the sequence; default 1 = BTNH's T) into the
     zigzag layout: cut into 2·axis_size chunks, device i's shard is chunks (i, 2P-1-i).
 
@@ -120,7 +122,7 @@ def zigzag(x, axis_size: int, axis: int = 1):
     return _reorder(x, axis_size, axis, _zigzag_order(axis_size), "zigzag")
 
 
-def unzigzag(x, axis_size: int, axis: int = 1):
+def unzigzag(x: ArrayLike, axis_size: int, axis: int = 1) -> jax.Array:
     """Inverse of `zigzag`: back from the zigzag layout to sequence order along `axis`."""
     order = np.argsort(_zigzag_order(axis_size))
     return _reorder(x, axis_size, axis, [int(c) for c in order], "unzigzag")
@@ -256,8 +258,8 @@ class _At(NamedTuple):
 
     lo: int
     hi: int
-    step: object
-    device: object  # lax.axis_index
+    step: Any  # an int or a traced int (None where only rows() is asked for)
+    device: Any  # lax.axis_index (None there too)
 
     def rows(self, table: np.ndarray) -> np.ndarray:
         return table[self.lo : self.hi]
@@ -284,7 +286,7 @@ class _BlockCall(NamedTuple):
     specs: dict  # kind -> AttentionSpec of the block
     masks: dict  # kind -> MaskInputs of the block
     kind: object  # int (static) or traced int32: the class at this (step, device)
-    empty: object  # None or a traced bool: the data makes every logit invisible
+    empty: jax.Array | None  # None or a traced bool: the data makes every logit invisible
 
 
 def _band_spec(local: AttentionSpec, blk: _Block, at: _At, dynamic_offset: bool):
@@ -412,7 +414,7 @@ def _ring_loop(cfg: RingConfig, step, kv, state, rotate_after=None):
         if hi - lo == 1:
             kv, state = one(lo, hi, lo, kv, state, last=hi == p)
         else:
-            body = lambda s, carry, lo=lo, hi=hi: one(lo, hi, s, *carry, last=False)
+            body = lambda s, carry, lo=lo, hi=hi: one(lo, hi, s, carry[0], carry[1], last=False)
             kv, state = lax.fori_loop(lo, hi, body, (kv, state))
     return state
 
@@ -641,24 +643,87 @@ def _axis_size(axis_name) -> int:
         ) from e
 
 
+@overload
 def ring_attention(
-    query,
-    key,
-    value,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
     axis_name: str,
     is_causal: bool = False,
-    query_seq_lengths=None,
-    key_value_seq_lengths=None,
-    local_window_size=None,
-    segment_ids=None,
-    logits_soft_cap: Optional[float] = None,
-    scale: Optional[float] = None,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    scale: float | None = None,
     layout: str = "contiguous",
-    query_offset=None,
+    query_offset: ArrayLike | None = None,
+    return_residual: Literal[False] = False,
+    implementation: str | None = None,
+) -> jax.Array: ...
+
+
+@overload
+def ring_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    *,
+    axis_name: str,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    scale: float | None = None,
+    layout: str = "contiguous",
+    query_offset: ArrayLike | None = None,
+    return_residual: Literal[True],
+    implementation: str | None = None,
+) -> OutAndLse: ...
+
+
+@overload
+def ring_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    *,
+    axis_name: str,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    scale: float | None = None,
+    layout: str = "contiguous",
+    query_offset: ArrayLike | None = None,
     return_residual: bool = False,
-    implementation: Optional[str] = None,
-):
+    implementation: str | None = None,
+) -> jax.Array | OutAndLse: ...
+
+
+def ring_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    *,
+    axis_name: str,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    scale: float | None = None,
+    layout: str = "contiguous",
+    query_offset: ArrayLike | None = None,
+    return_residual: bool = False,
+    implementation: str | None = None,
+) -> jax.Array | OutAndLse:
     """Context-parallel attention inside `jax.shard_map`: the sequences are sharded over the
     mesh axis `axis_name` (P devices) and K/V chunks rotate around the ring.
 
@@ -698,8 +763,8 @@ def ring_attention(
         value,
         scale=scale,
         is_causal=is_causal,
-        query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths,
+        query_seq_lengths=_global_lengths(query_seq_lengths, query.shape[-3] * p),
+        key_value_seq_lengths=_global_lengths(key_value_seq_lengths, key.shape[-3] * p),
         local_window_size=local_window_size,
         segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap,
@@ -730,6 +795,27 @@ def ring_attention(
     out, lse = ring_flash_attention(cfg, spec, c.q, c.k, c.v, masks)
     out, lse = restore(c, out, lse)
     return (out, lse) if return_residual else out
+
+
+def _global_lengths(lengths, total: int):
+    """Global lengths as `canonicalize` must see them: it clips a 64-bit or unsigned length to
+    the local sequence length before its int32 cast, but a ring's lengths count the global
+    sequence, so such a length is clipped to [0, total] (the global length) and cast here;
+    int32 lengths, and anything that is not an integer array (canonicalize names the error),
+    pass unchanged."""
+    if lengths is None or isinstance(lengths, (str, bytes)):
+        return lengths
+    try:
+        x = jnp.asarray(lengths)
+    except (TypeError, ValueError):
+        return lengths
+    if not jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.int32:
+        return lengths
+    if jnp.issubdtype(x.dtype, jnp.signedinteger):
+        x = jnp.clip(x, 0, total)
+    else:
+        x = jnp.minimum(x, np.asarray(total).astype(x.dtype))
+    return x.astype(jnp.int32)
 
 
 def _select(spec: AttentionSpec, cfg: RingConfig, requested: Optional[str]) -> str:

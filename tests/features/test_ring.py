@@ -49,7 +49,7 @@ PRELUDE = textwrap.dedent(
 
     def case(name, p, layout="contiguous", b=2, t=16, s=None, n=2, kh=None, h=8,
              dtype=jnp.float64, impl="xla", tol=1e-9, grad_tol=None, check_grads=False,
-             q_lengths=None, kv_lengths=None, segment_ids=None, hv=None, **kw):
+             q_lengths=None, kv_lengths=None, segment_ids=None, hv=None, length_dtype=jnp.int32, **kw):
         start = time.perf_counter()
         s = t if s is None else s
         kh = n if kh is None else kh
@@ -58,8 +58,8 @@ PRELUDE = textwrap.dedent(
         zz = layout == "zigzag"
         tr = (lambda x: jax_flash.zigzag(x, p)) if zz else (lambda x: x)
         un = (lambda x: jax_flash.unzigzag(x, p)) if zz else (lambda x: x)
-        ql = None if q_lengths is None else jnp.asarray(q_lengths, jnp.int32)
-        kl = None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32)
+        ql = None if q_lengths is None else jnp.asarray(q_lengths, length_dtype)
+        kl = None if kv_lengths is None else jnp.asarray(kv_lengths, length_dtype)
         pair = isinstance(segment_ids, tuple)
         qs = ks = None
         if segment_ids is not None:
@@ -139,6 +139,9 @@ MASKS = textwrap.dedent(
          is_causal=True)
     case("ragged p4 zigzag", 4, "zigzag", t=32, q_lengths=[32, 5], kv_lengths=[30, 17],
          is_causal=True, check_grads=True)
+    # 64-bit lengths (jnp.asarray's default with x64) count the global sequence, past it too.
+    case("ragged p4 int64 lengths", 4, t=32, q_lengths=[29, 40], kv_lengths=[2**40, 13],
+         length_dtype=jnp.int64, is_causal=True)
     case("segments p4 contiguous", 4, t=32, segment_ids=seg32, is_causal=True)
     case("segments p8 zigzag ragged", 8, "zigzag", t=32, segment_ids=seg32,
          kv_lengths=[27, 32], is_causal=True)

@@ -135,7 +135,7 @@ def test_bench_torch_peer_and_cpu_peak(capsys):
     out = capsys.readouterr().out
     assert "x torch" in out and "% peak" in out
     by_impl = {(r.impl, r.pass_): r for r in results}
-    torch_ok = bench._torch_unavailable(on_gpu=False) is None
+    torch_ok = bench.torch_unavailable(on_gpu=False) is None
     for pass_ in ("fwd", "fwdbwd"):
         cpu, torch_row = by_impl[("cpu", pass_)], by_impl[("torch", pass_)]
         assert cpu.status == "ok"

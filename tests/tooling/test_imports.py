@@ -23,11 +23,12 @@ PACKAGE = ROOT / "jax_flash"
 # names a module or a package prefix (the longest entry that matches a module decides).
 LAYERS = (
     # Tooling: benchmarks and tuners, beside the product; they may import anything.
-    ("tooling", ("jax_flash.bench", "jax_flash.inference.bench_decode", "jax_flash._pallas_tune")),
+    ("tooling", ("jax_flash.bench", "jax_flash._pallas_tune")),
     # The public entry points: attention and explain, the dense reference, the export
-    # helper, the flax / haiku integrations built on `attention`, the package's face.
+    # helper, the flax / haiku integrations and the all-to-all sequence parallelism built on
+    # `attention`, the package's face.
     ("front end", ("jax_flash", "jax_flash._api", "jax_flash._export", "jax_flash.reference",
-                   "jax_flash.flax", "jax_flash.haiku")),
+                   "jax_flash.flax", "jax_flash.haiku", "jax_flash.parallel.ulysses")),
     # Features that reach the implementations through the registry, never by import.
     ("capabilities", ("jax_flash.inference", "jax_flash.inference.paged")),
     # The four implementations and their private parts (FFI calls, Pallas kernels).
@@ -40,7 +41,7 @@ LAYERS = (
     ("dispatch", ("jax_flash._vjp", "jax_flash._registry")),
     # Spec, settings, argument normalisation, masks, dropout bits, numerics, the schedule
     # rules and the Pallas tile table (data), split-KV chunking, the lse merge, the extension.
-    ("shared", ("jax_flash._spec", "jax_flash._paged_spec", "jax_flash._config", "jax_flash._normalize",
+    ("shared", ("jax_flash._types", "jax_flash._spec", "jax_flash._paged_spec", "jax_flash._config", "jax_flash._normalize",
                 "jax_flash._numerics", "jax_flash._masking", "jax_flash._dropout", "jax_flash._merge",
                 "jax_flash._heuristics", "jax_flash._pallas_table", "jax_flash.inference.split_kv",
                 "jax_flash._jax_flash_ext")),

@@ -1,0 +1,42 @@
+"""Types of the native extension module (nanobind, built from cuda/ffi/module.cc and
+cuda/cpu/targets.cc). The FFI handlers themselves are PyCapsules that
+`jax.ffi.register_ffi_target` takes; the rest are small host queries."""
+
+from typing import Literal, TypedDict
+
+from typing_extensions import CapsuleType
+
+class _CpuBlocking(TypedDict):
+    block_q: int
+    block_k: int
+    key_block_bytes: int
+    forward_bytes: int
+    backward_bytes: int
+
+def registrations() -> dict[str, dict[str, CapsuleType]]:
+    """FFI handler capsules by platform: {'cpu': {name: capsule}, 'CUDA': {name: capsule}}."""
+
+def has_cuda() -> bool:
+    """Whether the CUDA kernels were compiled into this module."""
+
+def cuda_architectures() -> str:
+    """The CUDA architectures of the kernels' images, comma-separated as CMake spells them
+    ("80-real,80-virtual,..."); empty without CUDA kernels."""
+
+def cpu_core_share(threads: int) -> float:
+    """Each thread's FMA rate with `threads` threads running FMAs at once, over one thread's
+    alone (the slowest's): ~1 with a core each, ~1/2 where two share a core; 0 off x86-64."""
+
+def cpu_clock_ghz() -> float:
+    """One core's clock now (GHz), measured with a chain of dependent adds (0 off x86-64)."""
+
+def cpu_isa() -> str:
+    """The ISA the cpu kernels run on now (JAX_FLASH_CPU_ISA, or the widest this CPU has)."""
+
+def cpu_blocking(h: int, dtype: Literal["float32", "bfloat16", "float16"], bf16_products: bool, /) -> _CpuBlocking:
+    """(H, dtype, bf16_products) -> the cpu kernels' tile blocking (tiling.h BlockingFor):
+    block sizes and the bytes one worker's forward / backward tile step keeps hot."""
+
+def cpu_gradient_chunks(b: int, n: int, k: int, t: int, s: int, h: int, threads: int) -> int:
+    """(B, N, K, T, S, H, threads of XLA's pool) -> the number of key-block chunks (float32 dQ
+    partials) of the single-pass backward; 1: each work item owns its query heads."""
