@@ -35,7 +35,7 @@ def attention(
     implementation: Optional[str] = None,
     dropout_rate: float = 0.0,
     dropout_rng=None,
-    config: Optional[Config] = None,
+    config: Config | None = None,
 ):
     """Exact softmax attention, computed tile by tile (FlashAttention); a drop-in for
     `jax.nn.dot_product_attention`.

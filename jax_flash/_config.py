@@ -44,7 +44,8 @@ import contextvars
 import dataclasses
 import numbers
 import os
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 CPU_ISAS = ("amx", "avx512bf16", "avx512", "avx2", "generic", "amx_emulated")
 CUDA_LAYOUTS = ("warp16", "warp32")
@@ -65,11 +66,11 @@ class _Field:
     choices: tuple = ()  # str settings: the values accepted ("" included where it means the default)
     what: str = ""  # what the setting chooses, for messages
     # The variable's text -> the value; None when it is not one (ValueError with `invalid`).
-    parse: Optional[Callable[[str], Any]] = None
+    parse: Callable[[str], Any] | None = None
     invalid: str = ""  # the message for a bad variable: "{variable}={value!r} ..." formatted
 
 
-def _chunks(text: str, most: int = MAX_CHUNKS) -> Optional[int]:
+def _chunks(text: str, most: int = MAX_CHUNKS) -> int | None:
     if not text:
         return 0
     try:
@@ -79,43 +80,68 @@ def _chunks(text: str, most: int = MAX_CHUNKS) -> Optional[int]:
     return value if 1 <= value <= most else None
 
 
-def _choice(choices: tuple, empty: str) -> Callable[[str], Optional[str]]:
+def _choice(choices: tuple, empty: str) -> Callable[[str], str | None]:
     return lambda text: empty if text == "" else (text if text in choices else None)
 
 
 def _chunk_field(variable: str, what: str) -> _Field:
-    return _Field(variable, 0, int, what=what, parse=_chunks,
-                  invalid="{variable}={value!r} is not a chunk count of " + what
-                          + " (an integer from 1, never split, to 1024)")
+    return _Field(
+        variable,
+        0,
+        int,
+        what=what,
+        parse=_chunks,
+        invalid="{variable}={value!r} is not a chunk count of " + what + " (an integer from 1, never split, to 1024)",
+    )
 
 
 _FIELDS: dict[str, _Field] = {
     "cpu_isa": _Field(
-        "JAX_FLASH_CPU_ISA", "", str, ("",) + CPU_ISAS, "the cpu kernels' instruction set",
+        "JAX_FLASH_CPU_ISA",
+        "",
+        str,
+        ("", *CPU_ISAS),
+        "the cpu kernels' instruction set",
         _choice(CPU_ISAS, ""),
         # The words of the kernels' own message (cuda/cpu/kernel_dispatch.cc).
         "{variable}={value} is not one of: amx, avx512bf16, avx512, avx2, generic, amx_emulated "
-        "(or unset for the best this CPU runs)"),
+        "(or unset for the best this CPU runs)",
+    ),
     "cpu_split_kv": _chunk_field("JAX_FLASH_CPU_SPLIT_KV", "the cpu forward's split-KV"),
     "cpu_gradient_chunks": _Field(
-        "JAX_FLASH_CPU_GRADIENT_CHUNKS", 0, int, what="the cpu backward's key-block chunks",
+        "JAX_FLASH_CPU_GRADIENT_CHUNKS",
+        0,
+        int,
+        what="the cpu backward's key-block chunks",
         parse=lambda text: _chunks(text, MAX_GRADIENT_CHUNKS),
         invalid="{variable}={value!r} is not a chunk count of the cpu backward (an integer from 1, the "
-                "items own their query heads, to 4)"),
+        "items own their query heads, to 4)",
+    ),
     "cuda_layout": _Field(
-        "JAX_FLASH_CUDA_LAYOUT", "warp16", str, CUDA_LAYOUTS, "the CUDA kernels' warp layout",
+        "JAX_FLASH_CUDA_LAYOUT",
+        "warp16",
+        str,
+        CUDA_LAYOUTS,
+        "the CUDA kernels' warp layout",
         _choice(CUDA_LAYOUTS, "warp16"),
-        "{variable}={value!r} is not a layout of the CUDA kernels (warp16 or warp32)"),
+        "{variable}={value!r} is not a layout of the CUDA kernels (warp16 or warp32)",
+    ),
     "cuda_backward_grid": _Field(
-        "JAX_FLASH_CUDA_BWD_GRID", "auto", str, CUDA_BACKWARD_GRIDS, "the CUDA backward's grid",
+        "JAX_FLASH_CUDA_BWD_GRID",
+        "auto",
+        str,
+        CUDA_BACKWARD_GRIDS,
+        "the CUDA backward's grid",
         _choice(CUDA_BACKWARD_GRIDS, "auto"),
-        "{variable}={value!r} is not a grid of the CUDA backward (auto, kv_heads or q_heads)"),
+        "{variable}={value!r} is not a grid of the CUDA backward (auto, kv_heads or q_heads)",
+    ),
     "cuda_split_kv": _chunk_field("JAX_FLASH_CUDA_SPLIT_KV", "the CUDA forward's split-KV"),
     "pallas_split_kv": _chunk_field("JAX_FLASH_PALLAS_SPLIT_KV", "the pallas forward's split-KV"),
     "deterministic": _Field("JAX_FLASH_DETERMINISTIC", False, bool, parse=lambda text: text == "1"),
     # As the kernels read it before: set, not empty and not starting with 0.
-    "poison_outputs": _Field("JAX_FLASH_POISON_OUTPUTS", False, bool,
-                             parse=lambda text: text != "" and not text.startswith("0")),
+    "poison_outputs": _Field(
+        "JAX_FLASH_POISON_OUTPUTS", False, bool, parse=lambda text: text != "" and not text.startswith("0")
+    ),
     "emulate_cuda": _Field("JAX_FLASH_EMULATE_CUDA", False, bool, parse=lambda text: text == "1"),
 }
 
@@ -153,16 +179,16 @@ class Config:
         () in a config made by hand.
     """
 
-    cpu_isa: Optional[str] = None
-    cpu_split_kv: Optional[int] = None
-    cpu_gradient_chunks: Optional[int] = None
-    cuda_layout: Optional[str] = None
-    cuda_backward_grid: Optional[str] = None
-    cuda_split_kv: Optional[int] = None
-    pallas_split_kv: Optional[int] = None
-    deterministic: Optional[bool] = None
-    poison_outputs: Optional[bool] = None
-    emulate_cuda: Optional[bool] = None
+    cpu_isa: str | None = None
+    cpu_split_kv: int | None = None
+    cpu_gradient_chunks: int | None = None
+    cuda_layout: str | None = None
+    cuda_backward_grid: str | None = None
+    cuda_split_kv: int | None = None
+    pallas_split_kv: int | None = None
+    deterministic: bool | None = None
+    poison_outputs: bool | None = None
+    emulate_cuda: bool | None = None
     env_errors: tuple[tuple[str, str], ...] = dataclasses.field(default=(), repr=False)
 
     def __post_init__(self):
@@ -170,9 +196,9 @@ class Config:
             value = getattr(self, name)
             if value is not None:
                 _check(name, spec, value)
-        if not isinstance(self.env_errors, tuple) or any(
-            not (isinstance(e, tuple) and len(e) == 2 and e[0] in _FIELDS and isinstance(e[1], str))
-            for e in self.env_errors
+        errors: object = self.env_errors  # checked as given, whatever its annotation says
+        if not isinstance(errors, tuple) or any(
+            not (isinstance(e, tuple) and len(e) == 2 and e[0] in _FIELDS and isinstance(e[1], str)) for e in errors
         ):
             raise TypeError(f"Config.env_errors must be a tuple of (field, message) pairs, got {self.env_errors!r}")
 
@@ -196,7 +222,7 @@ class Config:
         """{name: value} of the settings this config sets (not None)."""
         return {name: getattr(self, name) for name in _FIELDS if getattr(self, name) is not None}
 
-    def over(self, base: "Config") -> "Config":
+    def over(self, base: Config) -> Config:
         """This config's settings, and `base`'s where this one leaves a field None."""
         return dataclasses.replace(base, **self.set_fields())
 
@@ -220,7 +246,7 @@ def _check(name: str, spec: _Field, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{where} must be an int or None, got {value!r}")
         most = MAX_GRADIENT_CHUNKS if name == "cpu_gradient_chunks" else MAX_CHUNKS
-        if not 0 <= value <= most:
+        if not 0 <= int(value) <= most:
             raise ValueError(f"{where} must be 0 (the rule) or a chunk count from 1 to {most}, got {value!r}")
     else:
         if not isinstance(value, str):
@@ -229,11 +255,12 @@ def _check(name: str, spec: _Field, value: Any) -> None:
             raise ValueError(f"{where} must be one of {spec.choices} ({spec.what}), got {value!r}")
 
 
-_context: contextvars.ContextVar[Config] = contextvars.ContextVar("jax_flash_config", default=Config())
+_UNSET = Config()  # frozen: every field None
+_context: contextvars.ContextVar[Config] = contextvars.ContextVar("jax_flash_config", default=_UNSET)
 
 
 @contextlib.contextmanager
-def config(settings: Optional[Config] = None, /, **overrides: Any) -> Iterator[Config]:
+def config(settings: Config | None = None, /, **overrides: Any) -> Iterator[Config]:
     """Set call settings for the calls traced inside the block:
 
         with jax_flash.config(cpu_isa="avx2", cpu_split_kv=1):
@@ -256,13 +283,14 @@ def config(settings: Optional[Config] = None, /, **overrides: Any) -> Iterator[C
         _context.reset(token)
 
 
-def from_environment(environ: Optional[dict] = None) -> Config:
+def from_environment(environ: Mapping[str, str] | None = None) -> Config:
     """The settings the JAX_FLASH_* variables give now (every field set; an invalid variable
     leaves its default and an entry in env_errors)."""
-    environ = os.environ if environ is None else environ
-    values, errors = {}, []
+    variables: Mapping[str, str] = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    errors: list[tuple[str, str]] = []
     for name, spec in _FIELDS.items():
-        text = environ.get(spec.variable, "")
+        text = variables.get(spec.variable, "")
         value = spec.parse(text) if spec.parse is not None else text
         if value is None:
             errors.append((name, spec.invalid.format(variable=spec.variable, value=text)))
@@ -271,7 +299,7 @@ def from_environment(environ: Optional[dict] = None) -> Config:
     return Config(**values, env_errors=tuple(errors))
 
 
-def resolve(explicit: Optional[Config] = None) -> Config:
+def resolve(explicit: Config | None = None) -> Config:
     """The settings of a call traced now: `explicit` (the call's `config=`), then the
     enclosing `jax_flash.config` blocks, then the JAX_FLASH_* variables, then the defaults.
     Every field is set; env_errors keeps only the variables that were used."""
@@ -283,6 +311,6 @@ def resolve(explicit: Optional[Config] = None) -> Config:
     return dataclasses.replace(chosen.over(env), env_errors=errors)
 
 
-def current_config(config: Optional[Config] = None) -> Config:
+def current_config(config: Config | None = None) -> Config:
     """The resolved settings a call traced now would use (with `config=config`)."""
     return resolve(config)

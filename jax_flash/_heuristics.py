@@ -21,8 +21,6 @@ were compiled; the rules' own thresholds are here only.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from jax_flash._spec import AttentionSpec
 
 # ---- shared -------------------------------------------------------------------------------
@@ -40,11 +38,16 @@ def packs_query_heads(spec: AttentionSpec, max_group: int) -> bool:
     """GQA packing of a kernel's forward (cpu, cuda): at T = 1 the G = N / K query heads of a
     kv head are the rows of one tile (G <= `max_group`, the tile's rows), where no dense bias,
     dense mask or dropout varies per head."""
-    return (spec.q_len == 1 and 1 < spec.group_size <= max_group and spec.bias_shape is None
-            and spec.mask_shape is None and not spec.has_dropout)
+    return (
+        spec.q_len == 1
+        and 1 < spec.group_size <= max_group
+        and spec.bias_shape is None
+        and spec.mask_shape is None
+        and not spec.has_dropout
+    )
 
 
-def forced(spec: AttentionSpec, name: str) -> Optional[int]:
+def forced(spec: AttentionSpec, name: str) -> int | None:
     """A chunk-count setting (cpu_split_kv, cuda_split_kv, pallas_split_kv): None for 0 (the
     rule decides), else the forced count."""
     value = spec.settings.get(name)
@@ -137,8 +140,13 @@ def cpu_forward_items(spec: AttentionSpec) -> int:
 
 
 def cpu_forward_chunks_rule(spec: AttentionSpec) -> int:
-    return chunk_count(cpu_forward_items(spec), CPU_FORWARD_ITEMS, -(-spec.kv_len // CPU_BLOCK),
-                       CPU_MIN_CHUNK_KEY_BLOCKS, CPU_MAX_FORWARD_CHUNKS)
+    return chunk_count(
+        cpu_forward_items(spec),
+        CPU_FORWARD_ITEMS,
+        -(-spec.kv_len // CPU_BLOCK),
+        CPU_MIN_CHUNK_KEY_BLOCKS,
+        CPU_MAX_FORWARD_CHUNKS,
+    )
 
 
 def cpu_forward_chunks(spec: AttentionSpec) -> int:
@@ -158,12 +166,15 @@ def cpu_forward_description(spec: AttentionSpec) -> str:
     """What `explain` says of the cpu forward's split-KV and GQA packing."""
     blocks = -(-spec.kv_len // CPU_BLOCK)
     chunks = max(1, min(cpu_forward_chunks(spec), blocks))
-    packing = (f"GQA packing: the {spec.group_size} query heads of each kv head in one tile, "
-               if cpu_packs_heads(spec) else "")
-    rule = (f"split-KV when the items (B·N·ceil(T/{CPU_BLOCK}), or B·K with GQA packing at T = 1) "
-            f"are fewer than {CPU_FORWARD_ITEMS}: "
-            f"min(ceil({CPU_FORWARD_ITEMS} / items), {CPU_MAX_FORWARD_CHUNKS}, ceil(S/{CPU_BLOCK}) // "
-            f"{CPU_MIN_CHUNK_KEY_BLOCKS}) key chunks per query block, merged by lse in chunk order")
+    packing = (
+        f"GQA packing: the {spec.group_size} query heads of each kv head in one tile, " if cpu_packs_heads(spec) else ""
+    )
+    rule = (
+        f"split-KV when the items (B·N·ceil(T/{CPU_BLOCK}), or B·K with GQA packing at T = 1) "
+        f"are fewer than {CPU_FORWARD_ITEMS}: "
+        f"min(ceil({CPU_FORWARD_ITEMS} / items), {CPU_MAX_FORWARD_CHUNKS}, ceil(S/{CPU_BLOCK}) // "
+        f"{CPU_MIN_CHUNK_KEY_BLOCKS}) key chunks per query block, merged by lse in chunk order"
+    )
     if forced(spec, "cpu_split_kv") is not None:
         rule = f"{setting_words(spec, 'cpu_split_kv')}, instead of the rule: {rule}"
     if chunks == 1:
@@ -205,13 +216,20 @@ def cuda_layout_description(spec: AttentionSpec) -> str:
     # The warp16 kernels (kernels/tile.h): at H >= 192 two warps share each 16 keys of the
     # backward (each with half of dK's and dV's columns), 32 keys per CTA at H = 192.
     bwd16 = {192: "32 keys per CTA, 2 warps per 16 keys", 256: "64 keys per CTA, 2 warps per 16 keys"}.get(
-        head_dim, "64 keys per CTA")
+        head_dim, "64 keys per CTA"
+    )
     if name == "warp16":
         return f"layout warp16: forward 8 warps x 16 rows, backward {bwd16}"
-    fwd = ("4 warps x 32 rows" if head_dim in WARP32_HEAD_DIMS["forward"]
-           else "8 warps x 16 rows (no warp32 kernel at this head dim)")
-    bwd = ("128 keys per CTA" if head_dim in WARP32_HEAD_DIMS["backward"]
-           else f"{bwd16} (no warp32 kernel at this head dim)")
+    fwd = (
+        "4 warps x 32 rows"
+        if head_dim in WARP32_HEAD_DIMS["forward"]
+        else "8 warps x 16 rows (no warp32 kernel at this head dim)"
+    )
+    bwd = (
+        "128 keys per CTA"
+        if head_dim in WARP32_HEAD_DIMS["backward"]
+        else f"{bwd16} (no warp32 kernel at this head dim)"
+    )
     return f"layout warp32: forward {fwd}, backward {bwd}"
 
 
@@ -253,16 +271,22 @@ def cuda_backward_grid_description(spec: AttentionSpec) -> str:
     if setting == "auto":
         few = cuda_backward_ctas(spec, "kv_heads")
         relation = "<" if few < BACKWARD_GRID_CTA_TARGET else ">="
-        why = (f"auto: G = {spec.group_size}, B·K·ceil(S/{cuda_backward_block_kv(spec)}) = {few} "
-               f"{relation} {BACKWARD_GRID_CTA_TARGET}")
+        why = (
+            f"auto: G = {spec.group_size}, B·K·ceil(S/{cuda_backward_block_kv(spec)}) = {few} "
+            f"{relation} {BACKWARD_GRID_CTA_TARGET}"
+        )
     else:
         why = setting_words(spec, "cuda_backward_grid")
     ctas = cuda_backward_ctas(spec, grid)
     if grid == "kv_heads":
-        return (f"backward grid kv_heads ({why}): {ctas} CTAs of (key block, kv head, batch), each looping "
-                "over its group's query heads")
-    return (f"backward grid q_heads ({why}): {ctas} CTAs of (key block, query head, batch), dK and dV per "
-            "query head in float32 workspaces, summed over the group after")
+        return (
+            f"backward grid kv_heads ({why}): {ctas} CTAs of (key block, kv head, batch), each looping "
+            "over its group's query heads"
+        )
+    return (
+        f"backward grid q_heads ({why}): {ctas} CTAs of (key block, query head, batch), dK and dV per "
+        "query head in float32 workspaces, summed over the group after"
+    )
 
 
 def cuda_packs_heads(spec: AttentionSpec) -> bool:
@@ -298,9 +322,11 @@ def cuda_decoding_description(spec: AttentionSpec, sms: int, sms_words: str) -> 
     elif forced(spec, "cuda_split_kv") is not None:
         why = setting_words(spec, "cuda_split_kv")
     else:
-        why = (f"{cuda_forward_ctas(spec)} CTAs (B·{'K' if pack else 'N'}·ceil(T/{CUDA_FORWARD_BLOCK_Q})) against "
-               f"{sms_words}: split when fewer, into min(ceil(SMs / CTAs), ceil(S/{cuda_forward_block_kv(spec)}) // "
-               f"{CUDA_SPLIT_MIN_TILES}, {CUDA_MAX_SPLITS}) key chunks merged by lse in chunk order")
+        why = (
+            f"{cuda_forward_ctas(spec)} CTAs (B·{'K' if pack else 'N'}·ceil(T/{CUDA_FORWARD_BLOCK_Q})) against "
+            f"{sms_words}: split when fewer, into min(ceil(SMs / CTAs), ceil(S/{cuda_forward_block_kv(spec)}) // "
+            f"{CUDA_SPLIT_MIN_TILES}, {CUDA_MAX_SPLITS}) key chunks merged by lse in chunk order"
+        )
     # The decoding settings' own scan of V (scans_values, which also needs no dense bias).
     scan = "; non-finite values of V handled in the kernel (without a dense bias)" if packing or chunks > 1 else ""
     if chunks == 1:
@@ -332,8 +358,9 @@ def pallas_tile(length: int, block: int) -> int:
     return max(16, min(block, 1 << max(0, (length - 1).bit_length())))
 
 
-def pallas_tile_config(head_dim_padded: int, dtype: str, pass_: str, interpret: bool,
-                       smem_budget: Optional[int], dense_bytes: int):
+def pallas_tile_config(
+    head_dim_padded: int, dtype: str, pass_: str, interpret: bool, smem_budget: int | None, dense_bytes: int
+):
     """The tuned table's launch configuration for one pass (`_pallas_table.TABLE`; small tiles
     when interpreted), shrunk to `smem_budget` bytes of shared memory where the GPU has less
     than the table's sm_90 (`_pallas_table.fit`)."""
@@ -359,16 +386,18 @@ def pallas_split_kv_chunks(spec: AttentionSpec, block_q: int, block_k: int, targ
     return chunk_count(programs, target, blocks, PALLAS_SPLIT_MIN_BLOCKS, PALLAS_MAX_SPLITS)
 
 
-def pallas_split_kv_description(spec: AttentionSpec, block_q: int, block_k: int, interpret: bool,
-                                sms: int) -> str:
+def pallas_split_kv_description(spec: AttentionSpec, block_q: int, block_k: int, interpret: bool, sms: int) -> str:
     """What `explain` says of the pallas forward's split-KV (at the tiles given)."""
     target = pallas_target(interpret, sms)
     chunks = pallas_split_kv_chunks(spec, block_q, block_k, target)
     words = f"{target} " + ("programs (interpreted)" if interpret else "SMs")
-    why = (setting_words(spec, "pallas_split_kv") if forced(spec, "pallas_split_kv") is not None else
-           f"split when T <= {PALLAS_SPLIT_MAX_QUERIES} and B·N·ceil(T/{block_q}) programs < {words}: "
-           f"min(ceil(target / programs), ceil(S/{block_k}) // {PALLAS_SPLIT_MIN_BLOCKS}, {PALLAS_MAX_SPLITS}) "
-           "key chunks merged by lse in chunk order; never with dropout")
+    why = (
+        setting_words(spec, "pallas_split_kv")
+        if forced(spec, "pallas_split_kv") is not None
+        else f"split when T <= {PALLAS_SPLIT_MAX_QUERIES} and B·N·ceil(T/{block_q}) programs < {words}: "
+        f"min(ceil(target / programs), ceil(S/{block_k}) // {PALLAS_SPLIT_MIN_BLOCKS}, {PALLAS_MAX_SPLITS}) "
+        "key chunks merged by lse in chunk order; never with dropout"
+    )
     return f"forward: {'no split-KV' if chunks == 1 else f'split-KV into {chunks} key chunks'} ({why})"
 
 

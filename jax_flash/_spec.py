@@ -28,6 +28,7 @@ import jax
 
 from jax_flash import _config
 
+
 class MaskInputs(NamedTuple):
     """Optional array inputs of one call, batch already folded to one axis `B`."""
 
@@ -77,7 +78,7 @@ class AttentionSpec:
     dropout_rate: float = 0.0
     # The call's settings, resolved when it was traced (`jax_flash._config.resolve`). None
     # only in a spec built by hand (tests, benchmarks): `settings` then resolves them when used.
-    config: Optional[_config.Config] = None
+    config: _config.Config | None = None
 
     @property
     def settings(self) -> _config.Config:

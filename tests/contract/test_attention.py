@@ -343,7 +343,7 @@ def test_layout_variable_checked(impl, monkeypatch):
     before = np.asarray(jax.block_until_ready(compiled(q, k, v)))
     monkeypatch.setenv("JAX_FLASH_CUDA_LAYOUT", "warp64")
     np.testing.assert_array_equal(np.asarray(compiled(q, k, v)).view(np.uint16), before.view(np.uint16))
-    b, t, n, h = q.shape
+    b, t, n, _ = q.shape
     target = ("jax_flash_emu" if jax_flash.current_config().emulate_cuda else "jax_flash") + "_fwd"
     operands = (q, k, v, jnp.full((b,), t, jnp.int32), jnp.full((b,), t, jnp.int32), jnp.zeros((b, t), jnp.int32),
                 jnp.zeros((b, t), jnp.int32), jnp.zeros((b,), jnp.int32), jnp.zeros((0,), jnp.float32),
