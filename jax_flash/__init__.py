@@ -2,9 +2,11 @@
 behind one function and one custom_vjp. See `attention`; `ring_attention` for sequences
 sharded over a mesh axis (context parallelism), `ulysses_attention` (all-to-all to heads) and
 `hybrid_attention` (all-to-all × ring on two mesh axes); `paged_attention` and `paged_cache_write`
-for decoding with a paged KV cache."""
+for decoding with a paged KV cache. Call settings (`Config`, `config`) are fixed when a call
+is traced (docs/configuration.md)."""
 
 from jax_flash._api import Explanation, attention, explain
+from jax_flash._config import Config, config, current_config
 from jax_flash._export import export_disabled_checks
 from jax_flash.inference.paged import explain_paged, paged_attention, paged_cache_write
 from jax_flash.parallel.ring import ring_attention, unzigzag, zigzag
@@ -17,6 +19,9 @@ __all__ = [
     "attention",
     "explain",
     "Explanation",
+    "Config",
+    "config",
+    "current_config",
     "export_disabled_checks",
     "reference",
     "paged_attention",

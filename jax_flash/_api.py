@@ -7,6 +7,7 @@ from typing import Optional
 import numpy as np
 
 from jax_flash import _registry
+from jax_flash._config import Config
 from jax_flash._normalize import canonicalize, restore
 from jax_flash._registry import Explanation
 from jax_flash._vjp import flash_attention
@@ -34,6 +35,7 @@ def attention(
     implementation: Optional[str] = None,
     dropout_rate: float = 0.0,
     dropout_rng=None,
+    config: Config | None = None,
 ):
     """Exact softmax attention, computed tile by tile (FlashAttention); a drop-in for
     `jax.nn.dot_product_attention`.
@@ -81,6 +83,12 @@ def attention(
         when dropout_rate > 0. The keep-mask is a function of the key's bits and the global
         (batch, head, query, key) position (Philox-4x32-10, `jax_flash._dropout`): every
         implementation draws bitwise the same mask, and the backward regenerates it.
+      config: a `jax_flash.Config` of call settings (cpu ISA, split-KV chunk counts, the cuda
+        warp layout and backward grid, deterministic mode, ...). Its fields that are not None
+        win over an enclosing `with jax_flash.config(...)`, which wins over the JAX_FLASH_*
+        variables. All are resolved when the call is traced and compiled into it: a jitted
+        or exported program keeps them whatever the environment it later runs in
+        (docs/configuration.md).
 
     Masks combine by AND. A query row that sees no key gets output 0, lse -inf and zero
     gradients (jax.nn gives such rows the mean of V); so does every row when S = 0, and
@@ -109,6 +117,7 @@ def attention(
         sinks=sinks,
         dropout_rate=dropout_rate,
         dropout_rng=dropout_rng,
+        config=config,
     )
     _check_return_residual(return_residual)
     name = _registry.select(c.spec, implementation)

@@ -63,6 +63,13 @@ def has_cuda_kernels() -> bool:
     return bool(ext.has_cuda())
 
 
+def poison_outputs(spec: AttentionSpec) -> bool:
+    """Config.poison_outputs (JAX_FLASH_POISON_OUTPUTS, set by the test suite): the handlers fill
+    their results with NaN before computing, so an element a kernel leaves unwritten shows up.
+    Fixed when the call is traced; the poison_outputs attribute of every target."""
+    return bool(spec.settings.get("poison_outputs"))
+
+
 def _attributes(spec: AttentionSpec) -> dict:
     # Floats as np.float32: a Python float becomes an f64 attribute, which Attr<float> rejects.
     return dict(
@@ -72,6 +79,7 @@ def _attributes(spec: AttentionSpec) -> dict:
         softcap=np.float32(0.0 if spec.soft_cap is None else spec.soft_cap),
         use_segment_ids=bool(spec.has_segment_ids),
         dropout_rate=np.float32(spec.dropout_rate),
+        poison_outputs=poison_outputs(spec),
     )
 
 
@@ -110,25 +118,28 @@ def _dropout_seed(masks: MaskInputs):
     return masks.dropout_seed if masks.dropout_seed is not None else jnp.zeros((2,), jnp.uint32)
 
 
-def forward(impl: str, target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs):
+def forward(impl: str, target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs,
+            attributes: Optional[Callable[[AttentionSpec], dict]] = None):
     """Call `target` (a forward target of implementation `impl`): out [B, T, N, Hv], lse
-    [B, N, T] float32."""
+    [B, N, T] float32. `attributes`: (local) spec -> the target's own attributes (forward_call)."""
     return partitioning.forward(
-        impl, functools.partial(forward_call, target), spec, q, k, v, masks
+        impl, functools.partial(forward_call, target, attributes=attributes), spec, q, k, v, masks
     )
 
 
 def backward(
     impl: str, target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout, dlse,
     deterministic: bool = False, backward_grid: Optional[Callable[[AttentionSpec], str]] = None,
+    attributes: Optional[Callable[[AttentionSpec], dict]] = None,
 ):
     """Call `target` (a backward target): dq, dk, dv (workspaces dropped), and dbias in the
     bias' shape and dtype (None without a bias).
 
     `backward_grid` (the CUDA targets only): spec -> "kv_heads" or "q_heads", the main
     kernel's grid for the (local) call, which sizes the dk_accum / dv_accum workspace results;
-    None for a target without them (the cpu kernels)."""
-    call = functools.partial(_backward_call, target, bool(deterministic), backward_grid)
+    None for a target without them (the cpu kernels). `attributes`: (local) spec -> the
+    target's own attributes (the cpu kernels' isa and gradient_chunks, the CUDA kernels' layout)."""
+    call = functools.partial(_backward_call, target, bool(deterministic), backward_grid, attributes)
     return partitioning.backward(
         impl, call, spec, q, k, v, masks,
         out, lse.astype(jnp.float32), dout, dlse.astype(jnp.float32),
@@ -136,7 +147,8 @@ def backward(
 
 
 def forward_call(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs,
-                 decoding: Optional[Callable[[AttentionSpec], tuple[int, bool]]] = None, page_table=None):
+                 decoding: Optional[Callable[[AttentionSpec], tuple[int, bool]]] = None, page_table=None,
+                 attributes: Optional[Callable[[AttentionSpec], dict]] = None):
     """The forward custom call on (local) canonical arrays; `spec` describes them (no
     sharding rule: for a function that runs inside one, e.g. on one device's shards).
 
@@ -144,14 +156,19 @@ def forward_call(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs,
     split), which sizes the partial_out / partial_lse workspace results, and GQA packing.
     `page_table` ([B, max_pages] int32; the paged targets, whose first operand it is): k and v
     are then pages [num_pages, page_size, K, H], and `spec` the gathered cache's
-    (S = max_pages·page_size)."""
+    (S = max_pages·page_size). `attributes`: spec -> the target's own attributes beside the
+    shared ones (cuda/README.md: the cpu kernels' isa, forward_chunks and pack_gqa, the CUDA
+    kernels' layout), decided here, when the call is traced."""
     b, t, n, _ = q.shape
     hv = v.shape[-1]
     shapes = (
         jax.ShapeDtypeStruct((b, t, n, hv), q.dtype),  # out [B, T, N, Hv]
         jax.ShapeDtypeStruct((b, n, t), jnp.float32),
     )
+    own = attributes
     attributes = _attributes(spec)
+    if own is not None:
+        attributes.update(own(spec))
     if decoding is not None:
         chunks, pack = decoding(spec)
         split = chunks > 1
@@ -169,7 +186,7 @@ def forward_call(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs,
 
 
 def _backward_call(
-    target: str, deterministic: bool, backward_grid, spec: AttentionSpec, q, k, v,
+    target: str, deterministic: bool, backward_grid, attributes, spec: AttentionSpec, q, k, v,
     masks: MaskInputs, out, lse, dout, dlse,
 ):
     """The backward custom call on (local) canonical arrays: dq, dk, dv, dbias (None
@@ -197,7 +214,7 @@ def _backward_call(
     shapes += (jax.ShapeDtypeStruct(dbias_shape, jnp.float32),)
     dq, dk, dv, *_, dbias = jax.ffi.ffi_call(target, shapes)(
         q, k, v, out, dout, lse, dlse, *_mask_operands(spec, masks, q.dtype), _dropout_seed(masks),
-        **_attributes(spec), deterministic=deterministic,
+        **_attributes(spec), **({} if attributes is None else attributes(spec)), deterministic=deterministic,
     )
     return dq, dk, dv, (None if masks.bias is None else dbias.astype(masks.bias.dtype))
 

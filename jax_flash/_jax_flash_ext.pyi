@@ -30,8 +30,18 @@ def cpu_core_share(threads: int) -> float:
 def cpu_clock_ghz() -> float:
     """One core's clock now (GHz), measured with a chain of dependent adds (0 off x86-64)."""
 
-def cpu_isa() -> str:
-    """The ISA the cpu kernels run on now (JAX_FLASH_CPU_ISA, or the widest this CPU has)."""
+def cpu_thread_limit() -> int:
+    """The process-wide cap on the cpu kernels' threads (0: every thread of XLA's pool), read from
+    JAX_FLASH_CPU_THREADS once, when the extension is loaded."""
+
+def set_cpu_thread_limit(threads: int) -> int:
+    """Sets the process-wide cap on the cpu kernels' threads (0: none); returns the previous cap.
+    Results are bitwise the same for every cap."""
+
+def cpu_isa(requested: str | None = None) -> str:
+    """The ISA the cpu kernels run for `requested` ("": the widest this CPU has; None: the value
+    of JAX_FLASH_CPU_ISA); a ValueError naming JAX_FLASH_CPU_ISA when it is unknown or this CPU
+    lacks it."""
 
 def cpu_blocking(h: int, dtype: Literal["float32", "bfloat16", "float16"], bf16_products: bool, /) -> _CpuBlocking:
     """(H, dtype, bf16_products) -> the cpu kernels' tile blocking (tiling.h BlockingFor):

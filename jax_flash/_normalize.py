@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _dropout
+from jax_flash import _config, _dropout
 from jax_flash._spec import AttentionSpec, MaskInputs
 
 IMPLEMENTATIONS = ("cuda", "pallas", "cpu", "xla")
@@ -262,8 +262,9 @@ def canonicalize(
     sinks=None,
     dropout_rate=0.0,
     dropout_rng=None,
+    config=None,
 ) -> Canonical:
-    """Check every argument and build the canonical call."""
+    """Check every argument and build the canonical call (its settings resolved now)."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}"
@@ -401,6 +402,7 @@ def canonicalize(
         value_head_dim=None if hv == h else hv,
         has_sinks=sinks_c is not None,
         dropout_rate=rate,
+        config=_config.resolve(config),
     )
     masks = MaskInputs(bias_c, mask_c, q_len, kv_len, q_seg, kv_seg, q_off, sinks_c, seed)
     return Canonical(

@@ -8,6 +8,11 @@
   a key of jit caches.
 * `MaskInputs`: the optional array inputs, already folded to one batch axis, or None.
 
+The spec also carries the call's settings (`config`, a resolved `jax_flash.Config`: cpu ISA,
+split-KV counts, warp layout, ...), fixed when the call is traced: as part of the spec they
+key every cache that the spec keys, and the implementations read them from there (as
+`spec.settings`), never from the environment.
+
 Every implementation receives q [B, T, N, H], k [B, S, K, H] and v [B, S, K, Hv] plus these
 two, and returns out [B, T, N, Hv] and lse [B, N, T] (float32, natural log; with sinks, lse
 includes the sink's exp(sinks[n]) and a row that sees no key has lse = sinks[n]). The value
@@ -20,6 +25,8 @@ import dataclasses
 from typing import NamedTuple, Optional
 
 import jax
+
+from jax_flash import _config
 
 
 class MaskInputs(NamedTuple):
@@ -69,6 +76,14 @@ class AttentionSpec:
     # Attention dropout (float32 value, in [0, 1)); > 0 means MaskInputs.dropout_seed is
     # given and the keep-mask of `_dropout` applies to P after the softmax statistics.
     dropout_rate: float = 0.0
+    # The call's settings, resolved when it was traced (`jax_flash._config.resolve`). None
+    # only in a spec built by hand (tests, benchmarks): `settings` then resolves them when used.
+    config: _config.Config | None = None
+
+    @property
+    def settings(self) -> _config.Config:
+        """The call's resolved settings: `config`, or those in force now if it is None."""
+        return self.config if self.config is not None else _config.resolve()
 
     @property
     def has_dropout(self) -> bool:

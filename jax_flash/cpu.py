@@ -4,52 +4,52 @@ from __future__ import annotations
 
 from typing import Optional
 
-from jax_flash import _ffi, _registry
+import numpy as np
+
+from jax_flash import _ffi, _heuristics, _registry
 from jax_flash._paged_spec import PagedSpec, target_masks
 from jax_flash._spec import AttentionSpec
-from jax_flash.inference import split_kv
 
 DTYPES = ("float32", "bfloat16", "float16")
 # H and Hv each up to MAX_HEAD_DIM, in any pair (the tiles take both, cuda/cpu/tiling.h).
 MAX_HEAD_DIM = 512
 
 
-# The forward's split-KV rule (cuda/cpu/tiling.h ForwardChunks; JAX_FLASH_CPU_SPLIT_KV overrides it
-# at run time): with fewer than FORWARD_ITEMS work items (ForwardQueryItems), each
-# item's keys are cut into chunks of at least MIN_CHUNK_KEY_BLOCKS 128-key blocks, merged by lse.
-BLOCK = 128
-FORWARD_ITEMS = 16
-MAX_FORWARD_CHUNKS = 16
-MIN_CHUNK_KEY_BLOCKS = 4
-
-
 def packs_heads(spec: AttentionSpec) -> bool:
-    """GQA packing (tiling.h PacksHeads): at T = 1 the G query heads of a kv head share one tile."""
-    return split_kv.packs_query_heads(spec, BLOCK)
-
-
-def forward_items(spec: AttentionSpec) -> int:
-    if packs_heads(spec):
-        return spec.batch * spec.num_kv_heads
-    return spec.batch * spec.num_heads * -(-spec.q_len // BLOCK)
+    """GQA packing (the pack_gqa attribute): at T = 1 the G query heads of a kv head share one tile."""
+    return _heuristics.cpu_packs_heads(spec)
 
 
 def forward_chunks(spec: AttentionSpec) -> int:
-    return split_kv.chunk_count(forward_items(spec), FORWARD_ITEMS, -(-spec.kv_len // BLOCK), MIN_CHUNK_KEY_BLOCKS,
-                                MAX_FORWARD_CHUNKS)
+    """The forward's split-KV chunk count (the forward_chunks attribute; `_heuristics`)."""
+    return _heuristics.cpu_forward_chunks(spec)
 
 
 def split_kv_description(spec: AttentionSpec) -> str:
-    chunks = forward_chunks(spec)
-    packing = (f"GQA packing: the {spec.num_heads // spec.num_kv_heads} query heads of each kv head in one tile, "
-               if packs_heads(spec) else "")
-    rule = (f"split-KV when the items (B·N·ceil(T/{BLOCK}), or B·K with GQA packing at T = 1) "
-            f"are fewer than {FORWARD_ITEMS}: "
-            f"min(ceil({FORWARD_ITEMS} / items), {MAX_FORWARD_CHUNKS}, ceil(S/{BLOCK}) // {MIN_CHUNK_KEY_BLOCKS}) "
-            "key chunks per query block, merged by lse in chunk order")
-    if chunks == 1:
-        return f"forward: {packing}no split-KV ({rule})"
-    return f"forward: {packing}split-KV into {chunks} key chunks ({rule})"
+    return _heuristics.cpu_forward_description(spec)
+
+
+def isa(spec: AttentionSpec) -> str:
+    """The call's ISA (Config.cpu_isa): "" (the widest this CPU runs) or one ISA; an unknown
+    one, or one this CPU lacks, is a ValueError naming JAX_FLASH_CPU_ISA when the call is traced."""
+    value = _heuristics.cpu_isa(spec)
+    if value:
+        from jax_flash import _jax_flash_ext
+
+        _jax_flash_ext.cpu_isa(value)
+    return value
+
+
+def forward_attributes(spec: AttentionSpec) -> dict:
+    """The cpu forward targets' own attributes for the (local) call `spec` (cuda/README.md): the
+    ISA, the split-KV chunk count and GQA packing, decided when the call is traced."""
+    return dict(isa=isa(spec), forward_chunks=np.int64(forward_chunks(spec)), pack_gqa=bool(packs_heads(spec)))
+
+
+def backward_attributes(spec: AttentionSpec) -> dict:
+    """The cpu backward target's own attributes: the ISA and the key-block chunks (0: the
+    kernels' rule, from the size of XLA's thread pool)."""
+    return dict(isa=isa(spec), gradient_chunks=np.int64(_heuristics.cpu_gradient_chunks(spec)))
 
 
 class CpuImplementation:
@@ -71,10 +71,13 @@ class CpuImplementation:
         return f"any pair with H, Hv <= {MAX_HEAD_DIM}"
 
     def note(self, spec: AttentionSpec) -> Optional[str]:
-        """What `explain` adds: the forward's split-KV (the rule of cuda/cpu/tiling.h), and for a
+        """What `explain` adds: the forward's split-KV (`_heuristics.cpu_forward_chunks`), and for a
         dense bias or mask, that it is read in place through its broadcast strides and how the
         backward reduces dbias (cuda/cpu/README.md)."""
-        parts = [split_kv_description(spec)]
+        try:
+            parts = [split_kv_description(spec)]
+        except ValueError as e:  # a bad JAX_FLASH_CPU_SPLIT_KV
+            parts = [f"{e}: calls fail"]
         for name, shape in (("bias", spec.bias_shape), ("mask", spec.mask_shape)):
             if shape is not None:
                 parts.append(f"dense {name} {list(shape)} read in place through its broadcast strides")
@@ -95,7 +98,9 @@ class CpuImplementation:
         return "; ".join(parts)
 
     def forward(self, spec, q, k, v, masks):
-        return _ffi.forward(self.name, "jax_flash_fwd", spec, q, k, v, masks)
+        # Bad settings (JAX_FLASH_CPU_ISA, JAX_FLASH_CPU_SPLIT_KV): a ValueError now.
+        forward_attributes(spec)
+        return _ffi.forward(self.name, "jax_flash_fwd", spec, q, k, v, masks, attributes=forward_attributes)
 
     # paged_attention (jax_flash/inference/paged.py): what implementation=None runs on the CPU
     # backend where it serves the call (2.9-3.0x paged xla's speed in a decode step, README).
@@ -105,8 +110,11 @@ class CpuImplementation:
         return self.unsupported(pspec.attention) or _ffi.missing("jax_flash_paged_fwd", "cpu")
 
     def paged_note(self, pspec: PagedSpec) -> str:
-        return ("the host forward, each key block packed from its pages' slots by the tile that visits it; "
-                + split_kv_description(pspec.attention))
+        try:
+            how = split_kv_description(pspec.attention)
+        except ValueError as e:  # a bad JAX_FLASH_CPU_SPLIT_KV
+            how = f"{e}: calls fail"
+        return "the host forward, each key block packed from its pages' slots by the tile that visits it; " + how
 
     def paged_forward(self, pspec, q, key_pages, value_pages, table, lengths, sinks=None):
         """paged_attention on the host target jax_flash_paged_fwd: the forward's tiles pack each
@@ -114,10 +122,14 @@ class CpuImplementation:
         and GQA packing. out [B, T, N, H], lse [B, N, T]. Non-finite values are the kernels' own
         business, as in `forward`."""
         spec, masks = target_masks(pspec, q, table, lengths, sinks)
-        return _ffi.forward_call("jax_flash_paged_fwd", spec, q, key_pages, value_pages, masks, page_table=table)
+        forward_attributes(spec)
+        return _ffi.forward_call("jax_flash_paged_fwd", spec, q, key_pages, value_pages, masks, page_table=table,
+                                 attributes=forward_attributes)
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
-        return _ffi.backward(self.name, "jax_flash_bwd", spec, q, k, v, masks, out, lse, dout, dlse)
+        backward_attributes(spec)
+        return _ffi.backward(self.name, "jax_flash_bwd", spec, q, k, v, masks, out, lse, dout, dlse,
+                             attributes=backward_attributes)
 
 
 IMPLEMENTATION = CpuImplementation()

@@ -1,20 +1,22 @@
 """The `cuda` implementation: the extension's mma.sync kernels (platform CUDA).
 
-With JAX_FLASH_EMULATE_CUDA=1 on a CPU backend, the same kernel source compiled for the host
-against an emulation of the SIMT model and of each PTX instruction runs instead (targets
-`jax_flash_emu_*`): slow, for testing the kernels without a GPU.
+The call's settings (`spec.settings`, a `jax_flash.Config` fixed when the call is traced;
+docs/configuration.md) choose how it runs:
 
-JAX_FLASH_DETERMINISTIC=1 makes the backward accumulate dQ without racing atomics.
+- emulate_cuda (JAX_FLASH_EMULATE_CUDA=1): on a CPU backend, the same kernel source compiled
+  for the host against an emulation of the SIMT model and of each PTX instruction runs instead
+  (targets `jax_flash_emu_*`): slow, for testing the kernels without a GPU.
+- deterministic (JAX_FLASH_DETERMINISTIC=1): the backward accumulates dQ without racing atomics.
+- cuda_layout (JAX_FLASH_CUDA_LAYOUT=warp16|warp32): the kernels' warp layout (cuda/README.md),
+  passed to the handlers as the `layout` attribute; `explain` says which one a call runs.
+- cuda_backward_grid (JAX_FLASH_CUDA_BWD_GRID=auto|kv_heads|q_heads): the main backward
+  kernel's grid (`backward_grid`, cuda/README.md): one CTA per (key block, kv head, batch),
+  looping over the query heads of the group, or per (key block, query head, batch) with dK, dV
+  per query head in float32 workspaces summed over the group after (MQA/GQA at small batch).
+- cuda_split_kv (JAX_FLASH_CUDA_SPLIT_KV=C): forces the forward's split-KV chunk count.
 
-JAX_FLASH_CUDA_LAYOUT=warp16|warp32 chooses the kernels' warp layout (cuda/README.md); the
-handlers read it at every call, `explain` says which one a call would run, and an unknown value
-is a ValueError when a call is traced (and an error from the handler if it changes after).
-
-JAX_FLASH_CUDA_BWD_GRID=auto|kv_heads|q_heads chooses the main backward kernel's grid
-(`backward_grid`, cuda/README.md): one CTA per (key block, kv head, batch), looping over the
-query heads of the group, or per (key block, query head, batch) with dK, dV per query head in
-float32 workspaces summed over the group after (MQA/GQA at small batch); read when the backward
-is traced, reported by `explain`, an unknown value is a ValueError.
+The rules that decide from them and from the call's shapes (split-KV, GQA packing, the grid)
+are `jax_flash._heuristics`; an invalid variable is a ValueError naming it when a call is traced.
 
 Architectures: the extension holds the images its build listed (JAX_FLASH_CUDA_ARCHS; by
 default cubins for sm_80, sm_90, sm_120 and PTX for compute_80 and compute_120). A GPU runs
@@ -26,7 +28,6 @@ GPU would run.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import dataclasses
@@ -36,11 +37,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_flash import _ffi, _registry
+from jax_flash import _ffi, _heuristics, _registry
 from jax_flash._numerics import finite_part, nonfinite_rows
 from jax_flash._paged_spec import PagedSpec, target_masks
 from jax_flash._spec import AttentionSpec
-from jax_flash.inference import split_kv
 from jax_flash.parallel import partitioning
 
 DTYPES = ("float16", "bfloat16")
@@ -70,130 +70,37 @@ def value_head_dim_reason(spec: AttentionSpec) -> Optional[str]:
     )
 
 
-def emulated() -> bool:
-    return os.environ.get("JAX_FLASH_EMULATE_CUDA", "") == "1"
+def emulated(spec: AttentionSpec) -> bool:
+    """The call runs the host emulation of the kernels (Config.emulate_cuda)."""
+    return spec.settings.get("emulate_cuda")
 
 
-def deterministic() -> bool:
-    return os.environ.get("JAX_FLASH_DETERMINISTIC", "") == "1"
+def deterministic(spec: AttentionSpec) -> bool:
+    """The backward runs without racing atomics (Config.deterministic)."""
+    return spec.settings.get("deterministic")
 
 
-LAYOUTS = ("warp16", "warp32")
-# The head dims whose forward / backward has a warp32 kernel of its own (kernels/tile.h,
-# build/generate_kernels.py); the others run the warp16 kernel under either setting.
-WARP32_HEAD_DIMS = {"forward": (32, 64, 96), "backward": (32, 64)}
+def layout(spec: AttentionSpec) -> str:
+    """The call's warp layout, "warp16" or "warp32" (Config.cuda_layout); a ValueError naming
+    JAX_FLASH_CUDA_LAYOUT when the variable held no layout."""
+    return _heuristics.cuda_layout(spec)
 
 
-def layout() -> str:
-    """JAX_FLASH_CUDA_LAYOUT: "warp16" (the default, also when unset or empty) or "warp32"."""
-    value = os.environ.get("JAX_FLASH_CUDA_LAYOUT", "") or "warp16"
-    if value not in LAYOUTS:
-        raise ValueError(f"JAX_FLASH_CUDA_LAYOUT={value!r} is not a layout of the CUDA kernels (warp16 or warp32)")
-    return value
-
-
-def layout_description(head_dim: int) -> str:
-    """Which kernels a call at `head_dim` runs under the current JAX_FLASH_CUDA_LAYOUT."""
-    name = layout()
-    # The warp16 kernels (kernels/tile.h): at H >= 192 two warps share each 16 keys of the
-    # backward (each with half of dK's and dV's columns), 32 keys per CTA at H = 192.
-    bwd16 = {192: "32 keys per CTA, 2 warps per 16 keys", 256: "64 keys per CTA, 2 warps per 16 keys"}.get(
-        head_dim, "64 keys per CTA")
-    if name == "warp16":
-        return f"layout warp16: forward 8 warps x 16 rows, backward {bwd16}"
-    fwd = ("4 warps x 32 rows" if head_dim in WARP32_HEAD_DIMS["forward"]
-           else "8 warps x 16 rows (no warp32 kernel at this head dim)")
-    bwd = ("128 keys per CTA" if head_dim in WARP32_HEAD_DIMS["backward"]
-           else f"{bwd16} (no warp32 kernel at this head dim)")
-    return f"layout warp32: forward {fwd}, backward {bwd}"
-
-
-# The backward grid (JAX_FLASH_CUDA_BWD_GRID; cuda/README.md, "Grids and GQA"). auto takes the
-# q_heads grid when the kv_heads grid would launch fewer than BACKWARD_GRID_CTA_TARGET CTAs and
-# G = N / K > 1: 528 = two waves of an H100/H200 (132 SMs) at the backward's 2 CTAs per SM
-# (warp16, docs/gpu-results.md). Below that the kv_heads grid leaves SMs idle, while the q_heads
-# grid has G times the CTAs for the same work, at the price of B·S·N·(H + Hv) float32 workspace and
-# one more pass over it (the group sum).
-BACKWARD_GRIDS = ("auto", "kv_heads", "q_heads")
-BACKWARD_GRID_CTA_TARGET = 528
-
-
-def backward_grid_setting() -> str:
-    """JAX_FLASH_CUDA_BWD_GRID: "auto" (the default, also when unset or empty), "kv_heads" or
-    "q_heads"; anything else is a ValueError."""
-    value = os.environ.get("JAX_FLASH_CUDA_BWD_GRID", "") or "auto"
-    if value not in BACKWARD_GRIDS:
-        raise ValueError(
-            f"JAX_FLASH_CUDA_BWD_GRID={value!r} is not a grid of the CUDA backward (auto, kv_heads or q_heads)"
-        )
-    return value
-
-
-def backward_block_kv(head_dim: int) -> int:
-    """Keys per CTA of the main backward kernel under the current layout (kernels/tile.h; the
-    value head dim does not change it)."""
-    if layout() == "warp32" and head_dim in WARP32_HEAD_DIMS["backward"]:
-        return 128
-    return 32 if head_dim == 192 else 64
-
-
-def backward_ctas(spec: AttentionSpec, grid: str) -> int:
-    """CTAs of the main backward kernel: B·K·ceil(S/block_kv) (kv_heads) or B·N·ceil(S/block_kv)."""
-    heads = spec.num_kv_heads if grid == "kv_heads" else spec.num_heads
-    return spec.batch * heads * -(-spec.kv_len // backward_block_kv(spec.head_dim))
+def target_attributes(spec: AttentionSpec) -> dict:
+    """The CUDA (and emulated) targets' own attribute beside the shared ones: the warp layout,
+    decided when the call is traced (cuda/README.md)."""
+    return dict(layout=layout(spec))
 
 
 def backward_grid(spec: AttentionSpec) -> str:
-    """The main backward kernel's grid for a call of shape `spec`: "kv_heads" or "q_heads"."""
-    setting = backward_grid_setting()
-    if setting != "auto":
-        return setting
-    few = backward_ctas(spec, "kv_heads") < BACKWARD_GRID_CTA_TARGET
-    return "q_heads" if spec.group_size > 1 and few else "kv_heads"
-
-
-def backward_grid_description(spec: AttentionSpec) -> str:
-    """What `explain` says of the backward grid of `spec`."""
-    grid, setting = backward_grid(spec), backward_grid_setting()
-    if setting == "auto":
-        few = backward_ctas(spec, "kv_heads")
-        relation = "<" if few < BACKWARD_GRID_CTA_TARGET else ">="
-        why = (f"auto: G = {spec.group_size}, B·K·ceil(S/{backward_block_kv(spec.head_dim)}) = {few} "
-               f"{relation} {BACKWARD_GRID_CTA_TARGET}")
-    else:
-        why = f"JAX_FLASH_CUDA_BWD_GRID={setting}"
-    ctas = backward_ctas(spec, grid)
-    if grid == "kv_heads":
-        return (f"backward grid kv_heads ({why}): {ctas} CTAs of (key block, kv head, batch), each looping "
-                "over its group's query heads")
-    return (f"backward grid q_heads ({why}): {ctas} CTAs of (key block, query head, batch), dK and dV per "
-            "query head in float32 workspaces, summed over the group after")
-
-
-# Decoding (kernels/fwd.h; cuda/README.md, "Split-KV and GQA packing"), chosen at trace time
-# from the shapes each call's kernels see. GQA packing: at T = 1 with G = N / K > 1 (up to the
-# forward's 128-row tile), and no dense bias, dense mask or dropout (they vary per head), one CTA
-# per kv head takes its G query heads as the rows of its tile. Split-KV: when the forward's
-# grid, B·(K packed, else N)·ceil(T/128) CTAs, is smaller than the GPU's SM count (one CTA per
-# SM is one wave), each query block's key tiles are cut into
-# C = min(ceil(SMs / CTAs), ceil(S / block_kv) // SPLIT_MIN_TILES, MAX_SPLITS) chunks, one CTA
-# each, merged by lse in chunk order (deterministic). Never with dropout.
-# JAX_FLASH_CUDA_SPLIT_KV=C forces C chunks (1: never split).
-FORWARD_BLOCK_Q = 128
-SPLIT_MIN_TILES = 2
-MAX_SPLITS = 64
+    """The main backward kernel's grid for a call of shape `spec`: "kv_heads" or "q_heads"
+    (`_heuristics.cuda_backward_grid`)."""
+    return _heuristics.cuda_backward_grid(spec)
 
 
 def packs_heads(spec: AttentionSpec) -> bool:
     """GQA packing (kernels/fwd.h): at T = 1 the G query heads of a kv head share one tile."""
-    return split_kv.packs_query_heads(spec, FORWARD_BLOCK_Q)
-
-
-def forward_block_kv(head_dim: int) -> int:
-    """Keys per tile of the forward kernel under the current layout (kernels/tile.h)."""
-    if layout() == "warp32" and head_dim in WARP32_HEAD_DIMS["forward"]:
-        return 64 if head_dim <= 32 else 32
-    return 16 if head_dim > 192 else 32 if head_dim > 128 else 64
+    return _heuristics.cuda_packs_heads(spec)
 
 
 def sm_count() -> tuple[int, str]:
@@ -205,24 +112,13 @@ def sm_count() -> tuple[int, str]:
 
 
 def forward_ctas(spec: AttentionSpec) -> int:
-    heads = spec.num_kv_heads if packs_heads(spec) else spec.num_heads
-    return spec.batch * heads * -(-spec.q_len // FORWARD_BLOCK_Q)
-
-
-def split_kv_setting() -> Optional[int]:
-    """JAX_FLASH_CUDA_SPLIT_KV: None (unset or empty: the rule), else the forced chunk count."""
-    return split_kv.forced_chunks("JAX_FLASH_CUDA_SPLIT_KV", "the CUDA forward's split-KV")
+    return _heuristics.cuda_forward_ctas(spec)
 
 
 def split_kv_chunks(spec: AttentionSpec) -> int:
-    """The forward's split-KV chunk count C for a call of shape `spec` (1: no split)."""
-    if spec.has_dropout or spec.batch * spec.num_heads * spec.q_len == 0:
-        return 1
-    forced = split_kv_setting()
-    if forced is not None:
-        return forced
-    tiles = -(-spec.kv_len // forward_block_kv(spec.head_dim))
-    return split_kv.chunk_count(forward_ctas(spec), sm_count()[0], tiles, SPLIT_MIN_TILES, MAX_SPLITS)
+    """The forward's split-KV chunk count C for a call of shape `spec` on this device (1: no
+    split; `_heuristics.cuda_split_kv_chunks`)."""
+    return _heuristics.cuda_split_kv_chunks(spec, sm_count()[0])
 
 
 def decoding(spec: AttentionSpec) -> tuple[int, bool]:
@@ -239,28 +135,12 @@ def scans_values(spec: AttentionSpec, masks) -> bool:
 
 def decoding_description(spec: AttentionSpec) -> str:
     """What `explain` says of the forward's split-KV and GQA packing."""
-    packing = (f"GQA packing: the {spec.group_size} query heads of each kv head in one tile, "
-               if packs_heads(spec) else "")
-    chunks = split_kv_chunks(spec)
-    forced = split_kv_setting()
-    if spec.has_dropout:
-        why = "never with dropout"
-    elif forced is not None:
-        why = f"JAX_FLASH_CUDA_SPLIT_KV={forced}"
-    else:
-        ctas, (_, sms) = forward_ctas(spec), sm_count()
-        why = (f"{ctas} CTAs (B·{'K' if packs_heads(spec) else 'N'}·ceil(T/{FORWARD_BLOCK_Q})) against {sms}: "
-               f"split when fewer, into min(ceil(SMs / CTAs), ceil(S/{forward_block_kv(spec.head_dim)}) // "
-               f"{SPLIT_MIN_TILES}, {MAX_SPLITS}) key chunks merged by lse in chunk order")
-    # The decoding settings' own scan of V (scans_values, which also needs no dense bias).
-    scan = "; non-finite values of V handled in the kernel (without a dense bias)" if packing or chunks > 1 else ""
-    if chunks == 1:
-        return f"forward: {packing}no split-KV ({why}){scan}"
-    return f"forward: {packing}split-KV into {chunks} key chunks ({why}){scan}"
+    sms, words = sm_count()
+    return _heuristics.cuda_decoding_description(spec, sms, words)
 
 
-def _prefix() -> str:
-    return "jax_flash_emu" if emulated() else "jax_flash"
+def _prefix(spec: AttentionSpec) -> str:
+    return "jax_flash_emu" if emulated(spec) else "jax_flash"
 
 
 def _architectures() -> tuple[str, ...]:
@@ -388,7 +268,7 @@ def dense_description(spec: AttentionSpec) -> Optional[str]:
         parts.append("dbias stored element by element")
     elif not spread:
         parts.append("dbias summed over T by the thread that owns each key")
-    elif deterministic():
+    elif deterministic(spec):
         parts.append(f"dbias summed over {', '.join(summed)}: over B, N, S through a float32 workspace "
                      f"[B, N, Tb, S] = {[spec.batch, spec.num_heads, spec.bias_shape[2], spec.kv_len]} "
                      "summed in a fixed order (JAX_FLASH_DETERMINISTIC=1)")
@@ -402,7 +282,11 @@ class CudaImplementation:
 
     def unsupported(self, spec: AttentionSpec) -> Optional[str]:
         plat = _registry.platform()
-        if emulated():
+        try:
+            emulate = emulated(spec)
+        except ValueError as e:
+            return str(e)
+        if emulate:
             if plat != "cpu":
                 return "JAX_FLASH_EMULATE_CUDA=1 emulates the kernels on the CPU backend only"
             why = _ffi.missing("jax_flash_emu_fwd", "cpu") or _ffi.missing("jax_flash_emu_bwd", "cpu")
@@ -440,21 +324,24 @@ class CudaImplementation:
         """What `explain` adds when the kernels can run: the host emulation, or which image
         of the build this GPU runs (a cubin, or PTX that the driver JIT-compiles)."""
         try:
-            how = layout_description(spec.head_dim)
+            how = _heuristics.cuda_layout_description(spec)
         except ValueError as e:
             how = f"{e}: calls fail"
         try:
-            how += "; " + backward_grid_description(spec)
+            how += "; " + _heuristics.cuda_backward_grid_description(spec)
         except ValueError as e:
             how += f"; {e}: backward calls fail"
         try:
             how += "; " + decoding_description(spec)
         except ValueError as e:
             how += f"; {e}: calls fail"
-        dense = dense_description(spec)
+        try:
+            dense = dense_description(spec)
+        except ValueError as e:
+            dense = f"{e}: backward calls fail"
         if dense:
             how += "; " + dense
-        if emulated():
+        if emulated(spec):
             return f"on the host emulation of the kernels: JAX_FLASH_EMULATE_CUDA=1; {how}"
         cc = _compute_capability()
         if cc is None:
@@ -473,16 +360,17 @@ class CudaImplementation:
     # of the forward keep the raw q and k (a ±inf score becomes NaN in the kernel); the
     # backward needs no poisoned operand, as a poisoned row's lse and D are NaN.
     def forward(self, spec, q, k, v, masks):
-        layout()  # an unknown JAX_FLASH_CUDA_LAYOUT: a ValueError now, not a failure at run time
-        split_kv_setting()  # likewise JAX_FLASH_CUDA_SPLIT_KV
-        target = f"{_prefix()}_fwd"
+        layout(spec)  # an unknown JAX_FLASH_CUDA_LAYOUT: a ValueError now
+        split_kv_chunks(spec)  # likewise JAX_FLASH_CUDA_SPLIT_KV
+        target = f"{_prefix(spec)}_fwd"
         # The whole of _forward_local runs inside the sharding rule: its test for a non-finite
         # value is over this device's shard (a test over the global array would be an
         # all-reduce on every call).
         return partitioning.forward(self.name, functools.partial(self._forward_local, target), spec, q, k, v, masks)
 
     def _forward_local(self, target, spec, q, k, v, masks, page_table=None):
-        call = functools.partial(_ffi.forward_call, target, decoding=decoding, page_table=page_table)
+        call = functools.partial(_ffi.forward_call, target, decoding=decoding, page_table=page_table,
+                                 attributes=target_attributes)
         if scans_values(spec, masks):
             # The kernel's decoding settings handle a non-finite V themselves
             # (kernels/nonfinite.h): a decode step reads K and V once.
@@ -534,18 +422,21 @@ class CudaImplementation:
         (split-KV, GQA packing). out [B, T, N, H], lse [B, N, T]. Keys of an out-of-range page
         id are masked through kv segment ids (1 on such a page, 0 elsewhere, the queries' 0);
         the kernel reads page 0 in their place."""
-        split_kv_setting()
         spec, masks = target_masks(pspec, q, table, lengths, sinks)
-        return self._forward_local(f"{_prefix()}_paged_fwd", spec, q, key_pages, value_pages, masks, page_table=table)
+        layout(spec)
+        split_kv_chunks(spec)
+        return self._forward_local(f"{_prefix(spec)}_paged_fwd", spec, q, key_pages, value_pages, masks,
+                                   page_table=table)
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
-        layout()
-        backward_grid_setting()  # an unknown JAX_FLASH_CUDA_BWD_GRID: a ValueError now
+        layout(spec)
+        backward_grid(spec)  # an unknown JAX_FLASH_CUDA_BWD_GRID: a ValueError now
         # The grid is chosen from the shapes each call's kernels see (a device's shards, the
         # batch with a vmapped axis folded in).
         return _ffi.backward(
-            self.name, f"{_prefix()}_bwd", spec, finite_part(q), finite_part(k), finite_part(v), masks, out,
-            lse, dout, dlse, deterministic=deterministic(), backward_grid=backward_grid,
+            self.name, f"{_prefix(spec)}_bwd", spec, finite_part(q), finite_part(k), finite_part(v), masks, out,
+            lse, dout, dlse, deterministic=deterministic(spec), backward_grid=backward_grid,
+            attributes=target_attributes,
         )
 
 

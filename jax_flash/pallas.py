@@ -14,7 +14,9 @@ given, also writes dS for dbias (a [B, N, T, S] float32 buffer, summed over the 
 bias broadcasts along). D = rowsum(dO ∘ O) - dlse is one XLA reduction before them.
 
 Tiles, warps and stages come from `_pallas_table.TABLE` (made for sm_90; the data file
-`pallas_table.json`), shrunk to the GPU's shared memory where it has less;
+`pallas_table.json`), shrunk to the GPU's shared memory where it has less
+(`_heuristics.pallas_tile_config`, beside the forward's split-KV and the dK/dV kernel's group
+split);
 `jax_flash._pallas_tune.tune()` searches candidates on a GPU and writes that file.
 
 The wrapper pads what Triton needs powers of two for (the head dims H and Hv, each to at
@@ -30,14 +32,14 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _registry
+from jax_flash import _heuristics, _registry
 from jax_flash._merge import merge_partials
 from jax_flash._numerics import pad_axis, round_up
 from jax_flash._pallas_kernels import Layout, compiler_params, dkdv_kernel, dq_kernel, forward_kernel, triton
-from jax_flash._pallas_table import fit, lookup, padded_head_dim, smem_budget
+from jax_flash._pallas_table import padded_head_dim, smem_budget
 from jax_flash._paged_spec import PagedSpec
 from jax_flash._spec import AttentionSpec, MaskInputs
-from jax_flash.inference import pallas_decode, split_kv
+from jax_flash.inference import pallas_decode
 from jax_flash.parallel import partitioning
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -54,13 +56,11 @@ def _config(spec: AttentionSpec, masks: MaskInputs, hp: int, pass_: str, configs
     99 KB per block, the table is for sm_90); an explicit `configs` entry is used as is."""
     if configs and pass_ in configs:
         return configs[pass_]
-    cfg = lookup(hp, spec.dtype, pass_, interpret)
-    if interpret:
-        return cfg
     dense_bytes = (0 if masks.bias is None else min(4, masks.bias.dtype.itemsize)) + (
         0 if masks.mask is None else 1
     )
-    return fit(cfg, hp, spec.dtype, pass_, smem_budget(compute_capability()), dense_bytes)
+    budget = None if interpret else smem_budget(compute_capability())
+    return _heuristics.pallas_tile_config(hp, spec.dtype, pass_, interpret, budget, dense_bytes)
 
 
 def compute_capability():
@@ -70,11 +70,6 @@ def compute_capability():
         return None
     major, minor = str(cc).split(".")[:2]
     return int(major), int(minor)
-
-
-def _block(length: int, block: int) -> int:
-    """A tile no larger than the (power-of-two rounded) length, at least 16 rows."""
-    return max(16, min(block, 1 << max(0, (length - 1).bit_length())))
 
 
 def _dense(x, t_pad: int, s_pad: int, value, dtype=None):
@@ -110,16 +105,6 @@ def _layout(spec: AttentionSpec, masks: MaskInputs, bq, bk, t_pad, s_pad, **kw) 
         mask_cols=mask_cols,
         **{"group": spec.group_size, **kw},
     )
-
-
-def _group_splits(group: int, programs: int, interpret: bool) -> int:
-    """How many dK/dV programs share one kv head's group: the smallest divisor of G that
-    gives about two programs per streaming multiprocessor (interpret mode: 8 programs)."""
-    target = 8 if interpret else 2 * _num_sms()
-    for d in range(1, group + 1):
-        if group % d == 0 and programs * d >= target:
-            return d
-    return group
 
 
 def _num_sms() -> int:
@@ -244,7 +229,8 @@ class _Extras:
 
 def _tiles(spec: AttentionSpec, cfgs):
     """(block_q, block_k) per config and the common padded lengths T_pad, S_pad."""
-    blocks = [(_block(spec.q_len, c.block_q), _block(spec.kv_len, c.block_k)) for c in cfgs]
+    tile = _heuristics.pallas_tile
+    blocks = [(tile(spec.q_len, c.block_q), tile(spec.kv_len, c.block_k)) for c in cfgs]
     t_pad = round_up(spec.q_len, max(b[0] for b in blocks))
     s_pad = round_up(spec.kv_len, max(b[1] for b in blocks))
     return blocks, t_pad, s_pad
@@ -267,38 +253,15 @@ def backward(
     return partitioning.backward("pallas", call, spec, q, k, v, masks, out, lse, dout, dlse)
 
 
-# Split-KV of the forward (flash-decoding): when the grid, B·N·ceil(T/block_q) programs, is
-# smaller than the GPU's SM count (interpret mode: 8 programs, as `_group_splits`) and the call
-# is a decode step (T <= 64, no dropout), each query block's key blocks are cut into
-# C = min(ceil(target / programs), key blocks // SPLIT_MIN_BLOCKS, MAX_SPLITS) contiguous
-# chunks, one program each, with float32 partials merged by lse in chunk order
-# (jax_flash/_merge.py). JAX_FLASH_PALLAS_SPLIT_KV=C forces C.
-SPLIT_MAX_QUERIES = 64
-SPLIT_MIN_BLOCKS = 2
-MAX_SPLITS = 64
-
-
-def split_kv_setting() -> Optional[int]:
-    """JAX_FLASH_PALLAS_SPLIT_KV: None (unset or empty: the rule), else the forced count."""
-    return split_kv.forced_chunks("JAX_FLASH_PALLAS_SPLIT_KV", "the pallas forward's split-KV")
-
-
-def _split_target(interpret: bool) -> int:
-    return 8 if interpret else _num_sms()
+# Split-KV of the forward (flash-decoding; the rule: `_heuristics.pallas_split_kv_chunks`):
+# with fewer programs than SMs, a decode step's key blocks are cut into chunks, one program
+# each, with float32 partials merged by lse in chunk order (jax_flash/_merge.py).
+# Config.pallas_split_kv (JAX_FLASH_PALLAS_SPLIT_KV=C) forces C.
 
 
 def split_kv_chunks(spec: AttentionSpec, block_q: int, block_k: int, interpret: bool = False) -> int:
     """The forward's split-KV chunk count for `spec` at tiles (block_q, block_k); 1: none."""
-    if spec.has_dropout or spec.batch * spec.num_heads * spec.q_len == 0:
-        return 1
-    blocks = -(-spec.kv_len // block_k)
-    forced = split_kv_setting()
-    if forced is not None:
-        return max(1, min(forced, blocks))
-    if spec.q_len > SPLIT_MAX_QUERIES:
-        return 1
-    programs = spec.batch * spec.num_heads * -(-spec.q_len // block_q)
-    return split_kv.chunk_count(programs, _split_target(interpret), blocks, SPLIT_MIN_BLOCKS, MAX_SPLITS)
+    return _heuristics.pallas_split_kv_chunks(spec, block_q, block_k, _heuristics.pallas_target(interpret, _num_sms()))
 
 
 def split_kv_description(spec: AttentionSpec) -> str:
@@ -308,16 +271,9 @@ def split_kv_description(spec: AttentionSpec) -> str:
         hp = max(padded_head_dim(spec.head_dim), padded_head_dim(spec.v_head_dim))
         cfg = _config(spec, MaskInputs(), hp, "fwd", None, interpret)
         ((bq, bk),), _, _ = _tiles(spec, [cfg])
-        chunks = split_kv_chunks(spec, bq, bk, interpret)
+        return _heuristics.pallas_split_kv_description(spec, bq, bk, interpret, _num_sms())
     except ValueError as e:
         return f"forward split-KV: {e}"
-    forced = split_kv_setting()
-    target = f"{_split_target(interpret)} " + ("programs (interpreted)" if interpret else "SMs")
-    why = (f"JAX_FLASH_PALLAS_SPLIT_KV={forced}" if forced is not None else
-           f"split when T <= {SPLIT_MAX_QUERIES} and B·N·ceil(T/{bq}) programs < {target}: "
-           f"min(ceil(target / programs), ceil(S/{bk}) // {SPLIT_MIN_BLOCKS}, {MAX_SPLITS}) key chunks "
-           "merged by lse in chunk order; never with dropout")
-    return f"forward: {'no split-KV' if chunks == 1 else f'split-KV into {chunks} key chunks'} ({why})"
 
 
 def _forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, interpret):
@@ -400,7 +356,7 @@ def _backward_call(
     # dK, dV: grid (key block, kv head · splits, batch); each program loops over G / splits
     # query heads of its kv head. splits = 1 (no partial sums) unless the grid would be too
     # small to fill the GPU (MQA/GQA at small batch); then f32 partials are summed below.
-    splits = _group_splits(g, (s_pad // bk1) * kh * b, interpret)
+    splits = _heuristics.pallas_group_splits(g, (s_pad // bk1) * kh * b, interpret, _num_sms())
     q5 = qp.reshape(b, t_pad, kh, g, hp)
     do5 = dop.reshape(b, t_pad, kh, g, hvp)
     rows5 = pl.BlockSpec((None, t_pad, None, g, hp), lambda j, h_, b_: (b_, 0, h_ // splits, 0, 0))
@@ -529,7 +485,7 @@ class PallasImplementation:
         return split
 
     def forward(self, spec, q, k, v, masks):
-        split_kv_setting()  # an unknown JAX_FLASH_PALLAS_SPLIT_KV: a ValueError now
+        _heuristics.forced(spec, "pallas_split_kv")  # an unknown JAX_FLASH_PALLAS_SPLIT_KV: a ValueError now
         return forward(spec, q, k, v, masks)
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):

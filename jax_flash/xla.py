@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_flash import _dropout, _masking, _registry
+from jax_flash import _dropout, _heuristics, _masking, _registry
 from jax_flash._merge import merge_partials
 from jax_flash._numerics import (
     acc_dtype,
@@ -447,9 +447,7 @@ class XlaImplementation:
         return split_kv.forward(forward, spec, q, k, v, masks, split_kv.num_splits(spec, _registry.platform()))
 
     def note(self, spec) -> str:
-        c = split_kv.num_splits(spec, _registry.platform())
-        chosen = f"split-KV over {c} key chunks" if c > 1 else "no split-KV"
-        return f"{chosen}; rule: {split_kv.rule()}"
+        return _heuristics.xla_description(spec, _registry.platform())
 
     # paged_attention (jax_flash/inference/paged.py): every paged call.
     paged_default = True

@@ -149,7 +149,7 @@ KeyBlockView KeyBlockAt(const Problem& p, const ForwardTiles& w, int64_t b, int6
 }
 
 // Products: F32Products or BF16Products (tile_products.h). One item per (query block, key
-// chunk), the chunk fastest (tiling.h ForwardChunks; without a split, one chunk).
+// chunk), the chunk fastest (Problem::forward_chunks; without a split, one chunk).
 template <class Products>
 void ForwardTileWith(const Problem& p, int64_t item, float* workspace) {
   const int64_t query_item = item / p.forward_chunks, chunk = item % p.forward_chunks;

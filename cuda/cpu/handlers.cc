@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <string_view>
 
 #include "cpu/kernel_table.h"
 #include "cpu/parallel.h"
@@ -239,30 +240,35 @@ void DescribeDense(Checker& check, ffi::AnyBuffer bias, ffi::AnyBuffer mask, Pro
   }
 }
 
-// JAX_FLASH_POISON_OUTPUTS=1 (set by the test suite) fills every result with NaN
-// before the tiles run, so an element the algorithm forgets to write shows up.
-bool PoisonOutputs() {
-  const char* value = std::getenv("JAX_FLASH_POISON_OUTPUTS");
-  return value != nullptr && value[0] != '\0' && value[0] != '0';
-}
-
 void Poison(ffi::AnyBuffer buffer) {
   // All-ones bytes are a NaN in f32, bf16 and f16 alike.
   std::memset(buffer.untyped_data(), 0xff, buffer.size_bytes());
 }
 
-// A chunk count: `rule`, or the value of the environment variable `variable` when it is set
-// (tests force a count with it), clamped to [1, most].
-int64_t ChunksFromEnvironment(const char* variable, int64_t rule, int64_t most) {
-  const char* value = std::getenv(variable);
-  if (value == nullptr || value[0] == '\0') return rule;
-  return std::clamp<int64_t>(std::strtoll(value, nullptr, 10), 1, std::max<int64_t>(1, most));
+// The ISA attribute: "" (the widest this CPU runs) or a name of SelectKernels; an unknown name,
+// or one this CPU lacks, is an error naming it.
+const KernelTable* KernelsFor(Checker& check, std::string_view isa) {
+  std::string error;
+  const KernelTable* kernels = SelectKernels(isa, "isa", &error);
+  if (kernels == nullptr) check.Fail(error);
+  return kernels;
 }
 
-// The forward's split-KV chunks: tiling.h's rule, or JAX_FLASH_CPU_SPLIT_KV=C (1: never split;
-// C is capped at one key block per chunk), which tests use to compare split and unsplit.
-int64_t ForwardChunksFor(const Problem& p) {
-  return ChunksFromEnvironment("JAX_FLASH_CPU_SPLIT_KV", ForwardChunks(p), KeyBlocks(p));
+// The forward's decisions, made by the caller (jax_flash/cpu.py): GQA packing, which needs one
+// query position, G = N / K <= kBlockQ rows and nothing that varies per head (a dense bias or
+// mask, dropout); and the split-KV chunk count C >= 1, capped here at one key block per chunk.
+void DescribeForwardSchedule(Checker& check, bool pack_gqa, int64_t forward_chunks, Problem* p) {
+  if (!check.ok()) return;
+  if (pack_gqa && !CanPackHeads(*p)) {
+    return check.Fail("pack_gqa needs T = 1, G = N / K <= " + std::to_string(kBlockQ) +
+                      ", no dense bias or mask and no dropout; got T = " + std::to_string(p->q_len) + ", G = " +
+                      std::to_string(p->group_size()) + (p->bias.present() ? ", a bias" : "") +
+                      (p->mask.present() ? ", a mask" : "") + (p->dropout.on ? ", dropout" : ""));
+  }
+  if (forward_chunks < 1)
+    return check.Fail("forward_chunks must be >= 1 (1: no split-KV), got " + std::to_string(forward_chunks));
+  p->pack_heads = pack_gqa;
+  p->forward_chunks = std::min<int64_t>(forward_chunks, std::max<int64_t>(1, KeyBlocks(*p)));
 }
 
 ffi::Error OutOfMemory(const char* target) {
@@ -287,7 +293,8 @@ ffi::Error ForwardWith(const char* target, const ffi::AnyBuffer* page_table, ffi
                        ffi::AnyBuffer sinks, ffi::AnyBuffer dropout_seed,
                        ffi::Result<ffi::AnyBuffer> out,
                        ffi::Result<ffi::AnyBuffer> lse, float scale, int64_t window_left,
-                       int64_t window_right, float softcap, bool use_segment_ids, float dropout_rate) {
+                       int64_t window_right, float softcap, bool use_segment_ids, float dropout_rate,
+                       std::string_view isa, int64_t forward_chunks, bool pack_gqa, bool poison_outputs) {
   Checker check(target);
   Problem p;
   DescribeProblem(check, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
@@ -301,12 +308,13 @@ ffi::Error ForwardWith(const char* target, const ffi::AnyBuffer* page_table, ffi
   p.sinks = static_cast<const float*>(sinks.untyped_data());
   check.Expect("out", *out, {p.batch, p.q_len, p.q_heads, p.value_dim()}, q.element_type());
   check.Expect("lse", *lse, {p.batch, p.q_heads, p.q_len}, ffi::DataType::F32);
+  DescribeForwardSchedule(check, pack_gqa, forward_chunks, &p);
+  const KernelTable* kernels = KernelsFor(check, isa);
   if (!check.ok()) return check.error();
-  std::string isa_error;
-  const KernelTable* kernels = SelectKernels(&isa_error);
-  if (kernels == nullptr) return ffi::Error::InvalidArgument(std::string(target) + " (cpu): " + isa_error);
   p.bf16_packing = kernels->bf16_products && p.dtype == ElementType::kBF16;
-  if (PoisonOutputs()) {
+  // poison_outputs (the test suite's setting): every result filled with NaN before the tiles
+  // run, so an element the algorithm forgets to write shows up.
+  if (poison_outputs) {
     Poison(*out);
     Poison(*lse);
   }
@@ -330,7 +338,6 @@ ffi::Error ForwardWith(const char* target, const ffi::AnyBuffer* page_table, ffi
       return e;
     }
   }
-  p.forward_chunks = ForwardChunksFor(p);
   Workspace partials(p.forward_chunks > 1 ? ForwardQueryItems(p) * p.forward_chunks * ForwardPartialFloats(p) : 0);
   if (p.forward_chunks > 1 && partials.get() == nullptr) return OutOfMemory(target);
   p.packed.forward_partial = partials.get();
@@ -347,10 +354,11 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                    ffi::AnyBuffer mask, ffi::AnyBuffer sinks, ffi::AnyBuffer dropout_seed,
                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, float scale,
                    int64_t window_left, int64_t window_right, float softcap, bool use_segment_ids,
-                   float dropout_rate) {
+                   float dropout_rate, std::string_view isa, int64_t forward_chunks, bool pack_gqa,
+                   bool poison_outputs) {
   return ForwardWith("jax_flash_fwd", nullptr, pool, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
                      q_offsets, bias, mask, sinks, dropout_seed, out, lse, scale, window_left, window_right, softcap,
-                     use_segment_ids, dropout_rate);
+                     use_segment_ids, dropout_rate, isa, forward_chunks, pack_gqa, poison_outputs);
 }
 
 ffi::Error PagedForward(ffi::ThreadPool pool, ffi::AnyBuffer page_table, ffi::AnyBuffer q, ffi::AnyBuffer k,
@@ -359,10 +367,12 @@ ffi::Error PagedForward(ffi::ThreadPool pool, ffi::AnyBuffer page_table, ffi::An
                         ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer sinks,
                         ffi::AnyBuffer dropout_seed, ffi::Result<ffi::AnyBuffer> out,
                         ffi::Result<ffi::AnyBuffer> lse, float scale, int64_t window_left, int64_t window_right,
-                        float softcap, bool use_segment_ids, float dropout_rate) {
+                        float softcap, bool use_segment_ids, float dropout_rate, std::string_view isa,
+                        int64_t forward_chunks, bool pack_gqa, bool poison_outputs) {
   return ForwardWith("jax_flash_paged_fwd", &page_table, pool, q, k, v, q_lengths, kv_lengths, q_segment_ids,
                      kv_segment_ids, q_offsets, bias, mask, sinks, dropout_seed, out, lse, scale, window_left,
-                     window_right, softcap, use_segment_ids, dropout_rate);
+                     window_right, softcap, use_segment_ids, dropout_rate, isa, forward_chunks, pack_gqa,
+                     poison_outputs);
 }
 
 // dbias = Σ_c partial_c, in chunk order (the same bits whatever ran which chunk).
@@ -375,12 +385,13 @@ void SumBiasGradientPartials(const Problem& p) {
   }
 }
 
-// The backward's key-block chunks: tiling.h's rule for XLA's pool, or
-// JAX_FLASH_CPU_GRADIENT_CHUNKS=C (capped at kMaxGradientChunks and one key block per chunk),
-// which tests use to run both the chunked and the query-owning backward on any machine.
-int64_t GradientChunksFor(const Problem& p, ffi::ThreadPool& pool) {
-  return ChunksFromEnvironment("JAX_FLASH_CPU_GRADIENT_CHUNKS", GradientChunkRule(p, pool.num_threads()),
-                               std::min(kMaxGradientChunks, KeyBlocks(p)));
+// The backward's key-block chunks: the gradient_chunks attribute, 0 for tiling.h's rule for
+// XLA's pool (a property of the running process), else 1 to kMaxGradientChunks forced (capped
+// at one key block per chunk), which tests use to run both the chunked and the query-owning
+// backward on any machine.
+int64_t GradientChunksFor(const Problem& p, int64_t forced, ffi::ThreadPool& pool) {
+  if (forced == 0) return GradientChunkRule(p, pool.num_threads());
+  return std::clamp<int64_t>(forced, 1, std::max<int64_t>(1, std::min(kMaxGradientChunks, KeyBlocks(p))));
 }
 
 // The single-pass backward (flash_backward_pass.h). With key-block chunks: pack Q and dO
@@ -430,7 +441,8 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
                     ffi::Result<ffi::AnyBuffer> dq_accum,
                     ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dbias, float scale, int64_t window_left,
                     int64_t window_right, float softcap, bool use_segment_ids,
-                    float dropout_rate, bool deterministic) {
+                    float dropout_rate, bool deterministic, std::string_view isa, int64_t gradient_chunks,
+                    bool poison_outputs) {
   // `deterministic` is accepted for the shared contract; this implementation is
   // always deterministic (no atomics).
   Checker check("jax_flash_bwd");
@@ -467,12 +479,14 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
   } else {
     check.Expect("dbias", *dbias, {0}, ffi::DataType::F32);
   }
+  if (gradient_chunks < 0 || gradient_chunks > kMaxGradientChunks) {
+    check.Fail("gradient_chunks must be 0 (the rule) or 1 to " + std::to_string(kMaxGradientChunks) + ", got " +
+               std::to_string(gradient_chunks));
+  }
+  const KernelTable* kernels = KernelsFor(check, isa);
   if (!check.ok()) return check.error();
-  std::string isa_error;
-  const KernelTable* kernels = SelectKernels(&isa_error);
-  if (kernels == nullptr) return ffi::Error::InvalidArgument("jax_flash_bwd (cpu): " + isa_error);
   p.bf16_packing = kernels->bf16_products && p.dtype == ElementType::kBF16;
-  if (PoisonOutputs()) {
+  if (poison_outputs) {
     for (ffi::AnyBuffer result : {*dq, *dk, *dv, *dq_accum, *delta}) Poison(result);
   }
   p.out = out.untyped_data();
@@ -489,7 +503,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
     std::memset(p.dbias, 0, dbias->size_bytes());  // tiles add dS; what no tile sees is 0
   }
 
-  p.gradient_chunks = GradientChunksFor(p, pool);
+  p.gradient_chunks = GradientChunksFor(p, gradient_chunks, pool);
   return RunBackward(pool, *kernels, p);
 }
 
@@ -520,7 +534,11 @@ auto ForwardSignature(Binding binding) {
       .template Attr<int64_t>("window_right")
       .template Attr<float>("softcap")
       .template Attr<bool>("use_segment_ids")
-      .template Attr<float>("dropout_rate");
+      .template Attr<float>("dropout_rate")
+      .template Attr<std::string_view>("isa")        // "" (the widest this CPU runs) or an ISA's name
+      .template Attr<int64_t>("forward_chunks")      // split-KV key chunks, >= 1 (1: no split)
+      .template Attr<bool>("pack_gqa")               // T = 1: the G query heads of a kv head in one tile
+      .template Attr<bool>("poison_outputs");        // fill the results with NaN first (tests)
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuForward, Forward, ForwardSignature(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
@@ -559,7 +577,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuBackward, Backward,
                                   .Attr<float>("softcap")
                                   .Attr<bool>("use_segment_ids")
                                   .Attr<float>("dropout_rate")
-                                  .Attr<bool>("deterministic"));
+                                  .Attr<bool>("deterministic")
+                                  .Attr<std::string_view>("isa")
+                                  .Attr<int64_t>("gradient_chunks")  // 0: the rule; 1..4 forced
+                                  .Attr<bool>("poison_outputs"));
 
 }  // namespace cpu
 }  // namespace jax_flash

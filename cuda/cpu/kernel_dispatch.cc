@@ -1,7 +1,6 @@
 // Chooses the kernels for this CPU at run time, so the wheel needs no -march flags.
-#include <cstdlib>
-#include <cstring>
 #include <string>
+#include <string_view>
 #if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -63,49 +62,48 @@ bool CpuHasAvx2() {
 
 }  // namespace
 
-const KernelTable* SelectKernels(std::string* error) {
-  const char* requested = std::getenv("JAX_FLASH_CPU_ISA");
-  const bool any = requested == nullptr || *requested == '\0';
+const KernelTable* SelectKernels(std::string_view requested, std::string_view setting, std::string* error) {
+  const bool any = requested.empty();
+  const std::string named = std::string(setting) + "=" + std::string(requested);
 #if defined(__x86_64__) || defined(_M_X64)
-  if (any || std::strcmp(requested, "amx") == 0) {
+  if (any || requested == "amx") {
     if (CpuHasAmx()) return &amx::Kernels();
     if (!any) {
-      *error = "JAX_FLASH_CPU_ISA=amx but this CPU lacks AMX-BF16 with AVX-512 BF16, or the "
-               "operating system refused it the tile state";
+      *error = named + " but this CPU lacks AMX-BF16 with AVX-512 BF16, or the "
+                       "operating system refused it the tile state";
       return nullptr;
     }
   }
-  if (!any && std::strcmp(requested, "amx_emulated") == 0) {
+  if (!any && requested == "amx_emulated") {
     if (CpuHasAvx512Bf16()) return &amx_emulated::Kernels();
-    *error = "JAX_FLASH_CPU_ISA=amx_emulated but this CPU lacks AVX-512 (F, VL, BW, DQ) with BF16";
+    *error = named + " but this CPU lacks AVX-512 (F, VL, BW, DQ) with BF16";
     return nullptr;
   }
-  if (any || std::strcmp(requested, "avx512bf16") == 0) {
+  if (any || requested == "avx512bf16") {
     if (CpuHasAvx512Bf16()) return &avx512bf16::Kernels();
     if (!any) {
-      *error = "JAX_FLASH_CPU_ISA=avx512bf16 but this CPU lacks AVX-512 (F, VL, BW, DQ) with BF16";
+      *error = named + " but this CPU lacks AVX-512 (F, VL, BW, DQ) with BF16";
       return nullptr;
     }
   }
-  if (any || std::strcmp(requested, "avx512") == 0) {
+  if (any || requested == "avx512") {
     if (CpuHasAvx512()) return &avx512::Kernels();
     if (!any) {
-      *error = "JAX_FLASH_CPU_ISA=avx512 but this CPU lacks AVX-512 (F, VL, BW, DQ)";
+      *error = named + " but this CPU lacks AVX-512 (F, VL, BW, DQ)";
       return nullptr;
     }
   }
-  if (any || std::strcmp(requested, "avx2") == 0) {
+  if (any || requested == "avx2") {
     if (CpuHasAvx2()) return &avx2::Kernels();
     if (!any) {
-      *error = "JAX_FLASH_CPU_ISA=avx2 but this CPU lacks AVX2 and FMA";
+      *error = named + " but this CPU lacks AVX2 and FMA";
       return nullptr;
     }
   }
 #endif
-  if (any || std::strcmp(requested, "generic") == 0) return &generic::Kernels();
-  *error = std::string("JAX_FLASH_CPU_ISA=") + requested +
-           " is not one of: amx, avx512bf16, avx512, avx2, generic, amx_emulated (or unset for the best "
-           "this CPU runs)";
+  if (any || requested == "generic") return &generic::Kernels();
+  *error = named + " is not one of: amx, avx512bf16, avx512, avx2, generic, amx_emulated (or empty for the best "
+                   "this CPU runs)";
   return nullptr;
 }
 

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "cpu/problem.h"
 
@@ -43,10 +44,11 @@ namespace amx { const KernelTable& Kernels(); }
 namespace amx_emulated { const KernelTable& Kernels(); }
 #endif
 
-// The widest ISA this CPU runs, or the one named by JAX_FLASH_CPU_ISA ("amx", "avx512bf16",
-// "avx512", "avx2", "generic", or "amx_emulated", which is never chosen otherwise); an error
-// message when the named one is unknown or unsupported.
-const KernelTable* SelectKernels(std::string* error);
+// The widest ISA this CPU runs (`requested` empty), or the one named ("amx", "avx512bf16",
+// "avx512", "avx2", "generic", or "amx_emulated", which is never chosen otherwise); null and an
+// error message naming `setting`=`requested` when the name is unknown or this CPU lacks it.
+// The handlers take the name from their isa attribute; it is never read from the environment.
+const KernelTable* SelectKernels(std::string_view requested, std::string_view setting, std::string* error);
 
 }  // namespace cpu
 }  // namespace jax_flash

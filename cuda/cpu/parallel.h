@@ -6,7 +6,9 @@
 // The calling thread works too and waits only for items some thread has already
 // claimed, so the call cannot deadlock even when every pool thread is busy (or the
 // caller is itself a pool thread): a task the pool starts late finds nothing left
-// and returns. JAX_FLASH_CPU_THREADS=n caps the number of threads (1: the caller only).
+// and returns. A process-wide cap limits the number of threads (1: the caller only): read once
+// from JAX_FLASH_CPU_THREADS when the extension is loaded, changed by set_cpu_thread_limit;
+// never read from the environment by a call.
 #pragma once
 
 #include <atomic>
@@ -22,12 +24,16 @@
 namespace jax_flash {
 namespace cpu {
 
-// The thread cap from JAX_FLASH_CPU_THREADS; 0 when unset (no cap).
-inline int64_t ThreadLimitFromEnvironment() {
+// The process-wide thread cap; 0: none (every thread of XLA's pool).
+inline std::atomic<int64_t>& ThreadLimit() {
+  static std::atomic<int64_t> limit{0};
+  return limit;
+}
+// JAX_FLASH_CPU_THREADS=n, read once, when the extension is loaded (cpu/targets.cc).
+inline void SetThreadLimitFromEnvironment() {
   const char* value = std::getenv("JAX_FLASH_CPU_THREADS");
-  if (value == nullptr) return 0;
-  const long long n = std::atoll(value);
-  return n > 0 ? n : 0;
+  const long long n = value == nullptr ? 0 : std::atoll(value);
+  ThreadLimit().store(n > 0 ? n : 0);
 }
 
 // A 64-byte-aligned float buffer: a worker's workspace, or packed operands. Null
@@ -84,7 +90,7 @@ bool ParallelFor(xla::ffi::ThreadPool& pool, int64_t items, int64_t workspace_fl
 
   int64_t threads = pool.num_threads();
   if (threads < 1) threads = 1;
-  const int64_t limit = ThreadLimitFromEnvironment();
+  const int64_t limit = ThreadLimit().load();
   if (limit > 0 && limit < threads) threads = limit;
   if (items < threads) threads = items;
   for (int64_t i = 1; i < threads; ++i) pool.Schedule(decltype(worker)(worker));

@@ -132,8 +132,11 @@ struct Problem {
     // [query items][forward_chunks][ForwardPartialFloats] (tiling.h).
     float* forward_partial = nullptr;
   } packed;
-  // The forward's key chunks per query block (tiling.h ForwardChunks; 1: no split).
+  // The forward's key chunks per query block (the forward_chunks attribute; 1: no split).
   int64_t forward_chunks = 1;
+  // GQA packing (the pack_gqa attribute; tiling.h ForwardBlock): the rows of a forward item
+  // are the G query heads of one kv head at position 0.
+  bool pack_heads = false;
   // The backward's key-block chunks per (b, kv head) (tiling.h GradientChunkRule, set by the
   // handler; 1: each work item owns its query heads' rows, GradientTileOwnsQueries).
   int64_t gradient_chunks = 1;

@@ -1,10 +1,13 @@
 // Exposes the host handlers as PyCapsules for jax.ffi.register_ffi_target(..., platform="cpu").
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <optional>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -18,6 +21,7 @@
 
 #include "cpu/handlers.h"
 #include "cpu/kernel_table.h"
+#include "cpu/parallel.h"
 #include "cpu/problem.h"
 #include "cpu/tiling.h"
 #include "ffi/targets.h"
@@ -124,6 +128,17 @@ double MeasureCoreShare(int64_t threads) {
 }  // namespace
 
 void AddCpuFunctions(nb::module_& m) {
+  cpu::SetThreadLimitFromEnvironment();
+  m.def(
+      "cpu_thread_limit", []() { return cpu::ThreadLimit().load(); },
+      "The process-wide cap on the cpu kernels' threads (0: every thread of XLA's pool), read from "
+      "JAX_FLASH_CPU_THREADS once, when the extension is loaded.");
+  m.def(
+      "set_cpu_thread_limit",
+      [](int64_t threads) { return cpu::ThreadLimit().exchange(threads > 0 ? threads : 0); },
+      nb::arg("threads"),
+      "Sets the process-wide cap on the cpu kernels' threads (0: none); returns the previous cap. "
+      "Results are bitwise the same for every cap.");
   m.def("cpu_core_share", &MeasureCoreShare, nb::arg("threads"),
         "Each thread's FMA rate with `threads` threads running FMAs at once, over one thread's "
         "alone (the slowest's): ~1 with a core each, ~1/2 where two share a core; 0 off x86-64.");
@@ -131,13 +146,20 @@ void AddCpuFunctions(nb::module_& m) {
         "One core's clock now (GHz), measured with a chain of dependent adds (0 off x86-64).");
   m.def(
       "cpu_isa",
-      []() {
+      [](std::optional<std::string> requested) {
+        // Not a handler: the handlers take the ISA from their isa attribute.
+        if (!requested.has_value()) {
+          const char* value = std::getenv("JAX_FLASH_CPU_ISA");
+          requested = value == nullptr ? "" : value;
+        }
         std::string error;
-        const cpu::KernelTable* kernels = cpu::SelectKernels(&error);
+        const cpu::KernelTable* kernels = cpu::SelectKernels(*requested, "JAX_FLASH_CPU_ISA", &error);
         if (kernels == nullptr) throw std::invalid_argument(error);
         return std::string(kernels->isa);
       },
-      "The ISA the cpu kernels run on now (JAX_FLASH_CPU_ISA, or the widest this CPU has).");
+      nb::arg("requested") = nb::none(),
+      "The ISA the cpu kernels run for `requested` (\"\": the widest this CPU has; None: the value of "
+      "JAX_FLASH_CPU_ISA); a ValueError naming JAX_FLASH_CPU_ISA when it is unknown or this CPU lacks it.");
   m.def(
       "cpu_blocking",
       [](int64_t h, const std::string& dtype, bool bf16_products) {

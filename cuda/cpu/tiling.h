@@ -48,19 +48,21 @@ inline KeyBlockItem KeyBlockOf(const Problem& p, int64_t item) {
 }
 
 // The query rows of one forward item. Normally a block of up to kBlockQ positions of one head;
-// with GQA packing (a decode step, T = 1, of a GQA/MQA call with no dense bias, dense mask or
-// dropout, which vary per head) the G query heads that share kv head g, at position 0, so
-// that K and V are read once per kv head and the products run on G live rows, not 1.
+// with GQA packing (Problem::pack_heads, decided by the caller: a decode step, T = 1, of a
+// GQA/MQA call with no dense bias, dense mask or dropout, which vary per head) the G query
+// heads that share kv head g, at position 0, so that K and V are read once per kv head and the
+// products run on G live rows, not 1.
 struct ForwardBlock {
   int64_t b, n, t0, rows;  // batch, first head, first position, rows
   bool heads;              // rows are heads n, n + 1, … at t0 (else positions t0, … of head n)
   int64_t head(int64_t i) const { return heads ? n + i : n; }
   int64_t position(int64_t i) const { return heads ? t0 : t0 + i; }
 };
-inline bool PacksHeads(const Problem& p) {
-  return p.q_len == 1 && p.group_size() > 1 && p.group_size() <= kBlockQ && !p.bias.present() &&
-         !p.mask.present() && !p.dropout.on;
+// Whether GQA packing can serve the call (the handler refuses pack_gqa otherwise).
+inline bool CanPackHeads(const Problem& p) {
+  return p.q_len == 1 && p.group_size() <= kBlockQ && !p.bias.present() && !p.mask.present() && !p.dropout.on;
 }
+inline bool PacksHeads(const Problem& p) { return p.pack_heads; }
 inline int64_t ForwardQueryItems(const Problem& p) { return PacksHeads(p) ? p.batch * p.kv_heads : QueryItems(p); }
 inline ForwardBlock ForwardBlockOf(const Problem& p, int64_t item) {
   if (PacksHeads(p)) return {item / p.kv_heads, item % p.kv_heads * p.group_size(), 0, p.group_size(), true};
@@ -68,20 +70,14 @@ inline ForwardBlock ForwardBlockOf(const Problem& p, int64_t item) {
   return {b, n, t0, rows, false};
 }
 
-// Split-KV (flash-decoding) in the forward: a call with too few ForwardQueryItems
-// for the threads (a decode step: T of 1 to a few queries, a long S) cuts each item's visited
-// key blocks into ForwardChunks contiguous chunks, run as items of their own; each leaves its
+// Split-KV (flash-decoding) in the forward: each item's visited key blocks cut into
+// Problem::forward_chunks contiguous chunks, run as items of their own; each leaves its
 // running state (m, l, unnormalised O) in a partial (Packed::forward_partial), and one merge
-// per query block combines them in chunk order (flash_forward.h MergeForwardChunks). Like
-// GradientChunks, the count depends on the problem only, so the results are the same bits
-// whatever the number of threads; a chunk spans at least kMinChunkKeyBlocks key blocks.
-constexpr int64_t kForwardItems = 16;
-constexpr int64_t kMaxForwardChunks = 16;
-constexpr int64_t kMinChunkKeyBlocks = 4;
-inline int64_t ForwardChunks(const Problem& p) {
-  const int64_t wanted = CeilDiv(kForwardItems, std::max<int64_t>(1, ForwardQueryItems(p)));
-  return std::max<int64_t>(1, std::min({wanted, kMaxForwardChunks, KeyBlocks(p) / kMinChunkKeyBlocks}));
-}
+// per query block combines them in chunk order (flash_forward.h MergeForwardChunks). The count
+// is the forward_chunks attribute, decided by the caller (jax_flash/cpu.py: a call with too few
+// ForwardQueryItems for the threads, a decode step with a long S), capped at one key block per
+// chunk by the handler; it depends on the problem only, so the results are the same bits
+// whatever the number of threads.
 inline int64_t ForwardItems(const Problem& p) { return ForwardQueryItems(p) * p.forward_chunks; }
 // Whether the forward packs each key block itself as it visits it (Problem::stream_keys): in
 // a paged cache (whose blocks are no rows of one stride), and where one work item visits each

@@ -6,9 +6,8 @@
 // the kWarp16 instantiation.
 #pragma once
 
-#include <cstdlib>
-#include <cstring>
 #include <string>
+#include <string_view>
 
 #include "kernels/params.h"
 #include "kernels/platform.h"
@@ -54,24 +53,20 @@ inline std::string HeadDimPairsText() {
   return text;
 }
 
-// The environment variable that chooses the layout, read by the handlers at every call.
-constexpr const char* kLayoutVariable = "JAX_FLASH_CUDA_LAYOUT";
-
 inline const char* LayoutName(Layout layout) { return layout == Layout::kWarp32 ? "warp32" : "warp16"; }
 
-// JAX_FLASH_CUDA_LAYOUT: unset or empty -> kWarp16 (the default), "warp16", "warp32"; anything
-// else is an error (returned, naming the variable).
-inline LaunchError LayoutFromEnvironment(Layout* layout) {
-  const char* env = std::getenv(kLayoutVariable);
-  if (env == nullptr || env[0] == '\0' || std::strcmp(env, "warp16") == 0) {
+// The layout attribute of the handlers: "warp16" or "warp32" (decided by the caller,
+// jax_flash/cuda.py); anything else is an error (returned, naming the attribute).
+inline LaunchError LayoutFromName(std::string_view name, Layout* layout) {
+  if (name == "warp16") {
     *layout = Layout::kWarp16;
     return {};
   }
-  if (std::strcmp(env, "warp32") == 0) {
+  if (name == "warp32") {
     *layout = Layout::kWarp32;
     return {};
   }
-  return std::string(kLayoutVariable) + "=" + env + " is not a layout of the CUDA kernels (warp16 or warp32)";
+  return "layout=" + std::string(name) + " is not a layout of the CUDA kernels (warp16 or warp32)";
 }
 
 template <class Elem, int HEAD_DIM, int V_HEAD_DIM = HEAD_DIM>

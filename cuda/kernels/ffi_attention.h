@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <utility>
 
@@ -43,7 +44,9 @@ auto WithMaskOperandsAndAttributes(Binding binding) {
       .template Attr<int64_t>("window_right")
       .template Attr<float>("softcap")
       .template Attr<bool>("use_segment_ids")
-      .template Attr<float>("dropout_rate");
+      .template Attr<float>("dropout_rate")
+      .template Attr<std::string_view>("layout")  // "warp16" or "warp32" (kernels/tile.h)
+      .template Attr<bool>("poison_outputs");     // fill the results with NaN first (tests)
 }
 
 // jax_flash_fwd / jax_flash_emu_fwd.
@@ -376,21 +379,14 @@ inline ffi::Error CheckDecoding(const char* target, bool pack_gqa, ffi::Result<f
   return ffi::Error::Success();
 }
 
-// JAX_FLASH_POISON_OUTPUTS=1: results are filled with NaN bytes before the kernels run, so an
-// element a kernel forgets to write shows up in the tests.
-inline bool PoisonOutputs() {
-  const char* env = std::getenv("JAX_FLASH_POISON_OUTPUTS");
-  return env != nullptr && env[0] == '1';
-}
-
-
 // ---- handler bodies -------------------------------------------------------------------------
 
 inline ffi::Error Forward(const char* target, Stream stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                           ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
                           ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_offsets, ffi::AnyBuffer bias,
                           ffi::AnyBuffer mask, float scale, int64_t window_left, int64_t window_right, float softcap,
-                          bool use_segment_ids, float dropout_rate, ffi::AnyBuffer sinks, ffi::AnyBuffer dropout_seed,
+                          bool use_segment_ids, float dropout_rate, std::string_view layout_name, bool poison_outputs,
+                          ffi::AnyBuffer sinks, ffi::AnyBuffer dropout_seed,
                           bool pack_gqa, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                           ffi::Result<ffi::AnyBuffer> partial_out, ffi::Result<ffi::AnyBuffer> partial_lse,
                           const ffi::AnyBuffer* page_table = nullptr) {
@@ -412,14 +408,16 @@ inline ffi::Error Forward(const char* target, Stream stream, ffi::AnyBuffer q, f
   p.out = static_cast<uint16_t*>(out->untyped_data());
   p.lse = static_cast<float*>(lse->untyped_data());
   if (auto e = CheckDecoding(target, pack_gqa, partial_out, partial_lse, &p); e.failure()) return e;
-  if (PoisonOutputs()) {
+  // poison_outputs (the test suite's setting): results filled with NaN bytes before the kernels
+  // run, so an element a kernel forgets to write shows up.
+  if (poison_outputs) {
     for (auto* r : {&out, &lse, &partial_out, &partial_lse}) {
       if (auto e = ToError(target, FillAsync((**r).untyped_data(), 0xFF, (**r).size_bytes(), stream)); e.failure())
         return e;
     }
   }
   Layout layout;
-  if (auto e = LayoutFromEnvironment(&layout); !e.empty()) return ffi::Error::InvalidArgument(target + (": " + e));
+  if (auto e = LayoutFromName(layout_name, &layout); !e.empty()) return ffi::Error::InvalidArgument(target + (": " + e));
   return ToError(target, DispatchForward(dtype, layout, p, stream));
 }
 
@@ -428,7 +426,8 @@ inline ffi::Error Backward(const char* target, Stream stream, ffi::AnyBuffer q, 
                            ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
                            ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_offsets, ffi::AnyBuffer bias,
                            ffi::AnyBuffer mask, float scale, int64_t window_left, int64_t window_right, float softcap,
-                           bool use_segment_ids, float dropout_rate, ffi::AnyBuffer dropout_seed, bool deterministic,
+                           bool use_segment_ids, float dropout_rate, std::string_view layout_name, bool poison_outputs,
+                           ffi::AnyBuffer dropout_seed, bool deterministic,
                            ffi::Result<ffi::AnyBuffer> dq,
                            ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                            ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> delta,
@@ -482,14 +481,16 @@ inline ffi::Error Backward(const char* target, Stream stream, ffi::AnyBuffer q, 
     p.dk_accum = static_cast<float*>(dk_accum->untyped_data());
     p.dv_accum = static_cast<float*>(dv_accum->untyped_data());
   }
-  if (PoisonOutputs()) {
+  // poison_outputs (the test suite's setting): results filled with NaN bytes before the kernels
+  // run, so an element a kernel forgets to write shows up.
+  if (poison_outputs) {
     for (auto* r : {&dq, &dk, &dv, &delta, &dk_accum, &dv_accum}) {
       if (auto e = ToError(target, FillAsync((**r).untyped_data(), 0xFF, (**r).size_bytes(), stream)); e.failure())
         return e;
     }
   }
   Layout layout;
-  if (auto e = LayoutFromEnvironment(&layout); !e.empty()) return ffi::Error::InvalidArgument(target + (": " + e));
+  if (auto e = LayoutFromName(layout_name, &layout); !e.empty()) return ffi::Error::InvalidArgument(target + (": " + e));
   if (auto e = CheckDbias(target, bias_dims, deterministic, dbias, dbias_accum, &p, stream); e.failure()) return e;
   return ToError(target, DispatchBackward(dtype, layout, p, deterministic, stream));
 }

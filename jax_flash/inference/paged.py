@@ -134,9 +134,11 @@ def canonicalize_paged(
     logits_soft_cap=None,
     implementation=None,
     sinks=None,
+    config=None,
 ):
     """Validate a paged_attention call: (PagedSpec, q, key_pages, value_pages, table, lengths,
-    sinks (float32 [N] or None))."""
+    sinks (float32 [N] or None)); the call's settings (`config`, a `jax_flash.Config`) are
+    resolved now, into the spec."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
     q = jnp.asarray(query)
@@ -162,7 +164,7 @@ def canonicalize_paged(
         holder["c"] = canonicalize(
             q, k, k, scale=scale, is_causal=is_causal, key_value_seq_lengths=lens,
             query_offset=lens, local_window_size=local_window_size,
-            logits_soft_cap=logits_soft_cap,
+            logits_soft_cap=logits_soft_cap, config=config,
         )
         return lens
 
@@ -207,6 +209,7 @@ def paged_attention(
     sinks=None,
     return_residual: bool = False,
     implementation: Optional[str] = None,
+    config=None,
 ):
     """Attention of the newest T positions of each sequence against its paged KV cache.
 
@@ -233,6 +236,8 @@ def paged_attention(
         (the forward kernel reading K/V through the table), "cpu" (the host forward, packing
         each key block from its pages) or "pallas" (a decode kernel on the Triton backend,
         interpreted on a CPU); see `explain_paged`.
+      config: a `jax_flash.Config` of call settings, as for `jax_flash.attention` (the cpu
+        and cuda kernels' split-KV counts, ISA, warp layout, ...), resolved when traced.
 
     Page ids and lengths that are concrete at trace time are checked (ValueError naming the
     entry); traced ones are masked at run time (never read out of bounds, see the module
@@ -246,7 +251,7 @@ def paged_attention(
     pspec, q, kp, vp, table, lengths, sinks = canonicalize_paged(
         query, key_pages, value_pages, page_table, kv_lengths, scale=scale,
         is_causal=is_causal, local_window_size=local_window_size,
-        logits_soft_cap=logits_soft_cap, implementation=implementation, sinks=sinks,
+        logits_soft_cap=logits_soft_cap, implementation=implementation, sinks=sinks, config=config,
     )
     name = implementation or _registry.paged_default(pspec)
     why = reason(name, pspec)

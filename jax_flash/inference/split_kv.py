@@ -13,91 +13,38 @@ key lengths become clip(L - c·Sc, 0, Sc), the causal/window offset o becomes o 
 dense bias/mask and key segment ids are cut like K/V; query-side inputs repeat per chunk.
 Sinks are one more partial of the merge (out 0, lse = sink), so no chunk counts them twice.
 
-The rule (`num_splits`) is static, from the spec and the platform, and `explain` states it.
+The rule (`num_splits`, `_heuristics.xla_splits`) is static, from the spec and the platform,
+and `explain` states it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-from typing import Callable, Optional
+from typing import Callable
 
 import jax.numpy as jnp
 
+from jax_flash import _heuristics
 from jax_flash._merge import merge_partials
 from jax_flash._numerics import acc_dtype, pad_axis, round_up
 from jax_flash._spec import AttentionSpec, MaskInputs
 
-# Split only few-query calls: T <= DECODE_MAX_QUERIES (one query block of every kernel).
-DECODE_MAX_QUERIES = 64
-# Each chunk holds at least MIN_CHUNK keys (one key block of the xla forward).
-MIN_CHUNK = 512
-# Enough independent (batch row, kv head, chunk) units to fill a GPU: ~2 per SM of an H200.
-TARGET_UNITS = 256
-MAX_SPLITS = 64
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
 def rule() -> str:
     """The rule in words (for `explain`)."""
-    return (
-        f"split-KV when T <= {DECODE_MAX_QUERIES} and S >= {2 * MIN_CHUNK} on a GPU/TPU: "
-        f"C = min(ceil({TARGET_UNITS} / (B·K)), S // {MIN_CHUNK}, {MAX_SPLITS}) key chunks; "
-        "never on a CPU, where XLA's blockwise loop is faster (jax_flash.bench --decode)"
-    )
-
-
-def chunk_count(units: int, target: int, blocks: int, min_blocks: int, max_chunks: int) -> int:
-    """The kernels' split-KV rule (cpu, cuda, pallas, each with its own figures): enough key
-    chunks for `units` parallel work units to reach `target` (a thread count, the SMs),
-    ceil(target / units), but each chunk at least `min_blocks` of the `blocks` key blocks and
-    at most `max_chunks`; 1 (no split) when the units already reach the target."""
-    return max(1, min(-(-target // max(1, units)), blocks // min_blocks, max_chunks))
-
-
-def packs_query_heads(spec: AttentionSpec, max_group: int) -> bool:
-    """GQA packing of a kernel's forward (cpu, cuda): at T = 1 the G = N / K query heads of a
-    kv head are the rows of one tile (G <= `max_group`, the tile's rows), where no dense bias,
-    dense mask or dropout varies per head."""
-    return (spec.q_len == 1 and 1 < spec.group_size <= max_group and spec.bias_shape is None
-            and spec.mask_shape is None and not spec.has_dropout)
-
-
-def forced_chunks(variable: str, what: str) -> Optional[int]:
-    """The chunk count an environment variable forces on a kernel's split-KV (`what`, for the
-    message): None when it is unset or empty (the kernel's rule decides), else an integer from
-    1 (never split) to 1024; anything else is a ValueError naming the variable."""
-    value = os.environ.get(variable, "")
-    if not value:
-        return None
-    try:
-        chunks = int(value)
-    except ValueError:
-        chunks = 0
-    if not 1 <= chunks <= 1024:
-        raise ValueError(f"{variable}={value!r} is not a chunk count of {what} (an integer from 1, never split, "
-                         "to 1024)")
-    return chunks
+    return _heuristics.xla_split_kv_rule()
 
 
 def num_splits(spec: AttentionSpec, platform: str) -> int:
     """C >= 1 key chunks for the xla forward of `spec` on `platform` ('cpu', 'gpu', ...)."""
-    if platform == "cpu":
-        return 1
-    return max_splits(spec, min(MAX_SPLITS, -(-TARGET_UNITS // max(1, spec.batch * spec.num_kv_heads))))
+    return _heuristics.xla_splits(spec, platform)
 
 
 def max_splits(spec: AttentionSpec, wanted: int) -> int:
-    """`wanted` clipped to what `spec` allows: 1 when T > DECODE_MAX_QUERIES, S < 2·MIN_CHUNK
-    or when the window's right side is so large (>= 2**31 - T) that shifting the offset by a
-    chunk start could not be exact in int32."""
-    if spec.q_len > DECODE_MAX_QUERIES or spec.kv_len < 2 * MIN_CHUNK:
-        return 1
-    if spec.has_dropout:  # training: the chunks would renumber the batch rows' counters
-        return 1
-    if spec.window_right is not None and spec.window_right >= 2**31 - spec.q_len:
-        return 1
-    return max(1, min(wanted, spec.kv_len // MIN_CHUNK))
+    """`wanted` clipped to what `spec` allows (`_heuristics.xla_max_splits`)."""
+    return _heuristics.xla_max_splits(spec, wanted)
 
 
 def forward(inner: Callable, spec: AttentionSpec, q, k, v, masks: MaskInputs, splits: int):

@@ -1,8 +1,8 @@
 """The shared suite: every implementation against the reference, forward and backward.
 
-Tolerance (docs/design.md, "Accuracy"): err(impl, float64 reference) <= 2·err(reference at
-the input dtype, float64 reference) + eps. Rows that see no key must give out = 0, lse = -inf
-and zero, finite gradients in every implementation (docs/design.md, "Numerical contract").
+Tolerance (DESIGN §5): err(impl, float64 reference) <= 2·err(reference at the input dtype,
+float64 reference) + eps. Rows that see no key must give out = 0, lse = -inf and zero,
+finite gradients in every implementation.
 """
 
 from __future__ import annotations
@@ -326,8 +326,9 @@ def test_backward_grid_choice(impl, monkeypatch):
 
 def test_layout_variable_checked(impl, monkeypatch):
     """An unknown JAX_FLASH_CUDA_LAYOUT is an error naming the variable, not a silent default:
-    a ValueError when the call is traced, and the handler's own error (it reads the variable at
-    every call) when it changes after compilation."""
+    a ValueError when the call is traced. The layout reaches the handlers as an attribute of the
+    call, fixed when it is traced: a compiled call runs the same after the variable changes, and
+    the handler refuses an unknown layout attribute by name."""
     if impl != "cuda":
         pytest.skip("JAX_FLASH_CUDA_LAYOUT selects the cuda kernels' warp layout")
     q, k, v = make_qkv(Shape(1, 16, 16, 1, 1, 64), jnp.bfloat16)
@@ -336,11 +337,24 @@ def test_layout_variable_checked(impl, monkeypatch):
     with pytest.raises(ValueError, match="JAX_FLASH_CUDA_LAYOUT='warp64'"):
         f.lower(q, k, v)
     monkeypatch.setenv("JAX_FLASH_CUDA_LAYOUT", "warp32")
-    compiled = f.lower(q, k, v).compile()
-    jax.block_until_ready(compiled(q, k, v))
+    lowered = f.lower(q, k, v)
+    assert 'layout = "warp32"' in lowered.as_text()
+    compiled = lowered.compile()
+    before = np.asarray(jax.block_until_ready(compiled(q, k, v)))
     monkeypatch.setenv("JAX_FLASH_CUDA_LAYOUT", "warp64")
-    with pytest.raises(Exception, match="JAX_FLASH_CUDA_LAYOUT=warp64 is not a layout"):
-        jax.block_until_ready(compiled(q, k, v))
+    np.testing.assert_array_equal(np.asarray(compiled(q, k, v)).view(np.uint16), before.view(np.uint16))
+    b, t, n, _ = q.shape
+    target = ("jax_flash_emu" if jax_flash.current_config().emulate_cuda else "jax_flash") + "_fwd"
+    operands = (q, k, v, jnp.full((b,), t, jnp.int32), jnp.full((b,), t, jnp.int32), jnp.zeros((b, t), jnp.int32),
+                jnp.zeros((b, t), jnp.int32), jnp.zeros((b,), jnp.int32), jnp.zeros((0,), jnp.float32),
+                jnp.zeros((0,), jnp.bool_), jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((2,), jnp.uint32))
+    shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32),
+              jax.ShapeDtypeStruct((0,), jnp.float32), jax.ShapeDtypeStruct((0,), jnp.float32))
+    attributes = dict(scale=np.float32(0.125), window_left=np.int64(-1), window_right=np.int64(-1),
+                      softcap=np.float32(0), use_segment_ids=False, dropout_rate=np.float32(0), poison_outputs=True,
+                      pack_gqa=False, layout="warp64")
+    with pytest.raises(Exception, match="layout=warp64 is not a layout"):
+        jax.block_until_ready(jax.ffi.ffi_call(target, shapes)(*operands, **attributes))
 
 
 def test_query_offset_traced_and_vmapped(impl):

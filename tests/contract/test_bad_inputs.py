@@ -240,7 +240,18 @@ _HANDLER_SCRIPT = textwrap.dedent(
                 jnp.zeros((0,), F32), jnp.zeros((0,), jnp.bool_)]  # bias, mask: [0] = none
 
     ATTRS = dict(scale=np.float32(0.1), window_left=np.int64(-1), window_right=np.int64(-1),
-                 softcap=np.float32(0), use_segment_ids=False, dropout_rate=np.float32(0))
+                 softcap=np.float32(0), use_segment_ids=False, dropout_rate=np.float32(0), poison_outputs=True)
+
+    def own(target, backward=False):
+        # Each target's own attributes (cuda/README.md): the CUDA targets' layout; the cpu
+        # targets' isa ("": the widest this CPU runs) and forward_chunks and pack_gqa, or
+        # gradient_chunks (0: the rule).
+        if "emu" in target:
+            return {"layout": "warp16"}
+        if backward:
+            return {"isa": "", "gradient_chunks": np.int64(0)}
+        return {"isa": "", "forward_chunks": np.int64(1), "pack_gqa": False}
+
     SEED = jnp.zeros((2,), jnp.uint32)  # the dropout key's words: every target's last operand
 
     def fwd(target, ops, outs=None, sinks=None, seed=SEED, partials=None, **attrs):
@@ -253,6 +264,7 @@ _HANDLER_SCRIPT = textwrap.dedent(
             if len(outs) == 2:
                 outs += (SDS((0,), F32),) * 2 if partials is None else partials
             attrs = {"pack_gqa": False, **attrs}
+        attrs = {**own(target), **attrs}
         if sinks is None:  # the forward's last operand: sinks [N] f32, -inf = none
             sinks = jnp.full((q.shape[2] if q.ndim == 4 else 1,), -jnp.inf, F32)
         return jax.ffi.ffi_call(target, outs)(*ops, sinks, seed, **{**ATTRS, **attrs})
@@ -271,7 +283,8 @@ _HANDLER_SCRIPT = textwrap.dedent(
                     SDS(q.shape, F32), SDS((b, n, t), F32))
         if len(outs) == 5:  # then the CUDA targets' workspaces, then dbias (every target's last)
             outs += (dkv(target) if workspaces is None else workspaces) + (dbias,)
-        return jax.ffi.ffi_call(target, outs)(*ops, SEED, **{**ATTRS, "deterministic": False, **attrs})
+        return jax.ffi.ffi_call(target, outs)(*ops, SEED, **{**ATTRS, **own(target, True), "deterministic": False,
+                                                             **attrs})
 
     def bwd_operands(dt, **kw):
         o = operands(dt, **kw)
@@ -348,14 +361,29 @@ _HANDLER_SCRIPT = textwrap.dedent(
             "dq_accum_dtype": ("dq_accum", lambda: bwd(b, bo, outs=(SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), other), lse_shape))),
             "delta_shape": ("delta", lambda: bwd(b, bo, outs=(SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), SDS((B, N, T + 1), F32)))),
             "four_results": ("results", lambda: bwd(b, bo, outs=(SDS((B, T, N, H), dt),) * 3 + (SDS((B, T, N, H), F32),))),
-            "missing_deterministic": ("attributes", lambda: jax.ffi.ffi_call(b, (SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), lse_shape) + dkv(b) + (SDS((0,), F32),))(*bo, SEED, **ATTRS)),
-            "no_dbias": ("results", lambda: jax.ffi.ffi_call(b, (SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), lse_shape) + dkv(b))(*bo, SEED, **ATTRS, deterministic=False)),
+            "missing_deterministic": ("attributes", lambda: jax.ffi.ffi_call(b, (SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), lse_shape) + dkv(b) + (SDS((0,), F32),))(*bo, SEED, **ATTRS, **own(b, True))),
+            "no_dbias": ("results", lambda: jax.ffi.ffi_call(b, (SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), lse_shape) + dkv(b))(*bo, SEED, **ATTRS, **own(b, True), deterministic=False)),
             # Every kernel reads a bias [B|1, N|1, T|1, S|1] and a mask in place.
             "ok_bias_mask": (None, lambda: fwd(f, o[:8] + [jnp.zeros((1, N, 1, S), jnp.bfloat16), jnp.ones((B, 1, T, 1), jnp.bool_)] + o[10:])),
             "ok_bias_backward": (None, lambda: bwd(b, bo[:12] + [jnp.zeros((B, 1, T, S), F32)] + bo[13:], dbias=SDS((B, 1, T, S), F32))),
             "dbias_shape": ("dbias", lambda: bwd(b, bo[:12] + [jnp.zeros((B, 1, T, S), F32)] + bo[13:], dbias=SDS((B, N, T, S), F32))),
             "bias_float64": ("bias", lambda: fwd(f, o[:8] + [jnp.zeros((1, N, T, S), jnp.float64)] + o[9:])),
+            **({} if "emu" in prefix else {
+                # The cpu targets' own attributes (decided when a call is traced).
+                "isa_unknown": ("isa=sse9 is not one of", lambda: fwd(f, o, isa="sse9")),
+                "isa_unknown_backward": ("isa=sse9 is not one of", lambda: bwd(b, bo, isa="sse9")),
+                "forward_chunks_0": ("forward_chunks", lambda: fwd(f, o, forward_chunks=np.int64(0))),
+                "ok_forward_chunks_beyond_keys": (None, lambda: fwd(f, o, forward_chunks=np.int64(1000))),
+                "cpu_pack_gqa_long_query": ("pack_gqa needs T = 1", lambda: fwd(f, o, pack_gqa=True)),
+                "cpu_ok_pack_gqa": (None, lambda: fwd(f, operands(dt, T=1, K=1), pack_gqa=True)),
+                "cpu_pack_gqa_mask": ("a mask", lambda: fwd(f, operands(dt, T=1, K=1)[:9] + [jnp.ones((1, 1, 1, S), jnp.bool_)], pack_gqa=True)),
+                "gradient_chunks_5": ("gradient_chunks", lambda: bwd(b, bo, gradient_chunks=np.int64(5))),
+                "isa_int_attribute": ("expected string", lambda: fwd(f, o, isa=np.int64(1))),
+            }),
             **({} if "emu" not in prefix else {
+                "layout_unknown": ("layout=warp64 is not a layout", lambda: fwd(f, o, layout="warp64")),
+                "layout_unknown_backward": ("layout=warp64 is not a layout", lambda: bwd(b, bo, layout="warp64")),
+                "ok_layout_warp32": (None, lambda: fwd(f, o, layout="warp32")),
                 # Deterministic mode: a bias broadcast over N needs the [B, N, Tb, S] workspace.
                 "ok_bias_deterministic": (None, lambda: bwd(b, bo[:12] + [jnp.zeros((B, 1, T, S), F32)] + bo[13:], dbias=SDS((B, 1, T, S), F32), workspaces=dkv(b, dbias_accum=(B, N, T, S)), deterministic=True)),
                 "dbias_accum_missing": ("dbias_accum", lambda: bwd(b, bo[:12] + [jnp.zeros((B, 1, T, S), F32)] + bo[13:], dbias=SDS((B, 1, T, S), F32), deterministic=True)),
@@ -375,10 +403,10 @@ _HANDLER_SCRIPT = textwrap.dedent(
                 "ok_pack_gqa": (None, lambda: fwd(f, operands(dt, T=1, K=1), pack_gqa=True)),
                 # The paged forward: the page table [B, max_pages] s32 first, k and v as pages
                 # [num_pages, page_size, K, H] (S = max_pages · page_size: 2 pages of 4 here).
-                "ok_paged": (None, lambda: jax.ffi.ffi_call(prefix + "_paged_fwd", (SDS((B, T, N, H), dt), lse_shape, SDS((0,), F32), SDS((0,), F32)))(jnp.zeros((B, 2), I32), o[0], jnp.ones((3, 4, K, H), dt), jnp.ones((3, 4, K, H), dt), *o[3:], jnp.full((N,), -jnp.inf, F32), SEED, **ATTRS, pack_gqa=False)),
-                "paged_table_dtype": ("page_table", lambda: jax.ffi.ffi_call(prefix + "_paged_fwd", (SDS((B, T, N, H), dt), lse_shape, SDS((0,), F32), SDS((0,), F32)))(jnp.zeros((B, 2), F32), o[0], jnp.ones((3, 4, K, H), dt), jnp.ones((3, 4, K, H), dt), *o[3:], jnp.full((N,), -jnp.inf, F32), SEED, **ATTRS, pack_gqa=False)),
-                "paged_table_batch": ("page_table", lambda: jax.ffi.ffi_call(prefix + "_paged_fwd", (SDS((B, T, N, H), dt), lse_shape, SDS((0,), F32), SDS((0,), F32)))(jnp.zeros((B + 1, 2), I32), o[0], jnp.ones((3, 4, K, H), dt), jnp.ones((3, 4, K, H), dt), *o[3:], jnp.full((N,), -jnp.inf, F32), SEED, **ATTRS, pack_gqa=False)),
-                "paged_value_pages": ("v must be [3, 4, 2, 32]", lambda: jax.ffi.ffi_call(prefix + "_paged_fwd", (SDS((B, T, N, H), dt), lse_shape, SDS((0,), F32), SDS((0,), F32)))(jnp.zeros((B, 2), I32), o[0], jnp.ones((3, 4, K, H), dt), jnp.ones((3, 5, K, H), dt), *o[3:], jnp.full((N,), -jnp.inf, F32), SEED, **ATTRS, pack_gqa=False)),
+                "ok_paged": (None, lambda: jax.ffi.ffi_call(prefix + "_paged_fwd", (SDS((B, T, N, H), dt), lse_shape, SDS((0,), F32), SDS((0,), F32)))(jnp.zeros((B, 2), I32), o[0], jnp.ones((3, 4, K, H), dt), jnp.ones((3, 4, K, H), dt), *o[3:], jnp.full((N,), -jnp.inf, F32), SEED, **ATTRS, **own(f), pack_gqa=False)),
+                "paged_table_dtype": ("page_table", lambda: jax.ffi.ffi_call(prefix + "_paged_fwd", (SDS((B, T, N, H), dt), lse_shape, SDS((0,), F32), SDS((0,), F32)))(jnp.zeros((B, 2), F32), o[0], jnp.ones((3, 4, K, H), dt), jnp.ones((3, 4, K, H), dt), *o[3:], jnp.full((N,), -jnp.inf, F32), SEED, **ATTRS, **own(f), pack_gqa=False)),
+                "paged_table_batch": ("page_table", lambda: jax.ffi.ffi_call(prefix + "_paged_fwd", (SDS((B, T, N, H), dt), lse_shape, SDS((0,), F32), SDS((0,), F32)))(jnp.zeros((B + 1, 2), I32), o[0], jnp.ones((3, 4, K, H), dt), jnp.ones((3, 4, K, H), dt), *o[3:], jnp.full((N,), -jnp.inf, F32), SEED, **ATTRS, **own(f), pack_gqa=False)),
+                "paged_value_pages": ("v must be [3, 4, 2, 32]", lambda: jax.ffi.ffi_call(prefix + "_paged_fwd", (SDS((B, T, N, H), dt), lse_shape, SDS((0,), F32), SDS((0,), F32)))(jnp.zeros((B, 2), I32), o[0], jnp.ones((3, 4, K, H), dt), jnp.ones((3, 5, K, H), dt), *o[3:], jnp.full((N,), -jnp.inf, F32), SEED, **ATTRS, **own(f), pack_gqa=False)),
                 "pack_gqa_bias": ("a bias", lambda: fwd(f, operands(dt, T=1, K=1)[:8] + [jnp.zeros((1, N, 1, S), F32)] + o[9:], pack_gqa=True)),
             }),
         }

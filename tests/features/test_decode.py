@@ -160,8 +160,13 @@ def test_cpu_split_kv_matches_reference_and_unsplit(case, monkeypatch):
     assert np.abs(results["1"] - results["5"]).max() > 0 or dtype != "float32"  # a split ran
     # The rule's split is the same bits for any number of threads.
     monkeypatch.setenv("JAX_FLASH_CPU_SPLIT_KV", "")
-    monkeypatch.setenv("JAX_FLASH_CPU_THREADS", "1")
-    one = jax_flash.attention(q, k, v, implementation="cpu", **kw)
+    from jax_flash import _jax_flash_ext
+
+    previous = _jax_flash_ext.set_cpu_thread_limit(1)  # the process-wide JAX_FLASH_CPU_THREADS setting
+    try:
+        one = jax_flash.attention(q, k, v, implementation="cpu", **kw)
+    finally:
+        _jax_flash_ext.set_cpu_thread_limit(previous)
     assert np.asarray(one, np.float32).tobytes() == results[""].tobytes()
 
 

@@ -235,12 +235,18 @@ def test_cpu_isas_and_threads(case, monkeypatch):
     q, k, v, bias, kw, cot, dlse = _inputs(case)
     if jax_flash.explain(q, k, v, bias, implementation="cpu", **kw).reasons["cpu"] is not None:
         pytest.skip("cpu unavailable")
-    f = jax.jit(lambda q, k, v, bias: run(jax_flash.attention, q, k, v, bias, kw, cot, dlse, implementation="cpu"))
+    # A new jit per setting: the ISA is fixed when a call is traced.
+    def f(*args):
+        return jax.jit(lambda q, k, v, bias: run(jax_flash.attention, q, k, v, bias, kw, cot, dlse,
+                                                 implementation="cpu"))(*args)
+
     base = [np.asarray(x) for x in f(q, k, v, bias)]
-    monkeypatch.setenv("JAX_FLASH_CPU_THREADS", "1")
-    for name, a, b in zip(NAMES, base, f(q, k, v, bias)):
-        np.testing.assert_array_equal(a, np.asarray(b), err_msg=f"{name}: one thread")
-    monkeypatch.delenv("JAX_FLASH_CPU_THREADS")
+    previous = ext.set_cpu_thread_limit(1)  # the process-wide JAX_FLASH_CPU_THREADS setting
+    try:
+        for name, a, b in zip(NAMES, base, f(q, k, v, bias)):
+            np.testing.assert_array_equal(a, np.asarray(b), err_msg=f"{name}: one thread")
+    finally:
+        ext.set_cpu_thread_limit(previous)
     for isa in ("generic", "avx2", "avx512", "avx512bf16", "amx", "amx_emulated"):
         monkeypatch.setenv("JAX_FLASH_CPU_ISA", isa)
         try:

@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import jax_flash
 from jax_flash import _jax_flash_ext
 
 for _name, _capsule in _jax_flash_ext.registrations()["cpu"].items():
@@ -114,7 +115,29 @@ def attributes(cfg: Config) -> dict:
         softcap=np.float32(cfg.softcap),
         use_segment_ids=bool(cfg.segments),
         dropout_rate=np.float32(0.0),
+        poison_outputs=jax_flash.current_config().get("poison_outputs"),
     )
+
+
+# The targets' own attributes, from the settings jax_flash resolves when a call is traced
+# (jax_flash.Config: here JAX_FLASH_CPU_ISA, JAX_FLASH_CPU_GRADIENT_CHUNKS), resolved here at
+# each call. No split-KV and no GQA packing: what the rule decides for every call of this file
+# (S < 512, T > 1).
+def _isa() -> str:
+    """Config.cpu_isa, refused by name (a ValueError naming JAX_FLASH_CPU_ISA) when unknown or
+    when this CPU lacks it, as a traced call refuses it."""
+    value = jax_flash.current_config().get("cpu_isa")
+    if value:
+        _jax_flash_ext.cpu_isa(value)
+    return value
+
+
+def forward_attributes() -> dict:
+    return dict(isa=_isa(), forward_chunks=np.int64(1), pack_gqa=False)
+
+
+def backward_attributes() -> dict:
+    return dict(isa=_isa(), gradient_chunks=np.int64(jax_flash.current_config().get("cpu_gradient_chunks")))
 
 
 def call_forward(x: dict, attrs: dict):
@@ -124,7 +147,7 @@ def call_forward(x: dict, attrs: dict):
     sinks = x.get("sinks", np.full((n,), -np.inf, np.float32))  # -inf: no sink
     return jax.ffi.ffi_call("jax_flash_fwd", shapes)(
         q, k, x["v"], x["q_len"], x["kv_len"], x["q_seg"], x["kv_seg"], x["q_off"], x["bias"], x["mask"],
-        sinks, x["seed"], **attrs
+        sinks, x["seed"], **{**forward_attributes(), **attrs}
     )
 
 
@@ -141,7 +164,8 @@ def call_backward(x: dict, out, lse, attrs: dict):
     )
     return jax.ffi.ffi_call("jax_flash_bwd", shapes)(
         q, k, x["v"], out, x["dout"], lse, x["dlse"], x["q_len"], x["kv_len"], x["q_seg"],
-        x["kv_seg"], x["q_off"], x["bias"], x["mask"], x["seed"], **attrs, deterministic=True,
+        x["kv_seg"], x["q_off"], x["bias"], x["mask"], x["seed"], **{**backward_attributes(), **attrs},
+        deterministic=True,
     )
 
 
@@ -153,11 +177,17 @@ def run_both(x: dict, attrs: dict):
 
 @contextlib.contextmanager
 def environment(**values):
+    """Sets environment variables for the duration; JAX_FLASH_CPU_THREADS, a process-wide
+    setting the extension reads once, is set through set_cpu_thread_limit too."""
     saved = {name: os.environ.get(name) for name in values}
     os.environ.update({name: str(value) for name, value in values.items()})
+    threads = values.get("JAX_FLASH_CPU_THREADS")
+    previous = None if threads is None else _jax_flash_ext.set_cpu_thread_limit(int(threads))
     try:
         yield
     finally:
+        if previous is not None:
+            _jax_flash_ext.set_cpu_thread_limit(previous)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -440,7 +470,32 @@ def test_wrong_result_shape_is_an_error():
     with pytest.raises(Exception, match=r"lse has shape \[1, 8, 2\], expected \[1, 2, 8\]"):
         jax.block_until_ready(jax.ffi.ffi_call("jax_flash_fwd", shapes)(
             x["q"], x["k"], x["v"], x["q_len"], x["kv_len"], x["q_seg"], x["kv_seg"],
-            x["q_off"], x["bias"], x["mask"], np.full((2,), -np.inf, np.float32), x["seed"], **attributes(cfg)))
+            x["q_off"], x["bias"], x["mask"], np.full((2,), -np.inf, np.float32), x["seed"], **attributes(cfg), **forward_attributes()))
+
+
+@pytest.mark.parametrize(
+    "target,attrs,message",
+    [
+        ("jax_flash_fwd", dict(isa="sse9"), "isa=sse9 is not one of"),
+        ("jax_flash_bwd", dict(isa="sse9"), "isa=sse9 is not one of"),
+        ("jax_flash_fwd", dict(forward_chunks=np.int64(0)), "forward_chunks must be >= 1"),
+        ("jax_flash_fwd", dict(pack_gqa=True), "pack_gqa needs T = 1"),
+        ("jax_flash_bwd", dict(gradient_chunks=np.int64(5)), "gradient_chunks must be 0"),
+        ("jax_flash_bwd", dict(gradient_chunks=np.int64(-1)), "gradient_chunks must be 0"),
+    ],
+)
+def test_schedule_attribute_errors(target, attrs, message):
+    """The attributes decided when a call is traced (the ISA, split-KV chunks, GQA packing, the
+    backward's chunks) are checked by the handlers: an unknown ISA, a chunk count out of range,
+    or packing asked where it cannot serve (T > 1 here) is an error naming the attribute."""
+    cfg = Config(b=1, t=8, s=8, n=2, kh=1, h=16)
+    x = make_inputs(cfg, "float32")
+    with pytest.raises(Exception, match=message):
+        if target == "jax_flash_fwd":
+            jax.block_until_ready(call_forward(x, {**attributes(cfg), **attrs}))
+        else:
+            out, lse = call_forward(x, attributes(cfg))
+            jax.block_until_ready(call_backward(x, out, lse, {**attributes(cfg), **attrs}))
 
 
 def test_unknown_isa_is_an_error():

@@ -108,7 +108,7 @@ COMMON_ATTRIBUTES = dict(
 # every target poison_outputs; the cpu forward targets isa, forward_chunks, pack_gqa; the cpu
 # backward isa, gradient_chunks; the CUDA and emulated targets layout. False for an extension
 # built before them (the handlers then read JAX_FLASH_POISON_OUTPUTS and the other variables).
-SCHEDULE_ATTRIBUTES = False
+SCHEDULE_ATTRIBUTES = True
 POISON_ATTRIBUTES = dict(poison_outputs=True) if SCHEDULE_ATTRIBUTES else {}
 CPU_FORWARD_ATTRIBUTES = dict(isa="", forward_chunks=np.int64(1), pack_gqa=False) if SCHEDULE_ATTRIBUTES else {}
 CPU_BACKWARD_ATTRIBUTES = dict(isa="", gradient_chunks=np.int64(0)) if SCHEDULE_ATTRIBUTES else {}

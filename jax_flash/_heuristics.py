@@ -1,0 +1,411 @@
+"""Every rule that chooses a schedule, each with the sentence `explain` prints for it.
+
+One place for the decisions that the implementations and the compiled kernels used to make
+each on their own: split-KV chunk counts (xla, cpu, cuda, pallas), GQA packing, the cuda
+backward grid and warp layout, and the pallas tiles (the tuned table is data:
+`_pallas_table`; its lookup and shared-memory fit are called from here). The implementations
+(`cpu`, `cuda`, `pallas`, `inference/split_kv`) call these functions when a call is traced
+and hand the decision to the kernels (FFI attributes `forward_chunks`, `pack_gqa`,
+`gradient_chunks`, `layout`, `isa`, the workspace shapes of the backward grid, the Pallas
+grid), which no longer decide themselves: no rule and no rule's constant is written twice.
+
+The rules are pure functions of the call's static description (`AttentionSpec`, including
+its resolved settings `spec.settings`) and of device facts passed in (the SM count, whether
+Pallas is interpreted), so that tests can ask them anything. A setting read here that its
+variable gave no valid value for raises that variable's ValueError (`Config.get`).
+
+The tile shapes the rules count in (the cpu kernels' 128-row blocks, the cuda kernels' tile
+table, kernels/tile.h) are properties of the compiled kernels, stated here as the kernels
+were compiled; the rules' own thresholds are here only.
+"""
+
+from __future__ import annotations
+
+from jax_flash._spec import AttentionSpec
+
+# ---- shared -------------------------------------------------------------------------------
+
+
+def chunk_count(units: int, target: int, blocks: int, min_blocks: int, max_chunks: int) -> int:
+    """The split-KV rule of every kernel (cpu, cuda, pallas, each with its own figures): enough
+    key chunks for `units` parallel work units to reach `target` (a thread count, the SMs),
+    ceil(target / units), but each chunk at least `min_blocks` of the `blocks` key blocks and
+    at most `max_chunks`; 1 (no split) when the units already reach the target."""
+    return max(1, min(-(-target // max(1, units)), blocks // min_blocks, max_chunks))
+
+
+def packs_query_heads(spec: AttentionSpec, max_group: int) -> bool:
+    """GQA packing of a kernel's forward (cpu, cuda): at T = 1 the G = N / K query heads of a
+    kv head are the rows of one tile (G <= `max_group`, the tile's rows), where no dense bias,
+    dense mask or dropout varies per head."""
+    return (
+        spec.q_len == 1
+        and 1 < spec.group_size <= max_group
+        and spec.bias_shape is None
+        and spec.mask_shape is None
+        and not spec.has_dropout
+    )
+
+
+def forced(spec: AttentionSpec, name: str) -> int | None:
+    """A chunk-count setting (cpu_split_kv, cuda_split_kv, pallas_split_kv): None for 0 (the
+    rule decides), else the forced count."""
+    value = spec.settings.get(name)
+    return value or None
+
+
+def setting_words(spec: AttentionSpec, name: str) -> str:
+    """How `explain` names a setting that decided: its variable and value."""
+    from jax_flash._config import Config
+
+    return f"{Config.variable(name)}={spec.settings.get(name)}"
+
+
+# ---- xla: split-KV decoding (inference/split_kv.py) -----------------------------------------
+
+# Split only few-query calls: T <= DECODE_MAX_QUERIES (one query block of every kernel).
+DECODE_MAX_QUERIES = 64
+# Each chunk holds at least MIN_CHUNK keys (one key block of the xla forward).
+MIN_CHUNK = 512
+# Enough independent (batch row, kv head, chunk) units to fill a GPU: ~2 per SM of an H200.
+TARGET_UNITS = 256
+XLA_MAX_SPLITS = 64
+
+
+def xla_split_kv_rule() -> str:
+    """The xla forward's split-KV rule in words (for `explain`)."""
+    return (
+        f"split-KV when T <= {DECODE_MAX_QUERIES} and S >= {2 * MIN_CHUNK} on a GPU/TPU: "
+        f"C = min(ceil({TARGET_UNITS} / (B·K)), S // {MIN_CHUNK}, {XLA_MAX_SPLITS}) key chunks; "
+        "never on a CPU, where XLA's blockwise loop is faster (jax_flash.bench --decode)"
+    )
+
+
+def xla_splits(spec: AttentionSpec, platform: str) -> int:
+    """C >= 1 key chunks for the xla forward of `spec` on `platform` ('cpu', 'gpu', ...)."""
+    if platform == "cpu":
+        return 1
+    return xla_max_splits(spec, min(XLA_MAX_SPLITS, -(-TARGET_UNITS // max(1, spec.batch * spec.num_kv_heads))))
+
+
+def xla_max_splits(spec: AttentionSpec, wanted: int) -> int:
+    """`wanted` clipped to what `spec` allows: 1 when T > DECODE_MAX_QUERIES, S < 2·MIN_CHUNK,
+    with dropout (the chunks would renumber the batch rows' counters) or when the window's
+    right side is so large (>= 2**31 - T) that shifting the offset by a chunk start could not
+    be exact in int32."""
+    if spec.q_len > DECODE_MAX_QUERIES or spec.kv_len < 2 * MIN_CHUNK:
+        return 1
+    if spec.has_dropout:
+        return 1
+    if spec.window_right is not None and spec.window_right >= 2**31 - spec.q_len:
+        return 1
+    return max(1, min(wanted, spec.kv_len // MIN_CHUNK))
+
+
+def xla_description(spec: AttentionSpec, platform: str) -> str:
+    c = xla_splits(spec, platform)
+    chosen = f"split-KV over {c} key chunks" if c > 1 else "no split-KV"
+    return f"{chosen}; rule: {xla_split_kv_rule()}"
+
+
+# ---- cpu (cuda/cpu/) ------------------------------------------------------------------------
+
+# The cpu kernels' query and key blocks (cuda/cpu/tiling.h kBlockQ, kBlockK).
+CPU_BLOCK = 128
+# The forward's split-KV: with fewer than CPU_FORWARD_ITEMS work items (query blocks, or kv
+# heads with GQA packing), each item's keys are cut into chunks of at least
+# CPU_MIN_CHUNK_KEY_BLOCKS key blocks, at most CPU_MAX_FORWARD_CHUNKS, merged by lse in chunk
+# order. The count depends on the problem only (not on the threads), so the results are the
+# same bits for every JAX_FLASH_CPU_THREADS.
+CPU_FORWARD_ITEMS = 16
+CPU_MAX_FORWARD_CHUNKS = 16
+CPU_MIN_CHUNK_KEY_BLOCKS = 4
+
+
+def cpu_isa(spec: AttentionSpec) -> str:
+    """The cpu kernels' instruction set: "" (the widest this CPU has) or one ISA's name."""
+    return spec.settings.get("cpu_isa")
+
+
+def cpu_packs_heads(spec: AttentionSpec) -> bool:
+    """GQA packing of the cpu forward: at T = 1 the G query heads of a kv head share a tile."""
+    return packs_query_heads(spec, CPU_BLOCK)
+
+
+def cpu_forward_items(spec: AttentionSpec) -> int:
+    """The cpu forward's work items: B·K with GQA packing, else B·N·ceil(T/128)."""
+    if cpu_packs_heads(spec):
+        return spec.batch * spec.num_kv_heads
+    return spec.batch * spec.num_heads * -(-spec.q_len // CPU_BLOCK)
+
+
+def cpu_forward_chunks_rule(spec: AttentionSpec) -> int:
+    return chunk_count(
+        cpu_forward_items(spec),
+        CPU_FORWARD_ITEMS,
+        -(-spec.kv_len // CPU_BLOCK),
+        CPU_MIN_CHUNK_KEY_BLOCKS,
+        CPU_MAX_FORWARD_CHUNKS,
+    )
+
+
+def cpu_forward_chunks(spec: AttentionSpec) -> int:
+    """The cpu forward's split-KV chunk count (the FFI attribute forward_chunks): the forced
+    count (Config.cpu_split_kv), else the rule; the kernel uses at most one chunk per key block."""
+    return forced(spec, "cpu_split_kv") or cpu_forward_chunks_rule(spec)
+
+
+def cpu_gradient_chunks(spec: AttentionSpec) -> int:
+    """The cpu backward's key-block chunks (the FFI attribute gradient_chunks): 0 for the
+    kernel's rule, which counts XLA's thread pool of the running process (so it stays in the
+    kernel; the result is the same bits either way), else the forced count."""
+    return spec.settings.get("cpu_gradient_chunks")
+
+
+def cpu_forward_description(spec: AttentionSpec) -> str:
+    """What `explain` says of the cpu forward's split-KV and GQA packing."""
+    blocks = -(-spec.kv_len // CPU_BLOCK)
+    chunks = max(1, min(cpu_forward_chunks(spec), blocks))
+    packing = (
+        f"GQA packing: the {spec.group_size} query heads of each kv head in one tile, " if cpu_packs_heads(spec) else ""
+    )
+    rule = (
+        f"split-KV when the items (B·N·ceil(T/{CPU_BLOCK}), or B·K with GQA packing at T = 1) "
+        f"are fewer than {CPU_FORWARD_ITEMS}: "
+        f"min(ceil({CPU_FORWARD_ITEMS} / items), {CPU_MAX_FORWARD_CHUNKS}, ceil(S/{CPU_BLOCK}) // "
+        f"{CPU_MIN_CHUNK_KEY_BLOCKS}) key chunks per query block, merged by lse in chunk order"
+    )
+    if forced(spec, "cpu_split_kv") is not None:
+        rule = f"{setting_words(spec, 'cpu_split_kv')}, instead of the rule: {rule}"
+    if chunks == 1:
+        return f"forward: {packing}no split-KV ({rule})"
+    return f"forward: {packing}split-KV into {chunks} key chunks ({rule})"
+
+
+# ---- cuda (cuda/kernels/) -------------------------------------------------------------------
+
+# The head dims whose forward / backward has a warp32 kernel of its own (kernels/tile.h,
+# build/generate_kernels.py); the others run the warp16 kernel under either setting.
+WARP32_HEAD_DIMS = {"forward": (32, 64, 96), "backward": (32, 64)}
+# The forward's query rows per CTA (kernels/tile.h, both layouts).
+CUDA_FORWARD_BLOCK_Q = 128
+# Split-KV (kernels/fwd.h): when the forward's grid, B·(K packed, else N)·ceil(T/128) CTAs, is
+# smaller than the GPU's SM count (one CTA per SM is one wave), each query block's key tiles
+# are cut into C = min(ceil(SMs / CTAs), ceil(S / block_kv) // CUDA_SPLIT_MIN_TILES,
+# CUDA_MAX_SPLITS) chunks, one CTA each, merged by lse in chunk order (deterministic). Never
+# with dropout.
+CUDA_SPLIT_MIN_TILES = 2
+CUDA_MAX_SPLITS = 64
+# The backward grid ("Grids and GQA", cuda/README.md). auto takes the q_heads grid when the
+# kv_heads grid would launch fewer than BACKWARD_GRID_CTA_TARGET CTAs and G = N / K > 1: 528 =
+# two waves of an H100/H200 (132 SMs) at the backward's 2 CTAs per SM (warp16,
+# docs/gpu-results.md). Below that the kv_heads grid leaves SMs idle, while the q_heads grid has
+# G times the CTAs for the same work, at the price of B·S·N·(H + Hv) float32 workspace and one
+# more pass over it (the group sum).
+BACKWARD_GRID_CTA_TARGET = 528
+
+
+def cuda_layout(spec: AttentionSpec) -> str:
+    """The cuda kernels' warp layout (the FFI attribute layout): "warp16" or "warp32"."""
+    return spec.settings.get("cuda_layout")
+
+
+def cuda_layout_description(spec: AttentionSpec) -> str:
+    """Which kernels a call runs under its layout."""
+    name, head_dim = cuda_layout(spec), spec.head_dim
+    # The warp16 kernels (kernels/tile.h): at H >= 192 two warps share each 16 keys of the
+    # backward (each with half of dK's and dV's columns), 32 keys per CTA at H = 192.
+    bwd16 = {192: "32 keys per CTA, 2 warps per 16 keys", 256: "64 keys per CTA, 2 warps per 16 keys"}.get(
+        head_dim, "64 keys per CTA"
+    )
+    if name == "warp16":
+        return f"layout warp16: forward 8 warps x 16 rows, backward {bwd16}"
+    fwd = (
+        "4 warps x 32 rows"
+        if head_dim in WARP32_HEAD_DIMS["forward"]
+        else "8 warps x 16 rows (no warp32 kernel at this head dim)"
+    )
+    bwd = (
+        "128 keys per CTA"
+        if head_dim in WARP32_HEAD_DIMS["backward"]
+        else f"{bwd16} (no warp32 kernel at this head dim)"
+    )
+    return f"layout warp32: forward {fwd}, backward {bwd}"
+
+
+def cuda_forward_block_kv(spec: AttentionSpec) -> int:
+    """Keys per tile of the cuda forward under the call's layout (kernels/tile.h)."""
+    h = spec.head_dim
+    if cuda_layout(spec) == "warp32" and h in WARP32_HEAD_DIMS["forward"]:
+        return 64 if h <= 32 else 32
+    return 16 if h > 192 else 32 if h > 128 else 64
+
+
+def cuda_backward_block_kv(spec: AttentionSpec) -> int:
+    """Keys per CTA of the main cuda backward kernel under the call's layout (kernels/tile.h;
+    the value head dim does not change it)."""
+    h = spec.head_dim
+    if cuda_layout(spec) == "warp32" and h in WARP32_HEAD_DIMS["backward"]:
+        return 128
+    return 32 if h == 192 else 64
+
+
+def cuda_backward_ctas(spec: AttentionSpec, grid: str) -> int:
+    """CTAs of the main backward kernel: B·K·ceil(S/block_kv) (kv_heads) or B·N·ceil(S/block_kv)."""
+    heads = spec.num_kv_heads if grid == "kv_heads" else spec.num_heads
+    return spec.batch * heads * -(-spec.kv_len // cuda_backward_block_kv(spec))
+
+
+def cuda_backward_grid(spec: AttentionSpec) -> str:
+    """The main backward kernel's grid for a call of shape `spec`: "kv_heads" or "q_heads"."""
+    setting = spec.settings.get("cuda_backward_grid")
+    if setting != "auto":
+        return setting
+    few = cuda_backward_ctas(spec, "kv_heads") < BACKWARD_GRID_CTA_TARGET
+    return "q_heads" if spec.group_size > 1 and few else "kv_heads"
+
+
+def cuda_backward_grid_description(spec: AttentionSpec) -> str:
+    """What `explain` says of the backward grid of `spec`."""
+    grid, setting = cuda_backward_grid(spec), spec.settings.get("cuda_backward_grid")
+    if setting == "auto":
+        few = cuda_backward_ctas(spec, "kv_heads")
+        relation = "<" if few < BACKWARD_GRID_CTA_TARGET else ">="
+        why = (
+            f"auto: G = {spec.group_size}, B·K·ceil(S/{cuda_backward_block_kv(spec)}) = {few} "
+            f"{relation} {BACKWARD_GRID_CTA_TARGET}"
+        )
+    else:
+        why = setting_words(spec, "cuda_backward_grid")
+    ctas = cuda_backward_ctas(spec, grid)
+    if grid == "kv_heads":
+        return (
+            f"backward grid kv_heads ({why}): {ctas} CTAs of (key block, kv head, batch), each looping "
+            "over its group's query heads"
+        )
+    return (
+        f"backward grid q_heads ({why}): {ctas} CTAs of (key block, query head, batch), dK and dV per "
+        "query head in float32 workspaces, summed over the group after"
+    )
+
+
+def cuda_packs_heads(spec: AttentionSpec) -> bool:
+    """GQA packing of the cuda forward (kernels/fwd.h, the FFI attribute pack_gqa)."""
+    return packs_query_heads(spec, CUDA_FORWARD_BLOCK_Q)
+
+
+def cuda_forward_ctas(spec: AttentionSpec) -> int:
+    heads = spec.num_kv_heads if cuda_packs_heads(spec) else spec.num_heads
+    return spec.batch * heads * -(-spec.q_len // CUDA_FORWARD_BLOCK_Q)
+
+
+def cuda_split_kv_chunks(spec: AttentionSpec, sms: int) -> int:
+    """The cuda forward's split-KV chunk count C for a call of shape `spec` on a GPU of `sms`
+    SMs (1: no split)."""
+    if spec.has_dropout or spec.batch * spec.num_heads * spec.q_len == 0:
+        return 1
+    count = forced(spec, "cuda_split_kv")
+    if count is not None:
+        return count
+    tiles = -(-spec.kv_len // cuda_forward_block_kv(spec))
+    return chunk_count(cuda_forward_ctas(spec), sms, tiles, CUDA_SPLIT_MIN_TILES, CUDA_MAX_SPLITS)
+
+
+def cuda_decoding_description(spec: AttentionSpec, sms: int, sms_words: str) -> str:
+    """What `explain` says of the cuda forward's split-KV and GQA packing (`sms_words`: where
+    the SM count comes from)."""
+    pack = cuda_packs_heads(spec)
+    packing = f"GQA packing: the {spec.group_size} query heads of each kv head in one tile, " if pack else ""
+    chunks = cuda_split_kv_chunks(spec, sms)
+    if spec.has_dropout:
+        why = "never with dropout"
+    elif forced(spec, "cuda_split_kv") is not None:
+        why = setting_words(spec, "cuda_split_kv")
+    else:
+        why = (
+            f"{cuda_forward_ctas(spec)} CTAs (B·{'K' if pack else 'N'}·ceil(T/{CUDA_FORWARD_BLOCK_Q})) against "
+            f"{sms_words}: split when fewer, into min(ceil(SMs / CTAs), ceil(S/{cuda_forward_block_kv(spec)}) // "
+            f"{CUDA_SPLIT_MIN_TILES}, {CUDA_MAX_SPLITS}) key chunks merged by lse in chunk order"
+        )
+    # The decoding settings' own scan of V (scans_values, which also needs no dense bias).
+    scan = "; non-finite values of V handled in the kernel (without a dense bias)" if packing or chunks > 1 else ""
+    if chunks == 1:
+        return f"forward: {packing}no split-KV ({why}){scan}"
+    return f"forward: {packing}split-KV into {chunks} key chunks ({why}){scan}"
+
+
+# ---- pallas (jax_flash/pallas.py; tiles from the tuned table, _pallas_table) ----------------
+
+# Split-KV of the pallas forward (flash-decoding): when the grid, B·N·ceil(T/block_q) programs,
+# is smaller than the target (the GPU's SMs; interpreted: PALLAS_INTERPRET_PROGRAMS) and the
+# call is a decode step (T <= PALLAS_SPLIT_MAX_QUERIES, no dropout), each query block's key
+# blocks are cut into C = min(ceil(target / programs), key blocks // PALLAS_SPLIT_MIN_BLOCKS,
+# PALLAS_MAX_SPLITS) contiguous chunks, one program each, merged by lse in chunk order.
+PALLAS_SPLIT_MAX_QUERIES = 64
+PALLAS_SPLIT_MIN_BLOCKS = 2
+PALLAS_MAX_SPLITS = 64
+# The programs that stand for "the GPU" when the kernels are interpreted (on a CPU).
+PALLAS_INTERPRET_PROGRAMS = 8
+
+
+def pallas_target(interpret: bool, sms: int) -> int:
+    """The programs the pallas grid should reach: the SMs, or 8 when interpreted."""
+    return PALLAS_INTERPRET_PROGRAMS if interpret else sms
+
+
+def pallas_tile(length: int, block: int) -> int:
+    """A tile no larger than the (power-of-two rounded) length, at least 16 rows."""
+    return max(16, min(block, 1 << max(0, (length - 1).bit_length())))
+
+
+def pallas_tile_config(
+    head_dim_padded: int, dtype: str, pass_: str, interpret: bool, smem_budget: int | None, dense_bytes: int
+):
+    """The tuned table's launch configuration for one pass (`_pallas_table.TABLE`; small tiles
+    when interpreted), shrunk to `smem_budget` bytes of shared memory where the GPU has less
+    than the table's sm_90 (`_pallas_table.fit`)."""
+    from jax_flash import _pallas_table
+
+    cfg = _pallas_table.lookup(head_dim_padded, dtype, pass_, interpret)
+    if interpret:
+        return cfg
+    return _pallas_table.fit(cfg, head_dim_padded, dtype, pass_, smem_budget, dense_bytes)
+
+
+def pallas_split_kv_chunks(spec: AttentionSpec, block_q: int, block_k: int, target: int) -> int:
+    """The pallas forward's split-KV chunk count for `spec` at tiles (block_q, block_k); 1: none."""
+    if spec.has_dropout or spec.batch * spec.num_heads * spec.q_len == 0:
+        return 1
+    blocks = -(-spec.kv_len // block_k)
+    count = forced(spec, "pallas_split_kv")
+    if count is not None:
+        return max(1, min(count, blocks))
+    if spec.q_len > PALLAS_SPLIT_MAX_QUERIES:
+        return 1
+    programs = spec.batch * spec.num_heads * -(-spec.q_len // block_q)
+    return chunk_count(programs, target, blocks, PALLAS_SPLIT_MIN_BLOCKS, PALLAS_MAX_SPLITS)
+
+
+def pallas_split_kv_description(spec: AttentionSpec, block_q: int, block_k: int, interpret: bool, sms: int) -> str:
+    """What `explain` says of the pallas forward's split-KV (at the tiles given)."""
+    target = pallas_target(interpret, sms)
+    chunks = pallas_split_kv_chunks(spec, block_q, block_k, target)
+    words = f"{target} " + ("programs (interpreted)" if interpret else "SMs")
+    why = (
+        setting_words(spec, "pallas_split_kv")
+        if forced(spec, "pallas_split_kv") is not None
+        else f"split when T <= {PALLAS_SPLIT_MAX_QUERIES} and B·N·ceil(T/{block_q}) programs < {words}: "
+        f"min(ceil(target / programs), ceil(S/{block_k}) // {PALLAS_SPLIT_MIN_BLOCKS}, {PALLAS_MAX_SPLITS}) "
+        "key chunks merged by lse in chunk order; never with dropout"
+    )
+    return f"forward: {'no split-KV' if chunks == 1 else f'split-KV into {chunks} key chunks'} ({why})"
+
+
+def pallas_group_splits(group: int, programs: int, interpret: bool, sms: int) -> int:
+    """How many pallas dK/dV programs share one kv head's group: the smallest divisor of G
+    that gives about two programs per SM (interpreted: 8 programs)."""
+    target = PALLAS_INTERPRET_PROGRAMS if interpret else 2 * sms
+    for d in range(1, group + 1):
+        if group % d == 0 and programs * d >= target:
+            return d
+    return group
