@@ -11,27 +11,26 @@ from jax_flash._export import export_disabled_checks
 from jax_flash.inference.paged import explain_paged, paged_attention, paged_cache_write
 from jax_flash.parallel.ring import ring_attention, unzigzag, zigzag
 from jax_flash.parallel.ulysses import hybrid_attention, ulysses_attention
-from jax_flash.reference import attention_reference as reference
-from jax_flash.reference import paged_attention_reference as paged_reference
+from jax_flash.reference import attention_reference as reference, paged_attention_reference as paged_reference
 
 __version__ = "0.1.0"
 __all__ = [
-    "attention",
-    "explain",
-    "Explanation",
     "Config",
+    "Explanation",
+    "__version__",
+    "attention",
     "config",
     "current_config",
+    "explain",
+    "explain_paged",
     "export_disabled_checks",
-    "reference",
+    "hybrid_attention",
     "paged_attention",
     "paged_cache_write",
-    "explain_paged",
     "paged_reference",
+    "reference",
     "ring_attention",
-    "zigzag",
-    "unzigzag",
     "ulysses_attention",
-    "hybrid_attention",
-    "__version__",
+    "unzigzag",
+    "zigzag",
 ]

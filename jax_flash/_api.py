@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 from jax_flash import _registry
@@ -22,17 +20,17 @@ def attention(
     bias=None,
     mask=None,
     *,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     is_causal: bool = False,
     query_seq_lengths=None,
     key_value_seq_lengths=None,
     local_window_size=None,
     segment_ids=None,
-    logits_soft_cap: Optional[float] = None,
+    logits_soft_cap: float | None = None,
     query_offset=None,
     sinks=None,
     return_residual: bool = False,
-    implementation: Optional[str] = None,
+    implementation: str | None = None,
     dropout_rate: float = 0.0,
     dropout_rng=None,
     config: Config | None = None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -87,7 +87,7 @@ def _check_int32_values(name: str, x) -> None:
 def _query_offset(query_offset, batch_shape, b: int) -> jax.Array:
     """int, or an integer array broadcastable to [*batch]: -> [B] int32."""
     name = "query_offset"
-    if isinstance(query_offset, bool) or isinstance(query_offset, np.bool_):
+    if isinstance(query_offset, (bool, np.bool_)):
         raise TypeError(f"{name} must be an int or an integer array [*B], got {query_offset!r}")
     if isinstance(query_offset, numbers.Integral):
         o = int(query_offset)
@@ -99,15 +99,12 @@ def _query_offset(query_offset, batch_shape, b: int) -> jax.Array:
         raise TypeError(f"{name} must be an int or an integer array [*B] (int32), got {_shape_str(x)}")
     shape = tuple(x.shape)
     target = tuple(batch_shape)
-    ok = len(shape) <= max(len(target), 1) and all(
-        d == 1 or d == want for d, want in zip(shape[::-1], target[::-1])
-    )
+    ok = len(shape) <= max(len(target), 1) and all(d == 1 or d == want for d, want in zip(shape[::-1], target[::-1]))
     if ok and not target:
         ok = shape in ((), (1,))
     if not ok:
         raise ValueError(
-            f"{name} must be an int or an integer array broadcastable to [*B] = {target}, "
-            f"got {_shape_str(x)}"
+            f"{name} must be an int or an integer array broadcastable to [*B] = {target}, got {_shape_str(x)}"
         )
     if x.dtype.itemsize > 4 or jnp.issubdtype(x.dtype, jnp.unsignedinteger):
         _check_int32_values(name, query_offset)
@@ -133,7 +130,7 @@ SOFT_CAP_MAX = 1e30
 MAX_SEQ_LEN = 2**30 - 1
 
 
-def _soft_cap(cap) -> Optional[float]:
+def _soft_cap(cap) -> float | None:
     """None (off), or a float in [SOFT_CAP_MIN, SOFT_CAP_MAX]; 0.0 is an error, not "off"."""
     if cap is None:
         return None
@@ -161,8 +158,7 @@ def _window_bound(t: int, s: int) -> int:
     return t + s + 2**31
 
 
-def window(local_window_size, is_causal, t: Optional[int] = None, s: Optional[int] = None
-           ) -> tuple[Optional[int], Optional[int]]:
+def window(local_window_size, is_causal, t: int | None = None, s: int | None = None) -> tuple[int | None, int | None]:
     """(left, right), None = unbounded; clamped by `_window_bound(t, s)` when T and S are given."""
     left = right = None
     if local_window_size is not None:
@@ -175,14 +171,11 @@ def window(local_window_size, is_causal, t: Optional[int] = None, s: Optional[in
             or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in w)
         ):
             raise ValueError(
-                "local_window_size must be an int w or a pair (left, right) of ints, "
-                f"got {local_window_size!r}"
+                f"local_window_size must be an int w or a pair (left, right) of ints, got {local_window_size!r}"
             )
         left, right = int(w[0]), int(w[1])
         if left < 0 or right < 0:
-            raise ValueError(
-                f"local_window_size must be non-negative, got (left, right) = ({left}, {right})"
-            )
+            raise ValueError(f"local_window_size must be non-negative, got (left, right) = ({left}, {right})")
         if t is not None and s is not None:
             bound = _window_bound(t, s)
             left, right = min(left, bound), min(right, bound)
@@ -201,9 +194,7 @@ def sinks_array(sinks, n: int, dtype) -> jax.Array:
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"sinks must be a floating-point array [N] (one logit per query head), got {_shape_str(x)}")
     if tuple(x.shape) != (n,):
-        raise ValueError(
-            f"sinks must have shape [N] = ({n},) (one logit per query head), got {_shape_str(x)}"
-        )
+        raise ValueError(f"sinks must have shape [N] = ({n},) (one logit per query head), got {_shape_str(x)}")
     return x.astype(jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32)
 
 
@@ -212,8 +203,7 @@ def _dense(name: str, x, batch_shape, n, t, s, bool_dtype: bool):
     x = _as_array(name, x)
     if bool_dtype and x.dtype != jnp.bool_:
         raise TypeError(
-            f"{name} must be a boolean array (True = may attend), got {_shape_str(x)}; "
-            "pass an additive mask as bias"
+            f"{name} must be a boolean array (True = may attend), got {_shape_str(x)}; pass an additive mask as bias"
         )
     if not bool_dtype and not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"{name} must be a floating-point array, got {_shape_str(x)}")
@@ -222,24 +212,20 @@ def _dense(name: str, x, batch_shape, n, t, s, bool_dtype: bool):
     if len(shape) > len(target):
         extra = len(shape) - len(target)
         if any(d != 1 for d in shape[:extra]):
-            raise ValueError(
-                f"{name} must be broadcastable to [*batch, N, T, S] = {target}, got {_shape_str(x)}"
-            )
+            raise ValueError(f"{name} must be broadcastable to [*batch, N, T, S] = {target}, got {_shape_str(x)}")
         x = x.reshape(shape[extra:])
         shape = shape[extra:]
     shape = (1,) * (len(target) - len(shape)) + shape
     for d, want in zip(shape, target):
         if d != 1 and d != want:
-            raise ValueError(
-                f"{name} must be broadcastable to [*batch, N, T, S] = {target}, got {_shape_str(x)}"
-            )
+            raise ValueError(f"{name} must be broadcastable to [*batch, N, T, S] = {target}, got {_shape_str(x)}")
     x = x.reshape(shape)
     nb = len(batch_shape)
     if all(d == 1 for d in shape[:nb]):
-        x = x.reshape((1,) + shape[nb:])
+        x = x.reshape((1, *shape[nb:]))
     else:
         x = jnp.broadcast_to(x, (*batch_shape, *shape[nb:]))
-        x = x.reshape((math.prod(batch_shape),) + shape[nb:])
+        x = x.reshape((math.prod(batch_shape), *shape[nb:]))
     return x
 
 
@@ -266,25 +252,17 @@ def canonicalize(
 ) -> Canonical:
     """Check every argument and build the canonical call (its settings resolved now)."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}"
-        )
+        raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
     q = _as_array("query", query)
     k = _as_array("key", key)
     v = _as_array("value", value)
     for name, x in (("query", q), ("key", k), ("value", v)):
         if x.ndim < 3:
-            raise ValueError(
-                f"{name} must have rank >= 3 ([*B, T, N, H] or [T, N, H]), got {_shape_str(x)}"
-            )
+            raise ValueError(f"{name} must have rank >= 3 ([*B, T, N, H] or [T, N, H]), got {_shape_str(x)}")
         if x.dtype not in _FLOAT_DTYPES:
-            raise TypeError(
-                f"{name} must be float16, bfloat16, float32 or float64, got {_shape_str(x)}"
-            )
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {_shape_str(x)}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(
-            f"query, key and value must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
+        raise TypeError(f"query, key and value must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.ndim != v.ndim or k.shape[:-1] != v.shape[:-1]:
         raise ValueError(
             "key [*B, S, K, H] and value [*B, S, K, Hv] must have the same shape except the "
@@ -292,16 +270,14 @@ def canonicalize(
         )
     if q.ndim != k.ndim or q.shape[:-3] != k.shape[:-3]:
         raise ValueError(
-            "query and key must have the same leading batch axes, got query "
-            f"{tuple(q.shape)} and key {tuple(k.shape)}"
+            f"query and key must have the same leading batch axes, got query {tuple(q.shape)} and key {tuple(k.shape)}"
         )
     *batch_axes, t, n, h = q.shape
     s, kh, hk = k.shape[-3:]
     batch_shape = tuple(batch_axes)
     if h != hk:
         raise ValueError(
-            f"query and key must have the same head dim H, got query {tuple(q.shape)} and key "
-            f"{tuple(k.shape)}"
+            f"query and key must have the same head dim H, got query {tuple(q.shape)} and key {tuple(k.shape)}"
         )
     # Empty batch, query, key or head axes are allowed (see `_vjp`: an empty output, or
     # with S = 0 rows that see no key); the head dim and the kv heads are not.
@@ -351,7 +327,10 @@ def canonicalize(
         ).reshape(b)
     if key_value_seq_lengths is not None:
         kv_len = _check_int_array(
-            "key_value_seq_lengths", key_value_seq_lengths, length_shapes[0], length_shapes[1:],
+            "key_value_seq_lengths",
+            key_value_seq_lengths,
+            length_shapes[0],
+            length_shapes[1:],
             clip=(0, s),
         ).reshape(b)
 

@@ -107,9 +107,7 @@ def online_softmax_step(carry, logits, vis, v_blk, bad_v_blk, pv=None, keep=None
     alpha = jnp.exp(m - m_safe)
     l = alpha * l + jnp.sum(p, axis=-1)
     if pv is None:
-        pv = lambda p, v: jnp.einsum(
-            "bkgqs,bskh->bkgqh", p.astype(v.dtype), v, preferred_element_type=acc.dtype
-        )
+        pv = lambda p, v: jnp.einsum("bkgqs,bskh->bkgqh", p.astype(v.dtype), v, preferred_element_type=acc.dtype)
     if bad_v_blk is not None:
         bad = bad | jnp.any(jnp.broadcast_to(bad_v_blk, logits.shape), axis=-1)
     p_kept = p if keep is None else jnp.where(keep, p, 0)

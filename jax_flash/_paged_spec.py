@@ -38,10 +38,13 @@ def target_masks(pspec: PagedSpec, q, table, lengths, sinks=None) -> tuple[Atten
     b, t = q.shape[:2]
     bad_page = (table < 0) | (table >= pspec.num_pages)  # [B, max_pages]
     masks = MaskInputs(
-        kv_lengths=jnp.clip(lengths, 0, pspec.capacity), q_offset=jnp.maximum(lengths, 0) - t,
+        kv_lengths=jnp.clip(lengths, 0, pspec.capacity),
+        q_offset=jnp.maximum(lengths, 0) - t,
         q_segment_ids=jnp.zeros((b, t), jnp.int32),
-        kv_segment_ids=jnp.repeat(bad_page.astype(jnp.int32), pspec.page_size, axis=1), sinks=sinks,
+        kv_segment_ids=jnp.repeat(bad_page.astype(jnp.int32), pspec.page_size, axis=1),
+        sinks=sinks,
     )
-    spec = dataclasses.replace(pspec.attention, has_segment_ids=True, has_kv_lengths=True, has_q_offset=True,
-                               has_sinks=sinks is not None)
+    spec = dataclasses.replace(
+        pspec.attention, has_segment_ids=True, has_kv_lengths=True, has_q_offset=True, has_sinks=sinks is not None
+    )
     return spec, masks

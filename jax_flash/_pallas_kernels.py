@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
 
 import jax.numpy as jnp
 from jax import lax
@@ -47,7 +46,7 @@ def triton():
 def compiler_params(cfg: Config):
     """Triton parameters: `CompilerParams` in jax 0.10-0.12 (`TritonCompilerParams` before)."""
     _, plt = triton()
-    cls = getattr(plt, "CompilerParams", None) or getattr(plt, "TritonCompilerParams")
+    cls = getattr(plt, "CompilerParams", None) or plt.TritonCompilerParams
     return cls(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -64,10 +63,10 @@ class Layout:
     has_segments: bool = False
     has_q_offset: bool = False  # a [1] query offset per program (its batch row)
     has_sinks: bool = False  # a [1] sink logit per program (its head; forward only)
-    bias_rows: Optional[bool] = None  # None: no bias; else whether the bias varies along T
-    bias_cols: Optional[bool] = None  # ... and along S
-    mask_rows: Optional[bool] = None
-    mask_cols: Optional[bool] = None
+    bias_rows: bool | None = None  # None: no bias; else whether the bias varies along T
+    bias_cols: bool | None = None  # ... and along S
+    mask_rows: bool | None = None
+    mask_cols: bool | None = None
     group: int = 1  # query heads one dK/dV program loops over (of the kv head's G)
     splits: int = 1  # dK/dV programs per kv head, each summing `group` heads' share
     # Forward split-KV: programs per query block, each over a contiguous chunk of its key
@@ -207,7 +206,7 @@ def band_segments(lo, hi, full_lo, full_hi):
     return ((lo, a, True), (a, b, False), (b, hi, True))
 
 
-def key_segments(layout: Layout, tm: "TileMath", q0, q1, nk: int):
+def key_segments(layout: Layout, tm: TileMath, q0, q1, nk: int):
     """Key-block loop ranges for queries [q0, q1): (lo, hi, masked) triples.
 
     Only band tiles (causal diagonal, window edges, the ragged key tail) pay for mask
@@ -239,7 +238,7 @@ def key_segments(layout: Layout, tm: "TileMath", q0, q1, nk: int):
     return band_segments(lo, hi, full_lo, full_hi)
 
 
-def query_segments(layout: Layout, tm: "TileMath", k0, k1, nq: int, ragged_block):
+def query_segments(layout: Layout, tm: TileMath, k0, k1, nq: int, ragged_block):
     """Query-block loop ranges for keys [k0, k1) (the dK/dV kernel), as `key_segments`."""
     spec, bq = layout.spec, layout.block_q
     band_lo, band_hi = tm.band
@@ -333,15 +332,17 @@ def forward_kernel(*refs, layout: Layout):
         return body
 
     # [bq] m, l, [bq, Hvp] acc, [bq] bad
-    carry = (*_softmax_init(inp, bq, chunk == 0), jnp.zeros((bq, inp.v.shape[-1]), jnp.float32),
-             jnp.zeros((bq,), jnp.float32))
+    carry = (
+        *_softmax_init(inp, bq, chunk == 0),
+        jnp.zeros((bq, inp.v.shape[-1]), jnp.float32),
+        jnp.zeros((bq,), jnp.float32),
+    )
     segments = key_segments(lay, tm, q0, q0 + bq, nk)
     if chunks > 1:  # this program's contiguous share of the block's key blocks
         first, last = segments[0][0], segments[-1][1]
         c_lo = first + (last - first) * chunk // chunks
         c_hi = first + (last - first) * (chunk + 1) // chunks
-        segments = tuple((jnp.clip(lo, c_lo, c_hi), jnp.clip(hi, c_lo, c_hi), masked)
-                         for lo, hi, masked in segments)
+        segments = tuple((jnp.clip(lo, c_lo, c_hi), jnp.clip(hi, c_lo, c_hi), masked) for lo, hi, masked in segments)
     for lo, hi, masked in segments:
         carry = lax.fori_loop(lo, hi, step(masked), carry)
     m, l, acc, bad = carry

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Optional
 
 PASSES = ("fwd", "dkdv", "dq")
 HEAD_DIMS = (16, 32, 64, 128, 256)  # head dims are padded up to one of these
@@ -95,7 +94,7 @@ def lookup(head_dim_padded: int, dtype: str, pass_: str, interpret: bool) -> Con
     return TABLE[(head_dim_padded, dtype, pass_)]
 
 
-def smem_budget(compute_capability: Optional[tuple[int, int]]) -> Optional[int]:
+def smem_budget(compute_capability: tuple[int, int] | None) -> int | None:
     """Bytes of shared memory one block may use (CUDA C Programming Guide, compute
     capabilities table), or None when unknown (no GPU here: use the table as it is)."""
     if compute_capability is None:
@@ -121,8 +120,7 @@ def smem_estimate(cfg: Config, head_dim: int, dtype: str, pass_: str, dense_byte
     return item * head_dim * (2 * bq + 2 * bk * st) + dense  # dq: q, dO resident
 
 
-def fit(cfg: Config, head_dim: int, dtype: str, pass_: str, budget: Optional[int],
-        dense_bytes: int = 0) -> Config:
+def fit(cfg: Config, head_dim: int, dtype: str, pass_: str, budget: int | None, dense_bytes: int = 0) -> Config:
     """Shrink `cfg` until it fits `budget` bytes of shared memory: first the pipeline depth
     to 2, then the streamed tile, then the resident tile (to 32 rows), then one stage."""
     if budget is None:
@@ -131,15 +129,15 @@ def fit(cfg: Config, head_dim: int, dtype: str, pass_: str, budget: Optional[int
     resident = "block_k" if pass_ == "dkdv" else "block_q"
     steps = [
         lambda c: dataclasses.replace(c, num_stages=2) if c.num_stages > 2 else None,
-        lambda c: dataclasses.replace(c, **{stream: getattr(c, stream) // 2})
-        if getattr(c, stream) > 32 else None,
-        lambda c: dataclasses.replace(c, **{resident: getattr(c, resident) // 2})
-        if getattr(c, resident) > 32 else None,
+        lambda c: dataclasses.replace(c, **{stream: getattr(c, stream) // 2}) if getattr(c, stream) > 32 else None,
+        lambda c: (
+            dataclasses.replace(c, **{resident: getattr(c, resident) // 2}) if getattr(c, resident) > 32 else None
+        ),
         lambda c: dataclasses.replace(c, num_stages=1) if c.num_stages > 1 else None,
-        lambda c: dataclasses.replace(c, **{stream: getattr(c, stream) // 2})
-        if getattr(c, stream) > 16 else None,
-        lambda c: dataclasses.replace(c, **{resident: getattr(c, resident) // 2})
-        if getattr(c, resident) > 16 else None,
+        lambda c: dataclasses.replace(c, **{stream: getattr(c, stream) // 2}) if getattr(c, stream) > 16 else None,
+        lambda c: (
+            dataclasses.replace(c, **{resident: getattr(c, resident) // 2}) if getattr(c, resident) > 16 else None
+        ),
     ]
     for step in steps:
         while smem_estimate(cfg, head_dim, dtype, pass_, dense_bytes) > budget:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from jax_flash import pallas
 from jax_flash._pallas_table import PASSES, TABLE, Config, dumps, padded_head_dim, smem_budget, smem_estimate
@@ -47,8 +47,8 @@ def tune(
     dtypes: Sequence[str] = ("bfloat16", "float16"),
     passes: Sequence[str] = PASSES,
     *,
-    dtype: Optional[str] = None,
-    seq_lens: Optional[Sequence[int]] = None,
+    dtype: str | None = None,
+    seq_lens: Sequence[int] | None = None,
     seq_len: int = 4096,
     batch: int = 4,
     num_heads: int = 16,
@@ -82,15 +82,22 @@ def tune(
     for h, dtype, pass_ in itertools.product(head_dims, dtypes, passes):
         hp = padded_head_dim(h)
         spec = AttentionSpec(
-            batch=batch, q_len=seq_len, kv_len=seq_len, num_heads=num_heads,
-            num_kv_heads=num_heads, head_dim=h, dtype=dtype, scale=h**-0.5,
-            window_left=None, window_right=0 if causal else None,
+            batch=batch,
+            q_len=seq_len,
+            kv_len=seq_len,
+            num_heads=num_heads,
+            num_kv_heads=num_heads,
+            head_dim=h,
+            dtype=dtype,
+            scale=h**-0.5,
+            window_left=None,
+            window_right=0 if causal else None,
         )
         keys = jax.random.split(jax.random.PRNGKey(0), 4)
         shape = (batch, seq_len, num_heads, h)
         q, k, v, do = (jax.random.normal(kk, shape, jnp.float32).astype(dtype) for kk in keys)
         masks = MaskInputs()
-        out, lse = jax.jit(lambda q, k, v: pallas.forward(spec, q, k, v, masks))(q, k, v)
+        out, lse = jax.jit(lambda q, k, v, spec=spec, masks=masks: pallas.forward(spec, q, k, v, masks))(q, k, v)
         dlse = jnp.zeros_like(lse)
         results = []
         budget = smem_budget(pallas.compute_capability()) or 227 * 1024
@@ -98,19 +105,19 @@ def tune(
             over = {pass_: cfg}
             if pass_ == "fwd":
                 fn = jax.jit(
-                    lambda q, k, v, o=over: pallas.forward(spec, q, k, v, masks, configs=o)
+                    lambda q, k, v, o=over, spec=spec, masks=masks: pallas.forward(spec, q, k, v, masks, configs=o)
                 )
                 args = (q, k, v)
             else:
                 fn = jax.jit(
-                    lambda q, k, v, out, lse, do, o=over: pallas.backward(
+                    lambda q, k, v, out, lse, do, o=over, spec=spec, masks=masks, dlse=dlse: pallas.backward(
                         spec, q, k, v, masks, out, lse, do, dlse, configs=o
                     )[:3]
                 )
                 args = (q, k, v, out, lse, do)
             try:
                 t = _time(fn, args, iters)
-            except Exception as e:  # noqa: BLE001 - a candidate that does not compile
+            except Exception as e:  # a candidate that does not compile is reported, not fatal
                 if verbose:
                     print(f"  {h} {dtype} {pass_} {cfg}: skipped ({type(e).__name__})")
                 continue

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Optional, Protocol
+from typing import Protocol
 
 import jax
 
@@ -28,7 +28,7 @@ from jax_flash._spec import AttentionSpec, MaskInputs
 class Implementation(Protocol):
     name: str
 
-    def unsupported(self, spec: AttentionSpec) -> Optional[str]:
+    def unsupported(self, spec: AttentionSpec) -> str | None:
         """None if this implementation can run `spec` here, else why not (one sentence)."""
 
     def head_dims(self) -> str:
@@ -47,13 +47,13 @@ class PagedImplementation(Implementation, Protocol):
 
     paged_default: bool  # whether implementation=None may pick it (in the platform's order)
 
-    def paged_unsupported(self, pspec: PagedSpec) -> Optional[str]:
+    def paged_unsupported(self, pspec: PagedSpec) -> str | None:
         """None if it can run the paged call `pspec` here, else why not (one sentence)."""
 
     def paged_forward(self, pspec: PagedSpec, q, key_pages, value_pages, table, lengths, sinks=None):
         """-> out [B, T, N, H] (dtype of q), lse [B, N, T] float32."""
 
-    def paged_note(self, pspec: PagedSpec) -> Optional[str]:
+    def paged_note(self, pspec: PagedSpec) -> str | None:
         """How it runs the paged call (`explain_paged`)."""
 
 
@@ -83,7 +83,7 @@ def get(name: str) -> Implementation:
 DEFAULT_SM_COUNT = 132
 
 
-def device_sm_count() -> Optional[int]:
+def device_sm_count() -> int | None:
     """The default device's streaming multiprocessors (jax's `core_count`), or None where it
     has none (a CPU)."""
     count = getattr(jax.devices()[0], "core_count", None)
@@ -112,7 +112,7 @@ def names() -> list[str]:
     return order + [n for n in _MODULES if n not in order]
 
 
-def reason(name: str, spec: AttentionSpec) -> Optional[str]:
+def reason(name: str, spec: AttentionSpec) -> str | None:
     """Why `name` cannot serve `spec` here, or None when it can."""
     try:
         impl = get(name)
@@ -121,12 +121,12 @@ def reason(name: str, spec: AttentionSpec) -> Optional[str]:
     return impl.unsupported(spec)
 
 
-def explain(spec: AttentionSpec, requested: Optional[str] = None) -> dict[str, Optional[str]]:
+def explain(spec: AttentionSpec, requested: str | None = None) -> dict[str, str | None]:
     """{name: None if it can run else the reason}, in preference order for this platform."""
     return {name: reason(name, spec) for name in names()}
 
 
-def notes(spec: AttentionSpec, reasons: dict[str, Optional[str]]) -> dict[str, str]:
+def notes(spec: AttentionSpec, reasons: dict[str, str | None]) -> dict[str, str]:
     """{name: how it would run} for the implementations in `reasons` that can run `spec` and
     have something to say (an optional `note(spec)`: e.g. which kernel image a GPU runs;
     for a value head dim Hv != H, the (H, Hv) pairs it serves: `head_dims()`)."""
@@ -145,7 +145,7 @@ def notes(spec: AttentionSpec, reasons: dict[str, Optional[str]]) -> dict[str, s
     return out
 
 
-def select(spec: AttentionSpec, requested: Optional[str]) -> str:
+def select(spec: AttentionSpec, requested: str | None) -> str:
     """The name of the implementation that runs `spec`."""
     if requested is not None:
         why = reason(requested, spec)
@@ -158,7 +158,7 @@ def select(spec: AttentionSpec, requested: Optional[str]) -> str:
     raise ValueError(f"no implementation can run this call: {explain(spec)}")
 
 
-def paged_reason(name: str, pspec: PagedSpec) -> Optional[str]:
+def paged_reason(name: str, pspec: PagedSpec) -> str | None:
     """Why `name` cannot serve the paged_attention call `pspec` here, or None when it can."""
     try:
         impl = get(name)
@@ -183,7 +183,7 @@ def paged_default(pspec: PagedSpec) -> str:
 class Explanation:
     """Which implementation `attention` would run for a call, and why not the others."""
 
-    selected: Optional[str]
+    selected: str | None
     reasons: dict  # name -> None (can run) or the reason it cannot
     notes: dict = dataclasses.field(default_factory=dict)  # name -> how it runs (e.g. the kernel image)
     op: str = "jax_flash.attention"  # the function explained

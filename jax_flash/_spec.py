@@ -22,7 +22,7 @@ head dim Hv may differ from the query/key head dim H (MLA: H = 192, Hv = 128).
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 
@@ -32,20 +32,20 @@ from jax_flash import _config
 class MaskInputs(NamedTuple):
     """Optional array inputs of one call, batch already folded to one axis `B`."""
 
-    bias: Optional[jax.Array] = None  # [B|1, N|1, T|1, S|1], any float dtype
-    mask: Optional[jax.Array] = None  # [B|1, N|1, T|1, S|1], bool
-    q_lengths: Optional[jax.Array] = None  # [B] int32
-    kv_lengths: Optional[jax.Array] = None  # [B] int32
-    q_segment_ids: Optional[jax.Array] = None  # [B, T] int32
-    kv_segment_ids: Optional[jax.Array] = None  # [B, S] int32
+    bias: jax.Array | None = None  # [B|1, N|1, T|1, S|1], any float dtype
+    mask: jax.Array | None = None  # [B|1, N|1, T|1, S|1], bool
+    q_lengths: jax.Array | None = None  # [B] int32
+    kv_lengths: jax.Array | None = None  # [B] int32
+    q_segment_ids: jax.Array | None = None  # [B, T] int32
+    kv_segment_ids: jax.Array | None = None  # [B, S] int32
     # [B] int32: query t of row b sits at key position q_offset[b] + t (causal/window only).
-    q_offset: Optional[jax.Array] = None
+    q_offset: jax.Array | None = None
     # [N] float32 (float64 for float64 inputs): one logit per query head that joins every
     # row's softmax denominator with a zero value (attention sinks). Differentiable.
-    sinks: Optional[jax.Array] = None
+    sinks: jax.Array | None = None
     # uint32 [2]: the bits of the dropout_rng key (Philox's key, `_dropout`); not
     # differentiable. Present exactly when AttentionSpec.dropout_rate > 0.
-    dropout_seed: Optional[jax.Array] = None
+    dropout_seed: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,16 +62,16 @@ class AttentionSpec:
     scale: float
     # Visible keys of query t at position p = q_offset + t: p - window_left <= s <= p +
     # window_right; None = unbounded. Causal attention is the window (None, 0).
-    window_left: Optional[int] = None
-    window_right: Optional[int] = None
-    soft_cap: Optional[float] = None
-    bias_shape: Optional[tuple[int, ...]] = None
-    mask_shape: Optional[tuple[int, ...]] = None
+    window_left: int | None = None
+    window_right: int | None = None
+    soft_cap: float | None = None
+    bias_shape: tuple[int, ...] | None = None
+    mask_shape: tuple[int, ...] | None = None
     has_q_lengths: bool = False
     has_kv_lengths: bool = False
     has_segment_ids: bool = False
     has_q_offset: bool = False  # MaskInputs.q_offset is given (else the offset is 0)
-    value_head_dim: Optional[int] = None  # Hv of v and out; None means Hv = H
+    value_head_dim: int | None = None  # Hv of v and out; None means Hv = H
     has_sinks: bool = False  # MaskInputs.sinks is given
     # Attention dropout (float32 value, in [0, 1)); > 0 means MaskInputs.dropout_seed is
     # given and the keep-mask of `_dropout` applies to P after the softmax statistics.

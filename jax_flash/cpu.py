@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 from jax_flash import _ffi, _heuristics, _registry
@@ -55,7 +53,7 @@ def backward_attributes(spec: AttentionSpec) -> dict:
 class CpuImplementation:
     name = "cpu"
 
-    def unsupported(self, spec: AttentionSpec) -> Optional[str]:
+    def unsupported(self, spec: AttentionSpec) -> str | None:
         if _registry.platform() != "cpu":
             return f"runs on the CPU backend only (the default backend is {_registry.platform()})"
         why = _ffi.missing("jax_flash_fwd", "cpu") or _ffi.missing("jax_flash_bwd", "cpu")
@@ -70,7 +68,7 @@ class CpuImplementation:
     def head_dims(self) -> str:
         return f"any pair with H, Hv <= {MAX_HEAD_DIM}"
 
-    def note(self, spec: AttentionSpec) -> Optional[str]:
+    def note(self, spec: AttentionSpec) -> str | None:
         """What `explain` adds: the forward's split-KV (`_heuristics.cpu_forward_chunks`), and for a
         dense bias or mask, that it is read in place through its broadcast strides and how the
         backward reduces dbias (cuda/cpu/README.md)."""
@@ -83,9 +81,11 @@ class CpuImplementation:
                 parts.append(f"dense {name} {list(shape)} read in place through its broadcast strides")
         if spec.bias_shape is None:
             return "; ".join(parts)
-        dims = [d for d, n, full in zip("BNTS", spec.bias_shape,
-                                        (spec.batch, spec.num_heads, spec.q_len, spec.kv_len))
-                if n == 1 and full > 1]
+        dims = [
+            d
+            for d, n, full in zip("BNTS", spec.bias_shape, (spec.batch, spec.num_heads, spec.q_len, spec.kv_len))
+            if n == 1 and full > 1
+        ]
         if dims:
             text = f"dbias summed over {', '.join(dims)} inside the backward"
             shared = [d for d in dims if d in "BN"]
@@ -106,7 +106,7 @@ class CpuImplementation:
     # backend where it serves the call (2.9-3.0x paged xla's speed in a decode step, README).
     paged_default = True
 
-    def paged_unsupported(self, pspec: PagedSpec) -> Optional[str]:
+    def paged_unsupported(self, pspec: PagedSpec) -> str | None:
         return self.unsupported(pspec.attention) or _ffi.missing("jax_flash_paged_fwd", "cpu")
 
     def paged_note(self, pspec: PagedSpec) -> str:
@@ -123,13 +123,22 @@ class CpuImplementation:
         business, as in `forward`."""
         spec, masks = target_masks(pspec, q, table, lengths, sinks)
         forward_attributes(spec)
-        return _ffi.forward_call("jax_flash_paged_fwd", spec, q, key_pages, value_pages, masks, page_table=table,
-                                 attributes=forward_attributes)
+        return _ffi.forward_call(
+            "jax_flash_paged_fwd",
+            spec,
+            q,
+            key_pages,
+            value_pages,
+            masks,
+            page_table=table,
+            attributes=forward_attributes,
+        )
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
         backward_attributes(spec)
-        return _ffi.backward(self.name, "jax_flash_bwd", spec, q, k, v, masks, out, lse, dout, dlse,
-                             attributes=backward_attributes)
+        return _ffi.backward(
+            self.name, "jax_flash_bwd", spec, q, k, v, masks, out, lse, dout, dlse, attributes=backward_attributes
+        )
 
 
 IMPLEMENTATION = CpuImplementation()

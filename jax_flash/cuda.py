@@ -28,8 +28,6 @@ GPU would run.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import dataclasses
 import functools
 
@@ -57,7 +55,7 @@ def head_dim_pairs() -> tuple:
     return tuple((h, h) for h in HEAD_DIMS) + NARROW_VALUE_PAIRS
 
 
-def value_head_dim_reason(spec: AttentionSpec) -> Optional[str]:
+def value_head_dim_reason(spec: AttentionSpec) -> str | None:
     """None if the kernels serve the call's (H, Hv) pair, else why not."""
     pair = (spec.head_dim, spec.v_head_dim)
     if pair in head_dim_pairs():
@@ -153,7 +151,7 @@ def _architectures() -> tuple[str, ...]:
     return tuple(a for a in text.split(",") if a)
 
 
-def _parse_arch(entry: str) -> Optional[tuple[int, int, str, bool, bool]]:
+def _parse_arch(entry: str) -> tuple[int, int, str, bool, bool] | None:
     """(major, minor, suffix, cubin, ptx) of a CMake CUDA architecture such as "80-real",
     "90a-virtual" or "120"; None for the symbolic ones ("native", "all", "all-major")."""
     import re
@@ -173,7 +171,7 @@ def _runs_on(cc, major: int, minor: int, suffix: str, *, ptx: bool) -> bool:
     return cc >= (major, minor)  # PTX: JIT-compiled for any later capability
 
 
-def kernel_image(cc: tuple[int, int], architectures) -> Optional[str]:
+def kernel_image(cc: tuple[int, int], architectures) -> str | None:
     """The image of the build that a GPU of compute capability `cc` runs: "sm_XY" (a cubin),
     "compute_XY PTX" (JIT-compiled by the driver), "unknown" when the build's architectures
     are symbolic ("native", "all"), or None when no image can run there.
@@ -200,7 +198,7 @@ def kernel_image(cc: tuple[int, int], architectures) -> Optional[str]:
     return "unknown" if symbolic else None
 
 
-def _compute_capability() -> Optional[tuple[int, int]]:
+def _compute_capability() -> tuple[int, int] | None:
     cc = getattr(jax.devices()[0], "compute_capability", None)
     if cc is None:
         return None
@@ -221,6 +219,8 @@ MIN_GRID_BLOCK = 64
 
 def _min_grid_block(head_dim: int, what: str) -> int:
     return 32 if head_dim == 192 and what == "key" else MIN_GRID_BLOCK
+
+
 MAX_GRID_X = 2**31 - 1
 MAX_INT = 2**31 - 1
 
@@ -232,7 +232,7 @@ def _delta_rows_per_block(head_dim: int) -> int:
     return 128 // lanes
 
 
-def launch_limit(spec: AttentionSpec) -> Optional[str]:
+def launch_limit(spec: AttentionSpec) -> str | None:
     """Why the kernels cannot be launched for `spec` (a CUDA grid or int limit), or None."""
     b, t, s, n, h = spec.batch, spec.q_len, spec.kv_len, spec.num_heads, spec.head_dim
     if max(b, n) > MAX_INT:
@@ -255,10 +255,13 @@ def launch_limit(spec: AttentionSpec) -> Optional[str]:
     return None
 
 
-def dense_description(spec: AttentionSpec) -> Optional[str]:
+def dense_description(spec: AttentionSpec) -> str | None:
     """What `explain` says of a dense bias or mask (cuda/README.md, kernels/bias.h)."""
-    parts = [f"dense {name} {list(shape)} read in place through its broadcast strides"
-             for name, shape in (("bias", spec.bias_shape), ("mask", spec.mask_shape)) if shape is not None]
+    parts = [
+        f"dense {name} {list(shape)} read in place through its broadcast strides"
+        for name, shape in (("bias", spec.bias_shape), ("mask", spec.mask_shape))
+        if shape is not None
+    ]
     if spec.bias_shape is None:
         return "; ".join(parts) or None
     full = (spec.batch, spec.num_heads, spec.q_len, spec.kv_len)
@@ -269,9 +272,11 @@ def dense_description(spec: AttentionSpec) -> Optional[str]:
     elif not spread:
         parts.append("dbias summed over T by the thread that owns each key")
     elif deterministic(spec):
-        parts.append(f"dbias summed over {', '.join(summed)}: over B, N, S through a float32 workspace "
-                     f"[B, N, Tb, S] = {[spec.batch, spec.num_heads, spec.bias_shape[2], spec.kv_len]} "
-                     "summed in a fixed order (JAX_FLASH_DETERMINISTIC=1)")
+        parts.append(
+            f"dbias summed over {', '.join(summed)}: over B, N, S through a float32 workspace "
+            f"[B, N, Tb, S] = {[spec.batch, spec.num_heads, spec.bias_shape[2], spec.kv_len]} "
+            "summed in a fixed order (JAX_FLASH_DETERMINISTIC=1)"
+        )
     else:
         parts.append(f"dbias summed over {', '.join(summed)} with atomics (over T and S first inside each warp)")
     return "; ".join(parts)
@@ -280,7 +285,7 @@ def dense_description(spec: AttentionSpec) -> Optional[str]:
 class CudaImplementation:
     name = "cuda"
 
-    def unsupported(self, spec: AttentionSpec) -> Optional[str]:
+    def unsupported(self, spec: AttentionSpec) -> str | None:
         plat = _registry.platform()
         try:
             emulate = emulated(spec)
@@ -320,7 +325,7 @@ class CudaImplementation:
     def head_dims(self) -> str:
         return ", ".join(f"({h}, {hv})" for h, hv in head_dim_pairs())
 
-    def note(self, spec: AttentionSpec) -> Optional[str]:
+    def note(self, spec: AttentionSpec) -> str | None:
         """What `explain` adds when the kernels can run: the host emulation, or which image
         of the build this GPU runs (a cubin, or PTX that the driver JIT-compiles)."""
         try:
@@ -350,8 +355,10 @@ class CudaImplementation:
         if image is None or image == "unknown":
             return how
         if image.endswith("PTX"):
-            return (f"compute capability {cc[0]}.{cc[1]} has no cubin in this build: it runs the {image} image, "
-                    f"JIT-compiled by the driver at first use; {how}")
+            return (
+                f"compute capability {cc[0]}.{cc[1]} has no cubin in this build: it runs the {image} image, "
+                f"JIT-compiled by the driver at first use; {how}"
+            )
         return f"runs the {image} cubin; {how}"
 
     # Non-finite inputs (README, "Numerical contract"). The kernels' products P·V, dS·K and
@@ -369,8 +376,9 @@ class CudaImplementation:
         return partitioning.forward(self.name, functools.partial(self._forward_local, target), spec, q, k, v, masks)
 
     def _forward_local(self, target, spec, q, k, v, masks, page_table=None):
-        call = functools.partial(_ffi.forward_call, target, decoding=decoding, page_table=page_table,
-                                 attributes=target_attributes)
+        call = functools.partial(
+            _ffi.forward_call, target, decoding=decoding, page_table=page_table, attributes=target_attributes
+        )
         if scans_values(spec, masks):
             # The kernel's decoding settings handle a non-finite V themselves
             # (kernels/nonfinite.h): a decode step reads K and V once.
@@ -394,7 +402,7 @@ class CudaImplementation:
         (every visible logit 0, so P = 1/#visible > 0) and v = the flags, at head dim 32."""
         small = dataclasses.replace(spec, head_dim=min(HEAD_DIMS), value_head_dim=None)
         b, t, n, h = spec.batch, spec.q_len, spec.num_heads, small.head_dim
-        v = jnp.broadcast_to(flags[..., None], flags.shape + (h,)).astype(dtype)
+        v = jnp.broadcast_to(flags[..., None], (*flags.shape, h)).astype(dtype)
         zeros_q, zeros_k = jnp.zeros((b, t, n, h), dtype), jnp.zeros(v.shape, dtype)
         # Without the bias: a -inf bias is not a mask, a non-finite v behind it still reaches
         # the row (README, "Numerical contract"); the dense mask stays.
@@ -405,7 +413,7 @@ class CudaImplementation:
     # GPU where it serves the call (never its host emulation: the CPU backend prefers cpu).
     paged_default = True
 
-    def paged_unsupported(self, pspec: PagedSpec) -> Optional[str]:
+    def paged_unsupported(self, pspec: PagedSpec) -> str | None:
         return self.unsupported(pspec.attention)
 
     def paged_note(self, pspec: PagedSpec) -> str:
@@ -413,8 +421,10 @@ class CudaImplementation:
             how = decoding_description(pspec.attention)
         except ValueError as e:
             how = f"{e}: calls fail"
-        return ("the forward kernel with its K/V tiles read through the table (cp.async from each page's "
-                f"slot, any page size); {how}")
+        return (
+            "the forward kernel with its K/V tiles read through the table (cp.async from each page's "
+            f"slot, any page size); {how}"
+        )
 
     def paged_forward(self, pspec, q, key_pages, value_pages, table, lengths, sinks=None):
         """paged_attention on the paged target: the forward kernel reading K and V through the
@@ -425,8 +435,9 @@ class CudaImplementation:
         spec, masks = target_masks(pspec, q, table, lengths, sinks)
         layout(spec)
         split_kv_chunks(spec)
-        return self._forward_local(f"{_prefix(spec)}_paged_fwd", spec, q, key_pages, value_pages, masks,
-                                   page_table=table)
+        return self._forward_local(
+            f"{_prefix(spec)}_paged_fwd", spec, q, key_pages, value_pages, masks, page_table=table
+        )
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
         layout(spec)
@@ -434,8 +445,19 @@ class CudaImplementation:
         # The grid is chosen from the shapes each call's kernels see (a device's shards, the
         # batch with a vmapped axis folded in).
         return _ffi.backward(
-            self.name, f"{_prefix(spec)}_bwd", spec, finite_part(q), finite_part(k), finite_part(v), masks, out,
-            lse, dout, dlse, deterministic=deterministic(spec), backward_grid=backward_grid,
+            self.name,
+            f"{_prefix(spec)}_bwd",
+            spec,
+            finite_part(q),
+            finite_part(k),
+            finite_part(v),
+            masks,
+            out,
+            lse,
+            dout,
+            dlse,
+            deterministic=deterministic(spec),
+            backward_grid=backward_grid,
             attributes=target_attributes,
         )
 

@@ -27,7 +27,6 @@ the scale uses the true head dim (it comes from the spec).
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +34,9 @@ import jax.numpy as jnp
 from jax_flash import _heuristics, _registry
 from jax_flash._merge import merge_partials
 from jax_flash._numerics import pad_axis, round_up
+from jax_flash._paged_spec import PagedSpec
 from jax_flash._pallas_kernels import Layout, compiler_params, dkdv_kernel, dq_kernel, forward_kernel, triton
 from jax_flash._pallas_table import padded_head_dim, smem_budget
-from jax_flash._paged_spec import PagedSpec
 from jax_flash._spec import AttentionSpec, MaskInputs
 from jax_flash.inference import pallas_decode
 from jax_flash.parallel import partitioning
@@ -47,7 +46,7 @@ DTYPES = ("float16", "bfloat16", "float32")
 MAX_HEAD_DIM = 256
 
 
-def _interpret(interpret: Optional[bool]) -> bool:
+def _interpret(interpret: bool | None) -> bool:
     return _registry.platform() == "cpu" if interpret is None else interpret
 
 
@@ -56,9 +55,7 @@ def _config(spec: AttentionSpec, masks: MaskInputs, hp: int, pass_: str, configs
     99 KB per block, the table is for sm_90); an explicit `configs` entry is used as is."""
     if configs and pass_ in configs:
         return configs[pass_]
-    dense_bytes = (0 if masks.bias is None else min(4, masks.bias.dtype.itemsize)) + (
-        0 if masks.mask is None else 1
-    )
+    dense_bytes = (0 if masks.bias is None else min(4, masks.bias.dtype.itemsize)) + (0 if masks.mask is None else 1)
     budget = None if interpret else smem_budget(compute_capability())
     return _heuristics.pallas_tile_config(hp, spec.dtype, pass_, interpret, budget, dense_bytes)
 
@@ -167,7 +164,10 @@ class _Extras:
                 pl.BlockSpec(
                     (None, None, bq if tb != 1 else 1, sb),
                     lambda i, n, b, bb=bb, nb=nb, tb=tb: (
-                        b if bb != 1 else 0, n if nb != 1 else 0, i if tb != 1 else 0, 0
+                        b if bb != 1 else 0,
+                        n if nb != 1 else 0,
+                        i if tb != 1 else 0,
+                        0,
                     ),
                 )
             )
@@ -216,7 +216,10 @@ class _Extras:
                 pl.BlockSpec(
                     (None, None, x.shape[2], tb, bk if sb != 1 else 1),
                     lambda j, h, b, bb=bb, nb=nb, sb=sb: (
-                        b if bb != 1 else 0, h // splits if nb != 1 else 0, 0, 0,
+                        b if bb != 1 else 0,
+                        h // splits if nb != 1 else 0,
+                        0,
+                        0,
                         j if sb != 1 else 0,
                     ),
                 )
@@ -244,8 +247,18 @@ def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs=None, in
 
 
 def backward(
-    spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout, dlse, *,
-    configs=None, interpret=None,
+    spec: AttentionSpec,
+    q,
+    k,
+    v,
+    masks: MaskInputs,
+    out,
+    lse,
+    dout,
+    dlse,
+    *,
+    configs=None,
+    interpret=None,
 ):
     """dq, dk, dv (input dtypes), dbias (shape and dtype of masks.bias, or None);
     partitioned over the inputs' shardings."""
@@ -298,14 +311,23 @@ def _forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, i
     kv_spec = pl.BlockSpec((None, s_pad, None, hp), lambda i, n_, b_: (b_, 0, n_ // g, 0))
     v_spec = pl.BlockSpec((None, s_pad, None, hvp), lambda i, n_, b_: (b_, 0, n_ // g, 0))
     if c == 1:
-        out_specs = [pl.BlockSpec((None, bq, None, hvp), lambda i, n_, b_: (b_, i, n_, 0)),
-                     pl.BlockSpec((None, None, bq), lambda i, n_, b_: (b_, n_, i))]
-        out_shape = [jax.ShapeDtypeStruct((b, t_pad, n, hvp), q.dtype), jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)]
+        out_specs = [
+            pl.BlockSpec((None, bq, None, hvp), lambda i, n_, b_: (b_, i, n_, 0)),
+            pl.BlockSpec((None, None, bq), lambda i, n_, b_: (b_, n_, i)),
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((b, t_pad, n, hvp), q.dtype),
+            jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32),
+        ]
     else:  # chunk c's normalised float32 partial out and its lse
-        out_specs = [pl.BlockSpec((None, None, bq, None, hvp), lambda i, n_, b_: (i % c, b_, i // c, n_, 0)),
-                     pl.BlockSpec((None, None, None, bq), lambda i, n_, b_: (i % c, b_, n_, i // c))]
-        out_shape = [jax.ShapeDtypeStruct((c, b, t_pad, n, hvp), jnp.float32),
-                     jax.ShapeDtypeStruct((c, b, n, t_pad), jnp.float32)]
+        out_specs = [
+            pl.BlockSpec((None, None, bq, None, hvp), lambda i, n_, b_: (i % c, b_, i // c, n_, 0)),
+            pl.BlockSpec((None, None, None, bq), lambda i, n_, b_: (i % c, b_, n_, i // c)),
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((c, b, t_pad, n, hvp), jnp.float32),
+            jax.ShapeDtypeStruct((c, b, n, t_pad), jnp.float32),
+        ]
     out, lse = pl.pallas_call(
         functools.partial(forward_kernel, layout=layout),
         grid=(t_pad // bq * c, n, b),
@@ -323,7 +345,18 @@ def _forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, i
 
 
 def _backward_call(
-    spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout, dlse, *, configs, interpret,
+    spec: AttentionSpec,
+    q,
+    k,
+    v,
+    masks: MaskInputs,
+    out,
+    lse,
+    dout,
+    dlse,
+    *,
+    configs,
+    interpret,
 ):
     """The dK/dV and dQ kernels on (local) canonical arrays; `spec` describes them."""
     pl, _ = triton()
@@ -338,9 +371,7 @@ def _backward_call(
 
     # D = rowsum(dO ∘ O) (FlashAttention-2 §3.2); the lse cotangent shifts it by -dlse
     # (d lse / d logit = P). One fused XLA reduction, O(B·T·N·Hv).
-    delta = jnp.einsum(
-        "btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32)
-    ) - dlse.astype(jnp.float32)
+    delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32)) - dlse.astype(jnp.float32)
     delta = pad_axis(delta, 2, t_pad)
     # Rows that see nothing (lse = -inf) and padded rows get lse = +inf, so that
     # P = exp2((x - lse)·log2 e) = 0 there; a NaN lse (a poisoned row)
@@ -382,8 +413,12 @@ def _backward_call(
         interpret=interpret,
         name="jax_flash_bwd_dkdv",
     )(
-        q5, kp, vp, do5,
-        lse_rows.reshape(b, kh, g, t_pad), delta.reshape(b, kh, g, t_pad),
+        q5,
+        kp,
+        vp,
+        do5,
+        lse_rows.reshape(b, kh, g, t_pad),
+        delta.reshape(b, kh, g, t_pad),
         *extra_args,
     )
 
@@ -402,9 +437,7 @@ def _backward_call(
         out_specs.append(pl.BlockSpec((None, None, bq2, s_pad), lambda i, n_, b_: (b_, n_, i, 0)))
         out_shape.append(jax.ShapeDtypeStruct((b, n, t_pad, s_pad), jnp.float32))
     res = pl.pallas_call(
-        functools.partial(
-            dq_kernel, layout=_layout(spec, masks, bq2, bk2, t_pad, s_pad, write_ds=write_ds)
-        ),
+        functools.partial(dq_kernel, layout=_layout(spec, masks, bq2, bk2, t_pad, s_pad, write_ds=write_ds)),
         grid=(t_pad // bq2, n, b),
         in_specs=[row_blk, kv_full, v_full, do_blk, stat, stat, *extra_specs],
         out_specs=out_specs,
@@ -436,7 +469,7 @@ MAX_GRID_X = 2**31 - 1
 MAX_GRID_YZ = 65535
 
 
-def launch_limit(spec: AttentionSpec) -> Optional[str]:
+def launch_limit(spec: AttentionSpec) -> str | None:
     """Why Triton cannot launch the kernels' grids for `spec`, or None."""
     b, n = spec.batch, spec.num_heads
     if b <= MAX_GRID_YZ and n <= MAX_GRID_YZ:
@@ -457,7 +490,7 @@ class PallasImplementation:
 
     name = "pallas"
 
-    def unsupported(self, spec: AttentionSpec) -> Optional[str]:
+    def unsupported(self, spec: AttentionSpec) -> str | None:
         plat = _registry.platform()
         if plat not in ("gpu", "cpu"):
             return f"runs on GPUs through Triton (and interpreted on the CPU), not on {plat}"
@@ -476,7 +509,7 @@ class PallasImplementation:
     def head_dims(self) -> str:
         return f"any pair with H, Hv <= {MAX_HEAD_DIM}"
 
-    def note(self, spec: AttentionSpec) -> Optional[str]:
+    def note(self, spec: AttentionSpec) -> str | None:
         """What `explain` adds: the forward's split-KV, and on a CPU that the kernels are
         interpreted, which is for tests."""
         split = split_kv_description(spec)
@@ -495,14 +528,16 @@ class PallasImplementation:
     # (`inference/pallas_decode.py`), on request only until it has been measured on a GPU.
     paged_default = False
 
-    def paged_unsupported(self, pspec: PagedSpec) -> Optional[str]:
+    def paged_unsupported(self, pspec: PagedSpec) -> str | None:
         return pallas_decode.unsupported(pspec)
 
     def paged_note(self, pspec: PagedSpec) -> str:
         split = f"split-KV over {pspec.splits} page chunks" if pspec.splits > 1 else "no split-KV"
         extra = pallas_decode.note()
-        return ("on request only (implementation=None never picks it); decode kernel, one "
-                f"page per key block, GQA-packed rows; {split}" + (f"; {extra}" if extra else ""))
+        return (
+            "on request only (implementation=None never picks it); decode kernel, one "
+            f"page per key block, GQA-packed rows; {split}" + (f"; {extra}" if extra else "")
+        )
 
     def paged_forward(self, pspec, q, key_pages, value_pages, table, lengths, sinks=None):
         return pallas_decode.paged_forward(pspec, q, key_pages, value_pages, table, lengths, sinks=sinks)

@@ -31,10 +31,7 @@ states in this implementation's note.
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Optional
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -82,12 +79,8 @@ class _Tiles:
         self.masks = masks._replace(
             bias=self._pad_dense(masks.bias, 0),
             mask=self._pad_dense(masks.mask, False),
-            q_segment_ids=None
-            if masks.q_segment_ids is None
-            else pad_axis(masks.q_segment_ids, 1, self.t_pad),
-            kv_segment_ids=None
-            if masks.kv_segment_ids is None
-            else pad_axis(masks.kv_segment_ids, 1, self.s_pad),
+            q_segment_ids=None if masks.q_segment_ids is None else pad_axis(masks.q_segment_ids, 1, self.t_pad),
+            kv_segment_ids=None if masks.kv_segment_ids is None else pad_axis(masks.kv_segment_ids, 1, self.s_pad),
         )
         # The causal/window band of every batch row, shaped [B|1, 1, 1, 1, 1] like a tile.
         q_offset = 0 if masks.q_offset is None else masks.q_offset[:, None, None, None, None]
@@ -155,11 +148,16 @@ class _Tiles:
             return None
         kh, g = spec.num_kv_heads, spec.group_size
         batch = jnp.arange(spec.batch, dtype=jnp.uint32)[:, None, None, None]
-        head = (jnp.arange(kh, dtype=jnp.uint32)[:, None] * g + jnp.arange(g, dtype=jnp.uint32))
+        head = jnp.arange(kh, dtype=jnp.uint32)[:, None] * g + jnp.arange(g, dtype=jnp.uint32)
         rows = jnp.asarray(i, jnp.uint32) * self.bq + jnp.arange(self.bq, dtype=jnp.uint32)
         return _dropout.keep_mask_groups(
-            self.masks.dropout_seed, spec.dropout_rate, batch, head[None, :, :, None],
-            rows, jnp.asarray(j, jnp.int32) * self.bk, self.bk,
+            self.masks.dropout_seed,
+            spec.dropout_rate,
+            batch,
+            head[None, :, :, None],
+            rows,
+            jnp.asarray(j, jnp.int32) * self.bk,
+            self.bk,
         )
 
     def logits(self, q_blk, k_blk, i, j, acc_dt):
@@ -322,9 +320,7 @@ def backward(
             # Dropout: out = (Z = keep ⊙ P / (1 - rate)) @ V, so dV = Zᵀ dO and the
             # cotangent of P is keep ⊙ dZ / (1 - rate); D = rowsum(dO ∘ O) is unchanged.
             z = p if drop is None else jnp.where(drop, p * drop_scale, 0)
-            dv = dv + jnp.einsum(
-                "bkgqs,bqkgh->bskh", z.astype(cdt), do_blk, preferred_element_type=acc_dt
-            )
+            dv = dv + jnp.einsum("bkgqs,bqkgh->bskh", z.astype(cdt), do_blk, preferred_element_type=acc_dt)
             dp = jnp.einsum("bqkgh,bskh->bkgqs", do_blk, v_blk, preferred_element_type=acc_dt)
             if drop is not None:
                 dp = jnp.where(drop, dp * drop_scale, 0)
@@ -345,15 +341,11 @@ def backward(
         lo, hi = spec.query_block_range(j * bk, (j + 1) * bk, bq, nq, q_offset)
         zeros_k = full((b, bk, kh, h), 0, acc_dt, q, k, v, dout)
         zeros_v = full((b, bk, kh, hv), 0, acc_dt, q, k, v, dout)
-        dk, dv, dq_acc, dbias = lax.fori_loop(
-            lo, jnp.maximum(lo, hi), query_block, (zeros_k, zeros_v, dq_acc, dbias)
-        )
+        dk, dv, dq_acc, dbias = lax.fori_loop(lo, jnp.maximum(lo, hi), query_block, (zeros_k, zeros_v, dq_acc, dbias))
         return (dq_acc, dbias), (dk.astype(k.dtype), dv.astype(v.dtype))
 
     dq0 = full((b, tiles.t_pad, kh, g, h), 0, acc_dt, q, k, v, dout)
-    (dq_acc, dbias), (dk, dv) = lax.scan(
-        key_block, (dq0, dbias0), jnp.arange(nk, dtype=jnp.int32)
-    )
+    (dq_acc, dbias), (dk, dv) = lax.scan(key_block, (dq0, dbias0), jnp.arange(nk, dtype=jnp.int32))
     dq = dq_acc.reshape(b, tiles.t_pad, n, h)[:, :t].astype(q.dtype)
     # dk, dv: [nk, B, bk, K, H | Hv] -> [B, S, K, H | Hv]
     dk = jnp.moveaxis(dk, 0, 1).reshape(b, tiles.s_pad, kh, h)[:, :s]
@@ -405,7 +397,12 @@ def paged_forward(pspec: PagedSpec, q, key_pages, value_pages, table, lengths, s
     local = dataclasses.replace(local, has_sinks=masks.sinks is not None)
     acc_dt = acc_dtype(q.dtype)
     out, lse = forward(
-        local, rows_q, None, None, masks, kv_blocks=(pp * ps, fetch),
+        local,
+        rows_q,
+        None,
+        None,
+        masks,
+        kv_blocks=(pp * ps, fetch),
         out_dtype=q.dtype if c == 1 else acc_dt,
     )
     if c == 1:
@@ -436,7 +433,7 @@ class XlaImplementation:
 
     name = "xla"
 
-    def unsupported(self, spec: AttentionSpec) -> Optional[str]:
+    def unsupported(self, spec: AttentionSpec) -> str | None:
         return None
 
     def head_dims(self) -> str:
@@ -452,7 +449,7 @@ class XlaImplementation:
     # paged_attention (jax_flash/inference/paged.py): every paged call.
     paged_default = True
 
-    def paged_unsupported(self, pspec: PagedSpec) -> Optional[str]:
+    def paged_unsupported(self, pspec: PagedSpec) -> str | None:
         return None
 
     def paged_forward(self, pspec, q, key_pages, value_pages, table, lengths, sinks=None):
@@ -461,8 +458,9 @@ class XlaImplementation:
     def paged_note(self, pspec: PagedSpec) -> str:
         pp = max(1, min(BLOCK_K // pspec.page_size, pspec.max_pages))
         split = f"split-KV over {pspec.splits} page chunks" if pspec.splits > 1 else "no split-KV"
-        return (f"reads {pp} page(s) of {pspec.page_size} per key block through the table; "
-                f"{split}; rule: {split_kv.rule()}")
+        return (
+            f"reads {pp} page(s) of {pspec.page_size} per key block through the table; {split}; rule: {split_kv.rule()}"
+        )
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
         return backward(spec, q, k, v, masks, out, lse, dout, dlse)

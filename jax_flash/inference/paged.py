@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +46,7 @@ from jax_flash._paged_spec import PagedSpec
 from jax_flash.inference import split_kv
 
 
-def reason(name: str, pspec: PagedSpec) -> Optional[str]:
+def reason(name: str, pspec: PagedSpec) -> str | None:
     """Why implementation `name` cannot serve this paged call, or None (the registry asks the
     implementation: `paged_unsupported`)."""
     if name not in IMPLEMENTATIONS:
@@ -70,7 +69,7 @@ def _int_array(name: str, x, shape) -> jax.Array:
     return x.astype(jnp.int32)
 
 
-def _concrete(x) -> Optional[np.ndarray]:
+def _concrete(x) -> np.ndarray | None:
     """The values of `x` when they are known at trace time, else None."""
     try:
         return np.asarray(x)
@@ -94,9 +93,7 @@ def _check_pages(key_pages, value_pages, head_dim: int, dtype, what: str):
     if p == 0 or ps == 0 or kh == 0:
         raise ValueError(f"key_pages must have non-zero num_pages, page_size and K, got {_shape_str(key_pages)}")
     if h != head_dim:
-        raise ValueError(
-            f"key_pages must have the head dim H={head_dim} of {what}, got {_shape_str(key_pages)}"
-        )
+        raise ValueError(f"key_pages must have the head dim H={head_dim} of {what}, got {_shape_str(key_pages)}")
 
 
 def _check_values(table: np.ndarray, lengths: np.ndarray, num_pages: int, page_size: int, extra=0, first_row=0):
@@ -107,7 +104,8 @@ def _check_values(table: np.ndarray, lengths: np.ndarray, num_pages: int, page_s
         b = first_row + i
         if not 0 <= length + extra <= capacity or length < 0:
             raise ValueError(
-                f"kv_lengths[{b}] = {length}" + (f" plus {extra} new tokens" if extra else "")
+                f"kv_lengths[{b}] = {length}"
+                + (f" plus {extra} new tokens" if extra else "")
                 + f" must lie in [0, max_pages·page_size] = [0, {capacity}] (page_table has "
                 f"{table.shape[1]} pages of {page_size})"
             )
@@ -162,9 +160,16 @@ def canonicalize_paged(
 
     def check(q, k, lens):
         holder["c"] = canonicalize(
-            q, k, k, scale=scale, is_causal=is_causal, key_value_seq_lengths=lens,
-            query_offset=lens, local_window_size=local_window_size,
-            logits_soft_cap=logits_soft_cap, config=config,
+            q,
+            k,
+            k,
+            scale=scale,
+            is_causal=is_causal,
+            key_value_seq_lengths=lens,
+            query_offset=lens,
+            local_window_size=local_window_size,
+            logits_soft_cap=logits_soft_cap,
+            config=config,
         )
         return lens
 
@@ -202,13 +207,13 @@ def paged_attention(
     page_table,
     kv_lengths,
     *,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     is_causal: bool = True,
     local_window_size=None,
-    logits_soft_cap: Optional[float] = None,
+    logits_soft_cap: float | None = None,
     sinks=None,
     return_residual: bool = False,
-    implementation: Optional[str] = None,
+    implementation: str | None = None,
     config=None,
 ):
     """Attention of the newest T positions of each sequence against its paged KV cache.
@@ -249,9 +254,18 @@ def paged_attention(
       out [B, T, N, H] in the dtype of query, or (out, lse) with return_residual=True.
     """
     pspec, q, kp, vp, table, lengths, sinks = canonicalize_paged(
-        query, key_pages, value_pages, page_table, kv_lengths, scale=scale,
-        is_causal=is_causal, local_window_size=local_window_size,
-        logits_soft_cap=logits_soft_cap, implementation=implementation, sinks=sinks, config=config,
+        query,
+        key_pages,
+        value_pages,
+        page_table,
+        kv_lengths,
+        scale=scale,
+        is_causal=is_causal,
+        local_window_size=local_window_size,
+        logits_soft_cap=logits_soft_cap,
+        implementation=implementation,
+        sinks=sinks,
+        config=config,
     )
     name = implementation or _registry.paged_default(pspec)
     why = reason(name, pspec)

@@ -17,7 +17,6 @@ interpret=True (slow: for tests).
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +43,7 @@ def _pow2(x: int) -> bool:
     return x >= 16 and x & (x - 1) == 0
 
 
-def unsupported(pspec) -> Optional[str]:
+def unsupported(pspec) -> str | None:
     """None, or why the pallas decode kernel cannot serve this paged call."""
     try:
         triton()
@@ -62,14 +61,28 @@ def unsupported(pspec) -> Optional[str]:
     return None
 
 
-def note() -> Optional[str]:
+def note() -> str | None:
     if _registry.platform() == "cpu":
         return "interpreted (slow): the Triton decode kernel runs with interpret=True on the CPU"
     return None
 
 
-def _kernel(q_ref, kp_ref, vp_ref, table_ref, len_ref, sink_ref, out_ref, lse_ref, *, spec, pages_per_chunk,
-            num_pages, page_size, rows):
+def _kernel(
+    q_ref,
+    kp_ref,
+    vp_ref,
+    table_ref,
+    len_ref,
+    sink_ref,
+    out_ref,
+    lse_ref,
+    *,
+    spec,
+    pages_per_chunk,
+    num_pages,
+    page_size,
+    rows,
+):
     """One (chunk, kv head, sequence): q_ref [R, H], kp_ref/vp_ref [P, page_size, H],
     table_ref [C·pc] (this sequence's pages), len_ref [1], sink_ref [R] (each row's head's
     sink logit; read when spec.has_sinks); out_ref [R, H] f32, lse_ref [R]."""
@@ -103,7 +116,8 @@ def _kernel(q_ref, kp_ref, vp_ref, table_ref, len_ref, sink_ref, out_ref, lse_re
         cols = j * page_size + lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
         vis = _masking.visible(spec, query_t, cols, kv_lengths=key_len, band=band) & valid
         pv = lambda p, v: lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
         return online_softmax_step(carry, logits, vis, finite_part(v), bad_v, pv=pv)
 
     # The sink joins the softmax of the first chunk only (the merge adds the chunks up).
@@ -139,7 +153,8 @@ def paged_forward(pspec, q, key_pages, value_pages, table, lengths, splits=None,
     row_sinks = jnp.repeat(sinks.astype(jnp.float32).reshape(kh, g), t, axis=1)
     row_sinks = pad_axis(row_sinks, 1, rows, -jnp.inf)
     kernel = functools.partial(
-        _kernel, spec=spec, pages_per_chunk=pc, num_pages=pspec.num_pages, page_size=ps, rows=rows)
+        _kernel, spec=spec, pages_per_chunk=pc, num_pages=pspec.num_pages, page_size=ps, rows=rows
+    )
     pages_spec = pl.BlockSpec((pspec.num_pages, ps, None, h), lambda c_, k_, b_: (0, 0, k_, 0))
     out, lse = pl.pallas_call(
         kernel,

@@ -20,7 +20,7 @@ and `explain` states it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax.numpy as jnp
 
@@ -109,9 +109,7 @@ def forward(inner: Callable, spec: AttentionSpec, q, k, v, masks: MaskInputs, sp
         has_sinks=False,
     )
     acc_dt = acc_dtype(q.dtype)
-    out, lse = inner(
-        chunk_spec, per_chunk(q), cut(k, 1), cut(v, 1), chunk_masks, out_dtype=acc_dt
-    )
+    out, lse = inner(chunk_spec, per_chunk(q), cut(k, 1), cut(v, 1), chunk_masks, out_dtype=acc_dt)
     t, n = q.shape[1:3]
     out = out.reshape(b, c, t, n, spec.v_head_dim)
     lse = lse.reshape(b, c, n, t)

@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-from typing import Any, Literal, NamedTuple, Optional, overload
+from typing import Any, Literal, NamedTuple, overload
 
 import jax
 import jax.numpy as jnp
@@ -54,23 +54,23 @@ from jax.typing import ArrayLike
 
 from jax_flash import _registry
 from jax_flash._merge import merge_partials
-from jax_flash._numerics import acc_dtype
 from jax_flash._normalize import canonicalize, restore, window
+from jax_flash._numerics import acc_dtype
 from jax_flash._spec import AttentionSpec, MaskInputs
 from jax_flash._types import OutAndLse, SegmentIds, Window
 from jax_flash._vjp import SECOND_ORDER_MESSAGE, is_empty
 
 __all__ = [
+    "LAYOUTS",
+    "RingConfig",
+    "block_counts",
+    "block_specs",
     "ring_attention",
+    "ring_backward",
     "ring_flash_attention",
     "ring_forward",
-    "ring_backward",
-    "block_specs",
-    "RingConfig",
-    "zigzag",
     "unzigzag",
-    "block_counts",
-    "LAYOUTS",
+    "zigzag",
 ]
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -220,8 +220,8 @@ def block_counts(
     layout: str = "contiguous",
     is_causal: bool = False,
     local_window_size=None,
-    q_len: Optional[int] = None,
-    kv_len: Optional[int] = None,
+    q_len: int | None = None,
+    kv_len: int | None = None,
 ) -> list[int]:
     """Per device, how much attention the ring computes, in units of one
     (T / 2P) × (S / 2P) block: a contiguous block is 4 units, a zigzag piece pair 1.
@@ -238,9 +238,18 @@ def block_counts(
         if n % (2 * p):
             raise ValueError(f"{name} must be a multiple of 2 * axis_size = {2 * p}, got {n}")
     left, right = window(local_window_size, is_causal)
-    spec = AttentionSpec(batch=1, q_len=q_len, kv_len=kv_len, num_heads=1, num_kv_heads=1,
-                         head_dim=1, dtype="float32", scale=1.0, window_left=left,
-                         window_right=right)
+    spec = AttentionSpec(
+        batch=1,
+        q_len=q_len,
+        kv_len=kv_len,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=1,
+        dtype="float32",
+        scale=1.0,
+        window_left=left,
+        window_right=right,
+    )
     cfg = RingConfig("xla", "_", p, layout)
     units = 4 if layout == "contiguous" else 1
     counts = np.zeros(p, np.int64)
@@ -490,8 +499,7 @@ def ring_backward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks, out, lse
         )
     )
     kv = tuple(_pieces(x, n_p, tk) for x in (k, v, masks.kv_segment_ids))
-    zeros = lambda x, size: tuple(jnp.zeros_like(x, acc_dt, (x.shape[0], size, *x.shape[2:]))
-                                  for _ in range(n_p))
+    zeros = lambda x, size: tuple(jnp.zeros_like(x, acc_dt, (x.shape[0], size, *x.shape[2:])) for _ in range(n_p))
     # dQ of this device's queries; dK, dV of the chunk currently held (they travel with it).
     init = (zeros(q, tq), zeros(k, tk), zeros(v, tk))
 
@@ -503,18 +511,17 @@ def ring_backward(cfg: RingConfig, spec: AttentionSpec, q, k, v, masks, out, lse
             q_blk, q_seg, o_blk, l_blk, do_blk, dl_blk = rows[qp]
             call = _block_call(spec, blk, at, masks, q_seg, seg_cur[kp], tq, tk)
 
-            def compute(kind, dq, dk, dv, q_blk, k_blk, v_blk, o_blk, l_blk, do_blk, dl_blk,
-                        call=call):
-                gq, gk, gv, _ = impl.backward(call.specs[kind], q_blk, k_blk, v_blk,
-                                              call.masks[kind], o_blk, l_blk, do_blk, dl_blk)
+            def compute(kind, dq, dk, dv, q_blk, k_blk, v_blk, o_blk, l_blk, do_blk, dl_blk, call=call):
+                gq, gk, gv, _ = impl.backward(
+                    call.specs[kind], q_blk, k_blk, v_blk, call.masks[kind], o_blk, l_blk, do_blk, dl_blk
+                )
                 return dq + gq.astype(acc_dt), dk + gk.astype(acc_dt), dv + gv.astype(acc_dt)
 
             dq_acc[qp], dk_acc[kp], dv_acc[kp] = _dispatch(
                 call,
                 compute,
                 lambda dq, dk, dv, *_: (dq, dk, dv),
-                (dq_acc[qp], dk_acc[kp], dv_acc[kp], q_blk, k_cur[kp], v_cur[kp], o_blk, l_blk,
-                 do_blk, dl_blk),
+                (dq_acc[qp], dk_acc[kp], dv_acc[kp], q_blk, k_cur[kp], v_cur[kp], o_blk, l_blk, do_blk, dl_blk),
             )
         return tuple(dq_acc), tuple(dk_acc), tuple(dv_acc)
 
@@ -818,7 +825,7 @@ def _global_lengths(lengths, total: int):
     return x.astype(jnp.int32)
 
 
-def _select(spec: AttentionSpec, cfg: RingConfig, requested: Optional[str]) -> str:
+def _select(spec: AttentionSpec, cfg: RingConfig, requested: str | None) -> str:
     """The implementation that can serve every block spec of the ring: the requested one
     (or ValueError saying why not), else the first of this platform's preference order."""
     specs = block_specs(spec, cfg, spec.has_q_offset) or [

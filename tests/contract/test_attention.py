@@ -16,14 +16,23 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash._spec import AttentionSpec
-from jax_flash.reference import attention_reference
-
 from cases import (
-    CASES, EPS, FACTOR, GRAD_EPS, SINK_CASES, TILE_EDGE_KINDS, Case, Shape, make_qkv, make_sinks,
-    mask_kwargs, max_err,
+    CASES,
+    EPS,
+    FACTOR,
+    GRAD_EPS,
+    SINK_CASES,
+    TILE_EDGE_KINDS,
+    Case,
+    Shape,
+    make_qkv,
+    make_sinks,
+    mask_kwargs,
+    max_err,
 )
 from conftest import slow_impl
+from jax_flash._spec import AttentionSpec
+from jax_flash.reference import attention_reference
 
 
 def _needs_skip(impl, q, k, v, kw):
@@ -151,8 +160,10 @@ def test_sinks(impl, case):
 DETERMINISTIC_CASES = [
     pytest.param(c, id=str(c))
     for c in CASES
-    if (c.shape_name.startswith("tile_")
-        and c.mask_kind in ("none", "causal", "tile_window", "tile_lengths", "segments"))
+    if (
+        c.shape_name.startswith("tile_")
+        and c.mask_kind in ("none", "causal", "tile_window", "tile_lengths", "segments")
+    )
     or (c.shape_name == "small_mqa" and c.mask_kind in ("window", "softcap", "combo", "zero_scale"))
     or (c.shape_name in ("small_h32", "small_h96", "small_h192", "small_h256") and c.mask_kind == "combo")
 ]
@@ -186,8 +197,9 @@ WARP32_CASES = [
     or (c.shape_name == "small_h32" and c.mask_kind == "combo")
     or (c.shape_name == "small_mqa" and c.mask_kind in ("softcap", "window", "segments"))
 ]
-WARP32_DETERMINISTIC_CASES = [pytest.param(c, id=str(c)) for c in CASES
-                              if str(c) in ("tile_plus-causal-float16", "small_h32-combo-float16")]
+WARP32_DETERMINISTIC_CASES = [
+    pytest.param(c, id=str(c)) for c in CASES if str(c) in ("tile_plus-causal-float16", "small_h32-combo-float16")
+]
 
 
 @pytest.fixture
@@ -215,8 +227,11 @@ def test_backward_deterministic_warp32(impl, warp32, case, monkeypatch):
 # soft cap, deterministic mode). These run the kv_heads grid (its loop over the group's query
 # heads) on GQA/MQA cases: G = 2 at H = 128 with the combined mask, ragged lengths at tile
 # edges, and deterministic mode.
-BACKWARD_GRID_CASES = [pytest.param(c, id=str(c)) for c in CASES
-                       if str(c) in ("small_gqa-combo-bfloat16", "tile_plus-tile_lengths-float16")]
+BACKWARD_GRID_CASES = [
+    pytest.param(c, id=str(c))
+    for c in CASES
+    if str(c) in ("small_gqa-combo-bfloat16", "tile_plus-tile_lengths-float16")
+]
 
 
 @pytest.mark.parametrize("case", BACKWARD_GRID_CASES)
@@ -273,8 +288,10 @@ def test_value_head_dim_cuda(impl, case, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("JAX_FLASH_LONG_TESTS") != "1", reason="long sweep: JAX_FLASH_LONG_TESTS=1")
 @pytest.mark.parametrize("grid", ("kv_heads", "q_heads"))
-@pytest.mark.parametrize("kind", ("combo", "window", "segments", "softcap", "all_masked", "offset_decode",
-                                  "tile_window", "tile_causal_lengths"))
+@pytest.mark.parametrize(
+    "kind",
+    ("combo", "window", "segments", "softcap", "all_masked", "offset_decode", "tile_window", "tile_causal_lengths"),
+)
 @pytest.mark.parametrize("shape_name", ("small_mla", "small_mla_edge", "small_hv_half"))
 def test_value_head_dim_cuda_sweep(impl, shape_name, kind, grid, monkeypatch):
     if impl != "cuda":
@@ -315,7 +332,9 @@ def test_backward_grid_choice(impl, monkeypatch):
     monkeypatch.delenv("JAX_FLASH_CUDA_LAYOUT")
     monkeypatch.setenv("JAX_FLASH_CUDA_BWD_GRID", "kv_heads")
     text, note = lowered(mqa)
-    assert empty in text and per_head not in text and "backward grid kv_heads (JAX_FLASH_CUDA_BWD_GRID=kv_heads)" in note
+    assert (
+        empty in text and per_head not in text and "backward grid kv_heads (JAX_FLASH_CUDA_BWD_GRID=kv_heads)" in note
+    )
     monkeypatch.setenv("JAX_FLASH_CUDA_BWD_GRID", "q_heads")
     text, note = lowered(mha)
     assert per_head.replace("4x64", "2x64") in text and "backward grid q_heads" in note
@@ -345,14 +364,37 @@ def test_layout_variable_checked(impl, monkeypatch):
     np.testing.assert_array_equal(np.asarray(compiled(q, k, v)).view(np.uint16), before.view(np.uint16))
     b, t, n, _ = q.shape
     target = ("jax_flash_emu" if jax_flash.current_config().emulate_cuda else "jax_flash") + "_fwd"
-    operands = (q, k, v, jnp.full((b,), t, jnp.int32), jnp.full((b,), t, jnp.int32), jnp.zeros((b, t), jnp.int32),
-                jnp.zeros((b, t), jnp.int32), jnp.zeros((b,), jnp.int32), jnp.zeros((0,), jnp.float32),
-                jnp.zeros((0,), jnp.bool_), jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((2,), jnp.uint32))
-    shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32),
-              jax.ShapeDtypeStruct((0,), jnp.float32), jax.ShapeDtypeStruct((0,), jnp.float32))
-    attributes = dict(scale=np.float32(0.125), window_left=np.int64(-1), window_right=np.int64(-1),
-                      softcap=np.float32(0), use_segment_ids=False, dropout_rate=np.float32(0), poison_outputs=True,
-                      pack_gqa=False, layout="warp64")
+    operands = (
+        q,
+        k,
+        v,
+        jnp.full((b,), t, jnp.int32),
+        jnp.full((b,), t, jnp.int32),
+        jnp.zeros((b, t), jnp.int32),
+        jnp.zeros((b, t), jnp.int32),
+        jnp.zeros((b,), jnp.int32),
+        jnp.zeros((0,), jnp.float32),
+        jnp.zeros((0,), jnp.bool_),
+        jnp.full((n,), -jnp.inf, jnp.float32),
+        jnp.zeros((2,), jnp.uint32),
+    )
+    shapes = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((b, n, t), jnp.float32),
+        jax.ShapeDtypeStruct((0,), jnp.float32),
+        jax.ShapeDtypeStruct((0,), jnp.float32),
+    )
+    attributes = dict(
+        scale=np.float32(0.125),
+        window_left=np.int64(-1),
+        window_right=np.int64(-1),
+        softcap=np.float32(0),
+        use_segment_ids=False,
+        dropout_rate=np.float32(0),
+        poison_outputs=True,
+        pack_gqa=False,
+        layout="warp64",
+    )
     with pytest.raises(Exception, match="layout=warp64 is not a layout"):
         jax.block_until_ready(jax.ffi.ffi_call(target, shapes)(*operands, **attributes))
 
@@ -397,9 +439,7 @@ def test_query_offset_traced_and_vmapped(impl):
     for i in range(3):
         one = f(stack(q)[i], stack(k)[i], stack(v)[i], offsets[i])
         # The same numbers up to summation order (xla visits the union of a batch's bands).
-        np.testing.assert_allclose(
-            np.asarray(mapped[i], np.float32), np.asarray(one, np.float32), atol=1e-5, rtol=0
-        )
+        np.testing.assert_allclose(np.asarray(mapped[i], np.float32), np.asarray(one, np.float32), atol=1e-5, rtol=0)
 
 
 def test_mla_layer_check_grads():

@@ -18,12 +18,11 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash._normalize import canonicalize, restore
+from cases import EPS, FACTOR, max_err
 from jax_flash import xla
+from jax_flash._normalize import canonicalize, restore
 from jax_flash.inference import paged, split_kv
 from jax_flash.reference import gather_pages
-
-from cases import EPS, FACTOR, max_err
 
 
 def _paged_cache(rng, b, kh, h, page_size, max_pages, dtype, spare=3):
@@ -41,8 +40,9 @@ def _paged_cache(rng, b, kh, h, page_size, max_pages, dtype, spare=3):
 
 def _references(fn, *args, **kw):
     """(float64 reference, reference at the input dtype), each (out, lse), jitted."""
-    run = lambda compute_dtype: jax.jit(
-        lambda *a: fn(*a, return_residual=True, compute_dtype=compute_dtype, **kw))(*args)
+    run = lambda compute_dtype: jax.jit(lambda *a: fn(*a, return_residual=True, compute_dtype=compute_dtype, **kw))(
+        *args
+    )
     return run(jnp.float64), run(None)
 
 
@@ -90,8 +90,9 @@ def test_paged_attention_matches_reference(case):
     for chunks in ("", "3"):
         with pytest.MonkeyPatch.context() as env:
             env.setenv("JAX_FLASH_CPU_SPLIT_KV", chunks)
-            out_c, lse_c = jax.jit(lambda *a: jax_flash.paged_attention(
-                *a, return_residual=True, implementation="cpu", **kw))(q, kp, vp, table, lengths)
+            out_c, lse_c = jax.jit(
+                lambda *a: jax_flash.paged_attention(*a, return_residual=True, implementation="cpu", **kw)
+            )(q, kp, vp, table, lengths)
         _check(out_c, lse_c, q, ref, dtype)
 
 
@@ -174,9 +175,11 @@ def test_cpu_split_kv_matches_reference_and_unsplit(case, monkeypatch):
 # tile (K and V read once per kv head). Group sizes 2, 4 and 8, ragged lengths with a 0, sinks,
 # a soft cap and a window; split-KV on top where the rule splits; a NaN in a visible value
 # reaches exactly the rows of its kv head, as in the reference.
-@pytest.mark.parametrize("n, kh, extra", [(8, 4, {}), (8, 2, dict(logits_soft_cap=3.0)),
-                                          (8, 1, dict(local_window_size=(300, 0)))],
-                         ids=("G2", "G4-softcap", "G8-window"))
+@pytest.mark.parametrize(
+    "n, kh, extra",
+    [(8, 4, {}), (8, 2, dict(logits_soft_cap=3.0)), (8, 1, dict(local_window_size=(300, 0)))],
+    ids=("G2", "G4-softcap", "G8-window"),
+)
 def test_cpu_gqa_packing(n, kh, extra):
     b, t, s, h = 3, 1, 1300, 64
     q, k, v, kw = _decode_inputs(b, t, s, n, kh, h, [1300, 0, 333], "float32", seed=5)
@@ -190,11 +193,12 @@ def test_cpu_gqa_packing(n, kh, extra):
     # Poison: a NaN in a value row batch row 0 sees, in its last kv head.
     v = v.at[0, 1200, kh - 1, 5].set(jnp.nan)
     out, lse = jax_flash.attention(q, k, v, implementation="cpu", return_residual=True, **kw)
-    ref64, lse64 = jax.jit(lambda *a: jax_flash.reference(*a, return_residual=True, compute_dtype=jnp.float64,
-                                                          **kw))(q, k, v)
+    ref64, lse64 = jax.jit(lambda *a: jax_flash.reference(*a, return_residual=True, compute_dtype=jnp.float64, **kw))(
+        q, k, v
+    )
     assert np.array_equal(np.isnan(np.asarray(out)), np.isnan(np.asarray(ref64)))
     assert np.array_equal(np.isnan(np.asarray(lse)), np.isnan(np.asarray(lse64)))
-    assert np.isnan(np.asarray(out[0, 0, n - n // kh:])).all()
+    assert np.isnan(np.asarray(out[0, 0, n - n // kh :])).all()
     assert not np.isnan(np.asarray(out[0, 0, : n - n // kh])).any() and not np.isnan(np.asarray(out[1:])).any()
 
 
@@ -270,10 +274,10 @@ def test_cuda_decode_handles_nonfinite_values_in_the_kernel(t, chunks, monkeypat
     q, k, v, kw = _decode_inputs(b, t, s, n, kh, h, [290, 200], "bfloat16", seed=11)
     kw["local_window_size"] = (150, 0)
     v = np.asarray(v, np.float32)
-    v[0, 289, 1, 5] = np.nan   # the newest key of batch row 0, kv head 1: seen by its last query only
-    v[0, 100, 0, 7] = np.inf   # behind the window of batch row 0 (position >= 287 - 150): seen by none
+    v[0, 289, 1, 5] = np.nan  # the newest key of batch row 0, kv head 1: seen by its last query only
+    v[0, 100, 0, 7] = np.inf  # behind the window of batch row 0 (position >= 287 - 150): seen by none
     v[1, 250, 0, 3] = -np.inf  # past batch row 1's length: seen by none
-    v[1, 120, 1, 0] = np.nan   # inside batch row 1's window: seen by every query of kv head 1
+    v[1, 120, 1, 0] = np.nan  # inside batch row 1's window: seen by every query of kv head 1
     v = jnp.asarray(v, jnp.bfloat16)
     monkeypatch.setenv("JAX_FLASH_CUDA_SPLIT_KV", chunks)
     spec = canonicalize(q, k, v, **kw).spec
@@ -322,8 +326,9 @@ def test_pallas_split_kv(case, monkeypatch):
         monkeypatch.setenv("JAX_FLASH_PALLAS_SPLIT_KV", chunks)
         note = jax_flash.explain(q, k, v, implementation="pallas", **kw).notes["pallas"]
         assert ("no split-KV" in note) == (chunks == "1"), note
-        out, lse = jax.jit(lambda q, k, v: jax_flash.attention(q, k, v, implementation="pallas",
-                                                               return_residual=True, **kw))(q, k, v)
+        out, lse = jax.jit(
+            lambda q, k, v: jax_flash.attention(q, k, v, implementation="pallas", return_residual=True, **kw)
+        )(q, k, v)
         _check(out, lse, q, ref, dtype)
         results[chunks] = np.asarray(out, np.float32)
     (ref64, _), (ref_lo, _) = ref
@@ -390,8 +395,9 @@ def test_cuda_paged_attention(case, monkeypatch):
     results = {}
     for chunks in ("1", "", "3"):
         monkeypatch.setenv("JAX_FLASH_CUDA_SPLIT_KV", chunks)
-        out, lse = jax.jit(lambda *a: jax_flash.paged_attention(*a, return_residual=True, implementation="cuda",
-                                                                **kw))(q, kp, vp, table, lengths)
+        out, lse = jax.jit(lambda *a: jax_flash.paged_attention(*a, return_residual=True, implementation="cuda", **kw))(
+            q, kp, vp, table, lengths
+        )
         assert lse.shape == (b, t, n) and lse.dtype == jnp.float32
         _check(out, lse, q, ref, dtype)
         results[chunks] = np.asarray(out, np.float32)
@@ -404,7 +410,8 @@ def test_split_kv_combine_is_bitwise_reproducible():
     q, k, v, kw = _decode_inputs(2, 3, 4096, 8, 2, 64, [4096, 3001], "float32", seed=3)
     c = canonicalize(q, k, v, **kw)
     run = lambda: jax.jit(lambda q, k, v, m: split_kv.forward(xla.forward, c.spec, q, k, v, m, 16))(
-        c.q, c.k, c.v, c.masks)
+        c.q, c.k, c.v, c.masks
+    )
     first = run()
     for _ in range(2):  # same compiled step, then a fresh trace and compilation
         again = run()
@@ -444,7 +451,8 @@ def test_paged_bad_inputs():
     ok = jnp.asarray([5, 64], jnp.int32)
     call = lambda **over: jax_flash.paged_attention(
         *(over.get(n, d) for n, d in (("q", q), ("kp", kp), ("vp", vp), ("table", table), ("lengths", ok))),
-        **over.get("kw", {}))
+        **over.get("kw", {}),
+    )
     with pytest.raises(ValueError, match=r"kv_lengths\[1\] = 65"):
         call(lengths=jnp.asarray([5, 65], jnp.int32))
     with pytest.raises(ValueError, match=r"kv_lengths\[0\] = -1"):
@@ -480,15 +488,17 @@ def test_paged_traced_bad_ids_and_lengths_are_masked(impl):
     rng = np.random.default_rng(3)
     dtype = "bfloat16" if impl == "cuda" else "float32"  # the cuda kernels are 16-bit
     kp, vp, table = _paged_cache(rng, 3, 2, 32, 16, 4, dtype, spare=0)
-    why = jax_flash.explain_paged(jnp.zeros((3, 2, 4, 32), dtype), kp, vp, table, jnp.zeros((3,), jnp.int32),
-                                  implementation=impl).reasons[impl]
+    why = jax_flash.explain_paged(
+        jnp.zeros((3, 2, 4, 32), dtype), kp, vp, table, jnp.zeros((3,), jnp.int32), implementation=impl
+    ).reasons[impl]
     if why is not None:
         pytest.skip(f"{impl}: {why}")
     table = table.at[0, 1].set(-7).at[1, 2].set(10_000)
     lengths = jnp.asarray([50, 1000, -4], jnp.int32)
     q = jnp.asarray(rng.normal(size=(3, 2, 4, 32)), dtype)
-    out, lse = jax.jit(lambda *a: jax_flash.paged_attention(
-        *a, return_residual=True, implementation=impl))(q, kp, vp, table, lengths)
+    out, lse = jax.jit(lambda *a: jax_flash.paged_attention(*a, return_residual=True, implementation=impl))(
+        q, kp, vp, table, lengths
+    )
     ref = _references(jax_flash.paged_reference, q, kp, vp, table, lengths)
     _check(out, lse, q, ref, dtype)
     assert np.all(np.asarray(out[2]) == 0)
@@ -544,12 +554,12 @@ def test_pallas_paged_decode_kernel(case):
     if why is not None:
         pytest.skip(f"pallas: {why}")
     ref = _references(jax_flash.paged_reference, q, kp, vp, table, lengths, **kw)
-    out, lse = jax.jit(lambda *a: jax_flash.paged_attention(
-        *a, implementation="pallas", return_residual=True, **kw))(q, kp, vp, table, lengths)
+    out, lse = jax.jit(lambda *a: jax_flash.paged_attention(*a, implementation="pallas", return_residual=True, **kw))(
+        q, kp, vp, table, lengths
+    )
     _check(out, lse, q, ref, dtype)
     pspec = paged.canonicalize_paged(q, kp, vp, table, lengths, **kw)[0]
-    out_s, lse_s = jax.jit(lambda *a: pallas_decode.paged_forward(pspec, *a, splits=2))(
-        q, kp, vp, table, lengths)
+    out_s, lse_s = jax.jit(lambda *a: pallas_decode.paged_forward(pspec, *a, splits=2))(q, kp, vp, table, lengths)
     _check(out_s, jnp.swapaxes(lse_s, 1, 2), q, ref, dtype)
 
 
@@ -566,8 +576,9 @@ def test_pallas_paged_limits_are_stated():
     assert jax_flash.explain_paged(q, kp, kp, table, lengths).selected == expected
 
 
-@pytest.mark.parametrize("impl", ["split", "cpu-split", "cuda-split", "pallas-split", "paged-xla", "paged-pallas",
-                                  "paged-cuda", "paged-cpu"])
+@pytest.mark.parametrize(
+    "impl", ["split", "cpu-split", "cuda-split", "pallas-split", "paged-xla", "paged-pallas", "paged-cuda", "paged-cpu"]
+)
 def test_decode_poison_reaches_exactly_the_rows_that_see_it(impl):
     """A NaN in a visible key or value makes that row NaN (out and lse, as the reference); a
     NaN beyond a sequence's length changes nothing — also through the split and the merge."""
@@ -585,8 +596,7 @@ def test_decode_poison_reaches_exactly_the_rows_that_see_it(impl):
     table = jnp.asarray(rng.permutation(b * mp).reshape(b, mp), jnp.int32)
     kp = jnp.zeros((b * mp, ps, kh, h), jnp.float32).at[table.reshape(-1)].set(k.reshape(b * mp, ps, kh, h))
     vp = jnp.zeros((b * mp, ps, kh, h), jnp.float32).at[table.reshape(-1)].set(v.reshape(b * mp, ps, kh, h))
-    ref64, lse64 = jax_flash.paged_reference(q, kp, vp, table, lengths, return_residual=True,
-                                             compute_dtype=jnp.float64)
+    ref64, lse64 = jax_flash.paged_reference(q, kp, vp, table, lengths, return_residual=True, compute_dtype=jnp.float64)
     if impl == "split":
         kw = dict(is_causal=True, key_value_seq_lengths=lengths, query_offset=lengths - t)
         c = canonicalize(q, k, v, **kw)
@@ -603,30 +613,37 @@ def test_decode_poison_reaches_exactly_the_rows_that_see_it(impl):
         kw = dict(is_causal=True, key_value_seq_lengths=lengths, query_offset=lengths - t)
         with pytest.MonkeyPatch.context() as mp_env:
             mp_env.setenv(f"JAX_FLASH_{name.upper()}_SPLIT_KV", "4")
-            out, lse = jax.jit(lambda q, k, v: jax_flash.attention(
-                q, k, v, implementation=name, return_residual=True, **kw))(q, k, v)
+            out, lse = jax.jit(
+                lambda q, k, v: jax_flash.attention(q, k, v, implementation=name, return_residual=True, **kw)
+            )(q, k, v)
         if name == "cuda":
             out = out.astype(jnp.float32)
     elif impl == "paged-cuda":
         _cuda_or_skip()
         with pytest.MonkeyPatch.context() as mp_env:
             mp_env.setenv("JAX_FLASH_CUDA_SPLIT_KV", "3")
-            out, lse = jax.jit(lambda *a: jax_flash.paged_attention(
-                *(x.astype(jnp.bfloat16) for x in a[:3]), *a[3:], return_residual=True, implementation="cuda"))(
-                    q, kp, vp, table, lengths)
+            out, lse = jax.jit(
+                lambda *a: jax_flash.paged_attention(
+                    *(x.astype(jnp.bfloat16) for x in a[:3]), *a[3:], return_residual=True, implementation="cuda"
+                )
+            )(q, kp, vp, table, lengths)
         out = out.astype(jnp.float32)
     elif impl == "paged-cpu":
         with pytest.MonkeyPatch.context() as mp_env:
             mp_env.setenv("JAX_FLASH_CPU_SPLIT_KV", "3")
             out, lse = jax.jit(lambda *a: jax_flash.paged_attention(*a, return_residual=True, implementation="cpu"))(
-                q, kp, vp, table, lengths)
+                q, kp, vp, table, lengths
+            )
     else:
         name = impl.split("-")[1]
         pspec = paged.canonicalize_paged(q, kp, vp, table, lengths)[0]
         if paged.reason(name, pspec) is not None:
             pytest.skip(paged.reason(name, pspec))
-        fwd = xla.paged_forward if name == "xla" else __import__(
-            "jax_flash.inference.pallas_decode", fromlist=["x"]).paged_forward
+        fwd = (
+            xla.paged_forward
+            if name == "xla"
+            else __import__("jax_flash.inference.pallas_decode", fromlist=["x"]).paged_forward
+        )
         out, lse = jax.jit(lambda *a: fwd(pspec, *a, splits=3))(q, kp, vp, table, lengths)
         lse = jnp.swapaxes(lse, 1, 2)
     assert np.array_equal(np.isnan(np.asarray(out)), np.isnan(np.asarray(ref64)))
@@ -649,8 +666,7 @@ def test_decode_with_sinks():
     sinks = jnp.asarray(np.log(50.0) + rng.normal(size=n), jnp.float32)
     kw = dict(sinks=sinks, logits_soft_cap=5.0)
     ref = _references(jax_flash.paged_reference, q, kp, vp, table, lengths, **kw)
-    out, lse = jax.jit(lambda *a: jax_flash.paged_attention(*a, return_residual=True, **kw))(
-        q, kp, vp, table, lengths)
+    out, lse = jax.jit(lambda *a: jax_flash.paged_attention(*a, return_residual=True, **kw))(q, kp, vp, table, lengths)
     _check(out, lse, q, ref, "float32")
     np.testing.assert_allclose(np.asarray(lse)[0], np.broadcast_to(np.asarray(sinks), (t, n)), rtol=1e-6)
     pspec, *_, sinks_c = paged.canonicalize_paged(q, kp, vp, table, lengths, **kw)
@@ -658,13 +674,15 @@ def test_decode_with_sinks():
     _check(out_s, jnp.swapaxes(lse_s, 1, 2), q, ref, "float32")
     # The pallas decode kernel (interpreted here), unsplit and over 3 page chunks: the sink
     # joins the first chunk only.
-    out_p, lse_p = jax.jit(lambda *a: jax_flash.paged_attention(
-        *a, return_residual=True, implementation="pallas", **kw))(q, kp, vp, table, lengths)
+    out_p, lse_p = jax.jit(
+        lambda *a: jax_flash.paged_attention(*a, return_residual=True, implementation="pallas", **kw)
+    )(q, kp, vp, table, lengths)
     _check(out_p, lse_p, q, ref, "float32")
     from jax_flash.inference import pallas_decode
 
     out_p, lse_p = jax.jit(lambda *a: pallas_decode.paged_forward(pspec, *a, splits=3, sinks=sinks_c))(
-        q, kp, vp, table, lengths)
+        q, kp, vp, table, lengths
+    )
     _check(out_p, jnp.swapaxes(lse_p, 1, 2), q, ref, "float32")
     # Split-KV over a contiguous cache (the xla path of attention on a GPU): the sink is
     # merged once, as one more partial.

@@ -14,7 +14,6 @@ reference's NaN / empty pattern. DENSE_IMPLS: the compiled implementations that 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +22,8 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_flash
-from jax_flash.reference import attention_reference
-
 from cases import EPS, FACTOR, GRAD_EPS, Shape, make_qkv, make_sinks, mask_kwargs
+from jax_flash.reference import attention_reference
 
 DENSE_IMPLS = ("cpu", "cuda")
 # Those whose float32 inputs the poison and numerical-gradient checks use (cuda takes 16-bit
@@ -44,7 +42,7 @@ class BiasCase:
     dtype: str
     bias_dims: str  # one letter per dim: the full size (B, N, T, S) or 1 (broadcast)
     bias_dtype: str
-    mask_dims: Optional[str]  # the dense mask's dims, or None
+    mask_dims: str | None  # the dense mask's dims, or None
     mask_kind: str  # the structured masks (cases.mask_kwargs)
     sinks: bool = False
 
@@ -58,8 +56,9 @@ CASES = [
     # Per-key bias and key-padding mask per batch row (summed over heads and rows); MQA, window.
     BiasCase("keys_window_mqa", Shape(2, 127, 129, 2, 1, 32), "bfloat16", "B11S", "bfloat16", "B11S", "window"),
     # Per-query-row bias (summed over batch, heads and keys: the chunks' partials), soft cap, sinks.
-    BiasCase("rows_softcap_sinks", Shape(1, 129, 260, 2, 2, 32), "float16", "11T1", "float16", "1NTS", "softcap",
-             sinks=True),
+    BiasCase(
+        "rows_softcap_sinks", Shape(1, 129, 260, 2, 2, 32), "float16", "11T1", "float16", "1NTS", "softcap", sinks=True
+    ),
     # A full-size float16 bias for float32 inputs (dbias written tile by tile) with a [T, S] mask
     # and the combo of causal, soft cap, key lengths and segment ids. ([1, N, 1, S]: below.)
     BiasCase("full_combo", Shape(2, 65, 129, 2, 2, 40), "float32", "BNTS", "float16", "11TS", "combo"),
@@ -235,10 +234,12 @@ def test_cpu_isas_and_threads(case, monkeypatch):
     q, k, v, bias, kw, cot, dlse = _inputs(case)
     if jax_flash.explain(q, k, v, bias, implementation="cpu", **kw).reasons["cpu"] is not None:
         pytest.skip("cpu unavailable")
+
     # A new jit per setting: the ISA is fixed when a call is traced.
     def f(*args):
-        return jax.jit(lambda q, k, v, bias: run(jax_flash.attention, q, k, v, bias, kw, cot, dlse,
-                                                 implementation="cpu"))(*args)
+        return jax.jit(
+            lambda q, k, v, bias: run(jax_flash.attention, q, k, v, bias, kw, cot, dlse, implementation="cpu")
+        )(*args)
 
     base = [np.asarray(x) for x in f(q, k, v, bias)]
     previous = ext.set_cpu_thread_limit(1)  # the process-wide JAX_FLASH_CPU_THREADS setting

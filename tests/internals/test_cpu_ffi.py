@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import os
 import re
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -42,11 +41,11 @@ class Config:
     kh: int = 2
     h: int = 40
     window: tuple = (-1, -1)  # (left, right); -1 unbounded, causal = (-1, 0)
-    q_lengths: Optional[tuple] = None
-    kv_lengths: Optional[tuple] = None
+    q_lengths: tuple | None = None
+    kv_lengths: tuple | None = None
     segments: bool = False
     softcap: float = 0.0
-    offsets: Optional[tuple] = None  # q_offset per batch row (None: zeros)
+    offsets: tuple | None = None  # q_offset per batch row (None: zeros)
 
 
 CONFIGS = {
@@ -65,16 +64,17 @@ CONFIGS = {
     # Every edge of the AMX products' tiling (tile_gemm_amx.h): 16-row and 16-column tile
     # remainders, 22 rows past the last whole tile, 40 pairs (8 past the last 16-pair step).
     "odd_tiles": Config(b=1, t=150, s=170, n=2, kh=1, h=80, window=(-1, 0)),
-    "combo": Config(
-        window=(48, 0), q_lengths=(90, 97), kv_lengths=(120, 77), segments=True, softcap=3.0
-    ),
+    "combo": Config(window=(48, 0), q_lengths=(90, 97), kv_lengths=(120, 77), segments=True, softcap=3.0),
     # q_offset: query t sits at key position q_offset[b] + t for the window.
     "bottom_right": Config(window=(-1, 0), offsets=(130 - 97, 130 - 97)),
     "offset_rows": Config(window=(20, 3), offsets=(-40, 120)),
     "offset_tall": Config(t=130, s=97, window=(-1, 0), offsets=(-33, 200)),
     "offset_extremes": Config(window=(2**31 - 1, 2**62), offsets=(2**31 - 1, -(2**31))),
     "offset_combo": Config(
-        window=(48, 0), q_lengths=(90, 97), kv_lengths=(120, 77), segments=True,
+        window=(48, 0),
+        q_lengths=(90, 97),
+        kv_lengths=(120, 77),
+        segments=True,
         offsets=(40, -7),
     ),
 }
@@ -102,9 +102,21 @@ def make_inputs(cfg: Config, dtype: str, seed: int = 0):
         q_seg = np.zeros((cfg.b, cfg.t), np.int32)
         kv_seg = np.zeros((cfg.b, cfg.s), np.int32)
     q_off = np.array(cfg.offsets or (0,) * cfg.b, np.int32)
-    return dict(q=q, k=k, v=v, dout=dout, dlse=dlse, q_len=q_len, kv_len=kv_len,
-                q_seg=q_seg, kv_seg=kv_seg, q_off=q_off, seed=np.zeros((2,), np.uint32),
-                bias=np.zeros((0,), np.float32), mask=np.zeros((0,), np.bool_))
+    return dict(
+        q=q,
+        k=k,
+        v=v,
+        dout=dout,
+        dlse=dlse,
+        q_len=q_len,
+        kv_len=kv_len,
+        q_seg=q_seg,
+        kv_seg=kv_seg,
+        q_off=q_off,
+        seed=np.zeros((2,), np.uint32),
+        bias=np.zeros((0,), np.float32),
+        mask=np.zeros((0,), np.bool_),
+    )
 
 
 def attributes(cfg: Config) -> dict:
@@ -146,8 +158,19 @@ def call_forward(x: dict, attrs: dict):
     shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32))
     sinks = x.get("sinks", np.full((n,), -np.inf, np.float32))  # -inf: no sink
     return jax.ffi.ffi_call("jax_flash_fwd", shapes)(
-        q, k, x["v"], x["q_len"], x["kv_len"], x["q_seg"], x["kv_seg"], x["q_off"], x["bias"], x["mask"],
-        sinks, x["seed"], **{**forward_attributes(), **attrs}
+        q,
+        k,
+        x["v"],
+        x["q_len"],
+        x["kv_len"],
+        x["q_seg"],
+        x["kv_seg"],
+        x["q_off"],
+        x["bias"],
+        x["mask"],
+        sinks,
+        x["seed"],
+        **{**forward_attributes(), **attrs},
     )
 
 
@@ -163,8 +186,22 @@ def call_backward(x: dict, out, lse, attrs: dict):
         jax.ShapeDtypeStruct(x.get("dbias_shape", x["bias"].shape), jnp.float32),  # dbias
     )
     return jax.ffi.ffi_call("jax_flash_bwd", shapes)(
-        q, k, x["v"], out, x["dout"], lse, x["dlse"], x["q_len"], x["kv_len"], x["q_seg"],
-        x["kv_seg"], x["q_off"], x["bias"], x["mask"], x["seed"], **{**backward_attributes(), **attrs},
+        q,
+        k,
+        x["v"],
+        out,
+        x["dout"],
+        lse,
+        x["dlse"],
+        x["q_len"],
+        x["kv_len"],
+        x["q_seg"],
+        x["kv_seg"],
+        x["q_off"],
+        x["bias"],
+        x["mask"],
+        x["seed"],
+        **{**backward_attributes(), **attrs},
         deterministic=True,
     )
 
@@ -300,7 +337,7 @@ def test_empty_sequences(t, s):
     """T = 0 or S = 0: nothing to compute; with S = 0 every row sees nothing."""
     cfg = Config(b=2, t=t, s=s, n=2, kh=1, h=16)
     x = make_inputs(cfg, "float32")
-    out, lse, dq, dk, dv, dq_accum, delta, dbias = run_both(x, attributes(cfg))
+    out, lse, dq, dk, _dv, _dq_accum, _delta, _dbias = run_both(x, attributes(cfg))
     assert out.shape == (2, t, 2, 16) and lse.shape == (2, 2, t) and dk.shape == (2, s, 1, 16)
     assert np.all(out == 0) and np.all(np.isneginf(lse)) and np.all(dq == 0)
 
@@ -321,7 +358,7 @@ def run_on(isa: str, x: dict, attrs: dict):
     with environment(JAX_FLASH_CPU_ISA=isa):
         try:
             return run_both(x, attrs)
-        except Exception as e:  # noqa: BLE001 — the refusal must name the ISA
+        except Exception as e:  # the refusal must name the ISA
             assert f"JAX_FLASH_CPU_ISA={isa}" in str(e) and "lacks" in str(e), e
             return None
 
@@ -387,7 +424,7 @@ def test_threads_bitwise_deterministic(isa, dtype, chunks):
     check_against_reference(cfg, dtype, runs[0])
     with environment(**forced):
         again = run_on(isa, x, attrs)
-    for other in runs[1:] + [again]:
+    for other in [*runs[1:], again]:
         for a, b in zip(runs[0], other):
             np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
@@ -437,8 +474,11 @@ def bad_call(target: str, **changes):
 @pytest.mark.parametrize(
     "target,changes,message",
     [
-        ("jax_flash_fwd", dict(q=np.zeros((1, 8, 3, 16), np.float32)),
-         "query heads N = 3 must be a multiple of the number of kv heads K = 2"),
+        (
+            "jax_flash_fwd",
+            dict(q=np.zeros((1, 8, 3, 16), np.float32)),
+            "query heads N = 3 must be a multiple of the number of kv heads K = 2",
+        ),
         ("jax_flash_fwd", dict(k=np.zeros((1, 8, 2, 16), np.float16)), "k has dtype f16, expected f32"),
         ("jax_flash_fwd", dict(v=np.zeros((1, 9, 2, 16), np.float32)), r"v has shape \[1, 9, 2, 16\]"),
         ("jax_flash_fwd", dict(k=np.zeros((8, 2, 16), np.float32)), "k must have rank 4"),
@@ -465,12 +505,29 @@ def test_handler_errors_surface_as_exceptions(target, changes, message):
 def test_wrong_result_shape_is_an_error():
     cfg = Config(b=1, t=8, s=8, n=2, kh=2, h=16)
     x = make_inputs(cfg, "float32")
-    shapes = (jax.ShapeDtypeStruct(x["q"].shape, jnp.float32),
-              jax.ShapeDtypeStruct((1, 8, 2), jnp.float32))  # lse must be [B, N, T]
+    shapes = (
+        jax.ShapeDtypeStruct(x["q"].shape, jnp.float32),
+        jax.ShapeDtypeStruct((1, 8, 2), jnp.float32),
+    )  # lse must be [B, N, T]
     with pytest.raises(Exception, match=r"lse has shape \[1, 8, 2\], expected \[1, 2, 8\]"):
-        jax.block_until_ready(jax.ffi.ffi_call("jax_flash_fwd", shapes)(
-            x["q"], x["k"], x["v"], x["q_len"], x["kv_len"], x["q_seg"], x["kv_seg"],
-            x["q_off"], x["bias"], x["mask"], np.full((2,), -np.inf, np.float32), x["seed"], **attributes(cfg), **forward_attributes()))
+        jax.block_until_ready(
+            jax.ffi.ffi_call("jax_flash_fwd", shapes)(
+                x["q"],
+                x["k"],
+                x["v"],
+                x["q_len"],
+                x["kv_len"],
+                x["q_seg"],
+                x["kv_seg"],
+                x["q_off"],
+                x["bias"],
+                x["mask"],
+                np.full((2,), -np.inf, np.float32),
+                x["seed"],
+                **attributes(cfg),
+                **forward_attributes(),
+            )
+        )
 
 
 @pytest.mark.parametrize(
@@ -500,6 +557,5 @@ def test_schedule_attribute_errors(target, attrs, message):
 
 def test_unknown_isa_is_an_error():
     cfg = CONFIGS["none"]
-    with environment(JAX_FLASH_CPU_ISA="sse9"):
-        with pytest.raises(Exception, match="JAX_FLASH_CPU_ISA=sse9 is not one of"):
-            run_both(make_inputs(cfg, "float32"), attributes(cfg))
+    with environment(JAX_FLASH_CPU_ISA="sse9"), pytest.raises(Exception, match="JAX_FLASH_CPU_ISA=sse9 is not one of"):
+        run_both(make_inputs(cfg, "float32"), attributes(cfg))

@@ -27,13 +27,33 @@ LAYERS = (
     # The public entry points: attention and explain, the dense reference, the export
     # helper, the flax / haiku integrations and the all-to-all sequence parallelism built on
     # `attention`, the package's face.
-    ("front end", ("jax_flash", "jax_flash._api", "jax_flash._export", "jax_flash.reference",
-                   "jax_flash.flax", "jax_flash.haiku", "jax_flash.parallel.ulysses")),
+    (
+        "front end",
+        (
+            "jax_flash",
+            "jax_flash._api",
+            "jax_flash._export",
+            "jax_flash.reference",
+            "jax_flash.flax",
+            "jax_flash.haiku",
+            "jax_flash.parallel.ulysses",
+        ),
+    ),
     # Features that reach the implementations through the registry, never by import.
     ("capabilities", ("jax_flash.inference", "jax_flash.inference.paged")),
     # The four implementations and their private parts (FFI calls, Pallas kernels).
-    ("implementations", ("jax_flash.xla", "jax_flash.cpu", "jax_flash.cuda", "jax_flash.pallas",
-                         "jax_flash._ffi", "jax_flash._pallas_kernels", "jax_flash.inference.pallas_decode")),
+    (
+        "implementations",
+        (
+            "jax_flash.xla",
+            "jax_flash.cpu",
+            "jax_flash.cuda",
+            "jax_flash.pallas",
+            "jax_flash._ffi",
+            "jax_flash._pallas_kernels",
+            "jax_flash.inference.pallas_decode",
+        ),
+    ),
     # How a compiled call partitions over a mesh, and the ring that runs inside it (and
     # behind `ring_attention`): the implementations wrap their calls in it.
     ("parallel", ("jax_flash.parallel",)),
@@ -41,10 +61,24 @@ LAYERS = (
     ("dispatch", ("jax_flash._vjp", "jax_flash._registry")),
     # Spec, settings, argument normalisation, masks, dropout bits, numerics, the schedule
     # rules and the Pallas tile table (data), split-KV chunking, the lse merge, the extension.
-    ("shared", ("jax_flash._types", "jax_flash._spec", "jax_flash._paged_spec", "jax_flash._config", "jax_flash._normalize",
-                "jax_flash._numerics", "jax_flash._masking", "jax_flash._dropout", "jax_flash._merge",
-                "jax_flash._heuristics", "jax_flash._pallas_table", "jax_flash.inference.split_kv",
-                "jax_flash._jax_flash_ext")),
+    (
+        "shared",
+        (
+            "jax_flash._types",
+            "jax_flash._spec",
+            "jax_flash._paged_spec",
+            "jax_flash._config",
+            "jax_flash._normalize",
+            "jax_flash._numerics",
+            "jax_flash._masking",
+            "jax_flash._dropout",
+            "jax_flash._merge",
+            "jax_flash._heuristics",
+            "jax_flash._pallas_table",
+            "jax_flash.inference.split_kv",
+            "jax_flash._jax_flash_ext",
+        ),
+    ),
 )
 
 
@@ -183,8 +217,10 @@ def layer_violations(graph: dict[str, dict]) -> list[str]:
     for source, targets in sorted(graph.items()):
         for target, line in sorted(targets.items()):
             if layer_of(source) > layer_of(target):
-                out.append(f"{source} (line {line}, {LAYERS[layer_of(source)][0]}) imports {target} "
-                           f"({LAYERS[layer_of(target)][0]}, a layer above)")
+                out.append(
+                    f"{source} (line {line}, {LAYERS[layer_of(source)][0]}) imports {target} "
+                    f"({LAYERS[layer_of(target)][0]}, a layer above)"
+                )
     return out
 
 
@@ -220,17 +256,19 @@ def test_the_check_sees_a_circle_and_an_upward_import(tmp_path):
     function (split_kv -> xla, the circle this layout removed) has a circle and an import up
     the layers, and a private name taken."""
     copy = tmp_path / "jax_flash"
-    for name, path in package_modules().items():
+    for path in package_modules().values():
         target = copy / path.relative_to(PACKAGE)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(path.read_text())
     split_kv = copy / "inference" / "split_kv.py"
-    split_kv.write_text(split_kv.read_text() + "\n\ndef _planted():\n    from jax_flash import xla\n\n"
-                        "    return xla._Tiles\n")
+    split_kv.write_text(
+        split_kv.read_text() + "\n\ndef _planted():\n    from jax_flash import xla\n\n    return xla._Tiles\n"
+    )
     graph, private = import_graph(copy)
     assert ["jax_flash.inference.split_kv", "jax_flash.xla"] in cycles(graph)
-    assert any(v.startswith("jax_flash.inference.split_kv ") and "imports jax_flash.xla" in v
-               for v in layer_violations(graph))
+    assert any(
+        v.startswith("jax_flash.inference.split_kv ") and "imports jax_flash.xla" in v for v in layer_violations(graph)
+    )
     assert any("xla._Tiles" in p for p in private["jax_flash.inference.split_kv"])
 
 
@@ -258,8 +296,11 @@ print(json.dumps(failures))
 def test_each_module_imports_alone():
     code = "OPTIONAL = ('flax', 'haiku', 'matplotlib')\n" + _IMPORT_EACH
     run = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(list(package_modules()))], cwd=ROOT, capture_output=True,
-        text=True, timeout=240,
+        [sys.executable, "-c", code, json.dumps(list(package_modules()))],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     failures = json.loads(run.stdout.strip().splitlines()[-1])
