@@ -124,7 +124,9 @@ def demangle_kind(symbol: str) -> str:
 
 def build_objects(sources) -> dict[pathlib.Path, pathlib.Path] | None:
     """The extension build's objects, if they are fresh and hold every architecture."""
-    newest_source = max(p.stat().st_mtime for p in KERNELS.iterdir() if p.suffix in (".h", ".cu"))
+    # The kernels' sources and the headers they share with the host (cuda/common/).
+    sources_and_headers = [*KERNELS.iterdir(), *(KERNELS.parent / "common").iterdir()]
+    newest_source = max(p.stat().st_mtime for p in sources_and_headers if p.suffix in (".h", ".cu"))
     out = {}
     for src in sources:
         objs = sorted(ROOT.glob(f"_skbuild/*/CMakeFiles/jax_flash_cuda.dir/kernels/{src.name}.o"),

@@ -296,15 +296,17 @@ print('installed:', ', '.join(f'{m} ' + ('yes' if u.find_spec(m) else 'NO') for 
 }
 
 step_build() {
-  local cuda=ON want=True bdir="_skbuild/device-check-sm$CC"
-  if [ "$DRY" = 1 ]; then cuda=OFF want=False bdir=_skbuild/device-check-emulated; fi
+  local cuda=ON want=True emu=OFF bdir="_skbuild/device-check-sm$CC"
+  # The dry run runs the kernels on the host emulation: its module too (JAX_FLASH_EMULATOR).
+  if [ "$DRY" = 1 ]; then cuda=OFF want=False emu=ON bdir=_skbuild/device-check-emulated; fi
   local gen=()
   command -v ninja >/dev/null && gen=(-G Ninja)
-  echo "+ cmake: JAX_FLASH_CUDA=$cuda JAX_FLASH_CUDA_ARCHS=$JAX_FLASH_CUDA_ARCHS in $bdir, $JOBS jobs"
+  echo "+ cmake: JAX_FLASH_CUDA=$cuda JAX_FLASH_CUDA_ARCHS=$JAX_FLASH_CUDA_ARCHS JAX_FLASH_EMULATOR=$emu in $bdir, $JOBS jobs"
   cmake -S cuda -B "$bdir" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DJAX_FLASH_CUDA="$cuda" \
-    -DJAX_FLASH_CUDA_ARCHS="$JAX_FLASH_CUDA_ARCHS" -DPython_EXECUTABLE="$PY" || return 1
+    -DJAX_FLASH_CUDA_ARCHS="$JAX_FLASH_CUDA_ARCHS" -DJAX_FLASH_EMULATOR="$emu" -DPython_EXECUTABLE="$PY" || return 1
   cmake --build "$bdir" -j "$JOBS" || return 1
   cp "$bdir"/_jax_flash_ext*.so jax_flash/ || return 1
+  if [ "$emu" = ON ]; then cp "$bdir"/_jax_flash_emu*.so jax_flash/ || return 1; fi
   "$PY" -c "import jax_flash._jax_flash_ext as e; print('built', e.__file__, '- cuda kernels:', e.has_cuda()); assert e.has_cuda() == $want"
 }
 

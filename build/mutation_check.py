@@ -6,8 +6,8 @@ would: a fragment row, a barrier, a cp.async wait count, a tile bound, the inter
 ragged-tail guard, a sign, the dQ atomic, the deterministic dQ kernel. For each one the check
   1. applies it to a scratch copy of the tree (never this tree: the tracked and untracked,
      not ignored files are copied to a temporary directory),
-  2. rebuilds the extension there (emulation only: CUDA off; cmake -S cuda, the module is
-     copied into the copy's jax_flash/),
+  2. rebuilds the extension there (emulation only: CUDA off, JAX_FLASH_EMULATOR on; cmake -S
+     cuda, the extension and the emulator's module are copied into the copy's jax_flash/),
   3. runs the tests that should notice it (a pytest -k selection, `implementation="cuda"` on
      the emulation), and reports it caught (some test failed or the run hung) or survived.
 A mutation that only changes speed (kind "speed", e.g. the swizzle disabled) must survive; a
@@ -378,19 +378,21 @@ class Scratch:
         """Empty on success, else the compiler's complaint."""
         if configure:
             r = subprocess.run(["cmake", "-S", str(self.tree / "cuda"), "-B", str(self.build_dir), "-G", "Ninja",
-                                "-DCMAKE_BUILD_TYPE=Release", "-DJAX_FLASH_CUDA=OFF",
+                                "-DCMAKE_BUILD_TYPE=Release", "-DJAX_FLASH_CUDA=OFF", "-DJAX_FLASH_EMULATOR=ON",
                                 f"-DPython_EXECUTABLE={sys.executable}"], capture_output=True, text=True)
             if r.returncode != 0:
                 return r.stdout + r.stderr
         r = subprocess.run(["cmake", "--build", str(self.build_dir), f"-j{self.jobs}"], capture_output=True, text=True)
         if r.returncode != 0:
             return (r.stdout + r.stderr)[-3000:]
-        modules = sorted(self.build_dir.glob("_jax_flash_ext*.so"))
-        if not modules:
-            return "the build produced no _jax_flash_ext module"
-        for old in (self.tree / "jax_flash").glob("_jax_flash_ext*.so"):
-            old.unlink()
-        shutil.copy2(modules[0], self.tree / "jax_flash" / modules[0].name)
+        # The extension and the emulator's module (the mutated kernels run there).
+        for name in ("_jax_flash_ext", "_jax_flash_emu"):
+            modules = sorted(self.build_dir.glob(f"{name}*.so"))
+            if not modules:
+                return f"the build produced no {name} module"
+            for old in (self.tree / "jax_flash").glob(f"{name}*.so"):
+                old.unlink()
+            shutil.copy2(modules[0], self.tree / "jax_flash" / modules[0].name)
         return ""
 
     def run_tests(self, selection: str, timeout: float) -> tuple[str, str]:

@@ -23,11 +23,24 @@ from jax_flash.parallel import partitioning
 _lock = threading.Lock()
 _registered: Optional[dict] = None  # platform -> set of target names
 _load_error: Optional[str] = None
+_emulator_error: Optional[str] = None
+
+# The emulated CUDA targets (jax_flash_emu_*) live in a module of their own,
+# jax_flash._jax_flash_emu, built for tests and CI only (cuda/CMakeLists.txt, JAX_FLASH_EMULATOR).
+EMULATOR_PREFIX = "jax_flash_emu_"
+
+
+def _register(module, found: dict) -> None:
+    for plat, caps in module.registrations().items():
+        for name, capsule in caps.items():
+            jax.ffi.register_ffi_target(name, capsule, platform=plat)
+        found.setdefault(plat, set()).update(caps)
 
 
 def targets() -> dict:
-    """{platform: set(target names)} registered with XLA; loads the extension once."""
-    global _registered, _load_error
+    """{platform: set(target names)} registered with XLA; loads the extension (and the
+    emulator's module, where it is built) once."""
+    global _registered, _load_error, _emulator_error
     with _lock:
         if _registered is None and _load_error is None:
             try:
@@ -35,11 +48,17 @@ def targets() -> dict:
             except ImportError as e:
                 _load_error = f"the compiled extension jax_flash._jax_flash_ext is not built ({e})"
                 return {}
-            found = {}
-            for plat, caps in ext.registrations().items():
-                for name, capsule in caps.items():
-                    jax.ffi.register_ffi_target(name, capsule, platform=plat)
-                found.setdefault(plat, set()).update(caps)
+            found: dict = {}
+            _register(ext, found)
+            try:
+                from jax_flash import _jax_flash_emu as emu
+            except ImportError as e:
+                _emulator_error = (
+                    "the CUDA kernels' host emulator (jax_flash._jax_flash_emu) is not built: build it with "
+                    f"JAX_FLASH_EMULATOR=ON (JAX_FLASH_EMULATOR=ON pip install -e \".[test]\") ({e})"
+                )
+            else:
+                _register(emu, found)
             _registered = found
         return _registered or {}
 
@@ -50,6 +69,8 @@ def missing(target: str, plat: str) -> Optional[str]:
     if _load_error is not None:
         return _load_error
     if target not in found.get(plat, ()):
+        if target.startswith(EMULATOR_PREFIX) and _emulator_error is not None:
+            return _emulator_error
         return f"the extension was built without the {plat} target {target}"
     return None
 

@@ -10,7 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "kernels/dropout.h"
+#include "common/dropout.h"
 
 namespace jax_flash {
 namespace cpu {
@@ -74,7 +74,7 @@ struct Problem {
   int64_t window_left = -1;
   int64_t window_right = -1;
   bool use_segment_ids = false;
-  // Attention dropout (kernels/dropout.h): off, or the key and threshold of the keep bits of
+  // Attention dropout (common/dropout.h): off, or the key and threshold of the keep bits of
   // element (b, n, t, s), applied to P after the softmax statistics.
   dropout::Setting dropout;
 

@@ -13,7 +13,7 @@
 
 #include "cpu/vec.h"
 #include "cpu/score_mask.h"
-#include "kernels/dropout.h"
+#include "common/dropout.h"
 
 namespace jax_flash {
 namespace cpu {
@@ -25,7 +25,7 @@ JAX_FLASH_INLINE float MaxKeepNaN(float a, float b) { return a > b || a != a ? a
 
 // Dropout of one row of P (row t of head n of batch row b, keys s0 + j for j < cols_padded,
 // s0 a multiple of 4): kept weights are multiplied by `factor`, dropped ones become 0. One
-// Philox call gives the bits of 4 adjacent keys (kernels/dropout.h).
+// Philox call gives the bits of 4 adjacent keys (common/dropout.h).
 JAX_FLASH_INLINE void DropRow(float* row, int64_t cols_padded, const dropout::Setting& d, int64_t b, int64_t n,
                               int64_t t, int64_t s0, float factor) {
   for (int64_t j = 0; j < cols_padded; j += dropout::kColumnsPerCall) {

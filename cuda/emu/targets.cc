@@ -9,7 +9,7 @@
 
 #include <nanobind/nanobind.h>
 
-#include "ffi/targets.h"
+#include "emu/module.h"
 #include "kernels/ffi_attention.h"  // first: it includes the XLA headers before emu/simt.h
 #include "kernels/bwd.h"
 #include "kernels/fwd.h"
@@ -38,17 +38,26 @@ std::vector<emu::GlobalBuffer> BuffersOf(Args... args) {
   return buffers;
 }
 
+// The handlers: every buffer of the call declared, then the boundary's decoding (ffi/boundary.h)
+// and the shared handler bodies (kernels/ffi_attention.h), on the host "stream" (null).
 constexpr auto kForward = [](auto... args) {
   emu::GlobalBufferScope scope(BuffersOf(args...));
-  return Forward("jax_flash_emu_fwd", nullptr, args...);
+  return boundary::ForwardHandler<0>([](const boundary::ForwardCall& call, auto... own) {
+    return Forward("jax_flash_emu_fwd", nullptr, call, own...);
+  })(args...);
 };
-constexpr auto kPagedForward = [](ffi::AnyBuffer page_table, auto... args) {
-  emu::GlobalBufferScope scope(BuffersOf(page_table, args...));
-  return Forward("jax_flash_emu_paged_fwd", nullptr, args..., &page_table);
+constexpr auto kPagedForward = [](auto... args) {
+  emu::GlobalBufferScope scope(BuffersOf(args...));
+  return boundary::ForwardHandler<1>([](ffi::AnyBuffer page_table, boundary::ForwardCall call, auto... own) {
+    call.page_table = &page_table;
+    return Forward("jax_flash_emu_paged_fwd", nullptr, call, own...);
+  })(args...);
 };
 constexpr auto kBackward = [](auto... args) {
   emu::GlobalBufferScope scope(BuffersOf(args...));
-  return Backward("jax_flash_emu_bwd", nullptr, args...);
+  return boundary::BackwardHandler<0>([](const boundary::BackwardCall& call, auto... own) {
+    return Backward("jax_flash_emu_bwd", nullptr, call, own...);
+  })(args...);
 };
 
 }  // namespace

@@ -1,5 +1,6 @@
-// The nanobind module: exposes every FFI handler as a PyCapsule for
-// jax.ffi.register_ffi_target. Handlers live beside their implementations.
+// The nanobind module jax_flash._jax_flash_ext: exposes every FFI handler as a PyCapsule for
+// jax.ffi.register_ffi_target. Handlers live beside their implementations. The emulation of
+// the CUDA kernels is a module of its own (emu/module.cc), built for tests only.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
@@ -15,7 +16,6 @@ NB_MODULE(_jax_flash_ext, m) {
       []() {
         nb::dict cpu;
         jax_flash::AddCpuTargets(cpu);
-        jax_flash::AddEmulatedTargets(cpu);
         nb::dict cuda;
 #ifdef JAX_FLASH_WITH_CUDA
         jax_flash::AddCudaTargets(cuda);

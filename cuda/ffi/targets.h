@@ -7,8 +7,6 @@ namespace jax_flash {
 void AddCpuTargets(nanobind::dict& targets);
 // The host implementation's introspection functions (cpu_isa, cpu_gradient_chunks, ...).
 void AddCpuFunctions(nanobind::module_& m);
-// Platform "cpu": the CUDA kernels compiled against the host emulation (emu/).
-void AddEmulatedTargets(nanobind::dict& targets);
 #ifdef JAX_FLASH_WITH_CUDA
 // Platform "CUDA": the mma.sync kernels (kernels/). Plain C++ so nvcc-free code can call it.
 void AddCudaTargets(nanobind::dict& targets);

@@ -1,5 +1,6 @@
-// Platform "CUDA" handlers of jax_flash_fwd / jax_flash_bwd: the stream from XLA, a compute
-// capability check, then the shared handler bodies (kernels/ffi_attention.h). Exported as
+// Platform "CUDA" handlers of jax_flash_fwd / jax_flash_paged_fwd / jax_flash_bwd: the stream from
+// XLA, a compute capability check, then the shared handler bodies (kernels/ffi_attention.h) of
+// the call the one FFI boundary decoded (ffi/boundary.h). Exported as
 // plain XLA_FFI_Handler symbols; kernels/targets.cc (a host file, nanobind does not go
 // through nvcc) wraps them in capsules.
 #include <string>
@@ -24,18 +25,22 @@ ffi::Error CheckDevice(const char* target) {
   return ffi::Error::Success();
 }
 
-constexpr auto kForward = [](cudaStream_t stream, auto... args) {
+constexpr auto kForward = boundary::ForwardHandler<1>([](cudaStream_t stream, const boundary::ForwardCall& call,
+                                                         auto... own) {
   if (auto e = CheckDevice("jax_flash_fwd"); e.failure()) return e;
-  return Forward("jax_flash_fwd", stream, args...);
-};
-constexpr auto kPagedForward = [](cudaStream_t stream, ffi::AnyBuffer page_table, auto... args) {
+  return Forward("jax_flash_fwd", stream, call, own...);
+});
+constexpr auto kPagedForward = boundary::ForwardHandler<2>([](cudaStream_t stream, ffi::AnyBuffer page_table,
+                                                              boundary::ForwardCall call, auto... own) {
   if (auto e = CheckDevice("jax_flash_paged_fwd"); e.failure()) return e;
-  return Forward("jax_flash_paged_fwd", stream, args..., &page_table);
-};
-constexpr auto kBackward = [](cudaStream_t stream, auto... args) {
+  call.page_table = &page_table;
+  return Forward("jax_flash_paged_fwd", stream, call, own...);
+});
+constexpr auto kBackward = boundary::BackwardHandler<1>([](cudaStream_t stream, const boundary::BackwardCall& call,
+                                                           auto... own) {
   if (auto e = CheckDevice("jax_flash_bwd"); e.failure()) return e;
-  return Backward("jax_flash_bwd", stream, args...);
-};
+  return Backward("jax_flash_bwd", stream, call, own...);
+});
 
 }  // namespace
 }  // namespace kernels

@@ -185,3 +185,28 @@ def test_ptx_selftest_host_driver(objects, tmp_path):
         assert len(checks) >= 12 and all(c.startswith("FAIL " if perturb == "1" else "PASS ") for c in checks), (
             run.stdout
         )
+
+
+def test_emulator_is_a_module_of_its_own():
+    """The emulated targets live in jax_flash._jax_flash_emu (built with JAX_FLASH_EMULATOR=ON for
+    tests and CI), never in the extension a user installs; jax_flash registers both where they are
+    built and says so where the emulator is not."""
+    import importlib.util
+
+    pytest.importorskip("jax")
+    if importlib.util.find_spec("jax_flash._jax_flash_ext") is None:
+        pytest.skip("the extension is not built")
+    from jax_flash import _ffi, _jax_flash_ext
+
+    emulated = {"jax_flash_emu_fwd", "jax_flash_emu_bwd", "jax_flash_emu_paged_fwd"}
+    for platform, capsules in _jax_flash_ext.registrations().items():
+        assert not emulated & set(capsules), f"the extension holds emulated targets on {platform}"
+    if importlib.util.find_spec("jax_flash._jax_flash_emu") is None:
+        why = _ffi.missing("jax_flash_emu_fwd", "cpu")
+        assert why is not None and "JAX_FLASH_EMULATOR=ON" in why, why
+        return
+    from jax_flash import _jax_flash_emu
+
+    assert set(_jax_flash_emu.registrations()) == {"cpu"}
+    assert set(_jax_flash_emu.registrations()["cpu"]) == emulated
+    assert emulated <= _ffi.targets()["cpu"] and _ffi.missing("jax_flash_emu_bwd", "cpu") is None

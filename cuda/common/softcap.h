@@ -1,4 +1,6 @@
-// The soft-cap attribute as the FFI handlers check and print it (the cpu and the CUDA targets).
+// The soft cap (logits -> softcap · tanh(logits / softcap)) as every implementation takes it: the
+// attribute's rule, +0 (off) or a positive finite float32 normal, checked by the one validator of
+// the FFI boundary (ffi/boundary.h) for the cpu, CUDA and emulated targets alike, and printed.
 #pragma once
 
 #include <cmath>

@@ -1,0 +1,23 @@
+// The nanobind module jax_flash._jax_flash_emu: the CUDA kernels emulated on the host
+// (emu/targets.cc), a module of its own so that what a user installs (jax_flash._jax_flash_ext)
+// holds no emulator. Built for tests and CI with JAX_FLASH_EMULATOR=ON (cuda/CMakeLists.txt).
+#include <nanobind/nanobind.h>
+
+#include "emu/module.h"
+
+namespace nb = nanobind;
+
+NB_MODULE(_jax_flash_emu, m) {
+  m.def(
+      "registrations",
+      []() {
+        nb::dict cpu;
+        jax_flash::AddEmulatedTargets(cpu);
+        nb::dict out;
+        out["cpu"] = cpu;
+        return out;
+      },
+      "FFI handler capsules by platform: {'cpu': {'jax_flash_emu_fwd': capsule, ...}}, the CUDA "
+      "kernels compiled for the host against the emulation of the SIMT model and of each PTX "
+      "instruction.");
+}
