@@ -45,8 +45,7 @@ TEMPLATE = """\
 
 namespace jax_flash {{
 namespace kernels {{
-static_assert(HasOwnShape(Pass::{pass_enum}, {head_dim}, {v_head_dim}, Layout::{layout}),
-              "this layout runs another file's kernel");
+static_assert(HasOwnShape(Pass::{pass_enum}, {head_dim}, {v_head_dim}, Layout::{layout}), "this layout runs another file's kernel");
 template LaunchError {function}<{elem}, {head_dim}, {v_head_dim}, Layout::{layout}>({signature});
 }}  // namespace kernels
 }}  // namespace jax_flash

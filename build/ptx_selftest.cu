@@ -141,8 +141,7 @@ __global__ void cp_async_kernel(const uint8_t* src, uint8_t* out) {
 }
 
 __global__ void scalar_kernel(const float* ex2_in, const float* tanh_in, const float* lo, const float* hi,
-                              float* ex2_out, float* tanh_out, uint32_t* bf16_out, uint32_t* f16_out,
-                              float* f32_out) {
+                              float* ex2_out, float* tanh_out, uint32_t* bf16_out, uint32_t* f16_out, float* f32_out) {
   const int lane = threadIdx.x;
   for (int i = 0; i < kPerLane; ++i) {
     const int at = lane * kPerLane + i;
@@ -251,7 +250,7 @@ void release(T* p) {
 }
 template <class... Params, class... Args>
 std::string run(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args... args) {
-  kernel<<<grid, block, smem>>>(static_cast<Params>(args)...);
+  kernel<<<grid, block, smem> > >(static_cast<Params>(args)...);
   cudaError_t err = cudaGetLastError();
   if (err == cudaSuccess) err = cudaDeviceSynchronize();
   return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
@@ -300,8 +299,7 @@ std::string run_all(const Inputs& in, Outputs* out) {
     uint32_t* bf = alloc<uint32_t>(32 * kPerLane);
     uint32_t* f16 = alloc<uint32_t>(32 * kPerLane);
     float* f32 = alloc<float>(65536);
-    note("scalar",
-         run(scalar_kernel, dim3(1), dim3(32), 0, ex2_in, tanh_in, lo, hi, ex2_out, tanh_out, bf, f16, f32));
+    note("scalar", run(scalar_kernel, dim3(1), dim3(32), 0, ex2_in, tanh_in, lo, hi, ex2_out, tanh_out, bf, f16, f32));
     download(out->ex2, ex2_out, 32 * kPerLane);
     download(out->tanh, tanh_out, 32 * kPerLane);
     download(out->cvt_bf16, bf, 32 * kPerLane);
@@ -406,7 +404,7 @@ Inputs make_inputs() {
         for (int i = 0; i < 4; ++i)
           in.mma_c[dt][at * 4 + i] =
               cs < 4 ? static_cast<float>(lane * 4 + i - 64) : static_cast<float>(r.uniform() * 8 - 4);
-        if (cs == 4 && lane == 9) {                           // inf and NaN propagate to the rows/columns they touch
+        if (cs == 4 && lane == 9) {  // inf and NaN propagate to the rows/columns they touch
           in.mma_a[dt][at * 4 + 0] = dt ? 0x7f80u : 0x7c00u;  // +inf
           in.mma_b[dt][at * 2 + 1] = dt ? 0x7fc00000u : 0x7e000000u;  // NaN in the high half
         }
@@ -466,9 +464,26 @@ Inputs make_inputs() {
     if (i >= ns && i % 5 == 0) in.cvt_lo[i] = static_cast<float>((r.uniform() - 0.5) * 100);
   }
   // tanh: its own specials (saturation, tiny and subnormal inputs), then |x| spread over 2^-30..2^5.
-  const float tanh_specials[] = {0.5f, -0.5f, 0.0f, -0.0f, 1.0f, -1.0f, 4.0f, 9.0f, -9.5f, 20.0f, 1e-3f,
-                                 -1e-6f, 0x1p-20f, bitsf(0x00000010), bitsf(0x80400000), 0x1p-126f,
-                                 INFINITY, -INFINITY, NAN, bitsf(0x7f7fffff)};
+  const float tanh_specials[] = {0.5f,
+                                 -0.5f,
+                                 0.0f,
+                                 -0.0f,
+                                 1.0f,
+                                 -1.0f,
+                                 4.0f,
+                                 9.0f,
+                                 -9.5f,
+                                 20.0f,
+                                 1e-3f,
+                                 -1e-6f,
+                                 0x1p-20f,
+                                 bitsf(0x00000010),
+                                 bitsf(0x80400000),
+                                 0x1p-126f,
+                                 INFINITY,
+                                 -INFINITY,
+                                 NAN,
+                                 bitsf(0x7f7fffff)};
   const int nt = sizeof(tanh_specials) / sizeof(tanh_specials[0]);
   in.tanh_in.resize(32 * kPerLane);
   for (int i = 0; i < 32 * kPerLane; ++i) {
@@ -661,8 +676,10 @@ void compare_memory(const Outputs& g, const Outputs& e) {
     verdict(name, bad, first);
   };
   exact("ld_global_f32, st_shared_f32, ld_shared_f32, st_global_f32", words(g.mem_f32), words(e.mem_f32));
-  exact("ld_global_v4_b32, st_shared_b32, ld_shared_v4_b32, st_global_v4_b32, st_global_b32, ld_global_b16, "
-        "ld_global_u8, mov_b32_volatile", g.mem_b32, e.mem_b32);
+  exact(
+      "ld_global_v4_b32, st_shared_b32, ld_shared_v4_b32, st_global_v4_b32, st_global_b32, ld_global_b16, "
+      "ld_global_u8, mov_b32_volatile",
+      g.mem_b32, e.mem_b32);
   exact("red_global_add_f32, red_global_add_v2_f32", words(g.mem_acc), words(e.mem_acc));
 }
 

@@ -64,9 +64,7 @@ inline uint16_t FloatToF16(float f) {
 // Widens n elements of `src` (element type `type`, starting at element `offset`) to float.
 inline void LoadRow(const void* src, ElementType type, int64_t offset, int64_t n, float* dst) {
   switch (type) {
-    case ElementType::kF32:
-      std::memcpy(dst, static_cast<const float*>(src) + offset, n * sizeof(float));
-      return;
+    case ElementType::kF32: std::memcpy(dst, static_cast<const float*>(src) + offset, n * sizeof(float)); return;
     case ElementType::kBF16: {
       const uint16_t* s = static_cast<const uint16_t*>(src) + offset;
       for (int64_t i = 0; i < n; ++i) dst[i] = BF16ToFloat(s[i]);
@@ -102,8 +100,7 @@ inline void LoadMaskRow(const DenseRows& mask, int64_t t, int64_t s0, int64_t n,
 }
 
 // Narrows n floats, each multiplied by `factor`, into `dst` at element `offset`.
-inline void StoreRow(const float* src, float factor, ElementType type, int64_t offset, int64_t n,
-                     void* dst) {
+inline void StoreRow(const float* src, float factor, ElementType type, int64_t offset, int64_t n, void* dst) {
   switch (type) {
     case ElementType::kF32: {
       float* d = static_cast<float*>(dst) + offset;

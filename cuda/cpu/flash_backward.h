@@ -90,10 +90,9 @@ struct TileOperands {
   const float* k;     // [kBlockK][RowStride]
 };
 
-
 // Loads lse and D of query rows [t0, t0 + rows) of head n, padded to rows_padded.
-inline void LoadRowStatistics(const Problem& p, BackwardTiles& w, int64_t b, int64_t n, int64_t t0,
-                              int64_t rows, int64_t rows_padded) {
+inline void LoadRowStatistics(const Problem& p, BackwardTiles& w, int64_t b, int64_t n, int64_t t0, int64_t rows,
+                              int64_t rows_padded) {
   for (int64_t i = 0; i < rows_padded; ++i) {
     const float lse = i < rows ? p.lse_in[p.stat(b, n, t0 + i)] : -__builtin_inff();
     // A row that saw no key has lse = -inf; +inf makes its recomputed P exactly 0.
@@ -116,9 +115,8 @@ inline void DropTile(const Problem& p, const ScoreTile& s, float* tile, int64_t 
 // rowsum(dO ∘ O) is unchanged.
 // Products: F32Products or BF16Products (tile_products.h).
 template <class Products = F32Products>
-void RecomputeTileGradient(const Problem& p, BackwardTiles& w, const MaskGeometry& mask,
-                                  const TileOperands& in, const ScoreTile& s,
-                                  TileVisibility visibility, int64_t b, int64_t n) {
+void RecomputeTileGradient(const Problem& p, BackwardTiles& w, const MaskGeometry& mask, const TileOperands& in,
+                           const ScoreTile& s, TileVisibility visibility, int64_t b, int64_t n) {
   Products::Scores(p, s.rows_padded, s.cols_padded, in.q, in.k_t, w.s);
   if (p.bias.present()) AddBias(s, p.bias.rows(b, n), w.bias_row);
   const bool capped = p.softcap > 0.0f;

@@ -44,8 +44,8 @@ struct QueryBlockOperands {
   float* dout;
   float* dq;
 };
-inline QueryBlockOperands QueryOperands(const Problem& p, const BackwardTiles& w, int64_t chunk, int64_t b,
-                                        int64_t n, int64_t t0) {
+inline QueryBlockOperands QueryOperands(const Problem& p, const BackwardTiles& w, int64_t chunk, int64_t b, int64_t n,
+                                        int64_t t0) {
   if (GradientTileOwnsQueries(p)) {
     const int64_t offset = ((n % p.group_size()) * QueryBlocks(p) + t0 / kBlockQ) * QueryBlockFloats(p);
     return {w.group_q + offset, w.group_dout + offset, w.group_dq + offset};
@@ -102,8 +102,7 @@ inline void PackGroupQueries(const Problem& p, BackwardTiles& w, int64_t b, int6
 
 // dK = factor · accumulator and dV rows of keys [s0, s0 + cols) of kv head g.
 template <class Products>
-void StoreKeyValueGradients(const Problem& p, const BackwardTiles& w, int64_t b, int64_t g,
-                            int64_t s0, int64_t cols) {
+void StoreKeyValueGradients(const Problem& p, const BackwardTiles& w, int64_t b, int64_t g, int64_t s0, int64_t cols) {
   const float factor = Products::KeyGradientFactor(p);
   for (int64_t j = 0; j < cols; ++j) {
     for (int64_t h = 0; h < p.head_dim; ++h) w.row[h] = w.dk[Products::KeyGradientIndex(p, j, h)];
@@ -125,8 +124,8 @@ inline DenseRows BiasGradientRows(const Problem& p, int64_t chunk, int64_t b, in
 // Key block `block` (of chunk `chunk`) of (batch row b, kv head g): its dK, dV, its part of
 // the chunk's dQ partials and of dbias.
 template <class Products>
-void GradientKeyBlock(const Problem& p, BackwardTiles& w, const MaskGeometry& mask, int64_t b, int64_t g,
-                      int64_t chunk, int64_t block) {
+void GradientKeyBlock(const Problem& p, BackwardTiles& w, const MaskGeometry& mask, int64_t b, int64_t g, int64_t chunk,
+                      int64_t block) {
   TileOperands in;
   const int64_t s0 = block * kBlockK;
   const int64_t keys = std::min(kBlockK, p.kv_len - s0);
@@ -160,8 +159,7 @@ void GradientKeyBlock(const Problem& p, BackwardTiles& w, const MaskGeometry& ma
       const ScoreTile s{w.s, kBlockK, t0, rows, rows_padded, s0, cols, cols_padded};
       RecomputeTileGradient<Products>(p, w, mask, in, s, visibility, b, n);
       if (p.dbias != nullptr) AccumulateBiasGradient(s, w.ds, BiasGradientRows(p, chunk, b, n), w.bias_sum);
-      Products::AccumulateKeyValueGradients(p, rows, cols_padded, w.s, w.ds, in.q,
-                                            in.dout, w.scratch, w.dk, w.dv);
+      Products::AccumulateKeyValueGradients(p, rows, cols_padded, w.s, w.ds, in.q, in.dout, w.scratch, w.dk, w.dv);
       Products::AccumulateQueryGradient(p, rows_padded, cols, w.ds, in.k, w.scratch, query.dq);
     }
   }

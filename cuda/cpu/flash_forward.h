@@ -106,8 +106,7 @@ inline void WriteOutputRows(const Problem& p, const RowState& w, const ForwardBl
     if (w.m[i] != -__builtin_inff()) {
       // Dropout scales the kept weights by 1 / (1 − rate) here, with 1 / l.
       const float factor = p.dropout.on ? p.dropout.keep_scale / w.l[i] : 1.0f / w.l[i];
-      StoreRow(w.o + i * w.row_stride, factor, p.dtype, p.o_row(block.b, t, n), p.value_dim(),
-               p.out);
+      StoreRow(w.o + i * w.row_stride, factor, p.dtype, p.o_row(block.b, t, n), p.value_dim(), p.out);
       p.lse[p.stat(block.b, n, t)] = w.m[i] + std::log(w.l[i]);
     } else {
       WriteEmptyRows(p, block, i, i + 1);
@@ -172,8 +171,7 @@ void ForwardTileWith(const Problem& p, int64_t item, float* workspace) {
   const int64_t rows_padded = RoundUp(live_rows, kGemmRows);
   // Packed heads lie next to each other in q [B, T, N, H]; positions N·H apart.
   Products::PackQuery(
-      p, {p.q, p.dtype, p.q_row(b, t0, n), block.heads ? p.head_dim : p.q_heads * p.head_dim, live_rows,
-          p.head_dim},
+      p, {p.q, p.dtype, p.q_row(b, t0, n), block.heads ? p.head_dim : p.q_heads * p.head_dim, live_rows, p.head_dim},
       rows_padded, w.q);
   // The online softmax starts from the sink's state, m = sink and l = 1 (no sink: m =
   // -inf, which the first visible key's exp(m_old - m_new) = 0 turns into l = 0).
@@ -196,8 +194,7 @@ void ForwardTileWith(const Problem& p, int64_t item, float* workspace) {
   for (int64_t s0 = s_begin + share.first * kBlockK; s0 < s_end; s0 += kBlockK) {
     const int64_t cols = std::min(kBlockK, last.hi - s0);
     const int64_t cols_padded = RoundUp(cols, kLanes);
-    const TileVisibility visibility =
-        ClassifyTile(mask, t0, positions, s0, cols, cols_padded != cols);
+    const TileVisibility visibility = ClassifyTile(mask, t0, positions, s0, cols, cols_padded != cols);
     if (visibility == TileVisibility::kSkip) continue;
 
     const KeyBlockView keys = KeyBlockAt<Products>(p, w, b, g, s0, cols);

@@ -101,9 +101,7 @@ void ToProblem(const boundary::Problem& b, Problem* p) {
   }
 }
 
-void Poison(ffi::AnyBuffer buffer) {
-  std::memset(buffer.untyped_data(), nonfinite::kNanFillByte, buffer.size_bytes());
-}
+void Poison(ffi::AnyBuffer buffer) { std::memset(buffer.untyped_data(), nonfinite::kNanFillByte, buffer.size_bytes()); }
 
 // The ISA attribute: "" (the widest this CPU runs) or a name of SelectKernels; an unknown name,
 // or one this CPU lacks, is an error naming it.
@@ -133,10 +131,9 @@ ffi::Error OutOfMemory(const char* target) {
 }
 
 template <typename Tile>
-ffi::Error RunTiles(ffi::ThreadPool& pool, const char* target, int64_t items, int64_t workspace,
-                    const Problem& p, Tile tile) {
-  const bool ok = ParallelFor(pool, items, workspace,
-                              [&](int64_t item, float* ws) { tile(p, item, ws); });
+ffi::Error RunTiles(ffi::ThreadPool& pool, const char* target, int64_t items, int64_t workspace, const Problem& p,
+                    Tile tile) {
+  const bool ok = ParallelFor(pool, items, workspace, [&](int64_t item, float* ws) { tile(p, item, ws); });
   if (!ok) return ffi::Error::Internal(std::string(target) + " (cpu): out of memory for tile workspace");
   return ffi::Error::Success();
 }
@@ -235,8 +232,8 @@ ffi::Error RunBackward(ffi::ThreadPool& pool, const KernelTable& kernels, Proble
     p.dbias_partial = dbias_partial.get();
     std::memset(p.dbias_partial, 0, GradientChunks(p) * p.bias.elements() * sizeof(float));
   }
-  if (ffi::Error e = RunTiles(pool, "jax_flash_bwd", GradientItems(p),
-                              kernels.backward_workspace(p), p, kernels.gradient_tile);
+  if (ffi::Error e =
+          RunTiles(pool, "jax_flash_bwd", GradientItems(p), kernels.backward_workspace(p), p, kernels.gradient_tile);
       e.failure()) {
     return e;
   }
@@ -311,9 +308,9 @@ auto CpuForwardSignature(Binding&& binding) {
 constexpr auto kForward = boundary::ForwardHandler<1>(
     [](ffi::ThreadPool pool, const boundary::ForwardCall& call, std::string_view isa, int64_t forward_chunks,
        bool pack_gqa) { return Forward("jax_flash_fwd", pool, call, isa, forward_chunks, pack_gqa); });
-constexpr auto kPagedForward = boundary::ForwardHandler<2>(
-    [](ffi::ThreadPool pool, ffi::AnyBuffer page_table, boundary::ForwardCall call, std::string_view isa,
-       int64_t forward_chunks, bool pack_gqa) {
+constexpr auto kPagedForward =
+    boundary::ForwardHandler<2>([](ffi::ThreadPool pool, ffi::AnyBuffer page_table, boundary::ForwardCall call,
+                                   std::string_view isa, int64_t forward_chunks, bool pack_gqa) {
       call.page_table = &page_table;
       return Forward("jax_flash_paged_fwd", pool, call, isa, forward_chunks, pack_gqa);
     });
@@ -321,7 +318,8 @@ constexpr auto kBackward = boundary::BackwardHandler<1>(
     [](ffi::ThreadPool pool, const boundary::BackwardCall& call, ffi::Result<ffi::AnyBuffer> dbias,
        std::string_view isa, int64_t gradient_chunks) { return Backward(pool, call, dbias, isa, gradient_chunks); });
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuForward, kForward, CpuForwardSignature(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuForward, kForward,
+                              CpuForwardSignature(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
 // jax_flash_paged_fwd: the page table [B, max_pages] s32 first.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashCpuPagedForward, kPagedForward,

@@ -16,8 +16,7 @@ bool CpuHasAvx512() {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("fma");
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
 #else
   return false;
 #endif
@@ -39,8 +38,7 @@ bool CpuHasAmx() {
 #if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
   static const bool granted = [] {
     __builtin_cpu_init();
-    if (!CpuHasAvx512Bf16() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16"))
-      return false;
+    if (!CpuHasAvx512Bf16() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
     constexpr long kArchReqXcompPerm = 0x1023;
     constexpr long kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
@@ -69,8 +67,9 @@ const KernelTable* SelectKernels(std::string_view requested, std::string_view se
   if (any || requested == "amx") {
     if (CpuHasAmx()) return &amx::Kernels();
     if (!any) {
-      *error = named + " but this CPU lacks AMX-BF16 with AVX-512 BF16, or the "
-                       "operating system refused it the tile state";
+      *error = named +
+               " but this CPU lacks AMX-BF16 with AVX-512 BF16, or the "
+               "operating system refused it the tile state";
       return nullptr;
     }
   }
@@ -102,8 +101,9 @@ const KernelTable* SelectKernels(std::string_view requested, std::string_view se
   }
 #endif
   if (any || requested == "generic") return &generic::Kernels();
-  *error = named + " is not one of: amx, avx512bf16, avx512, avx2, generic, amx_emulated (or empty for the best "
-                   "this CPU runs)";
+  *error = named +
+           " is not one of: amx, avx512bf16, avx512, avx2, generic, amx_emulated (or empty for the best "
+           "this CPU runs)";
   return nullptr;
 }
 

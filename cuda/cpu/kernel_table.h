@@ -35,13 +35,25 @@ struct KernelTable {
   void (*reduce_query_gradient)(const Problem&, int64_t item, float* workspace);
 };
 
-namespace generic { const KernelTable& Kernels(); }
+namespace generic {
+const KernelTable& Kernels();
+}
 #if defined(__x86_64__) || defined(_M_X64)
-namespace avx2 { const KernelTable& Kernels(); }
-namespace avx512 { const KernelTable& Kernels(); }
-namespace avx512bf16 { const KernelTable& Kernels(); }
-namespace amx { const KernelTable& Kernels(); }
-namespace amx_emulated { const KernelTable& Kernels(); }
+namespace avx2 {
+const KernelTable& Kernels();
+}
+namespace avx512 {
+const KernelTable& Kernels();
+}
+namespace avx512bf16 {
+const KernelTable& Kernels();
+}
+namespace amx {
+const KernelTable& Kernels();
+}
+namespace amx_emulated {
+const KernelTable& Kernels();
+}
 #endif
 
 // The widest ISA this CPU runs (`requested` empty), or the one named ("amx", "avx512bf16",

@@ -2,11 +2,11 @@
 // AMX tiles (tile_gemm_amx.h AmxTiles), chosen at run time where the CPU has AMX and the
 // operating system grants its tile state (kernel_dispatch.cc).
 #if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <immintrin.h>
 
 // Shared (baseline-ISA) headers come before the target pragma; see vec.h.
 #include "cpu/convert.h"
@@ -15,7 +15,9 @@
 #include "cpu/tiling.h"
 
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,amx-tile,amx-bf16,avx2,fma,f16c"))), apply_to = function)
+#pragma clang attribute push(                                                                                 \
+    __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,amx-tile,amx-bf16,avx2,fma,f16c"))), \
+    apply_to = function)
 #else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,amx-tile,amx-bf16,avx2,fma,f16c")

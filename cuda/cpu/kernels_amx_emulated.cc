@@ -3,11 +3,11 @@
 // tile strides) where no AMX is, for the test suite. Chosen only by name
 // (JAX_FLASH_CPU_ISA=amx_emulated); slow.
 #if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <immintrin.h>
 
 // Shared (baseline-ISA) headers come before the target pragma; see vec.h.
 #include "cpu/convert.h"
@@ -16,7 +16,8 @@
 #include "cpu/tiling.h"
 
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,avx2,fma,f16c"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,avx2,fma,f16c"))), \
+                             apply_to = function)
 #else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,avx2,fma,f16c")

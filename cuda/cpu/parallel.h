@@ -56,8 +56,7 @@ class Workspace {
 // workspace of `workspace_floats` floats. Returns false if a workspace could not be
 // allocated (the items that worker claimed are then left undone).
 template <typename Tile>
-bool ParallelFor(xla::ffi::ThreadPool& pool, int64_t items, int64_t workspace_floats,
-                 const Tile& tile) {
+bool ParallelFor(xla::ffi::ThreadPool& pool, int64_t items, int64_t workspace_floats, const Tile& tile) {
   if (items <= 0) return true;
   struct State {
     std::atomic<int64_t> next{0};

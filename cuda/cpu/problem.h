@@ -169,13 +169,9 @@ struct Problem {
   // 1, or NaN for a NaN or +inf sink, which poisons every row of its head.
   static float SinkSum(float sink) { return sink < __builtin_inff() ? 1.0f : __builtin_nanf(""); }
   // Element offset of row t of query head n (q, dq).
-  int64_t q_row(int64_t b, int64_t t, int64_t n) const {
-    return ((b * q_len + t) * q_heads + n) * head_dim;
-  }
+  int64_t q_row(int64_t b, int64_t t, int64_t n) const { return ((b * q_len + t) * q_heads + n) * head_dim; }
   // Element offset of row t of query head n (out, dout).
-  int64_t o_row(int64_t b, int64_t t, int64_t n) const {
-    return ((b * q_len + t) * q_heads + n) * value_dim();
-  }
+  int64_t o_row(int64_t b, int64_t t, int64_t n) const { return ((b * q_len + t) * q_heads + n) * value_dim(); }
   // The row of k and v that holds key s of batch row b: b·S + s, or in a paged cache its
   // page's slot in the pool.
   int64_t key_row(int64_t b, int64_t s) const {
@@ -189,9 +185,7 @@ struct Problem {
   // Element offset of row s of kv head g (v, dv).
   int64_t v_row(int64_t b, int64_t s, int64_t g) const { return (key_row(b, s) * kv_heads + g) * value_dim(); }
   // Offset of (b, n, t) in the [B, N, T] statistics.
-  int64_t stat(int64_t b, int64_t n, int64_t t) const {
-    return (b * q_heads + n) * q_len + t;
-  }
+  int64_t stat(int64_t b, int64_t n, int64_t t) const { return (b * q_heads + n) * q_len + t; }
 };
 
 // The keys query row t may see, before segment ids: one interval [lo, hi), because
@@ -291,8 +285,8 @@ inline SegmentRange RangeOfSegments(const int32_t* ids, int64_t n) {
 // Classifies the tile of query rows [t0, t0 + rows) (all below q_valid) and keys
 // [s0, s0 + cols) (all below kv_valid), `padded` true when the tile's storage has
 // columns beyond `cols` that must be masked too.
-inline TileVisibility ClassifyTile(const MaskGeometry& g, int64_t t0, int64_t rows, int64_t s0,
-                                   int64_t cols, bool padded) {
+inline TileVisibility ClassifyTile(const MaskGeometry& g, int64_t t0, int64_t rows, int64_t s0, int64_t cols,
+                                   bool padded) {
   if (rows <= 0 || cols <= 0) return TileVisibility::kSkip;
   const KeyInterval first = g.keys_of_row(t0);
   const KeyInterval last = g.keys_of_row(t0 + rows - 1);

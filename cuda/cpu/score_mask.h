@@ -76,8 +76,7 @@ JAX_FLASH_INLINE void MaskScores(const ScoreTile& s, const MaskGeometry& g, int3
   const bool segments = g.q_segments != nullptr;
   const bool masked = dense.mask.data != nullptr;
   if (segments) {
-    for (int64_t j = 0; j < s.cols_padded; ++j)
-      segment_buffer[j] = j < s.cols ? g.kv_segments[s.s0 + j] : 0;
+    for (int64_t j = 0; j < s.cols_padded; ++j) segment_buffer[j] = j < s.cols ? g.kv_segments[s.s0 + j] : 0;
   }
   if (dense.visible != nullptr) {
     for (int64_t i = s.rows * s.ld; i < s.rows_padded * s.ld; ++i) dense.visible[i] = 0;

@@ -11,9 +11,9 @@
 // keys that see it.
 #pragma once
 
-#include "cpu/vec.h"
-#include "cpu/score_mask.h"
 #include "common/dropout.h"
+#include "cpu/score_mask.h"
+#include "cpu/vec.h"
 
 namespace jax_flash {
 namespace cpu {
@@ -109,7 +109,8 @@ JAX_FLASH_INLINE void UpdateOnlineSoftmax(const ScoreTile& s, float* m, float* l
     correction[i] = poisoned ? __builtin_nanf("") : alpha;
     l[i] = poisoned ? __builtin_nanf("") : l[i] * alpha + sum;
     m[i] = poisoned ? __builtin_nanf("") : m_new;
-    if (dropout != nullptr) DropRow(row, s.cols_padded, *dropout->setting, dropout->b, dropout->n, s.t0 + i, s.s0, 1.0f);
+    if (dropout != nullptr)
+      DropRow(row, s.cols_padded, *dropout->setting, dropout->b, dropout->n, s.t0 + i, s.s0, 1.0f);
     if (sees_bad_value) row[0] = __builtin_nanf("");  // any NaN weight: the whole row is NaN
   }
 }

@@ -6,9 +6,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <optional>
-#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -33,8 +33,7 @@ namespace {
 
 template <typename Fn>
 nb::capsule Capsule(Fn* fn) {
-  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, Fn, XLA_FFI_CallFrame*>,
-                "an XLA FFI handler");
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, Fn, XLA_FFI_CallFrame*>, "an XLA FFI handler");
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
@@ -134,8 +133,7 @@ void AddCpuFunctions(nb::module_& m) {
       "The process-wide cap on the cpu kernels' threads (0: every thread of XLA's pool), read from "
       "JAX_FLASH_CPU_THREADS once, when the extension is loaded.");
   m.def(
-      "set_cpu_thread_limit",
-      [](int64_t threads) { return cpu::ThreadLimit().exchange(threads > 0 ? threads : 0); },
+      "set_cpu_thread_limit", [](int64_t threads) { return cpu::ThreadLimit().exchange(threads > 0 ? threads : 0); },
       nb::arg("threads"),
       "Sets the process-wide cap on the cpu kernels' threads (0: none); returns the previous cap. "
       "Results are bitwise the same for every cap.");

@@ -36,8 +36,8 @@ JAX_FLASH_INLINE VecF PoisonInfinite(VecF x) {
 }
 
 template <bool kTransposeA, Accumulate kMode, int kVecs>
-JAX_FLASH_INLINE void GemmMicroTile(int64_t k_dim, const float* a, int64_t lda, const float* b,
-                                    int64_t ldb, float* c, int64_t ldc, const float* row_scale) {
+JAX_FLASH_INLINE void GemmMicroTile(int64_t k_dim, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+                                    int64_t ldc, const float* row_scale) {
   VecF acc[kGemmRows][kVecs];  // (rows of C, vectors along a row of C)
   for (int r = 0; r < kGemmRows; ++r) {
     for (int v = 0; v < kVecs; ++v) {
@@ -67,9 +67,8 @@ JAX_FLASH_INLINE void GemmMicroTile(int64_t k_dim, const float* a, int64_t lda, 
 // A(m, k) = a[m·lda + k], or a[k·lda + m] when kTransposeA.
 // M must be a multiple of kGemmRows and N of kLanes.
 template <bool kTransposeA, Accumulate kMode>
-JAX_FLASH_INLINE void Gemm(int64_t m_dim, int64_t n_dim, int64_t k_dim, const float* a, int64_t lda,
-                           const float* b, int64_t ldb, float* c, int64_t ldc,
-                           const float* row_scale = nullptr) {
+JAX_FLASH_INLINE void Gemm(int64_t m_dim, int64_t n_dim, int64_t k_dim, const float* a, int64_t lda, const float* b,
+                           int64_t ldb, float* c, int64_t ldc, const float* row_scale = nullptr) {
   // Column strips outside, rows inside: one strip of B (k_dim × kGemmVecs vectors,
   // 32 KB at k_dim = 128) stays in L1 while the rows of A stream past it.
   auto rows_of = [&](int64_t m) { return kTransposeA ? a + m : a + m * lda; };
@@ -77,17 +76,15 @@ JAX_FLASH_INLINE void Gemm(int64_t m_dim, int64_t n_dim, int64_t k_dim, const fl
   int64_t n = 0;
   for (; n + kGemmVecs * kLanes <= n_dim; n += kGemmVecs * kLanes)
     for (int64_t m = 0; m < m_dim; m += kGemmRows)
-      GemmMicroTile<kTransposeA, kMode, kGemmVecs>(k_dim, rows_of(m), lda, b + n, ldb,
-                                                   c + m * ldc + n, ldc, scale_of(m));
+      GemmMicroTile<kTransposeA, kMode, kGemmVecs>(k_dim, rows_of(m), lda, b + n, ldb, c + m * ldc + n, ldc,
+                                                   scale_of(m));
   // The remaining vectors: two at a time, then one.
   for (; n + 2 * kLanes <= n_dim; n += 2 * kLanes)
     for (int64_t m = 0; m < m_dim; m += kGemmRows)
-      GemmMicroTile<kTransposeA, kMode, 2>(k_dim, rows_of(m), lda, b + n, ldb, c + m * ldc + n,
-                                           ldc, scale_of(m));
+      GemmMicroTile<kTransposeA, kMode, 2>(k_dim, rows_of(m), lda, b + n, ldb, c + m * ldc + n, ldc, scale_of(m));
   for (; n < n_dim; n += kLanes)
     for (int64_t m = 0; m < m_dim; m += kGemmRows)
-      GemmMicroTile<kTransposeA, kMode, 1>(k_dim, rows_of(m), lda, b + n, ldb, c + m * ldc + n,
-                                           ldc, scale_of(m));
+      GemmMicroTile<kTransposeA, kMode, 1>(k_dim, rows_of(m), lda, b + n, ldb, c + m * ldc + n, ldc, scale_of(m));
 }
 
 }  // namespace JAX_FLASH_CPU_ISA

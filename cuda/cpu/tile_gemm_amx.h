@@ -52,38 +52,51 @@ struct alignas(64) TileConfig {
 #if defined(JAX_FLASH_CPU_AMX_HARDWARE)
 // The intrinsics name their tile register in the instruction text (a literal): one branch
 // per register.
-#define JAX_FLASH_AMX_EACH_TILE(kTile, STATEMENT)          \
-  if constexpr (kTile == 0) { STATEMENT(0); }              \
-  else if constexpr (kTile == 1) { STATEMENT(1); }         \
-  else if constexpr (kTile == 2) { STATEMENT(2); }         \
-  else if constexpr (kTile == 3) { STATEMENT(3); }         \
-  else if constexpr (kTile == 4) { STATEMENT(4); }         \
-  else if constexpr (kTile == 5) { STATEMENT(5); }         \
-  else if constexpr (kTile == 6) { STATEMENT(6); }         \
-  else { STATEMENT(7); }
+#define JAX_FLASH_AMX_EACH_TILE(kTile, STATEMENT) \
+  if constexpr (kTile == 0) {                     \
+    STATEMENT(0);                                 \
+  } else if constexpr (kTile == 1) {              \
+    STATEMENT(1);                                 \
+  } else if constexpr (kTile == 2) {              \
+    STATEMENT(2);                                 \
+  } else if constexpr (kTile == 3) {              \
+    STATEMENT(3);                                 \
+  } else if constexpr (kTile == 4) {              \
+    STATEMENT(4);                                 \
+  } else if constexpr (kTile == 5) {              \
+    STATEMENT(5);                                 \
+  } else if constexpr (kTile == 6) {              \
+    STATEMENT(6);                                 \
+  } else {                                        \
+    STATEMENT(7);                                 \
+  }
 struct AmxTiles {
   static void Configure() {
     static const TileConfig config;
     _tile_loadconfig(&config);
   }
   static void Release() { _tile_release(); }
-  template <int kTile> static void Zero() {
+  template <int kTile>
+  static void Zero() {
 #define JAX_FLASH_AMX_ZERO(t) _tile_zero(t)
     JAX_FLASH_AMX_EACH_TILE(kTile, JAX_FLASH_AMX_ZERO)
 #undef JAX_FLASH_AMX_ZERO
   }
-  template <int kTile> static void Load(const void* base, int64_t stride) {
+  template <int kTile>
+  static void Load(const void* base, int64_t stride) {
 #define JAX_FLASH_AMX_LOAD(t) _tile_loadd(t, base, stride)
     JAX_FLASH_AMX_EACH_TILE(kTile, JAX_FLASH_AMX_LOAD)
 #undef JAX_FLASH_AMX_LOAD
   }
-  template <int kTile> static void Store(void* base, int64_t stride) {
+  template <int kTile>
+  static void Store(void* base, int64_t stride) {
 #define JAX_FLASH_AMX_STORE(t) _tile_stored(t, base, stride)
     JAX_FLASH_AMX_EACH_TILE(kTile, JAX_FLASH_AMX_STORE)
 #undef JAX_FLASH_AMX_STORE
   }
   // C tile kC (0-3) += A tile kA (4-5) · B tile kB (6-7): the four pairings AmxBlock uses.
-  template <int kC, int kA, int kB> static void DotBF16() {
+  template <int kC, int kA, int kB>
+  static void DotBF16() {
     static_assert(kA == 4 + kC / 2 && kB == 6 + kC % 2, "AmxBlock's tile assignment");
     if constexpr (kC == 0) {
       _tile_dpbf16ps(0, 4, 6);
@@ -107,12 +120,17 @@ struct EmulatedTiles {
   static inline thread_local uint8_t tiles[8][kTileRows * kTileBytes];
   static void Configure() {}
   static void Release() {}
-  template <int kTile> static void Zero() { std::memset(tiles[kTile], 0, sizeof(tiles[kTile])); }
-  template <int kTile> static void Load(const void* base, int64_t stride) {
+  template <int kTile>
+  static void Zero() {
+    std::memset(tiles[kTile], 0, sizeof(tiles[kTile]));
+  }
+  template <int kTile>
+  static void Load(const void* base, int64_t stride) {
     for (int r = 0; r < kTileRows; ++r)
       std::memcpy(tiles[kTile] + r * kTileBytes, static_cast<const uint8_t*>(base) + r * stride, kTileBytes);
   }
-  template <int kTile> static void Store(void* base, int64_t stride) {
+  template <int kTile>
+  static void Store(void* base, int64_t stride) {
     for (int r = 0; r < kTileRows; ++r)
       std::memcpy(static_cast<uint8_t*>(base) + r * stride, tiles[kTile] + r * kTileBytes, kTileBytes);
   }
@@ -124,7 +142,8 @@ struct EmulatedTiles {
     std::memcpy(&x, &wide, 4);
     return x;
   }
-  template <int kC, int kA, int kB> static void DotBF16() {
+  template <int kC, int kA, int kB>
+  static void DotBF16() {
     float* c = reinterpret_cast<float*>(tiles[kC]);
     for (int m = 0; m < kTileRows; ++m) {
       for (int k = 0; k < kTilePairs; ++k) {
@@ -144,8 +163,8 @@ struct EmulatedTiles {
 // C tiles (kRowTiles × kColTiles, at most 2 × 2) at rows m, columns n of C: loaded (kAdd)
 // or zeroed (kOverwrite), `pairs` (a multiple of 16) reduction pairs added, stored.
 template <class Tiles, bool kLoadC, int kRowTiles, int kColTiles>
-JAX_FLASH_INLINE void AmxBlock(int64_t pairs, const uint16_t* a, int64_t lda, const uint16_t* b,
-                               int64_t ldb, float* c, int64_t ldc) {
+JAX_FLASH_INLINE void AmxBlock(int64_t pairs, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float* c,
+                               int64_t ldc) {
   auto c_at = [&](int r, int col) { return c + r * kTileRows * ldc + col * kTileCols; };
   auto for_c = [&](auto f) {
     f(std::integral_constant<int, 0>{});
@@ -182,9 +201,8 @@ JAX_FLASH_INLINE void MapRows(float* c, int64_t ldc, int64_t rows, int64_t n_dim
 // GemmBF16's contract (M a multiple of kGemmRows, N of 16; A's and B's elements past the
 // real reduction length zero pairs), on AMX where the shape has whole tiles.
 template <class Tiles, Accumulate kMode>
-void GemmAMX(int64_t m_dim, int64_t n_dim, int64_t pairs, const uint16_t* a, int64_t lda,
-             const uint16_t* b, int64_t ldb, float* c, int64_t ldc, const float* row_scale = nullptr,
-             float out_scale = 1.0f) {
+void GemmAMX(int64_t m_dim, int64_t n_dim, int64_t pairs, const uint16_t* a, int64_t lda, const uint16_t* b,
+             int64_t ldb, float* c, int64_t ldc, const float* row_scale = nullptr, float out_scale = 1.0f) {
   const int64_t m_tiles = m_dim / kTileRows * kTileRows;
   const int64_t tile_pairs = pairs / kTilePairs * kTilePairs;
   if (m_tiles == 0 || tile_pairs == 0) {
@@ -192,7 +210,8 @@ void GemmAMX(int64_t m_dim, int64_t n_dim, int64_t pairs, const uint16_t* a, int
     return;
   }
   // The online softmax's correction first, so that the tiles only add.
-  if (kMode == Accumulate::kRescale) MapRows(c, ldc, m_tiles, n_dim, [&](int64_t i, VecF x) { return x * row_scale[i]; });
+  if (kMode == Accumulate::kRescale)
+    MapRows(c, ldc, m_tiles, n_dim, [&](int64_t i, VecF x) { return x * row_scale[i]; });
   constexpr bool kOverwrite = kMode == Accumulate::kOverwrite || kMode == Accumulate::kScores;
   constexpr bool kLoadC = !kOverwrite;
   Tiles::Configure();
@@ -217,8 +236,8 @@ void GemmAMX(int64_t m_dim, int64_t n_dim, int64_t pairs, const uint16_t* a, int
   Tiles::Release();
   // The pairs past the last whole step, then the overwrite's scale, on the tile rows.
   if (tile_pairs < pairs)
-    GemmBF16<Accumulate::kAdd>(m_tiles, n_dim, pairs - tile_pairs, a + 2 * tile_pairs, lda,
-                               b + tile_pairs * 2 * ldb, ldb, c, ldc);
+    GemmBF16<Accumulate::kAdd>(m_tiles, n_dim, pairs - tile_pairs, a + 2 * tile_pairs, lda, b + tile_pairs * 2 * ldb,
+                               ldb, c, ldc);
   if (kMode == Accumulate::kScores) {
     MapRows(c, ldc, m_tiles, n_dim, [&](int64_t, VecF x) { return PoisonInfinite(x * out_scale); });
   } else if (kOverwrite && out_scale != 1.0f) {

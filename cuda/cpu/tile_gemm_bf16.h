@@ -33,9 +33,8 @@ JAX_FLASH_INLINE __m512 DotPairs(__m512 acc, __m512i a_pairs, __m512i b_pairs) {
 
 // C micro-tile (kGemmRows × kVecs vectors) over `pairs` reduction pairs.
 template <Accumulate kMode, int kVecs>
-JAX_FLASH_INLINE void GemmMicroTileBF16(int64_t pairs, const uint16_t* a, int64_t lda,
-                                        const uint16_t* b, int64_t ldb, float* c, int64_t ldc,
-                                        const float* row_scale, float out_scale) {
+JAX_FLASH_INLINE void GemmMicroTileBF16(int64_t pairs, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb,
+                                        float* c, int64_t ldc, const float* row_scale, float out_scale) {
   __m512 acc[kGemmRows][kVecs];
   for (int r = 0; r < kGemmRows; ++r) {
     for (int v = 0; v < kVecs; ++v) {
@@ -73,33 +72,31 @@ JAX_FLASH_INLINE void GemmMicroTileBF16(int64_t pairs, const uint16_t* a, int64_
 // above; out_scale only with kOverwrite and kScores). M must be a multiple of kGemmRows, N of 16;
 // A's and B's elements past the real reduction length must be zero (finite) pairs.
 template <Accumulate kMode>
-JAX_FLASH_INLINE void GemmBF16(int64_t m_dim, int64_t n_dim, int64_t pairs, const uint16_t* a,
-                               int64_t lda, const uint16_t* b, int64_t ldb, float* c, int64_t ldc,
-                               const float* row_scale = nullptr, float out_scale = 1.0f) {
+JAX_FLASH_INLINE void GemmBF16(int64_t m_dim, int64_t n_dim, int64_t pairs, const uint16_t* a, int64_t lda,
+                               const uint16_t* b, int64_t ldb, float* c, int64_t ldc, const float* row_scale = nullptr,
+                               float out_scale = 1.0f) {
   auto scale_of = [&](int64_t m) { return row_scale == nullptr ? nullptr : row_scale + m; };
   int64_t n = 0;
   for (; n + kGemmVecsBF16 * kLanes <= n_dim; n += kGemmVecsBF16 * kLanes)
     for (int64_t m = 0; m < m_dim; m += kGemmRows)
-      GemmMicroTileBF16<kMode, kGemmVecsBF16>(pairs, a + m * lda, lda, b + 2 * n, ldb,
-                                              c + m * ldc + n, ldc, scale_of(m), out_scale);
+      GemmMicroTileBF16<kMode, kGemmVecsBF16>(pairs, a + m * lda, lda, b + 2 * n, ldb, c + m * ldc + n, ldc,
+                                              scale_of(m), out_scale);
   for (; n + 2 * kLanes <= n_dim; n += 2 * kLanes)
     for (int64_t m = 0; m < m_dim; m += kGemmRows)
-      GemmMicroTileBF16<kMode, 2>(pairs, a + m * lda, lda, b + 2 * n, ldb, c + m * ldc + n, ldc,
-                                  scale_of(m), out_scale);
+      GemmMicroTileBF16<kMode, 2>(pairs, a + m * lda, lda, b + 2 * n, ldb, c + m * ldc + n, ldc, scale_of(m),
+                                  out_scale);
   for (; n < n_dim; n += kLanes)
     for (int64_t m = 0; m < m_dim; m += kGemmRows)
-      GemmMicroTileBF16<kMode, 1>(pairs, a + m * lda, lda, b + 2 * n, ldb, c + m * ldc + n, ldc,
-                                  scale_of(m), out_scale);
+      GemmMicroTileBF16<kMode, 1>(pairs, a + m * lda, lda, b + 2 * n, ldb, c + m * ldc + n, ldc, scale_of(m),
+                                  out_scale);
 }
 
 // 16 floats -> 16 bf16, round to nearest even.
-JAX_FLASH_INLINE __m256i RoundToBF16(const float* x) {
-  return (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x));
-}
+JAX_FLASH_INLINE __m256i RoundToBF16(const float* x) { return (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x)); }
 
 // dst[i][j] = bf16(src[i][j]) for i < rows, j < cols (cols a multiple of 16).
-JAX_FLASH_INLINE void RoundRowsToBF16(const float* src, int64_t ld_src, int64_t rows, int64_t cols,
-                                      uint16_t* dst, int64_t ld_dst) {
+JAX_FLASH_INLINE void RoundRowsToBF16(const float* src, int64_t ld_src, int64_t rows, int64_t cols, uint16_t* dst,
+                                      int64_t ld_dst) {
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = 0; j < cols; j += kLanes)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i * ld_dst + j), RoundToBF16(src + i * ld_src + j));
@@ -107,16 +104,16 @@ JAX_FLASH_INLINE void RoundRowsToBF16(const float* src, int64_t ld_src, int64_t 
 
 // Interleaves two rows of 16 bf16 (x0..x15, y0..y15) into pairs (x0 y0 x1 y1 ...).
 JAX_FLASH_INLINE __m512i InterleavePairs(__m256i x, __m256i y) {
-  const __m512i index = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i index = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
+                                         5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   return _mm512_permutex2var_epi16(_mm512_castsi256_si512(x), index, _mm512_castsi256_si512(y));
 }
 
 // dst = src [rows][cols] f32 rounded to bf16 in pair layout over rows:
 // dst[(i/2)·2·ld_dst + 2j + i%2] = bf16(src[i][j]); rows in [rows, rows rounded up to
 // 2) are zero. cols a multiple of 16.
-JAX_FLASH_INLINE void RoundRowsToPairs(const float* src, int64_t ld_src, int64_t rows, int64_t cols,
-                                       uint16_t* dst, int64_t ld_dst) {
+JAX_FLASH_INLINE void RoundRowsToPairs(const float* src, int64_t ld_src, int64_t rows, int64_t cols, uint16_t* dst,
+                                       int64_t ld_dst) {
   for (int64_t i = 0; i < rows; i += 2) {
     uint16_t* out = dst + i * ld_dst;  // (i/2)·2·ld_dst
     for (int64_t j = 0; j < cols; j += kLanes) {

@@ -28,8 +28,7 @@ struct RowBlock {
 
 // tile[i][h] = factor * src(i, h), row-major with leading dimension ld; rows in
 // [src.rows, padded_rows) and columns in [src.cols, ld) are zero.
-JAX_FLASH_INLINE void PackRows(const RowBlock& src, float factor, int64_t padded_rows, int64_t ld,
-                               float* tile) {
+JAX_FLASH_INLINE void PackRows(const RowBlock& src, float factor, int64_t padded_rows, int64_t ld, float* tile) {
   for (int64_t i = 0; i < padded_rows; ++i) {
     float* row = tile + i * ld;
     int64_t h = 0;
@@ -46,8 +45,8 @@ JAX_FLASH_INLINE void PackRows(const RowBlock& src, float factor, int64_t padded
 // tile[h][j] = src(j, h): the operand transposed so that a product over h is
 // vectorised along j (scores S = Q·Kᵀ and dP = dO·Vᵀ). Columns j in
 // [src.rows, padded_cols) are zero. `row_buffer` holds src.cols floats.
-JAX_FLASH_INLINE void PackTransposed(const RowBlock& src, int64_t padded_cols, int64_t ld,
-                                     float* row_buffer, float* tile) {
+JAX_FLASH_INLINE void PackTransposed(const RowBlock& src, int64_t padded_cols, int64_t ld, float* row_buffer,
+                                     float* tile) {
   for (int64_t j = 0; j < src.rows; ++j) {
     LoadRow(src.base, src.type, src.first + j * src.stride, src.cols, row_buffer);
     for (int64_t h = 0; h < src.cols; ++h) tile[h * ld + j] = row_buffer[h];
@@ -67,8 +66,7 @@ JAX_FLASH_INLINE void ZeroNonFinite(float* tile, int64_t n) {
 // The `keys` rows of key block (b, kv head g, first key s0) of k, or of v (`values`): in
 // place in a contiguous cache. A paged cache's rows lie on several pages, so they are copied,
 // still in the input dtype, into `staging` (kBlockK x max(H, Hv) elements) first.
-inline RowBlock KeyRows(const Problem& p, int64_t b, int64_t g, int64_t s0, int64_t keys, bool values,
-                        float* staging) {
+inline RowBlock KeyRows(const Problem& p, int64_t b, int64_t g, int64_t s0, int64_t keys, bool values, float* staging) {
   const int64_t width = values ? p.value_dim() : p.head_dim;
   const void* src = values ? p.v : p.k;
   if (p.page_table == nullptr)
@@ -102,8 +100,7 @@ inline void FindNonFiniteRows(const RowBlock& v, int32_t* bad, float* row_buffer
 // call and key block, so that no tile widens V again.
 inline void FindNonFiniteValues(const Problem& p, int64_t item, float* row_buffer) {
   const auto [b, g, s0, keys] = KeyBlockOf(p, item);
-  FindNonFiniteRows(KeyRows(p, b, g, s0, keys, true, nullptr), p.packed.bad_values + item * (kBlockK + 1),
-                    row_buffer);
+  FindNonFiniteRows(KeyRows(p, b, g, s0, keys, true, nullptr), p.packed.bad_values + item * (kBlockK + 1), row_buffer);
 }
 
 // The flags of the key block at (b, g, s0) for UpdateOnlineSoftmax: null when none of
@@ -129,8 +126,7 @@ inline KeyBlockLayouts PackedKeyBlock(const Problem& p, int64_t item) {
 
 // Packs the key block `block` of every layout `dst` asks for, in float32.
 // `row_buffer` holds max(H, Hv) floats.
-inline void PackKeyBlock(const Problem& p, const KeyBlockItem& block, const KeyBlockLayouts& dst,
-                         float* row_buffer) {
+inline void PackKeyBlock(const Problem& p, const KeyBlockItem& block, const KeyBlockLayouts& dst, float* row_buffer) {
   const auto [b, g, s0, keys] = block;
   const int64_t ld = RowStride(p);
   const RowBlock k = KeyRows(p, b, g, s0, keys, false, nullptr);
@@ -156,8 +152,7 @@ inline void PackQueryBlock(const Problem& p, const QueryBlockItem& block, float*
   const int64_t ld = RowStride(p);
   const int64_t hv = p.value_dim();
   // Finite: the backward's scores need no poisoned q, a poisoned row's lse is NaN.
-  PackRows({p.q, p.dtype, p.q_row(b, t0, n), p.q_heads * p.head_dim, rows, p.head_dim}, p.scale,
-           kBlockQ, ld, q_dst);
+  PackRows({p.q, p.dtype, p.q_row(b, t0, n), p.q_heads * p.head_dim, rows, p.head_dim}, p.scale, kBlockQ, ld, q_dst);
   ZeroNonFinite(q_dst, kBlockQ * ld);
   PackRows({p.dout, p.dtype, p.o_row(b, t0, n), p.q_heads * hv, rows, hv}, 1.0f, kBlockQ, ld, dout_dst);
   const float* dout = dout_dst;

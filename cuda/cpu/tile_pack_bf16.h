@@ -39,8 +39,8 @@ JAX_FLASH_INLINE void PackRowsBF16(const RowBlock& src, int64_t padded_rows, int
 }
 
 // dst[h][i] = src(i, h) for h < padded_cols, i < padded_rows (zero outside src).
-JAX_FLASH_INLINE void PackTransposedBF16(const RowBlock& src, int64_t padded_rows, int64_t padded_cols,
-                                         int64_t ld, uint16_t* dst) {
+JAX_FLASH_INLINE void PackTransposedBF16(const RowBlock& src, int64_t padded_rows, int64_t padded_cols, int64_t ld,
+                                         uint16_t* dst) {
   for (int64_t h = 0; h < padded_cols; ++h)
     for (int64_t i = 0; i < padded_rows; ++i) dst[h * ld + i] = 0;
   for (int64_t i = 0; i < src.rows; ++i) {

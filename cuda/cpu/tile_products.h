@@ -54,38 +54,35 @@ struct F32Products {
   }
   // s = logits before the bias and the soft cap: (scale·Q)·Kᵀ (over H), a ±inf product as NaN
   // (PoisonInfinite).  [rows_padded][cols_padded]
-  static void Scores(const Problem& p, int64_t rows_padded, int64_t cols_padded, const float* q,
-                     const float* k_t, float* s) {
-    Gemm<false, Accumulate::kScores>(rows_padded, cols_padded, p.head_dim, q, RowStride(p), k_t,
-                                     kKeyStride, s, kBlockK);
+  static void Scores(const Problem& p, int64_t rows_padded, int64_t cols_padded, const float* q, const float* k_t,
+                     float* s) {
+    Gemm<false, Accumulate::kScores>(rows_padded, cols_padded, p.head_dim, q, RowStride(p), k_t, kKeyStride, s,
+                                     kBlockK);
   }
   // dp = dO·Vᵀ (over Hv).
-  static void ProbabilityGradient(const Problem& p, int64_t rows_padded, int64_t cols_padded,
-                                  const float* dout, const float* v_t, float* dp) {
-    Gemm<false, Accumulate::kOverwrite>(rows_padded, cols_padded, p.value_dim(), dout, RowStride(p),
-                                        v_t, kKeyStride, dp, kBlockK);
+  static void ProbabilityGradient(const Problem& p, int64_t rows_padded, int64_t cols_padded, const float* dout,
+                                  const float* v_t, float* dp) {
+    Gemm<false, Accumulate::kOverwrite>(rows_padded, cols_padded, p.value_dim(), dout, RowStride(p), v_t, kKeyStride,
+                                        dp, kBlockK);
   }
   // o = diag(correction)·o + P·V over the tile's `cols` keys.
-  static void AccumulateValues(const Problem& p, int64_t rows_padded, int64_t cols,
-                               const float* probabilities, float* scratch, const float* v, float* o,
-                               const float* correction) {
+  static void AccumulateValues(const Problem& p, int64_t rows_padded, int64_t cols, const float* probabilities,
+                               float* scratch, const float* v, float* o, const float* correction) {
     const int64_t ld = RowStride(p);
-    Gemm<false, Accumulate::kRescale>(rows_padded, PaddedValueDim(p), cols, probabilities, kBlockK,
-                                      v, ld, o, ld, correction);
+    Gemm<false, Accumulate::kRescale>(rows_padded, PaddedValueDim(p), cols, probabilities, kBlockK, v, ld, o, ld,
+                                      correction);
   }
   // dv += Pᵀ·dO, dk += dSᵀ·(scale·Q) over the tile's real `rows`.
   static void AccumulateKeyValueGradients(const Problem& p, int64_t rows, int64_t cols_padded,
-                                          const float* probabilities, const float* ds,
-                                          const float* q, const float* dout, float* scratch,
-                                          float* dk, float* dv) {
+                                          const float* probabilities, const float* ds, const float* q,
+                                          const float* dout, float* scratch, float* dk, float* dv) {
     const int64_t ld = RowStride(p);
-    Gemm<true, Accumulate::kAdd>(cols_padded, PaddedValueDim(p), rows, probabilities, kBlockK, dout,
-                                 ld, dv, ld);
+    Gemm<true, Accumulate::kAdd>(cols_padded, PaddedValueDim(p), rows, probabilities, kBlockK, dout, ld, dv, ld);
     Gemm<true, Accumulate::kAdd>(cols_padded, PaddedKeyDim(p), rows, ds, kBlockK, q, ld, dk, ld);
   }
   // dq += dS·K over the tile's `cols` keys (scale is applied when dQ is written).
-  static void AccumulateQueryGradient(const Problem& p, int64_t rows_padded, int64_t cols,
-                                      const float* ds, const float* k, float* scratch, float* dq) {
+  static void AccumulateQueryGradient(const Problem& p, int64_t rows_padded, int64_t cols, const float* ds,
+                                      const float* k, float* scratch, float* dq) {
     const int64_t ld = RowStride(p);
     Gemm<false, Accumulate::kAdd>(rows_padded, PaddedKeyDim(p), cols, ds, kBlockK, k, ld, dq, ld);
   }
@@ -99,8 +96,8 @@ struct F32Products {
 // The bf16 tile product of this ISA: AMX tiles where the translation unit names them
 // (tile_gemm_amx.h), vdpbf16ps otherwise; the same layouts and contract.
 template <Accumulate kMode>
-JAX_FLASH_INLINE void ProductBF16(int64_t m_dim, int64_t n_dim, int64_t pairs, const uint16_t* a,
-                                  int64_t lda, const uint16_t* b, int64_t ldb, float* c, int64_t ldc,
+JAX_FLASH_INLINE void ProductBF16(int64_t m_dim, int64_t n_dim, int64_t pairs, const uint16_t* a, int64_t lda,
+                                  const uint16_t* b, int64_t ldb, float* c, int64_t ldc,
                                   const float* row_scale = nullptr, float out_scale = 1.0f) {
 #if defined(JAX_FLASH_CPU_AMX_TILES)
   GemmAMX<JAX_FLASH_CPU_AMX_TILES, kMode>(m_dim, n_dim, pairs, a, lda, b, ldb, c, ldc, row_scale, out_scale);
@@ -121,49 +118,47 @@ struct BF16Products {
     PackPairsAcrossRows(v, kBlockK, RowStride(p), AsBF16(v_rows));
     ZeroNonFiniteBF16(AsBF16(v_rows), kBlockK * RowStride(p));
   }
-  static void Scores(const Problem& p, int64_t rows_padded, int64_t cols_padded, const float* q,
-                     const float* k_t, float* s) {
-    ProductBF16<Accumulate::kScores>(rows_padded, cols_padded, PaddedKeyDim(p) / 2, AsBF16(q),
-                                  RowStride(p), AsBF16(k_t), kKeyStride, s, kBlockK, nullptr, p.scale);
+  static void Scores(const Problem& p, int64_t rows_padded, int64_t cols_padded, const float* q, const float* k_t,
+                     float* s) {
+    ProductBF16<Accumulate::kScores>(rows_padded, cols_padded, PaddedKeyDim(p) / 2, AsBF16(q), RowStride(p),
+                                     AsBF16(k_t), kKeyStride, s, kBlockK, nullptr, p.scale);
   }
-  static void ProbabilityGradient(const Problem& p, int64_t rows_padded, int64_t cols_padded,
-                                  const float* dout, const float* v_t, float* dp) {
-    ProductBF16<Accumulate::kOverwrite>(rows_padded, cols_padded, PaddedValueDim(p) / 2, AsBF16(dout),
-                                     RowStride(p), AsBF16(v_t), kKeyStride, dp, kBlockK);
+  static void ProbabilityGradient(const Problem& p, int64_t rows_padded, int64_t cols_padded, const float* dout,
+                                  const float* v_t, float* dp) {
+    ProductBF16<Accumulate::kOverwrite>(rows_padded, cols_padded, PaddedValueDim(p) / 2, AsBF16(dout), RowStride(p),
+                                        AsBF16(v_t), kKeyStride, dp, kBlockK);
   }
-  static void AccumulateValues(const Problem& p, int64_t rows_padded, int64_t cols,
-                               const float* probabilities, float* scratch, const float* v, float* o,
-                               const float* correction) {
+  static void AccumulateValues(const Problem& p, int64_t rows_padded, int64_t cols, const float* probabilities,
+                               float* scratch, const float* v, float* o, const float* correction) {
     // P rounded to bf16 rows [rows_padded][kBlockK]; its padding columns are P = 0.
     const int64_t cols_even = RoundUp(cols, 2);
     uint16_t* p16 = AsBF16(scratch);
     RoundRowsToBF16(probabilities, kBlockK, rows_padded, RoundUp(cols, kLanes), p16, kBlockK);
     const int64_t ld = RowStride(p);
-    ProductBF16<Accumulate::kRescale>(rows_padded, PaddedValueDim(p), cols_even / 2, p16, kBlockK,
-                                   AsBF16(v), ld, o, ld, correction);
+    ProductBF16<Accumulate::kRescale>(rows_padded, PaddedValueDim(p), cols_even / 2, p16, kBlockK, AsBF16(v), ld, o, ld,
+                                      correction);
   }
   // Transposed accumulators: dvᵀ += dOᵀ·P, dkᵀ += Qᵀ·dS over the tile's real rows
   // (P and dS in pair layout over rows; the row past an odd count is zero).
   static void AccumulateKeyValueGradients(const Problem& p, int64_t rows, int64_t cols_padded,
-                                          const float* probabilities, const float* ds,
-                                          const float* q, const float* dout, float* scratch,
-                                          float* dk, float* dv) {
+                                          const float* probabilities, const float* ds, const float* q,
+                                          const float* dout, float* scratch, float* dk, float* dv) {
     const int64_t offset = TransposedQueryOffset(p);
     uint16_t* pairs = AsBF16(scratch);
     RoundRowsToPairs(probabilities, kBlockK, rows, cols_padded, pairs, kBlockK);
-    ProductBF16<Accumulate::kAdd>(PaddedValueDim(p), cols_padded, RoundUp(rows, 2) / 2,
-                               AsBF16(dout) + offset, kBlockQ, pairs, kBlockK, dv, kKeyStride);
+    ProductBF16<Accumulate::kAdd>(PaddedValueDim(p), cols_padded, RoundUp(rows, 2) / 2, AsBF16(dout) + offset, kBlockQ,
+                                  pairs, kBlockK, dv, kKeyStride);
     RoundRowsToPairs(ds, kBlockK, rows, cols_padded, pairs, kBlockK);
-    ProductBF16<Accumulate::kAdd>(PaddedKeyDim(p), cols_padded, RoundUp(rows, 2) / 2,
-                               AsBF16(q) + offset, kBlockQ, pairs, kBlockK, dk, kKeyStride);
+    ProductBF16<Accumulate::kAdd>(PaddedKeyDim(p), cols_padded, RoundUp(rows, 2) / 2, AsBF16(q) + offset, kBlockQ,
+                                  pairs, kBlockK, dk, kKeyStride);
   }
-  static void AccumulateQueryGradient(const Problem& p, int64_t rows_padded, int64_t cols,
-                                      const float* ds, const float* k, float* scratch, float* dq) {
+  static void AccumulateQueryGradient(const Problem& p, int64_t rows_padded, int64_t cols, const float* ds,
+                                      const float* k, float* scratch, float* dq) {
     uint16_t* ds16 = AsBF16(scratch);
     RoundRowsToBF16(ds, kBlockK, rows_padded, RoundUp(cols, kLanes), ds16, kBlockK);
     const int64_t ld = RowStride(p);
-    ProductBF16<Accumulate::kAdd>(rows_padded, PaddedKeyDim(p), RoundUp(cols, 2) / 2, ds16, kBlockK,
-                               AsBF16(k), ld, dq, ld);
+    ProductBF16<Accumulate::kAdd>(rows_padded, PaddedKeyDim(p), RoundUp(cols, 2) / 2, ds16, kBlockK, AsBF16(k), ld, dq,
+                                  ld);
   }
   static int64_t KeyGradientIndex(const Problem& p, int64_t j, int64_t h) { return h * kKeyStride + j; }
   static float KeyGradientFactor(const Problem& p) { return p.scale; }

@@ -111,9 +111,7 @@ inline ChunkBlocks ChunkBlocksOf(int64_t blocks, int64_t c, int64_t chunks) {
 // the chunks share its elements and add into their own partials (BiasGradientPartials),
 // summed in chunk order after the pass, like dQ.
 constexpr int64_t kMaxGradientChunks = 4;
-inline int64_t GradientBatchItems(const Problem& p) {
-  return p.bias.present() && p.bias.broadcasts(0) ? 1 : p.batch;
-}
+inline int64_t GradientBatchItems(const Problem& p) { return p.bias.present() && p.bias.broadcasts(0) ? 1 : p.batch; }
 inline int64_t GradientKvHeadItems(const Problem& p) {
   return p.bias.present() && p.bias.broadcasts(1) ? 1 : p.kv_heads;
 }
@@ -209,8 +207,8 @@ inline Blocking BlockingFor(int64_t head_dim, ElementType dtype, bool bf16_produ
   Blocking b{kBlockQ, kBlockK, 2 * key_operand, 0, 0};
   b.forward_bytes = rows * element / 4 + scores + rows + 2 * key_operand;
   // bf16 query blocks hold rows and their transposes.
-  b.backward_bytes = 2 * rows * element / 4 * (element == 2 ? 2 : 1) + 3 * scores +
-                     3 * key_operand + 2 * key_gradient + rows;
+  b.backward_bytes =
+      2 * rows * element / 4 * (element == 2 ? 2 : 1) + 3 * scores + 3 * key_operand + 2 * key_gradient + rows;
   return b;
 }
 

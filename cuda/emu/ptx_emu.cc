@@ -141,11 +141,9 @@ std::string compute_ldmatrix(uint32_t, const void* const* in, void* const* out, 
 }
 
 const detail::CollectiveKind kLdmatrixX4{"ldmatrix.sync.aligned.m8n8.x4.shared.b16", &compute_ldmatrix<4, false>};
-const detail::CollectiveKind kLdmatrixX4T{"ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
-                                          &compute_ldmatrix<4, true>};
+const detail::CollectiveKind kLdmatrixX4T{"ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", &compute_ldmatrix<4, true>};
 const detail::CollectiveKind kLdmatrixX2{"ldmatrix.sync.aligned.m8n8.x2.shared.b16", &compute_ldmatrix<2, false>};
-const detail::CollectiveKind kLdmatrixX2T{"ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16",
-                                          &compute_ldmatrix<2, true>};
+const detail::CollectiveKind kLdmatrixX2T{"ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16", &compute_ldmatrix<2, true>};
 
 }  // namespace
 
@@ -216,8 +214,7 @@ template <class T>
 T* check_global(const char* what, T* p, size_t bytes, detail::MemOp op, const char* file, int line) {
   p = untag_global(p);
   if (reinterpret_cast<uintptr_t>(p) % bytes != 0)
-    detail::fail(std::string(what) + ": address " + hex_ptr(p) + " is not " + std::to_string(bytes) +
-                 "-byte aligned");
+    detail::fail(std::string(what) + ": address " + hex_ptr(p) + " is not " + std::to_string(bytes) + "-byte aligned");
   detail::check_global(p, bytes, op, what, file, line);
   return p;
 }

@@ -22,7 +22,7 @@
 #include "emu/fp16.h"
 #include "emu/simt.h"
 
-#define JAX_FLASH_EMU_SITE const char* file = __builtin_FILE(), int line = __builtin_LINE()
+#define JAX_FLASH_EMU_SITE const char *file = __builtin_FILE(), int line = __builtin_LINE()
 
 namespace jax_flash {
 namespace emu {

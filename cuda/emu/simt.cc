@@ -363,9 +363,10 @@ void record_error(Runtime& rt, const std::string& message) {
   Fiber* self = rt.current;
   if (sigsetjmp(self->fault, 0) != 0) {
     // on_fault jumped here: the kernel's frames are abandoned (kernels hold no resources).
-    record_error(rt, "memory fault in the kernel: a plain C++ load or store of global memory (the kernels "
-                     "access it only through the PTX wrappers of kernels/ptx.h: ld/st.global, red.global, "
-                     "cp.async), or a wild pointer");
+    record_error(rt,
+                 "memory fault in the kernel: a plain C++ load or store of global memory (the kernels "
+                 "access it only through the PTX wrappers of kernels/ptx.h: ld/st.global, red.global, "
+                 "cp.async), or a wild pointer");
     self->state = State::kExited;
     switch_away(rt, self);
     std::abort();
@@ -665,14 +666,11 @@ std::string compute_shfl(uint32_t mask, const void* const* in, void* const* out,
     const ShflIn& x = *static_cast<const ShflIn*>(in[l]);
     const int width = x.width;
     if (width < 1 || width > kWarpSize || (width & (width - 1)))
-      return "shfl: width " + std::to_string(width) + " of lane " + std::to_string(l) +
-             " is not a power of two <= 32";
+      return "shfl: width " + std::to_string(width) + " of lane " + std::to_string(l) + " is not a power of two <= 32";
     const int seg_lo = l & ~(width - 1), seg_hi = seg_lo + width;
     int src = l;
     switch (kMode) {
-      case ShflMode::kIdx:
-        src = seg_lo + (x.lane_arg & (width - 1));
-        break;
+      case ShflMode::kIdx: src = seg_lo + (x.lane_arg & (width - 1)); break;
       case ShflMode::kUp:
         src = l - x.lane_arg;
         if (src < seg_lo) src = l;
@@ -687,8 +685,8 @@ std::string compute_shfl(uint32_t mask, const void* const* in, void* const* out,
         break;
     }
     if (src < 0 || src >= kWarpSize || !(mask & (1u << src)))
-      return "shfl: lane " + std::to_string(l) + " reads lane " + std::to_string(src) +
-             ", which is not in the mask " + hex(mask) + " (undefined on the GPU)";
+      return "shfl: lane " + std::to_string(l) + " reads lane " + std::to_string(src) + ", which is not in the mask " +
+             hex(mask) + " (undefined on the GPU)";
     result[l] = static_cast<const ShflIn*>(in[src])->value;
   }
   for (int l = 0; l < kWarpSize; ++l)
@@ -759,8 +757,10 @@ std::string site_str(const Runtime& rt, uint16_t site) {
   if (e.file == nullptr) return s;
   std::string f = e.file;
   size_t cut = f.rfind("/cuda/");
-  if (cut != std::string::npos) f = f.substr(cut + 6);
-  else if ((cut = f.rfind('/')) != std::string::npos) f = f.substr(cut + 1);
+  if (cut != std::string::npos)
+    f = f.substr(cut + 6);
+  else if ((cut = f.rfind('/')) != std::string::npos)
+    f = f.substr(cut + 1);
   return s + " at " + f + ":" + std::to_string(e.line);
 }
 
@@ -792,8 +792,7 @@ std::string race(const Runtime& rt, const Fiber& me, const char* verb, size_t of
 
 }  // namespace
 
-std::string smem_access(int lane, const void* p, size_t bytes, MemOp op, const char* what, const char* file,
-                        int line) {
+std::string smem_access(int lane, const void* p, size_t bytes, MemOp op, const char* what, const char* file, int line) {
   Runtime& rt = runtime(what);
   const Fiber& me = lane < 0 ? *rt.current : rt.fibers[rt.current->warp * kWarpSize + lane];
   const Warp& w = rt.warps[me.warp];
@@ -806,8 +805,8 @@ std::string smem_access(int lane, const void* p, size_t bytes, MemOp op, const c
     if (!ordered(rt, me, b.w_thread, b.w_epoch, b.w_gen))
       return race(rt, me, op == MemOp::kRead ? "reads" : "overwrites", i, site, b.w_thread - 1, "wrote", b.w_site);
     if (rt.in_flight[i / 16] != 0)
-      return site_str(rt, site) + " by " + thread_of(rt, me.index) + " " +
-             (op == MemOp::kRead ? "reads" : "writes") + " shared memory offset " + std::to_string(i) +
+      return site_str(rt, site) + " by " + thread_of(rt, me.index) + " " + (op == MemOp::kRead ? "reads" : "writes") +
+             " shared memory offset " + std::to_string(i) +
              " while a cp.async into it has not been waited for (missing cp.async.wait_group or __syncthreads)";
     if (op == MemOp::kRead) {
       if (b.r_epoch != rt.epoch) {
@@ -881,8 +880,8 @@ void check_global(const void* p, size_t bytes, MemOp op, const char* what, const
   const char* c = static_cast<const char*>(p);
   if (c >= rt.smem && c < rt.smem + rt.smem_bytes) return;  // shared memory (atomics on it)
   const char* verb = op == MemOp::kRead ? "reads" : op == MemOp::kWrite ? "writes" : "atomically updates";
-  const std::string at = site_str(rt, intern_site(rt, what, file, line)) + " " + verb + " " +
-                         std::to_string(bytes) + " bytes at " + hex(reinterpret_cast<uintptr_t>(p));
+  const std::string at = site_str(rt, intern_site(rt, what, file, line)) + " " + verb + " " + std::to_string(bytes) +
+                         " bytes at " + hex(reinterpret_cast<uintptr_t>(p));
   size_t index = rt.buffers.size();
   for (size_t i = 0; i < rt.buffers.size(); ++i) {
     const char* lo = static_cast<const char*>(rt.buffers[i].ptr);
@@ -900,8 +899,8 @@ void check_global(const void* p, size_t bytes, MemOp op, const char* what, const
       const uint64_t d = a >= hi ? a - hi : a < lo ? lo - a : 0;
       if (d < best) {
         best = d;
-        near = a >= hi  ? std::to_string(a - hi) + " bytes past the end of " + b.name + " (" +
-                             std::to_string(b.bytes) + " bytes)"
+        near = a >= hi ? std::to_string(a - hi) + " bytes past the end of " + b.name + " (" + std::to_string(b.bytes) +
+                             " bytes)"
                : a >= lo ? "the end of " + b.name + " (" + std::to_string(b.bytes) + " bytes)"
                          : std::to_string(lo - a) + " bytes before " + b.name;
       }
@@ -926,8 +925,7 @@ void check_global(const void* p, size_t bytes, MemOp op, const char* what, const
       const uint32_t other = cta - 1, gx = rt.spec.grid.x, gy = rt.spec.grid.y;
       const std::string other_block = dim_str({other % gx, (other / gx) % gy, other / (gx * gy)});
       fail(at + " (byte " + std::to_string(i) + " of " + buf.name + "), which block " + other_block +
-           (atomic ? " updated atomically" : " wrote") +
-           " in the same launch: the CTAs of a launch are not ordered" +
+           (atomic ? " updated atomically" : " wrote") + " in the same launch: the CTAs of a launch are not ordered" +
            (op == MemOp::kAtomic || atomic ? " (mixing atomic and plain accesses)" : " (use an atomic)"));
     }
     if (op != MemOp::kRead) writers[i] = me << 1 | (op == MemOp::kAtomic || (atomic && cta == me) ? 1u : 0u);

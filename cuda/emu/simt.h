@@ -202,8 +202,7 @@ void check_global(const void* p, size_t bytes, MemOp op, const char* what, const
 // itself), for the race detector (simt.cc): returns an error message, empty when the access is
 // ordered after every conflicting access of another thread. `p` must be inside the block's
 // dynamic shared memory (smem_range_ok).
-std::string smem_access(int lane, const void* p, size_t bytes, MemOp op, const char* what, const char* file,
-                        int line);
+std::string smem_access(int lane, const void* p, size_t bytes, MemOp op, const char* what, const char* file, int line);
 
 // ---- block barrier, errors ----
 void syncthreads();

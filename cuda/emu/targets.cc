@@ -11,8 +11,10 @@
 
 #include "emu/module.h"
 #include "kernels/ffi_attention.h"  // first: it includes the XLA headers before emu/simt.h
+
 #include "kernels/bwd.h"
 #include "kernels/fwd.h"
+
 #include "emu/kernel_arguments.h"  // before the launches are instantiated: tags their pointers
 
 namespace jax_flash {
@@ -26,7 +28,8 @@ void Declare(std::vector<emu::GlobalBuffer>& out, const ffi::AnyBuffer& b) {
   out.push_back({b.untyped_data(), b.size_bytes(), "operand " + std::to_string(out.size()) + " " + Describe(b), false});
 }
 void Declare(std::vector<emu::GlobalBuffer>& out, ffi::Result<ffi::AnyBuffer> b) {
-  out.push_back({b->untyped_data(), b->size_bytes(), "result " + std::to_string(out.size()) + " " + Describe(*b), true});
+  out.push_back(
+      {b->untyped_data(), b->size_bytes(), "result " + std::to_string(out.size()) + " " + Describe(*b), true});
 }
 template <class T>
 void Declare(std::vector<emu::GlobalBuffer>&, const T&) {}  // attributes

@@ -182,11 +182,22 @@ ForwardCall ForwardAt(T& t) {
 template <size_t P, class T>
 BackwardCall BackwardAt(T& t) {
   constexpr size_t R = P + 7 + kMaskOperands + 1;  // the first result
-  return {std::get<P>(t),     std::get<P + 1>(t), std::get<P + 2>(t), std::get<P + 3>(t),
-          std::get<P + 4>(t), std::get<P + 5>(t), std::get<P + 6>(t), MasksAt<P + 7>(t),
+  return {std::get<P>(t),
+          std::get<P + 1>(t),
+          std::get<P + 2>(t),
+          std::get<P + 3>(t),
+          std::get<P + 4>(t),
+          std::get<P + 5>(t),
+          std::get<P + 6>(t),
+          MasksAt<P + 7>(t),
           std::get<P + 7 + kMaskOperands>(t),
-          *std::get<R>(t),     *std::get<R + 1>(t), *std::get<R + 2>(t), *std::get<R + 3>(t),
-          *std::get<R + 4>(t), AttributesAt<R + 5>(t), std::get<R + 5 + kSharedAttributes>(t)};
+          *std::get<R>(t),
+          *std::get<R + 1>(t),
+          *std::get<R + 2>(t),
+          *std::get<R + 3>(t),
+          *std::get<R + 4>(t),
+          AttributesAt<R + 5>(t),
+          std::get<R + 5 + kSharedAttributes>(t)};
 }
 
 template <size_t kOwn, class Fn, class T, class Call, size_t... Lead, size_t... Own>
@@ -373,8 +384,8 @@ inline void DescribeShared(Checker& check, const Limits& limits, const Buffer* p
       return check.Fail("page_table must be [B, max_pages] s32 with B = " + std::to_string(p->batch) + ", got " +
                         Describe(*page_table));
     if (kd[0] < 1 || kd[1] < 1 || td[1] < 1)
-      return check.Fail("the paged cache needs num_pages, page_size and max_pages >= 1, got k shape " +
-                        ShapeText(kd) + ", page_table shape " + ShapeText(td));
+      return check.Fail("the paged cache needs num_pages, page_size and max_pages >= 1, got k shape " + ShapeText(kd) +
+                        ", page_table shape " + ShapeText(td));
     if (limits.int32_sizes && (td[1] * kd[1] >= (int64_t{1} << 30) || kd[0] >= (int64_t{1} << 31)))
       return check.Fail("the paged cache needs max_pages · page_size < 2^30 and num_pages < 2^31, got k shape " +
                         ShapeText(kd) + ", page_table shape " + ShapeText(td));
@@ -462,7 +473,8 @@ inline void DescribeDense(Checker& check, const char* name, const Buffer& x, ffi
     typed = typed || x.element_type() == t;
     allowed += (allowed.empty() ? "" : ", ") + DtypeName(t);
   }
-  if (!typed) return check.Fail(std::string(name) + " has dtype " + DtypeName(x.element_type()) + ", expected " + allowed);
+  if (!typed)
+    return check.Fail(std::string(name) + " has dtype " + DtypeName(x.element_type()) + ", expected " + allowed);
   out->present = true;
   out->data = x.untyped_data();
   out->dtype = x.element_type() == ffi::DataType::BF16  ? Dtype::kBF16

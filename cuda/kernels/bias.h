@@ -50,13 +50,10 @@ struct DenseRows {
   __device__ __forceinline__ float bias_at(int t, int s) const {
     const int64_t i = offset(t, s);
     switch (type) {
-      case DenseType::kF16:
-        return ptx::cvt_f32_f16(ptx::ld_global_b16(static_cast<const uint16_t*>(data) + i));
+      case DenseType::kF16: return ptx::cvt_f32_f16(ptx::ld_global_b16(static_cast<const uint16_t*>(data) + i));
       case DenseType::kBf16:
-        return __uint_as_float(static_cast<uint32_t>(ptx::ld_global_b16(static_cast<const uint16_t*>(data) + i))
-                               << 16);
-      default:
-        return ptx::ld_global_f32(static_cast<const float*>(data) + i);
+        return __uint_as_float(static_cast<uint32_t>(ptx::ld_global_b16(static_cast<const uint16_t*>(data) + i)) << 16);
+      default: return ptx::ld_global_f32(static_cast<const float*>(data) + i);
     }
   }
   // Whether the mask lets (t, s) attend (a pred byte: nonzero is true).

@@ -101,7 +101,8 @@ struct DeltaKernel {
 };
 
 template <class Elem, int V_HEAD_DIM>
-__global__ void __launch_bounds__(DeltaKernel<V_HEAD_DIM>::THREADS) attention_backward_delta_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(DeltaKernel<V_HEAD_DIM>::THREADS)
+    attention_backward_delta_kernel(const AttentionParams p) {
   using K = DeltaKernel<V_HEAD_DIM>;
   const int64_t rows = static_cast<int64_t>(p.batch) * p.q_len * p.q_heads;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * K::ROWS_PER_BLOCK + threadIdx.x / K::LANES_PER_ROW;
@@ -149,8 +150,8 @@ __device__ __forceinline__ void load_statistics(float* lse2, float* delta, const
 // becomes dS; LogitScaling::probability_and_ds). Columns are query rows of the block.
 template <int N_BLOCKS>
 __device__ __forceinline__ void probabilities_and_ds(float (&s)[N_BLOCKS][4], float (&dp)[N_BLOCKS][4],
-                                                     const float* lse2, const float* delta,
-                                                     const LogitScaling& scaling, int lane) {
+                                                     const float* lse2, const float* delta, const LogitScaling& scaling,
+                                                     int lane) {
   JAX_FLASH_UNROLL
   for (int j = 0; j < N_BLOCKS; ++j) {
     JAX_FLASH_UNROLL
@@ -182,8 +183,8 @@ __device__ __forceinline__ void store_ds(char* ds_tile, const float (&ds)[K::BLO
 // dQ[block rows] += dS·K for this warp's share, added into dq_accum with atomics (the only
 // result several CTAs write).
 template <class Elem, int HEAD_DIM, class K>
-__device__ __forceinline__ void accumulate_dq(const AttentionParams& p, const char* ds_tile, const char* k_tile,
-                                              int b, int n, int t0, int warp, int lane) {
+__device__ __forceinline__ void accumulate_dq(const AttentionParams& p, const char* ds_tile, const char* k_tile, int b,
+                                              int n, int t0, int warp, int lane) {
   const int row_group = warp / K::DQ_WARPS_PER_GROUP;
   const int col0 = (warp % K::DQ_WARPS_PER_GROUP) * K::DQ_COLS;
   float dq[K::DQ_COLS / MMA_N][4];  // (MMA_M rows, MMA_N cols, 4 regs): 16 query rows x DQ_COLS
@@ -248,7 +249,8 @@ __device__ __forceinline__ void store_dk_dv(const AttentionParams& p, const floa
       const int col = 8 * j + 2 * (lane & 3);
       if (j < K::DK_COLS / MMA_N)
         ptx::st_global_b32(p.dk + dk_offset + col, Elem::pack(p.scale * dk[j][2 * r], p.scale * dk[j][2 * r + 1]));
-      if (j < K::DV_COLS / MMA_N) ptx::st_global_b32(p.dv + dv_offset + col, Elem::pack(dv[j][2 * r], dv[j][2 * r + 1]));
+      if (j < K::DV_COLS / MMA_N)
+        ptx::st_global_b32(p.dv + dv_offset + col, Elem::pack(dv[j][2 * r], dv[j][2 * r + 1]));
     }
   }
 }
@@ -303,9 +305,8 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAY
       const int n = item_head(item), t0 = item_t0(item);
       char* stage = ring + slot * K::kStageBytes;
       load_tile_async<typename K::QTile, K::THREADS>(stage, p.q + p.q_offset(batch, t0, n), q_stride, p.q_len - t0);
-      load_tile_async<typename K::DoTile, K::THREADS>(stage + K::QTile::kBytes,
-                                                      p.dout + p.o_offset<K::kHvIsH>(batch, t0, n), o_stride,
-                                                      p.q_len - t0);
+      load_tile_async<typename K::DoTile, K::THREADS>(
+          stage + K::QTile::kBytes, p.dout + p.o_offset<K::kHvIsH>(batch, t0, n), o_stride, p.q_len - t0);
       float* lse2 = reinterpret_cast<float*>(stage + K::QTile::kBytes + K::DoTile::kBytes);
       load_statistics<K>(lse2, lse2 + K::BLOCK_Q, p, batch, n, t0);
     };
@@ -404,8 +405,8 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAY
 constexpr int kConvertThreads = 256;
 
 template <class Elem>
-__global__ void __launch_bounds__(kConvertThreads) attention_backward_convert_dq_kernel(const AttentionParams p,
-                                                                                        int64_t chunks) {
+__global__ void __launch_bounds__(kConvertThreads)
+    attention_backward_convert_dq_kernel(const AttentionParams p, int64_t chunks) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kConvertThreads + threadIdx.x;
   if (i >= chunks) return;
   Chunk16 lo, hi;
@@ -427,9 +428,8 @@ __global__ void __launch_bounds__(kConvertThreads) attention_backward_convert_dq
 // per 8 elements of a row of dk ([B, S, K, H]: threads 0 .. dk_chunks − 1) or of dv
 // ([B, S, K, Hv]: the threads after), H and Hv multiples of 8.
 template <class Elem>
-__global__ void __launch_bounds__(kConvertThreads) attention_backward_reduce_dkv_kernel(const AttentionParams p,
-                                                                                         int64_t dk_chunks,
-                                                                                         int64_t chunks) {
+__global__ void __launch_bounds__(kConvertThreads)
+    attention_backward_reduce_dkv_kernel(const AttentionParams p, int64_t dk_chunks, int64_t chunks) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kConvertThreads + threadIdx.x;
   if (i >= chunks) return;
   const bool is_dk = i < dk_chunks;
@@ -466,13 +466,12 @@ __global__ void __launch_bounds__(kConvertThreads) attention_backward_reduce_dkv
 // W is the dbias_accum workspace [B, N, Tb, S] (p.dbias, written by the main kernel). A
 // template like the other kernels of this header (which every instantiation file includes).
 template <class Elem>
-__global__ void __launch_bounds__(kConvertThreads) attention_backward_reduce_dbias_kernel(const AttentionParams p,
-                                                                                          int64_t elements) {
+__global__ void __launch_bounds__(kConvertThreads)
+    attention_backward_reduce_dbias_kernel(const AttentionParams p, int64_t elements) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kConvertThreads + threadIdx.x;
   if (i >= elements) return;
   const int64_t* d = p.dbias_dims;  // Bb, Nb, Tb, Sb
-  const int64_t ss = i % d[3], tt = (i / d[3]) % d[2], nn = (i / (d[3] * d[2])) % d[1],
-                bb = i / (d[3] * d[2] * d[1]);
+  const int64_t ss = i % d[3], tt = (i / d[3]) % d[2], nn = (i / (d[3] * d[2])) % d[1], bb = i / (d[3] * d[2] * d[1]);
   const int64_t b_end = d[0] == 1 ? p.batch : bb + 1, n_end = d[1] == 1 ? p.q_heads : nn + 1,
                 s_end = d[3] == 1 ? p.kv_len : ss + 1;
   const DbiasTarget& w = p.dbias;
@@ -612,8 +611,8 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM, V_HEAD_DIM>::
       const bool interior = mask.is_interior(warp_t0, K::WARP_Q, s0, K::BLOCK_KV, segments_allow_all);
       // The bias and mask rows, derived per tile (ptx::mov_b32_volatile): held across the loop they spill.
       const int b_tile = ptx::mov_b32_volatile(batch);
-      scaling.prepare<false, true>(s, mask, p.bias_rows(b_tile, head), p.mask_rows(b_tile, head), interior, warp_t0,
-                                   s0, lane);
+      scaling.prepare<false, true>(s, mask, p.bias_rows(b_tile, head), p.mask_rows(b_tile, head), interior, warp_t0, s0,
+                                   lane);
       if (drop.on)  // dZ -> dP, the cotangent of P
         drop_fragment(dp, keep_bits_of_fragment<false, K::BLOCK_KV / MMA_N>(drop, batch, head, warp_t0, s0, lane),
                       drop.keep_scale);
@@ -659,10 +658,10 @@ LaunchError LaunchBackward(const AttentionParams& p_in, bool deterministic, Stre
   const int64_t kv_rows = static_cast<int64_t>(p.batch) * p.kv_len * p.kv_heads;
   const int64_t dk_chunks = kv_rows * HEAD_DIM / 8, dkv_chunks = dk_chunks + kv_rows * V_HEAD_DIM / 8;
   dim3 delta_grid, main_grid, dq_grid, convert_grid, reduce_grid;
-  for (const LaunchError& e : {LinearGrid((rows + D::ROWS_PER_BLOCK - 1) / D::ROWS_PER_BLOCK, &delta_grid),
-                               K::grid(p).dims(&main_grid), Q::grid(p).dims(&dq_grid),
-                               LinearGrid((chunks + kConvertThreads - 1) / kConvertThreads, &convert_grid),
-                               LinearGrid((dkv_chunks + kConvertThreads - 1) / kConvertThreads, &reduce_grid)}) {
+  for (const LaunchError& e :
+       {LinearGrid((rows + D::ROWS_PER_BLOCK - 1) / D::ROWS_PER_BLOCK, &delta_grid), K::grid(p).dims(&main_grid),
+        Q::grid(p).dims(&dq_grid), LinearGrid((chunks + kConvertThreads - 1) / kConvertThreads, &convert_grid),
+        LinearGrid((dkv_chunks + kConvertThreads - 1) / kConvertThreads, &reduce_grid)}) {
     if (!e.empty()) return e;
   }
   LaunchError err = FillAsync(p.dq_accum, 0, q_elements * sizeof(float), stream);

@@ -3,8 +3,7 @@
 
 namespace jax_flash {
 namespace kernels {
-static_assert(HasOwnShape(Pass::kBackward, 96, 96, Layout::kWarp16),
-              "this layout runs another file's kernel");
+static_assert(HasOwnShape(Pass::kBackward, 96, 96, Layout::kWarp16), "this layout runs another file's kernel");
 template LaunchError LaunchBackward<F16, 96, 96, Layout::kWarp16>(const AttentionParams&, bool, Stream);
 }  // namespace kernels
 }  // namespace jax_flash

@@ -87,8 +87,7 @@ LaunchError BackwardFor(Layout layout, const AttentionParams& p, bool determinis
 }
 
 inline std::string NoKernelFor(const AttentionParams& p) {
-  return "no kernel for head dims (H, Hv) = (" + std::to_string(p.head_dim) + ", " + std::to_string(p.v_head_dim) +
-         ")";
+  return "no kernel for head dims (H, Hv) = (" + std::to_string(p.head_dim) + ", " + std::to_string(p.v_head_dim) + ")";
 }
 
 template <class Elem>

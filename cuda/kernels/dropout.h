@@ -22,8 +22,8 @@ namespace kernels {
 //    the quad's neighbouring lane).
 //  - transposed: the pair holds two queries of one key: one call per element.
 template <bool TRANSPOSED, int N_BLOCKS>
-__device__ __forceinline__ uint64_t keep_bits_of_fragment(const dropout::Setting& d, int b, int n, int row0,
-                                                          int col0, int lane) {
+__device__ __forceinline__ uint64_t keep_bits_of_fragment(const dropout::Setting& d, int b, int n, int row0, int col0,
+                                                          int lane) {
   static_assert(4 * N_BLOCKS <= 64, "one bit per accumulator element in a 64-bit word");
   uint64_t bits = 0;
 #pragma unroll 1

@@ -15,6 +15,7 @@
 
 // The XLA headers come first: the emulation's simt.h redefines CUDA keywords as macros.
 #include "xla/ffi/api/ffi.h"
+
 #include "ffi/boundary.h"
 
 #include "common/nonfinite.h"
@@ -36,8 +37,9 @@ using boundary::Describe;
 template <class Binding>
 auto ForwardSignature(Binding&& binding) {
   return boundary::BindForward(std::move(binding))
-      .template Ret<ffi::AnyBuffer>()   // partial_out [C, B, T, N, Hv] f32 workspace (split-KV into C >= 2 chunks), or [0] f32
-      .template Ret<ffi::AnyBuffer>()   // partial_lse [C, B, N, T] f32 workspace, or [0] f32
+      .template Ret<ffi::AnyBuffer>()  // partial_out [C, B, T, N, Hv] f32 workspace (split-KV into C >= 2 chunks), or
+                                       // [0] f32
+      .template Ret<ffi::AnyBuffer>()  // partial_lse [C, B, N, T] f32 workspace, or [0] f32
       .template Attr<bool>("pack_gqa")  // T = 1: the G query heads of a kv head in one tile
       .template Attr<std::string_view>("layout");  // "warp16" or "warp32" (kernels/tile.h)
 }
@@ -54,10 +56,11 @@ auto PagedForwardSignature(Binding&& binding) {
 template <class Binding>
 auto BackwardSignature(Binding&& binding) {
   return boundary::BindBackward(std::move(binding))
-      .template Ret<ffi::AnyBuffer>()   // dk_accum [B, S, N, H] f32 workspace (q_heads grid), or [0] f32
-      .template Ret<ffi::AnyBuffer>()   // dv_accum [B, S, N, Hv] f32 (q_heads grid), or [0] f32
-      .template Ret<ffi::AnyBuffer>()   // dbias_accum [B, N, Tb, S] f32 workspace (deterministic, a bias broadcast over B, N or S), or [0] f32
-      .template Ret<ffi::AnyBuffer>()   // dbias: the bias operand's shape f32, or [0] f32: no bias
+      .template Ret<ffi::AnyBuffer>()  // dk_accum [B, S, N, H] f32 workspace (q_heads grid), or [0] f32
+      .template Ret<ffi::AnyBuffer>()  // dv_accum [B, S, N, Hv] f32 (q_heads grid), or [0] f32
+      .template Ret<ffi::AnyBuffer>()  // dbias_accum [B, N, Tb, S] f32 workspace (deterministic, a bias broadcast over
+                                       // B, N or S), or [0] f32
+      .template Ret<ffi::AnyBuffer>()  // dbias: the bias operand's shape f32, or [0] f32: no bias
       .template Attr<std::string_view>("layout");
 }
 
@@ -69,7 +72,8 @@ inline const boundary::Limits& CudaLimits() {
     boundary::Limits l;
     l.float32 = false;
     l.head_dims = [](int64_t h, int64_t hv) {
-      return h < (int64_t{1} << 30) && hv < (int64_t{1} << 30) && HasHeadDims(static_cast<int>(h), static_cast<int>(hv));
+      return h < (int64_t{1} << 30) && hv < (int64_t{1} << 30) &&
+             HasHeadDims(static_cast<int>(h), static_cast<int>(hv));
     };
     l.head_dims_text = HeadDimPairsText;
     l.int32_sizes = true;
@@ -83,7 +87,9 @@ inline ffi::Error ToError(const char* target, const LaunchError& err) {
 }
 
 inline DenseType DenseTypeOf(boundary::Dtype t) {
-  return t == boundary::Dtype::kF16 ? DenseType::kF16 : t == boundary::Dtype::kBF16 ? DenseType::kBf16 : DenseType::kF32;
+  return t == boundary::Dtype::kF16    ? DenseType::kF16
+         : t == boundary::Dtype::kBF16 ? DenseType::kBf16
+                                       : DenseType::kF32;
 }
 
 // The validated call (ffi/boundary.h) as the kernels see it.
@@ -138,7 +144,7 @@ inline LaunchError Poison(const ffi::AnyBuffer& buffer, Stream stream) {
 inline void CheckDbiasWorkspace(Checker& check, const boundary::Problem& b, bool deterministic,
                                 ffi::Result<ffi::AnyBuffer>& dbias_accum) {
   if (!b.bias.present) return check.Expect("dbias_accum", *dbias_accum, {0}, ffi::DataType::F32);
-  const int64_t(&bias_dims)[4] = b.bias.dims;
+  const int64_t (&bias_dims)[4] = b.bias.dims;
   const int64_t B = b.batch, N = b.q_heads, S = b.kv_len;
   const bool owned = bias_dims[0] == B && bias_dims[1] == N && bias_dims[3] == S;
   if (deterministic && !owned) {
@@ -153,7 +159,7 @@ inline ffi::Error PrepareDbias(const char* target, const boundary::Problem& b, b
                                ffi::Result<ffi::AnyBuffer>& dbias, ffi::Result<ffi::AnyBuffer>& dbias_accum,
                                AttentionParams* p, Stream stream) {
   if (!b.bias.present) return ffi::Error::Success();
-  const int64_t(&bias_dims)[4] = b.bias.dims;
+  const int64_t (&bias_dims)[4] = b.bias.dims;
   const int64_t B = p->batch, N = p->q_heads, T = p->q_len, S = p->kv_len;
   const bool owned = bias_dims[0] == B && bias_dims[1] == N && bias_dims[3] == S;
   const DbiasWrite write = bias_dims[2] == T ? DbiasWrite::kStore : DbiasWrite::kOwnedAdd;
@@ -197,8 +203,10 @@ inline void CheckDecoding(Checker& check, const boundary::Problem& b, bool pack_
   }
   const int64_t C = dims.size() == 5 ? dims[0] : 0;
   if (C < 2 || C > 1024)
-    return check.Fail("partial_out must be [0] f32 (no split) or [C, B, T, N, Hv] f32 with 2 <= C <= 1024 key "
-                      "chunks, got " + Describe(*partial_out));
+    return check.Fail(
+        "partial_out must be [0] f32 (no split) or [C, B, T, N, Hv] f32 with 2 <= C <= 1024 key "
+        "chunks, got " +
+        Describe(*partial_out));
   check.Expect("partial_out", *partial_out, {C, B, T, N, Hv}, ffi::DataType::F32);
   check.Expect("partial_lse", *partial_lse, {C, B, N, T}, ffi::DataType::F32);
   if (!check.ok()) return;

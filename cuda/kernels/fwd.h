@@ -131,8 +131,8 @@ __device__ __forceinline__ void store_output(const AttentionParams& p, const For
 // Split-KV: the same rows' O (normalised, float32) and lse into chunk `split`'s partials.
 template <int O_BLOCKS>
 __device__ __forceinline__ void store_partial(const AttentionParams& p, const ForwardRows& rows,
-                                              const float (&o)[O_BLOCKS][4], const float lse[2], int split,
-                                              int row0, int lane) {
+                                              const float (&o)[O_BLOCKS][4], const float lse[2], int split, int row0,
+                                              int lane) {
   const int64_t stats = static_cast<int64_t>(p.batch) * p.q_heads * p.q_len;
   float* const out = p.partial_out + split * stats * (O_BLOCKS * MMA_N) + rows.o0;
   JAX_FLASH_UNROLL
@@ -213,8 +213,8 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
       if (paged) {  // each row from its page's slot (cp.async from the page's own address)
         auto row_of = [&](int row) { return p.key_row(batch, s0 + row); };
         load_tile_rows_async<typename K::KVTile, K::THREADS>(stage, k_base, kv_stride, p.kv_len - s0, row_of);
-        load_tile_rows_async<typename K::VTile, K::THREADS>(stage + K::KVTile::kBytes, v_base, v_stride,
-                                                            p.kv_len - s0, row_of);
+        load_tile_rows_async<typename K::VTile, K::THREADS>(stage + K::KVTile::kBytes, v_base, v_stride, p.kv_len - s0,
+                                                            row_of);
         return;
       }
       load_tile_async<typename K::KVTile, K::THREADS>(stage, k_base + s0 * kv_stride, kv_stride, p.kv_len - s0);
@@ -224,9 +224,9 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
 
     const int warp_positions = p.pack_gqa ? 1 : K::WARP_Q;
     const int warp_p0 = p.pack_gqa ? 0 : warp_t0;
-    const SegmentRange warp_ids =
-        mask.q_segments != nullptr ? warp_segment_range(mask.q_segments, warp_p0, warp_positions, mask.q_valid, lane)
-                                   : SegmentRange{0, 0};
+    const SegmentRange warp_ids = mask.q_segments != nullptr
+                                      ? warp_segment_range(mask.q_segments, warp_p0, warp_positions, mask.q_valid, lane)
+                                      : SegmentRange{0, 0};
 
     // Prologue: the Q tile, then the first STAGES - 1 key tiles, one commit group each.
     const ForwardRows q_rows = ForwardRows::of<K::kHvIsH>(p, batch, head, t0);
@@ -277,13 +277,15 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
           const bool interior = mask.is_interior(rows_t0, MMA_M, s0, K::BLOCK_KV, segments_allow_all);
           // The bias and mask rows, derived per tile (ptx::mov_b32_volatile): held across the loop they spill.
           const int b_tile = ptx::mov_b32_volatile(batch);
-          scaling.prepare<false>(s[rb], mask, p.bias_rows(b_tile, head), p.mask_rows(b_tile, head), interior,
-                                 rows_t0, s0, lane);
+          scaling.prepare<false>(s[rb], mask, p.bias_rows(b_tile, head), p.mask_rows(b_tile, head), interior, rows_t0,
+                                 s0, lane);
         }
         if (scans_values) note_rows_that_see(s[rb], K::Scan::key_flags(scan), K::Scan::notes(scan), rb, lane);
         softmax[rb].update(s[rb], o[rb], scaling.exp_scale);
         // Dropout after the statistics: P·V of the kept weights (scaled at the end).
-        if (drop.on) drop_fragment(s[rb], keep_bits_of_fragment<false, K::BLOCK_KV / MMA_N>(drop, batch, head, rows_t0, s0, lane), 1.0f);
+        if (drop.on)
+          drop_fragment(s[rb], keep_bits_of_fragment<false, K::BLOCK_KV / MMA_N>(drop, batch, head, rows_t0, s0, lane),
+                        1.0f);
       }
       accumulate_pv<Elem, V_HEAD_DIM, K>(o, s, v_tile, lane);
     }
@@ -361,8 +363,8 @@ LaunchError LaunchForward(const AttentionParams& p, Stream stream) {
   constexpr int kCombineThreads = 128;
   const int64_t threads = static_cast<int64_t>(p.batch) * p.q_heads * p.q_len * (p.v_head_dim / 4);
   if (LaunchError e = LinearGrid((threads + kCombineThreads - 1) / kCombineThreads, &grid); !e.empty()) return e;
-  return Launch("attention_forward_combine_kernel", attention_forward_combine_kernel<Elem>, grid,
-                dim3(kCombineThreads), 0, stream, p);
+  return Launch("attention_forward_combine_kernel", attention_forward_combine_kernel<Elem>, grid, dim3(kCombineThreads),
+                0, stream, p);
 }
 
 }  // namespace kernels

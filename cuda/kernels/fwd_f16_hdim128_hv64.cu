@@ -3,8 +3,7 @@
 
 namespace jax_flash {
 namespace kernels {
-static_assert(HasOwnShape(Pass::kForward, 128, 64, Layout::kWarp16),
-              "this layout runs another file's kernel");
+static_assert(HasOwnShape(Pass::kForward, 128, 64, Layout::kWarp16), "this layout runs another file's kernel");
 template LaunchError LaunchForward<F16, 128, 64, Layout::kWarp16>(const AttentionParams&, Stream);
 }  // namespace kernels
 }  // namespace jax_flash

@@ -25,33 +25,33 @@ ffi::Error CheckDevice(const char* target) {
   return ffi::Error::Success();
 }
 
-constexpr auto kForward = boundary::ForwardHandler<1>([](cudaStream_t stream, const boundary::ForwardCall& call,
-                                                         auto... own) {
-  if (auto e = CheckDevice("jax_flash_fwd"); e.failure()) return e;
-  return Forward("jax_flash_fwd", stream, call, own...);
-});
-constexpr auto kPagedForward = boundary::ForwardHandler<2>([](cudaStream_t stream, ffi::AnyBuffer page_table,
-                                                              boundary::ForwardCall call, auto... own) {
-  if (auto e = CheckDevice("jax_flash_paged_fwd"); e.failure()) return e;
-  call.page_table = &page_table;
-  return Forward("jax_flash_paged_fwd", stream, call, own...);
-});
-constexpr auto kBackward = boundary::BackwardHandler<1>([](cudaStream_t stream, const boundary::BackwardCall& call,
-                                                           auto... own) {
-  if (auto e = CheckDevice("jax_flash_bwd"); e.failure()) return e;
-  return Backward("jax_flash_bwd", stream, call, own...);
-});
+constexpr auto kForward =
+    boundary::ForwardHandler<1>([](cudaStream_t stream, const boundary::ForwardCall& call, auto... own) {
+      if (auto e = CheckDevice("jax_flash_fwd"); e.failure()) return e;
+      return Forward("jax_flash_fwd", stream, call, own...);
+    });
+constexpr auto kPagedForward = boundary::ForwardHandler<2>(
+    [](cudaStream_t stream, ffi::AnyBuffer page_table, boundary::ForwardCall call, auto... own) {
+      if (auto e = CheckDevice("jax_flash_paged_fwd"); e.failure()) return e;
+      call.page_table = &page_table;
+      return Forward("jax_flash_paged_fwd", stream, call, own...);
+    });
+constexpr auto kBackward =
+    boundary::BackwardHandler<1>([](cudaStream_t stream, const boundary::BackwardCall& call, auto... own) {
+      if (auto e = CheckDevice("jax_flash_bwd"); e.failure()) return e;
+      return Backward("jax_flash_bwd", stream, call, own...);
+    });
 
 }  // namespace
 }  // namespace kernels
 }  // namespace jax_flash
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashForwardCuda, jax_flash::kernels::kForward,
-                              jax_flash::kernels::ForwardSignature(
-                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashPagedForwardCuda, jax_flash::kernels::kPagedForward,
-                              jax_flash::kernels::PagedForwardSignature(
-                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBackwardCuda, jax_flash::kernels::kBackward,
-                              jax_flash::kernels::BackwardSignature(
-                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFlashForwardCuda, jax_flash::kernels::kForward,
+    jax_flash::kernels::ForwardSignature(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFlashPagedForwardCuda, jax_flash::kernels::kPagedForward,
+    jax_flash::kernels::PagedForwardSignature(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFlashBackwardCuda, jax_flash::kernels::kBackward,
+    jax_flash::kernels::BackwardSignature(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));

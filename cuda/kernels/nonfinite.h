@@ -74,8 +74,8 @@ __device__ __forceinline__ void clear_notes(float* notes) {
 // After the mask, before the softmax: note (row block rb, rows lane/4 and lane/4 + 8) when a
 // visible logit (not −inf: no dense bias here) of the fragment has a flagged key.
 template <int N_BLOCKS>
-__device__ __forceinline__ void note_rows_that_see(const float (&s)[N_BLOCKS][4], const float* key_flags,
-                                                   float* notes, int rb, int lane) {
+__device__ __forceinline__ void note_rows_that_see(const float (&s)[N_BLOCKS][4], const float* key_flags, float* notes,
+                                                   int rb, int lane) {
   bool sees[2] = {false, false};
   JAX_FLASH_UNROLL
   for (int j = 0; j < N_BLOCKS; ++j) {

@@ -133,7 +133,9 @@ struct AttentionParams {
   // Hv = H (which the handler checked), and these read head_dim, so that the compiler shares
   // V's offsets with K's (O's with Q's) instead of computing both.
   template <bool HV_IS_H>
-  __device__ __forceinline__ int v_width() const { return HV_IS_H ? head_dim : v_head_dim; }
+  __device__ __forceinline__ int v_width() const {
+    return HV_IS_H ? head_dim : v_head_dim;
+  }
   template <bool HV_IS_H>
   __device__ __forceinline__ int64_t o_offset(int b, int t, int n) const {
     return q_row_offset(b, t, n, v_width<HV_IS_H>());
@@ -180,8 +182,7 @@ struct AttentionParams {
 struct F16 {
   static constexpr const char* kName = "f16";
   static constexpr uint32_t kExponentBits = 0x7c00u;  // all set: ±inf or NaN
-  __device__ __forceinline__ static void mma(float d[4], const uint32_t a[4], const uint32_t b[2],
-                                             const float c[4]) {
+  __device__ __forceinline__ static void mma(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4]) {
     ptx::mma_m16n8k16_f16(d, a, b, c);
   }
   __device__ __forceinline__ static uint32_t pack(float lo, float hi) { return ptx::cvt_pack_f16x2(lo, hi); }
@@ -191,8 +192,7 @@ struct F16 {
 struct Bf16 {
   static constexpr const char* kName = "bf16";
   static constexpr uint32_t kExponentBits = 0x7f80u;  // all set: ±inf or NaN
-  __device__ __forceinline__ static void mma(float d[4], const uint32_t a[4], const uint32_t b[2],
-                                             const float c[4]) {
+  __device__ __forceinline__ static void mma(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4]) {
     ptx::mma_m16n8k16_bf16(d, a, b, c);
   }
   __device__ __forceinline__ static uint32_t pack(float lo, float hi) { return ptx::cvt_pack_bf16x2(lo, hi); }

@@ -42,8 +42,8 @@ T EmuArgument(T x) {
 // emulation's error reports. Kernels that use more than the default 48 KB of dynamic shared
 // memory opt in first (sm_80+: up to 99 KB on sm_120).
 template <class... Params, class... Args>
-LaunchError Launch(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
-                   Stream stream, Args... args) {
+LaunchError Launch(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes, Stream stream,
+                   Args... args) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return {};
 #ifdef JAX_FLASH_EMULATE
   (void)stream;
@@ -55,19 +55,18 @@ LaunchError Launch(const char* name, void (*kernel)(Params...), dim3 grid, dim3 
 #else
   (void)name;
   if (smem_bytes > 48 * 1024) {
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem_bytes));
+    cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
     if (err != cudaSuccess) return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(err);
   }
-  kernel<<<grid, block, smem_bytes, stream>>>(static_cast<Params>(args)...);
+  kernel<<<grid, block, smem_bytes, stream> > >(static_cast<Params>(args)...);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return std::string("kernel launch: ") + cudaGetErrorString(err);
   return {};
 #endif
 }
 template <class... Params, class... Args>
-LaunchError Launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes, Stream stream,
-                   Args... args) {
+LaunchError Launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes, Stream stream, Args... args) {
   return Launch("kernel", kernel, grid, block, smem_bytes, stream, args...);
 }
 

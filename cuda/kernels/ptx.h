@@ -26,7 +26,7 @@
 #endif
 
 #ifdef JAX_FLASH_EMULATE
-#define JAX_FLASH_SITE , const char* site_file = __builtin_FILE(), int site_line = __builtin_LINE()
+#define JAX_FLASH_SITE , const char *site_file = __builtin_FILE(), int site_line = __builtin_LINE()
 #define JAX_FLASH_AT , site_file, site_line
 #else
 #define JAX_FLASH_SITE
@@ -48,8 +48,7 @@ __device__ __forceinline__ void mma_m16n8k16_f16(float d[4], const uint32_t a[4]
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%10,%11,%12,%13};\n"
       : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]),
-        "f"(c[2]), "f"(c[3]));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 #else
   return emu::mma_m16n8k16_f16(d, a, b, c);
 #endif
@@ -62,8 +61,7 @@ __device__ __forceinline__ void mma_m16n8k16_bf16(float d[4], const uint32_t a[4
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%10,%11,%12,%13};\n"
       : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]),
-        "f"(c[2]), "f"(c[3]));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 #else
   return emu::mma_m16n8k16_bf16(d, a, b, c);
 #endif
@@ -120,8 +118,8 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t r[2], const void* sme
 // bypasses L1; src_bytes = 0 copies nothing and zero-fills the 16 bytes (§9.7.9.25.3.1).
 __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, int src_bytes JAX_FLASH_SITE) {
 #ifndef JAX_FLASH_EMULATE
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem_dst)),
-               "l"(gmem_src), "r"(src_bytes));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem_dst)), "l"(gmem_src),
+               "r"(src_bytes));
 #else
   return emu::cp_async_16(smem_dst, gmem_src, src_bytes JAX_FLASH_AT);
 #endif

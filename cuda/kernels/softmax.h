@@ -52,7 +52,9 @@ __device__ __forceinline__ float tanh_of(float x) {
 }
 
 // A raw score that is ±inf comes from a non-finite q or k: NaN, as a NaN input gives.
-__device__ __forceinline__ float poison_infinite(float s) { return fabsf(s) == INFINITY ? __uint_as_float(0x7fc00000u) : s; }
+__device__ __forceinline__ float poison_infinite(float s) {
+  return fabsf(s) == INFINITY ? __uint_as_float(0x7fc00000u) : s;
+}
 
 struct LogitScaling {
   float exp_scale;  // p = exp2((x − m) · exp_scale): log2(e), x being natural logits

@@ -192,8 +192,7 @@ __device__ __forceinline__ void load_tile_rows_async(char* tile, const uint16_t*
 
 // The same for rows one row_stride apart.
 template <class Tile, int THREADS>
-__device__ __forceinline__ void load_tile_async(char* tile, const uint16_t* gmem, int64_t row_stride,
-                                                int rows_valid) {
+__device__ __forceinline__ void load_tile_async(char* tile, const uint16_t* gmem, int64_t row_stride, int rows_valid) {
   load_tile_rows_async<Tile, THREADS>(tile, gmem, row_stride, rows_valid, [](int row) { return row; });
 }
 
@@ -286,8 +285,8 @@ __device__ __forceinline__ void mma_a_smem_b_rows(float (&acc)[N_BLOCKS][4], con
 // acc[16 x 8·N_BLOCKS] += A · B for one k-step, B from b_tile stored [k][n] (rows b_row0..+15,
 // columns from chunk b_chunk0), loaded with .trans (e.g. V for O += P·V).
 template <class Elem, class BTile, int N_BLOCKS>
-__device__ __forceinline__ void mma_a_regs_b_trans(float (&acc)[N_BLOCKS][4], const uint32_t a[4],
-                                                   const char* b_tile, int b_row0, int b_chunk0, int lane) {
+__device__ __forceinline__ void mma_a_regs_b_trans(float (&acc)[N_BLOCKS][4], const uint32_t a[4], const char* b_tile,
+                                                   int b_row0, int b_chunk0, int lane) {
   static_assert(N_BLOCKS % 2 == 0, "B is loaded two n-blocks at a time");
   JAX_FLASH_UNROLL
   for (int jj = 0; jj < N_BLOCKS / 2; ++jj) {
@@ -304,9 +303,8 @@ __device__ __forceinline__ void mma_a_regs_b_trans(float (&acc)[N_BLOCKS][4], co
 // acc[rb][16 x 8·N_BLOCKS] += A[rows a_row0 + 16·rb .., 16 x 16·K_STEPS] · B, B stored [n][k].
 // K_UNROLL k-steps are unrolled (fewer where registers are tight).
 template <class Elem, class ATile, class BTile, int K_STEPS, int ROW_BLOCKS, int N_BLOCKS, int K_UNROLL = K_STEPS>
-__device__ __forceinline__ void mma_row_blocks_a_smem_b_rows(float (&acc)[ROW_BLOCKS][N_BLOCKS][4],
-                                                             const char* a_tile, int a_row0, const char* b_tile,
-                                                             int b_row0, int lane) {
+__device__ __forceinline__ void mma_row_blocks_a_smem_b_rows(float (&acc)[ROW_BLOCKS][N_BLOCKS][4], const char* a_tile,
+                                                             int a_row0, const char* b_tile, int b_row0, int lane) {
   static_assert(N_BLOCKS % 2 == 0, "B is loaded two n-blocks at a time");
   JAX_FLASH_UNROLL_N(K_UNROLL)
   for (int kk = 0; kk < K_STEPS; ++kk) {
@@ -331,8 +329,8 @@ __device__ __forceinline__ void mma_row_blocks_a_smem_b_rows(float (&acc)[ROW_BL
 // (rows b_row0..+15) and loaded with .trans once for all row blocks (O += P·V).
 template <class Elem, class BTile, int ROW_BLOCKS, int N_BLOCKS>
 __device__ __forceinline__ void mma_row_blocks_a_regs_b_trans(float (&acc)[ROW_BLOCKS][N_BLOCKS][4],
-                                                              const uint32_t (&a)[ROW_BLOCKS][4],
-                                                              const char* b_tile, int b_row0, int lane) {
+                                                              const uint32_t (&a)[ROW_BLOCKS][4], const char* b_tile,
+                                                              int b_row0, int lane) {
   static_assert(N_BLOCKS % 2 == 0, "B is loaded two n-blocks at a time");
   JAX_FLASH_UNROLL
   for (int jj = 0; jj < N_BLOCKS / 2; ++jj) {
@@ -384,8 +382,8 @@ __device__ __forceinline__ void store_warp_rows(uint16_t* dst, int width, const 
                                                 const float (&o)[O_BLOCKS][4], char* tile, int b, int n, int row0,
                                                 int t0, int lane) {
   const int tile_t0 = t0 - row0;  // the position of tile row 0
-  store_warp_rows<Elem, Tile>(dst + p.q_row_offset(b, tile_t0, n, width),
-                              static_cast<int64_t>(p.q_heads) * width, p.q_len - tile_t0, o, tile, row0, lane);
+  store_warp_rows<Elem, Tile>(dst + p.q_row_offset(b, tile_t0, n, width), static_cast<int64_t>(p.q_heads) * width,
+                              p.q_len - tile_t0, o, tile, row0, lane);
 }
 
 }  // namespace kernels

@@ -153,8 +153,8 @@ void run_mma_case(const std::vector<double>& A, const std::vector<double>& B, co
   for (int i = 0; i < 128; ++i) Be[i] = bf16 ? exact_bf16(B[i]) : exact_f16(B[i]);
   std::vector<float> Cf(128), D(128, -12345.0f);
   for (int i = 0; i < 128; ++i) Cf[i] = static_cast<float>(C[i]);
-  auto st = emu::launch(dim3(1), dim3(32), 0, mma_kernel,
-                        MmaParams{Ae.data(), Be.data(), Cf.data(), D.data(), bf16, alias});
+  auto st =
+      emu::launch(dim3(1), dim3(32), 0, mma_kernel, MmaParams{Ae.data(), Be.data(), Cf.data(), D.data(), bf16, alias});
   CHECK(st.ok(), label + ": launch failed: " + st.error);
   int bad = 0;
   for (int m = 0; m < 16; ++m)
@@ -164,8 +164,8 @@ void run_mma_case(const std::vector<double>& A, const std::vector<double>& B, co
       double got = D[m * 8 + n];
       bool ok = std::fabs(got - ref) <= rel_tol * std::fabs(ref) + 1e-30;
       if (!ok && bad++ < 3)
-        CHECK(false, label + ": D[" + std::to_string(m) + "][" + std::to_string(n) + "] = " + str(got) + ", want " +
-                         str(ref));
+        CHECK(false,
+              label + ": D[" + std::to_string(m) + "][" + std::to_string(n) + "] = " + str(got) + ", want " + str(ref));
     }
 }
 
@@ -531,8 +531,7 @@ void test_cvt_f16() {
   };
   for (const Case& c : cases) {
     uint32_t v = emu::cvt_pack_f16x2(c.in, c.in);
-    CHECK((v & 0xffff) == c.want && (v >> 16) == c.want,
-          std::string(c.what) + ": " + hex(v) + ", want " + hex(c.want));
+    CHECK((v & 0xffff) == c.want && (v >> 16) == c.want, std::string(c.what) + ": " + hex(v) + ", want " + hex(c.want));
   }
   // Exhaustive cross-check over every finite f16 value and the midpoints between neighbours.
   int bad = 0;
@@ -673,8 +672,7 @@ void test_poison_and_atomics() {
   float sum = 0;
   auto st = emu::launch(dim3(3), dim3(96), 200, poison_kernel, PoisonParams{fresh.data(), &sum});
   CHECK(st.ok(), "launch failed: " + st.error);
-  for (int b = 0; b < 3; ++b)
-    CHECK(fresh[b] == 1, "block " + std::to_string(b) + " did not start with poisoned smem");
+  for (int b = 0; b < 3; ++b) CHECK(fresh[b] == 1, "block " + std::to_string(b) + " did not start with poisoned smem");
   CHECK(sum == 3 * 96, "atomicAdd total " + str(sum));
 }
 
@@ -973,15 +971,18 @@ __global__ void memcheck_kernel(MemParams p) {
       break;
     case 16:  // a plain store of one CTA where the other adds atomically
       if (t == 0) {
-        if (b == 0) ptx::st_global_f32(p.out + 7, 1.0f);
-        else ptx::red_global_add_f32(p.out + 7, 1.0f);
+        if (b == 0)
+          ptx::st_global_f32(p.out + 7, 1.0f);
+        else
+          ptx::red_global_add_f32(p.out + 7, 1.0f);
       }
       break;
     case 17:  // every access in bounds, each CTA on its own half: fine
       if (t < 32) ptx::st_global_f32(p.out + b * 32 + lane, ptx::ld_global_f32(p.in + t));
       break;
     case 18:  // tagged pointers (emu::tag_global) through the wrappers: fine
-      if (t < 16) ptx::st_global_f32(emu::tag_global(p.out) + b * 32 + t, ptx::ld_global_f32(emu::tag_global(p.in) + t));
+      if (t < 16)
+        ptx::st_global_f32(emu::tag_global(p.out) + b * 32 + t, ptx::ld_global_f32(emu::tag_global(p.in) + t));
       if (t == 40) ptx::red_global_add_f32(emu::tag_global(p.out) + b * 32 + 20, 1.0f);
       break;
     case 19:  // a plain read-modify-write through a tagged pointer: faults, reported
@@ -995,8 +996,10 @@ __global__ void memcheck_kernel(MemParams p) {
       break;
     case 22:  // a plain store of one CTA where the other adds with the vector atomic
       if (t == 0) {
-        if (b == 0) ptx::st_global_f32(p.out + 11, 1.0f);
-        else ptx::red_global_add_v2_f32(p.out + 10, 1.0f, 1.0f);
+        if (b == 0)
+          ptx::st_global_f32(p.out + 11, 1.0f);
+        else
+          ptx::red_global_add_v2_f32(p.out + 10, 1.0f, 1.0f);
       }
       break;
   }
@@ -1008,7 +1011,8 @@ emu::Status run_memcheck(int mode, emu::LaunchOptions opt, std::vector<float>* o
   emu::GlobalBufferScope scope(std::vector<emu::GlobalBuffer>{{in.data(), 64 * sizeof(float), "in", false},
                                                               {out.data(), 64 * sizeof(float), "out", true}});
   opt.kernel = "memcheck_kernel";
-  emu::Status st = emu::launch_with(opt, dim3(2), dim3(64), 1024, memcheck_kernel, MemParams{mode, in.data(), out.data()});
+  emu::Status st =
+      emu::launch_with(opt, dim3(2), dim3(64), 1024, memcheck_kernel, MemParams{mode, in.data(), out.data()});
   if (out_values) *out_values = out;
   return st;
 }
@@ -1030,7 +1034,8 @@ void expect_memcheck_error(int mode, const std::vector<std::string>& needles) {
     auto st = run_memcheck(mode, opt);
     CHECK(!st.ok(), label + ": no error reported");
     for (const auto& n : needles)
-      CHECK(st.error.find(n) != std::string::npos, label + ": error \"" + st.error + "\" does not mention \"" + n + "\"");
+      CHECK(st.error.find(n) != std::string::npos,
+            label + ": error \"" + st.error + "\" does not mention \"" + n + "\"");
   }
 }
 
@@ -1043,8 +1048,8 @@ void expect_memcheck_ok(int mode) {
 
 void test_race_detector() {
   // Both accesses named: who, what, where (offset and line).
-  expect_memcheck_error(0, {"memcheck_kernel", "shared-memory race", "warp 1", "warp 0", "byte ", "emu_test.cc:",
-                            "no __syncthreads"});
+  expect_memcheck_error(
+      0, {"memcheck_kernel", "shared-memory race", "warp 1", "warp 0", "byte ", "emu_test.cc:", "no __syncthreads"});
   expect_memcheck_ok(1);
   expect_memcheck_error(2, {"shared-memory race", "thread (33,0,0)", "read", "byte 0 "});
   expect_memcheck_error(3, {"shared-memory race", "lane 0", "lane 1", "no __syncwarp or __syncthreads"});
@@ -1085,7 +1090,8 @@ void test_global_checks() {
             st.error.find("in the same launch") != std::string::npos,
         "a read-modify-write instead of an atomic: " + st.error);
   st = run_memcheck(16, fwd);
-  CHECK(!st.ok() && st.error.find("mixing atomic and plain") != std::string::npos, "plain store and atomic: " + st.error);
+  CHECK(!st.ok() && st.error.find("mixing atomic and plain") != std::string::npos,
+        "plain store and atomic: " + st.error);
   st = run_memcheck(17, fwd, &out);
   CHECK(st.ok() && out[40] == 8.0f, "accesses in bounds: " + st.error);
   st = run_memcheck(18, fwd, &out);
