@@ -106,7 +106,9 @@ def tool(name: str) -> str:
                 return str(cand)
     except ImportError:
         pass
-    sys.exit(f"check_static: {name} not found (pip install nvidia-cuda-cuobjdump==13.2.86 nvidia-cuda-nvdisasm==13.2.86)")
+    sys.exit(
+        f"check_static: {name} not found (pip install nvidia-cuda-cuobjdump==13.2.86 nvidia-cuda-nvdisasm==13.2.86)"
+    )
 
 
 def instantiations() -> list[pathlib.Path]:
@@ -114,9 +116,14 @@ def instantiations() -> list[pathlib.Path]:
 
 
 def demangle_kind(symbol: str) -> str:
-    for k in ("attention_forward_kernel", "attention_backward_kernel", "attention_backward_dq_kernel",
-              "attention_backward_delta_kernel", "attention_backward_convert_dq_kernel",
-              "attention_backward_reduce_dkv_kernel"):
+    for k in (
+        "attention_forward_kernel",
+        "attention_backward_kernel",
+        "attention_backward_dq_kernel",
+        "attention_backward_delta_kernel",
+        "attention_backward_convert_dq_kernel",
+        "attention_backward_reduce_dkv_kernel",
+    ):
         if k in symbol:
             return k
     return symbol
@@ -129,8 +136,9 @@ def build_objects(sources) -> dict[pathlib.Path, pathlib.Path] | None:
     newest_source = max(p.stat().st_mtime for p in sources_and_headers if p.suffix in (".h", ".cu"))
     out = {}
     for src in sources:
-        objs = sorted(ROOT.glob(f"_skbuild/*/CMakeFiles/jax_flash_cuda.dir/kernels/{src.name}.o"),
-                      key=lambda p: p.stat().st_mtime)
+        objs = sorted(
+            ROOT.glob(f"_skbuild/*/CMakeFiles/jax_flash_cuda.dir/kernels/{src.name}.o"), key=lambda p: p.stat().st_mtime
+        )
         if not objs or objs[-1].stat().st_mtime < newest_source:
             return None
         out[src] = objs[-1]
@@ -146,8 +154,7 @@ def compile_objects(sources, workdir: pathlib.Path, nvcc: str) -> tuple[dict, di
 
     def one(src):
         obj = workdir / (src.name + ".o")
-        cmd = [nvcc, "-c", "-std=c++17", "-O3", "-I", str(CUDA), *gencode,
-               "-Xptxas", "-v", "-o", str(obj), str(src)]
+        cmd = [nvcc, "-c", "-std=c++17", "-O3", "-I", str(CUDA), *gencode, "-Xptxas", "-v", "-o", str(obj), str(src)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             sys.exit(f"check_static: compiling {src.name} failed:\n{r.stderr}")
@@ -193,8 +200,9 @@ def resource_usage(obj: pathlib.Path, cuobjdump: str) -> dict:
 def sass_opcodes(obj: pathlib.Path, cuobjdump: str) -> dict:
     """{(arch, kind): set of SASS opcodes with modifiers}."""
     env = dict(os.environ, PATH=str(pathlib.Path(cuobjdump).parent) + os.pathsep + os.environ.get("PATH", ""))
-    text = subprocess.run([cuobjdump, "--dump-sass", str(obj)], capture_output=True, text=True, check=True,
-                          env=env).stdout
+    text = subprocess.run(
+        [cuobjdump, "--dump-sass", str(obj)], capture_output=True, text=True, check=True, env=env
+    ).stdout
     out, arch, func = {}, None, None
     for line in text.splitlines():
         m = re.match(r"\s*arch = sm_(\d+)", line)
@@ -231,27 +239,46 @@ def tile_traits(sources) -> dict:
         p, d, h, hv, layout = INSTANTIATION.match(src.name).groups()
         elem = {"f16": "F16", "bf16": "Bf16"}[d]
         layout_arg = ", Layout::kWarp32" if layout else ""
-        kernels = ["attention_forward_kernel"] if p == "fwd" else ["attention_backward_kernel",
-                                                                   "attention_backward_dq_kernel"]
+        kernels = (
+            ["attention_forward_kernel"]
+            if p == "fwd"
+            else ["attention_backward_kernel", "attention_backward_dq_kernel"]
+        )
         for kernel in kernels:
             traits = MAIN_KERNELS[kernel]
             args = f"{elem}, {h}, {hv or h}" + ("" if kernel == "attention_backward_dq_kernel" else layout_arg)
             k = f"{traits}<{args}>"
             dq_cols = f"{k}::DQ_COLS" if kernel == "attention_backward_kernel" else "0"
-            lines.append(f'  std::printf("{src.stem} {kernel} %d %d {h} {hv or h} %d %d %d %d %d\\n", {k}::kSmemBytes, '
-                         f'{k}::THREADS, {k}::BLOCK_Q, {k}::BLOCK_KV, {k}::kShape.rows_per_warp, {dq_cols}, '
-                         f'{k}::kShape.col_splits);')
-    program = ("#include <cstdio>\n#include \"kernels/fwd.h\"\n#include \"kernels/bwd.h\"\n"
-               "using namespace jax_flash::kernels;\nint main() {\n" + "\n".join(lines) + "\n}\n")
+            lines.append(
+                f'  std::printf("{src.stem} {kernel} %d %d {h} {hv or h} %d %d %d %d %d\\n", {k}::kSmemBytes, '
+                f"{k}::THREADS, {k}::BLOCK_Q, {k}::BLOCK_KV, {k}::kShape.rows_per_warp, {dq_cols}, "
+                f"{k}::kShape.col_splits);"
+            )
+    program = (
+        '#include <cstdio>\n#include "kernels/fwd.h"\n#include "kernels/bwd.h"\n'
+        "using namespace jax_flash::kernels;\nint main() {\n" + "\n".join(lines) + "\n}\n"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         cc = pathlib.Path(tmp) / "smem.cc"
         cc.write_text(program)
         exe = pathlib.Path(tmp) / "smem"
-        subprocess.run([cxx, "-std=c++17", "-DJAX_FLASH_EMULATE", "-I", str(CUDA), str(cc), "-o", str(exe)],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [cxx, "-std=c++17", "-DJAX_FLASH_EMULATE", "-I", str(CUDA), str(cc), "-o", str(exe)],
+            check=True,
+            capture_output=True,
+        )
         out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
-    names = ("smem", "threads", "head_dim", "v_head_dim", "block_q", "block_kv", "rows_per_warp", "dq_cols",
-             "col_splits")
+    names = (
+        "smem",
+        "threads",
+        "head_dim",
+        "v_head_dim",
+        "block_q",
+        "block_kv",
+        "rows_per_warp",
+        "dq_cols",
+        "col_splits",
+    )
     return {(f[0], f[1]): dict(zip(names, map(int, f[2:]))) for f in (l.split() for l in out.splitlines())}
 
 
@@ -261,39 +288,53 @@ def markdown_table(rows) -> str:
     for stem, arch, kind, regs, smem, stack, local, spills, per_mma, ctas in rows:
         if "attention_" + kind not in MAIN_KERNELS:
             continue
-        p, d, h, hv, layout = INSTANTIATION.match(stem + ".cu").groups()
+        _p, _d, h, hv, layout = INSTANTIATION.match(stem + ".cu").groups()
         head = h if hv is None else f"{h}, Hv {hv}"
-        g = groups.setdefault((kind, layout or "warp16", head), {"regs": {}, "ctas": {}, "smem": set(),
-                                                                 "per_mma": set(), "bad": set()})
+        g = groups.setdefault(
+            (kind, layout or "warp16", head), {"regs": {}, "ctas": {}, "smem": set(), "per_mma": set(), "bad": set()}
+        )
         g["regs"].setdefault(arch, set()).add(regs)
         g["ctas"].setdefault(arch, set()).add(ctas)
         g["smem"].add(smem)
         g["per_mma"].add(per_mma)
         g["bad"].add(f"{stack}/{local}" + ("" if spills == "-" else f"/{spills}"))
     fmt = lambda s: "/".join(str(x) for x in sorted(s))  # f16 and bf16 differ: both
-    lines = ["| kernel | layout | H | regs sm_80 / sm_90 / sm_120 | smem (bytes) | stack / local / spill st / ld "
-             "(bytes) | smem B per MMA "
-             "| CTAs per SM sm_80 / sm_90 / sm_120 |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| kernel | layout | H | regs sm_80 / sm_90 / sm_120 | smem (bytes) | stack / local / spill st / ld "
+            "(bytes) | smem B per MMA "
+            "| CTAs per SM sm_80 / sm_90 / sm_120 |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
+    ]
     order = {k: i for i, k in enumerate(("forward_kernel", "backward_kernel", "backward_dq_kernel"))}
+
     def head_key(head):  # (H, Hv): Hv = H first, then the narrower values
         h, _, hv = head.partition(", Hv ")
         return int(h), -int(hv or h)
 
-    for (kind, layout, h), g in sorted(groups.items(),
-                                       key=lambda x: (order.get(x[0][0], 9), x[0][1], head_key(x[0][2]))):
+    for (kind, layout, h), g in sorted(
+        groups.items(), key=lambda x: (order.get(x[0][0], 9), x[0][1], head_key(x[0][2]))
+    ):
         archs = [f"sm_{a}" for a in ARCHS]
-        lines.append(f"| {kind.replace('_kernel', '')} | {layout} | {h} | "
-                     + " / ".join(fmt(g["regs"].get(a, {"-"})) for a in archs)
-                     + f" | {fmt(g['smem'])} | {fmt(g['bad'])} | {fmt(g['per_mma'])} | "
-                     + " / ".join(fmt(g["ctas"].get(a, {"-"})) for a in archs) + " |")
+        lines.append(
+            f"| {kind.replace('_kernel', '')} | {layout} | {h} | "
+            + " / ".join(fmt(g["regs"].get(a, {"-"})) for a in archs)
+            + f" | {fmt(g['smem'])} | {fmt(g['bad'])} | {fmt(g['per_mma'])} | "
+            + " / ".join(fmt(g["ctas"].get(a, {"-"})) for a in archs)
+            + " |"
+        )
     return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile", action="store_true", help="always compile, never reuse build objects")
-    parser.add_argument("--markdown", action="store_true",
-                        help="also print the main kernels' figures as one markdown row per kernel, layout and head dim")
+    parser.add_argument(
+        "--markdown",
+        action="store_true",
+        help="also print the main kernels' figures as one markdown row per kernel, layout and head dim",
+    )
     args = parser.parse_args()
     nvcc = shutil.which("nvcc")
     if nvcc is None:
@@ -313,7 +354,8 @@ def main() -> int:
             probe = next(iter(objs.values()))
             usage_probe = resource_usage(probe, cuobjdump)
             if not all(any(a == arch for a, _ in usage_probe) for arch in ARCHS) or not set(PTX_ARCHS) <= ptx_images(
-                    probe, cuobjdump):
+                probe, cuobjdump
+            ):
                 objs = None
         if objs is None:
             print(f"compiling {len(sources)} instantiations for sm_{', sm_'.join(map(str, ARCHS))} (2 jobs)...")
@@ -333,7 +375,9 @@ def main() -> int:
                 problems.append(f"{src.name}: the PTX contains wmma instructions")
             missing_ptx = set(PTX_ARCHS) - ptx_images(obj, cuobjdump)
             if missing_ptx:
-                problems.append(f"{src.name}: no PTX image for compute_{', compute_'.join(map(str, sorted(missing_ptx)))}")
+                problems.append(
+                    f"{src.name}: no PTX image for compute_{', compute_'.join(map(str, sorted(missing_ptx)))}"
+                )
             for arch in ARCHS:
                 kinds = sorted(k for a, k in usage if a == arch)
                 if not kinds:
@@ -348,14 +392,28 @@ def main() -> int:
                     spill_text = "-" if stores is None else f"{stores}/{loads}"
                     per_mma = f"{smem_bytes_per_mma(kind, tt):.0f}" if tt else "-"
                     ctas = f"{occupancy(arch, u['REG'], tt['threads'], total_smem)}" if tt else "-"
-                    rows.append((src.stem, f"sm_{arch}", kind.replace("attention_", ""), u["REG"], total_smem,
-                                 stack, u.get("LOCAL", 0), spill_text, per_mma, ctas))
+                    rows.append(
+                        (
+                            src.stem,
+                            f"sm_{arch}",
+                            kind.replace("attention_", ""),
+                            u["REG"],
+                            total_smem,
+                            stack,
+                            u.get("LOCAL", 0),
+                            spill_text,
+                            per_mma,
+                            ctas,
+                        )
+                    )
                     where = f"{src.name} sm_{arch} {kind}"
                     if u.get("STACK", 0) > 0 or stack > 0:
                         problems.append(f"{where}: stack frame {max(stack, u.get('STACK', 0))} bytes")
                     if u.get("LOCAL", 0) > 0 or (stores or 0) > 0 or (loads or 0) > 0:
-                        problems.append(f"{where}: local memory / spills (LOCAL {u.get('LOCAL', 0)}, "
-                                        f"spill stores {stores}, loads {loads})")
+                        problems.append(
+                            f"{where}: local memory / spills (LOCAL {u.get('LOCAL', 0)}, "
+                            f"spill stores {stores}, loads {loads})"
+                        )
                     if total_smem > SMEM_LIMIT:
                         problems.append(f"{where}: shared memory {total_smem} > {SMEM_LIMIT}")
                     if main_kernel:
@@ -366,10 +424,20 @@ def main() -> int:
                         if any(op.startswith("HMMA") and not op.startswith("HMMA.16816") for op in ops):
                             problems.append(f"{where}: HMMA of another shape than m16n8k16")
 
-    header = ("instantiation", "arch", "kernel", "regs", "smem", "stack", "local", "spill st/ld", "smem B/mma",
-              "CTAs/SM")
-    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
-    for r in [header] + rows:
+    header = (
+        "instantiation",
+        "arch",
+        "kernel",
+        "regs",
+        "smem",
+        "stack",
+        "local",
+        "spill st/ld",
+        "smem B/mma",
+        "CTAs/SM",
+    )
+    widths = [max(len(str(r[i])) for r in [*rows, header]) for i in range(len(header))]
+    for r in [header, *rows]:
         print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)))
     if args.markdown:
         print()
@@ -379,9 +447,11 @@ def main() -> int:
         for p in problems:
             print("  " + p, file=sys.stderr)
         return 1
-    print(f"\nOK: {len(rows)} kernels, no spills, no stack, shared memory <= {SMEM_LIMIT}, "
-          "HMMA/LDSM/LDGSTS in every main kernel on every arch, no wmma, "
-          f"PTX for compute_{', compute_'.join(map(str, PTX_ARCHS))}")
+    print(
+        f"\nOK: {len(rows)} kernels, no spills, no stack, shared memory <= {SMEM_LIMIT}, "
+        "HMMA/LDSM/LDGSTS in every main kernel on every arch, no wmma, "
+        f"PTX for compute_{', compute_'.join(map(str, PTX_ARCHS))}"
+    )
     return 0
 
 

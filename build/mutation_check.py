@@ -52,8 +52,14 @@ class Mutation:
     what: str = ""
 
 
-TEST_FILES = ("tests/contract/test_attention.py", "tests/internals/test_grid.py", "tests/contract/test_nonfinite.py",
-              "tests/features/test_decode.py", "tests/features/test_dense.py", "tests/features/test_dense_bias.py")
+TEST_FILES = (
+    "tests/contract/test_attention.py",
+    "tests/internals/test_grid.py",
+    "tests/contract/test_nonfinite.py",
+    "tests/features/test_decode.py",
+    "tests/features/test_dense.py",
+    "tests/features/test_dense_bias.py",
+)
 
 # Test selections (implementation "cuda" runs on the emulation here).
 FWD = "cuda and test_forward_backward"
@@ -75,8 +81,10 @@ BIG_H = "cuda and test_forward_backward and (small_h192 or small_h256)"
 FWD32 = BWD32 = "cuda and test_forward_backward_warp32"
 # The backward's grids: GQA/MQA cases, which JAX_FLASH_CUDA_BWD_GRID=auto runs on the q_heads
 # grid at these sizes, and the tests that set the kv_heads grid.
-BWD_GQA = ("cuda and test_forward_backward and (small_mqa or small_gqa or tile_plus) and not deterministic "
-           "and not warp32 and not kv_heads")
+BWD_GQA = (
+    "cuda and test_forward_backward and (small_mqa or small_gqa or tile_plus) and not deterministic "
+    "and not warp32 and not kv_heads"
+)
 KV_GRID = "cuda and kv_heads_grid"
 # The value head dim Hv != H ((192, 128), (128, 64)): the suite's MLA case and the cuda tests of
 # both backward grids and deterministic mode.
@@ -85,248 +93,764 @@ HV = "cuda and (small_mla or value_head_dim_cuda) and not sweep"
 K = "cuda/kernels/"
 MUTATIONS = [
     # ---- tile.h: fragments, copies, swizzle -------------------------------------------------
-    Mutation("a_fragment_rows", K + "tile.h", "return fragment_row<Tile>(tile, row0, chunk0, lane & 15, lane >> 4);",
-             "return fragment_row<Tile>(tile, row0, chunk0, lane & 7, lane >> 4);", FWD,
-             what="ldmatrix A operand: lanes 8-15 address rows 0-7"),
-    Mutation("bt_fragment_chunk", K + "tile.h",
-             "return fragment_row<Tile>(tile, row0, chunk0, (((lane >> 3) & 1) << 3) + (lane & 7), lane >> 4);",
-             "return fragment_row<Tile>(tile, row0, chunk0, (((lane >> 3) & 1) << 3) + (lane & 7), (lane >> 3) & 1);",
-             FWD, what="ldmatrix.trans B operand: wrong column chunk"),
-    Mutation("accumulator_as_a_order", K + "tile.h", "a[1] = Elem::pack(acc[2 * kk][2], acc[2 * kk][3]);",
-             "a[1] = Elem::pack(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);", FWD,
-             what="P repacked as an A operand: a1/a2 swapped"),
-    Mutation("tail_zero_fill", K + "tile.h", "const bool inside = row < rows_valid;",
-             "const bool inside = row <= rows_valid;", EDGES,
-             what="ragged-tail guard of every tile copy: one row past the end is read"),
-    Mutation("store_rows_guard", K + "tile.h", "if (row < rows_valid) {", "if (row <= rows_valid) {", FWD,
-             what="output tail guard: one row past the end of the block's rows is written"),
-    Mutation("swizzle_off", K + "tile.h",
-             "return kStrideChunks >= 8 ? (row & 7) : kStrideChunks == 4 ? ((row >> 1) & 3) : ((row >> 2) & 1);",
-             "return 0;", FWD, kind="speed",
-             what="no XOR swizzle: bank conflicts only (the same function places and finds chunks)"),
-    Mutation("grid_decode", K + "grid.h", "return {i % blocks, static_cast<int>(y + grid_y * z), i / blocks};",
-             "return {i / batch, static_cast<int>(y + grid_y * z), i % batch};", "grid",
-             what="grid.x decoded batch-fastest while the launch numbers it block-fastest"),
-    Mutation("grid_heads_z", K + "grid.h", "static_cast<int>(y + grid_y * z)", "static_cast<int>(y)",
-             "grid_folds", what="heads past 65535 (grid.z) decoded as the first 65535 again"),
+    Mutation(
+        "a_fragment_rows",
+        K + "tile.h",
+        "return fragment_row<Tile>(tile, row0, chunk0, lane & 15, lane >> 4);",
+        "return fragment_row<Tile>(tile, row0, chunk0, lane & 7, lane >> 4);",
+        FWD,
+        what="ldmatrix A operand: lanes 8-15 address rows 0-7",
+    ),
+    Mutation(
+        "bt_fragment_chunk",
+        K + "tile.h",
+        "return fragment_row<Tile>(tile, row0, chunk0, (((lane >> 3) & 1) << 3) + (lane & 7), lane >> 4);",
+        "return fragment_row<Tile>(tile, row0, chunk0, (((lane >> 3) & 1) << 3) + (lane & 7), (lane >> 3) & 1);",
+        FWD,
+        what="ldmatrix.trans B operand: wrong column chunk",
+    ),
+    Mutation(
+        "accumulator_as_a_order",
+        K + "tile.h",
+        "a[1] = Elem::pack(acc[2 * kk][2], acc[2 * kk][3]);",
+        "a[1] = Elem::pack(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);",
+        FWD,
+        what="P repacked as an A operand: a1/a2 swapped",
+    ),
+    Mutation(
+        "tail_zero_fill",
+        K + "tile.h",
+        "const bool inside = row < rows_valid;",
+        "const bool inside = row <= rows_valid;",
+        EDGES,
+        what="ragged-tail guard of every tile copy: one row past the end is read",
+    ),
+    Mutation(
+        "store_rows_guard",
+        K + "tile.h",
+        "if (row < rows_valid) {",
+        "if (row <= rows_valid) {",
+        FWD,
+        what="output tail guard: one row past the end of the block's rows is written",
+    ),
+    Mutation(
+        "swizzle_off",
+        K + "tile.h",
+        "return kStrideChunks >= 8 ? (row & 7) : kStrideChunks == 4 ? ((row >> 1) & 3) : ((row >> 2) & 1);",
+        "return 0;",
+        FWD,
+        kind="speed",
+        what="no XOR swizzle: bank conflicts only (the same function places and finds chunks)",
+    ),
+    Mutation(
+        "grid_decode",
+        K + "grid.h",
+        "return {i % blocks, static_cast<int>(y + grid_y * z), i / blocks};",
+        "return {i / batch, static_cast<int>(y + grid_y * z), i % batch};",
+        "grid",
+        what="grid.x decoded batch-fastest while the launch numbers it block-fastest",
+    ),
+    Mutation(
+        "grid_heads_z",
+        K + "grid.h",
+        "static_cast<int>(y + grid_y * z)",
+        "static_cast<int>(y)",
+        "grid_folds",
+        what="heads past 65535 (grid.z) decoded as the first 65535 again",
+    ),
     # ---- bias.h, the dense bias and mask -------------------------------------------------------
-    Mutation("bias_stride_t", K + "bias.h", "return t * stride_t + s * stride_s;", "return s * stride_s;", DENSE,
-             what="a dense operand's query stride ignored: row 0 of the bias and mask read for every row"),
-    Mutation("dense_mask_backward", K + "softmax.h",
-             "if (dense_mask.present()) mask_fragment_dense", "if (dense_mask.present() && !TRANSPOSED) mask_fragment_dense",
-             DENSE, what="the dense mask not applied in the main backward kernel"),
-    Mutation("dbias_quad_sum", K + "bias.h", "sum += __shfl_xor_sync(0xffffffffu, sum, 2);\n", "", DENSE,
-             what="dbias broadcast over T: the quad's sum misses two of its four lanes"),
-    Mutation("dbias_atomic_as_store", K + "ffi_attention.h", "owned || workspace ? write : DbiasWrite::kAtomic",
-             "owned || workspace ? write : DbiasWrite::kStore", DENSE,
-             what="a broadcast bias' dbias stored instead of added: CTAs overwrite each other"),
-    Mutation("dbias_dead_warps", K + "bias.h", "if (key0 >= kv_len) return;", "", DENSE,
-             what="warps past the last key write dbias too (at S = 1 their zeros race the real column)"),
-    Mutation("minus_inf_bias_masked", K + "softmax.h", "acc[j][i] = GRADIENT && x == -INFINITY ? -FLT_MAX : x;",
-             "acc[j][i] = x;", DENSE, what="the backward takes a -inf bias for a masked pair (a NaN lse or D is dropped)"),
-    Mutation("reduce_dbias_keys", K + "bwd.h", "s_end = d[3] == 1 ? p.kv_len : ss + 1;", "s_end = ss + 1;", DENSE,
-             what="deterministic dbias: the workspace not summed over the keys of a bias broadcast over S"),
+    Mutation(
+        "bias_stride_t",
+        K + "bias.h",
+        "return t * stride_t + s * stride_s;",
+        "return s * stride_s;",
+        DENSE,
+        what="a dense operand's query stride ignored: row 0 of the bias and mask read for every row",
+    ),
+    Mutation(
+        "dense_mask_backward",
+        K + "softmax.h",
+        "if (dense_mask.present()) mask_fragment_dense",
+        "if (dense_mask.present() && !TRANSPOSED) mask_fragment_dense",
+        DENSE,
+        what="the dense mask not applied in the main backward kernel",
+    ),
+    Mutation(
+        "dbias_quad_sum",
+        K + "bias.h",
+        "sum += __shfl_xor_sync(0xffffffffu, sum, 2);\n",
+        "",
+        DENSE,
+        what="dbias broadcast over T: the quad's sum misses two of its four lanes",
+    ),
+    Mutation(
+        "dbias_atomic_as_store",
+        K + "ffi_attention.h",
+        "owned || workspace ? write : DbiasWrite::kAtomic",
+        "owned || workspace ? write : DbiasWrite::kStore",
+        DENSE,
+        what="a broadcast bias' dbias stored instead of added: CTAs overwrite each other",
+    ),
+    Mutation(
+        "dbias_dead_warps",
+        K + "bias.h",
+        "if (key0 >= kv_len) return;",
+        "",
+        DENSE,
+        what="warps past the last key write dbias too (at S = 1 their zeros race the real column)",
+    ),
+    Mutation(
+        "minus_inf_bias_masked",
+        K + "softmax.h",
+        "acc[j][i] = GRADIENT && x == -INFINITY ? -FLT_MAX : x;",
+        "acc[j][i] = x;",
+        DENSE,
+        what="the backward takes a -inf bias for a masked pair (a NaN lse or D is dropped)",
+    ),
+    Mutation(
+        "reduce_dbias_keys",
+        K + "bwd.h",
+        "s_end = d[3] == 1 ? p.kv_len : ss + 1;",
+        "s_end = ss + 1;",
+        DENSE,
+        what="deterministic dbias: the workspace not summed over the keys of a bias broadcast over S",
+    ),
     # ---- mask.h -----------------------------------------------------------------------------
-    Mutation("is_interior_cols", K + "mask.h", "key_hi(t0) >= s0 + cols;", "key_hi(t0) >= s0 + cols - 1;", ALL,
-             what="Mask::is_interior off by one at the keys' end"),
-    Mutation("is_interior_rows", K + "mask.h", "t_last < q_valid &&", "t_last <= q_valid &&", ALL,
-             what="Mask::is_interior off by one at the valid rows' end"),
-    Mutation("is_interior_lo", K + "mask.h", "key_lo(t_last) <= s0 &&", "key_lo(t_last) <= s0 + 1 &&", ALL,
-             what="Mask::is_interior off by one at the window's left edge"),
-    Mutation("key_hi_window", K + "mask.h", "return min(kv_valid, t + band_hi + 1);",
-             "return min(kv_valid, t + band_hi);", FWD,
-             what="right edge of the visible interval (causal diagonal) one key short"),
-    Mutation("keys_of_rows_hi", K + "mask.h", "return {key_lo(t0), key_hi(t1 - 1)};",
-             "return {key_lo(t0), key_hi(t0)};", FWD, what="tile skipping: the block's keys taken from its first row"),
-    Mutation("rows_of_keys_hi", K + "mask.h", "min(q_valid, s1 - band_lo)", "min(q_valid, s1 - band_lo - 1)",
-             BWD, what="backward tile skipping: the last row that sees a key block dropped"),
-    Mutation("segments_same_single", K + "mask.h", "return lo == hi && o.lo == o.hi && lo == o.lo;",
-             "return lo == hi && lo == o.lo;", ALL, what="a tile whose keys span several segments treated as one segment"),
-    Mutation("mask_fragment_row", K + "mask.h", "const int row = row0 + (lane >> 2) + 8 * (i >> 1);",
-             "const int row = row0 + (lane >> 2) + 8 * (i & 1);", FWD, what="mask of the C fragment: wrong row"),
+    Mutation(
+        "is_interior_cols",
+        K + "mask.h",
+        "key_hi(t0) >= s0 + cols;",
+        "key_hi(t0) >= s0 + cols - 1;",
+        ALL,
+        what="Mask::is_interior off by one at the keys' end",
+    ),
+    Mutation(
+        "is_interior_rows",
+        K + "mask.h",
+        "t_last < q_valid &&",
+        "t_last <= q_valid &&",
+        ALL,
+        what="Mask::is_interior off by one at the valid rows' end",
+    ),
+    Mutation(
+        "is_interior_lo",
+        K + "mask.h",
+        "key_lo(t_last) <= s0 &&",
+        "key_lo(t_last) <= s0 + 1 &&",
+        ALL,
+        what="Mask::is_interior off by one at the window's left edge",
+    ),
+    Mutation(
+        "key_hi_window",
+        K + "mask.h",
+        "return min(kv_valid, t + band_hi + 1);",
+        "return min(kv_valid, t + band_hi);",
+        FWD,
+        what="right edge of the visible interval (causal diagonal) one key short",
+    ),
+    Mutation(
+        "keys_of_rows_hi",
+        K + "mask.h",
+        "return {key_lo(t0), key_hi(t1 - 1)};",
+        "return {key_lo(t0), key_hi(t0)};",
+        FWD,
+        what="tile skipping: the block's keys taken from its first row",
+    ),
+    Mutation(
+        "rows_of_keys_hi",
+        K + "mask.h",
+        "min(q_valid, s1 - band_lo)",
+        "min(q_valid, s1 - band_lo - 1)",
+        BWD,
+        what="backward tile skipping: the last row that sees a key block dropped",
+    ),
+    Mutation(
+        "segments_same_single",
+        K + "mask.h",
+        "return lo == hi && o.lo == o.hi && lo == o.lo;",
+        "return lo == hi && lo == o.lo;",
+        ALL,
+        what="a tile whose keys span several segments treated as one segment",
+    ),
+    Mutation(
+        "mask_fragment_row",
+        K + "mask.h",
+        "const int row = row0 + (lane >> 2) + 8 * (i >> 1);",
+        "const int row = row0 + (lane >> 2) + 8 * (i & 1);",
+        FWD,
+        what="mask of the C fragment: wrong row",
+    ),
     # ---- softmax.h --------------------------------------------------------------------------
-    Mutation("rescale_o", K + "softmax.h", "o[j][2 * r] *= alpha;", "o[j][2 * r] *= 1.0f;", FWD,
-             what="online softmax: O not rescaled when the max grows"),
-    Mutation("dead_row_guard", K + "softmax.h", "const float m_ref = m == -INFINITY ? 0.0f : m;",
-             "const float m_ref = m;", FWD, what="rows that saw nothing yet: exp2(-inf + inf) = NaN"),
-    Mutation("quad_sum_lanes", K + "softmax.h", "x += __shfl_xor_sync(0xffffffffu, x, 1);",
-             "x += __shfl_xor_sync(0xffffffffu, x, 4);", FWD, what="row sum over the wrong lanes"),
-    Mutation("lse_sign", K + "softmax.h", "row_max[r] + log2f(l) / exp_scale", "row_max[r] - log2f(l) / exp_scale",
-             FWD, what="sign of log l in lse"),
-    Mutation("empty_row_nan", K + "softmax.h", "const bool empty = l == 0.0f;", "const bool empty = !(l > 0.0f);",
-             NONFINITE, what="a NaN row sum (a poisoned row) taken for an empty row: out 0, lse -inf"),
-    Mutation("poison_infinite", K + "softmax.h", "return fabsf(s) == INFINITY ? __uint_as_float(0x7fc00000u) : s;",
-             "return s;", NONFINITE, what="a -inf score from a poisoned q or k read as masked"),
-    Mutation("dead_pair_ds", K + "softmax.h", "dp_to_ds = live ? ds : 0.0f;", "dp_to_ds = ds;", NONFINITE,
-             what="backward: masked pairs send dS = 0·NaN when D or dP is NaN"),
-    Mutation("cap_derivative_sign", K + "softmax.h", "return 1.0f - th * th;", "return 1.0f + th * th;", BWD,
-             what="soft cap derivative sign"),
-    Mutation("lse_offset_dead", K + "softmax.h", "return lse == -INFINITY ? INFINITY : lse;",
-             "return lse;", BWD, what="backward: rows that saw nothing recompute P = NaN"),
+    Mutation(
+        "rescale_o",
+        K + "softmax.h",
+        "o[j][2 * r] *= alpha;",
+        "o[j][2 * r] *= 1.0f;",
+        FWD,
+        what="online softmax: O not rescaled when the max grows",
+    ),
+    Mutation(
+        "dead_row_guard",
+        K + "softmax.h",
+        "const float m_ref = m == -INFINITY ? 0.0f : m;",
+        "const float m_ref = m;",
+        FWD,
+        what="rows that saw nothing yet: exp2(-inf + inf) = NaN",
+    ),
+    Mutation(
+        "quad_sum_lanes",
+        K + "softmax.h",
+        "x += __shfl_xor_sync(0xffffffffu, x, 1);",
+        "x += __shfl_xor_sync(0xffffffffu, x, 4);",
+        FWD,
+        what="row sum over the wrong lanes",
+    ),
+    Mutation(
+        "lse_sign",
+        K + "softmax.h",
+        "row_max[r] + log2f(l) / exp_scale",
+        "row_max[r] - log2f(l) / exp_scale",
+        FWD,
+        what="sign of log l in lse",
+    ),
+    Mutation(
+        "empty_row_nan",
+        K + "softmax.h",
+        "const bool empty = l == 0.0f;",
+        "const bool empty = !(l > 0.0f);",
+        NONFINITE,
+        what="a NaN row sum (a poisoned row) taken for an empty row: out 0, lse -inf",
+    ),
+    Mutation(
+        "poison_infinite",
+        K + "softmax.h",
+        "return fabsf(s) == INFINITY ? __uint_as_float(0x7fc00000u) : s;",
+        "return s;",
+        NONFINITE,
+        what="a -inf score from a poisoned q or k read as masked",
+    ),
+    Mutation(
+        "dead_pair_ds",
+        K + "softmax.h",
+        "dp_to_ds = live ? ds : 0.0f;",
+        "dp_to_ds = ds;",
+        NONFINITE,
+        what="backward: masked pairs send dS = 0·NaN when D or dP is NaN",
+    ),
+    Mutation(
+        "cap_derivative_sign",
+        K + "softmax.h",
+        "return 1.0f - th * th;",
+        "return 1.0f + th * th;",
+        BWD,
+        what="soft cap derivative sign",
+    ),
+    Mutation(
+        "lse_offset_dead",
+        K + "softmax.h",
+        "return lse == -INFINITY ? INFINITY : lse;",
+        "return lse;",
+        BWD,
+        what="backward: rows that saw nothing recompute P = NaN",
+    ),
     # ---- fwd.h ------------------------------------------------------------------------------
-    Mutation("fwd_wait_count", K + "fwd.h", "ptx::cp_async_wait_group<K::STAGES - 2>();",
-             "ptx::cp_async_wait_group<K::STAGES - 1>();", FWD, what="forward: one cp.async group too few awaited"),
-    Mutation("fwd_ring_barrier", K + "fwd.h", "ptx::cp_async_wait_group<K::STAGES - 2>();\n      __syncthreads();\n",
-             "ptx::cp_async_wait_group<K::STAGES - 2>();\n", FWD,
-             what="forward: no barrier between the ring slot's readers and the next copy into it"),
-    Mutation("fwd_commit", K + "fwd.h", "      ptx::cp_async_commit_group();\n", "      \n", FWD,
-             what="forward: the loop's copy not committed (the wait then covers the wrong groups)"),
-    Mutation("fwd_tile_end", K + "fwd.h", "const int tiles = CeilDiv(keys.hi, K::BLOCK_KV) - first_tile;",
-             "const int tiles = keys.hi / K::BLOCK_KV - first_tile;", FWD, what="forward: ragged last key tile dropped"),
-    Mutation("fwd_grid_rows", K + "fwd.h", "return {CeilDiv(p.q_len, BLOCK_Q) * p.kv_splits,",
-             "return {p.q_len / BLOCK_Q * p.kv_splits,", FWD,
-             what="forward grid: the ragged last query block not launched"),
+    Mutation(
+        "fwd_wait_count",
+        K + "fwd.h",
+        "ptx::cp_async_wait_group<K::STAGES - 2>();",
+        "ptx::cp_async_wait_group<K::STAGES - 1>();",
+        FWD,
+        what="forward: one cp.async group too few awaited",
+    ),
+    Mutation(
+        "fwd_ring_barrier",
+        K + "fwd.h",
+        "ptx::cp_async_wait_group<K::STAGES - 2>();\n      __syncthreads();\n",
+        "ptx::cp_async_wait_group<K::STAGES - 2>();\n",
+        FWD,
+        what="forward: no barrier between the ring slot's readers and the next copy into it",
+    ),
+    Mutation(
+        "fwd_commit",
+        K + "fwd.h",
+        "      ptx::cp_async_commit_group();\n",
+        "      \n",
+        FWD,
+        what="forward: the loop's copy not committed (the wait then covers the wrong groups)",
+    ),
+    Mutation(
+        "fwd_tile_end",
+        K + "fwd.h",
+        "const int tiles = CeilDiv(keys.hi, K::BLOCK_KV) - first_tile;",
+        "const int tiles = keys.hi / K::BLOCK_KV - first_tile;",
+        FWD,
+        what="forward: ragged last key tile dropped",
+    ),
+    Mutation(
+        "fwd_grid_rows",
+        K + "fwd.h",
+        "return {CeilDiv(p.q_len, BLOCK_Q) * p.kv_splits,",
+        "return {p.q_len / BLOCK_Q * p.kv_splits,",
+        FWD,
+        what="forward grid: the ragged last query block not launched",
+    ),
     # ---- fwd.h: decoding (split-KV, GQA packing) --------------------------------------------
-    Mutation("split_chunk_end", K + "fwd.h", "const int tile_end = first_tile + tiles * (split + 1) / p.kv_splits;",
-             "const int tile_end = first_tile + tiles * (split + 1) / p.kv_splits - 1;", DECODE,
-             what="split-KV: each chunk's last key tile dropped"),
-    Mutation("split_sink_every_chunk", K + "fwd.h", "const bool has_sink = split == 0 && (",
-             "const bool has_sink = (", DECODE, what="split-KV: the sink joins every chunk, not only the first"),
-    Mutation("combine_weight", K + "fwd.h", "const float w = expf(ptx::ld_global_f32(p.partial_lse + c * stats + stat) - lse);",
-             "const float w = expf(ptx::ld_global_f32(p.partial_lse + c * stats + stat) - m);", DECODE,
-             what="split-KV combine: the chunks weighted by e^{lse_c - max}, not normalised"),
-    Mutation("packed_q_stride", K + "fwd.h", "r.q_stride = p.pack_gqa ? p.head_dim : p.q_row_stride();",
-             "r.q_stride = p.q_row_stride();", DECODE, what="GQA packing: the packed heads' q rows read N·H apart"),
-    Mutation("paged_slot", K + "params.h", "return static_cast<int64_t>(page) * page_size + s % page_size;",
-             "return static_cast<int64_t>(page) * page_size + s / max_pages % page_size;", PAGED,
-             what="paged cache: a key read from the wrong slot of its page"),
-    Mutation("paged_id_clamp", K + "params.h", "page = page >= 0 && page < num_pages ? page : 0;", "", PAGED,
-             what="paged cache: an out-of-range page id read out of bounds"),
-    Mutation("scan_zeroing", K + "nonfinite.h", "ptx::st_shared_b32(at + 4 * e, w[e] & ~halves);", "", SCAN,
-             what="decoding's V scan: a non-finite value flagged but left in the tile (0·NaN reaches every row)"),
-    Mutation("scan_visibility", K + "nonfinite.h", "if (s[j][i] != -INFINITY && ptx::ld_shared_f32(",
-             "if (ptx::ld_shared_f32(", SCAN, what="decoding's V scan: rows poisoned by keys they do not see"),
-    Mutation("scan_quad_notes", K + "nonfinite.h", "seen = fmaxf(seen, __shfl_xor_sync(0xffffffffu, seen, 2));\n", "",
-             SCAN, what="decoding's V scan: a row's notes not combined over its quad (half its O columns poisoned)"),
-    Mutation("packed_key_mask", K + "fwd.h", "if (!interior) mask_columns(s[rb], mask, 0, s0, lane);", "", DECODE,
-             what="GQA packing: the edge tiles' keys not masked (lengths, window)"),
-    Mutation("fwd_kv_tail", K + "fwd.h",
-             "load_tile_async<typename K::KVTile, K::THREADS>(stage, k_base + s0 * kv_stride, kv_stride, p.kv_len - s0);",
-             "load_tile_async<typename K::KVTile, K::THREADS>(stage, k_base + s0 * kv_stride, kv_stride, K::BLOCK_KV);",
-             FWD, what="forward: K tile read past the end of the keys (no ragged-tail guard)"),
+    Mutation(
+        "split_chunk_end",
+        K + "fwd.h",
+        "const int tile_end = first_tile + tiles * (split + 1) / p.kv_splits;",
+        "const int tile_end = first_tile + tiles * (split + 1) / p.kv_splits - 1;",
+        DECODE,
+        what="split-KV: each chunk's last key tile dropped",
+    ),
+    Mutation(
+        "split_sink_every_chunk",
+        K + "fwd.h",
+        "const bool has_sink = split == 0 && (",
+        "const bool has_sink = (",
+        DECODE,
+        what="split-KV: the sink joins every chunk, not only the first",
+    ),
+    Mutation(
+        "combine_weight",
+        K + "fwd.h",
+        "const float w = expf(ptx::ld_global_f32(p.partial_lse + c * stats + stat) - lse);",
+        "const float w = expf(ptx::ld_global_f32(p.partial_lse + c * stats + stat) - m);",
+        DECODE,
+        what="split-KV combine: the chunks weighted by e^{lse_c - max}, not normalised",
+    ),
+    Mutation(
+        "packed_q_stride",
+        K + "fwd.h",
+        "r.q_stride = p.pack_gqa ? p.head_dim : p.q_row_stride();",
+        "r.q_stride = p.q_row_stride();",
+        DECODE,
+        what="GQA packing: the packed heads' q rows read N·H apart",
+    ),
+    Mutation(
+        "paged_slot",
+        K + "params.h",
+        "return static_cast<int64_t>(page) * page_size + s % page_size;",
+        "return static_cast<int64_t>(page) * page_size + s / max_pages % page_size;",
+        PAGED,
+        what="paged cache: a key read from the wrong slot of its page",
+    ),
+    Mutation(
+        "paged_id_clamp",
+        K + "params.h",
+        "page = page >= 0 && page < num_pages ? page : 0;",
+        "",
+        PAGED,
+        what="paged cache: an out-of-range page id read out of bounds",
+    ),
+    Mutation(
+        "scan_zeroing",
+        K + "nonfinite.h",
+        "ptx::st_shared_b32(at + 4 * e, w[e] & ~halves);",
+        "",
+        SCAN,
+        what="decoding's V scan: a non-finite value flagged but left in the tile (0·NaN reaches every row)",
+    ),
+    Mutation(
+        "scan_visibility",
+        K + "nonfinite.h",
+        "if (s[j][i] != -INFINITY && ptx::ld_shared_f32(",
+        "if (ptx::ld_shared_f32(",
+        SCAN,
+        what="decoding's V scan: rows poisoned by keys they do not see",
+    ),
+    Mutation(
+        "scan_quad_notes",
+        K + "nonfinite.h",
+        "seen = fmaxf(seen, __shfl_xor_sync(0xffffffffu, seen, 2));\n",
+        "",
+        SCAN,
+        what="decoding's V scan: a row's notes not combined over its quad (half its O columns poisoned)",
+    ),
+    Mutation(
+        "packed_key_mask",
+        K + "fwd.h",
+        "if (!interior) mask_columns(s[rb], mask, 0, s0, lane);",
+        "",
+        DECODE,
+        what="GQA packing: the edge tiles' keys not masked (lengths, window)",
+    ),
+    Mutation(
+        "fwd_kv_tail",
+        K + "fwd.h",
+        "load_tile_async<typename K::KVTile, K::THREADS>(stage, k_base + s0 * kv_stride, kv_stride, p.kv_len - s0);",
+        "load_tile_async<typename K::KVTile, K::THREADS>(stage, k_base + s0 * kv_stride, kv_stride, K::BLOCK_KV);",
+        FWD,
+        what="forward: K tile read past the end of the keys (no ragged-tail guard)",
+    ),
     # ---- bwd.h: main kernel -----------------------------------------------------------------
-    Mutation("bwd_wait_count", K + "bwd.h", "ptx::cp_async_wait_group<K::STAGES - 2>();",
-             "ptx::cp_async_wait_group<K::STAGES - 1>();", BWD, count=2, nth=1,
-             what="backward: one cp.async group too few awaited"),
-    Mutation("bwd_grid_keys", K + "bwd.h", "return {CeilDiv(p.kv_len, BLOCK_KV), p.dkv_per_query_head()",
-             "return {p.kv_len / BLOCK_KV, p.dkv_per_query_head()", BWD,
-             what="backward grid: the ragged last key block not launched"),
-    Mutation("bwd_ds_barrier", K + "bwd.h", "__syncthreads();  // dSᵀ of every warp is in shared memory",
-             "// (barrier removed)", BWD, what="backward: dQ ldmatrix of dSᵀ before every warp stored it"),
-    Mutation("bwd_ring_barrier", K + "bwd.h",
-             "__syncthreads();  // this block's tiles landed; the slot and dSᵀ tile reused next are free",
-             "// (barrier removed)", BWD, what="backward: next query block's copy and dSᵀ overwrite unsynchronised"),
-    Mutation("dq_atomic", K + "bwd.h", "ptx::red_global_add_v2_f32(row + col, dq[j][2 * r], dq[j][2 * r + 1]);",
-             "ptx::st_global_f32(row + col, ptx::ld_global_f32(row + col) + dq[j][2 * r]); "
-             "ptx::red_global_add_f32(row + col + 1, dq[j][2 * r + 1]);", BWD,
-             what="dQ accumulated with a plain read-modify-write instead of an atomic"),
-    Mutation("dq_red_v2_halves", K + "bwd.h",
-             "ptx::red_global_add_v2_f32(row + col, dq[j][2 * r], dq[j][2 * r + 1]);",
-             "ptx::red_global_add_v2_f32(row + col, dq[j][2 * r + 1], dq[j][2 * r]);", BWD,
-             what="vector red of dQ: the two columns of the pair swapped"),
-    Mutation("dq_red_v2_misaligned", K + "bwd.h",
-             "ptx::red_global_add_v2_f32(row + col, dq[j][2 * r], dq[j][2 * r + 1]);",
-             "ptx::red_global_add_v2_f32(row + col + 1, dq[j][2 * r], dq[j][2 * r + 1]);", BWD,
-             what="vector red of dQ one column off (an odd, 4-byte aligned address)"),
-    Mutation("dq_keys_of_block", K + "bwd.h", "for (int kk = 0; kk < K::BLOCK_KV / MMA_K; ++kk) {",
-             "for (int kk = 0; kk < 64 / MMA_K; ++kk) {", BWD32, count=2, nth=1,
-             what="dQ = dS·K over the first 64 keys of the block (equivalent in 64-key CTAs)"),
-    Mutation("dq_rows_guard", K + "bwd.h", "if (t >= p.q_len) continue;", "if (t > p.q_len) continue;", BWD,
-             what="dQ atomics one row past the end of the query rows"),
-    Mutation("ds_store_row", K + "bwd.h", "const int row = key_row0 + (lane >> 2) + 8 * r;",
-             "const int row = key_row0 + (lane >> 2) + 4 * r;", BWD, what="dSᵀ stored to the wrong rows"),
-    Mutation("ds_store_split", K + "bwd.h", "if (j % K::COL_SPLITS != split) continue;",
-             "if (j % K::COL_SPLITS != 0) continue;", BIG_H,
-             what="H >= 192: both warps of a key block store the same half of dSᵀ, the other half never"),
-    Mutation("dkv_split_cols", K + "bwd.h", "const int dk_col0 = split * K::DK_COLS, dv_col0 = split * K::DV_COLS;",
-             "const int dk_col0 = 0, dv_col0 = 0;", BIG_H,
-             what="H >= 192: both warps of a key block accumulate and store the first half of dK, dV's columns"),
-    Mutation("ds_sign", K + "softmax.h", "const float ds = prob * (dp_to_ds - delta) * cap_derivative(x);",
-             "const float ds = prob * (delta - dp_to_ds) * cap_derivative(x);", BWD,
-             what="backward: sign of dS = P (dP - D)"),
-    Mutation("delta_dlse_sign", K + "bwd.h", "dot - ptx::ld_global_f32(p.dlse + stat)",
-             "dot + ptx::ld_global_f32(p.dlse + stat)", BWD, what="D = rowsum(dO O) - dlse: sign of the lse cotangent"),
-    Mutation("delta_chunks", K + "bwd.h", "if (row < rows && sub < K::CHUNKS) {", "if (row < rows && sub <= K::CHUNKS) {",
-             BWD, what="delta kernel: one chunk past the row (H = 96)"),
-    Mutation("dk_scale", K + "bwd.h", "Elem::pack(p.scale * dk[j][2 * r], p.scale * dk[j][2 * r + 1])",
-             "Elem::pack(dk[j][2 * r], p.scale * dk[j][2 * r + 1])", BWD, what="dK: scale missing on even columns"),
-    Mutation("dkdv_rows_guard", K + "bwd.h", "if (s >= p.kv_len) continue;", "if (s > p.kv_len) continue;", BWD,
-             count=2, nth=2, what="dK, dV stores one key past the end"),
-    Mutation("bwd_q_block_begin", K + "bwd.h", "const int q_block_begin = rows.lo / K::BLOCK_Q;",
-             "const int q_block_begin = CeilDiv(rows.lo, K::BLOCK_Q);", BWD,
-             what="backward tile skipping: the partly visible first query block dropped"),
-    Mutation("bwd_q_tail", K + "bwd.h",
-             "load_tile_async<typename K::QTile, K::THREADS>(stage, p.q + p.q_offset(batch, t0, n), q_stride, p.q_len - t0);",
-             "load_tile_async<typename K::QTile, K::THREADS>(stage, p.q + p.q_offset(batch, t0, n), q_stride, K::BLOCK_Q);",
-             BWD, what="backward: Q tile read past the end of the queries (no ragged-tail guard)"),
-    Mutation("bwd_interior_rows", K + "bwd.h",
-             "mask.is_interior(t0, K::BLOCK_Q, warp_s0, K::WARP_KV, segments_allow_all)",
-             "mask.is_interior(t0, K::BLOCK_Q - 1, warp_s0, K::WARP_KV, segments_allow_all)", BWD,
-             what="backward interior test over one row too few"),
-    Mutation("convert_bound", K + "bwd.h", "if (i >= chunks) return;", "if (i > chunks) return;", BWD,
-             count=2, nth=1, what="dQ conversion one chunk past the end"),
+    Mutation(
+        "bwd_wait_count",
+        K + "bwd.h",
+        "ptx::cp_async_wait_group<K::STAGES - 2>();",
+        "ptx::cp_async_wait_group<K::STAGES - 1>();",
+        BWD,
+        count=2,
+        nth=1,
+        what="backward: one cp.async group too few awaited",
+    ),
+    Mutation(
+        "bwd_grid_keys",
+        K + "bwd.h",
+        "return {CeilDiv(p.kv_len, BLOCK_KV), p.dkv_per_query_head()",
+        "return {p.kv_len / BLOCK_KV, p.dkv_per_query_head()",
+        BWD,
+        what="backward grid: the ragged last key block not launched",
+    ),
+    Mutation(
+        "bwd_ds_barrier",
+        K + "bwd.h",
+        "__syncthreads();  // dSᵀ of every warp is in shared memory",
+        "// (barrier removed)",
+        BWD,
+        what="backward: dQ ldmatrix of dSᵀ before every warp stored it",
+    ),
+    Mutation(
+        "bwd_ring_barrier",
+        K + "bwd.h",
+        "__syncthreads();  // this block's tiles landed; the slot and dSᵀ tile reused next are free",
+        "// (barrier removed)",
+        BWD,
+        what="backward: next query block's copy and dSᵀ overwrite unsynchronised",
+    ),
+    Mutation(
+        "dq_atomic",
+        K + "bwd.h",
+        "ptx::red_global_add_v2_f32(row + col, dq[j][2 * r], dq[j][2 * r + 1]);",
+        "ptx::st_global_f32(row + col, ptx::ld_global_f32(row + col) + dq[j][2 * r]); "
+        "ptx::red_global_add_f32(row + col + 1, dq[j][2 * r + 1]);",
+        BWD,
+        what="dQ accumulated with a plain read-modify-write instead of an atomic",
+    ),
+    Mutation(
+        "dq_red_v2_halves",
+        K + "bwd.h",
+        "ptx::red_global_add_v2_f32(row + col, dq[j][2 * r], dq[j][2 * r + 1]);",
+        "ptx::red_global_add_v2_f32(row + col, dq[j][2 * r + 1], dq[j][2 * r]);",
+        BWD,
+        what="vector red of dQ: the two columns of the pair swapped",
+    ),
+    Mutation(
+        "dq_red_v2_misaligned",
+        K + "bwd.h",
+        "ptx::red_global_add_v2_f32(row + col, dq[j][2 * r], dq[j][2 * r + 1]);",
+        "ptx::red_global_add_v2_f32(row + col + 1, dq[j][2 * r], dq[j][2 * r + 1]);",
+        BWD,
+        what="vector red of dQ one column off (an odd, 4-byte aligned address)",
+    ),
+    Mutation(
+        "dq_keys_of_block",
+        K + "bwd.h",
+        "for (int kk = 0; kk < K::BLOCK_KV / MMA_K; ++kk) {",
+        "for (int kk = 0; kk < 64 / MMA_K; ++kk) {",
+        BWD32,
+        count=2,
+        nth=1,
+        what="dQ = dS·K over the first 64 keys of the block (equivalent in 64-key CTAs)",
+    ),
+    Mutation(
+        "dq_rows_guard",
+        K + "bwd.h",
+        "if (t >= p.q_len) continue;",
+        "if (t > p.q_len) continue;",
+        BWD,
+        what="dQ atomics one row past the end of the query rows",
+    ),
+    Mutation(
+        "ds_store_row",
+        K + "bwd.h",
+        "const int row = key_row0 + (lane >> 2) + 8 * r;",
+        "const int row = key_row0 + (lane >> 2) + 4 * r;",
+        BWD,
+        what="dSᵀ stored to the wrong rows",
+    ),
+    Mutation(
+        "ds_store_split",
+        K + "bwd.h",
+        "if (j % K::COL_SPLITS != split) continue;",
+        "if (j % K::COL_SPLITS != 0) continue;",
+        BIG_H,
+        what="H >= 192: both warps of a key block store the same half of dSᵀ, the other half never",
+    ),
+    Mutation(
+        "dkv_split_cols",
+        K + "bwd.h",
+        "const int dk_col0 = split * K::DK_COLS, dv_col0 = split * K::DV_COLS;",
+        "const int dk_col0 = 0, dv_col0 = 0;",
+        BIG_H,
+        what="H >= 192: both warps of a key block accumulate and store the first half of dK, dV's columns",
+    ),
+    Mutation(
+        "ds_sign",
+        K + "softmax.h",
+        "const float ds = prob * (dp_to_ds - delta) * cap_derivative(x);",
+        "const float ds = prob * (delta - dp_to_ds) * cap_derivative(x);",
+        BWD,
+        what="backward: sign of dS = P (dP - D)",
+    ),
+    Mutation(
+        "delta_dlse_sign",
+        K + "bwd.h",
+        "dot - ptx::ld_global_f32(p.dlse + stat)",
+        "dot + ptx::ld_global_f32(p.dlse + stat)",
+        BWD,
+        what="D = rowsum(dO O) - dlse: sign of the lse cotangent",
+    ),
+    Mutation(
+        "delta_chunks",
+        K + "bwd.h",
+        "if (row < rows && sub < K::CHUNKS) {",
+        "if (row < rows && sub <= K::CHUNKS) {",
+        BWD,
+        what="delta kernel: one chunk past the row (H = 96)",
+    ),
+    Mutation(
+        "dk_scale",
+        K + "bwd.h",
+        "Elem::pack(p.scale * dk[j][2 * r], p.scale * dk[j][2 * r + 1])",
+        "Elem::pack(dk[j][2 * r], p.scale * dk[j][2 * r + 1])",
+        BWD,
+        what="dK: scale missing on even columns",
+    ),
+    Mutation(
+        "dkdv_rows_guard",
+        K + "bwd.h",
+        "if (s >= p.kv_len) continue;",
+        "if (s > p.kv_len) continue;",
+        BWD,
+        count=2,
+        nth=2,
+        what="dK, dV stores one key past the end",
+    ),
+    Mutation(
+        "bwd_q_block_begin",
+        K + "bwd.h",
+        "const int q_block_begin = rows.lo / K::BLOCK_Q;",
+        "const int q_block_begin = CeilDiv(rows.lo, K::BLOCK_Q);",
+        BWD,
+        what="backward tile skipping: the partly visible first query block dropped",
+    ),
+    Mutation(
+        "bwd_q_tail",
+        K + "bwd.h",
+        "load_tile_async<typename K::QTile, K::THREADS>(stage, p.q + p.q_offset(batch, t0, n), q_stride, p.q_len - t0);",
+        "load_tile_async<typename K::QTile, K::THREADS>(stage, p.q + p.q_offset(batch, t0, n), q_stride, K::BLOCK_Q);",
+        BWD,
+        what="backward: Q tile read past the end of the queries (no ragged-tail guard)",
+    ),
+    Mutation(
+        "bwd_interior_rows",
+        K + "bwd.h",
+        "mask.is_interior(t0, K::BLOCK_Q, warp_s0, K::WARP_KV, segments_allow_all)",
+        "mask.is_interior(t0, K::BLOCK_Q - 1, warp_s0, K::WARP_KV, segments_allow_all)",
+        BWD,
+        what="backward interior test over one row too few",
+    ),
+    Mutation(
+        "convert_bound",
+        K + "bwd.h",
+        "if (i >= chunks) return;",
+        "if (i > chunks) return;",
+        BWD,
+        count=2,
+        nth=1,
+        what="dQ conversion one chunk past the end",
+    ),
     # ---- the q_heads grid of the backward (MQA/GQA: dK, dV per query head, summed after) -------
-    Mutation("q_heads_first_head", K + "bwd.h", "const int first_head = one_head ? at.head : at.head * group;",
-             "const int first_head = one_head ? at.head / group * group : at.head * group;", BWD_GQA,
-             what="q_heads grid: every CTA of a group computes the group's first query head"),
-    Mutation("q_heads_grid_heads", K + "bwd.h", "p.dkv_per_query_head() ? p.q_heads : p.kv_heads",
-             "p.kv_heads", BWD_GQA, what="q_heads grid launched over the kv heads only"),
-    Mutation("dkv_accum_rows_guard", K + "bwd.h", "if (s >= p.kv_len) continue;", "if (s > p.kv_len) continue;",
-             BWD_GQA, count=2, nth=1, what="q_heads grid: per-query-head dK, dV stored one key past the end"),
-    Mutation("reduce_group_sum", K + "bwd.h", "for (int j = 0; j < group; ++j) {", "for (int j = 1; j < group; ++j) {",
-             BWD_GQA, what="group sum of the q_heads grid without the group's first query head"),
-    Mutation("reduce_bound", K + "bwd.h", "if (i >= chunks) return;", "if (i > chunks) return;", BWD_GQA,
-             count=2, nth=2, what="group sum of the q_heads grid one chunk past the end"),
-    Mutation("kv_grid_group_heads", K + "bwd.h", "const int heads = one_head ? 1 : group;", "const int heads = 1;",
-             KV_GRID, what="kv_heads grid: only the group's first query head added into dK, dV"),
+    Mutation(
+        "q_heads_first_head",
+        K + "bwd.h",
+        "const int first_head = one_head ? at.head : at.head * group;",
+        "const int first_head = one_head ? at.head / group * group : at.head * group;",
+        BWD_GQA,
+        what="q_heads grid: every CTA of a group computes the group's first query head",
+    ),
+    Mutation(
+        "q_heads_grid_heads",
+        K + "bwd.h",
+        "p.dkv_per_query_head() ? p.q_heads : p.kv_heads",
+        "p.kv_heads",
+        BWD_GQA,
+        what="q_heads grid launched over the kv heads only",
+    ),
+    Mutation(
+        "dkv_accum_rows_guard",
+        K + "bwd.h",
+        "if (s >= p.kv_len) continue;",
+        "if (s > p.kv_len) continue;",
+        BWD_GQA,
+        count=2,
+        nth=1,
+        what="q_heads grid: per-query-head dK, dV stored one key past the end",
+    ),
+    Mutation(
+        "reduce_group_sum",
+        K + "bwd.h",
+        "for (int j = 0; j < group; ++j) {",
+        "for (int j = 1; j < group; ++j) {",
+        BWD_GQA,
+        what="group sum of the q_heads grid without the group's first query head",
+    ),
+    Mutation(
+        "reduce_bound",
+        K + "bwd.h",
+        "if (i >= chunks) return;",
+        "if (i > chunks) return;",
+        BWD_GQA,
+        count=2,
+        nth=2,
+        what="group sum of the q_heads grid one chunk past the end",
+    ),
+    Mutation(
+        "kv_grid_group_heads",
+        K + "bwd.h",
+        "const int heads = one_head ? 1 : group;",
+        "const int heads = 1;",
+        KV_GRID,
+        what="kv_heads grid: only the group's first query head added into dK, dV",
+    ),
     # ---- the value head dim Hv != H ----------------------------------------------------------
-    Mutation("hv_fwd_v_stride", K + "fwd.h", "v_stride = p.v_row_stride<K::kHvIsH>();",
-             "v_stride = p.kv_row_stride();", HV, what="forward: V's rows strided by K's row (H) instead of Hv"),
-    Mutation("hv_fwd_o_staging_barrier", K + "fwd.h", "if constexpr (!K::kHvIsH) __syncthreads();", "", HV,
-             what="forward, Hv < H: O staged over Q rows another warp may still be reading"),
-    Mutation("hv_dp_k_steps", K + "bwd.h",
-             "mma_a_smem_b_rows<Elem, typename K::VTile, typename K::DoTile, V_HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N,",
-             "mma_a_smem_b_rows<Elem, typename K::VTile, typename K::DoTile, HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N,", HV,
-             what="backward: dPᵀ = V·dOᵀ over H k-steps instead of Hv (reads past V's and dO's rows)"),
-    Mutation("hv_det_dp_k_steps", K + "bwd.h",
-             "mma_a_smem_b_rows<Elem, typename K::DoTile, typename K::VTile, V_HEAD_DIM / MMA_K, K::BLOCK_KV / MMA_N,",
-             "mma_a_smem_b_rows<Elem, typename K::DoTile, typename K::VTile, HEAD_DIM / MMA_K, K::BLOCK_KV / MMA_N,", HV,
-             what="deterministic dQ kernel: dP = dO·Vᵀ over H k-steps instead of Hv"),
-    Mutation("hv_reduce_dv_width", K + "bwd.h", "const int width = is_dk ? p.head_dim : p.v_head_dim;",
-             "const int width = p.head_dim;", HV,
-             what="q_heads grid's group sum: dv_accum read and dv written at H's row width"),
+    Mutation(
+        "hv_fwd_v_stride",
+        K + "fwd.h",
+        "v_stride = p.v_row_stride<K::kHvIsH>();",
+        "v_stride = p.kv_row_stride();",
+        HV,
+        what="forward: V's rows strided by K's row (H) instead of Hv",
+    ),
+    Mutation(
+        "hv_fwd_o_staging_barrier",
+        K + "fwd.h",
+        "if constexpr (!K::kHvIsH) __syncthreads();",
+        "",
+        HV,
+        what="forward, Hv < H: O staged over Q rows another warp may still be reading",
+    ),
+    Mutation(
+        "hv_dp_k_steps",
+        K + "bwd.h",
+        "mma_a_smem_b_rows<Elem, typename K::VTile, typename K::DoTile, V_HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N,",
+        "mma_a_smem_b_rows<Elem, typename K::VTile, typename K::DoTile, HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N,",
+        HV,
+        what="backward: dPᵀ = V·dOᵀ over H k-steps instead of Hv (reads past V's and dO's rows)",
+    ),
+    Mutation(
+        "hv_det_dp_k_steps",
+        K + "bwd.h",
+        "mma_a_smem_b_rows<Elem, typename K::DoTile, typename K::VTile, V_HEAD_DIM / MMA_K, K::BLOCK_KV / MMA_N,",
+        "mma_a_smem_b_rows<Elem, typename K::DoTile, typename K::VTile, HEAD_DIM / MMA_K, K::BLOCK_KV / MMA_N,",
+        HV,
+        what="deterministic dQ kernel: dP = dO·Vᵀ over H k-steps instead of Hv",
+    ),
+    Mutation(
+        "hv_reduce_dv_width",
+        K + "bwd.h",
+        "const int width = is_dk ? p.head_dim : p.v_head_dim;",
+        "const int width = p.head_dim;",
+        HV,
+        what="q_heads grid's group sum: dv_accum read and dv written at H's row width",
+    ),
     # ---- the kWarp32 layout: two m16 row blocks per warp, 128-key backward CTAs --------------
-    Mutation("rows32_a_row_block", K + "tile.h",
-             "a_fragment_row<ATile>(a_tile, a_row0 + MMA_M * rb, 2 * kk, lane)",
-             "a_fragment_row<ATile>(a_tile, a_row0, 2 * kk, lane)", FWD32,
-             what="second row block's A fragment (Q) read from the first block's rows"),
-    Mutation("rows32_pv_a", K + "tile.h", "Elem::mma(acc[rb][2 * jj + 1], a[rb], b + 2, acc[rb][2 * jj + 1]);",
-             "Elem::mma(acc[rb][2 * jj + 1], a[0], b + 2, acc[rb][2 * jj + 1]);", FWD32, count=2, nth=2,
-             what="O += P·V: odd n-blocks of every row block multiplied by the first block's P"),
-    Mutation("rows32_qk_b_shared", K + "tile.h", "Elem::mma(acc[rb][2 * jj + 1], a[rb], b + 2, acc[rb][2 * jj + 1]);",
-             "Elem::mma(acc[rb][2 * jj + 1], a[rb], b, acc[rb][2 * jj + 1]);", FWD32, count=2, nth=1,
-             what="S = Q·Kᵀ: the shared K fragment's second n-block replaced by the first"),
-    Mutation("rows32_mask_rows", K + "fwd.h", "const int rows_t0 = warp_t0 + MMA_M * rb;",
-             "const int rows_t0 = warp_t0;", FWD32, what="mask and interior test of the second row block at the first's rows"),
-    Mutation("rows32_softmax_per_block", K + "fwd.h", "softmax[rb].update(s[rb], o[rb], scaling.exp_scale);",
-             "softmax[0].update(s[rb], o[rb], scaling.exp_scale);", FWD32,
-             what="one online softmax state for both row blocks"),
-    Mutation("rows32_store_rows", K + "fwd.h", "const int row0 = warp * K::WARP_Q + MMA_M * rb;",
-             "const int row0 = warp * K::WARP_Q;", FWD32,
-             what="second row block's out and lse written over the first's rows"),
+    Mutation(
+        "rows32_a_row_block",
+        K + "tile.h",
+        "a_fragment_row<ATile>(a_tile, a_row0 + MMA_M * rb, 2 * kk, lane)",
+        "a_fragment_row<ATile>(a_tile, a_row0, 2 * kk, lane)",
+        FWD32,
+        what="second row block's A fragment (Q) read from the first block's rows",
+    ),
+    Mutation(
+        "rows32_pv_a",
+        K + "tile.h",
+        "Elem::mma(acc[rb][2 * jj + 1], a[rb], b + 2, acc[rb][2 * jj + 1]);",
+        "Elem::mma(acc[rb][2 * jj + 1], a[0], b + 2, acc[rb][2 * jj + 1]);",
+        FWD32,
+        count=2,
+        nth=2,
+        what="O += P·V: odd n-blocks of every row block multiplied by the first block's P",
+    ),
+    Mutation(
+        "rows32_qk_b_shared",
+        K + "tile.h",
+        "Elem::mma(acc[rb][2 * jj + 1], a[rb], b + 2, acc[rb][2 * jj + 1]);",
+        "Elem::mma(acc[rb][2 * jj + 1], a[rb], b, acc[rb][2 * jj + 1]);",
+        FWD32,
+        count=2,
+        nth=1,
+        what="S = Q·Kᵀ: the shared K fragment's second n-block replaced by the first",
+    ),
+    Mutation(
+        "rows32_mask_rows",
+        K + "fwd.h",
+        "const int rows_t0 = warp_t0 + MMA_M * rb;",
+        "const int rows_t0 = warp_t0;",
+        FWD32,
+        what="mask and interior test of the second row block at the first's rows",
+    ),
+    Mutation(
+        "rows32_softmax_per_block",
+        K + "fwd.h",
+        "softmax[rb].update(s[rb], o[rb], scaling.exp_scale);",
+        "softmax[0].update(s[rb], o[rb], scaling.exp_scale);",
+        FWD32,
+        what="one online softmax state for both row blocks",
+    ),
+    Mutation(
+        "rows32_store_rows",
+        K + "fwd.h",
+        "const int row0 = warp * K::WARP_Q + MMA_M * rb;",
+        "const int row0 = warp * K::WARP_Q;",
+        FWD32,
+        what="second row block's out and lse written over the first's rows",
+    ),
     # ---- bwd.h: deterministic dQ kernel -----------------------------------------------------
-    Mutation("det_ds_sign", K + "bwd.h", "scaling.probability_and_ds(s[j][i], lse2[i >> 1], delta[i >> 1],",
-             "scaling.probability_and_ds(s[j][i], lse2[i >> 1], -delta[i >> 1],", DET,
-             what="deterministic dQ kernel: sign of D in dS"),
-    Mutation("det_dq_scale_sign", K + "bwd.h", "for (int i = 0; i < 4; ++i) dq[j][i] *= p.scale;",
-             "for (int i = 0; i < 4; ++i) dq[j][i] *= -p.scale;", DET, what="deterministic dQ kernel: sign of scale"),
-    Mutation("det_stat_rows", K + "bwd.h", "(s[j][i], lse2[i >> 1]", "(s[j][i], lse2[i & 1]", DET,
-             what="deterministic dQ kernel: statistics of the wrong fragment row"),
-    Mutation("det_wait_count", K + "bwd.h", "ptx::cp_async_wait_group<K::STAGES - 2>();",
-             "ptx::cp_async_wait_group<K::STAGES - 1>();", DET, count=2, nth=2,
-             what="deterministic dQ kernel: one cp.async group too few awaited"),
-    Mutation("det_tile_end", K + "bwd.h", "const int tile_end = CeilDiv(keys.hi, K::BLOCK_KV);",
-             "const int tile_end = keys.hi / K::BLOCK_KV;", DET, what="deterministic dQ kernel: ragged last key tile dropped"),
+    Mutation(
+        "det_ds_sign",
+        K + "bwd.h",
+        "scaling.probability_and_ds(s[j][i], lse2[i >> 1], delta[i >> 1],",
+        "scaling.probability_and_ds(s[j][i], lse2[i >> 1], -delta[i >> 1],",
+        DET,
+        what="deterministic dQ kernel: sign of D in dS",
+    ),
+    Mutation(
+        "det_dq_scale_sign",
+        K + "bwd.h",
+        "for (int i = 0; i < 4; ++i) dq[j][i] *= p.scale;",
+        "for (int i = 0; i < 4; ++i) dq[j][i] *= -p.scale;",
+        DET,
+        what="deterministic dQ kernel: sign of scale",
+    ),
+    Mutation(
+        "det_stat_rows",
+        K + "bwd.h",
+        "(s[j][i], lse2[i >> 1]",
+        "(s[j][i], lse2[i & 1]",
+        DET,
+        what="deterministic dQ kernel: statistics of the wrong fragment row",
+    ),
+    Mutation(
+        "det_wait_count",
+        K + "bwd.h",
+        "ptx::cp_async_wait_group<K::STAGES - 2>();",
+        "ptx::cp_async_wait_group<K::STAGES - 1>();",
+        DET,
+        count=2,
+        nth=2,
+        what="deterministic dQ kernel: one cp.async group too few awaited",
+    ),
+    Mutation(
+        "det_tile_end",
+        K + "bwd.h",
+        "const int tile_end = CeilDiv(keys.hi, K::BLOCK_KV);",
+        "const int tile_end = keys.hi / K::BLOCK_KV;",
+        DET,
+        what="deterministic dQ kernel: ragged last key tile dropped",
+    ),
 ]
 
 # CI (--fast): so that the check itself cannot rot, two quick ones: a caught fault (the
@@ -355,8 +879,16 @@ class Result:
 
 def copy_tree(dst: pathlib.Path) -> None:
     """The tracked and untracked, not ignored files of this tree (the working state)."""
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           check=True, capture_output=True).stdout.decode().split("\0")
+    files = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for rel in files:
         src = ROOT / rel
         if not rel or not src.is_file():  # deleted but still in the index, or a submodule
@@ -377,9 +909,23 @@ class Scratch:
     def build(self, configure: bool = False) -> str:
         """Empty on success, else the compiler's complaint."""
         if configure:
-            r = subprocess.run(["cmake", "-S", str(self.tree / "cuda"), "-B", str(self.build_dir), "-G", "Ninja",
-                                "-DCMAKE_BUILD_TYPE=Release", "-DJAX_FLASH_CUDA=OFF", "-DJAX_FLASH_EMULATOR=ON",
-                                f"-DPython_EXECUTABLE={sys.executable}"], capture_output=True, text=True)
+            r = subprocess.run(
+                [
+                    "cmake",
+                    "-S",
+                    str(self.tree / "cuda"),
+                    "-B",
+                    str(self.build_dir),
+                    "-G",
+                    "Ninja",
+                    "-DCMAKE_BUILD_TYPE=Release",
+                    "-DJAX_FLASH_CUDA=OFF",
+                    "-DJAX_FLASH_EMULATOR=ON",
+                    f"-DPython_EXECUTABLE={sys.executable}",
+                ],
+                capture_output=True,
+                text=True,
+            )
             if r.returncode != 0:
                 return r.stdout + r.stderr
         r = subprocess.run(["cmake", "--build", str(self.build_dir), f"-j{self.jobs}"], capture_output=True, text=True)
@@ -397,14 +943,30 @@ class Scratch:
 
     def run_tests(self, selection: str, timeout: float) -> tuple[str, str]:
         """(outcome, detail): outcome is 'pass', 'fail', 'timeout' or 'error'."""
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("JAX_FLASH_", "PYTEST_XDIST_"))  # run from a pytest-xdist worker too
-               and k not in ("PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("JAX_FLASH_", "PYTEST_XDIST_"))  # run from a pytest-xdist worker too
+            and k not in ("PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST")
+        }
         env["JAX_FLASH_REQUIRE"] = "cuda"  # the emulated kernels must load: no pass by skipping
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         # `-o addopts=`: one process (not pyproject's pytest-xdist workers), in order, so -x stops early.
-        cmd = [sys.executable, "-c", _PYTEST_IN_TREE, "-o", "addopts=", "-q", "-x", "-rf", "-p", "no:cacheprovider",
-               *TEST_FILES, "-k", selection]
+        cmd = [
+            sys.executable,
+            "-c",
+            _PYTEST_IN_TREE,
+            "-o",
+            "addopts=",
+            "-q",
+            "-x",
+            "-rf",
+            "-p",
+            "no:cacheprovider",
+            *TEST_FILES,
+            "-k",
+            selection,
+        ]
         try:
             r = subprocess.run(cmd, cwd=self.tree, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -464,7 +1026,7 @@ def check(mutations, scratch: Scratch, timeout: float, selections: dict, log) ->
             results.append(Result(m, "stale", 0.0, f"original text found {found} times, expected {m.count}"))
             log(f"{m.name:24s} STALE ({results[-1].detail})")
             continue
-        mutated = original[:at] + m.replacement + original[at + len(m.original):]
+        mutated = original[:at] + m.replacement + original[at + len(m.original) :]
         try:
             path.write_text(mutated)
             err = scratch.build()
@@ -491,9 +1053,14 @@ def markdown(results, header: str) -> str:
         lines.append(f"| `{m.name}` | {pathlib.Path(m.file).name} | {m.what} | `{m.tests}` | {status} |")
     caught = sum(r.status == "caught" for r in results if r.mutation.kind == "bug")
     bugs = sum(r.mutation.kind == "bug" for r in results)
-    lines += ["", f"{caught} of {bugs} bug mutations caught; "
-                  f"{sum(r.ok for r in results if r.mutation.kind == 'speed')} of "
-                  f"{sum(r.mutation.kind == 'speed' for r in results)} speed-only mutations survive as they should."]
+    lines += [
+        "",
+        (
+            f"{caught} of {bugs} bug mutations caught; "
+            f"{sum(r.ok for r in results if r.mutation.kind == 'speed')} of "
+            f"{sum(r.mutation.kind == 'speed' for r in results)} speed-only mutations survive as they should."
+        ),
+    ]
     return "\n".join(lines)
 
 
@@ -526,8 +1093,10 @@ def main() -> int:
             path = ROOT / m.file
             applies = path.exists() and locate(m, path.read_text()) is not None
             stale += not applies
-            print(f"{m.name:24s} {m.kind:5s} {'' if applies else 'STALE '}{m.file}: {m.what}  "
-                  f"[-k {selections.get(m.name, m.tests)!r}]")
+            print(
+                f"{m.name:24s} {m.kind:5s} {'' if applies else 'STALE '}{m.file}: {m.what}  "
+                f"[-k {selections.get(m.name, m.tests)!r}]"
+            )
         return 1 if stale else 0
 
     def log(msg):
@@ -535,8 +1104,9 @@ def main() -> int:
 
     # The tree as copied (taken now: HEAD may move while the check runs).
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     # A terminated check still removes its scratch copy.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     start = time.monotonic()
@@ -565,14 +1135,18 @@ def main() -> int:
         else:
             shutil.rmtree(base, ignore_errors=True)
 
-    header = (f"Mutation check, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit "
-              f"{commit.strip()}{' + local changes' if dirty else ''}, {time.monotonic() - start:.0f} s")
+    header = (
+        f"Mutation check, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, commit "
+        f"{commit.strip()}{' + local changes' if dirty else ''}, {time.monotonic() - start:.0f} s"
+    )
     if args.markdown:
         print()
         print(markdown(results, header))
     bad = [r for r in results if not r.ok]
-    print(f"\n{header}: {len(results) - len(bad)} of {len(results)} as expected"
-          + (f"; not: {', '.join(f'{r.mutation.name} ({r.status})' for r in bad)}" if bad else ""))
+    print(
+        f"\n{header}: {len(results) - len(bad)} of {len(results)} as expected"
+        + (f"; not: {', '.join(f'{r.mutation.name} ({r.status})' for r in bad)}" if bad else "")
+    )
     return 1 if bad else 0
 
 

@@ -250,7 +250,10 @@ void release(T* p) {
 }
 template <class... Params, class... Args>
 std::string run(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args... args) {
-  kernel<<<grid, block, smem> > >(static_cast<Params>(args)...);
+  // clang-format would split the launch's >>> into > > >.
+  // clang-format off
+  kernel<<<grid, block, smem>>>(static_cast<Params>(args)...);
+  // clang-format on
   cudaError_t err = cudaGetLastError();
   if (err == cudaSuccess) err = cudaDeviceSynchronize();
   return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));

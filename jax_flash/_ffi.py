@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -21,9 +21,9 @@ from jax_flash._spec import AttentionSpec, MaskInputs
 from jax_flash.parallel import partitioning
 
 _lock = threading.Lock()
-_registered: Optional[dict] = None  # platform -> set of target names
-_load_error: Optional[str] = None
-_emulator_error: Optional[str] = None
+_registered: dict | None = None  # platform -> set of target names
+_load_error: str | None = None
+_emulator_error: str | None = None
 
 # The emulated CUDA targets (jax_flash_emu_*) live in a module of their own,
 # jax_flash._jax_flash_emu, built for tests and CI only (cuda/CMakeLists.txt, JAX_FLASH_EMULATOR).
@@ -55,7 +55,7 @@ def targets() -> dict:
             except ImportError as e:
                 _emulator_error = (
                     "the CUDA kernels' host emulator (jax_flash._jax_flash_emu) is not built: build it with "
-                    f"JAX_FLASH_EMULATOR=ON (JAX_FLASH_EMULATOR=ON pip install -e \".[test]\") ({e})"
+                    f'JAX_FLASH_EMULATOR=ON (JAX_FLASH_EMULATOR=ON pip install -e ".[test]") ({e})'
                 )
             else:
                 _register(emu, found)
@@ -63,7 +63,7 @@ def targets() -> dict:
         return _registered or {}
 
 
-def missing(target: str, plat: str) -> Optional[str]:
+def missing(target: str, plat: str) -> str | None:
     """None if `target` is registered for `plat`, else why not."""
     found = targets()
     if _load_error is not None:
@@ -113,9 +113,7 @@ def _mask_operands(spec: AttentionSpec, masks: MaskInputs, dtype):
     q_len = masks.q_lengths if masks.q_lengths is not None else jnp.full((b,), t, jnp.int32)
     kv_len = masks.kv_lengths if masks.kv_lengths is not None else jnp.full((b,), s, jnp.int32)
     q_seg = masks.q_segment_ids if masks.q_segment_ids is not None else jnp.zeros((b, t), jnp.int32)
-    kv_seg = (
-        masks.kv_segment_ids if masks.kv_segment_ids is not None else jnp.zeros((b, s), jnp.int32)
-    )
+    kv_seg = masks.kv_segment_ids if masks.kv_segment_ids is not None else jnp.zeros((b, s), jnp.int32)
     q_off = masks.q_offset if masks.q_offset is not None else jnp.zeros((b,), jnp.int32)
     return q_len, kv_len, q_seg, kv_seg, q_off, _bias_operand(masks, dtype), _dense_mask_operand(masks)
 
@@ -139,8 +137,16 @@ def _dropout_seed(masks: MaskInputs):
     return masks.dropout_seed if masks.dropout_seed is not None else jnp.zeros((2,), jnp.uint32)
 
 
-def forward(impl: str, target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs,
-            attributes: Optional[Callable[[AttentionSpec], dict]] = None):
+def forward(
+    impl: str,
+    target: str,
+    spec: AttentionSpec,
+    q,
+    k,
+    v,
+    masks: MaskInputs,
+    attributes: Callable[[AttentionSpec], dict] | None = None,
+):
     """Call `target` (a forward target of implementation `impl`): out [B, T, N, Hv], lse
     [B, N, T] float32. `attributes`: (local) spec -> the target's own attributes (forward_call)."""
     return partitioning.forward(
@@ -149,9 +155,20 @@ def forward(impl: str, target: str, spec: AttentionSpec, q, k, v, masks: MaskInp
 
 
 def backward(
-    impl: str, target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout, dlse,
-    deterministic: bool = False, backward_grid: Optional[Callable[[AttentionSpec], str]] = None,
-    attributes: Optional[Callable[[AttentionSpec], dict]] = None,
+    impl: str,
+    target: str,
+    spec: AttentionSpec,
+    q,
+    k,
+    v,
+    masks: MaskInputs,
+    out,
+    lse,
+    dout,
+    dlse,
+    deterministic: bool = False,
+    backward_grid: Callable[[AttentionSpec], str] | None = None,
+    attributes: Callable[[AttentionSpec], dict] | None = None,
 ):
     """Call `target` (a backward target): dq, dk, dv (workspaces dropped), and dbias in the
     bias' shape and dtype (None without a bias).
@@ -162,14 +179,31 @@ def backward(
     target's own attributes (the cpu kernels' isa and gradient_chunks, the CUDA kernels' layout)."""
     call = functools.partial(_backward_call, target, bool(deterministic), backward_grid, attributes)
     return partitioning.backward(
-        impl, call, spec, q, k, v, masks,
-        out, lse.astype(jnp.float32), dout, dlse.astype(jnp.float32),
+        impl,
+        call,
+        spec,
+        q,
+        k,
+        v,
+        masks,
+        out,
+        lse.astype(jnp.float32),
+        dout,
+        dlse.astype(jnp.float32),
     )
 
 
-def forward_call(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs,
-                 decoding: Optional[Callable[[AttentionSpec], tuple[int, bool]]] = None, page_table=None,
-                 attributes: Optional[Callable[[AttentionSpec], dict]] = None):
+def forward_call(
+    target: str,
+    spec: AttentionSpec,
+    q,
+    k,
+    v,
+    masks: MaskInputs,
+    decoding: Callable[[AttentionSpec], tuple[int, bool]] | None = None,
+    page_table=None,
+    attributes: Callable[[AttentionSpec], dict] | None = None,
+):
     """The forward custom call on (local) canonical arrays; `spec` describes them (no
     sharding rule: for a function that runs inside one, e.g. on one device's shards).
 
@@ -193,22 +227,41 @@ def forward_call(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs,
     if decoding is not None:
         chunks, pack = decoding(spec)
         split = chunks > 1
-        shapes += (jax.ShapeDtypeStruct((chunks, b, t, n, hv) if split else (0,), jnp.float32),  # partial_out
-                   jax.ShapeDtypeStruct((chunks, b, n, t) if split else (0,), jnp.float32))  # partial_lse
+        shapes += (
+            jax.ShapeDtypeStruct((chunks, b, t, n, hv) if split else (0,), jnp.float32),  # partial_out
+            jax.ShapeDtypeStruct((chunks, b, n, t) if split else (0,), jnp.float32),
+        )  # partial_lse
         attributes["pack_gqa"] = bool(pack)
     # Sinks [N] f32 after the mask operands (forward only), -inf (no sink) when absent.
     sinks = masks.sinks if masks.sinks is not None else jnp.full((n,), -jnp.inf, jnp.float32)
     first = () if page_table is None else (page_table,)
     out, lse, *_ = jax.ffi.ffi_call(target, shapes)(
-        *first, q, k, v, *_mask_operands(spec, masks, q.dtype), sinks.astype(jnp.float32), _dropout_seed(masks),
+        *first,
+        q,
+        k,
+        v,
+        *_mask_operands(spec, masks, q.dtype),
+        sinks.astype(jnp.float32),
+        _dropout_seed(masks),
         **attributes,
     )
     return out, lse
 
 
 def _backward_call(
-    target: str, deterministic: bool, backward_grid, attributes, spec: AttentionSpec, q, k, v,
-    masks: MaskInputs, out, lse, dout, dlse,
+    target: str,
+    deterministic: bool,
+    backward_grid,
+    attributes,
+    spec: AttentionSpec,
+    q,
+    k,
+    v,
+    masks: MaskInputs,
+    out,
+    lse,
+    dout,
+    dlse,
 ):
     """The backward custom call on (local) canonical arrays: dq, dk, dv, dbias (None
     without a bias). dbias is the last result (after the CUDA targets' workspaces), float32
@@ -234,8 +287,18 @@ def _backward_call(
     dbias_shape = (0,) if masks.bias is None else masks.bias.shape
     shapes += (jax.ShapeDtypeStruct(dbias_shape, jnp.float32),)
     dq, dk, dv, *_, dbias = jax.ffi.ffi_call(target, shapes)(
-        q, k, v, out, dout, lse, dlse, *_mask_operands(spec, masks, q.dtype), _dropout_seed(masks),
-        **_attributes(spec), **({} if attributes is None else attributes(spec)), deterministic=deterministic,
+        q,
+        k,
+        v,
+        out,
+        dout,
+        lse,
+        dlse,
+        *_mask_operands(spec, masks, q.dtype),
+        _dropout_seed(masks),
+        **_attributes(spec),
+        **({} if attributes is None else attributes(spec)),
+        deterministic=deterministic,
     )
     return dq, dk, dv, (None if masks.bias is None else dbias.astype(masks.bias.dtype))
 
@@ -252,7 +315,7 @@ def _dbias_workspace(spec: AttentionSpec, masks: MaskInputs, deterministic: bool
     return (b, n, tb, s)
 
 
-def compiled_kernel_reason(spec: AttentionSpec, dtypes: tuple[str, ...]) -> Optional[str]:
+def compiled_kernel_reason(spec: AttentionSpec, dtypes: tuple[str, ...]) -> str | None:
     """Limits common to the compiled implementations."""
     if spec.dtype not in dtypes:
         return f"supports dtypes {', '.join(dtypes)}, got {spec.dtype}"

@@ -59,7 +59,10 @@ LaunchError Launch(const char* name, void (*kernel)(Params...), dim3 grid, dim3 
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
     if (err != cudaSuccess) return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(err);
   }
-  kernel<<<grid, block, smem_bytes, stream> > >(static_cast<Params>(args)...);
+  // clang-format would split the launch's >>> into > > >.
+  // clang-format off
+  kernel<<<grid, block, smem_bytes, stream>>>(static_cast<Params>(args)...);
+  // clang-format on
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return std::string("kernel launch: ") + cudaGetErrorString(err);
   return {};

@@ -43,21 +43,93 @@ ROWS = [
     ("query_int", "query", lambda q, k, v: ((q.astype(jnp.int32), k, v), {}), TypeError, r"query must be float16"),
     ("query_none", "query", lambda q, k, v: ((None, k, v), {}), TypeError, r"query must be an array, got None"),
     ("query_string", "query", lambda q, k, v: (("q", k, v), {}), TypeError, r"query must be an array"),
-    ("query_head_dim", "query", lambda q, k, v: ((q[..., :16], k, v), {}), ValueError, r"query and key must have the same head dim"),
-    ("query_heads", "query", lambda q, k, v: ((q[:, :, :3], k, v), {}), ValueError, r"query heads N=3 must be a multiple"),
-    ("query_batch", "query", lambda q, k, v: ((q[:1], k, v), {}), ValueError, r"query and key must have the same leading batch"),
-    ("query_head_dim_0", "query", lambda q, k, v: ((q[..., :0], k[..., :0], v[..., :0]), {}), ValueError, r"query and key must have a head dim H >= 1"),
+    (
+        "query_head_dim",
+        "query",
+        lambda q, k, v: ((q[..., :16], k, v), {}),
+        ValueError,
+        r"query and key must have the same head dim",
+    ),
+    (
+        "query_heads",
+        "query",
+        lambda q, k, v: ((q[:, :, :3], k, v), {}),
+        ValueError,
+        r"query heads N=3 must be a multiple",
+    ),
+    (
+        "query_batch",
+        "query",
+        lambda q, k, v: ((q[:1], k, v), {}),
+        ValueError,
+        r"query and key must have the same leading batch",
+    ),
+    (
+        "query_head_dim_0",
+        "query",
+        lambda q, k, v: ((q[..., :0], k[..., :0], v[..., :0]), {}),
+        ValueError,
+        r"query and key must have a head dim H >= 1",
+    ),
     ("query_too_long", "query", None, ValueError, r"query has T = 1073741824 positions"),
     ("key_rank2", "key", lambda q, k, v: ((q, k[0, 0], v), {}), ValueError, r"key must have rank >= 3"),
-    ("key_dtype", "key", lambda q, k, v: ((q, k.astype(jnp.float16), v), {}), TypeError, r"query, key and value must share one dtype"),
-    ("key_no_heads", "key", lambda q, k, v: ((q, k[:, :, :0], v[:, :, :0]), {}), ValueError, r"key and value must have at least one head"),
+    (
+        "key_dtype",
+        "key",
+        lambda q, k, v: ((q, k.astype(jnp.float16), v), {}),
+        TypeError,
+        r"query, key and value must share one dtype",
+    ),
+    (
+        "key_no_heads",
+        "key",
+        lambda q, k, v: ((q, k[:, :, :0], v[:, :, :0]), {}),
+        ValueError,
+        r"key and value must have at least one head",
+    ),
     ("key_too_long", "key", None, ValueError, r"key has S = 1073741824 positions"),
-    ("value_shape", "value", lambda q, k, v: ((q, k, v[:, :4]), {}), ValueError, r"key \[\*B, S, K, H\] and value \[\*B, S, K, Hv\] must have the same shape except the last"),
-    ("value_kv_heads", "value", lambda q, k, v: ((q, k, v[:, :, :1]), {}), ValueError, r"must have the same shape except the last \(head\) dim, got key \(2, 10, 2, 32\) and value \(2, 10, 1, 32\)"),
-    ("value_batch", "value", lambda q, k, v: ((q, k, v[:1]), {}), ValueError, r"key \[\*B, S, K, H\] and value \[\*B, S, K, Hv\] must have the same shape except"),
-    ("value_rank", "value", lambda q, k, v: ((q, k, v[None]), {}), ValueError, r"and value \[\*B, S, K, Hv\] must have the same shape except"),
-    ("value_head_dim_0", "value", lambda q, k, v: ((q, k, v[..., :0]), {}), ValueError, r"value must have a head dim Hv >= 1"),
-    ("value_dtype", "value", lambda q, k, v: ((q, k, v.astype(jnp.float16)), {}), TypeError, r"query, key and value must share one dtype"),
+    (
+        "value_shape",
+        "value",
+        lambda q, k, v: ((q, k, v[:, :4]), {}),
+        ValueError,
+        r"key \[\*B, S, K, H\] and value \[\*B, S, K, Hv\] must have the same shape except the last",
+    ),
+    (
+        "value_kv_heads",
+        "value",
+        lambda q, k, v: ((q, k, v[:, :, :1]), {}),
+        ValueError,
+        r"must have the same shape except the last \(head\) dim, got key \(2, 10, 2, 32\) and value \(2, 10, 1, 32\)",
+    ),
+    (
+        "value_batch",
+        "value",
+        lambda q, k, v: ((q, k, v[:1]), {}),
+        ValueError,
+        r"key \[\*B, S, K, H\] and value \[\*B, S, K, Hv\] must have the same shape except",
+    ),
+    (
+        "value_rank",
+        "value",
+        lambda q, k, v: ((q, k, v[None]), {}),
+        ValueError,
+        r"and value \[\*B, S, K, Hv\] must have the same shape except",
+    ),
+    (
+        "value_head_dim_0",
+        "value",
+        lambda q, k, v: ((q, k, v[..., :0]), {}),
+        ValueError,
+        r"value must have a head dim Hv >= 1",
+    ),
+    (
+        "value_dtype",
+        "value",
+        lambda q, k, v: ((q, k, v.astype(jnp.float16)), {}),
+        TypeError,
+        r"query, key and value must share one dtype",
+    ),
     ("value_none", "value", lambda q, k, v: ((q, k, None), {}), TypeError, r"value must be an array, got None"),
     ("bias_shape", "bias", _with(bias=jnp.zeros((T, S + 1))), ValueError, r"bias must be broadcastable"),
     ("bias_rank", "bias", _with(bias=jnp.zeros((3, B, N, T, S))), ValueError, r"bias must be broadcastable"),
@@ -71,37 +143,205 @@ ROWS = [
     ("scale_nan", "scale", _with(scale=math.nan), ValueError, r"scale must be finite"),
     ("is_causal_int", "is_causal", _with(is_causal=1), TypeError, r"is_causal must be a Python bool"),
     ("is_causal_array", "is_causal", _with(is_causal=jnp.bool_(True)), TypeError, r"is_causal must be a Python bool"),
-    ("q_lengths_shape", "query_seq_lengths", _with(query_seq_lengths=_ints(3)), ValueError, r"query_seq_lengths must have shape \(2,\)"),
-    ("q_lengths_float", "query_seq_lengths", _with(query_seq_lengths=jnp.ones((B,))), TypeError, r"query_seq_lengths must be an integer array"),
-    ("kv_lengths_rank", "key_value_seq_lengths", _with(key_value_seq_lengths=_ints(B, 1)), ValueError, r"key_value_seq_lengths must have shape"),
-    ("kv_lengths_bool", "key_value_seq_lengths", _with(key_value_seq_lengths=jnp.ones((B,), bool)), TypeError, r"key_value_seq_lengths must be an integer array"),
-    ("window_negative", "local_window_size", _with(local_window_size=(-1, 2)), ValueError, r"local_window_size must be non-negative"),
-    ("window_negative_int", "local_window_size", _with(local_window_size=-(2**70)), ValueError, r"local_window_size must be non-negative"),
-    ("window_triple", "local_window_size", _with(local_window_size=(1, 2, 3)), ValueError, r"local_window_size must be an int"),
-    ("window_float", "local_window_size", _with(local_window_size=(1.5, 2)), ValueError, r"local_window_size must be an int"),
-    ("window_bool", "local_window_size", _with(local_window_size=True), ValueError, r"local_window_size must be an int"),
-    ("window_array", "local_window_size", _with(local_window_size=jnp.int32(3)), ValueError, r"local_window_size must be an int"),
-    ("segments_single_cross", "segment_ids", _with(segment_ids=_ints(B, T)), ValueError, r"single segment_ids array needs self-attention"),
-    ("segments_kv_shape", "segment_ids", _with(segment_ids=(_ints(B, T), _ints(B, S + 1))), ValueError, r"segment_ids \(key/value\) must have shape"),
-    ("segments_float", "segment_ids", _with(segment_ids=(jnp.ones((B, T)), _ints(B, S))), TypeError, r"segment_ids \(query\) must be an integer"),
-    ("segments_triple", "segment_ids", _with(segment_ids=(_ints(B, T),) * 3), ValueError, r"segment_ids must be an array .* or a pair"),
-    ("segments_int64_range", "segment_ids", _with(segment_ids=(np.full((B, T), 2**32, np.int64), np.zeros((B, S), np.int64))), ValueError, r"segment_ids \(query\) must fit in int32"),
-    ("cap_zero", "logits_soft_cap", _with(logits_soft_cap=0.0), ValueError, r"logits_soft_cap must be a positive float32 normal"),
-    ("cap_negative", "logits_soft_cap", _with(logits_soft_cap=-2.0), ValueError, r"logits_soft_cap must be a positive float32 normal"),
-    ("cap_subnormal", "logits_soft_cap", _with(logits_soft_cap=1e-46), ValueError, r"logits_soft_cap must be a positive float32 normal"),
-    ("cap_too_large", "logits_soft_cap", _with(logits_soft_cap=1e31), ValueError, r"logits_soft_cap must be a positive float32 normal"),
-    ("cap_inf", "logits_soft_cap", _with(logits_soft_cap=math.inf), ValueError, r"logits_soft_cap must be a positive float32 normal"),
-    ("cap_nan", "logits_soft_cap", _with(logits_soft_cap=math.nan), ValueError, r"logits_soft_cap must be a positive float32 normal"),
+    (
+        "q_lengths_shape",
+        "query_seq_lengths",
+        _with(query_seq_lengths=_ints(3)),
+        ValueError,
+        r"query_seq_lengths must have shape \(2,\)",
+    ),
+    (
+        "q_lengths_float",
+        "query_seq_lengths",
+        _with(query_seq_lengths=jnp.ones((B,))),
+        TypeError,
+        r"query_seq_lengths must be an integer array",
+    ),
+    (
+        "kv_lengths_rank",
+        "key_value_seq_lengths",
+        _with(key_value_seq_lengths=_ints(B, 1)),
+        ValueError,
+        r"key_value_seq_lengths must have shape",
+    ),
+    (
+        "kv_lengths_bool",
+        "key_value_seq_lengths",
+        _with(key_value_seq_lengths=jnp.ones((B,), bool)),
+        TypeError,
+        r"key_value_seq_lengths must be an integer array",
+    ),
+    (
+        "window_negative",
+        "local_window_size",
+        _with(local_window_size=(-1, 2)),
+        ValueError,
+        r"local_window_size must be non-negative",
+    ),
+    (
+        "window_negative_int",
+        "local_window_size",
+        _with(local_window_size=-(2**70)),
+        ValueError,
+        r"local_window_size must be non-negative",
+    ),
+    (
+        "window_triple",
+        "local_window_size",
+        _with(local_window_size=(1, 2, 3)),
+        ValueError,
+        r"local_window_size must be an int",
+    ),
+    (
+        "window_float",
+        "local_window_size",
+        _with(local_window_size=(1.5, 2)),
+        ValueError,
+        r"local_window_size must be an int",
+    ),
+    (
+        "window_bool",
+        "local_window_size",
+        _with(local_window_size=True),
+        ValueError,
+        r"local_window_size must be an int",
+    ),
+    (
+        "window_array",
+        "local_window_size",
+        _with(local_window_size=jnp.int32(3)),
+        ValueError,
+        r"local_window_size must be an int",
+    ),
+    (
+        "segments_single_cross",
+        "segment_ids",
+        _with(segment_ids=_ints(B, T)),
+        ValueError,
+        r"single segment_ids array needs self-attention",
+    ),
+    (
+        "segments_kv_shape",
+        "segment_ids",
+        _with(segment_ids=(_ints(B, T), _ints(B, S + 1))),
+        ValueError,
+        r"segment_ids \(key/value\) must have shape",
+    ),
+    (
+        "segments_float",
+        "segment_ids",
+        _with(segment_ids=(jnp.ones((B, T)), _ints(B, S))),
+        TypeError,
+        r"segment_ids \(query\) must be an integer",
+    ),
+    (
+        "segments_triple",
+        "segment_ids",
+        _with(segment_ids=(_ints(B, T),) * 3),
+        ValueError,
+        r"segment_ids must be an array .* or a pair",
+    ),
+    (
+        "segments_int64_range",
+        "segment_ids",
+        _with(segment_ids=(np.full((B, T), 2**32, np.int64), np.zeros((B, S), np.int64))),
+        ValueError,
+        r"segment_ids \(query\) must fit in int32",
+    ),
+    (
+        "cap_zero",
+        "logits_soft_cap",
+        _with(logits_soft_cap=0.0),
+        ValueError,
+        r"logits_soft_cap must be a positive float32 normal",
+    ),
+    (
+        "cap_negative",
+        "logits_soft_cap",
+        _with(logits_soft_cap=-2.0),
+        ValueError,
+        r"logits_soft_cap must be a positive float32 normal",
+    ),
+    (
+        "cap_subnormal",
+        "logits_soft_cap",
+        _with(logits_soft_cap=1e-46),
+        ValueError,
+        r"logits_soft_cap must be a positive float32 normal",
+    ),
+    (
+        "cap_too_large",
+        "logits_soft_cap",
+        _with(logits_soft_cap=1e31),
+        ValueError,
+        r"logits_soft_cap must be a positive float32 normal",
+    ),
+    (
+        "cap_inf",
+        "logits_soft_cap",
+        _with(logits_soft_cap=math.inf),
+        ValueError,
+        r"logits_soft_cap must be a positive float32 normal",
+    ),
+    (
+        "cap_nan",
+        "logits_soft_cap",
+        _with(logits_soft_cap=math.nan),
+        ValueError,
+        r"logits_soft_cap must be a positive float32 normal",
+    ),
     ("cap_string", "logits_soft_cap", _with(logits_soft_cap="1"), TypeError, r"logits_soft_cap must be a Python float"),
     ("cap_bool", "logits_soft_cap", _with(logits_soft_cap=True), TypeError, r"logits_soft_cap must be a Python float"),
-    ("offset_float", "query_offset", _with(query_offset=1.5), TypeError, r"query_offset must be an int or an integer array"),
-    ("offset_bool", "query_offset", _with(query_offset=True), TypeError, r"query_offset must be an int or an integer array"),
-    ("offset_shape", "query_offset", _with(query_offset=_ints(3)), ValueError, r"query_offset must be an int or an integer array broadcastable"),
+    (
+        "offset_float",
+        "query_offset",
+        _with(query_offset=1.5),
+        TypeError,
+        r"query_offset must be an int or an integer array",
+    ),
+    (
+        "offset_bool",
+        "query_offset",
+        _with(query_offset=True),
+        TypeError,
+        r"query_offset must be an int or an integer array",
+    ),
+    (
+        "offset_shape",
+        "query_offset",
+        _with(query_offset=_ints(3)),
+        ValueError,
+        r"query_offset must be an int or an integer array broadcastable",
+    ),
     ("offset_range", "query_offset", _with(query_offset=-(2**31) - 1), ValueError, r"query_offset must fit in int32"),
-    ("offset_int64_range", "query_offset", _with(query_offset=np.asarray([0, 2**40])), ValueError, r"query_offset must fit in int32"),
-    ("return_residual_int", "return_residual", _with(return_residual=1), TypeError, r"return_residual must be a Python bool"),
-    ("implementation_name", "implementation", _with(implementation="triton"), ValueError, r"implementation must be None or one of"),
-    ("implementation_type", "implementation", _with(implementation=3), ValueError, r"implementation must be None or one of"),
+    (
+        "offset_int64_range",
+        "query_offset",
+        _with(query_offset=np.asarray([0, 2**40])),
+        ValueError,
+        r"query_offset must fit in int32",
+    ),
+    (
+        "return_residual_int",
+        "return_residual",
+        _with(return_residual=1),
+        TypeError,
+        r"return_residual must be a Python bool",
+    ),
+    (
+        "implementation_name",
+        "implementation",
+        _with(implementation="triton"),
+        ValueError,
+        r"implementation must be None or one of",
+    ),
+    (
+        "implementation_type",
+        "implementation",
+        _with(implementation=3),
+        ValueError,
+        r"implementation must be None or one of",
+    ),
 ]
 
 
@@ -123,14 +363,16 @@ def test_bad_argument(impl, row):
         if change is None:  # shapes too large to allocate: traced on abstract inputs
             q, k = _too_long(name)
             with pytest.raises(exc, match=match):
-                jax.jit(lambda q, k: jax_flash.attention(q, k, k, implementation=requested)).trace(q, k)
+                jax.jit(lambda q, k, requested=requested: jax_flash.attention(q, k, k, implementation=requested)).trace(
+                    q, k
+                )
             continue
         args, kwargs = change(*_inputs(impl))
         kwargs = {"implementation": requested, **kwargs}
         arrays = [a for a in args if isinstance(a, jax.Array)]
         with pytest.raises(exc, match=match):
             # Traced: the error comes before anything runs.
-            def call(*arrays, args=args):
+            def call(*arrays, args=args, kwargs=kwargs):
                 it = iter(arrays)
                 full = [next(it) if isinstance(a, jax.Array) else a for a in args]
                 return jax_flash.attention(*full, **kwargs)
@@ -140,16 +382,21 @@ def test_bad_argument(impl, row):
             jax_flash.explain(*args, **kwargs)
 
 
-
 # Traced 64-bit (and uint32) integer mask arguments under jax_enable_x64 (tests/conftest.py
 # turns it on): their values cannot be checked at trace time and a cast to int32 could wrap
 # (segment ids 0 and 2**32 would match): a TypeError that says int32 is needed. Lengths are
 # clipped to [0, T] / [0, S] before their cast, which is exact for any value: accepted.
 TRACED_INT_ROWS = [
-    ("segment_ids_query", lambda x: dict(segment_ids=(x[:, :T], x.astype(jnp.int32))),
-     r"segment_ids \(query\) must be an int32 array when traced"),
-    ("segment_ids_kv", lambda x: dict(segment_ids=(x[:, :T].astype(jnp.int32), x)),
-     r"segment_ids \(key/value\) must be an int32 array when traced"),
+    (
+        "segment_ids_query",
+        lambda x: dict(segment_ids=(x[:, :T], x.astype(jnp.int32))),
+        r"segment_ids \(query\) must be an int32 array when traced",
+    ),
+    (
+        "segment_ids_kv",
+        lambda x: dict(segment_ids=(x[:, :T].astype(jnp.int32), x)),
+        r"segment_ids \(key/value\) must be an int32 array when traced",
+    ),
     ("query_offset", lambda x: dict(query_offset=x[:, 0]), r"query_offset must be an int32 array when traced"),
 ]
 
@@ -157,12 +404,12 @@ TRACED_INT_ROWS = [
 @pytest.mark.parametrize("dtype", ["int64", "uint32"])
 @pytest.mark.parametrize("row", TRACED_INT_ROWS, ids=[r[0] for r in TRACED_INT_ROWS])
 def test_traced_wide_mask_ints(row, dtype):
-    name, kwargs, match = row
+    _name, kwargs, match = row
     q, k, v = _inputs("xla")
     ids = jnp.zeros((B, S), dtype)
     assert ids.dtype == jnp.dtype(dtype)  # x64 is on: a real 64-bit array
     for impl in (None, "xla", "cpu"):
-        f = lambda ids: jax_flash.attention(q, k, v, implementation=impl, **kwargs(ids))
+        f = lambda ids, impl=impl: jax_flash.attention(q, k, v, implementation=impl, **kwargs(ids))
         with pytest.raises(TypeError, match=match):
             jax.jit(f).trace(ids)
         jax.jit(f).trace(ids.astype(jnp.int32))  # int32: fine
@@ -214,7 +461,9 @@ def test_implementation_limits(impl):
         if change.get("mask"):
             kw["mask"] = jnp.ones((T, S), bool)
         with pytest.raises(ValueError, match=f'implementation="{impl}" cannot run this call: {match}'):
-            jax.jit(lambda q, kv, v: jax_flash.attention(q, kv, v, implementation=impl, **kw)).trace(q, kv, v)
+            jax.jit(lambda q, kv, v, impl=impl, kw=kw: jax_flash.attention(q, kv, v, implementation=impl, **kw)).trace(
+                q, kv, v
+            )
 
 
 # ---------------------------------------------------------------- the compiled FFI handlers
@@ -222,7 +471,7 @@ def test_implementation_limits(impl):
 # Run in a subprocess so that a handler that aborts fails this test instead of killing the
 # suite. Each case calls a target directly through jax.ffi.ffi_call and prints one JSON line.
 _HANDLER_SCRIPT = textwrap.dedent(
-    r'''
+    r"""
     import json, sys
     import jax, jax.numpy as jnp, numpy as np
     jax.config.update("jax_enable_x64", True)
@@ -420,7 +669,7 @@ _HANDLER_SCRIPT = textwrap.dedent(
             except Exception as e:  # what a caller sees: jax's runtime error with the message
                 result = {"error": type(e).__name__, "message": str(e)}
             print(json.dumps({"target": prefix, "case": name, "expect": expect, **result}), flush=True)
-    '''
+    """
 )
 
 
@@ -430,10 +679,15 @@ def test_ffi_handlers_return_errors(tmp_path):
     if _ffi.missing("jax_flash_fwd", "cpu") or _ffi.missing("jax_flash_emu_fwd", "cpu"):
         pytest.skip("the extension's cpu and emulated targets are not built")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "JAX_PLATFORMS": "cpu", "JAX_FLASH_POISON_OUTPUTS": "1"}
-    proc = subprocess.run([sys.executable, "-c", _HANDLER_SCRIPT], capture_output=True, text=True,
-                          env=env, timeout=600, cwd=tmp_path)
+    env = {
+        **os.environ,
+        "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "JAX_PLATFORMS": "cpu",
+        "JAX_FLASH_POISON_OUTPUTS": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", _HANDLER_SCRIPT], capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path
+    )
     lines = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
     finished = [l for l in lines if "started" not in l]
     if proc.returncode != 0:

@@ -77,6 +77,7 @@ LAYERS = (
             "jax_flash._pallas_table",
             "jax_flash.inference.split_kv",
             "jax_flash._jax_flash_ext",
+            "jax_flash._jax_flash_emu",
         ),
     ),
 )
@@ -172,7 +173,7 @@ class Imports(ast.NodeVisitor):
 def import_graph(package: Path = PACKAGE):
     """({module: {imported module: line}}, {module: [private names it reaches]})."""
     modules = package_modules(package)
-    names = set(modules) | {"jax_flash._jax_flash_ext"}
+    names = set(modules) | {"jax_flash._jax_flash_ext", "jax_flash._jax_flash_emu"}
     graph, private = {}, {}
     for name, path in modules.items():
         visitor = Imports(name, path.name == "__init__.py", names)

@@ -1,0 +1,9 @@
+"""Types of the CUDA kernels' host emulation module (nanobind, built from cuda/emu/module.cc
+with JAX_FLASH_EMULATOR=ON, for tests and CI; not part of a user's install)."""
+
+from typing_extensions import CapsuleType
+
+def registrations() -> dict[str, dict[str, CapsuleType]]:
+    """FFI handler capsules by platform: {'cpu': {'jax_flash_emu_fwd': capsule, ...}}, the CUDA
+    kernels compiled for the host against the emulation of the SIMT model and of each PTX
+    instruction."""
