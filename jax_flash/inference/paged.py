@@ -276,8 +276,10 @@ def paged_attention(
     return (out, lse) if return_residual else out
 
 
-def _run(name: str, pspec: PagedSpec, *args, sinks=None):
-    return _registry.get(name).paged_forward(pspec, *args, sinks=sinks)
+def _run(name: str, pspec: PagedSpec, q, key_pages, value_pages, table, lengths, sinks=None):
+    impl = _registry.get_paged(name)
+    assert impl is not None  # paged_attention checked that `name` serves the call
+    return impl.paged_forward(pspec, q, key_pages, value_pages, table, lengths, sinks=sinks)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -370,5 +372,10 @@ def explain_paged(query, key_pages, value_pages, page_table, kv_lengths, **kwarg
     reasons = {name: reason(name, pspec) for name in _registry.names()}
     name = requested or _registry.paged_default(pspec)
     selected = name if reasons[name] is None else None
-    notes = {name: _registry.get(name).paged_note(pspec) for name, why in reasons.items() if why is None}
+    notes: dict[str, str] = {}
+    for candidate, why in reasons.items():
+        if why is None:
+            impl = _registry.get_paged(candidate)
+            assert impl is not None  # reason() is None only for one that serves paged_attention
+            notes[candidate] = impl.paged_note(pspec)
     return _registry.Explanation(selected=selected, reasons=reasons, notes=notes, op="jax_flash.paged_attention")
