@@ -2,39 +2,119 @@
 
 from __future__ import annotations
 
+from typing import Any, Literal, overload
+
+import jax
 import numpy as np
+from jax.typing import ArrayLike
 
 from jax_flash import _registry
 from jax_flash._config import Config
 from jax_flash._normalize import canonicalize, restore
 from jax_flash._registry import Explanation
+from jax_flash._types import OutAndLse, SegmentIds, Window
 from jax_flash._vjp import flash_attention
 
 __all__ = ["Explanation", "attention", "explain"]
 
 
+@overload
 def attention(
-    query,
-    key,
-    value,
-    bias=None,
-    mask=None,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
     *,
     scale: float | None = None,
     is_causal: bool = False,
-    query_seq_lengths=None,
-    key_value_seq_lengths=None,
-    local_window_size=None,
-    segment_ids=None,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
     logits_soft_cap: float | None = None,
-    query_offset=None,
-    sinks=None,
+    query_offset: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: Literal[False] = False,
+    implementation: str | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: ArrayLike | None = None,
+    config: Config | None = None,
+) -> jax.Array: ...
+
+
+@overload
+def attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    query_offset: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: Literal[True],
+    implementation: str | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: ArrayLike | None = None,
+    config: Config | None = None,
+) -> OutAndLse: ...
+
+
+@overload
+def attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    query_offset: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
     return_residual: bool = False,
     implementation: str | None = None,
     dropout_rate: float = 0.0,
-    dropout_rng=None,
+    dropout_rng: ArrayLike | None = None,
     config: Config | None = None,
-):
+) -> jax.Array | OutAndLse: ...
+
+
+def attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None,
+    logits_soft_cap: float | None = None,
+    query_offset: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: bool = False,
+    implementation: str | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: ArrayLike | None = None,
+    config: Config | None = None,
+) -> jax.Array | OutAndLse:
     """Exact softmax attention, computed tile by tile (FlashAttention); a drop-in for
     `jax.nn.dot_product_attention`.
 
@@ -124,12 +204,19 @@ def attention(
     return (out, lse) if return_residual else out
 
 
-def _check_return_residual(return_residual) -> None:
+def _check_return_residual(return_residual: object) -> None:
     if not isinstance(return_residual, (bool, np.bool_)):
         raise TypeError(f"return_residual must be a Python bool, got {return_residual!r}")
 
 
-def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
+def explain(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    **kwargs: Any,
+) -> Explanation:
     """Same arguments as `attention`; says which implementation would run and why each other
     one would not. Raises the same argument errors `attention` would."""
     _check_return_residual(kwargs.pop("return_residual", False))

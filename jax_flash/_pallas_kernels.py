@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax.numpy as jnp
 from jax import lax
@@ -99,6 +100,26 @@ class Layout:
 
 class Inputs:
     """Unpacks the refs a kernel receives, in the order the wrapper passes them."""
+
+    # Pallas refs (untyped). The operands named by `names` (q, k, v; do, lse, delta in the
+    # backward kernels) are set from the refs in order; an optional input absent from the
+    # layout is None.
+    q: Any
+    k: Any
+    v: Any
+    do: Any
+    lse: Any
+    delta: Any
+    q_len: Any
+    kv_len: Any
+    q_seg: Any
+    kv_seg: Any
+    bias: Any
+    mask: Any
+    q_offset: Any
+    sinks: Any
+    seed: Any
+    outputs: list[Any]
 
     def __init__(self, layout: Layout, refs, names):
         refs = list(refs)
@@ -304,13 +325,13 @@ def forward_kernel(*refs, layout: Layout):
             v = finite_part(v)
             bias = None
             if lay.has_bias:
-                bias = dense_tile(inp.bias, lay.bias_rows, lay.bias_cols, (), 0, bq, k0, bk)
+                bias = dense_tile(inp.bias, bool(lay.bias_rows), bool(lay.bias_cols), (), 0, bq, k0, bk)
             x, _ = tm.logits(_dot(q, k, trans_b=True), bias)
             if masked:
                 kv_seg = None if inp.kv_seg is None else inp.kv_seg[pl.ds(k0, bk)]
                 mask = None
                 if lay.has_mask:
-                    mask = dense_tile(inp.mask, lay.mask_rows, lay.mask_cols, (), 0, bq, k0, bk)
+                    mask = dense_tile(inp.mask, bool(lay.mask_rows), bool(lay.mask_cols), (), 0, bq, k0, bk)
                 vis = tm.visible(q0, k0, q_seg, kv_seg, mask, bq, bk)
                 if vis is not None:
                     x = jnp.where(vis, x, -jnp.inf)
@@ -420,14 +441,14 @@ def dkdv_kernel(*refs, layout: Layout):
             gb = g if inp.bias is not None and inp.bias.shape[0] != 1 else 0
             bias = None
             if lay.has_bias:
-                bias = dense_tile(inp.bias, lay.bias_rows, lay.bias_cols, (gb,), q0, bq, 0, bk)
+                bias = dense_tile(inp.bias, bool(lay.bias_rows), bool(lay.bias_cols), (gb,), q0, bq, 0, bk)
             vis = None
             if masked:
                 q_seg = None if inp.q_seg is None else inp.q_seg[pl.ds(q0, bq)]
                 mask = None
                 if lay.has_mask:
                     gm = g if inp.mask.shape[0] != 1 else 0
-                    mask = dense_tile(inp.mask, lay.mask_rows, lay.mask_cols, (gm,), q0, bq, 0, bk)
+                    mask = dense_tile(inp.mask, bool(lay.mask_rows), bool(lay.mask_cols), (gm,), q0, bq, 0, bk)
                 vis = tm.visible(q0, k0, q_seg, kv_seg, mask, bq, bk)
             p, t, live = _probabilities(tm, lay, q, k, lse, bias, vis)
             keep = tm.dropout_keep(batch, first_head + g, q0, k0, bq, bk)
@@ -478,13 +499,13 @@ def dq_kernel(*refs, layout: Layout):
             v = inp.v[pl.ds(k0, bk), :]
             bias = None
             if lay.has_bias:
-                bias = dense_tile(inp.bias, lay.bias_rows, lay.bias_cols, (), 0, bq, k0, bk)
+                bias = dense_tile(inp.bias, bool(lay.bias_rows), bool(lay.bias_cols), (), 0, bq, k0, bk)
             vis = None
             if masked:
                 kv_seg = None if inp.kv_seg is None else inp.kv_seg[pl.ds(k0, bk)]
                 mask = None
                 if lay.has_mask:
-                    mask = dense_tile(inp.mask, lay.mask_rows, lay.mask_cols, (), 0, bq, k0, bk)
+                    mask = dense_tile(inp.mask, bool(lay.mask_rows), bool(lay.mask_cols), (), 0, bq, k0, bk)
                 vis = tm.visible(q0, k0, q_seg, kv_seg, mask, bq, bk)
             p, t, live = _probabilities(tm, lay, q, k, lse, bias, vis)
             keep = tm.dropout_keep(batch, head, q0, k0, bq, bk)

@@ -56,7 +56,7 @@ def tune(
     iters: int = 10,
     verbose: bool = True,
     path=None,
-) -> dict:
+) -> dict | None:
     """Time each candidate configuration on the default (GPU) device; print the best table.
 
     dtype: tune this one dtype (overrides `dtypes`); seq_lens: tune at the longest of these
@@ -64,7 +64,7 @@ def tune(
     Returns the full table with the measured entries replaced by the fastest candidate
     (its repr is the JSON text of the table file); `path`: also write it there (e.g.
     `jax_flash._pallas_table.TABLE_FILE`, the file the package reads). Candidates that fail
-    to compile (shared memory, registers) are skipped.
+    to compile (shared memory, registers) are skipped. Off a GPU it prints why and returns None.
     """
     import jax
     import jax.numpy as jnp
@@ -103,6 +103,7 @@ def tune(
         budget = smem_budget(pallas.compute_capability()) or 227 * 1024
         for cfg in candidates(hp, dtype, pass_, budget):
             over = {pass_: cfg}
+            args: tuple[jax.Array, ...]
             if pass_ == "fwd":
                 fn = jax.jit(
                     lambda q, k, v, o=over, spec=spec, masks=masks: pallas.forward(spec, q, k, v, masks, configs=o)

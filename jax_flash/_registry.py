@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Protocol
+from typing import Protocol, cast
 
 import jax
 
@@ -53,7 +53,7 @@ class PagedImplementation(Implementation, Protocol):
     def paged_forward(self, pspec: PagedSpec, q, key_pages, value_pages, table, lengths, sinks=None):
         """-> out [B, T, N, H] (dtype of q), lse [B, N, T] float32."""
 
-    def paged_note(self, pspec: PagedSpec) -> str | None:
+    def paged_note(self, pspec: PagedSpec) -> str:
         """How it runs the paged call (`explain_paged`)."""
 
 
@@ -76,6 +76,13 @@ def get(name: str) -> Implementation:
     """The implementation object, or ImportError with the reason it cannot be loaded."""
     module = importlib.import_module(_MODULES[name])
     return module.IMPLEMENTATION
+
+
+def get_paged(name: str) -> PagedImplementation | None:
+    """The implementation object if it serves paged_attention (it has `paged_forward`), else
+    None; ImportError as `get`."""
+    impl = get(name)
+    return cast(PagedImplementation, impl) if hasattr(impl, "paged_forward") else None
 
 
 # The SM count assumed where the device does not give one (an H100 / H200; the host emulation
@@ -161,10 +168,10 @@ def select(spec: AttentionSpec, requested: str | None) -> str:
 def paged_reason(name: str, pspec: PagedSpec) -> str | None:
     """Why `name` cannot serve the paged_attention call `pspec` here, or None when it can."""
     try:
-        impl = get(name)
+        impl = get_paged(name)
     except ImportError as e:  # an optional dependency is missing
         return f"cannot be loaded: {e}"
-    if not hasattr(impl, "paged_forward"):
+    if impl is None:
         return "does not serve paged_attention"
     return impl.paged_unsupported(pspec)
 
@@ -184,8 +191,8 @@ class Explanation:
     """Which implementation `attention` would run for a call, and why not the others."""
 
     selected: str | None
-    reasons: dict  # name -> None (can run) or the reason it cannot
-    notes: dict = dataclasses.field(default_factory=dict)  # name -> how it runs (e.g. the kernel image)
+    reasons: dict[str, str | None]  # name -> None (can run) or the reason it cannot
+    notes: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> how it runs (e.g. the kernel image)
     op: str = "jax_flash.attention"  # the function explained
 
     def __str__(self) -> str:

@@ -27,6 +27,7 @@ the scale uses the true head dim (it comes from the spec).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +122,7 @@ class _Extras:
             self.lengths = (ql.astype(jnp.int32)[:, None], kl.astype(jnp.int32)[:, None])
         self.segments = None
         if masks.q_segment_ids is not None:
+            assert masks.kv_segment_ids is not None  # segment ids come in pairs
             self.segments = (
                 pad_axis(masks.q_segment_ids.astype(jnp.int32), 1, t_pad),
                 pad_axis(masks.kv_segment_ids.astype(jnp.int32), 1, s_pad),
@@ -140,7 +142,8 @@ class _Extras:
         """Arrays and specs for a grid (query block i, head n, batch b) seeing all keys; with
         split-KV grid axis 0 is (query block, key chunk), the chunk fastest."""
         pl, _ = triton()
-        args, specs = [], []
+        args: list[Any] = []
+        specs: list[Any] = []
         if chunks > 1:
             return self._chunked(self.row_grid(bq, s_pad), chunks)
         if self.lengths is not None:
@@ -192,7 +195,8 @@ class _Extras:
         pl, _ = triton()
         spec = self.spec
         kh, g = spec.num_kv_heads, spec.group_size
-        args, specs = [], []
+        args: list[Any] = []
+        specs: list[Any] = []
         if self.lengths is not None:
             args += self.lengths
             specs += [pl.BlockSpec((None, 1), lambda j, h, b: (b, 0))] * 2
@@ -450,6 +454,7 @@ def _backward_call(
     dbias = None
     if write_ds:
         bias = masks.bias
+        assert bias is not None  # write_ds is set by the bias
         ds = res[1][:, :, :t, :s]
         axes = tuple(ax for ax in range(4) if bias.shape[ax] == 1 and ds.shape[ax] != 1)
         dbias = jnp.sum(ds, axis=axes, keepdims=True).astype(bias.dtype)

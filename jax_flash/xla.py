@@ -119,6 +119,7 @@ class _Tiles:
         per_b = lambda x: None if x is None else x[:, None, None, None, None]
         q_seg = kv_seg = None
         if m.q_segment_ids is not None:
+            assert m.kv_segment_ids is not None  # segment ids come in pairs
             q_seg = lax.dynamic_slice_in_dim(m.q_segment_ids, i * self.bq, self.bq, axis=1)
             kv_seg = lax.dynamic_slice_in_dim(m.kv_segment_ids, j * self.bk, self.bk, axis=1)
             q_seg = q_seg[:, None, None, :, None]
@@ -319,10 +320,14 @@ def backward(
             drop = tiles.dropout_keep(i, j)
             # Dropout: out = (Z = keep ⊙ P / (1 - rate)) @ V, so dV = Zᵀ dO and the
             # cotangent of P is keep ⊙ dZ / (1 - rate); D = rowsum(dO ∘ O) is unchanged.
-            z = p if drop is None else jnp.where(drop, p * drop_scale, 0)
+            z = p
+            if drop is not None:
+                assert drop_scale is not None  # both are set by spec.has_dropout
+                z = jnp.where(drop, p * drop_scale, 0)
             dv = dv + jnp.einsum("bkgqs,bqkgh->bskh", z.astype(cdt), do_blk, preferred_element_type=acc_dt)
             dp = jnp.einsum("bqkgh,bskh->bkgqs", do_blk, v_blk, preferred_element_type=acc_dt)
             if drop is not None:
+                assert drop_scale is not None
                 dp = jnp.where(drop, dp * drop_scale, 0)
             # d loss / d (transformed logit); exactly 0 where masked, also when dP or D is NaN.
             ds = jnp.where(keep, p * (dp - row(delta)), 0)
@@ -351,6 +356,7 @@ def backward(
     dk = jnp.moveaxis(dk, 0, 1).reshape(b, tiles.s_pad, kh, h)[:, :s]
     dv = jnp.moveaxis(dv, 0, 1).reshape(b, tiles.s_pad, kh, hv)[:, :s]
     if dbias is not None:
+        assert masks.bias is not None  # dbias is accumulated only for a bias
         dbias = dbias[:, :, : masks.bias.shape[2], : masks.bias.shape[3]].astype(masks.bias.dtype)
     return dq, dk, dv, dbias
 

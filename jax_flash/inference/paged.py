@@ -35,14 +35,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jax_flash import _registry
+from jax_flash._config import Config
 from jax_flash._normalize import IMPLEMENTATIONS, canonicalize, sinks_array
 from jax_flash._paged_spec import PagedSpec
+from jax_flash._registry import Explanation
+from jax_flash._types import OutAndLse, Window
 from jax_flash.inference import split_kv
 
 
@@ -200,22 +205,79 @@ def canonicalize_paged(
     return pspec, q, key_pages, value_pages, table, lengths, sinks
 
 
+@overload
 def paged_attention(
-    query,
-    key_pages,
-    value_pages,
-    page_table,
-    kv_lengths,
+    query: ArrayLike,
+    key_pages: ArrayLike,
+    value_pages: ArrayLike,
+    page_table: ArrayLike,
+    kv_lengths: ArrayLike,
     *,
     scale: float | None = None,
     is_causal: bool = True,
-    local_window_size=None,
+    local_window_size: Window | None = None,
     logits_soft_cap: float | None = None,
-    sinks=None,
+    sinks: ArrayLike | None = None,
+    return_residual: Literal[False] = False,
+    implementation: str | None = None,
+    config: Config | None = None,
+) -> jax.Array: ...
+
+
+@overload
+def paged_attention(
+    query: ArrayLike,
+    key_pages: ArrayLike,
+    value_pages: ArrayLike,
+    page_table: ArrayLike,
+    kv_lengths: ArrayLike,
+    *,
+    scale: float | None = None,
+    is_causal: bool = True,
+    local_window_size: Window | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: Literal[True],
+    implementation: str | None = None,
+    config: Config | None = None,
+) -> OutAndLse: ...
+
+
+@overload
+def paged_attention(
+    query: ArrayLike,
+    key_pages: ArrayLike,
+    value_pages: ArrayLike,
+    page_table: ArrayLike,
+    kv_lengths: ArrayLike,
+    *,
+    scale: float | None = None,
+    is_causal: bool = True,
+    local_window_size: Window | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: ArrayLike | None = None,
     return_residual: bool = False,
     implementation: str | None = None,
-    config=None,
-):
+    config: Config | None = None,
+) -> jax.Array | OutAndLse: ...
+
+
+def paged_attention(
+    query: ArrayLike,
+    key_pages: ArrayLike,
+    value_pages: ArrayLike,
+    page_table: ArrayLike,
+    kv_lengths: ArrayLike,
+    *,
+    scale: float | None = None,
+    is_causal: bool = True,
+    local_window_size: Window | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: bool = False,
+    implementation: str | None = None,
+    config: Config | None = None,
+) -> jax.Array | OutAndLse:
     """Attention of the newest T positions of each sequence against its paged KV cache.
 
     Args:
@@ -276,8 +338,10 @@ def paged_attention(
     return (out, lse) if return_residual else out
 
 
-def _run(name: str, pspec: PagedSpec, *args, sinks=None):
-    return _registry.get(name).paged_forward(pspec, *args, sinks=sinks)
+def _run(name: str, pspec: PagedSpec, q, key_pages, value_pages, table, lengths, sinks=None):
+    impl = _registry.get_paged(name)
+    assert impl is not None  # paged_attention checked that `name` serves the call
+    return impl.paged_forward(pspec, q, key_pages, value_pages, table, lengths, sinks=sinks)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -300,7 +364,15 @@ def _paged_bwd(name, pspec, residuals, cotangents):
 _paged.defvjp(_paged_fwd, _paged_bwd)
 
 
-def paged_cache_write(key_pages, value_pages, page_table, kv_lengths, new_k, new_v, num_new=None):
+def paged_cache_write(
+    key_pages: ArrayLike,
+    value_pages: ArrayLike,
+    page_table: ArrayLike,
+    kv_lengths: ArrayLike,
+    new_k: ArrayLike,
+    new_v: ArrayLike,
+    num_new: ArrayLike | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """Append new tokens' K/V to a paged cache: (key_pages, value_pages) with new_k[b, t]
     written at position kv_lengths[b] + t of sequence b (page page_table[b, pos //
     page_size], slot pos % page_size).
@@ -333,8 +405,9 @@ def paged_cache_write(key_pages, value_pages, page_table, kv_lengths, new_k, new
     if new_k.shape != new_v.shape:
         raise ValueError(f"new_k and new_v must have the same shape, got {tuple(new_k.shape)} and {tuple(new_v.shape)}")
     b, tn = new_k.shape[:2]
-    if page_table is None or jnp.ndim(page_table) != 2 or jnp.shape(page_table)[0] != b:
-        got = "None" if page_table is None else _shape_str(jnp.asarray(page_table))
+    no_table = page_table is None  # not an ArrayLike, but a mistaken None gets its own message
+    if no_table or jnp.ndim(page_table) != 2 or jnp.shape(page_table)[0] != b:
+        got = "None" if no_table else _shape_str(jnp.asarray(page_table))
         raise ValueError(f"page_table must have shape [B, max_pages] with B={b} (new_k's batch), got {got}")
     table = _int_array("page_table", page_table, (b, jnp.shape(page_table)[1]))
     lengths = _int_array("kv_lengths", kv_lengths, (b,))
@@ -361,7 +434,14 @@ def paged_cache_write(key_pages, value_pages, page_table, kv_lengths, new_k, new
     return key_pages, value_pages
 
 
-def explain_paged(query, key_pages, value_pages, page_table, kv_lengths, **kwargs):
+def explain_paged(
+    query: ArrayLike,
+    key_pages: ArrayLike,
+    value_pages: ArrayLike,
+    page_table: ArrayLike,
+    kv_lengths: ArrayLike,
+    **kwargs: Any,
+) -> Explanation:
     """Same arguments as `paged_attention`; which implementation would run it and why each
     other one would not."""
     kwargs.pop("return_residual", None)
@@ -370,5 +450,10 @@ def explain_paged(query, key_pages, value_pages, page_table, kv_lengths, **kwarg
     reasons = {name: reason(name, pspec) for name in _registry.names()}
     name = requested or _registry.paged_default(pspec)
     selected = name if reasons[name] is None else None
-    notes = {name: _registry.get(name).paged_note(pspec) for name, why in reasons.items() if why is None}
-    return _registry.Explanation(selected=selected, reasons=reasons, notes=notes, op="jax_flash.paged_attention")
+    notes: dict[str, str] = {}
+    for candidate, why in reasons.items():
+        if why is None:
+            impl = _registry.get_paged(candidate)
+            assert impl is not None  # reason() is None only for one that serves paged_attention
+            notes[candidate] = impl.paged_note(pspec)
+    return Explanation(selected=selected, reasons=reasons, notes=notes, op="jax_flash.paged_attention")
