@@ -5,6 +5,7 @@ sharded over a mesh axis (context parallelism), `ulysses_attention` (all-to-all 
 for decoding with a paged KV cache. Call settings (`Config`, `config`) are fixed when a call
 is traced (docs/configuration.md)."""
 
+from jax_flash import _ffi
 from jax_flash._api import Explanation, attention, explain
 from jax_flash._config import Config, config, current_config
 from jax_flash._export import export_disabled_checks
@@ -12,6 +13,11 @@ from jax_flash.inference.paged import explain_paged, paged_attention, paged_cach
 from jax_flash.parallel.ring import ring_attention, unzigzag, zigzag
 from jax_flash.parallel.ulysses import hybrid_attention, ulysses_attention
 from jax_flash.reference import attention_reference as reference, paged_attention_reference as paged_reference
+
+# The extension's FFI targets are registered with XLA on import (where the extension is built),
+# so that a deserialized `jax.export` program that calls them runs in a process that has only
+# imported jax_flash.
+_ffi.targets()
 
 __version__ = "0.1.0"
 __all__ = [

@@ -16,7 +16,14 @@ if TYPE_CHECKING:
 
 # Every FFI target jax_flash registers: the C++ cpu kernels and the CUDA kernels (the same
 # names on both platforms), and the host emulation of the CUDA kernels (tests).
-FFI_TARGETS = ("jax_flash_fwd", "jax_flash_bwd", "jax_flash_emu_fwd", "jax_flash_emu_bwd")
+FFI_TARGETS = (
+    "jax_flash_fwd",
+    "jax_flash_bwd",
+    "jax_flash_paged_fwd",
+    "jax_flash_emu_fwd",
+    "jax_flash_emu_bwd",
+    "jax_flash_emu_paged_fwd",
+)
 
 
 def export_disabled_checks() -> list[DisabledSafetyCheck]:

@@ -216,14 +216,13 @@ def forward_call(
     kernels' layout), decided here, when the call is traced."""
     b, t, n, _ = q.shape
     hv = v.shape[-1]
-    shapes = (
+    shapes: tuple[jax.ShapeDtypeStruct, ...] = (
         jax.ShapeDtypeStruct((b, t, n, hv), q.dtype),  # out [B, T, N, Hv]
         jax.ShapeDtypeStruct((b, n, t), jnp.float32),
     )
-    own = attributes
-    attributes = _attributes(spec)
-    if own is not None:
-        attributes.update(own(spec))
+    values = _attributes(spec)
+    if attributes is not None:
+        values.update(attributes(spec))
     if decoding is not None:
         chunks, pack = decoding(spec)
         split = chunks > 1
@@ -231,7 +230,7 @@ def forward_call(
             jax.ShapeDtypeStruct((chunks, b, t, n, hv) if split else (0,), jnp.float32),  # partial_out
             jax.ShapeDtypeStruct((chunks, b, n, t) if split else (0,), jnp.float32),
         )  # partial_lse
-        attributes["pack_gqa"] = bool(pack)
+        values["pack_gqa"] = bool(pack)
     # Sinks [N] f32 after the mask operands (forward only), -inf (no sink) when absent.
     sinks = masks.sinks if masks.sinks is not None else jnp.full((n,), -jnp.inf, jnp.float32)
     first = () if page_table is None else (page_table,)
@@ -243,7 +242,7 @@ def forward_call(
         *_mask_operands(spec, masks, q.dtype),
         sinks.astype(jnp.float32),
         _dropout_seed(masks),
-        **attributes,
+        **values,
     )
     return out, lse
 
@@ -267,7 +266,7 @@ def _backward_call(
     without a bias). dbias is the last result (after the CUDA targets' workspaces), float32
     in the bias' shape, summed over its broadcast dims by the kernels."""
     b, t, n, h = q.shape
-    shapes = (
+    shapes: tuple[jax.ShapeDtypeStruct, ...] = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct(k.shape, k.dtype),
         jax.ShapeDtypeStruct(v.shape, v.dtype),

@@ -367,6 +367,19 @@ def test_cuda_head_dims_match_the_instantiations():
     assert built == set(cuda.HEAD_DIMS)
 
 
+def test_export_disabled_checks_name_every_target():
+    """export_disabled_checks() covers every FFI target the extension modules register (a
+    paged program exports too), and importing jax_flash registered them."""
+    from jax_flash import _ffi
+    from jax_flash._export import FFI_TARGETS
+
+    registered = set().union(*_ffi.targets().values()) if _ffi.targets() else set()
+    if not registered:
+        pytest.skip("the extension is not built")
+    assert registered <= set(FFI_TARGETS), registered - set(FFI_TARGETS)
+    assert len(jax_flash.export_disabled_checks()) == len(FFI_TARGETS)
+
+
 @pytest.mark.parametrize("impl", ["cpu", "cuda", "xla"])
 def test_jax_export_round_trip(impl):
     """jax.export of a forward and a gradient through the compiled custom calls: refused
