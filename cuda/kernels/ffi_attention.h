@@ -187,12 +187,14 @@ inline ffi::Error PrepareDbias(const char* target, const boundary::Problem& b, b
 }
 
 // The forward's decoding settings (kernels/fwd.h): GQA packing (the boundary's rule, at most the
-// forward's 128-row tile); and split-KV, whose chunk count C is the partial workspaces' leading
-// dim ([0] for both: no split), never with dropout (its keep-mask is drawn per whole row).
-inline void CheckDecoding(Checker& check, const boundary::Problem& b, bool pack_gqa,
+// rows of the forward's tile in `layout`); and split-KV, whose chunk count C is the partial
+// workspaces' leading dim ([0] for both: no split), never with dropout (its keep-mask is drawn
+// per whole row).
+inline void CheckDecoding(Checker& check, const boundary::Problem& b, bool pack_gqa, Layout layout,
                           ffi::Result<ffi::AnyBuffer>& partial_out, ffi::Result<ffi::AnyBuffer>& partial_lse,
                           AttentionParams* p) {
-  boundary::CheckGqaPacking(check, pack_gqa, 128, b);
+  if (!check.ok()) return;
+  boundary::CheckGqaPacking(check, pack_gqa, TileShapeFor(Pass::kForward, b.head_dim, b.v_head_dim, layout).block_q, b);
   if (!check.ok()) return;
   p->pack_gqa = pack_gqa;
   const int64_t B = b.batch, T = b.q_len, N = b.q_heads, Hv = b.v_head_dim;
@@ -234,9 +236,9 @@ inline ffi::Error Forward(const char* target, Stream stream, const boundary::For
   AttentionParams p;
   ElementType dtype = ElementType::kBf16;
   if (check.ok()) ToParams(described, &p, &dtype);
-  CheckDecoding(check, described, pack_gqa, partial_out, partial_lse, &p);
   Layout layout = Layout::kWarp16;
   CheckLayout(check, layout_name, &layout);
+  CheckDecoding(check, described, pack_gqa, layout, partial_out, partial_lse, &p);
   if (!check.ok()) return check.error();
   p.out = static_cast<uint16_t*>(call.out.untyped_data());
   p.lse = static_cast<float*>(call.lse.untyped_data());

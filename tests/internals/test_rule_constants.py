@@ -182,17 +182,17 @@ def test_cpu_blocks_match_the_built_extension():
 
 
 def test_cuda_gqa_packing_bound_is_the_forward_tile():
-    # The cuda handler's bound on G for pack_gqa (kernels/ffi_attention.h, a literal passed to
-    # boundary::CheckGqaPacking; the G rows are one forward tile's) is the rules' bound
-    # (packs_query_heads with CUDA_FORWARD_BLOCK_Q).
+    # The cuda handler bounds G for pack_gqa (kernels/ffi_attention.h, boundary::CheckGqaPacking)
+    # by the rows of the forward tile it launches (TileShapeFor(Pass::kForward, ...).block_q,
+    # checked against CUDA_FORWARD_BLOCK_Q above), never by a literal of its own.
     text = (CUDA_DIR / "kernels" / "ffi_attention.h").read_text()
-    bounds = re.findall(r"CheckGqaPacking\(\s*check\s*,\s*pack_gqa\s*,\s*([^,]+?)\s*,", text)
-    assert bounds, "no CheckGqaPacking call in cuda/kernels/ffi_attention.h"
-    for bound in bounds:
-        if bound.isdigit():
-            assert int(bound) == _heuristics.CUDA_FORWARD_BLOCK_Q, bounds
-        else:
-            assert "BLOCK_Q" in bound or "block_q" in bound, f"unrecognised bound {bound!r}"
+    calls = re.findall(r"CheckGqaPacking\(\s*check\s*,\s*pack_gqa\s*,\s*(.+?),\s*b\s*\);", text, re.S)
+    assert calls, "no CheckGqaPacking call in cuda/kernels/ffi_attention.h"
+    for bound in calls:
+        bound = " ".join(bound.split())
+        assert re.fullmatch(r"TileShapeFor\(Pass::kForward, b\.head_dim, b\.v_head_dim, layout\)\.block_q", bound), (
+            bound
+        )
 
 
 # A Python constant changed by one step: each must show as a mismatch.
