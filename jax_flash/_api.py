@@ -215,10 +215,16 @@ def explain(
     value: ArrayLike,
     bias: ArrayLike | None = None,
     mask: ArrayLike | None = None,
+    *,
+    verbose: bool = False,
     **kwargs: Any,
 ) -> Explanation:
     """Same arguments as `attention`; says which implementation would run and why each other
-    one would not. Raises the same argument errors `attention` would."""
+    one would not. Raises the same argument errors `attention` would.
+
+    Printed, the result has one plain line per implementation; with ``verbose=True`` each
+    available one is followed by the rule that decides how it runs, with its formula.
+    """
     _check_return_residual(kwargs.pop("return_residual", False))
     requested = kwargs.get("implementation")
     c = canonicalize(query, key, value, bias, mask, **kwargs)
@@ -227,4 +233,10 @@ def explain(
         selected = _registry.select(c.spec, requested)
     except ValueError:
         selected = None
-    return Explanation(selected=selected, reasons=reasons, notes=_registry.notes(c.spec, reasons))
+    return Explanation(
+        selected=selected,
+        reasons=reasons,
+        notes=_registry.notes(c.spec, reasons),
+        summaries=_registry.summaries(c.spec, reasons),
+        verbose=verbose,
+    )

@@ -54,6 +54,14 @@ def forced(spec: AttentionSpec, name: str) -> int | None:
     return value or None
 
 
+def split_summary(chunks: int, packed: bool, why: str) -> str:
+    """The plain words of `explain`'s one line for a forward's split-KV and GQA packing."""
+    pack = "GQA heads packed, " if packed else ""
+    if chunks > 1:
+        return f"{pack}split-KV into {chunks} key chunks ({why})"
+    return f"{pack}split-KV off ({why})"
+
+
 def setting_words(spec: AttentionSpec, name: str) -> str:
     """How `explain` names a setting that decided: its variable and value."""
     from jax_flash._config import Config
@@ -100,6 +108,26 @@ def xla_max_splits(spec: AttentionSpec, wanted: int) -> int:
     if spec.window_right is not None and spec.window_right >= 2**31 - spec.q_len:
         return 1
     return max(1, min(wanted, spec.kv_len // MIN_CHUNK))
+
+
+def xla_summary(spec: AttentionSpec, platform: str) -> str:
+    """`explain`'s one line for xla: whether it splits the keys, and the reason in words."""
+    c = xla_splits(spec, platform)
+    if c > 1:
+        why = "few queries, many keys, too few batch rows and kv heads to fill the device"
+    elif platform == "cpu":
+        why = "on a CPU the blockwise loop is faster"
+    elif spec.q_len > DECODE_MAX_QUERIES:
+        why = f"more than {DECODE_MAX_QUERIES} queries"
+    elif spec.kv_len < 2 * MIN_CHUNK:
+        why = f"fewer than {2 * MIN_CHUNK} keys"
+    elif spec.has_dropout:
+        why = "never with dropout"
+    elif spec.window_right is not None and spec.window_right >= 2**31 - spec.q_len:
+        why = "a window too wide to shift exactly"
+    else:
+        why = "enough batch rows and kv heads to fill the device"
+    return split_summary(c, False, why)
 
 
 def xla_description(spec: AttentionSpec, platform: str) -> str:
@@ -180,6 +208,22 @@ def cpu_forward_description(spec: AttentionSpec) -> str:
     if chunks == 1:
         return f"forward: {packing}no split-KV ({rule})"
     return f"forward: {packing}split-KV into {chunks} key chunks ({rule})"
+
+
+def cpu_forward_summary(spec: AttentionSpec) -> str:
+    """`explain`'s one line for the cpu forward: split-KV and GQA packing, the reason in words."""
+    blocks = -(-spec.kv_len // CPU_BLOCK)
+    chunks = max(1, min(cpu_forward_chunks(spec), blocks))
+    items = cpu_forward_items(spec)
+    if forced(spec, "cpu_split_kv") is not None:
+        why = setting_words(spec, "cpu_split_kv")
+    elif chunks > 1:
+        why = f"{items} work items, fewer than the {CPU_FORWARD_ITEMS} that keep the threads busy"
+    elif items >= CPU_FORWARD_ITEMS:
+        why = "enough work for the threads"
+    else:
+        why = "too few keys to split"
+    return split_summary(chunks, cpu_packs_heads(spec), why)
 
 
 # ---- cuda (cuda/kernels/) -------------------------------------------------------------------
@@ -334,6 +378,28 @@ def cuda_decoding_description(spec: AttentionSpec, sms: int, sms_words: str) -> 
     return f"forward: {packing}split-KV into {chunks} key chunks ({why}){scan}"
 
 
+def cuda_decoding_summary(spec: AttentionSpec, sms: int) -> str:
+    """`explain`'s one line for the cuda forward's split-KV and GQA packing, the reason in words."""
+    chunks = cuda_split_kv_chunks(spec, sms)
+    ctas = cuda_forward_ctas(spec)
+    if spec.has_dropout:
+        why = "never with dropout"
+    elif forced(spec, "cuda_split_kv") is not None:
+        why = setting_words(spec, "cuda_split_kv")
+    elif chunks > 1:
+        why = f"{ctas} CTAs would leave most of the {sms} SMs idle"
+    elif ctas >= sms:
+        why = f"{ctas} CTAs fill the {sms} SMs"
+    else:
+        why = "too few key tiles to split"
+    return split_summary(chunks, cuda_packs_heads(spec), why)
+
+
+def cuda_summary(spec: AttentionSpec, sms: int) -> str:
+    """`explain`'s one line for cuda: the layout, the forward's decoding settings, the backward grid."""
+    return f"{cuda_layout(spec)} layout, {cuda_decoding_summary(spec, sms)}, backward grid {cuda_backward_grid(spec)}"
+
+
 # ---- pallas (jax_flash/pallas.py; tiles from the tuned table, _pallas_table) ----------------
 
 # Split-KV of the pallas forward (flash-decoding): when the grid, B·N·ceil(T/block_q) programs,
@@ -399,6 +465,26 @@ def pallas_split_kv_description(spec: AttentionSpec, block_q: int, block_k: int,
         "key chunks merged by lse in chunk order; never with dropout"
     )
     return f"forward: {'no split-KV' if chunks == 1 else f'split-KV into {chunks} key chunks'} ({why})"
+
+
+def pallas_split_kv_summary(spec: AttentionSpec, block_q: int, block_k: int, interpret: bool, sms: int) -> str:
+    """`explain`'s one line for the pallas forward's split-KV (at the tiles given)."""
+    target = pallas_target(interpret, sms)
+    chunks = pallas_split_kv_chunks(spec, block_q, block_k, target)
+    programs = spec.batch * spec.num_heads * -(-spec.q_len // block_q)
+    if forced(spec, "pallas_split_kv") is not None:
+        why = setting_words(spec, "pallas_split_kv")
+    elif spec.has_dropout:
+        why = "never with dropout"
+    elif chunks > 1:
+        why = f"{programs} programs, fewer than {target}"
+    elif spec.q_len > PALLAS_SPLIT_MAX_QUERIES:
+        why = f"more than {PALLAS_SPLIT_MAX_QUERIES} queries"
+    elif programs >= target:
+        why = "enough programs to fill the GPU" if not interpret else f"{programs} programs, enough"
+    else:
+        why = "too few key blocks to split"
+    return split_summary(chunks, False, why)
 
 
 def pallas_group_splits(group: int, programs: int, interpret: bool, sms: int) -> int:

@@ -152,6 +152,17 @@ def notes(spec: AttentionSpec, reasons: dict[str, str | None]) -> dict[str, str]
     return out
 
 
+def summaries(spec: AttentionSpec, reasons: dict[str, str | None]) -> dict[str, str]:
+    """{name: one plain phrase of how it would run} for the implementations in `reasons` that
+    can run `spec` and have an optional `summary(spec)` (explain's one line per implementation)."""
+    out = {}
+    for name, why in reasons.items():
+        summary = getattr(get(name), "summary", None) if why is None else None
+        if summary is not None:
+            out[name] = summary(spec)
+    return out
+
+
 def select(spec: AttentionSpec, requested: str | None) -> str:
     """The name of the implementation that runs `spec`."""
     if requested is not None:
@@ -188,17 +199,29 @@ def paged_default(pspec: PagedSpec) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Explanation:
-    """Which implementation `attention` would run for a call, and why not the others."""
+    """Which implementation `attention` would run for a call, and why not the others.
+
+    `str()` gives one plain line per implementation: available, with how it would run in
+    words (`summaries`), or unavailable, with the reason. With `verbose=True` (`explain(...,
+    verbose=True)`) each available line is followed by the rule behind it and its formula
+    (`notes`), e.g. the split-KV rule with the figures of this call."""
 
     selected: str | None
     reasons: dict[str, str | None]  # name -> None (can run) or the reason it cannot
-    notes: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> how it runs (e.g. the kernel image)
+    notes: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> the rules and formulae behind it
     op: str = "jax_flash.attention"  # the function explained
+    summaries: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> how it runs, in plain words
+    verbose: bool = False  # str() adds the notes
 
     def __str__(self) -> str:
         lines = [f"{self.op} would run: {self.selected or 'nothing'}"]
         for name, why in self.reasons.items():
             mark = "*" if name == self.selected else " "
-            text = why if why is not None else "available" + (f" ({self.notes[name]})" if name in self.notes else "")
-            lines.append(f" {mark} {name:7s} {text}")
+            if why is not None:
+                lines.append(f" {mark} {name:8s} unavailable: {why}")
+                continue
+            summary = self.summaries.get(name)
+            lines.append(f" {mark} {name:8s} available" + (f": {summary}" if summary else ""))
+            if self.verbose and name in self.notes:
+                lines.append(f"   {'':8s} details: {self.notes[name]}")
         return "\n".join(lines)

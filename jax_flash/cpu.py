@@ -97,6 +97,18 @@ class CpuImplementation:
             parts.append("dbias written tile by tile")
         return "; ".join(parts)
 
+    def summary(self, spec: AttentionSpec) -> str:
+        """`explain`'s one line: the forward's split-KV and GQA packing, and a dense bias or
+        mask read in place."""
+        try:
+            text = _heuristics.cpu_forward_summary(spec)
+        except ValueError as e:  # a bad JAX_FLASH_CPU_SPLIT_KV
+            return f"{e}: calls fail"
+        dense = [name for name, shape in (("bias", spec.bias_shape), ("mask", spec.mask_shape)) if shape is not None]
+        if dense:
+            text += f", dense {' and '.join(dense)} read in place"
+        return text
+
     def forward(self, spec, q, k, v, masks):
         # Bad settings (JAX_FLASH_CPU_ISA, JAX_FLASH_CPU_SPLIT_KV): a ValueError now.
         forward_attributes(spec)
@@ -108,6 +120,9 @@ class CpuImplementation:
 
     def paged_unsupported(self, pspec: PagedSpec) -> str | None:
         return self.unsupported(pspec.attention) or _ffi.missing("jax_flash_paged_fwd", "cpu")
+
+    def paged_summary(self, pspec: PagedSpec) -> str:
+        return "pages read by each tile, " + self.summary(pspec.attention)
 
     def paged_note(self, pspec: PagedSpec) -> str:
         try:

@@ -325,6 +325,17 @@ class CudaImplementation:
     def head_dims(self) -> str:
         return ", ".join(f"({h}, {hv})" for h, hv in head_dim_pairs())
 
+    def summary(self, spec: AttentionSpec) -> str:
+        """`explain`'s one line: the host emulation, the layout, the forward's split-KV and GQA
+        packing, the backward grid, and a dense bias or mask."""
+        try:
+            text = _heuristics.cuda_summary(spec, sm_count()[0])
+        except ValueError as e:  # a bad JAX_FLASH_CUDA_* setting
+            return f"{e}: calls fail"
+        if spec.bias_shape is not None or spec.mask_shape is not None:
+            text += ", dense bias/mask read in place"
+        return f"host emulation (JAX_FLASH_EMULATE_CUDA=1), {text}" if emulated(spec) else text
+
     def note(self, spec: AttentionSpec) -> str | None:
         """What `explain` adds when the kernels can run: the host emulation, or which image
         of the build this GPU runs (a cubin, or PTX that the driver JIT-compiles)."""
@@ -415,6 +426,13 @@ class CudaImplementation:
 
     def paged_unsupported(self, pspec: PagedSpec) -> str | None:
         return self.unsupported(pspec.attention)
+
+    def paged_summary(self, pspec: PagedSpec) -> str:
+        try:
+            how = _heuristics.cuda_decoding_summary(pspec.attention, sm_count()[0])
+        except ValueError as e:
+            how = f"{e}: calls fail"
+        return f"K/V tiles read through the table, {how}"
 
     def paged_note(self, pspec: PagedSpec) -> str:
         try:

@@ -293,6 +293,18 @@ def split_kv_description(spec: AttentionSpec) -> str:
         return f"forward split-KV: {e}"
 
 
+def split_kv_summary(spec: AttentionSpec) -> str:
+    """`explain`'s one line of the forward's split-KV (at the default tiles)."""
+    try:
+        interpret = _interpret(None)
+        hp = max(padded_head_dim(spec.head_dim), padded_head_dim(spec.v_head_dim))
+        cfg = _config(spec, MaskInputs(), hp, "fwd", None, interpret)
+        ((bq, bk),), _, _ = _tiles(spec, [cfg])
+        return _heuristics.pallas_split_kv_summary(spec, bq, bk, interpret, _num_sms())
+    except ValueError as e:
+        return f"{e}: calls fail"
+
+
 def _forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, interpret):
     """The forward kernel on (local) canonical arrays; `spec` describes them."""
     pl, _ = triton()
@@ -522,6 +534,10 @@ class PallasImplementation:
             return f"interpreted (slow): the Triton kernels run with interpret=True on the CPU; {split}"
         return split
 
+    def summary(self, spec: AttentionSpec) -> str:
+        split = split_kv_summary(spec)
+        return f"interpreted on the CPU (slow, for tests), {split}" if _interpret(None) else split
+
     def forward(self, spec, q, k, v, masks):
         _heuristics.forced(spec, "pallas_split_kv")  # an unknown JAX_FLASH_PALLAS_SPLIT_KV: a ValueError now
         return forward(spec, q, k, v, masks)
@@ -535,6 +551,11 @@ class PallasImplementation:
 
     def paged_unsupported(self, pspec: PagedSpec) -> str | None:
         return pallas_decode.unsupported(pspec)
+
+    def paged_summary(self, pspec: PagedSpec) -> str:
+        split = f"split-KV over {pspec.splits} page chunks" if pspec.splits > 1 else "split-KV off"
+        where = ", interpreted on the CPU (slow, for tests)" if pallas_decode.note() else ""
+        return f"on request only{where}, {split}"
 
     def paged_note(self, pspec: PagedSpec) -> str:
         split = f"split-KV over {pspec.splits} page chunks" if pspec.splits > 1 else "no split-KV"

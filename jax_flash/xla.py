@@ -452,6 +452,9 @@ class XlaImplementation:
     def note(self, spec) -> str:
         return _heuristics.xla_description(spec, _registry.platform())
 
+    def summary(self, spec) -> str:
+        return _heuristics.xla_summary(spec, _registry.platform())
+
     # paged_attention (jax_flash/inference/paged.py): every paged call.
     paged_default = True
 
@@ -460,6 +463,10 @@ class XlaImplementation:
 
     def paged_forward(self, pspec, q, key_pages, value_pages, table, lengths, sinks=None):
         return paged_forward(pspec, q, key_pages, value_pages, table, lengths, sinks=sinks)
+
+    def paged_summary(self, pspec: PagedSpec) -> str:
+        split = f"split-KV over {pspec.splits} page chunks" if pspec.splits > 1 else "split-KV off"
+        return f"pages read through the table, {split}"
 
     def paged_note(self, pspec: PagedSpec) -> str:
         pp = max(1, min(BLOCK_K // pspec.page_size, pspec.max_pages))

@@ -440,10 +440,13 @@ def explain_paged(
     value_pages: ArrayLike,
     page_table: ArrayLike,
     kv_lengths: ArrayLike,
+    *,
+    verbose: bool = False,
     **kwargs: Any,
 ) -> Explanation:
     """Same arguments as `paged_attention`; which implementation would run it and why each
-    other one would not."""
+    other one would not: one plain line per implementation, and with ``verbose=True`` the
+    rule behind each available one."""
     kwargs.pop("return_residual", None)
     requested = kwargs.get("implementation")
     pspec = canonicalize_paged(query, key_pages, value_pages, page_table, kv_lengths, **kwargs)[0]
@@ -451,9 +454,18 @@ def explain_paged(
     name = requested or _registry.paged_default(pspec)
     selected = name if reasons[name] is None else None
     notes: dict[str, str] = {}
+    summaries: dict[str, str] = {}
     for candidate, why in reasons.items():
         if why is None:
             impl = _registry.get_paged(candidate)
             assert impl is not None  # reason() is None only for one that serves paged_attention
             notes[candidate] = impl.paged_note(pspec)
-    return Explanation(selected=selected, reasons=reasons, notes=notes, op="jax_flash.paged_attention")
+            summaries[candidate] = impl.paged_summary(pspec)
+    return Explanation(
+        selected=selected,
+        reasons=reasons,
+        notes=notes,
+        op="jax_flash.paged_attention",
+        summaries=summaries,
+        verbose=verbose,
+    )

@@ -324,7 +324,9 @@ def test_explain_says_pallas_is_interpreted_on_a_cpu():
         pytest.skip(f"pallas cannot run here: {e.reasons['pallas']}")
     assert "interpreted (slow)" in e.notes["pallas"]
     line = next(l for l in str(e).splitlines() if "pallas" in l)
-    assert "available (interpreted (slow)" in line
+    assert "available: interpreted on the CPU (slow, for tests)" in line
+    verbose = str(jax_flash.explain(q, q, q, verbose=True))
+    assert f"details: {e.notes['pallas']}" in verbose
 
 
 def test_value_head_dim_explained_and_scaled_by_h():

@@ -115,12 +115,17 @@ def test_explain_names_the_layout(monkeypatch):
 
 
 def test_explain_prints_the_note(monkeypatch):
+    """One plain line per implementation; verbose=True adds the rule behind it (the note)."""
     monkeypatch.setenv("JAX_FLASH_EMULATE_CUDA", "1")
     q = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
     e = jax_flash.explain(q, q, q, implementation="cuda")
     if e.reasons["cuda"] is not None:
         pytest.skip(e.reasons["cuda"])
-    assert "emulation" in e.notes["cuda"] and e.notes["cuda"] in str(e)
+    assert "emulation" in e.notes["cuda"] and e.notes["cuda"] not in str(e)
+    line = next(l for l in str(e).splitlines() if l[3:].startswith("cuda "))
+    assert "available: host emulation (JAX_FLASH_EMULATE_CUDA=1), warp16 layout, split-KV" in line, line
+    verbose = str(jax_flash.explain(q, q, q, implementation="cuda", verbose=True))
+    assert e.notes["cuda"] in verbose and line in verbose.splitlines()
 
 
 def test_extension_reports_its_architectures():
