@@ -119,25 +119,25 @@ def attention(
     `jax.nn.dot_product_attention`.
 
     Args:
-      query: [*B, T, N, H] (or [T, N, H]); float16, bfloat16, float32 or float64.
-      key: [*B, S, K, H] with N % K == 0 (grouped-query attention: query head n uses kv
+      query: `[*B, T, N, H]` (or [T, N, H]); float16, bfloat16, float32 or float64.
+      key: `[*B, S, K, H]` with N % K == 0 (grouped-query attention: query head n uses kv
         head n // (N // K)); same dtype as query.
-      value: [*B, S, K, Hv]: key's shape except the head dim Hv, which may differ from H
+      value: `[*B, S, K, Hv]`: key's shape except the head dim Hv, which may differ from H
         (e.g. MLA's H = 192, Hv = 128); same dtype as query.
-      bias: optional additive logits bias, broadcastable to [*B, N, T, S]. Differentiable.
-      mask: optional boolean, broadcastable to [*B, N, T, S]; True = may attend.
+      bias: optional additive logits bias, broadcastable to `[*B, N, T, S]`. Differentiable.
+      mask: optional boolean, broadcastable to `[*B, N, T, S]`; True = may attend.
       scale: logits scale; default 1 / sqrt(H).
       is_causal: query t sees keys s <= t (top-left aligned, also for T != S; see
         query_offset for other alignments).
-      query_seq_lengths: [*B] int32; query rows t >= length are padding (output 0).
-      key_value_seq_lengths: [*B] int32; keys s >= length are ignored.
+      query_seq_lengths: `[*B]` int32; query rows t >= length are padding (output 0).
+      key_value_seq_lengths: `[*B]` int32; keys s >= length are ignored.
       local_window_size: int w or (left, right): query t sees keys t - left <= s <= t + right;
         any Python ints >= 0 (sides wider than the sequence are exact: clamped).
-      segment_ids: [*B, T] int32 (self-attention) or (q_ids [*B, T], kv_ids [*B, S]): query t
+      segment_ids: `[*B, T]` int32 (self-attention) or (q_ids `[*B, T]`, kv_ids `[*B, S]`): query t
         sees key s only when their ids are equal (packed sequences).
       logits_soft_cap: float c: logits -> c·tanh(logits / c), after bias, before masking;
         c from float32's smallest normal (1.1754944e-38) to 1e30, or None (off).
-      query_offset: int o, or an integer array broadcastable to [*B] (one offset per batch
+      query_offset: int o, or an integer array broadcastable to `[*B]` (one offset per batch
         row): query t sits at key position o + t for is_causal and local_window_size, so
         causal sees s <= o + t and the window o + t - left <= s <= o + t + right. Default 0
         (jax.nn's top-left alignment); o = S - T aligns the last query with the last key
@@ -149,7 +149,7 @@ def attention(
         Σ_s e^{l_s}), and lse includes it. A row that sees no key then gets out 0 and lse
         sinks[n]; a sink of -inf is no sink; a NaN or +inf sink makes its head's out and lse
         NaN. Differentiable (float32, or float64 for float64 inputs).
-      return_residual: also return lse [*B, T, N], float32 natural-log log-sum-exp of the
+      return_residual: also return lse `[*B, T, N]`, float32 natural-log log-sum-exp of the
         visible logits (-inf for rows that see no key; with sinks, of the sink too).
       implementation: None (best available), "cuda", "pallas", "cpu" or "xla". A requested
         implementation that cannot serve the call raises ValueError saying why.
@@ -175,7 +175,7 @@ def attention(
     supported (NotImplementedError: use jax_flash.reference for those).
 
     Returns:
-      out [*B, T, N, Hv] in the dtype of query, or (out, lse) with return_residual=True.
+      out `[*B, T, N, Hv]` in the dtype of query, or (out, lse) with return_residual=True.
     """
     c = canonicalize(
         query,

@@ -27,7 +27,7 @@ FFI_TARGETS = (
 
 
 def export_disabled_checks() -> list[DisabledSafetyCheck]:
-    """The `disabled_checks` that `jax.export.export` needs for a function using jax_flash:
+    """The `disabled_checks` that `jax.export.export` needs for a function using jax_flash::
 
         exported = jax.export.export(jax.jit(f), disabled_checks=jax_flash.export_disabled_checks())(*args)
 

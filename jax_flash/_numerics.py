@@ -1,5 +1,5 @@
 """The numerics every implementation shares: the accumulator dtype, padding, the NaN/±inf
-rules of the README's "Numerical contract", and the online softmax's running state.
+rules of docs/numerical-contract.md, and the online softmax's running state.
 
 Below the implementations: `xla`, split-KV, the paged forward and both Pallas kernels
 (`_pallas_kernels`, `inference/pallas_decode`) compute with these functions, in plain JAX

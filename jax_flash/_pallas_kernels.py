@@ -10,7 +10,7 @@ p = exp2((x - m)·log2 e). (Folding log2(e) into the scale instead saves that mu
 rounds the base-2 logit and the natural lse differently: at |logit| ~ 1e9 the backward's
 exp2(x₂ - lse·log2 e) of a row's top key is then 2^-17, not 1.)
 
-Non-finite inputs follow the README's numerical contract with the functions of
+Non-finite inputs follow the numerical contract (docs/numerical-contract.md) with the functions of
 `jax_flash._numerics`, as `jax_flash.xla` does: ±inf raw
 scores become NaN, a NaN score reaches l through exp2 even where the row max drops it
 (Triton's max does), a row is empty only when l == 0, exponents are clamped to <= 0 by a

@@ -115,7 +115,7 @@ class CpuImplementation:
         return _ffi.forward(self.name, "jax_flash_fwd", spec, q, k, v, masks, attributes=forward_attributes)
 
     # paged_attention (jax_flash/inference/paged.py): what implementation=None runs on the CPU
-    # backend where it serves the call (2.9-3.0x paged xla's speed in a decode step, README).
+    # backend where it serves the call (2.9-3.0x paged xla's speed in a decode step, docs/benchmarks.md).
     paged_default = True
 
     def paged_unsupported(self, pspec: PagedSpec) -> str | None:

@@ -372,7 +372,7 @@ class CudaImplementation:
             )
         return f"runs the {image} cubin; {how}"
 
-    # Non-finite inputs (README, "Numerical contract"). The kernels' products P·V, dS·K and
+    # Non-finite inputs (docs/numerical-contract.md). The kernels' products P·V, dS·K and
     # dSᵀ·Q also multiply masked (zero) weights, and 0·NaN would carry a masked-out poisoned
     # value, key or query into rows that do not see it: they get finite copies. The scores
     # of the forward keep the raw q and k (a ±inf score becomes NaN in the kernel); the
@@ -416,7 +416,7 @@ class CudaImplementation:
         v = jnp.broadcast_to(flags[..., None], (*flags.shape, h)).astype(dtype)
         zeros_q, zeros_k = jnp.zeros((b, t, n, h), dtype), jnp.zeros(v.shape, dtype)
         # Without the bias: a -inf bias is not a mask, a non-finite v behind it still reaches
-        # the row (README, "Numerical contract"); the dense mask stays.
+        # the row (docs/numerical-contract.md); the dense mask stays.
         share, _ = call(small, zeros_q, zeros_k, v, masks._replace(bias=None))
         return share[..., 0] > 0
 

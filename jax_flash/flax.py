@@ -1,5 +1,5 @@
 """Flax integration: `attention_fn` for `flax.linen.MultiHeadDotProductAttention` and
-`flax.nnx.MultiHeadAttention`.
+`flax.nnx.MultiHeadAttention`::
 
     import functools, flax.linen as nn, jax_flash.flax
 
@@ -12,6 +12,7 @@
 This module does not import flax: flax calls the function, and the function only needs JAX.
 
 Flax's conventions, and how they map onto `jax_flash.attention`:
+
 * q, k are [batch..., T, N, H] and v [batch..., S, N, Hv] (the same BTNH layout; flax's
   modules project all three to one head dim, a custom module may give v its own Hv).
 * `mask` is broadcastable to [batch..., N|1, T, S] and is float 0/1 (`make_causal_mask`,
@@ -32,7 +33,7 @@ Context parallelism: with `axis_name=` the module runs inside `jax.shard_map` on
 device's chunk of a sequence sharded over that mesh axis, and attention is
 `jax_flash.ring_attention` (no dense `mask`/`bias`: use is_causal, windows, segment ids).
 With `layout="zigzag"` the activations are expected already in the zigzag order
-(`jax_flash.zigzag` applied to the tokens, positions and targets before sharding).
+(`jax_flash.zigzag` applied to the tokens, positions and targets before sharding)::
 
     attn = jax_flash.flax.make_attention_fn(is_causal=True, axis_name="seq", layout="zigzag")
 """

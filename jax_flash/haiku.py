@@ -33,11 +33,12 @@ class MultiHeadAttention(hk.MultiHeadAttention):
     """`haiku.MultiHeadAttention` computed with `jax_flash.attention`.
 
     Extra keyword arguments (beyond haiku's):
-      implementation: None (best available), "cuda", "pallas", "cpu" or "xla".
-      is_causal: query t sees keys s <= t (in addition to any mask).
-      logits_soft_cap: float c: logits -> c·tanh(logits / c).
-      with_sinks: learn attention sinks (one logit per head, `jax_flash.attention`'s `sinks`):
-        a parameter "sinks" [num_heads] (float32, initialised by `sinks_init`, default zeros).
+
+    * `implementation`: None (best available), "cuda", "pallas", "cpu" or "xla".
+    * `is_causal`: query t sees keys s <= t (in addition to any mask).
+    * `logits_soft_cap`: float c: logits -> c·tanh(logits / c).
+    * `with_sinks`: learn attention sinks (one logit per head, `jax_flash.attention`'s `sinks`):
+      a parameter "sinks" `[num_heads]` (float32, initialised by `sinks_init`, default zeros).
     """
 
     def __init__(

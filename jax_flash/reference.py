@@ -153,7 +153,7 @@ def reference_canonical(
 ) -> tuple[jax.Array, jax.Array]:
     """Dense attention on canonical inputs: out [B, T, N, Hv], lse [B, N, T].
 
-    Non-finite inputs follow the numerical contract (README, "Numerical contract"): a
+    Non-finite inputs follow the numerical contract (docs/numerical-contract.md): a
     NaN/±inf element of q[t] or k[s] makes the logit (t, s) NaN; every row that sees a
     NaN or +inf logit gets NaN out and lse, every row that sees a non-finite v[s] gets NaN
     out (lse stays finite), and the gradients are NaN exactly where FlashAttention's

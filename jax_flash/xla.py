@@ -7,7 +7,7 @@ l once at the end. Backward (Alg. 2): for each key block, walk the query blocks 
 see it, recompute P = exp(S - lse) tile by tile and accumulate dK, dV for the block while
 dQ accumulates across key blocks. Memory is O(T·block); the T×S matrix never exists.
 
-Non-finite inputs (README, "Numerical contract"): a raw score q·k that is ±inf becomes
+Non-finite inputs (docs/numerical-contract.md): a raw score q·k that is ±inf becomes
 NaN; a NaN score reaches p = exp(NaN), l and the accumulator even where the row max drops
 it (XLA's CPU reductions may), and a row is empty only when l == 0, so a poisoned row is
 NaN, never 0. The products that meet masked (zero) weights run over finite

@@ -1,5 +1,5 @@
-// The bit patterns of the NaN rules that host and device code share (README, "Numerical
-// contract"): what the handlers fill their results with when asked to poison them, and the -inf
+// The bit patterns of the NaN rules that host and device code share (docs/numerical-contract.md):
+// what the handlers fill their results with when asked to poison them, and the -inf
 // of each element type (a -inf bias element gives its pair weight 0 but is not a masked pair).
 #pragma once
 

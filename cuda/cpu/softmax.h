@@ -5,7 +5,7 @@
 //    O stays unnormalised until the last tile (§3.1.1), then O / l and lse = m + log l.
 //  - backward (Alg. 2): P is recomputed exactly from the saved lse, P = exp(S − lse),
 //    and dS = P ∘ (dP − D) with D = rowsum(dO ∘ O) − dlse.
-// Non-finite inputs (README, "Numerical contract"): the row max propagates NaN, a row is
+// Non-finite inputs (docs/numerical-contract.md): the row max propagates NaN, a row is
 // empty only when its max is −inf (never when it is NaN), Exp(NaN) is NaN, and P and dS are
 // exactly 0 where masked even when lse or D is NaN, so a poison reaches only the rows and
 // keys that see it.

@@ -1,4 +1,4 @@
-// Non-finite values of V inside the forward (README, "Numerical contract": a row that sees a
+// Non-finite values of V inside the forward (docs/numerical-contract.md: a row that sees a
 // key whose value row holds a NaN or ±inf gets a NaN output, its lse stays; a row that does
 // not see it is untouched). P·V multiplies every key's value by every row's weight, and a
 // masked weight is 0, so a NaN in V must not reach the product: 0·NaN is NaN.

@@ -8,7 +8,7 @@
 // row max's product, ulp(|m|)/2, in every exponent: NaN and ±inf lse for logits ~1e9.) The
 // backward subtracts the forward's natural lse from the same rounded x.
 //
-// Non-finite values (README, "Numerical contract"): a raw score s = q·k that is ±inf becomes
+// Non-finite values (docs/numerical-contract.md): a raw score s = q·k that is ±inf becomes
 // NaN before the transform, so a poisoned q or k poisons its row whatever the signs and the
 // scale. fmaxf drops a NaN from the row max, but the NaN score still reaches p = exp2(NaN),
 // the row sum l and O, so a row is empty only when l == 0 (never when l is NaN). The

@@ -738,23 +738,23 @@ def ring_attention(
     queries; masks use global positions (top-left causal alignment, also for T != S).
 
     Args:
-      query: this device's chunk [*B, T/P, N, H] of the queries.
-      key, value: this device's chunks [*B, S/P, K, H] and [*B, S/P, K, Hv] (N % K == 0;
+      query: this device's chunk `[*B, T/P, N, H]` of the queries.
+      key, value: this device's chunks `[*B, S/P, K, H]` and `[*B, S/P, K, Hv]` (N % K == 0;
         the value head dim Hv may differ from H).
       axis_name: the mesh axis the sequences are sharded over.
       is_causal, local_window_size, logits_soft_cap, scale: as in `jax_flash.attention`,
         in global positions.
-      query_seq_lengths, key_value_seq_lengths: [*B] int32 *global* lengths (replicated
+      query_seq_lengths, key_value_seq_lengths: `[*B]` int32 *global* lengths (replicated
         over the axis, as `P()` or batch-sharded only).
-      segment_ids: this device's chunk [*B, T/P] (self-attention) or a pair
-        (q_ids [*B, T/P], kv_ids [*B, S/P]); ids travel with their K/V chunk.
+      segment_ids: this device's chunk `[*B, T/P]` (self-attention) or a pair
+        (q_ids `[*B, T/P]`, kv_ids `[*B, S/P]`); ids travel with their K/V chunk.
       layout: "contiguous" (device i holds chunk i of P) or "zigzag" (device i holds chunks
         i and 2P-1-i of 2P, concatenated; balances causal work — reorder global arrays with
         `jax_flash.zigzag` / `jax_flash.unzigzag`).
       query_offset: as in `jax_flash.attention`, global: query t of the gathered sequence
         sits at key position query_offset + t. A Python int keeps the static block skipping;
-        an array [*B] is a run-time value (every block in the window is then computed).
-      return_residual: also return this device's lse [*B, T/P, N].
+        an array `[*B]` is a run-time value (every block in the window is then computed).
+      return_residual: also return this device's lse `[*B, T/P, N]`.
       implementation: the implementation of each block (as in `jax_flash.attention`).
 
     Differentiable in query, key and value by reverse mode (one custom_vjp for the ring);

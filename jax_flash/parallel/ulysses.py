@@ -178,7 +178,7 @@ def _sinks(sinks, n: int, rs: _Resharder, fn: str):
 
 def _dense(x, name: str, q, s_global: int, rs: _Resharder, fn: str):
     """A bias/mask holding this device's query rows against all keys, broadcastable to
-    [*B, N, T/P, S] -> broadcastable to [*B, N/P, T, S] (this device's heads, every row)."""
+    `[*B, N, T/P, S]` -> broadcastable to `[*B, N/P, T, S]` (this device's heads, every row)."""
     if x is None:
         return None
     x = jnp.asarray(x)
@@ -335,24 +335,24 @@ def ulysses_attention(
     queries; masks use global positions.
 
     Args:
-      query: this device's chunk [*B, T/P, N, H]; N must be divisible by P (else
+      query: this device's chunk `[*B, T/P, N, H]`; N must be divisible by P (else
         ValueError: use `ring_attention` or `hybrid_attention`).
-      key, value: this device's chunks [*B, S/P, K, H] / [*B, S/P, K, Hv] (N % K == 0; any
+      key, value: this device's chunks `[*B, S/P, K, H]` / `[*B, S/P, K, Hv]` (N % K == 0; any
         K: kv heads are repeated lcm(K, P)/K times so every device gets those its query
         heads use).
       bias, mask: optional, this device's query rows against *all* keys: broadcastable to
-        [*B, N, T/P, S] (S the global key length); re-sharded to [*B, N/P, T, S].
+        `[*B, N, T/P, S]` (S the global key length); re-sharded to `[*B, N/P, T, S]`.
       axis_name: the mesh axis the sequences are sharded over.
       layout: "contiguous" (device d holds chunk d of P) or "zigzag" (chunks d and 2P-1-d
         of 2P, as `ring_attention`'s; the local call still sees the sequence in order).
       is_causal, local_window_size, logits_soft_cap, scale, query_offset: as in
         `jax_flash.attention`, in global positions.
-      query_seq_lengths, key_value_seq_lengths: [*B] int32 *global* lengths (replicated
+      query_seq_lengths, key_value_seq_lengths: `[*B]` int32 *global* lengths (replicated
         over the axis).
-      segment_ids: this device's chunk [*B, T/P], or a pair (q_ids [*B, T/P], kv_ids
-        [*B, S/P]); all-gathered along the sequence.
+      segment_ids: this device's chunk `[*B, T/P]`, or a pair (q_ids `[*B, T/P]`, kv_ids
+        `[*B, S/P]`); all-gathered along the sequence.
       sinks: [N], the same on every device (replicated); each device uses its heads' slice.
-      return_residual: also return this device's lse [*B, T/P, N].
+      return_residual: also return this device's lse `[*B, T/P, N]`.
       implementation: the local call's implementation, as in `jax_flash.attention`.
       dropout_rate, dropout_rng: only with P = 1; more devices raise NotImplementedError
         (the unsharded mask depends on the global head index, see the module docstring).
@@ -425,7 +425,7 @@ def _global_lengths(lengths, full: int):
 
 def _merge_sinks(out, lse, sinks):
     """Add one virtual key per head with logit sinks[n] and value 0 to a finished
-    (out [*B, T, N, Hv], lse [*B, T, N]): the softmax denominator gains exp(sinks[n])."""
+    (out `[*B, T, N, Hv]`, lse `[*B, T, N]`): the softmax denominator gains exp(sinks[n])."""
     s = sinks.astype(lse.dtype)
     new_lse = jnp.logaddexp(lse, s)
     none = jnp.isneginf(new_lse)  # no key and a -inf sink: out stays 0
@@ -554,8 +554,8 @@ def hybrid_attention(
     (ring_axis, a2a_axis), and `jax_flash.unzigzag(out, Pr)` after; causal work is then
     balanced over the ring.
 
-    Args: as `ulysses_attention` (query/key/value: this device's [*B, T/(Pa·Pr), N, H] /
-    [*B, S/(Pa·Pr), K, H] / [.., Hv]; lengths global; segment ids this device's chunk;
+    Args: as `ulysses_attention` (query/key/value: this device's `[*B, T/(Pa·Pr), N, H]` /
+    `[*B, S/(Pa·Pr), K, H]` / [.., Hv]; lengths global; segment ids this device's chunk;
     sinks [N] replicated), and as `ring_attention` (is_causal, local_window_size,
     query_offset, logits_soft_cap, scale, in global positions; implementation computes the
     ring's blocks). Dropout and a dense bias/mask raise NotImplementedError (the ring takes

@@ -1,4 +1,4 @@
-"""The edges of the numerical contract (README, "Numerical contract"): windows of any size,
+"""The edges of the numerical contract (docs/numerical-contract.md): windows of any size,
 soft caps across float32's range, zero-size inputs, second derivatives and the limits every
 implementation knows at trace time — for every implementation."""
 

@@ -1,4 +1,4 @@
-"""The numerical contract at the edges (README, "Numerical contract"), for every implementation.
+"""The numerical contract at the edges (docs/numerical-contract.md), for every implementation.
 
 NaN / ±inf in q, k, v: the set of non-finite elements of out, lse, dq, dk and dv equals the
 float64 reference's exactly (a poison reaches the rows and keys that see it, never as 0; a
@@ -98,7 +98,7 @@ POISON_CASES = {
     # saturates every logit (derivative 1 - tanh² = 0). The masked poisons still change
     # nothing, also through the cap's derivative (never formed at a masked NaN logit); rows
     # that see value 59 get NaN dq and dk of the keys they see (the NaN cotangent times the
-    # zero derivative, as jax.nn's autodiff gives; README, "Numerical contract").
+    # zero derivative, as jax.nn's autodiff gives; docs/numerical-contract.md).
     "masked-lengths-saturated_cap": (
         "lengths",
         [("k", (0, 75, 0, 1), NAN), ("q", (0, 33, 0, 4), NAN), ("v", (0, 59, 0, 0), -INF)],

@@ -50,7 +50,7 @@ from property_cases import EXTREME_SCALES, Gates, dense_mask, draw, visibility
 
 # ---- dimensions that wait for other work ---------------------------------------------------
 # NaN/±Inf injections in q, k, v and bias, and scales of magnitude >= 1e8: the propagation
-# contract (README, "numerical contract") is implemented by the NaN/Inf work in xla.py,
+# contract (docs/numerical-contract.md) is implemented by the NaN/Inf work in xla.py,
 # _pallas_kernels.py and the cpu/cuda softmax; until it is merged the implementations hide
 # poisons as zeros and lose huge logits. Merged (JAX_FLASH_PROPERTY_NAN=1 turns the
 # dimension on for one run when this is False).
@@ -169,7 +169,7 @@ def _first(mask):
 
 def _one_hot_slack(ex, arrays) -> dict:
     """At |scale| >= EXTREME_SCALES[0] the softmax is one-hot and the gradients are finite
-    but not exact (README, "Numerical contract"), for two reasons, each bounded here:
+    but not exact (docs/numerical-contract.md), for two reasons, each bounded here:
 
     * dS = P∘(dP - D) at the row's one key is dP - D = dO·v - dO·O + dlse: dO·v - dO·O is a
       difference of two rounded H-term dot products that the reference's autodiff (and every

@@ -1,4 +1,4 @@
-"""Attention dropout (README "Dropout"): one Philox-4x32-10 keep-mask in every
+"""Attention dropout (docs/attention.md, "Dropout"): one Philox-4x32-10 keep-mask in every
 implementation, bit for bit; statistics, gradients against the float64 reference drawing
 the same mask, rate 0 identical to no dropout, argument errors, flax training."""
 
