@@ -8,7 +8,7 @@ import sys
 # The package is imported from the source tree (an editable install puts it there too).
 sys.path.insert(0, os.path.abspath(".."))
 
-import jax_flash  # noqa: E402
+import jax_flash
 
 project = "jax_flash"
 author = "jax_flash contributors"

@@ -176,6 +176,17 @@ def attention(
 
     Returns:
       out `[*B, T, N, Hv]` in the dtype of query, or (out, lse) with return_residual=True.
+
+    Example:
+    >>> import jax.numpy as jnp
+    >>> import jax_flash
+    >>> q = jnp.ones((2, 128, 8, 64), jnp.float32)  # [B, T, N, H]
+    >>> k = v = jnp.ones((2, 128, 2, 64), jnp.float32)  # [B, S, K, H]: GQA, 2 kv heads
+    >>> jax_flash.attention(q, k, v, is_causal=True).shape
+    (2, 128, 8, 64)
+    >>> out, lse = jax_flash.attention(q, k, v, return_residual=True)
+    >>> lse.shape  # [B, T, N], float32
+    (2, 128, 8)
     """
     c = canonicalize(
         query,
@@ -224,6 +235,18 @@ def explain(
 
     Printed, the result has one plain line per implementation; with ``verbose=True`` each
     available one is followed by the rule that decides how it runs, with its formula.
+
+    Example:
+    >>> import jax.numpy as jnp
+    >>> import jax_flash
+    >>> q = jnp.ones((1, 16, 4, 64), jnp.float32)
+    >>> e = jax_flash.explain(q, q, q, implementation="xla")
+    >>> e.selected
+    'xla'
+    >>> print(str(e).splitlines()[0])
+    jax_flash.attention would run: xla
+    >>> e.reasons["xla"] is None  # None: it can run; else the reason it cannot
+    True
     """
     _check_return_residual(kwargs.pop("return_residual", False))
     requested = kwargs.get("implementation")

@@ -177,6 +177,11 @@ class Config:
       env_errors: in a resolved config, (field, message) for each variable that held no valid
         value (the field then has its default, and a call that uses it raises the message);
         () in a config made by hand.
+
+    Example:
+    >>> import jax_flash
+    >>> jax_flash.Config(cpu_split_kv=1).cpu_split_kv
+    1
     """
 
     cpu_isa: str | None = None
@@ -270,7 +275,14 @@ def config(settings: Config | None = None, /, **overrides: Any) -> Iterator[Conf
     winning; nested blocks override the fields they set. The values are checked on entry.
     A jitted function traced before, or outside, the block keeps the settings it was traced
     with (jax caches the trace of a function, also across `jax.jit` wrappers of it). Yields
-    the settings now in force from contexts (unset fields None)."""
+    the settings now in force from contexts (unset fields None).
+
+    Example:
+    >>> import jax_flash
+    >>> with jax_flash.config(cuda_layout="warp32"):
+    ...     jax_flash.current_config().cuda_layout
+    'warp32'
+    """
     if settings is not None and not isinstance(settings, Config):
         raise TypeError(f"jax_flash.config takes a jax_flash.Config, got {type(settings).__name__}")
     here = Config(**overrides)
@@ -312,5 +324,11 @@ def resolve(explicit: Config | None = None) -> Config:
 
 
 def current_config(config: Config | None = None) -> Config:
-    """The resolved settings a call traced now would use (with `config=config`)."""
+    """The resolved settings a call traced now would use (with `config=config`).
+
+    Example:
+    >>> import jax_flash
+    >>> jax_flash.current_config(jax_flash.Config(deterministic=True)).deterministic
+    True
+    """
     return resolve(config)

@@ -31,7 +31,18 @@ def export_disabled_checks() -> list[DisabledSafetyCheck]:
 
         exported = jax.export.export(jax.jit(f), disabled_checks=jax_flash.export_disabled_checks())(*args)
 
-    (`xla` and `pallas` need none; passing these anyway is harmless.)"""
+    (`xla` and `pallas` need none; passing these anyway is harmless.)
+
+    Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import jax_flash
+    >>> q = jnp.ones((1, 8, 2, 16), jnp.float32)
+    >>> f = jax.jit(lambda q: jax_flash.attention(q, q, q))
+    >>> exported = jax.export.export(f, disabled_checks=jax_flash.export_disabled_checks())(q)
+    >>> exported.call(q).shape
+    (1, 8, 2, 16)
+    """
     from jax import export
 
     return [export.DisabledSafetyCheck.custom_call(name) for name in FFI_TARGETS]

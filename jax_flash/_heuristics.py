@@ -481,7 +481,7 @@ def pallas_split_kv_summary(spec: AttentionSpec, block_q: int, block_k: int, int
     elif spec.q_len > PALLAS_SPLIT_MAX_QUERIES:
         why = f"more than {PALLAS_SPLIT_MAX_QUERIES} queries"
     elif programs >= target:
-        why = "enough programs to fill the GPU" if not interpret else f"{programs} programs, enough"
+        why = f"{programs} programs, no fewer than the {target} {'SMs' if not interpret else 'it aims for when interpreted'}"
     else:
         why = "too few key blocks to split"
     return split_summary(chunks, False, why)

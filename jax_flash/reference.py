@@ -124,6 +124,13 @@ def attention_reference(
     (`dropout_keep`, the generator of `jax_flash._dropout`) applied to P after the
     statistics, so that the reference and every implementation drop the same weights and
     its autodiff gives the gradients given that mask (in float64 with compute_dtype).
+
+    Example:
+    >>> import jax.numpy as jnp
+    >>> import jax_flash
+    >>> q = jnp.ones((1, 8, 2, 16), jnp.float32)
+    >>> bool(jnp.allclose(jax_flash.reference(q, q, q), jax_flash.attention(q, q, q), atol=1e-6))
+    True
     """
     c = canonicalize(
         query,
@@ -389,7 +396,19 @@ def paged_attention_reference(
     """The specification of `jax_flash.paged_attention`: `attention_reference` on the
     gathered cache, with key_value_seq_lengths = kv_lengths and query_offset = kv_lengths - T
     (the queries are the last T positions), keys of out-of-range page ids masked and a
-    negative length counted as 0. compute_dtype as for `attention_reference`."""
+    negative length counted as 0. compute_dtype as for `attention_reference`.
+
+    Example:
+    >>> import jax.numpy as jnp
+    >>> import jax_flash
+    >>> pages = jnp.ones((8, 16, 2, 64), jnp.float32)
+    >>> table = jnp.arange(8, dtype=jnp.int32).reshape(2, 4)
+    >>> q = jnp.ones((2, 1, 4, 64), jnp.float32)
+    >>> lengths = jnp.array([20, 64], jnp.int32)
+    >>> out = jax_flash.paged_attention(q, pages, pages, table, lengths)
+    >>> bool(jnp.allclose(out, jax_flash.paged_reference(q, pages, pages, table, lengths), atol=1e-5))
+    True
+    """
     q = jnp.asarray(query)
     table = jnp.asarray(page_table, jnp.int32)
     num_pages, page_size = jnp.shape(key_pages)[:2]

@@ -314,6 +314,16 @@ def paged_attention(
 
     Returns:
       out [B, T, N, H] in the dtype of query, or (out, lse) with return_residual=True.
+
+    Example:
+    >>> import jax.numpy as jnp
+    >>> import jax_flash
+    >>> pages = jnp.ones((8, 16, 2, 64), jnp.float32)  # 8 pages of 16 positions, K = 2, H = 64
+    >>> table = jnp.arange(8, dtype=jnp.int32).reshape(2, 4)  # 2 sequences of up to 4 pages
+    >>> lengths = jnp.array([20, 64], jnp.int32)
+    >>> q = jnp.ones((2, 1, 4, 64), jnp.float32)  # one new query per sequence, N = 4
+    >>> jax_flash.paged_attention(q, pages, pages, table, lengths).shape
+    (2, 1, 4, 64)
     """
     pspec, q, kp, vp, table, lengths, sinks = canonicalize_paged(
         query,
@@ -390,6 +400,16 @@ def paged_cache_write(
     table, page ids out of range); at run time a token whose position lies beyond the table
     or whose page id is out of range is dropped (nothing is written out of bounds). Pages
     written must belong to one sequence each (two rows writing one slot: either may win).
+
+    Example:
+    >>> import jax.numpy as jnp
+    >>> import jax_flash
+    >>> kp = vp = jnp.zeros((4, 16, 1, 8), jnp.float32)  # 4 pages of 16 positions
+    >>> table = jnp.array([[2, 0]], jnp.int32)  # sequence 0: pages 2, then 0
+    >>> new = jnp.ones((1, 3, 1, 8), jnp.float32)  # 3 new tokens
+    >>> kp, vp = jax_flash.paged_cache_write(kp, vp, table, jnp.array([15], jnp.int32), new, new)
+    >>> float(kp[2, 15, 0, 0]), float(kp[0, 0, 0, 0]), float(kp[0, 1, 0, 0])  # positions 15, 16, 17
+    (1.0, 1.0, 1.0)
     """
     key_pages, value_pages = jnp.asarray(key_pages), jnp.asarray(value_pages)
     if key_pages.ndim != 4:
@@ -446,7 +466,18 @@ def explain_paged(
 ) -> Explanation:
     """Same arguments as `paged_attention`; which implementation would run it and why each
     other one would not: one plain line per implementation, and with ``verbose=True`` the
-    rule behind each available one."""
+    rule behind each available one.
+
+    Example:
+    >>> import jax.numpy as jnp
+    >>> import jax_flash
+    >>> pages = jnp.ones((8, 16, 2, 64), jnp.float32)
+    >>> table = jnp.arange(8, dtype=jnp.int32).reshape(2, 4)
+    >>> q = jnp.ones((2, 1, 4, 64), jnp.float32)
+    >>> e = jax_flash.explain_paged(q, pages, pages, table, jnp.array([20, 64], jnp.int32), implementation="xla")
+    >>> e.selected, e.reasons["xla"]
+    ('xla', None)
+    """
     kwargs.pop("return_residual", None)
     requested = kwargs.get("implementation")
     pspec = canonicalize_paged(query, key_pages, value_pages, page_table, kv_lengths, **kwargs)[0]

@@ -118,12 +118,27 @@ def zigzag(x: ArrayLike, axis_size: int, axis: int = 1) -> jax.Array:
     Sharding the result over `axis` in equal contiguous pieces (e.g. `P(None, "seq")`) gives
     device i exactly its zigzag chunks. Apply it to everything indexed by the sequence:
     q, k, v, segment ids, position ids, targets. The inverse is `unzigzag`.
+
+    Example:
+    >>> import jax.numpy as jnp
+    >>> import jax_flash
+    >>> x = jnp.arange(8).reshape(1, 8)  # 8 positions for 2 devices: 4 chunks of 2
+    >>> jax_flash.zigzag(x, 2).tolist()  # device 0 holds chunks 0 and 3, device 1 chunks 1 and 2
+    [[0, 1, 6, 7, 2, 3, 4, 5]]
     """
     return _reorder(x, axis_size, axis, _zigzag_order(axis_size), "zigzag")
 
 
 def unzigzag(x: ArrayLike, axis_size: int, axis: int = 1) -> jax.Array:
-    """Inverse of `zigzag`: back from the zigzag layout to sequence order along `axis`."""
+    """Inverse of `zigzag`: back from the zigzag layout to sequence order along `axis`.
+
+    Example:
+    >>> import jax.numpy as jnp
+    >>> import jax_flash
+    >>> x = jnp.arange(8).reshape(1, 8)
+    >>> bool((jax_flash.unzigzag(jax_flash.zigzag(x, 2), 2) == x).all())
+    True
+    """
     order = np.argsort(_zigzag_order(axis_size))
     return _reorder(x, axis_size, axis, [int(c) for c in order], "unzigzag")
 

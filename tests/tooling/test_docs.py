@@ -78,7 +78,7 @@ def test_samples_finds_blocks_and_skips_marked_ones():
           ```
         """
     )
-    assert samples(text) == [(2, "a = 1"), (13, "b = a")]
+    assert samples(text) == [(2, "a = 1"), (14, "b = a")]
 
 
 # Each page's samples in a fresh interpreter: the namespace carries over from block to block,
@@ -98,8 +98,16 @@ print("ran", len(blocks), "samples")
 """
 
 
+def reader_env() -> dict[str, str]:
+    """The environment of a reader who runs a sample: this one without the suite's own settings
+    (JAX_FLASH_* variables such as the CUDA emulation, float64 by default)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_FLASH_") and k != "JAX_ENABLE_X64"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return env
+
+
 def run_samples(page: str, text: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = reader_env()
     devices = DEVICES.search(text)
     if devices:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices['n']} " + env.get("XLA_FLAGS", "")
@@ -197,3 +205,16 @@ def test_readme_is_short_and_links_into_the_docs():
     assert len(text.splitlines()) <= README_MAX_LINES, len(text.splitlines())
     for link in re.findall(r"\]\((docs/[^)#]+)", text):
         assert (ROOT / link).is_file(), link
+
+
+def test_readme_shows_what_explain_prints(tmp_path):
+    """The README's example output is what its example prints (on a CPU backend; run in a
+    fresh interpreter, as a reader would, not under the suite's float64 setting)."""
+    text = (ROOT / "README.md").read_text()
+    shown = re.search(r"```text\n(jax_flash\.attention would run:.*?)\n```", text, re.S)
+    assert shown, "README.md shows no explain output"
+    example = next(c for _, c in samples(text) if "jax_flash.explain(" in c)
+    env = dict(reader_env(), JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == shown.group(1), result.stdout
