@@ -9,7 +9,7 @@ here says so on the line just before its fence, with the reason:
 
     <!-- docs-test: skip (needs a CUDA GPU) -->
 
-and a page whose samples need several devices asks for host devices once, anywhere on the page:
+and a page whose samples need several devices asks for host devices once, on a line of its own:
 
     <!-- docs-test: devices=8 -->
 
@@ -34,7 +34,7 @@ DOCS = ROOT / "docs"
 README_MAX_LINES = 250
 PAGES = sorted(p.relative_to(ROOT).as_posix() for p in [ROOT / "README.md", *DOCS.glob("*.md")])
 SKIP = re.compile(r"<!--\s*docs-test:\s*skip\s*\((?P<why>[^)]+)\)\s*-->")
-DEVICES = re.compile(r"<!--\s*docs-test:\s*devices=(?P<n>\d+)\s*-->")
+DEVICES = re.compile(r"^<!--\s*docs-test:\s*devices=(?P<n>\d+)\s*-->\s*$", re.M)
 
 
 def samples(text: str) -> list[tuple[int, str]]:
@@ -218,3 +218,32 @@ def test_readme_shows_what_explain_prints(tmp_path):
     result = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == shown.group(1), result.stdout
+
+
+def test_benchmark_plots_come_from_the_recorded_table(tmp_path):
+    """docs/plot_benchmarks.py reads every row of the recorded table on docs/benchmarks.md and
+    draws its plots with the bench's --plot; the committed images are the ones it writes."""
+    sys.path.insert(0, str(DOCS))
+    try:
+        import plot_benchmarks
+    finally:
+        sys.path.remove(str(DOCS))
+    results = plot_benchmarks.recorded()
+    # 2 dtypes x 2 head dims x 3 lengths x 2 causal x 2 passes cells, each with cpu and torch,
+    # and jax.nn where it ran (1k and 4k).
+    assert sum(r.impl == "cpu" for r in results) == 48
+    assert sum(r.impl == "torch" for r in results) == 48
+    assert sum(r.impl == "jax.nn" for r in results) == 32
+    paths = plot_benchmarks.main(tmp_path)
+    for path in paths:
+        assert path.stat().st_size > 10_000, path
+        assert (DOCS / "_static" / path.name).is_file(), f"{path.name} is not committed under docs/_static"
+        assert f"_static/{path.name}" in (DOCS / "benchmarks.md").read_text()
+
+
+def test_test_extra_installs_the_docs_extra():
+    """The suite builds the site: `pip install ".[test]"` brings what `.[docs]` does."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["docs"] and set(extras["docs"]) <= set(extras["test"]), (extras["docs"], extras["test"])
