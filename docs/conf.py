@@ -35,8 +35,10 @@ myst_enable_extensions = ["dollarmath", "deflist", "colon_fence"]
 # Docstrings write code as `name` (Markdown habit): render it as inline code.
 default_role = "code"
 autodoc_member_order = "bysource"
-autodoc_typehints = "description"
-autodoc_typehints_format = "short"
+# The docstrings state each argument's type and shape in words; the annotations (unions of
+# array-likes, one overload per `return_residual`) would bury them. "none" also documents an
+# overloaded function once, with its implementation's signature.
+autodoc_typehints = "none"
 autodoc_default_options = {"members": False}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
@@ -45,3 +47,4 @@ html_theme = "furo"
 html_title = f"jax_flash {release}"
 html_static_path = ["_static"]
 html_theme_options = {"navigation_with_keys": True}
+

@@ -207,12 +207,14 @@ def test_readme_is_short_and_links_into_the_docs():
         assert (ROOT / link).is_file(), link
 
 
-def test_readme_shows_what_explain_prints(tmp_path):
-    """The README's example output is what its example prints (on a CPU backend; run in a
-    fresh interpreter, as a reader would, not under the suite's float64 setting)."""
-    text = (ROOT / "README.md").read_text()
+@pytest.mark.parametrize("page", ["README.md", "docs/index.md"])
+def test_shown_explain_output_is_what_the_example_prints(page, tmp_path):
+    """The example output of the README and the landing page is what their example prints
+    (on a CPU backend; run in a fresh interpreter, as a reader would, not under the suite's
+    float64 setting)."""
+    text = (ROOT / page).read_text()
     shown = re.search(r"```text\n(jax_flash\.attention would run:.*?)\n```", text, re.S)
-    assert shown, "README.md shows no explain output"
+    assert shown, f"{page} shows no explain output"
     example = next(c for _, c in samples(text) if "jax_flash.explain(" in c)
     env = dict(reader_env(), JAX_PLATFORMS="cpu")
     result = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, env=env, capture_output=True, text=True)
