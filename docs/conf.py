@@ -47,4 +47,3 @@ html_theme = "furo"
 html_title = f"jax_flash {release}"
 html_static_path = ["_static"]
 html_theme_options = {"navigation_with_keys": True}
-
