@@ -31,6 +31,9 @@ class Implementation(Protocol):
     def unsupported(self, spec: AttentionSpec) -> str | None:
         """None if this implementation can run `spec` here, else why not (one sentence)."""
 
+    # Optional: `summary(spec) -> str`, how it would run `spec` in plain words (`explain`'s one
+    # line), and `note(spec) -> str | None`, the rules behind that (`explain(..., verbose=True)`).
+
     def head_dims(self) -> str:
         """The (H, Hv) pairs of query/key and value head dims it serves, in words (e.g.
         "any pair with H, Hv <= 512"; `explain` states it for a call with Hv != H)."""
@@ -53,8 +56,11 @@ class PagedImplementation(Implementation, Protocol):
     def paged_forward(self, pspec: PagedSpec, q, key_pages, value_pages, table, lengths, sinks=None):
         """-> out [B, T, N, H] (dtype of q), lse [B, N, T] float32."""
 
+    def paged_summary(self, pspec: PagedSpec) -> str:
+        """How it runs the paged call, in plain words (`explain_paged`'s one line)."""
+
     def paged_note(self, pspec: PagedSpec) -> str:
-        """How it runs the paged call (`explain_paged`)."""
+        """How it runs the paged call and the rules behind it (`explain_paged(..., verbose=True)`)."""
 
 
 # name -> module that defines IMPLEMENTATION; imported on first use so that optional
