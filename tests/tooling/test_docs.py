@@ -4,7 +4,7 @@ as doctests, the API page documents every public name, and the README stays the 
 (at most README_MAX_LINES lines).
 
 Samples are the fenced ```python blocks of a page, run in order in one fresh interpreter per
-page (later blocks see what earlier ones defined, as a reader does). A block that cannot run
+page on the CPU backend (later blocks see what earlier ones defined, as a reader does). A block that cannot run
 here says so on the line just before its fence, with the reason:
 
     <!-- docs-test: skip (needs a CUDA GPU) -->
@@ -107,7 +107,9 @@ def reader_env() -> dict[str, str]:
 
 
 def run_samples(page: str, text: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    env = reader_env()
+    # On the CPU backend wherever the suite runs: the pages show CPU output, and a page's
+    # host devices (devices=N) are CPU devices. The GPU suite covers the GPU paths.
+    env = dict(reader_env(), JAX_PLATFORMS="cpu")
     devices = DEVICES.search(text)
     if devices:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices['n']} " + env.get("XLA_FLAGS", "")
