@@ -178,6 +178,7 @@ def attention(
       out `[*B, T, N, Hv]` in the dtype of query, or (out, lse) with return_residual=True.
 
     Example:
+
     >>> import jax.numpy as jnp
     >>> import jax_flash
     >>> q = jnp.ones((2, 128, 8, 64), jnp.float32)  # [B, T, N, H]
@@ -237,6 +238,7 @@ def explain(
     available one is followed by the rule that decides how it runs, with its formula.
 
     Example:
+
     >>> import jax.numpy as jnp
     >>> import jax_flash
     >>> q = jnp.ones((1, 16, 4, 64), jnp.float32)

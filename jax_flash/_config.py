@@ -179,6 +179,7 @@ class Config:
         () in a config made by hand.
 
     Example:
+
     >>> import jax_flash
     >>> jax_flash.Config(cpu_split_kv=1).cpu_split_kv
     1
@@ -266,7 +267,7 @@ _context: contextvars.ContextVar[Config] = contextvars.ContextVar("jax_flash_con
 
 @contextlib.contextmanager
 def config(settings: Config | None = None, /, **overrides: Any) -> Iterator[Config]:
-    """Set call settings for the calls traced inside the block:
+    """Set call settings for the calls traced inside the block::
 
         with jax_flash.config(cpu_isa="avx2", cpu_split_kv=1):
             out = jax.jit(f)(q, k, v)   # traced here: these settings are compiled in
@@ -278,6 +279,7 @@ def config(settings: Config | None = None, /, **overrides: Any) -> Iterator[Conf
     the settings now in force from contexts (unset fields None).
 
     Example:
+
     >>> import jax_flash
     >>> with jax_flash.config(cuda_layout="warp32"):
     ...     jax_flash.current_config().cuda_layout
@@ -327,6 +329,7 @@ def current_config(config: Config | None = None) -> Config:
     """The resolved settings a call traced now would use (with `config=config`).
 
     Example:
+
     >>> import jax_flash
     >>> jax_flash.current_config(jax_flash.Config(deterministic=True)).deterministic
     True

@@ -34,6 +34,7 @@ def export_disabled_checks() -> list[DisabledSafetyCheck]:
     (`xla` and `pallas` need none; passing these anyway is harmless.)
 
     Example:
+
     >>> import jax
     >>> import jax.numpy as jnp
     >>> import jax_flash

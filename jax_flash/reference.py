@@ -126,6 +126,7 @@ def attention_reference(
     its autodiff gives the gradients given that mask (in float64 with compute_dtype).
 
     Example:
+
     >>> import jax.numpy as jnp
     >>> import jax_flash
     >>> q = jnp.ones((1, 8, 2, 16), jnp.float32)
@@ -399,6 +400,7 @@ def paged_attention_reference(
     negative length counted as 0. compute_dtype as for `attention_reference`.
 
     Example:
+
     >>> import jax.numpy as jnp
     >>> import jax_flash
     >>> pages = jnp.ones((8, 16, 2, 64), jnp.float32)

@@ -316,6 +316,7 @@ def paged_attention(
       out [B, T, N, H] in the dtype of query, or (out, lse) with return_residual=True.
 
     Example:
+
     >>> import jax.numpy as jnp
     >>> import jax_flash
     >>> pages = jnp.ones((8, 16, 2, 64), jnp.float32)  # 8 pages of 16 positions, K = 2, H = 64
@@ -402,6 +403,7 @@ def paged_cache_write(
     written must belong to one sequence each (two rows writing one slot: either may win).
 
     Example:
+
     >>> import jax.numpy as jnp
     >>> import jax_flash
     >>> kp = vp = jnp.zeros((4, 16, 1, 8), jnp.float32)  # 4 pages of 16 positions
@@ -469,6 +471,7 @@ def explain_paged(
     rule behind each available one.
 
     Example:
+
     >>> import jax.numpy as jnp
     >>> import jax_flash
     >>> pages = jnp.ones((8, 16, 2, 64), jnp.float32)

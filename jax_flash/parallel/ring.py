@@ -120,6 +120,7 @@ def zigzag(x: ArrayLike, axis_size: int, axis: int = 1) -> jax.Array:
     q, k, v, segment ids, position ids, targets. The inverse is `unzigzag`.
 
     Example:
+
     >>> import jax.numpy as jnp
     >>> import jax_flash
     >>> x = jnp.arange(8).reshape(1, 8)  # 8 positions for 2 devices: 4 chunks of 2
@@ -133,6 +134,7 @@ def unzigzag(x: ArrayLike, axis_size: int, axis: int = 1) -> jax.Array:
     """Inverse of `zigzag`: back from the zigzag layout to sequence order along `axis`.
 
     Example:
+
     >>> import jax.numpy as jnp
     >>> import jax_flash
     >>> x = jnp.arange(8).reshape(1, 8)
