@@ -315,6 +315,43 @@ def test_explain_names_every_implementation():
     assert with_bias.reasons["xla"] is None
 
 
+def _plain_and_verbose(e, verbose):
+    """explain's printed forms: one line per implementation, plain; verbose adds the notes."""
+    lines = str(e).splitlines()
+    assert len(lines) == 1 + len(e.reasons), lines
+    assert lines[0] == f"{e.op} would run: {e.selected or 'nothing'}"
+    for line, (name, why) in zip(lines[1:], e.reasons.items()):
+        mark = "*" if name == e.selected else " "
+        if why is not None:
+            assert line == f" {mark} {name:8s} unavailable: {why}", line
+        else:
+            assert line.startswith(f" {mark} {name:8s} available"), line
+            assert e.summaries.get(name, "") in line and len(line) < 200, line
+    for name, note in e.notes.items():
+        assert note not in str(e) and f"details: {note}" in str(verbose), name
+    assert [l for l in str(verbose).splitlines() if "details: " not in l] == lines
+
+
+def test_explain_one_plain_line_per_implementation():
+    """`explain` prints one plain line per implementation (how it would run, or why not);
+    verbose=True adds the rule behind each available one (its notes), and nothing else."""
+    for q, k in (
+        (jnp.zeros((1, 128, 4, 64), jnp.float32), jnp.zeros((1, 128, 2, 64), jnp.float32)),
+        (jnp.zeros((1, 1, 8, 64), jnp.float32), jnp.zeros((1, 4096, 2, 64), jnp.float32)),
+    ):
+        kw = dict(is_causal=True, query_offset=k.shape[1] - q.shape[1])
+        e = jax_flash.explain(q, k, k, **kw)
+        assert not e.verbose and jax_flash.explain(q, k, k, verbose=True, **kw).verbose
+        assert e.summaries and all(e.reasons[n] is None for n in e.summaries)
+        _plain_and_verbose(e, jax_flash.explain(q, k, k, verbose=True, **kw))
+    pages = jnp.zeros((8, 16, 2, 64), jnp.float32)
+    table = jnp.arange(8, dtype=jnp.int32).reshape(2, 4)
+    args = (jnp.zeros((2, 1, 4, 64), jnp.float32), pages, pages, table, jnp.array([20, 64], jnp.int32))
+    e = jax_flash.explain_paged(*args)
+    assert e.summaries and e.op == "jax_flash.paged_attention"
+    _plain_and_verbose(e, jax_flash.explain_paged(*args, verbose=True))
+
+
 def test_explain_says_pallas_is_interpreted_on_a_cpu():
     if jax.default_backend() != "cpu":
         pytest.skip("CPU backend only")
