@@ -334,7 +334,13 @@ class CudaImplementation:
             return f"{e}: calls fail"
         if spec.bias_shape is not None or spec.mask_shape is not None:
             text += ", dense bias/mask read in place"
-        return f"host emulation (JAX_FLASH_EMULATE_CUDA=1), {text}" if emulated(spec) else text
+        if emulated(spec):
+            return f"host emulation (JAX_FLASH_EMULATE_CUDA=1), {text}"
+        cc = _compute_capability()
+        image = kernel_image(cc, _architectures()) if cc is not None else None
+        if image is not None and image.endswith("PTX"):
+            return f"{image} JIT-compiled by the driver (no cubin for this GPU), {text}"
+        return text
 
     def note(self, spec: AttentionSpec) -> str | None:
         """What `explain` adds when the kernels can run: the host emulation, or which image
