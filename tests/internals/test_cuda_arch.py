@@ -89,7 +89,9 @@ def test_gpu_that_jits_the_ptx_is_explained(monkeypatch):
     notes = _registry.notes(spec, {"cuda": None})
     assert notes["cuda"] == note
     summary = _registry.summaries(spec, {"cuda": None})["cuda"]
-    assert summary.startswith("compute_80 PTX JIT-compiled by the driver (no cubin for this GPU), warp16 layout"), summary
+    assert summary.startswith("compute_80 PTX JIT-compiled by the driver (no cubin for this GPU), warp16 layout"), (
+        summary
+    )
     _pretend_gpu(monkeypatch, (9, 0), "80-real,80-virtual,90-real,120-real,120-virtual")
     assert jf_cuda.IMPLEMENTATION.note(spec).startswith("runs the sm_90 cubin; layout warp16")
     assert jf_cuda.IMPLEMENTATION.summary(spec).startswith("warp16 layout"), jf_cuda.IMPLEMENTATION.summary(spec)
