@@ -10,6 +10,7 @@ from jax.typing import ArrayLike
 
 from jax_flash import _registry
 from jax_flash._config import Config
+from jax_flash._flex_api import FLEX_ARGUMENTS, explain_flex
 from jax_flash._normalize import canonicalize, restore
 from jax_flash._registry import Explanation
 from jax_flash._types import OutAndLse, SegmentIds, Window
@@ -217,8 +218,11 @@ def explain(
     mask: ArrayLike | None = None,
     **kwargs: Any,
 ) -> Explanation:
-    """Same arguments as `attention`; says which implementation would run and why each other
-    one would not. Raises the same argument errors `attention` would."""
+    """Same arguments as `attention` (or as `flex_attention`: score_mod, mask_mod,
+    block_mask); says which implementation would run and why each other one would not.
+    Raises the same argument errors the call would."""
+    if any(name in kwargs for name in FLEX_ARGUMENTS) and bias is None and mask is None:
+        return explain_flex(query, key, value, **kwargs)
     _check_return_residual(kwargs.pop("return_residual", False))
     requested = kwargs.get("implementation")
     c = canonicalize(query, key, value, bias, mask, **kwargs)

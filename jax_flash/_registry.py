@@ -125,6 +125,9 @@ def reason(name: str, spec: AttentionSpec) -> str | None:
         impl = get(name)
     except ImportError as e:  # an optional dependency is missing
         return f"cannot be loaded: {e}"
+    if spec.flex is not None and not getattr(impl, "serves_flex", False):
+        # Never a dense fallback: the user functions would have to be materialised as T×S.
+        return "does not serve flex_attention (score_mod, mask_mod, block masks) yet"
     return impl.unsupported(spec)
 
 
