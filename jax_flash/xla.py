@@ -207,9 +207,10 @@ class _FlexTiles:
         else:  # no block mask: every block partly visible (mask_mod) or fully visible
             every = _flex.PARTIAL if flex.mask_mod is not None else _flex.FULL
             self.state = jnp.full((1, 1, nq, nk), every, jnp.int8)
-        # The one schedule of all rows and heads: FULL where every (b, h) is full.
+        # The one schedule of all rows and heads: a block runs when some (b, h) sees into it,
+        # and evaluates mask_mod only when some (b, h) sees it partly.
         nonempty = jnp.any(self.state != _flex.EMPTY, axis=(0, 1))  # [nq, nk]
-        self.all_full = jnp.all(self.state == _flex.FULL, axis=(0, 1))
+        self.any_partial = jnp.any(self.state == _flex.PARTIAL, axis=(0, 1))
         self.kv_count, self.kv_order = _flex._ordered(nonempty)  # per query block
         self.q_count, self.q_order = _flex._ordered(nonempty.T)  # per key block
         b, kh, g = spec.batch, spec.num_kv_heads, spec.group_size
@@ -249,8 +250,10 @@ class _FlexTiles:
                 vis = _flex.apply_mask_mod(mask_mod, self.mask_consts, self.b_idx, self.h_idx, rows, cols)
                 return (st == _flex.FULL) | ((st == _flex.PARTIAL) & vis)
 
-            # A block every row and head sees whole skips mask_mod.
-            vis = lax.cond(self.all_full[i, j], lambda: jnp.ones(shape, bool), evaluate)
+            # A block that every row and head sees whole or not at all skips mask_mod.
+            vis = lax.cond(
+                self.any_partial[i, j], evaluate, lambda: jnp.broadcast_to(st == _flex.FULL, shape)
+            )
         if limit is not None:
             vis = limit if vis is None else vis & limit
         return vis
@@ -532,7 +535,7 @@ def backward(
     if dbias is not None:
         assert masks.bias is not None  # dbias is accumulated only for a bias
         dbias = dbias[:, :, : masks.bias.shape[2], : masks.bias.shape[3]].astype(masks.bias.dtype)
-    if spec.flex is None:
+    if spec.flex is None or masks.score_consts is None:
         return dq, dk, dv, dbias
     dscore: list[jax.Array | None] = [None] * len(score_consts)
     for c, d in zip(diff, dconsts):
@@ -627,7 +630,7 @@ def _flex_note(spec: AttentionSpec) -> str:
     bq, bk = flex.block_size
     return (
         f"flex: the block mask's {bq}x{bk} blocks as tiles; runs the blocks that are not empty "
-        "for some batch row or head (their union), those full for all skip mask_mod; no split-KV"
+        "for some batch row or head (their union); mask_mod only where one sees a block partly; no split-KV"
     )
 
 
