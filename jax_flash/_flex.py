@@ -19,7 +19,6 @@ T×S matrix of a long sequence never exists.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -200,7 +199,7 @@ def _dense_of(counts, indices, n: int):
     return jnp.any(hit, axis=-2).astype(jnp.int32)
 
 
-def _ordered(flag):
+def ordered(flag):
     """(count [...], indices [..., n]) of a bool [..., n]: the True positions ascending
     first (a stable sort of the flags)."""
     count = jnp.sum(flag, axis=-1, dtype=jnp.int32)
@@ -212,10 +211,10 @@ def from_dense(state, seq_lengths: tuple[int, int], block_size: tuple[int, int])
     """A BlockMask from its int [B|1, N|1, nq, nk] states (0 empty, 1 partial, 2 full)."""
     state = jnp.asarray(state)
     partial, full = state == PARTIAL, state == FULL
-    kv_n, kv_i = _ordered(partial)
-    fkv_n, fkv_i = _ordered(full)
-    q_n, q_i = _ordered(jnp.swapaxes(partial, -1, -2))
-    fq_n, fq_i = _ordered(jnp.swapaxes(full, -1, -2))
+    kv_n, kv_i = ordered(partial)
+    fkv_n, fkv_i = ordered(full)
+    q_n, q_i = ordered(jnp.swapaxes(partial, -1, -2))
+    fq_n, fq_i = ordered(jnp.swapaxes(full, -1, -2))
     return BlockMask(kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i, tuple(seq_lengths), tuple(block_size))
 
 
@@ -320,7 +319,3 @@ def check_block_mask(block_mask, batch: int, heads: int, t: int, s: int) -> Bloc
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise TypeError(f"block_mask.{name} must be an integer array, got {x.dtype}")
     return block_mask
-
-
-def num_blocks(length: int, block: int) -> int:
-    return max(1, math.ceil(length / block))

@@ -139,7 +139,10 @@ def _empty_backward(spec: AttentionSpec, q, k, v, masks: MaskInputs):
     grads = jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), dbias
     if masks.score_consts is None:
         return grads
-    return (*grads, tuple(jnp.zeros_like(c) if jnp.issubdtype(c.dtype, jnp.floating) else None for c in masks.score_consts))
+    return (
+        *grads,
+        tuple(jnp.zeros_like(c) if jnp.issubdtype(c.dtype, jnp.floating) else None for c in masks.score_consts),
+    )
 
 
 def _vma(*xs) -> frozenset[Hashable]:

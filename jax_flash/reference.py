@@ -6,16 +6,14 @@ much error that precision itself makes). Never used by `jax_flash.attention`.
 
 from __future__ import annotations
 
-from typing import Literal, overload
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
-
-import dataclasses
-from collections.abc import Callable
-from typing import Any
 
 from jax_flash import _dropout, _flex, _masking
 from jax_flash._flex import BlockMask, FlexSpec

@@ -211,8 +211,8 @@ class _FlexTiles:
         # and evaluates mask_mod only when some (b, h) sees it partly.
         nonempty = jnp.any(self.state != _flex.EMPTY, axis=(0, 1))  # [nq, nk]
         self.any_partial = jnp.any(self.state == _flex.PARTIAL, axis=(0, 1))
-        self.kv_count, self.kv_order = _flex._ordered(nonempty)  # per query block
-        self.q_count, self.q_order = _flex._ordered(nonempty.T)  # per key block
+        self.kv_count, self.kv_order = _flex.ordered(nonempty)  # per query block
+        self.q_count, self.q_order = _flex.ordered(nonempty.T)  # per key block
         b, kh, g = spec.batch, spec.num_kv_heads, spec.group_size
         self.b_idx = jnp.arange(b, dtype=jnp.int32)[:, None, None, None, None]
         self.h_idx = (jnp.arange(kh, dtype=jnp.int32)[:, None] * g + jnp.arange(g, dtype=jnp.int32))[
@@ -251,9 +251,7 @@ class _FlexTiles:
                 return (st == _flex.FULL) | ((st == _flex.PARTIAL) & vis)
 
             # A block that every row and head sees whole or not at all skips mask_mod.
-            vis = lax.cond(
-                self.any_partial[i, j], evaluate, lambda: jnp.broadcast_to(st == _flex.FULL, shape)
-            )
+            vis = lax.cond(self.any_partial[i, j], evaluate, lambda: jnp.broadcast_to(st == _flex.FULL, shape))
         if limit is not None:
             vis = limit if vis is None else vis & limit
         return vis

@@ -38,8 +38,6 @@ def _builtin(kind: str, shape: Shape):
     b, t, s = shape.b, shape.t, shape.s
     if kind == "causal":
         return dict(is_causal=True), lambda b, h, qi, ki: ki <= qi
-    if kind == "window":
-        return dict(local_window_size=(7, 3)), lambda b, h, qi, ki: (ki - qi >= -7) & (ki - qi <= 3)
     if kind == "offset_window":  # bottom-right aligned, one offset per batch row
         offs = jnp.asarray([s - t, -3][:b], jnp.int32)
 
@@ -57,30 +55,21 @@ def _builtin(kind: str, shape: Shape):
         qs = jnp.asarray(np.sort(rng.integers(0, 4, size=(b, t)), axis=1), jnp.int32)
         ks = jnp.asarray(np.sort(rng.integers(0, 3, size=(b, s)), axis=1), jnp.int32)
         return dict(segment_ids=(qs, ks)), lambda b, h, qi, ki: qs[b, qi] == ks[b, ki]
-    if kind == "softcap":  # a score_mod, not a mask: c·tanh(s / c) is the built-in formula
-        return dict(logits_soft_cap=2.5), None
     raise ValueError(kind)
 
 
-@pytest.mark.parametrize("kind", ["causal", "window", "offset_window", "lengths", "segments", "softcap"])
+@pytest.mark.parametrize("kind", ["causal", "offset_window", "lengths", "segments"])
 def test_builtin_masks_bitwise(kind):
     """Same tiles (BS × BS), same order: out, lse and dq, dk, dv equal bitwise to the built-in
-    path's on xla (its forward and backward run at the block mask's tile size). The soft cap
-    as a score_mod: equal to float32 rounding (its derivative is autodiff's, not the
-    built-in formula's)."""
+    path's on xla (its forward and backward run at the block mask's tile size)."""
     q, k, v = _inputs()
     kw, mask_mod = _builtin(kind, SHAPE)
-    score_mod = None
-    if kind == "softcap":
-        score_mod = lambda s, b, h, qi, ki: 2.5 * jnp.tanh(s / 2.5)  # noqa: E731
-    block_mask = None
-    if mask_mod is not None:
-        block_mask = jax_flash.create_block_mask(mask_mod, SHAPE.b, None, SHAPE.t, SHAPE.s, block_size=BS)
+    block_mask = jax_flash.create_block_mask(mask_mod, SHAPE.b, None, SHAPE.t, SHAPE.s, block_size=BS)
 
     @jax.jit
     def both(q, k, v, dout):
         c = canonicalize(q, k, v, **kw)
-        f = canonicalize_flex(q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
+        f = canonicalize_flex(q, k, v, mask_mod=mask_mod, block_mask=block_mask)
         results = []
         for x, blocks in ((c, dict(block_q=BS, block_k=BS)), (f, {})):
             out, lse = xla.forward(x.spec, x.q, x.k, x.v, x.masks, **blocks)
@@ -91,10 +80,7 @@ def test_builtin_masks_bitwise(kind):
     dout = jax.random.normal(jax.random.PRNGKey(9), (SHAPE.b, SHAPE.t, SHAPE.n, SHAPE.h), jnp.float32)
     built, flex = both(q, k, v, dout)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), built, flex):
-        if kind == "softcap":  # a user function, differentiated by autodiff: float32-close
-            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=2e-6, err_msg=name)
-        else:
-            np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f"{kind}: {name}")
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f"{kind}: {name}")
 
 
 # ---- recipes against the float64 reference --------------------------------------------------
@@ -160,31 +146,45 @@ def _params(n: int, dtype=jnp.float32):
     )
 
 
-RECIPES = [
-    ("alibi", "doc_causal"),
-    ("t5", "prefix_lm"),
-    ("softcap", "dilated"),
-    ("head_scale", "block_sparse"),
-    (None, "tree"),
-]
+# One recipe per query head (head h: score_mod SCORES[h], mask_mod MASKS[h]), so that one
+# compiled call covers them all; the tree mask has its own shape (T draft tokens after S - T).
+SCORES = ("alibi", "t5", "softcap", "head_scale")
+MASKS = ("doc_causal", "prefix_lm", "dilated", "block_sparse")
 
 
-@pytest.mark.parametrize("score_name, mask_name", RECIPES)
-def test_recipes_against_reference(score_name, mask_name):
-    """out, lse and the gradients in q, k, v and the score_mod's closed-over floats: err
-    against float64 <= 2 × the float32 reference's own + eps; the block mask skips tiles."""
-    shape = Shape(2, 2 * BS + 1, 3 * BS - 1, 4, 2, 16)
-    if mask_name == "tree":
+def _per_head(fns):
+    def fn(*args):
+        h = args[-3]  # (score,) b, h, q_idx, kv_idx
+        out = fns[-1](*args)
+        for i in range(len(fns) - 2, -1, -1):
+            out = jnp.where(h == i, fns[i](*args), out)
+        return out
+
+    return fn
+
+
+@pytest.mark.parametrize("case", ["per_head", "tree"])
+def test_recipes_against_reference(case):
+    """out, lse and the gradients in q, k, v and the score_mods' closed-over floats: err
+    against float64 <= 2 × the float32 reference's own + eps, per head (= per recipe); the
+    per-head block mask has empty blocks, which are skipped."""
+    if case == "per_head":
+        shape = Shape(2, 2 * BS + 1, 3 * BS - 1, 4, 2, 16)
+        mask_mod = _per_head([_mask_mod(m, shape) for m in MASKS])
+        names = [f"{sc} + {m}" for sc, m in zip(SCORES, MASKS)]
+    else:
         shape = Shape(1, BS + 1, 3 * BS + 1, 2, 1, 16)
+        mask_mod = _mask_mod("tree", shape)
+        names = ["tree"] * shape.n
     q, k, v = _inputs(shape)
-    mask_mod = _mask_mod(mask_name, shape)
     bm = jax_flash.create_block_mask(mask_mod, shape.b, shape.n, shape.t, shape.s, block_size=BS)
     dout = jax.random.normal(jax.random.PRNGKey(4), (shape.b, shape.t, shape.n, shape.h), jnp.float32)
     dlse = jax.random.normal(jax.random.PRNGKey(5), (shape.b, shape.t, shape.n), jnp.float32)
 
     def run(fn, params, q, k, v, **kw):
         def f(q, k, v, params):
-            return fn(q, k, v, score_mod=_score_mod(score_name, params), mask_mod=mask_mod, return_residual=True, **kw)
+            score_mod = _per_head([_score_mod(sc, params) for sc in SCORES]) if case == "per_head" else None
+            return fn(q, k, v, score_mod=score_mod, mask_mod=mask_mod, return_residual=True, **kw)
 
         (out, lse), pull = jax.vjp(f, q, k, v, params)
         lse_ct = jnp.where(jnp.isfinite(lse), dlse.astype(lse.dtype), 0)
@@ -200,19 +200,23 @@ def test_recipes_against_reference(score_name, mask_name):
             run(jax_flash.flex_reference, p64, q64, k64, v64),
         )
     )(p32, p64, q, k, v, q64, k64, v64)
-    for name, a, lo, r, eps in (
-        ("out", got[0], low[0], ref[0], EPS["float32"]),
-        ("lse", got[1], low[1], ref[1], EPS["float32"]),
-    ):
-        assert max_err(a, r) <= FACTOR * max_err(lo, r) + eps, name
-    grads = dict(zip(("dq", "dk", "dv"), zip(got[2][:3], low[2][:3], ref[2][:3])))
-    name = {"alibi": "slopes", "t5": "table", "softcap": "cap", "head_scale": "head_scale"}.get(score_name)
-    if name is not None:
-        grads["d" + name] = (got[2][3][name], low[2][3][name], ref[2][3][name])
-        assert float(jnp.max(jnp.abs(ref[2][3][name]))) > 0, "the closed-over array has a gradient"
-    for gname, (a, lo, r) in grads.items():
-        bound = FACTOR * max_err(lo, r) + GRAD_EPS["float32"] * max(1.0, float(jnp.max(jnp.abs(r))))
-        assert max_err(a, r) <= bound, gname
+    # [B, T, N, ...] results per head; dk, dv per kv head (a GQA pair of recipes).
+    results = {"out": 2, "lse": 2, "dq": 2}
+    for h in range(shape.n):
+        for i, (name, axis) in enumerate(results.items()):
+            a, lo, r = (np.take(np.asarray(x[i] if i < 2 else x[2][0]), h, axis=axis) for x in (got, low, ref))
+            eps = (EPS if i < 2 else GRAD_EPS)["float32"] * max(
+                1.0, float(np.max(np.abs(r[np.isfinite(r)]), initial=0))
+            )
+            assert max_err(a, r) <= FACTOR * max_err(lo, r) + eps, f"{names[h]}: {name}"
+    for i, name in ((1, "dk"), (2, "dv")):
+        a, lo, r = got[2][i], low[2][i], ref[2][i]
+        assert max_err(a, r) <= FACTOR * max_err(lo, r) + GRAD_EPS["float32"] * float(jnp.max(jnp.abs(r))), name
+    if case == "per_head":
+        for sc, name in zip(SCORES, ("slopes", "table", "cap", "head_scale")):
+            a, lo, r = got[2][3][name], low[2][3][name], ref[2][3][name]
+            assert float(jnp.max(jnp.abs(r))) > 0, f"{sc}: its closed-over array has a gradient"
+            assert max_err(a, r) <= FACTOR * max_err(lo, r) + GRAD_EPS["float32"] * float(jnp.max(jnp.abs(r))), sc
     assert int(bm.num_nonempty()) < shape.b * shape.n * bm.shape[2] * bm.shape[3], "the mask has empty blocks"
 
 
@@ -258,7 +262,7 @@ def test_contract_empty_rows_and_poison():
 
     def run(fn, **kw):
         def f(q, k, v, table):
-            score_mod = lambda s, b, h, qi, ki: s + table[qi, ki]  # noqa: E731
+            score_mod = lambda s, b, h, qi, ki: s + table[qi, ki]
             return fn(q, k, v, score_mod=score_mod, mask_mod=mask_mod, return_residual=True, **kw)
 
         return jax.jit(lambda *a: (*f(*a), jax.grad(lambda *a: jnp.sum(f(*a)[0]), argnums=(0, 1, 2, 3))(*a)))
@@ -297,7 +301,7 @@ def test_tiles_follow_block_mask():
     nonempty = int(bm.num_nonempty())
     partial = int(jnp.sum(bm.kv_num_blocks))
     assert 0 < partial < nonempty < bm.shape[2] * bm.shape[3]
-    loss = lambda q, k, v: jnp.sum(jax_flash.flex_attention(q, k, v, mask_mod=causal, block_mask=bm))  # noqa: E731
+    loss = lambda q, k, v: jnp.sum(jax_flash.flex_attention(q, k, v, mask_mod=causal, block_mask=bm))
     with xla.count_tiles() as c:
         jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     assert (c.forward, c.backward) == (nonempty, nonempty)
@@ -305,11 +309,11 @@ def test_tiles_follow_block_mask():
 
     rng = np.random.default_rng(0)
     table = jnp.asarray(rng.random(size=(shape.n, 4, 5)) < 0.4)
-    sparse = lambda b, h, qi, ki: table[h, qi // BS, ki // BS]  # noqa: E731
+    sparse = lambda b, h, qi, ki: table[h, qi // BS, ki // BS]
     bm = jax_flash.create_block_mask(sparse, None, shape.n, shape.t, shape.s, block_size=BS)
     union = int(jnp.sum(jnp.any(bm.to_dense() > 0, axis=(0, 1))))
     with xla.count_tiles() as c:
-        jax_flash.flex_attention(q, k, v, mask_mod=sparse, block_mask=bm)
+        jax.jit(lambda q, k, v: jax_flash.flex_attention(q, k, v, mask_mod=sparse, block_mask=bm))(q, k, v)
     assert c.forward == union and c.mask_mod == 0  # every non-empty block is full
 
 
@@ -359,7 +363,7 @@ def test_create_block_mask_matches_dense():
 
 Q = jnp.zeros((2, 8, 4, 16), jnp.float32)
 KV = jnp.zeros((2, 10, 2, 16), jnp.float32)
-CAUSAL = lambda b, h, qi, ki: ki <= qi  # noqa: E731
+CAUSAL = lambda b, h, qi, ki: ki <= qi
 
 
 @pytest.mark.parametrize(
@@ -384,7 +388,11 @@ CAUSAL = lambda b, h, qi, ki: ki <= qi  # noqa: E731
             ValueError,
             r"block_mask must have leading axes \[B\|1, N\|1\] = \[2\|1, 4\|1\]",
         ),
-        (dict(mask_mod=CAUSAL, block_mask=np.zeros((1, 1, 1, 1))), TypeError, r"block_mask must be a jax_flash.BlockMask"),
+        (
+            dict(mask_mod=CAUSAL, block_mask=np.zeros((1, 1, 1, 1))),
+            TypeError,
+            r"block_mask must be a jax_flash.BlockMask",
+        ),
     ],
 )
 def test_bad_arguments(kwargs, exc, match):
