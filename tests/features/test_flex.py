@@ -357,6 +357,12 @@ def test_create_block_mask_matches_dense():
                     rows = np.flatnonzero(want[0, h, :, j] == state)
                     assert int(count[0, h, j]) == len(rows)
                     np.testing.assert_array_equal(np.asarray(idx[0, h, j, : len(rows)]), rows)
+    # The padding of the ragged last blocks does not count: a mask that is False only there
+    # (positions past T and S) has every block fully visible.
+    inside = jax_flash.create_block_mask(
+        lambda b, h, qi, ki: (qi < t) & (ki < s), None, None, t, s, block_size=(bq, bk)
+    )
+    np.testing.assert_array_equal(np.asarray(inside.to_dense()), 2)
 
 
 # ---- arguments -------------------------------------------------------------------------------
