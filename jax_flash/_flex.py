@@ -109,9 +109,9 @@ class FlexSpec:
 def elementwise(fn: ClosedFunction, consts, *args):
     """fn(consts, *scalars) at every position of the broadcast of `args` (vmap over the
     flattened positions: the user wrote it on scalars)."""
-    args = jnp.broadcast_arrays(*args)
-    shape = args[0].shape
-    flat = [a.reshape(-1) for a in args]
+    full = jnp.broadcast_arrays(*args)
+    shape = full[0].shape
+    flat = [a.reshape(-1) for a in full]
     out = jax.vmap(lambda *xs: fn(consts, *xs))(*flat)
     return out.reshape(shape)
 
@@ -215,28 +215,31 @@ def from_dense(state, seq_lengths: tuple[int, int], block_size: tuple[int, int])
     fkv_n, fkv_i = ordered(full)
     q_n, q_i = ordered(jnp.swapaxes(partial, -1, -2))
     fq_n, fq_i = ordered(jnp.swapaxes(full, -1, -2))
-    return BlockMask(kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i, tuple(seq_lengths), tuple(block_size))
+    t, s = seq_lengths
+    bq, bk = block_size
+    return BlockMask(kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i, (int(t), int(s)), (int(bq), int(bk)))
 
 
-def _block_size(block_size) -> tuple[int, int]:
-    if isinstance(block_size, numbers.Integral) and not isinstance(block_size, bool):
-        block_size = (int(block_size), int(block_size))
-    ok = (
-        isinstance(block_size, (tuple, list))
-        and len(block_size) == 2
-        and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1 for x in block_size)
-    )
-    if not ok:
+def _positive_int(x: object) -> bool:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        return False
+    return int(x) >= 1
+
+
+def _block_size(block_size: object) -> tuple[int, int]:
+    pair: object = (block_size, block_size) if _positive_int(block_size) else block_size
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(_positive_int(x) for x in pair)):
         raise ValueError(f"block_size must be a positive int or a pair (block_q, block_k), got {block_size!r}")
-    return int(block_size[0]), int(block_size[1])
+    return int(pair[0]), int(pair[1])
 
 
-def _size(name: str, x, allow_none: bool) -> int:
+def _size(name: str, x: object, allow_none: bool) -> int:
     if x is None and allow_none:
         return 1
-    if not isinstance(x, numbers.Integral) or isinstance(x, bool) or x < 1:
+    if not _positive_int(x):
         accepted = "a positive int or None (broadcast)" if allow_none else "a positive int"
         raise ValueError(f"{name} must be {accepted}, got {x!r}")
+    assert isinstance(x, numbers.Integral)
     return int(x)
 
 

@@ -60,11 +60,8 @@ def canonicalize_flex(
     flex = FlexSpec(score_mod=score_fn, mask_mod=mask_fn)
     if block_mask is not None:
         bm = _flex.check_block_mask(block_mask, spec.batch, spec.num_heads, spec.q_len, spec.kv_len)
-        flex = dataclasses.replace(
-            flex,
-            block_size=tuple(bm.block_size),
-            block_batch_heads=tuple(bm.kv_num_blocks.shape[:2]),
-        )
+        (bq, bk), (mb, mn) = bm.block_size, bm.kv_num_blocks.shape[:2]
+        flex = dataclasses.replace(flex, block_size=(int(bq), int(bk)), block_batch_heads=(int(mb), int(mn)))
         block_mask = jax.tree.map(lambda x: jnp.asarray(x, jnp.int32), bm)
     spec = dataclasses.replace(spec, flex=flex)
     masks = c.masks._replace(score_consts=score_consts, mask_consts=mask_consts, block_mask=block_mask)
