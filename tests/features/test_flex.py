@@ -147,9 +147,9 @@ def _params(n: int, dtype=jnp.float32):
 
 
 # One recipe per query head (head h: score_mod SCORES[h], mask_mod MASKS[h]), so that one
-# compiled call covers them all; the tree mask has its own shape (T draft tokens after S - T).
-SCORES = ("alibi", "t5", "softcap", "head_scale")
-MASKS = ("doc_causal", "prefix_lm", "dilated", "block_sparse")
+# compiled call covers them all (the tree: T draft tokens after a prefix of S - T keys).
+SCORES = ("alibi", "t5", "softcap", "head_scale", None)
+MASKS = ("doc_causal", "prefix_lm", "dilated", "block_sparse", "tree")
 
 
 def _per_head(fns):
@@ -163,19 +163,13 @@ def _per_head(fns):
     return fn
 
 
-@pytest.mark.parametrize("case", ["per_head", "tree"])
-def test_recipes_against_reference(case):
+def test_recipes_against_reference():
     """out, lse and the gradients in q, k, v and the score_mods' closed-over floats: err
     against float64 <= 2 × the float32 reference's own + eps, per head (= per recipe); the
     per-head block mask has empty blocks, which are skipped."""
-    if case == "per_head":
-        shape = Shape(2, 2 * BS + 1, 3 * BS - 1, 4, 2, 16)
-        mask_mod = _per_head([_mask_mod(m, shape) for m in MASKS])
-        names = [f"{sc} + {m}" for sc, m in zip(SCORES, MASKS)]
-    else:
-        shape = Shape(1, BS + 1, 3 * BS + 1, 2, 1, 16)
-        mask_mod = _mask_mod("tree", shape)
-        names = ["tree"] * shape.n
+    shape = Shape(2, 2 * BS + 1, 3 * BS - 1, len(MASKS), 1, 16)  # GQA: 5 query heads, 1 kv head
+    mask_mod = _per_head([_mask_mod(m, shape) for m in MASKS])
+    names = [f"{sc} + {m}" for sc, m in zip(SCORES, MASKS)]
     q, k, v = _inputs(shape)
     bm = jax_flash.create_block_mask(mask_mod, shape.b, shape.n, shape.t, shape.s, block_size=BS)
     dout = jax.random.normal(jax.random.PRNGKey(4), (shape.b, shape.t, shape.n, shape.h), jnp.float32)
@@ -183,7 +177,7 @@ def test_recipes_against_reference(case):
 
     def run(fn, params, q, k, v, **kw):
         def f(q, k, v, params):
-            score_mod = _per_head([_score_mod(sc, params) for sc in SCORES]) if case == "per_head" else None
+            score_mod = _per_head([_score_mod(sc, params) or (lambda s, b, h, qi, ki: s) for sc in SCORES])
             return fn(q, k, v, score_mod=score_mod, mask_mod=mask_mod, return_residual=True, **kw)
 
         (out, lse), pull = jax.vjp(f, q, k, v, params)
@@ -200,7 +194,7 @@ def test_recipes_against_reference(case):
             run(jax_flash.flex_reference, p64, q64, k64, v64),
         )
     )(p32, p64, q, k, v, q64, k64, v64)
-    # [B, T, N, ...] results per head; dk, dv per kv head (a GQA pair of recipes).
+    # out, lse, dq per query head (one recipe each); dk, dv of the kv head they all share.
     results = {"out": 2, "lse": 2, "dq": 2}
     for h in range(shape.n):
         for i, (name, axis) in enumerate(results.items()):
@@ -212,11 +206,10 @@ def test_recipes_against_reference(case):
     for i, name in ((1, "dk"), (2, "dv")):
         a, lo, r = got[2][i], low[2][i], ref[2][i]
         assert max_err(a, r) <= FACTOR * max_err(lo, r) + GRAD_EPS["float32"] * float(jnp.max(jnp.abs(r))), name
-    if case == "per_head":
-        for sc, name in zip(SCORES, ("slopes", "table", "cap", "head_scale")):
-            a, lo, r = got[2][3][name], low[2][3][name], ref[2][3][name]
-            assert float(jnp.max(jnp.abs(r))) > 0, f"{sc}: its closed-over array has a gradient"
-            assert max_err(a, r) <= FACTOR * max_err(lo, r) + GRAD_EPS["float32"] * float(jnp.max(jnp.abs(r))), sc
+    for sc, name in zip(SCORES, ("slopes", "table", "cap", "head_scale")):
+        a, lo, r = got[2][3][name], low[2][3][name], ref[2][3][name]
+        assert float(jnp.max(jnp.abs(r))) > 0, f"{sc}: its closed-over array has a gradient"
+        assert max_err(a, r) <= FACTOR * max_err(lo, r) + GRAD_EPS["float32"] * float(jnp.max(jnp.abs(r))), sc
     assert int(bm.num_nonempty()) < shape.b * shape.n * bm.shape[2] * bm.shape[3], "the mask has empty blocks"
 
 
