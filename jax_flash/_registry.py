@@ -39,7 +39,9 @@ class Implementation(Protocol):
         """-> out [B, T, N, Hv] (dtype of q), lse [B, N, T] float32 natural log."""
 
     def backward(self, spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout, dlse):
-        """-> dq, dk, dv (input dtypes), dbias (shape and dtype of masks.bias, or None)."""
+        """-> dq, dk, dv (input dtypes), dbias (shape and dtype of masks.bias, or None); for a
+        flex_attention call (spec.flex, served by an implementation with `serves_flex = True`)
+        a fifth result: the cotangents of masks.score_consts (None for non-floating ones)."""
 
 
 class PagedImplementation(Implementation, Protocol):
