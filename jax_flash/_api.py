@@ -10,6 +10,7 @@ from jax.typing import ArrayLike
 
 from jax_flash import _registry
 from jax_flash._config import Config
+from jax_flash._flex_api import FLEX_ARGUMENTS, explain_flex
 from jax_flash._normalize import canonicalize, restore
 from jax_flash._registry import Explanation
 from jax_flash._types import OutAndLse, SegmentIds, Window
@@ -231,8 +232,9 @@ def explain(
     verbose: bool = False,
     **kwargs: Any,
 ) -> Explanation:
-    """Same arguments as `attention`; says which implementation would run and why each other
-    one would not. Raises the same argument errors `attention` would.
+    """Same arguments as `attention` (or as `flex_attention`: score_mod, mask_mod,
+    block_mask); says which implementation would run and why each other one would not.
+    Raises the same argument errors the call would.
 
     Printed, the result has one plain line per implementation; with ``verbose=True`` each
     available one is followed by the rule that decides how it runs, with its formula.
@@ -250,6 +252,8 @@ def explain(
     >>> e.reasons["xla"] is None  # None: it can run; else the reason it cannot
     True
     """
+    if any(name in kwargs for name in FLEX_ARGUMENTS) and bias is None and mask is None:
+        return explain_flex(query, key, value, verbose=verbose, **kwargs)
     _check_return_residual(kwargs.pop("return_residual", False))
     requested = kwargs.get("implementation")
     c = canonicalize(query, key, value, bias, mask, **kwargs)

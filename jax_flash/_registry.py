@@ -42,7 +42,9 @@ class Implementation(Protocol):
         """-> out [B, T, N, Hv] (dtype of q), lse [B, N, T] float32 natural log."""
 
     def backward(self, spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout, dlse):
-        """-> dq, dk, dv (input dtypes), dbias (shape and dtype of masks.bias, or None)."""
+        """-> dq, dk, dv (input dtypes), dbias (shape and dtype of masks.bias, or None); for a
+        flex_attention call (spec.flex, served by an implementation with `serves_flex = True`)
+        a fifth result: the cotangents of masks.score_consts (None for non-floating ones)."""
 
 
 class PagedImplementation(Implementation, Protocol):
@@ -131,6 +133,9 @@ def reason(name: str, spec: AttentionSpec) -> str | None:
         impl = get(name)
     except ImportError as e:  # an optional dependency is missing
         return f"cannot be loaded: {e}"
+    if spec.flex is not None and not getattr(impl, "serves_flex", False):
+        # Never a dense fallback: the user functions would have to be materialised as T×S.
+        return "does not serve flex_attention (score_mod, mask_mod, block masks) yet"
     return impl.unsupported(spec)
 
 

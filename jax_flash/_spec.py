@@ -27,6 +27,7 @@ from typing import NamedTuple
 import jax
 
 from jax_flash import _config
+from jax_flash._flex import BlockMask, FlexSpec
 
 
 class MaskInputs(NamedTuple):
@@ -46,6 +47,12 @@ class MaskInputs(NamedTuple):
     # uint32 [2]: the bits of the dropout_rng key (Philox's key, `_dropout`); not
     # differentiable. Present exactly when AttentionSpec.dropout_rate > 0.
     dropout_seed: jax.Array | None = None
+    # flex_attention (AttentionSpec.flex): the arrays its score_mod and mask_mod close over,
+    # hoisted into inputs (`_flex.close`); a score_mod's floating ones are differentiable.
+    score_consts: tuple[jax.Array, ...] | None = None
+    mask_consts: tuple[jax.Array, ...] | None = None
+    # Which key blocks each query block sees (`_flex.BlockMask`); None: every block.
+    block_mask: BlockMask | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +86,8 @@ class AttentionSpec:
     # The call's settings, resolved when it was traced (`jax_flash._config.resolve`). None
     # only in a spec built by hand (tests, benchmarks): `settings` then resolves them when used.
     config: _config.Config | None = None
+    # A flex_attention call: its score_mod, mask_mod and block mask's layout (`_flex`).
+    flex: FlexSpec | None = None
 
     @property
     def settings(self) -> _config.Config:

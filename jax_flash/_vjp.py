@@ -39,9 +39,11 @@ def _backward(impl_name, spec, residuals, cotangents):
     dout, dlse = cotangents
     dout, dlse = dout.astype(out.dtype), dlse.astype(lse.dtype)
     # The kernels' backward needs no sinks: P = exp(x - lse) already holds the sink's share.
-    dq, dk, dv, dbias = _first_order_backward(
-        impl_name, spec, q, k, v, masks._replace(sinks=None), out, lse, dout, dlse
-    )
+    grads = _first_order_backward(impl_name, spec, q, k, v, masks._replace(sinks=None), out, lse, dout, dlse)
+    dq, dk, dv, dbias = grads[:4]
+    # flex_attention: the cotangents of the arrays its score_mod closes over (floating ones;
+    # None for the others), as a fifth result.
+    dscore = grads[4] if len(grads) > 4 else None
     # Inside shard_map an input that is the same on every device of a mesh axis (K/V
     # gathered, queries sharded) gets the sum of the devices' cotangents over that axis.
     axes = _vma(q, k, v, *jax.tree.leaves(masks), dout, dlse)
@@ -51,8 +53,12 @@ def _backward(impl_name, spec, residuals, cotangents):
     dsinks = None
     if masks.sinks is not None:
         dsinks = _cotangent(sinks_cotangent(masks.sinks, out, lse, dout, dlse), masks.sinks, axes)
-    # Masks, lengths and segment ids are not differentiable (None = zero cotangent).
-    dmasks = MaskInputs(bias=dbias, sinks=dsinks)
+    if dscore is not None:
+        assert masks.score_consts is not None  # a flex backward returns them for its score_mod
+        dscore = tuple(None if d is None else _cotangent(d, x, axes) for d, x in zip(dscore, masks.score_consts))
+    # Masks, lengths, segment ids and what a mask_mod closes over are not differentiable
+    # (None = zero cotangent).
+    dmasks = MaskInputs(bias=dbias, sinks=dsinks, score_consts=dscore)
     return dq, dk, dv, dmasks
 
 
@@ -130,7 +136,13 @@ _first_order_backward.defjvp(_second_order)
 def _empty_backward(spec: AttentionSpec, q, k, v, masks: MaskInputs):
     """Zero gradients: nothing depends on q (no key) or there is nothing to differentiate."""
     dbias = None if masks.bias is None else jnp.zeros_like(masks.bias)
-    return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), dbias
+    grads = jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), dbias
+    if masks.score_consts is None:
+        return grads
+    return (
+        *grads,
+        tuple(jnp.zeros_like(c) if jnp.issubdtype(c.dtype, jnp.floating) else None for c in masks.score_consts),
+    )
 
 
 def _vma(*xs) -> frozenset[Hashable]:

@@ -6,14 +6,17 @@ much error that precision itself makes). Never used by `jax_flash.attention`.
 
 from __future__ import annotations
 
-from typing import Literal, overload
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from jax_flash import _dropout, _masking
+from jax_flash import _dropout, _flex, _masking
+from jax_flash._flex import BlockMask, FlexSpec
 from jax_flash._normalize import canonicalize, restore
 from jax_flash._spec import AttentionSpec, MaskInputs
 from jax_flash._types import OutAndLse, SegmentIds, Window
@@ -208,6 +211,12 @@ def reference_canonical(
     )
     if masks.mask is not None:
         vis = masks.mask if vis is None else vis & masks.mask
+    flex = spec.flex
+    b_idx = jnp.arange(_b, dtype=jnp.int32)[:, None, None, None]
+    h_idx = jnp.arange(n, dtype=jnp.int32)[None, :, None, None]
+    if flex is not None and flex.mask_mod is not None:  # dense: mask_mod at every (b, h, t, s)
+        flex_vis = _flex.apply_mask_mod(flex.mask_mod, masks.mask_consts or (), b_idx, h_idx, rows, cols)
+        vis = flex_vis if vis is None else vis & flex_vis
     vis = jnp.broadcast_to(True if vis is None else vis, logits.shape)
     # Masked pairs leave the computation here, before the bias and the soft cap: the cap's
     # derivative 1 - tanh² at a masked NaN logit is NaN, and NaN times the zero cotangent of
@@ -219,6 +228,8 @@ def reference_canonical(
         bias = jnp.where(vis, masks.bias.astype(bias_dt), jnp.zeros((), bias_dt))
     logits = jnp.where(vis, logits, jnp.zeros((), dt))
     logits = _masking.transform_logits(spec, logits.astype(stat_dt), bias)
+    if flex is not None and flex.score_mod is not None:  # on the statistics' dtype, masked ones as 0
+        logits = _flex.apply_score_mod(flex.score_mod, masks.score_consts or (), logits, b_idx, h_idx, rows, cols)
     logits = logits.astype(dt).astype(stat_dt)
     logits = jnp.where(vis, logits, -jnp.inf)
     # XLA's max may drop a NaN logit; exp(NaN) cannot, so l is NaN for a poisoned row.
@@ -262,6 +273,42 @@ def reference_canonical(
         bad_sink = ~(masks.sinks < jnp.inf)[None, None, :, None]  # [1, 1, N, 1]
         out = jnp.where(bad_sink, jnp.nan, out)
     return out, lse.astype(stat_dt)
+
+
+def flex_attention_reference(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    *,
+    score_mod: Callable[..., Any] | None = None,
+    mask_mod: Callable[..., Any] | None = None,
+    block_mask: BlockMask | None = None,
+    scale: float | None = None,
+    sinks: ArrayLike | None = None,
+    return_residual: bool = False,
+    compute_dtype: DTypeLike | None = None,
+) -> jax.Array | OutAndLse:
+    """The specification of `jax_flash.flex_attention` (same arguments), computed densely:
+    mask_mod at every (b, h, q_idx, kv_idx), score_mod on every visible scaled logit (the
+    masked ones enter it as 0 and leave the softmax). block_mask only says where the work
+    is, so it changes nothing here (it is checked against the shapes). compute_dtype as for
+    `attention_reference`: score_mod then sees float64 scores for float64."""
+    c = canonicalize(query, key, value, scale=scale, sinks=sinks)
+    dt = jnp.dtype(c.q.dtype if compute_dtype is None else compute_dtype)
+    score_dt = jnp.float64 if dt == jnp.float64 else jnp.float32
+    score_fn = mask_fn = None
+    score_consts = mask_consts = None
+    if score_mod is not None:
+        score_fn, score_consts = _flex.close(score_mod, "score_mod", (jnp.zeros((), score_dt), *_flex.index_args()))
+    if mask_mod is not None:
+        mask_fn, mask_consts = _flex.close(mask_mod, "mask_mod", _flex.index_args())
+    if block_mask is not None:
+        _flex.check_block_mask(block_mask, c.spec.batch, c.spec.num_heads, c.spec.q_len, c.spec.kv_len)
+    spec = dataclasses.replace(c.spec, flex=FlexSpec(score_mod=score_fn, mask_mod=mask_fn))
+    masks = c.masks._replace(score_consts=score_consts, mask_consts=mask_consts)
+    out, lse = reference_canonical(spec, c.q, c.k, c.v, masks, compute_dtype)
+    out, lse = restore(c, out.astype(c.q.dtype if compute_dtype is None else compute_dtype), lse)
+    return (out, lse) if return_residual else out
 
 
 @jax.custom_jvp

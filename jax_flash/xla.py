@@ -26,16 +26,29 @@ through a paged cache's page table); its online-softmax step and NaN/±inf rules
 ones of `jax_flash._numerics` (the Pallas kernels use them too). Few-query, long-key calls
 may run split-KV (`jax_flash.inference.split_kv`, around `forward`), by a rule `explain`
 states in this implementation's note.
+
+flex_attention (`AttentionSpec.flex`): the tiles are the block mask's blocks, and each query
+block walks only the key blocks that some (batch row, head) sees, in ascending order (the
+backward: each key block the query blocks that see it). One tile serves every batch row and
+head, so with a per-row or per-head block mask the tiles run are the union over rows and
+heads of the non-empty blocks. A block fully visible to every row and head skips mask_mod
+(a `lax.cond`); score_mod is traced into the tile, and the backward differentiates it there
+(`jax.vjp` of the tile's score_mod: the score's and the closed-over floats' cotangents), so
+nothing T×S is stored or formed. `count_tiles` counts the tiles run (a debug counter).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+from collections.abc import Iterator
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_flash import _dropout, _heuristics, _masking, _registry
+from jax_flash import _dropout, _flex, _heuristics, _masking, _registry
 from jax_flash._merge import merge_partials
 from jax_flash._numerics import (
     acc_dtype,
@@ -65,6 +78,14 @@ def _blocks(length: int, block: int) -> tuple[int, int]:
     return block, -(-length // block)
 
 
+def _tile_sizes(spec: AttentionSpec, t: int, s: int, block_q: int, block_k: int) -> tuple[int, int, int, int]:
+    """(bq, nq, bk, nk): a flex call with a block mask runs its blocks as tiles."""
+    if spec.flex is not None and spec.flex.block_size is not None:
+        bq, bk = spec.flex.block_size
+        return bq, -(-t // bq), bk, -(-s // bk)
+    return (*_blocks(t, block_q), *_blocks(s, block_k))
+
+
 def _index(*xs):
     """Start indices of one dynamic_slice, all int32 (also when x64 is enabled)."""
     return tuple(jnp.asarray(x, jnp.int32) for x in xs)
@@ -76,6 +97,7 @@ class _Tiles:
     def __init__(self, spec: AttentionSpec, masks: MaskInputs, bq: int, nq: int, bk: int, nk: int):
         self.spec, self.bq, self.bk = spec, bq, bk
         self.t_pad, self.s_pad = bq * nq, bk * nk
+        self.flex = None if spec.flex is None else _FlexTiles(spec, masks, bq, nq, bk, nk)
         self.masks = masks._replace(
             bias=self._pad_dense(masks.bias, 0),
             mask=self._pad_dense(masks.mask, False),
@@ -113,6 +135,8 @@ class _Tiles:
 
     def visibility(self, i, j):
         """Bool [B|1, 1|K, 1|G, bq, bk] or None: which keys of block j queries of block i see."""
+        if self.flex is not None:
+            return self.flex.visibility(i, j)
         spec, m = self.spec, self.masks
         rows = (i * self.bq + jnp.arange(self.bq, dtype=jnp.int32))[:, None]
         cols = (j * self.bk + jnp.arange(self.bk, dtype=jnp.int32))[None, :]
@@ -168,6 +192,121 @@ class _Tiles:
         return _masking.transform_logits(self.spec, s, self.dense_tile(self.masks.bias, i, j))
 
 
+class _FlexTiles:
+    """The block schedule and the user functions of a flex_attention call, tile by tile."""
+
+    def __init__(self, spec: AttentionSpec, masks: MaskInputs, bq: int, nq: int, bk: int, nk: int):
+        flex = spec.flex
+        assert flex is not None
+        self.spec, self.flex, self.bq, self.bk = spec, flex, bq, bk
+        self.s_pad = bk * nk
+        self.score_consts = masks.score_consts or ()
+        self.mask_consts = masks.mask_consts or ()
+        if masks.block_mask is not None:
+            self.state = masks.block_mask.to_dense()  # [Bm, Nm, nq, nk]
+        else:  # no block mask: every block partly visible (mask_mod) or fully visible
+            every = _flex.PARTIAL if flex.mask_mod is not None else _flex.FULL
+            self.state = jnp.full((1, 1, nq, nk), every, jnp.int8)
+        # The one schedule of all rows and heads: a block runs when some (b, h) sees into it,
+        # and evaluates mask_mod only when some (b, h) sees it partly.
+        nonempty = jnp.any(self.state != _flex.EMPTY, axis=(0, 1))  # [nq, nk]
+        self.any_partial = jnp.any(self.state == _flex.PARTIAL, axis=(0, 1))
+        self.kv_count, self.kv_order = _flex.ordered(nonempty)  # per query block
+        self.q_count, self.q_order = _flex.ordered(nonempty.T)  # per key block
+        b, kh, g = spec.batch, spec.num_kv_heads, spec.group_size
+        self.b_idx = jnp.arange(b, dtype=jnp.int32)[:, None, None, None, None]
+        self.h_idx = (jnp.arange(kh, dtype=jnp.int32)[:, None] * g + jnp.arange(g, dtype=jnp.int32))[
+            None, :, :, None, None
+        ]
+
+    def positions(self, i, j):
+        rows = (i * self.bq + jnp.arange(self.bq, dtype=jnp.int32))[:, None]
+        cols = (j * self.bk + jnp.arange(self.bk, dtype=jnp.int32))[None, :]
+        return rows, cols
+
+    def block_state(self, i, j):
+        """int8 [Bm, K|1, G|1, 1, 1]: the block's state for each (b, h) of the block mask."""
+        st = lax.dynamic_slice(self.state, _index(0, 0, i, j), (*self.state.shape[:2], 1, 1))
+        bm, nm = self.state.shape[:2]
+        spec = self.spec
+        if nm == 1:
+            return st[:, :, None]
+        return st.reshape(bm, spec.num_kv_heads, spec.group_size, 1, 1)
+
+    def visibility(self, i, j):
+        """Bool [B|1, K|1, G|1, bq, bk] or None (everything visible)."""
+        spec = self.spec
+        rows, cols = self.positions(i, j)
+        limit = cols < spec.kv_len if self.s_pad != spec.kv_len else None  # a ragged last key block
+        mask_mod = self.flex.mask_mod
+        if mask_mod is None:
+            vis = None
+        else:
+            shape = (spec.batch, spec.num_kv_heads, spec.group_size, self.bq, self.bk)
+            st = self.block_state(i, j)
+
+            def evaluate():
+                _record("mask_mod")
+                vis = _flex.apply_mask_mod(mask_mod, self.mask_consts, self.b_idx, self.h_idx, rows, cols)
+                return (st == _flex.FULL) | ((st == _flex.PARTIAL) & vis)
+
+            # A block that every row and head sees whole or not at all skips mask_mod.
+            vis = lax.cond(self.any_partial[i, j], evaluate, lambda: jnp.broadcast_to(st == _flex.FULL, shape))
+        if limit is not None:
+            vis = limit if vis is None else vis & limit
+        return vis
+
+    def score(self, raw, vis, i, j, consts=None):
+        """score_mod of the scaled logits of tile (i, j) (masked ones enter as 0, so that a
+        masked NaN never reaches a derivative); `consts`: the score_mod's closed-over arrays
+        (default: the call's)."""
+        score_mod = self.flex.score_mod
+        if score_mod is None:
+            return raw
+        rows, cols = self.positions(i, j)
+        if vis is not None:
+            raw = jnp.where(vis, raw, jnp.zeros((), raw.dtype))
+        consts = self.score_consts if consts is None else consts
+        return _flex.apply_score_mod(score_mod, consts, raw, self.b_idx, self.h_idx, rows, cols)
+
+
+class TileCounter:
+    """Tiles run by the xla implementation while counting (`count_tiles`): `forward` and
+    `backward` tiles of Q·Kᵀ, and `mask_mod` tiles (those that evaluated a flex mask_mod)."""
+
+    def __init__(self) -> None:
+        self.forward = 0
+        self.backward = 0
+        self.mask_mod = 0
+
+
+_COUNTERS: list[TileCounter] = []
+
+
+@contextlib.contextmanager
+def count_tiles() -> Iterator[TileCounter]:
+    """A debug counter of the tiles the xla implementation runs: calls traced inside this
+    block count each tile they run (host callbacks, so it costs time: tests and debugging
+    only). Calls traced outside it (a jit cache hit) count nothing."""
+    counter = TileCounter()
+    _COUNTERS.append(counter)
+    try:
+        yield counter
+    finally:
+        _COUNTERS.remove(counter)
+
+
+def _bump(kind: str) -> None:
+    for counter in _COUNTERS:
+        setattr(counter, kind, getattr(counter, kind) + 1)
+
+
+def _record(kind: str) -> None:
+    """Counts one tile of `kind` at run time, when traced inside `count_tiles`."""
+    if _COUNTERS:
+        jax.debug.callback(functools.partial(_bump, kind))
+
+
 def _split_heads(x, spec: AttentionSpec):
     """[B, L, N, H] -> [B, L, K, G, H]: query head n = k·G + g uses kv head k."""
     b, l, _, h = x.shape
@@ -201,10 +340,8 @@ def forward(
     kh, g = spec.num_kv_heads, spec.group_size
     acc_dt = acc_dtype(q.dtype)
     out_dtype = q.dtype if out_dtype is None else out_dtype
-    bq, nq = _blocks(t, block_q)
-    if kv_blocks is None:
-        bk, nk = _blocks(s, block_k)
-    else:
+    bq, nq, bk, nk = _tile_sizes(spec, t, s, block_q, block_k)
+    if kv_blocks is not None:
         bk, fetch = kv_blocks
         nk = -(-s // bk)
     tiles = _Tiles(spec, masks, bq, nq, bk, nk)
@@ -232,14 +369,21 @@ def forward(
             k_blk, v_blk, bad_v_blk, fetched_vis = fetch(j)
             logits = tiles.logits(q_blk, k_blk, i, j, acc_dt)
             vis = tiles.visibility(i, j)
+            if tiles.flex is not None:
+                _record("forward")
+                logits = tiles.flex.score(logits, vis, i, j)
             if fetched_vis is not None:
                 vis = fetched_vis if vis is None else vis & fetched_vis
             keep = tiles.dropout_keep(i, j)
             return online_softmax_step(carry, logits, vis, v_blk, bad_v_blk, keep=keep)
 
-        lo, hi = spec.key_block_range(i * bq, (i + 1) * bq, bk, nk, q_offset)
         init = online_softmax_init((b, kh, g, bq), hv, acc_dt, *like, sink=sink)
-        carry = lax.fori_loop(lo, jnp.maximum(lo, hi), key_block, init)
+        if tiles.flex is not None:  # the key blocks some row or head of query block i sees
+            fx = tiles.flex
+            carry = lax.fori_loop(0, fx.kv_count[i], lambda jj, c: key_block(fx.kv_order[i, jj], c), init)
+        else:
+            lo, hi = spec.key_block_range(i * bq, (i + 1) * bq, bk, nk, q_offset)
+            carry = lax.fori_loop(lo, jnp.maximum(lo, hi), key_block, init)
         out, lse = online_softmax_finish(carry)
         if spec.has_dropout:
             out = out * _dropout.keep_scale(spec.dropout_rate, acc_dt)
@@ -265,13 +409,14 @@ def backward(
     block_q=BLOCK_Q,
     block_k=BLOCK_K,
 ):
-    """dq, dk, dv (input dtypes) and dbias (shape of masks.bias, or None)."""
+    """dq, dk, dv (input dtypes) and dbias (shape of masks.bias, or None); a flex call adds
+    a fifth result: the cotangents of its score_mod's closed-over arrays (None for those that
+    are not floating)."""
     b, t, n, h = q.shape
     s, hv = k.shape[1], v.shape[-1]
     kh, g = spec.num_kv_heads, spec.group_size
     acc_dt = acc_dtype(q.dtype)
-    bq, nq = _blocks(t, block_q)
-    bk, nk = _blocks(s, block_k)
+    bq, nq, bk, nk = _tile_sizes(spec, t, s, block_q, block_k)
     tiles = _Tiles(spec, masks, bq, nq, bk, nk)
     qp = _split_heads(pad_axis(q, 1, tiles.t_pad), spec)
     dop = _split_heads(pad_axis(dout, 1, tiles.t_pad), spec)
@@ -300,21 +445,40 @@ def backward(
     dbias0 = None if bias is None else full(bias.shape, 0, acc_dt, q, k, v, dout)
     cdt = q.dtype  # matmul operand dtype for P and dS, as the kernels use
     drop_scale = _dropout.keep_scale(spec.dropout_rate, acc_dt) if spec.has_dropout else None
+    # flex: the score_mod's floating closed-over arrays are differentiated tile by tile.
+    score_consts = list(masks.score_consts or ())
+    diff, _ = _flex.split_float(score_consts)
+    dconsts0 = tuple(full(score_consts[c].shape, 0, score_consts[c].dtype, q, k, v, dout) for c in diff)
+
+    def score_with(raw, vis, i, j, diff_consts):
+        assert tiles.flex is not None
+        consts = list(score_consts)
+        for c, x in zip(diff, diff_consts):
+            consts[c] = x
+        return tiles.flex.score(raw, vis, i, j, tuple(consts))
 
     def key_block(carry, j):
-        dq_acc, dbias = carry
+        dq_acc, dbias, dconsts = carry
         k_blk = lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1)  # [B, bk, K, H]
         kc_blk = lax.dynamic_slice_in_dim(kcp, j * bk, bk, axis=1)
         v_blk = lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1)
 
         def query_block(i, inner):
-            dk, dv, dq_acc, dbias = inner
+            dk, dv, dq_acc, dbias, dconsts = inner
             q_blk = lax.dynamic_slice_in_dim(qp, i * bq, bq, axis=1)  # [B, bq, K, G, H]
             qc_blk = lax.dynamic_slice_in_dim(qcp, i * bq, bq, axis=1)
             do_blk = lax.dynamic_slice_in_dim(dop, i * bq, bq, axis=1)
             row = lambda x: lax.dynamic_slice_in_dim(x, i * bq, bq, axis=3)[..., None]
             logits = tiles.logits(q_blk, k_blk, i, j, acc_dt)  # [B, K, G, bq, bk]
             vis = tiles.visibility(i, j)
+            score_vjp = None
+            if tiles.flex is not None:
+                _record("backward")
+                if spec.flex is not None and spec.flex.score_mod is not None:
+                    # score_mod's derivative inside the tile: its vjp at this tile's scores.
+                    logits, score_vjp = jax.vjp(
+                        lambda raw, cs: score_with(raw, vis, i, j, cs), logits, tuple(score_consts[c] for c in diff)
+                    )
             keep = row(seen) if vis is None else vis & row(seen)
             p = jnp.where(keep, jnp.exp(clamp_exponent(logits - row(lse_safe))), 0)
             drop = tiles.dropout_keep(i, j)
@@ -333,6 +497,10 @@ def backward(
             ds = jnp.where(keep, p * (dp - row(delta)), 0)
             if spec.soft_cap is not None:
                 ds = ds * _masking.soft_cap_grad(spec, jnp.where(keep, logits, 0))
+            if score_vjp is not None:
+                ds, d_cs = score_vjp(ds)
+                ds = jnp.where(keep, ds, 0)
+                dconsts = tuple(a + d.astype(a.dtype) for a, d in zip(dconsts, d_cs))
             if dbias is not None:
                 dbias = _accumulate_dbias(dbias, ds, i * bq, j * bk, bq, bk)
             ds = (ds * jnp.asarray(spec.scale, acc_dt)).astype(cdt)
@@ -341,16 +509,23 @@ def backward(
                 dq_acc, lax.dynamic_slice_in_dim(dq_acc, i * bq, bq, axis=1) + dq_blk, i * bq, axis=1
             )
             dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", ds, qc_blk, preferred_element_type=acc_dt)
-            return dk, dv, dq_acc, dbias
+            return dk, dv, dq_acc, dbias, dconsts
 
-        lo, hi = spec.query_block_range(j * bk, (j + 1) * bk, bq, nq, q_offset)
         zeros_k = full((b, bk, kh, h), 0, acc_dt, q, k, v, dout)
         zeros_v = full((b, bk, kh, hv), 0, acc_dt, q, k, v, dout)
-        dk, dv, dq_acc, dbias = lax.fori_loop(lo, jnp.maximum(lo, hi), query_block, (zeros_k, zeros_v, dq_acc, dbias))
-        return (dq_acc, dbias), (dk.astype(k.dtype), dv.astype(v.dtype))
+        init = (zeros_k, zeros_v, dq_acc, dbias, dconsts)
+        if tiles.flex is not None:  # the query blocks some row or head sees key block j from
+            fx = tiles.flex
+            dk, dv, dq_acc, dbias, dconsts = lax.fori_loop(
+                0, fx.q_count[j], lambda ii, c: query_block(fx.q_order[j, ii], c), init
+            )
+        else:
+            lo, hi = spec.query_block_range(j * bk, (j + 1) * bk, bq, nq, q_offset)
+            dk, dv, dq_acc, dbias, dconsts = lax.fori_loop(lo, jnp.maximum(lo, hi), query_block, init)
+        return (dq_acc, dbias, dconsts), (dk.astype(k.dtype), dv.astype(v.dtype))
 
     dq0 = full((b, tiles.t_pad, kh, g, h), 0, acc_dt, q, k, v, dout)
-    (dq_acc, dbias), (dk, dv) = lax.scan(key_block, (dq0, dbias0), jnp.arange(nk, dtype=jnp.int32))
+    (dq_acc, dbias, dconsts), (dk, dv) = lax.scan(key_block, (dq0, dbias0, dconsts0), jnp.arange(nk, dtype=jnp.int32))
     dq = dq_acc.reshape(b, tiles.t_pad, n, h)[:, :t].astype(q.dtype)
     # dk, dv: [nk, B, bk, K, H | Hv] -> [B, S, K, H | Hv]
     dk = jnp.moveaxis(dk, 0, 1).reshape(b, tiles.s_pad, kh, h)[:, :s]
@@ -358,7 +533,12 @@ def backward(
     if dbias is not None:
         assert masks.bias is not None  # dbias is accumulated only for a bias
         dbias = dbias[:, :, : masks.bias.shape[2], : masks.bias.shape[3]].astype(masks.bias.dtype)
-    return dq, dk, dv, dbias
+    if spec.flex is None or masks.score_consts is None:
+        return dq, dk, dv, dbias
+    dscore: list[jax.Array | None] = [None] * len(score_consts)
+    for c, d in zip(diff, dconsts):
+        dscore[c] = d
+    return dq, dk, dv, dbias, tuple(dscore)
 
 
 def paged_forward(pspec: PagedSpec, q, key_pages, value_pages, table, lengths, splits=None, sinks=None):
@@ -434,6 +614,24 @@ def _accumulate_dbias(dbias, ds, row0, col0, bq: int, bk: int):
     return lax.dynamic_update_slice(dbias, cur + x, start)
 
 
+def _flex_note(spec: AttentionSpec) -> str:
+    """How the xla implementation runs a flex_attention call (`explain`)."""
+    flex = spec.flex
+    assert flex is not None
+    if flex.block_size is None:
+        bq, _, bk, _ = _tile_sizes(spec, spec.q_len, spec.kv_len, BLOCK_Q, BLOCK_K)
+        every = "evaluates mask_mod" if flex.mask_mod is not None else "is fully visible"
+        return (
+            f"flex: {bq}x{bk} tiles, no block_mask: every tile runs and {every} "
+            "(create_block_mask skips the empty blocks)"
+        )
+    bq, bk = flex.block_size
+    return (
+        f"flex: the block mask's {bq}x{bk} blocks as tiles; runs the blocks that are not empty "
+        "for some batch row or head (their union); mask_mod only where one sees a block partly; no split-KV"
+    )
+
+
 class XlaImplementation:
     """Pure JAX; serves every configuration and dtype on every backend."""
 
@@ -445,11 +643,18 @@ class XlaImplementation:
     def head_dims(self) -> str:
         return "any pair"
 
+    # flex_attention: score_mod, mask_mod and block masks (`_FlexTiles`).
+    serves_flex = True
+
     def forward(self, spec, q, k, v, masks):
+        if spec.flex is not None:  # its tiles are the block mask's: no split-KV
+            return forward(spec, q, k, v, masks)
         # Split-KV decoding: few queries, long S (`split_kv`), around this forward.
         return split_kv.forward(forward, spec, q, k, v, masks, split_kv.num_splits(spec, _registry.platform()))
 
     def note(self, spec) -> str:
+        if spec.flex is not None:
+            return _flex_note(spec)
         return _heuristics.xla_description(spec, _registry.platform())
 
     def summary(self, spec) -> str:

@@ -32,6 +32,7 @@ LAYERS = (
         (
             "jax_flash",
             "jax_flash._api",
+            "jax_flash._flex_api",
             "jax_flash._export",
             "jax_flash.reference",
             "jax_flash.flax",
@@ -71,6 +72,7 @@ LAYERS = (
             "jax_flash._normalize",
             "jax_flash._numerics",
             "jax_flash._masking",
+            "jax_flash._flex",
             "jax_flash._dropout",
             "jax_flash._merge",
             "jax_flash._heuristics",

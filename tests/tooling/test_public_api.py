@@ -85,7 +85,15 @@ def test_every_export_is_collected():
     """The list below is not empty and holds the main entry points (a broken __all__ or an
     import error would otherwise pass the annotation test vacuously)."""
     names = {name for _, name in _public_names()}
-    assert {"attention", "explain", "paged_attention", "ring_attention"} <= names, names
+    assert {
+        "attention",
+        "explain",
+        "paged_attention",
+        "ring_attention",
+        "flex_attention",
+        "create_block_mask",
+        "BlockMask",
+    } <= names, names
 
 
 @pytest.mark.parametrize(("module_name", "name"), _public_names(), ids=lambda x: x)

@@ -1,0 +1,452 @@
+"""flex_attention: score_mod, mask_mod and block masks (docs/flex.md).
+
+The built-in masks re-expressed as mask_mods give bitwise the built-in path's results where
+the same tiles run in the same order; the recipes (ALiBi, a T5 bucket table, the soft cap, a
+per-head scale; per-document causal, prefix-LM, dilated, block-sparse, a speculative tree)
+match the float64 reference within the reference's own float32 error, gradients included
+(closed-over float arrays too); the numerical contract holds; the tiles run follow the block
+mask; bad arguments are refused clearly. Shapes are ragged against the tiles (±1)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jax_flash
+from cases import EPS, FACTOR, GRAD_EPS, Shape, make_qkv, max_err
+from jax_flash import xla
+from jax_flash._flex_api import canonicalize_flex
+from jax_flash._normalize import canonicalize
+
+BS = 8  # block size of the block masks below: T and S are ±1 around multiples of it
+SHAPE = Shape(2, 2 * BS + 1, 3 * BS - 1, 4, 2, 16)  # T = 17, S = 23, GQA 4:2
+
+
+def _inputs(shape=SHAPE, dtype=jnp.float32, seed=0):
+    return make_qkv(shape, dtype, seed)
+
+
+# ---- the built-in masks as mask_mods --------------------------------------------------------
+
+
+def _builtin(kind: str, shape: Shape):
+    """(attention kwargs, the same mask as a mask_mod)."""
+    rng = np.random.default_rng(5)
+    b, t, s = shape.b, shape.t, shape.s
+    if kind == "causal":
+        return dict(is_causal=True), lambda b, h, qi, ki: ki <= qi
+    if kind == "offset_window":  # bottom-right aligned, one offset per batch row
+        offs = jnp.asarray([s - t, -3][:b], jnp.int32)
+
+        def mask_mod(b, h, qi, ki):
+            d = ki - (qi + offs[b])
+            return (d >= -5) & (d <= 2)
+
+        return dict(local_window_size=(5, 2), query_offset=offs), mask_mod
+    if kind == "lengths":
+        ql = jnp.asarray([t - 4, t][:b], jnp.int32)
+        kl = jnp.asarray([s, BS + 1][:b], jnp.int32)
+        kw = dict(query_seq_lengths=ql, key_value_seq_lengths=kl)
+        return kw, lambda b, h, qi, ki: (qi < ql[b]) & (ki < kl[b])
+    if kind == "segments":
+        qs = jnp.asarray(np.sort(rng.integers(0, 4, size=(b, t)), axis=1), jnp.int32)
+        ks = jnp.asarray(np.sort(rng.integers(0, 3, size=(b, s)), axis=1), jnp.int32)
+        return dict(segment_ids=(qs, ks)), lambda b, h, qi, ki: qs[b, qi] == ks[b, ki]
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["causal", "offset_window", "lengths", "segments"])
+def test_builtin_masks_bitwise(kind):
+    """Same tiles (BS × BS), same order: out, lse and dq, dk, dv equal bitwise to the built-in
+    path's on xla (its forward and backward run at the block mask's tile size)."""
+    q, k, v = _inputs()
+    kw, mask_mod = _builtin(kind, SHAPE)
+    block_mask = jax_flash.create_block_mask(mask_mod, SHAPE.b, None, SHAPE.t, SHAPE.s, block_size=BS)
+
+    @jax.jit
+    def both(q, k, v, dout):
+        c = canonicalize(q, k, v, **kw)
+        f = canonicalize_flex(q, k, v, mask_mod=mask_mod, block_mask=block_mask)
+        results = []
+        for x, blocks in ((c, dict(block_q=BS, block_k=BS)), (f, {})):
+            out, lse = xla.forward(x.spec, x.q, x.k, x.v, x.masks, **blocks)
+            grads = xla.backward(x.spec, x.q, x.k, x.v, x.masks, out, lse, dout, jnp.zeros_like(lse), **blocks)
+            results.append((out, lse, *grads[:3]))
+        return results
+
+    dout = jax.random.normal(jax.random.PRNGKey(9), (SHAPE.b, SHAPE.t, SHAPE.n, SHAPE.h), jnp.float32)
+    built, flex = both(q, k, v, dout)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), built, flex):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f"{kind}: {name}")
+
+
+# ---- recipes against the float64 reference --------------------------------------------------
+
+
+def _t5_bucket(rel):
+    """T5's bidirectional relative-position bucket of rel = kv_idx - q_idx (8 buckets up to
+    distance 16): exact below 2, logarithmic above, one half per direction."""
+    half, exact, far = 4, 2, 16
+    n = jnp.abs(rel)
+    log_part = jnp.log(jnp.maximum(n, 1) / exact) / np.log(far / exact) * (half - exact)
+    large = jnp.minimum(exact + log_part.astype(jnp.int32), half - 1)
+    return jnp.where(rel > 0, half, 0) + jnp.where(n < exact, n, large)
+
+
+def _score_mod(name: str, params):
+    if name == "alibi":
+        return lambda s, b, h, qi, ki: s - params["slopes"][h] * jnp.abs(qi - ki)
+    if name == "t5":
+        return lambda s, b, h, qi, ki: s + params["table"][h, _t5_bucket(ki - qi)]
+    if name == "softcap":
+        return lambda s, b, h, qi, ki: params["cap"][0] * jnp.tanh(s / params["cap"][0])
+    if name == "head_scale":
+        return lambda s, b, h, qi, ki: s * params["head_scale"][h]
+    return None
+
+
+def _mask_mod(name: str, shape: Shape):
+    rng = np.random.default_rng(11)
+    b, t, s, n = shape.b, shape.t, shape.s, shape.n
+    if name == "doc_causal":  # packed documents, causal inside each
+        docs = jnp.asarray(np.sort(rng.integers(0, 3, size=(b, max(t, s))), axis=1), jnp.int32)
+        return lambda b, h, qi, ki: (docs[b, qi] == docs[b, ki]) & (ki <= qi)
+    if name == "prefix_lm":  # bidirectional over a per-row prefix, causal after it
+        prefix = jnp.asarray([5, 12][:b], jnp.int32)
+        return lambda b, h, qi, ki: (ki <= qi) | (ki < prefix[b])
+    if name == "dilated":  # every other key, causal
+        return lambda b, h, qi, ki: (ki <= qi) & ((qi - ki) % 2 == 0)
+    if name == "block_sparse":  # a random pattern of BS × BS blocks per (b, h)
+        nq, nk = -(-t // BS), -(-s // BS)
+        table = rng.random(size=(b, n, nq, nk)) < 0.5
+        table[0, 0, 0, :] = False  # the first rows of one head see nothing
+        table = jnp.asarray(table)
+        return lambda b, h, qi, ki: table[b, h, qi // BS, ki // BS]
+    if name == "tree":  # speculative decoding: a prefix of S - T keys, then T draft tokens
+        parent = [-1] + [int(rng.integers(0, i)) for i in range(1, t)]
+        anc = np.eye(t, dtype=bool)
+        for i in range(1, t):
+            anc[i] |= anc[parent[i]]
+        anc = jnp.asarray(anc)
+        prefix = s - t
+        return lambda b, h, qi, ki: (ki < prefix) | anc[qi, jnp.clip(ki - prefix, 0, t - 1)]
+    return None
+
+
+def _params(n: int, dtype=jnp.float32):
+    rng = np.random.default_rng(2)
+    return dict(
+        slopes=jnp.asarray(2.0 ** -np.arange(1, n + 1), dtype),
+        table=jnp.asarray(rng.normal(size=(n, 8)), dtype),
+        cap=jnp.asarray([2.0], dtype),
+        head_scale=jnp.asarray(rng.uniform(0.5, 1.5, size=n), dtype),
+    )
+
+
+# One recipe per query head (head h: score_mod SCORES[h], mask_mod MASKS[h]), so that one
+# compiled call covers them all (the tree: T draft tokens after a prefix of S - T keys).
+SCORES = ("alibi", "t5", "softcap", "head_scale", None)
+MASKS = ("doc_causal", "prefix_lm", "dilated", "block_sparse", "tree")
+
+
+def _per_head(fns):
+    def fn(*args):
+        h = args[-3]  # (score,) b, h, q_idx, kv_idx
+        out = fns[-1](*args)
+        for i in range(len(fns) - 2, -1, -1):
+            out = jnp.where(h == i, fns[i](*args), out)
+        return out
+
+    return fn
+
+
+def test_recipes_against_reference():
+    """out, lse and the gradients in q, k, v and the score_mods' closed-over floats: err
+    against float64 <= 2 × the float32 reference's own + eps, per head (= per recipe); the
+    per-head block mask has empty blocks, which are skipped."""
+    shape = Shape(2, 2 * BS + 1, 3 * BS - 1, len(MASKS), 1, 16)  # GQA: 5 query heads, 1 kv head
+    mask_mod = _per_head([_mask_mod(m, shape) for m in MASKS])
+    names = [f"{sc} + {m}" for sc, m in zip(SCORES, MASKS)]
+    q, k, v = _inputs(shape)
+    bm = jax_flash.create_block_mask(mask_mod, shape.b, shape.n, shape.t, shape.s, block_size=BS)
+    dout = jax.random.normal(jax.random.PRNGKey(4), (shape.b, shape.t, shape.n, shape.h), jnp.float32)
+    dlse = jax.random.normal(jax.random.PRNGKey(5), (shape.b, shape.t, shape.n), jnp.float32)
+
+    def run(fn, params, q, k, v, **kw):
+        def f(q, k, v, params):
+            score_mod = _per_head([_score_mod(sc, params) or (lambda s, b, h, qi, ki: s) for sc in SCORES])
+            return fn(q, k, v, score_mod=score_mod, mask_mod=mask_mod, return_residual=True, **kw)
+
+        (out, lse), pull = jax.vjp(f, q, k, v, params)
+        lse_ct = jnp.where(jnp.isfinite(lse), dlse.astype(lse.dtype), 0)
+        return out, lse, pull((dout.astype(out.dtype), lse_ct))
+
+    p32 = _params(shape.n)
+    p64 = jax.tree.map(lambda x: x.astype(jnp.float64), p32)
+    got = jax.jit(lambda p, q, k, v: run(jax_flash.flex_attention, p, q, k, v, block_mask=bm))(p32, q, k, v)
+    q64, k64, v64 = (x.astype(jnp.float64) for x in (q, k, v))
+    low, ref = jax.jit(
+        lambda p32, p64, q, k, v, q64, k64, v64: (
+            run(jax_flash.flex_reference, p32, q, k, v),
+            run(jax_flash.flex_reference, p64, q64, k64, v64),
+        )
+    )(p32, p64, q, k, v, q64, k64, v64)
+    # out, lse, dq per query head (one recipe each); dk, dv of the kv head they all share.
+    results = {"out": 2, "lse": 2, "dq": 2}
+    for h in range(shape.n):
+        for i, (name, axis) in enumerate(results.items()):
+            a, lo, r = (np.take(np.asarray(x[i] if i < 2 else x[2][0]), h, axis=axis) for x in (got, low, ref))
+            eps = (EPS if i < 2 else GRAD_EPS)["float32"] * max(
+                1.0, float(np.max(np.abs(r[np.isfinite(r)]), initial=0))
+            )
+            assert max_err(a, r) <= FACTOR * max_err(lo, r) + eps, f"{names[h]}: {name}"
+    for i, name in ((1, "dk"), (2, "dv")):
+        a, lo, r = got[2][i], low[2][i], ref[2][i]
+        assert max_err(a, r) <= FACTOR * max_err(lo, r) + GRAD_EPS["float32"] * float(jnp.max(jnp.abs(r))), name
+    for sc, name in zip(SCORES, ("slopes", "table", "cap", "head_scale")):
+        a, lo, r = got[2][3][name], low[2][3][name], ref[2][3][name]
+        assert float(jnp.max(jnp.abs(r))) > 0, f"{sc}: its closed-over array has a gradient"
+        assert max_err(a, r) <= FACTOR * max_err(lo, r) + GRAD_EPS["float32"] * float(jnp.max(jnp.abs(r))), sc
+    assert int(bm.num_nonempty()) < shape.b * shape.n * bm.shape[2] * bm.shape[3], "the mask has empty blocks"
+
+
+def test_check_grads_closed_over_floats():
+    """Numerical gradients (float64) through q, k, v, ALiBi's slopes and a T5 table closed over
+    by the score_mod, through the one custom_vjp, with a per-document causal block mask."""
+    shape = Shape(1, 9, 11, 2, 1, 8)
+    q, k, v = _inputs(shape, jnp.float64)
+    params = _params(shape.n, jnp.float64)
+    mask_mod = _mask_mod("doc_causal", shape)
+    bm = jax_flash.create_block_mask(mask_mod, shape.b, None, shape.t, shape.s, block_size=4)
+
+    @jax.jit
+    def f(q, k, v, slopes, table):
+        def score_mod(s, b, h, qi, ki):
+            return s - slopes[h] * jnp.abs(qi - ki) + table[h, _t5_bucket(ki - qi)]
+
+        out, lse = jax_flash.flex_attention(
+            q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=bm, return_residual=True
+        )
+        return out, jnp.where(jnp.isfinite(lse), lse, 0)
+
+    check_grads(f, (q, k, v, params["slopes"], params["table"]), order=1, modes=["rev"], atol=1e-6, rtol=1e-6, eps=1e-4)
+
+
+def test_block_mask_rebuilt_under_jit():
+    """Packed documents that change every step: the document ids are an argument of the
+    jitted step, and the block mask is rebuilt from them inside it; two different packings
+    through one compiled step match the reference."""
+    shape = Shape(2, 3 * BS + 1, 3 * BS + 1, 2, 1, 16)
+    q, k, v = _inputs(shape)
+
+    def mask_of(docs):
+        return lambda b, h, qi, ki: (docs[b, qi] == docs[b, ki]) & (ki <= qi)
+
+    traces = []
+
+    @jax.jit
+    def step(q, k, v, docs):
+        traces.append(docs)  # once per trace
+        bm = jax_flash.create_block_mask(mask_of(docs), shape.b, None, shape.t, shape.s, block_size=BS)
+        return jax_flash.flex_attention(q, k, v, mask_mod=mask_of(docs), block_mask=bm), bm.num_nonempty()
+
+    ref = jax.jit(lambda q, k, v, docs: jax_flash.flex_reference(q, k, v, mask_mod=mask_of(docs)))
+    counts = []
+    for seed in (0, 1):
+        docs = np.sort(np.random.default_rng(seed).integers(0, 4, size=(shape.b, shape.t)), axis=1)
+        out, count = step(q, k, v, jnp.asarray(docs, jnp.int32))
+        assert max_err(out, ref(q, k, v, jnp.asarray(docs, jnp.int32))) <= 2e-6
+        counts.append(int(count))
+    assert len(traces) == 1 and counts[0] != counts[1], counts
+
+
+# ---- the numerical contract -------------------------------------------------------------------
+
+
+def test_contract_empty_rows_and_poison():
+    """Rows that see nothing: out 0, lse -inf, zero gradients. A NaN query row and an inf key
+    reach only what sees them (the reference's NaN pattern), and a NaN in the score_mod's table
+    at pairs no query sees changes nothing."""
+    shape = Shape(1, BS + 1, 2 * BS - 1, 2, 1, 16)
+    q, k, v = _inputs(shape)
+    q = q.at[0, 3, 1, 0].set(jnp.nan)
+    k = k.at[0, 12, 0, 5].set(jnp.inf)  # key 12 is seen by no query below
+    table = jnp.zeros((shape.t, shape.s), jnp.float32).at[0, 14].set(jnp.nan)  # (0, 14) is masked
+
+    def mask_mod(b, h, qi, ki):
+        return (ki <= qi) & (qi >= 2) & (ki != 12)  # rows 0, 1 see nothing
+
+    bm = jax_flash.create_block_mask(mask_mod, None, None, shape.t, shape.s, block_size=BS)
+
+    def run(fn, **kw):
+        def f(q, k, v, table):
+            score_mod = lambda s, b, h, qi, ki: s + table[qi, ki]
+            return fn(q, k, v, score_mod=score_mod, mask_mod=mask_mod, return_residual=True, **kw)
+
+        return jax.jit(lambda *a: (*f(*a), jax.grad(lambda *a: jnp.sum(f(*a)[0]), argnums=(0, 1, 2, 3))(*a)))
+
+    out, lse, grads = run(jax_flash.flex_attention, block_mask=bm)(q, k, v, table)
+    ref, ref_lse, ref_grads = run(jax_flash.flex_reference)(q, k, v, table)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    assert np.isnan(out[0, 3, 1]).all() and not np.isnan(out[0, 3, 0]).any()
+    assert not np.isnan(out[0, :, 0]).any(), "the other head does not see the NaN query"
+    np.testing.assert_array_equal(np.asarray(out[0, :2]), 0)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(r))
+    dtable = np.asarray(grads[3])
+    assert not np.isnan(dtable[0, 14]), "a masked NaN of the table reaches nothing"
+    assert not np.isnan(np.delete(dtable, 3, axis=0)).any(), "only the NaN query's row of the table is NaN"
+    assert np.all(np.asarray(lse[0, :2]) == -np.inf) and np.all(np.asarray(ref_lse[0, :2]) == -np.inf)
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
+    ok = np.ones_like(np.asarray(out), bool)
+    ok[0, 3, 1] = False
+    assert max_err(np.asarray(out)[ok], np.asarray(ref)[ok]) <= 1e-5
+
+
+# ---- work follows the mask --------------------------------------------------------------------
+
+
+def test_tiles_follow_block_mask():
+    """The xla tile loop runs exactly the non-empty blocks (forward and backward), and
+    mask_mod only in the partly visible ones; with a per-(b, h) block mask, their union."""
+    shape = Shape(1, 4 * BS - 1, 4 * BS + 1, 2, 2, 8)
+    q, k, v = _inputs(shape)
+
+    def causal(b, h, qi, ki):
+        return ki <= qi
+
+    bm = jax_flash.create_block_mask(causal, None, None, shape.t, shape.s, block_size=BS)
+    nonempty = int(bm.num_nonempty())
+    partial = int(jnp.sum(bm.kv_num_blocks))
+    assert 0 < partial < nonempty < bm.shape[2] * bm.shape[3]
+    loss = lambda q, k, v: jnp.sum(jax_flash.flex_attention(q, k, v, mask_mod=causal, block_mask=bm))
+    with xla.count_tiles() as c:
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    assert (c.forward, c.backward) == (nonempty, nonempty)
+    assert c.mask_mod == 2 * partial  # forward and backward
+
+    rng = np.random.default_rng(0)
+    table = jnp.asarray(rng.random(size=(shape.n, 4, 5)) < 0.4)
+    sparse = lambda b, h, qi, ki: table[h, qi // BS, ki // BS]
+    bm = jax_flash.create_block_mask(sparse, None, shape.n, shape.t, shape.s, block_size=BS)
+    union = int(jnp.sum(jnp.any(bm.to_dense() > 0, axis=(0, 1))))
+    with xla.count_tiles() as c:
+        jax.jit(lambda q, k, v: jax_flash.flex_attention(q, k, v, mask_mod=sparse, block_mask=bm))(q, k, v)
+    assert c.forward == union and c.mask_mod == 0  # every non-empty block is full
+
+
+# ---- block masks -----------------------------------------------------------------------------
+
+
+def test_create_block_mask_matches_dense():
+    """Counts and ascending indices of partly and fully visible blocks, both directions, equal
+    those of the dense mask (built here in numpy); jit gives the same."""
+    t, s, bq, bk = 21, 30, 8, 4
+    docs = jnp.asarray([0] * 7 + [1] * 9 + [2] * 14, jnp.int32)
+
+    def mask_mod(b, h, qi, ki):
+        return (docs[qi] == docs[ki]) & (ki <= qi + h)
+
+    bm = jax_flash.create_block_mask(mask_mod, None, 2, t, s, block_size=(bq, bk))
+    jitted = jax.jit(lambda: jax_flash.create_block_mask(mask_mod, None, 2, t, s, block_size=(bq, bk)))()
+    dense = np.zeros((1, 2, t, s), bool)
+    d = np.asarray(docs)
+    for h in range(2):
+        for i in range(t):
+            for j in range(s):
+                dense[0, h, i, j] = d[i] == d[j] and j <= i + h
+    nq, nk = -(-t // bq), -(-s // bk)
+    want = np.zeros((1, 2, nq, nk), int)
+    for i in range(nq):
+        for j in range(nk):
+            tile = dense[:, :, i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
+            want[:, :, i, j] = np.where(tile.all(axis=(2, 3)), 2, np.where(tile.any(axis=(2, 3)), 1, 0))
+    for m in (bm, jitted):
+        np.testing.assert_array_equal(np.asarray(m.to_dense()), want)
+        for state, count, idx in ((1, m.kv_num_blocks, m.kv_indices), (2, m.full_kv_num_blocks, m.full_kv_indices)):
+            for h in range(2):
+                for i in range(nq):
+                    cols = np.flatnonzero(want[0, h, i] == state)
+                    assert int(count[0, h, i]) == len(cols)
+                    np.testing.assert_array_equal(np.asarray(idx[0, h, i, : len(cols)]), cols)
+        for state, count, idx in ((1, m.q_num_blocks, m.q_indices), (2, m.full_q_num_blocks, m.full_q_indices)):
+            for h in range(2):
+                for j in range(nk):
+                    rows = np.flatnonzero(want[0, h, :, j] == state)
+                    assert int(count[0, h, j]) == len(rows)
+                    np.testing.assert_array_equal(np.asarray(idx[0, h, j, : len(rows)]), rows)
+    # The padding of the ragged last blocks does not count: a mask that is False only there
+    # (positions past T and S) has every block fully visible.
+    inside = jax_flash.create_block_mask(
+        lambda b, h, qi, ki: (qi < t) & (ki < s), None, None, t, s, block_size=(bq, bk)
+    )
+    np.testing.assert_array_equal(np.asarray(inside.to_dense()), 2)
+
+
+# ---- arguments -------------------------------------------------------------------------------
+
+Q = jnp.zeros((2, 8, 4, 16), jnp.float32)
+KV = jnp.zeros((2, 10, 2, 16), jnp.float32)
+CAUSAL = lambda b, h, qi, ki: ki <= qi
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(mask_mod=lambda b, h, qi, ki: qi - ki), TypeError, r"mask_mod must return a bool scalar.*int32"),
+        (dict(mask_mod=lambda b, h, qi, ki: jnp.ones(3, bool)), TypeError, r"mask_mod must return one scalar"),
+        (dict(score_mod=lambda s, b, h, qi, ki: qi), TypeError, r"score_mod must return a floating-point scalar"),
+        (dict(score_mod=3.0), TypeError, r"score_mod must be a function"),
+        (
+            dict(block_mask=jax_flash.create_block_mask(CAUSAL, None, None, 8, 10)),
+            ValueError,
+            r"block_mask needs the mask_mod",
+        ),
+        (
+            dict(mask_mod=CAUSAL, block_mask=jax_flash.create_block_mask(CAUSAL, None, None, 8, 11)),
+            ValueError,
+            r"block_mask was made for \(T, S\) = \(8, 11\).*\(8, 10\)",
+        ),
+        (
+            dict(mask_mod=CAUSAL, block_mask=jax_flash.create_block_mask(CAUSAL, 3, None, 8, 10)),
+            ValueError,
+            r"block_mask must have leading axes \[B\|1, N\|1\] = \[2\|1, 4\|1\]",
+        ),
+        (
+            dict(mask_mod=CAUSAL, block_mask=np.zeros((1, 1, 1, 1))),
+            TypeError,
+            r"block_mask must be a jax_flash.BlockMask",
+        ),
+    ],
+)
+def test_bad_arguments(kwargs, exc, match):
+    for fn in (jax_flash.flex_attention, jax_flash.explain, jax_flash.flex_reference):
+        if fn is jax_flash.flex_reference and "block_mask" in kwargs and "mask_mod" not in kwargs:
+            continue  # the reference reads only mask_mod
+        with pytest.raises(exc, match=match):
+            fn(Q, KV, KV, **kwargs)
+
+
+def test_create_block_mask_arguments():
+    with pytest.raises(ValueError, match=r"block_size must be a positive int or a pair"):
+        jax_flash.create_block_mask(CAUSAL, 1, 1, 8, 8, block_size=0)
+    with pytest.raises(ValueError, match=r"T must be a positive int"):
+        jax_flash.create_block_mask(CAUSAL, 1, 1, 0, 8)
+    with pytest.raises(TypeError, match=r"mask_mod must return a bool scalar"):
+        jax_flash.create_block_mask(lambda b, h, qi, ki: 1.0, 1, 1, 8, 8)
+
+
+@pytest.mark.parametrize("name", ["cpu", "cuda", "pallas"])
+def test_other_implementations_refuse(name):
+    """No silent dense fallback: an implementation that does not serve flex says so, in
+    explain and as the error of a call that asks for it."""
+    e = jax_flash.explain(Q, KV, KV, mask_mod=CAUSAL, implementation="xla")
+    assert e.op == "jax_flash.flex_attention" and e.selected == "xla"
+    why = e.reasons[name]
+    assert why is not None and ("flex_attention" in why or "cannot be loaded" in why)
+    with pytest.raises(ValueError, match=f'implementation="{name}" cannot run this call'):
+        jax_flash.flex_attention(Q, KV, KV, mask_mod=CAUSAL, implementation=name)
+    assert jax_flash.explain(Q, KV, KV).reasons["xla"] is None
