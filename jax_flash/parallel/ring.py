@@ -137,7 +137,7 @@ class RingConfig:
     mesh axis of how many devices, and how the sequences are laid out on them."""
 
     implementation: str
-    axis_name: str
+    axis_name: str | tuple[str, ...]  # a tuple: the ring over those axes, major to minor
     axis_size: int
     layout: str = "contiguous"
     # A static global query offset (query t sits at key position query_offset + t): folded
