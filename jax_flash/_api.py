@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal, overload
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
@@ -14,6 +15,7 @@ from jax_flash._normalize import canonicalize, restore
 from jax_flash._registry import Explanation
 from jax_flash._types import OutAndLse, SegmentIds, Window
 from jax_flash._vjp import flash_attention
+from jax_flash.parallel import partitioning
 
 __all__ = ["Explanation", "attention", "explain"]
 
@@ -221,10 +223,15 @@ def explain(
     one would not. Raises the same argument errors `attention` would."""
     _check_return_residual(kwargs.pop("return_residual", False))
     requested = kwargs.get("implementation")
+    # Sharded 4-D arrays ([B, T, N, H]): how a sequence-sharded call runs under jax.jit.
+    shardings = [getattr(x, "sharding", None) if jnp.ndim(x) == 4 else None for x in (query, key, value)]
     c = canonicalize(query, key, value, bias, mask, **kwargs)
     reasons = _registry.explain(c.spec)
     try:
         selected = _registry.select(c.spec, requested)
     except ValueError:
         selected = None
-    return Explanation(selected=selected, reasons=reasons, notes=_registry.notes(c.spec, reasons))
+    sequence = None if selected is None else partitioning.explain_sequence(selected, c.spec, shardings)
+    return Explanation(
+        selected=selected, reasons=reasons, notes=_registry.notes(c.spec, reasons), sequence_parallel=sequence
+    )

@@ -194,6 +194,9 @@ class Explanation:
     reasons: dict[str, str | None]  # name -> None (can run) or the reason it cannot
     notes: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> how it runs (e.g. the kernel image)
     op: str = "jax_flash.attention"  # the function explained
+    # How the call runs with its inputs sharded over the sequence under jax.jit (ring,
+    # all-to-all or hybrid, and why), or None (inputs not sequence-sharded).
+    sequence_parallel: str | None = None
 
     def __str__(self) -> str:
         lines = [f"{self.op} would run: {self.selected or 'nothing'}"]
@@ -201,4 +204,6 @@ class Explanation:
             mark = "*" if name == self.selected else " "
             text = why if why is not None else "available" + (f" ({self.notes[name]})" if name in self.notes else "")
             lines.append(f" {mark} {name:7s} {text}")
+        if self.sequence_parallel is not None:
+            lines.append(f"sequence parallel: {self.sequence_parallel}")
         return "\n".join(lines)

@@ -246,8 +246,10 @@ def _size(mesh, axes) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
-def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
-    """Which factors run sharded, from the operands' shardings; warns about the rest."""
+def _decide(call: _Call, mesh, arg_shapes, warn=None) -> _Plan:
+    """Which factors run sharded, from the operands' shardings; warns about the rest
+    (`warn(call, factor, axes, why)`, by default a one-time ShardingFallbackWarning)."""
+    report = warn or _warn_once
     found: dict = {}
     sizes: dict = {}
     for dims, arg in zip(call.operand_dims, arg_shapes):
@@ -266,7 +268,7 @@ def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
         # would count its local ones and draw another mask. Every sharded dimension is
         # gathered, so each device draws the unsharded call's mask.
         for d, axes in found.items():
-            _warn_once(
+            report(
                 call,
                 d,
                 axes,
@@ -278,12 +280,12 @@ def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
     plan: dict = {}
     for d, axes in list(found.items()):
         if sizes[d] % _size(mesh, axes):
-            _warn_once(call, d, axes, f"{sizes[d]} is not a multiple of {_size(mesh, axes)} devices")
+            report(call, d, axes, f"{sizes[d]} is not a multiple of {_size(mesh, axes)} devices")
             del found[d]
 
     def take(factor, axes):
         if any(a in used for a in axes):
-            _warn_once(call, factor, axes, "the mesh axis already shards another dimension")
+            report(call, factor, axes, "the mesh axis already shards another dimension")
             return
         used.update(axes)
         plan[factor] = axes
@@ -293,7 +295,7 @@ def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
     n_axes, k_axes = found.get("n", ()), found.get("k", ())
     slice_kv = False
     if k_axes and k_axes != n_axes:
-        _warn_once(
+        report(
             call,
             "k",
             k_axes,
@@ -312,7 +314,7 @@ def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
             take("n", n_axes)
             slice_kv = "n" in plan
         else:
-            _warn_once(
+            report(
                 call,
                 "n",
                 n_axes,
@@ -331,17 +333,17 @@ def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
             take("t", t_axes)
             plan["s"] = s_axes
         else:
-            _warn_once(call, "s", s_axes, why)
+            report(call, "s", s_axes, why)
     if t_axes and sequence is None and "t" not in plan:
         why = _query_shard_unsupported(call)
         if why is None:
             take("t", t_axes)
         else:
-            _warn_once(call, "t", t_axes, why)
+            report(call, "t", t_axes, why)
     if found.get("h"):
-        _warn_once(call, "h", found["h"], "the head dim is contracted inside the kernel")
+        report(call, "h", found["h"], "the head dim is contracted inside the kernel")
     if found.get("hv"):
-        _warn_once(call, "hv", found["hv"], "the value head dim is contracted inside the kernel")
+        report(call, "hv", found["hv"], "the value head dim is contracted inside the kernel")
     return _Plan(tuple(sorted(plan.items())), slice_kv, sequence)
 
 
@@ -529,6 +531,39 @@ _PARTITIONED.def_partition(
 )
 
 
+def explain_sequence(name: str, spec: AttentionSpec, shardings) -> str | None:
+    """What `explain` says of a call whose q, k, v (canonical [B, T, N, H] shapes in `spec`)
+    carry `shardings` (NamedShardings, or None where unknown): how the sequence-sharded call
+    runs under jax.jit, or None when K/V are not sharded over the sequence."""
+    if any(getattr(s, "spec", None) is None or getattr(s, "mesh", None) is None for s in shardings):
+        return None
+    mesh = shardings[0].mesh
+    k_spec = tuple(shardings[1].spec)
+    if len(k_spec) < 2 or not _axes(k_spec[1]):
+        return None
+    if name == "xla":
+        return f"sequence over mesh axes {_axes(k_spec[1])}: xla is plain JAX, partitioned by XLA itself"
+    v_dims = _KV if spec.v_head_dim == spec.head_dim else _V_HV
+    call = _Call(name, False, None, spec, (), (_Q, _KV, v_dims), ((), ()))
+    shapes = (
+        (spec.batch, spec.q_len, spec.num_heads, spec.head_dim),
+        (spec.batch, spec.kv_len, spec.num_kv_heads, spec.head_dim),
+        (spec.batch, spec.kv_len, spec.num_kv_heads, spec.v_head_dim),
+    )
+    args = [_Shape(shape, s) for shape, s in zip(shapes, shardings)]
+    found: dict = {}
+    plan = _decide(call, mesh, args, warn=lambda c, factor, axes, why: found.setdefault(factor, why))
+    if plan.sequence is not None:
+        return plan.sequence.words()
+    return f"sequence over mesh axes {_axes(k_spec[1])}: K/V all-gathered ({found.get('s', 'not partitioned')})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    shape: tuple
+    sharding: object
+
+
 # ---------------------------------------------------------------- the per-shard call
 
 
@@ -616,7 +651,12 @@ def _sequence_call(call: _Call, mesh, seq: SequenceDecision, local_spec, q, k, v
         )
         if call.backward:
             out, lse, dout, dlse = rest
-            rest = (a2a.to_heads(out, 1, 2), a2a.to_heads(lse, 2, 1), a2a.to_heads(dout, 1, 2), a2a.to_heads(dlse, 2, 1))
+            rest = (
+                a2a.to_heads(out, 1, 2),
+                a2a.to_heads(lse, 2, 1),
+                a2a.to_heads(dout, 1, 2),
+                a2a.to_heads(dlse, 2, 1),
+            )
     spec = dataclasses.replace(
         local_spec,
         q_len=q.shape[1] * pr,
@@ -643,7 +683,9 @@ def _sequence_call(call: _Call, mesh, seq: SequenceDecision, local_spec, q, k, v
     dq = a2a.to_sequence(dq, 1, 2)
     dk, dv = (a2a.to_sequence(x, 1, 2) for x in (dk, dv))
     if r > 1:  # the repeat's transpose: the replicas' gradients summed
-        dk, dv = (x.reshape(*x.shape[:2], kh, r, x.shape[3]).sum(axis=3, dtype=jnp.float32).astype(x.dtype) for x in (dk, dv))
+        dk, dv = (
+            x.reshape(*x.shape[:2], kh, r, x.shape[3]).sum(axis=3, dtype=jnp.float32).astype(x.dtype) for x in (dk, dv)
+        )
     return dq, dk, dv, dbias
 
 
