@@ -59,7 +59,9 @@ def test_bytes_rule():
     assert _heuristics.sequence_parallel_bytes("all_to_all", spec, 1, 4, 4) == (fwd, bwd)
     # Hybrid ring 2 x a2a 4: the all-to-all over 4 on chunks of T/8, then the ring over 2 on
     # chunks of T/2 with 2 heads.
-    f_a, b_a = _heuristics.sequence_parallel_bytes("all_to_all", dataclasses.replace(spec, q_len=2048, kv_len=2048), 1, 4, 4)
+    f_a, b_a = _heuristics.sequence_parallel_bytes(
+        "all_to_all", dataclasses.replace(spec, q_len=2048, kv_len=2048), 1, 4, 4
+    )
     kv = 2048 * 2 * 256
     assert _heuristics.sequence_parallel_bytes("hybrid", spec, 2, 4, 4) == (f_a + kv * 2, b_a + kv * 2 + 2 * kv * 4)
 
