@@ -70,6 +70,17 @@ def test_context_parallel_matches_one_device():
     assert float(diff.group(1)) < 1e-4
 
 
+def test_context_parallel_across_processes_matches_one_device():
+    """The documented launch: 2 processes x 4 host devices, the ring across them."""
+    pytest.importorskip("flax")
+    pytest.importorskip("optax")
+    out = _run("context_parallel.py", "--processes=2", "--steps=3", "--log_every=1")
+    assert "8 devices in 2 processes" in out, out
+    diff = re.search(r"8 devices in 2 process\(es\) .* vs 1 device: max abs diff ([0-9.e+-]+)", out)
+    assert diff, out
+    assert float(diff.group(1)) < 1e-4
+
+
 def test_generate_flax_lm_paged_cache_matches_full_recomputation():
     pytest.importorskip("flax")
     pytest.importorskip("optax")
