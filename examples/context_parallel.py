@@ -76,6 +76,7 @@ def _launch_local_processes() -> int:
 if __name__ == "__main__" and _PROCESSES > 1 and _PROCESS_ID is None:
     sys.exit(_launch_local_processes())
 
+import functools  # noqa: E402
 import logging  # noqa: E402
 import time  # noqa: E402
 
@@ -150,11 +151,17 @@ def sequence_parallel_loss(model, mesh):
     return loss
 
 
-def train(loss_fn, params, batches, prepare, label):
+def train(loss_fn, params, batches, prepare, label, place=None):
     tx = optimizer()
     opt_state = tx.init(params)
+    jit = jax.jit
+    if place is not None:
+        # Over the mesh: the step returns params and optimizer state placed as it received
+        # them, so that the second step does not compile again.
+        opt_state = place(opt_state)
+        jit = functools.partial(jax.jit, out_shardings=(*jax.tree.map(lambda x: x.sharding, (params, opt_state)), None))
 
-    @jax.jit
+    @jit
     def step(params, opt_state, *batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -233,13 +240,22 @@ def main(argv):
     def prepare(inputs, targets):
         return tuple(global_array(order(jnp.asarray(x, jnp.int32)), shard) for x in (inputs, targets, positions))
 
-    replicated = jax.tree.map(lambda x: global_array(x, NamedSharding(mesh, P())), params)
+    replicated_sharding = NamedSharding(mesh, P())
+
+    def place(tree):
+        # Replicated over the mesh (the optimizer's counters start on one device).
+        return jax.tree.map(
+            lambda x: x if x.sharding == replicated_sharding else global_array(x, replicated_sharding), tree
+        )
+
+    replicated = place(params)
     losses_p, tps_p = train(
         sequence_parallel_loss(model_p, mesh),
         replicated,
         data.batches(FLAGS.seed, FLAGS.batch_size),
         prepare,
         f"{p} devices, ring {layout}",
+        place,
     )
 
     print("step   1 device   ring")
