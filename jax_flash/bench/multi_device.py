@@ -134,6 +134,11 @@ def collective_bytes(hlo_text: str) -> dict:
     return of("__entry__") if "__entry__" in comps else {}
 
 
+def _global(x: np.ndarray, sharding) -> jax.Array:
+    """`x` (the same on every process) as a global array: each process places its shards."""
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
 def _grid(mesh):
     """The hybrid's 2-D mesh over the same devices (ring over 2, all-to-all over P/2) and the
     sequence's PartitionSpec on it (ring major: the same layout as "seq")."""
@@ -226,10 +231,7 @@ def measure_multi_device(
                         sharding = (
                             NamedSharding(*_grid(mesh)) if variant == "hybrid" else NamedSharding(mesh, P(None, "seq"))
                         )
-                        args = [
-                            jax.make_array_from_callback(x.shape, sharding, lambda i, x=x: x[i])
-                            for x in host_np[: 4 if pass_ == "fwdbwd" else 3]
-                        ]
+                        args = [_global(x, sharding) for x in host_np[: 4 if pass_ == "fwdbwd" else 3]]
                     if variant == "jit rule":
                         words = jax_flash.explain(*args[:3], is_causal=causal, implementation=impl).sequence_parallel
                         r.note = (words or "not sequence-parallel").split(": ", 1)[-1].split(" (")[0]

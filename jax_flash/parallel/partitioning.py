@@ -544,7 +544,7 @@ def explain_sequence(name: str, spec: AttentionSpec, shardings) -> str | None:
     if name == "xla":
         return f"sequence over mesh axes {_axes(k_spec[1])}: xla is plain JAX, partitioned by XLA itself"
     v_dims = _KV if spec.v_head_dim == spec.head_dim else _V_HV
-    call = _Call(name, False, None, spec, (), (_Q, _KV, v_dims), ((), ()))
+    call = _Call(name, False, _run, spec, (), (_Q, _KV, v_dims), ((), ()))  # fn unused: decided only
     shapes = (
         (spec.batch, spec.q_len, spec.num_heads, spec.head_dim),
         (spec.batch, spec.kv_len, spec.num_kv_heads, spec.head_dim),
