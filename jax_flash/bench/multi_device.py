@@ -234,7 +234,8 @@ def measure_multi_device(
                         args = [_global(x, sharding) for x in host_np[: 4 if pass_ == "fwdbwd" else 3]]
                     if variant == "jit rule":
                         words = jax_flash.explain(*args[:3], is_causal=causal, implementation=impl).sequence_parallel
-                        r.note = (words or "not sequence-parallel").split(": ", 1)[-1].split(" (")[0]
+                        text = (words or "not sequence-parallel").split(": ", 1)[-1]
+                        r.note = text.split(" (the fewest")[0].split(" (forced")[0]
                     fn = pass_fn(_md_fn(variant, mesh, causal, impl), pass_)
                     compiled = jax.jit(fn).lower(*args).compile()
                     mem = compiled.memory_analysis()
