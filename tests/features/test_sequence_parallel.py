@@ -94,6 +94,18 @@ def test_forced_scheme_that_cannot_run_is_an_error():
     assert d.scheme == "ring" and d.forced and "forced" in d.words()
 
 
+def test_the_variable_forces_a_scheme(monkeypatch):
+    mesh = _Mesh({"seq": 4})
+    spec = dataclasses.replace(_spec(8, 8), config=None)  # settings resolved when used
+    monkeypatch.setenv("JAX_FLASH_SEQUENCE_PARALLEL", "ring")
+    assert sequence_decision("xla", spec, mesh, ("seq",)).scheme == "ring"
+    monkeypatch.setenv("JAX_FLASH_SEQUENCE_PARALLEL", "ulysses")
+    with pytest.raises(ValueError, match="JAX_FLASH_SEQUENCE_PARALLEL='ulysses' is not a sequence-parallel scheme"):
+        sequence_decision("xla", spec, mesh, ("seq",))
+    with pytest.raises(ValueError, match="sequence_parallel must be one of"):
+        Config(sequence_parallel="ulysses")
+
+
 SCRIPT = textwrap.dedent(
     r"""
     import re, sys
