@@ -9,6 +9,13 @@ are reordered by `jax_flash.zigzag` first, so every device does the same causal 
 
     python examples/context_parallel.py                        # 8 host devices, zigzag
     python examples/context_parallel.py --layout=contiguous --steps=50
+    python examples/context_parallel.py --processes=2          # 2 processes x 4 devices
+
+With `--processes=N` the script starts N copies of itself on this machine (each with
+devices/N host devices), joined by `jax.distributed.initialize` (gloo CPU collectives); the
+ring then crosses process boundaries as it would across hosts. Process 0 prints; a process
+that fails ends the others. On a cluster, run one copy per host yourself with
+`--process_id=i --coordinator=HOST:PORT --processes=N`.
 
 Prints the per-device causal block counts of both layouts, the two loss curves (one device,
 8 devices) side by side and their max abs difference.
@@ -20,15 +27,56 @@ import os
 import pathlib
 import sys
 
-# Host devices must be requested before JAX starts.
-_DEVICES = 8
+# Host devices must be requested before JAX starts (each process gets its share).
+_DEVICES, _PROCESSES, _PROCESS_ID = 8, 1, None
 for _arg in sys.argv[1:]:
     if _arg.startswith("--devices="):
         _DEVICES = int(_arg.split("=", 1)[1])
+    if _arg.startswith("--processes="):
+        _PROCESSES = int(_arg.split("=", 1)[1])
+    if _arg.startswith("--process_id="):
+        _PROCESS_ID = int(_arg.split("=", 1)[1])
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_DEVICES}"
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_DEVICES // max(1, _PROCESSES)}"
 ).strip()
 
+
+def _launch_local_processes() -> int:
+    """Run this script as `_PROCESSES` processes on this machine (process 0's output is
+    shown; the others' only if they fail). The first process to fail ends the others."""
+    import socket
+    import subprocess
+    import tempfile
+    import time as _time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs, logs = [], []
+    for i in range(_PROCESSES):
+        log = None if i == 0 else tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed below)
+        logs.append(log)
+        argv = [sys.executable, *sys.argv, f"--process_id={i}", f"--coordinator=127.0.0.1:{port}"]
+        procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT if log else None))
+    while any(p.poll() is None for p in procs) and all(p.poll() in (None, 0) for p in procs):
+        _time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    for i, (p, log) in enumerate(zip(procs, logs)):
+        if log is not None:
+            if p.returncode != 0:
+                log.seek(0)
+                print(f"--- process {i} exited with {p.returncode}:\n{log.read()[-4000:]}", file=sys.stderr)
+            log.close()
+    return next((p.returncode for p in procs if p.returncode != 0), 0)
+
+
+if __name__ == "__main__" and _PROCESSES > 1 and _PROCESS_ID is None:
+    sys.exit(_launch_local_processes())
+
+import functools  # noqa: E402
 import logging  # noqa: E402
 import time  # noqa: E402
 
@@ -49,6 +97,10 @@ from jax_flash.parallel.ring import block_counts  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("devices", 8, "Devices of the sequence axis (host devices on a CPU).")
 flags.DEFINE_enum("layout", "zigzag", ["zigzag", "contiguous"], "Sequence layout of the ring.")
+flags.DEFINE_integer("processes", 1, "Processes sharing the devices (started here unless --process_id).")
+flags.DEFINE_integer("process_id", None, "This process's index of --processes (set by the launch).")
+flags.DEFINE_string("coordinator", None, "HOST:PORT of process 0's coordination service.")
+flags.DEFINE_integer("init_timeout", 60, "Seconds to wait for every process to join.")
 FLAGS.set_default("steps", 60)
 FLAGS.set_default("log_every", 10)
 
@@ -99,11 +151,17 @@ def sequence_parallel_loss(model, mesh):
     return loss
 
 
-def train(loss_fn, params, batches, prepare, label):
+def train(loss_fn, params, batches, prepare, label, place=None):
     tx = optimizer()
     opt_state = tx.init(params)
+    jit = jax.jit
+    if place is not None:
+        # Over the mesh: the step returns params and optimizer state placed as it received
+        # them, so that the second step does not compile again.
+        opt_state = place(opt_state)
+        jit = functools.partial(jax.jit, out_shardings=(*jax.tree.map(lambda x: x.sharding, (params, opt_state)), None))
 
-    @jax.jit
+    @jit
     def step(params, opt_state, *batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -113,7 +171,7 @@ def train(loss_fn, params, batches, prepare, label):
     for i in range(FLAGS.steps):
         inputs, targets = next(batches)
         params, opt_state, loss = step(params, opt_state, *prepare(inputs, targets))
-        losses.append(float(loss))
+        losses.append(float(np.asarray(loss.addressable_data(0))))  # replicated
         if i == 0:
             t0 = time.perf_counter()
         if FLAGS.log_every and (i % FLAGS.log_every == 0 or i == FLAGS.steps - 1):
@@ -128,6 +186,14 @@ def main(argv):
     # backend 'tpu'") is one of them and says nothing about this run.
     logging.getLogger("jax").setLevel(logging.WARNING)
     del argv
+    if FLAGS.processes > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=FLAGS.coordinator,
+            num_processes=FLAGS.processes,
+            process_id=FLAGS.process_id,
+            initialization_timeout=FLAGS.init_timeout,
+        )
     p, layout = FLAGS.devices, FLAGS.layout
     if jax.device_count() < p:
         raise SystemExit(f"need {p} devices, have {jax.device_count()}: {jax.devices()}")
@@ -135,7 +201,10 @@ def main(argv):
         raise SystemExit(f"--seq_len must be a multiple of 2 * devices = {2 * p}")
     text = pathlib.Path(FLAGS.text_file).read_text(encoding="utf-8") if FLAGS.text_file else lm.builtin_text()
     data = lm.CharData(text, FLAGS.seq_len)
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} devices")
+    print(
+        f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} devices in "
+        f"{jax.process_count()} process{'es' if jax.process_count() > 1 else ''}"
+    )
     print(
         f"model d={FLAGS.d_model}, {FLAGS.num_layers} layers, {FLAGS.num_heads} heads; batch "
         f"{FLAGS.batch_size} x {FLAGS.seq_len}, sequence sharded over {p} devices "
@@ -154,32 +223,55 @@ def main(argv):
     model_p = SeqShardedCharTransformer(*dims, ring)
     params = model_1.init(jax.random.key(FLAGS.seed), jnp.zeros((FLAGS.batch_size, FLAGS.seq_len), jnp.int32))
 
-    losses_1, tps_1 = train(
-        one_device_loss(model_1), params, data.batches(FLAGS.seed, FLAGS.batch_size), lambda x, y: (x, y), "1 device"
-    )
+    if jax.process_index() == 0:  # the one-device curve: process 0 compares and prints
+        losses_1, tps_1 = train(
+            one_device_loss(model_1),
+            params,
+            data.batches(FLAGS.seed, FLAGS.batch_size),
+            lambda x, y: (x, y),
+            "1 device",
+        )
 
     shard = NamedSharding(mesh, P(None, "seq"))
     order = (lambda x: jax_flash.zigzag(x, p)) if layout == "zigzag" else (lambda x: x)
     positions = np.broadcast_to(np.arange(FLAGS.seq_len), (FLAGS.batch_size, FLAGS.seq_len))
 
-    def prepare(inputs, targets):
-        return tuple(jax.device_put(order(jnp.asarray(x, jnp.int32)), shard) for x in (inputs, targets, positions))
+    def global_array(x, sharding):
+        # Every process holds the same host data; each places its devices' shards (also
+        # when the mesh spans processes, where jax.device_put of host data cannot).
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
-    replicated = jax.device_put(params, NamedSharding(mesh, P()))
+    def prepare(inputs, targets):
+        return tuple(global_array(order(jnp.asarray(x, jnp.int32)), shard) for x in (inputs, targets, positions))
+
+    replicated_sharding = NamedSharding(mesh, P())
+
+    def place(tree):
+        # Replicated over the mesh (the optimizer's counters start on one device).
+        return jax.tree.map(
+            lambda x: x if x.sharding == replicated_sharding else global_array(x, replicated_sharding), tree
+        )
+
+    replicated = place(params)
     losses_p, tps_p = train(
         sequence_parallel_loss(model_p, mesh),
         replicated,
         data.batches(FLAGS.seed, FLAGS.batch_size),
         prepare,
         f"{p} devices, ring {layout}",
+        place,
     )
 
+    if jax.process_index() != 0:
+        return
     print("step   1 device   ring")
     for i in range(0, FLAGS.steps, max(1, FLAGS.log_every)):
         print(f"{i:4d}   {losses_1[i]:.5f}    {losses_p[i]:.5f}")
     diff = np.abs(losses_1 - losses_p)
     print(
-        f"loss curves, {p} devices (ring_attention, {layout}) vs 1 device: max abs diff "
+        f"loss curves, {p} devices in {jax.process_count()} process(es) (ring_attention, {layout}) vs "
+        f"1 device: max abs diff "
         f"{diff.max():.2e} (step {int(diff.argmax())}); tokens/s {tps_p:,.0f} vs {tps_1:,.0f}"
     )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal, overload
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
@@ -15,6 +16,7 @@ from jax_flash._normalize import canonicalize, restore
 from jax_flash._registry import Explanation
 from jax_flash._types import OutAndLse, SegmentIds, Window
 from jax_flash._vjp import flash_attention
+from jax_flash.parallel import partitioning
 
 __all__ = ["Explanation", "attention", "explain"]
 
@@ -256,16 +258,20 @@ def explain(
         return explain_flex(query, key, value, verbose=verbose, **kwargs)
     _check_return_residual(kwargs.pop("return_residual", False))
     requested = kwargs.get("implementation")
+    # Sharded 4-D arrays ([B, T, N, H]): how a sequence-sharded call runs under jax.jit.
+    shardings = [getattr(x, "sharding", None) if jnp.ndim(x) == 4 else None for x in (query, key, value)]
     c = canonicalize(query, key, value, bias, mask, **kwargs)
     reasons = _registry.explain(c.spec)
     try:
         selected = _registry.select(c.spec, requested)
     except ValueError:
         selected = None
+    sequence = None if selected is None else partitioning.explain_sequence(selected, c.spec, shardings)
     return Explanation(
         selected=selected,
         reasons=reasons,
         notes=_registry.notes(c.spec, reasons),
         summaries=_registry.summaries(c.spec, reasons),
         verbose=verbose,
+        sequence_parallel=sequence,
     )

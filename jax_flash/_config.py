@@ -32,6 +32,7 @@ pallas_split_kv     int                JAX_FLASH_PALLAS_SPLIT_KV            0 (t
 deterministic       bool               JAX_FLASH_DETERMINISTIC (=1)         False
 poison_outputs      bool               JAX_FLASH_POISON_OUTPUTS (set, not 0) False
 emulate_cuda        bool               JAX_FLASH_EMULATE_CUDA (=1)          False
+sequence_parallel   str                JAX_FLASH_SEQUENCE_PARALLEL          "auto" (the rule)
 
 docs/configuration.md lists every JAX_FLASH_* variable, these and the others (the process
 setting JAX_FLASH_CPU_THREADS, build-time and test-only variables).
@@ -50,6 +51,9 @@ from typing import Any
 CPU_ISAS = ("amx", "avx512bf16", "avx512", "avx2", "generic", "amx_emulated")
 CUDA_LAYOUTS = ("warp16", "warp32")
 CUDA_BACKWARD_GRIDS = ("auto", "kv_heads", "q_heads")
+# How a call whose queries and keys/values are sharded over the sequence runs under jax.jit
+# (jax_flash.parallel.partitioning): "auto" is the rule (the fewest bytes moved per device).
+SEQUENCE_PARALLEL = ("auto", "ring", "all_to_all", "hybrid")
 # A forced split-KV chunk count: 1 to MAX_CHUNKS; 0 is the rule. The kernels use at most one
 # chunk per key block.
 MAX_CHUNKS = 1024
@@ -143,6 +147,15 @@ _FIELDS: dict[str, _Field] = {
         "JAX_FLASH_POISON_OUTPUTS", False, bool, parse=lambda text: text != "" and not text.startswith("0")
     ),
     "emulate_cuda": _Field("JAX_FLASH_EMULATE_CUDA", False, bool, parse=lambda text: text == "1"),
+    "sequence_parallel": _Field(
+        "JAX_FLASH_SEQUENCE_PARALLEL",
+        "auto",
+        str,
+        SEQUENCE_PARALLEL,
+        "the scheme of a sequence-sharded call under jax.jit",
+        _choice(SEQUENCE_PARALLEL, "auto"),
+        "{variable}={value!r} is not a sequence-parallel scheme (auto, ring, all_to_all or hybrid)",
+    ),
 }
 
 
@@ -174,6 +187,10 @@ class Config:
         results with NaN before computing, so an element left unwritten shows up (tests).
       emulate_cuda: on the CPU backend, `implementation="cuda"` runs the CUDA kernel source
         against the host emulation of the SIMT model (slow; tests without a GPU).
+      sequence_parallel: how a call with queries and keys/values sharded over the sequence
+        runs under `jax.jit`: "auto" (the rule: the scheme that moves the fewest bytes per
+        device, `jax_flash.parallel.partitioning.sequence_decision`), or "ring",
+        "all_to_all" or "hybrid" forced (a forced scheme that cannot run is an error).
       env_errors: in a resolved config, (field, message) for each variable that held no valid
         value (the field then has its default, and a call that uses it raises the message);
         () in a config made by hand.
@@ -195,6 +212,7 @@ class Config:
     deterministic: bool | None = None
     poison_outputs: bool | None = None
     emulate_cuda: bool | None = None
+    sequence_parallel: str | None = None
     env_errors: tuple[tuple[str, str], ...] = dataclasses.field(default=(), repr=False)
 
     def __post_init__(self):

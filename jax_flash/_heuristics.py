@@ -495,3 +495,58 @@ def pallas_group_splits(group: int, programs: int, interpret: bool, sms: int) ->
         if group % d == 0 and programs * d >= target:
             return d
     return group
+
+
+# ---- sequence parallelism under jax.jit ----------------------------------------------------
+
+# Among schemes that move equally many bytes, the first of this order wins: the all-to-all
+# runs one call of the local kernel with no per-step merges; the hybrid merges over fewer
+# ring steps than the ring.
+SEQUENCE_SCHEMES = ("all_to_all", "hybrid", "ring")
+
+
+def sequence_parallel_bytes(
+    scheme: str, spec: AttentionSpec, ring_size: int, a2a_size: int, acc_itemsize: int
+) -> tuple[int, int]:
+    """(forward, backward) bytes that one device sends for a sequence-sharded call: `spec`
+    with the global T and S and this device's batch rows and heads (after any batch or head
+    sharding), the sequence over ring_size x a2a_size devices (the ring over the first, the
+    all-to-all over the second; the ring scheme has a2a_size 1, the all-to-all ring_size 1).
+
+    all-to-all over Pa devices (each sends (Pa-1)/Pa of every array it re-shards): forward q,
+      k, v (the kv heads repeated to K' = lcm(K, Pa)) to heads, out and lse back; backward
+      q, k, v, out, dout, lse, dlse to heads, dq, dk, dv back. dtype bytes for arrays, the
+      accumulator's for lse/dlse.
+    ring over Pr devices: forward the K/V chunk moves Pr - 1 times; backward K/V Pr - 1 times
+      and the dK/dV accumulators (accumulator dtype) Pr times (the last hop takes them home).
+    hybrid: the all-to-all over Pa on the local chunks, then the ring over Pr on chunks of
+      Pa times the length and K'/Pa kv heads.
+    """
+    import math
+
+    import numpy as np
+
+    e = np.dtype(spec.dtype).itemsize
+    b, n, k, h, hv = spec.batch, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.v_head_dim
+    p = ring_size * a2a_size
+    tl, sl = spec.q_len // p, spec.kv_len // p  # this device's chunk
+    fwd = bwd = 0
+    if a2a_size > 1:
+        kx = math.lcm(k, a2a_size)
+        share = lambda elems: elems * (a2a_size - 1) // a2a_size
+        q_el, o_el, kv_el, stat_el = b * tl * n * h, b * tl * n * hv, b * sl * kx * (h + hv), b * n * tl
+        fwd += share(q_el + kv_el + o_el) * e + share(stat_el) * acc_itemsize
+        bwd += share(2 * (q_el + kv_el) + 2 * o_el) * e + share(2 * stat_el) * acc_itemsize
+        k = kx // a2a_size  # the ring (hybrid) then runs on the gathered chunk's heads
+        sl *= a2a_size
+    if ring_size > 1:
+        kv = b * sl * k * (h + hv)
+        fwd += (ring_size - 1) * kv * e
+        bwd += (ring_size - 1) * kv * e + ring_size * kv * acc_itemsize
+    return fwd, bwd
+
+
+def sequence_parallel_choice(moved: dict[str, int]) -> str:
+    """The rule: of the schemes that can run ({scheme: bytes one device sends, forward plus
+    backward}), the one that moves the fewest bytes; ties go by SEQUENCE_SCHEMES."""
+    return min(moved, key=lambda s: (moved[s], SEQUENCE_SCHEMES.index(s)))

@@ -249,8 +249,13 @@ def canonicalize(
     dropout_rate=0.0,
     dropout_rng=None,
     config=None,
+    length_bounds: tuple[int, int] | None = None,
 ) -> Canonical:
-    """Check every argument and build the canonical call (its settings resolved now)."""
+    """Check every argument and build the canonical call (its settings resolved now).
+
+    length_bounds: (T, S) that a 64-bit or unsigned length array is clipped to before its
+    int32 cast; default the arrays' own T and S. A sequence-parallel call canonicalizes its
+    local chunks with global lengths: it passes the global T and S."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
     q = _as_array("query", query)
@@ -320,10 +325,11 @@ def canonicalize(
         mask_c = _dense("mask", mask, batch_shape, n, t, s, bool_dtype=True)
 
     length_shapes = (batch_shape,) if batch_shape else ((1,), ())
+    t_bound, s_bound = (t, s) if length_bounds is None else length_bounds
     q_len = kv_len = None
     if query_seq_lengths is not None:
         q_len = _check_int_array(
-            "query_seq_lengths", query_seq_lengths, length_shapes[0], length_shapes[1:], clip=(0, t)
+            "query_seq_lengths", query_seq_lengths, length_shapes[0], length_shapes[1:], clip=(0, t_bound)
         ).reshape(b)
     if key_value_seq_lengths is not None:
         kv_len = _check_int_array(
@@ -331,7 +337,7 @@ def canonicalize(
             key_value_seq_lengths,
             length_shapes[0],
             length_shapes[1:],
-            clip=(0, s),
+            clip=(0, s_bound),
         ).reshape(b)
 
     q_seg = kv_seg = None

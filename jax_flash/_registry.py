@@ -223,6 +223,9 @@ class Explanation:
     op: str = "jax_flash.attention"  # the function explained
     summaries: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> how it runs, in plain words
     verbose: bool = False  # str() adds the notes
+    # How the call runs with its inputs sharded over the sequence under jax.jit (ring,
+    # all-to-all or hybrid, and why), or None (inputs not sequence-sharded).
+    sequence_parallel: str | None = None
 
     def __str__(self) -> str:
         lines = [f"{self.op} would run: {self.selected or 'nothing'}"]
@@ -235,4 +238,6 @@ class Explanation:
             lines.append(f" {mark} {name:8s} available" + (f": {summary}" if summary else ""))
             if self.verbose and name in self.notes:
                 lines.append(f"   {'':8s} details: {self.notes[name]}")
+        if self.sequence_parallel is not None:
+            lines.append(f"sequence parallel: {self.sequence_parallel}")
         return "\n".join(lines)

@@ -59,7 +59,7 @@ from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_flash import _registry
+from jax_flash import _heuristics, _registry
 from jax_flash._spec import AttentionSpec, MaskInputs
 from jax_flash.parallel import ring
 
@@ -207,7 +207,8 @@ class _Plan:
 
     axes: tuple = ()  # ((factor, (axis, ...)), ...)
     slice_kv_heads: bool = False  # n sharded, k replicated: take the local kv heads
-    ring_axis: str | None = None  # T and S sharded over it: ring attention
+    # T and S sharded over the same mesh axes: how the call runs over them.
+    sequence: SequenceDecision | None = None
 
     def of(self, factor) -> tuple:
         return dict(self.axes).get(factor, ())
@@ -245,8 +246,10 @@ def _size(mesh, axes) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
-def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
-    """Which factors run sharded, from the operands' shardings; warns about the rest."""
+def _decide(call: _Call, mesh, arg_shapes, warn=None) -> _Plan:
+    """Which factors run sharded, from the operands' shardings; warns about the rest
+    (`warn(call, factor, axes, why)`, by default a one-time ShardingFallbackWarning)."""
+    report = warn or _warn_once
     found: dict = {}
     sizes: dict = {}
     for dims, arg in zip(call.operand_dims, arg_shapes):
@@ -265,7 +268,7 @@ def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
         # would count its local ones and draw another mask. Every sharded dimension is
         # gathered, so each device draws the unsharded call's mask.
         for d, axes in found.items():
-            _warn_once(
+            report(
                 call,
                 d,
                 axes,
@@ -277,12 +280,12 @@ def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
     plan: dict = {}
     for d, axes in list(found.items()):
         if sizes[d] % _size(mesh, axes):
-            _warn_once(call, d, axes, f"{sizes[d]} is not a multiple of {_size(mesh, axes)} devices")
+            report(call, d, axes, f"{sizes[d]} is not a multiple of {_size(mesh, axes)} devices")
             del found[d]
 
     def take(factor, axes):
         if any(a in used for a in axes):
-            _warn_once(call, factor, axes, "the mesh axis already shards another dimension")
+            report(call, factor, axes, "the mesh axis already shards another dimension")
             return
         used.update(axes)
         plan[factor] = axes
@@ -292,7 +295,7 @@ def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
     n_axes, k_axes = found.get("n", ()), found.get("k", ())
     slice_kv = False
     if k_axes and k_axes != n_axes:
-        _warn_once(
+        report(
             call,
             "k",
             k_axes,
@@ -311,62 +314,182 @@ def _decide(call: _Call, mesh, arg_shapes) -> _Plan:
             take("n", n_axes)
             slice_kv = "n" in plan
         else:
-            _warn_once(
+            report(
                 call,
                 "n",
                 n_axes,
                 f"{local} local query heads do not cover whole groups of {group} query heads per kv head",
             )
     t_axes, s_axes = found.get("t", ()), found.get("s", ())
-    ring_axis = None
+    sequence = None
     if s_axes:
-        why = _ring_unavailable(call, mesh, t_axes, s_axes, plan)
-        if why is None:  # T and S over one axis: the ring of jax_flash.parallel.ring
+        why = _sequence_unavailable(call, t_axes, s_axes, plan)
+        if why is None:
+            sequence = sequence_decision(call.name, _shard_spec(call.spec, mesh, plan, slice_kv), mesh, s_axes)
+            why = sequence.why
+            if sequence.scheme is None:
+                sequence = None
+        if sequence is not None:  # T and S over the same axes: ring, all-to-all or hybrid
             take("t", t_axes)
             plan["s"] = s_axes
-            ring_axis = s_axes[0]
         else:
-            _warn_once(call, "s", s_axes, why)
-    if t_axes and ring_axis is None and "t" not in plan:
+            report(call, "s", s_axes, why)
+    if t_axes and sequence is None and "t" not in plan:
         why = _query_shard_unsupported(call)
         if why is None:
             take("t", t_axes)
         else:
-            _warn_once(call, "t", t_axes, why)
+            report(call, "t", t_axes, why)
     if found.get("h"):
-        _warn_once(call, "h", found["h"], "the head dim is contracted inside the kernel")
+        report(call, "h", found["h"], "the head dim is contracted inside the kernel")
     if found.get("hv"):
-        _warn_once(call, "hv", found["hv"], "the value head dim is contracted inside the kernel")
-    return _Plan(tuple(sorted(plan.items())), slice_kv, ring_axis)
+        report(call, "hv", found["hv"], "the value head dim is contracted inside the kernel")
+    return _Plan(tuple(sorted(plan.items())), slice_kv, sequence)
 
 
-def _ring_config(call: _Call, mesh, axis: str):
-    return ring.RingConfig(call.name, axis, mesh.shape[axis])
-
-
-def _ring_unavailable(call: _Call, mesh, t_axes, s_axes, plan) -> str | None:
-    """None if K/V sharded over `s_axes` can run as a ring inside the partitioned call,
-    else why not."""
+def _sequence_unavailable(call: _Call, t_axes, s_axes, plan) -> str | None:
+    """None if K/V sharded over `s_axes` may run sequence-parallel (ring, all-to-all or
+    hybrid) inside the partitioned call, else why not."""
     spec = call.spec
-    if len(s_axes) != 1:
-        return f"the ring runs over one mesh axis, not {len(s_axes)}"
     if tuple(t_axes) != tuple(s_axes):
         return (
-            f"the ring needs the queries sharded over T on the same mesh axis {s_axes[0]!r}; "
-            f"they are sharded over {t_axes or 'no axis'}"
+            f"sequence parallelism (ring, all-to-all, hybrid) needs the queries sharded over T on "
+            f"the same mesh axes {tuple(s_axes)}; they are sharded over {t_axes or 'no axis'}"
         )
     if any(a in {x for v in plan.values() for x in v} for a in s_axes):
         return "the mesh axis already shards another dimension"
     if spec.bias_shape is not None or spec.mask_shape is not None:
-        return "the ring takes no dense bias or mask"
+        return "sequence parallelism here takes no dense bias or mask"
     if spec.has_sinks:
-        return "the ring takes no sinks"
-    cfg = _ring_config(call, mesh, s_axes[0])
-    for block in ring.block_specs(spec, cfg, dynamic_offset=spec.has_q_offset):
-        why = _registry.reason(call.name, block)
-        if why is not None:
-            return f"a block of the ring cannot run: {call.name} {why}"
+        return "sequence parallelism here takes no sinks"
     return None
+
+
+def _shard_spec(spec: AttentionSpec, mesh, plan: dict, slice_kv: bool) -> AttentionSpec:
+    """`spec` with this device's batch rows and heads (global T and S)."""
+    n = spec.num_heads // _size(mesh, plan.get("n", ()))
+    k = max(1, n // spec.group_size) if slice_kv else spec.num_kv_heads // _size(mesh, plan.get("k", ()))
+    return dataclasses.replace(spec, batch=spec.batch // _size(mesh, plan.get("b", ())), num_heads=n, num_kv_heads=k)
+
+
+# ------------------------------------------------------------------ sequence parallelism
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceDecision:
+    """How a call with q, k, v sharded over the sequence (mesh axes `axes`) runs under jit.
+
+    scheme: "ring" (over every axis of `axes`), "all_to_all" (over every axis), "hybrid"
+    (the ring over all but the last axis, the all-to-all over the last, minor one), or None
+    (none can run: XLA gathers K/V, `why` says why). moved: ((scheme, (forward, backward)
+    bytes one device sends), ...) of the schemes that can run; unavailable: ((scheme, why),
+    ...) of the others; forced: the scheme came from `Config.sequence_parallel`."""
+
+    axes: tuple
+    scheme: str | None
+    ring_axes: tuple = ()
+    a2a_axes: tuple = ()
+    moved: tuple = ()
+    unavailable: tuple = ()
+    forced: bool = False
+    why: str = ""
+
+    def words(self) -> str:
+        """One line for `explain`."""
+        sizes = ", ".join(f"{s}: {f + b} B" for s, (f, b) in self.moved)
+        over = f"sequence over mesh axes {self.axes}"
+        if self.scheme is None:
+            return f"{over}: K/V all-gathered ({self.why})"
+        how = {
+            "ring": f"ring over {self.ring_axes}",
+            "all_to_all": f"all-to-all over {self.a2a_axes}",
+            "hybrid": f"hybrid: all-to-all over {self.a2a_axes}, ring over {self.ring_axes}",
+        }[self.scheme]
+        rule = (
+            "forced by Config.sequence_parallel / JAX_FLASH_SEQUENCE_PARALLEL"
+            if self.forced
+            else "the fewest bytes sent per device, forward + backward"
+        )
+        text = f"{over}: {how} ({rule}; {sizes})"
+        if self.unavailable:
+            text += "; not " + "; not ".join(f"{s}: {w}" for s, w in self.unavailable)
+        return text
+
+
+def _ring_why(name: str, spec: AttentionSpec, axes: tuple, size: int) -> str | None:
+    cfg = ring.RingConfig(name, axes, size)
+    for block in ring.block_specs(spec, cfg, dynamic_offset=spec.has_q_offset):
+        why = _registry.reason(name, block)
+        if why is not None:
+            return f"a block of the ring cannot run: {name} {why}"
+    return None
+
+
+def _a2a_spec(spec: AttentionSpec, size: int) -> AttentionSpec:
+    """The local call of an all-to-all over `size` devices: N/size heads, the kv heads
+    repeated to lcm(K, size) and split the same way."""
+    kx = math.lcm(spec.num_kv_heads, size)
+    return dataclasses.replace(spec, num_heads=spec.num_heads // size, num_kv_heads=kx // size)
+
+
+def _a2a_why(name: str, spec: AttentionSpec, axes: tuple, size: int) -> str | None:
+    if spec.num_heads % size:
+        return f"the N={spec.num_heads} query heads are not divisible by the {size} devices of {axes}"
+    local = _a2a_spec(spec, size)
+    if local.num_heads % local.num_kv_heads:
+        return f"{local.num_heads} local query heads do not cover whole kv heads"
+    why = _registry.reason(name, local)
+    return None if why is None else f"{name} {why}"
+
+
+def sequence_decision(name: str, spec: AttentionSpec, mesh, axes: tuple) -> SequenceDecision:
+    """Which sequence-parallel scheme runs `spec` (this device's batch rows and heads, the
+    global T and S) with T and S sharded over mesh axes `axes`, by implementation `name`.
+
+    The candidates: the ring over all of `axes` (any head count; every block must be served),
+    the all-to-all over all of `axes` (the heads divisible by their size), and with two or
+    more axes the hybrid (all-to-all over the last axis, whose size must divide the heads;
+    the ring over the others). The rule (`_heuristics.sequence_parallel_choice`): the one
+    that sends the fewest bytes per device, forward plus backward
+    (`_heuristics.sequence_parallel_bytes`); `Config.sequence_parallel` may force one, and a
+    forced scheme that cannot run is a ValueError."""
+    axes = tuple(axes)
+    p = _size(mesh, axes)
+    acc = 8 if spec.dtype == "float64" else 4
+    candidates: dict = {}  # scheme -> (ring_axes, a2a_axes, why)
+    candidates["all_to_all"] = ((), axes, _a2a_why(name, spec, axes, p))
+    if len(axes) >= 2:
+        ra, aa = axes[:-1], axes[-1:]
+        pa = _size(mesh, aa)
+        why = _a2a_why(name, spec, aa, pa)
+        if why is None:
+            why = _ring_why(name, _a2a_spec(spec, pa), ra, _size(mesh, ra))
+        candidates["hybrid"] = (ra, aa, why)
+    candidates["ring"] = (axes, (), _ring_why(name, spec, axes, p))
+    moved = {}
+    for scheme, (ra, aa, why) in candidates.items():
+        if why is None:
+            moved[scheme] = _heuristics.sequence_parallel_bytes(scheme, spec, _size(mesh, ra), _size(mesh, aa), acc)
+    unavailable = tuple((s, c[2]) for s, c in candidates.items() if c[2] is not None)
+    if len(axes) < 2:
+        unavailable += (("hybrid", "it needs the sequence sharded over two mesh axes (ring major, all-to-all minor)"),)
+    setting = spec.settings.get("sequence_parallel")
+    forced = setting != "auto"
+    if forced:
+        if setting not in moved:
+            why = dict(unavailable)[setting]
+            raise ValueError(
+                f"Config.sequence_parallel={setting!r} (JAX_FLASH_SEQUENCE_PARALLEL) cannot run this "
+                f"sequence-sharded call of {name} over mesh axes {axes}: {why}"
+            )
+        scheme = setting
+    elif moved:
+        scheme = _heuristics.sequence_parallel_choice({s: f + b for s, (f, b) in moved.items()})
+    else:
+        scheme = None
+    ra, aa = candidates[scheme][:2] if scheme is not None else ((), ())
+    why = "; ".join(f"{s}: {w}" for s, w in unavailable) if scheme is None else ""
+    return SequenceDecision(axes, scheme, ra, aa, tuple(moved.items()), unavailable, forced, why)
 
 
 def _query_shard_unsupported(call: _Call) -> str | None:
@@ -406,6 +529,39 @@ _PARTITIONED.def_partition(
     infer_sharding_from_operands=_infer,
     sharding_rule=sharding_rule,
 )
+
+
+def explain_sequence(name: str, spec: AttentionSpec, shardings) -> str | None:
+    """What `explain` says of a call whose q, k, v (canonical [B, T, N, H] shapes in `spec`)
+    carry `shardings` (NamedShardings, or None where unknown): how the sequence-sharded call
+    runs under jax.jit, or None when K/V are not sharded over the sequence."""
+    if any(getattr(s, "spec", None) is None or getattr(s, "mesh", None) is None for s in shardings):
+        return None
+    mesh = shardings[0].mesh
+    k_spec = tuple(shardings[1].spec)
+    if len(k_spec) < 2 or not _axes(k_spec[1]):
+        return None
+    if name == "xla":
+        return f"sequence over mesh axes {_axes(k_spec[1])}: xla is plain JAX, partitioned by XLA itself"
+    v_dims = _KV if spec.v_head_dim == spec.head_dim else _V_HV
+    call = _Call(name, False, _run, spec, (), (_Q, _KV, v_dims), ((), ()))  # fn unused: decided only
+    shapes = (
+        (spec.batch, spec.q_len, spec.num_heads, spec.head_dim),
+        (spec.batch, spec.kv_len, spec.num_kv_heads, spec.head_dim),
+        (spec.batch, spec.kv_len, spec.num_kv_heads, spec.v_head_dim),
+    )
+    args = [_Shape(shape, s) for shape, s in zip(shapes, shardings)]
+    found: dict = {}
+    plan = _decide(call, mesh, args, warn=lambda c, factor, axes, why: found.setdefault(factor, why))
+    if plan.sequence is not None:
+        return plan.sequence.words()
+    return f"sequence over mesh axes {_axes(k_spec[1])}: K/V all-gathered ({found.get('s', 'not partitioned')})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    shape: tuple
+    sharding: object
 
 
 # ---------------------------------------------------------------- the per-shard call
@@ -452,7 +608,7 @@ def _local(call: _Call, mesh, plan: _Plan):
             kv_start = (_shard_index(mesh, plan.of("n")) * n_local) // group
             k = lax.dynamic_slice_in_dim(k, kv_start, k_local, axis=2)
             v = lax.dynamic_slice_in_dim(v, kv_start, k_local, axis=2)
-        if plan.of("t") and plan.ring_axis is None:
+        if plan.of("t") and plan.sequence is None:
             t_local = q.shape[1]
             start = _shard_index(mesh, plan.of("t")) * t_local
             if masks.q_lengths is not None:
@@ -461,8 +617,8 @@ def _local(call: _Call, mesh, plan: _Plan):
                 off = masks.q_offset if masks.q_offset is not None else 0
                 masks = masks._replace(q_offset=(off + start + jnp.zeros((q.shape[0],), jnp.int32)).astype(jnp.int32))
         local_spec = _local_spec(spec, q, k, masks)
-        if plan.ring_axis is not None:
-            results = _ring_call(call, mesh, plan.ring_axis, local_spec, q, k, v, masks, rest)
+        if plan.sequence is not None:
+            results = _sequence_call(call, mesh, plan.sequence, local_spec, q, k, v, masks, rest)
         else:
             results = call.fn(local_spec, q, k, v, masks, *rest)
         if not call.backward:
@@ -478,18 +634,78 @@ def _local(call: _Call, mesh, plan: _Plan):
     return run
 
 
-def _ring_call(call: _Call, mesh, axis: str, local_spec, q, k, v, masks, rest):
-    """Ring attention over `axis` on this device's chunks (global lengths, offsets and
-    positions; segment ids are the local chunks)."""
-    p = mesh.shape[axis]
-    spec = dataclasses.replace(local_spec, q_len=local_spec.q_len * p, kv_len=local_spec.kv_len * p)
-    cfg = _ring_config(call, mesh, axis)
-    # This runs as the primal forward or backward inside the one custom_vjp (_vjp.py), so
-    # it takes the ring's forward and backward, not the ring's own custom_vjp.
+def _sequence_call(call: _Call, mesh, seq: SequenceDecision, local_spec, q, k, v, masks, rest):
+    """The call on this device's sequence chunks, by the scheme `seq` chose: all-to-all to
+    head-sharded full sequences (all_to_all, hybrid) and back; the ring over the ring axes
+    (ring, hybrid), with global lengths, offsets and positions."""
+    pa, pr = _size(mesh, seq.a2a_axes), _size(mesh, seq.ring_axes)
+    kh = k.shape[2]
+    r = math.lcm(kh, pa) // kh  # kv head repeats: every device gets the kv heads it uses
+    a2a = _AllToAll(seq.a2a_axes, pa)
+    if pa > 1:
+        q = a2a.to_heads(q, 1, 2)
+        k, v = (a2a.to_heads(jnp.repeat(x, r, axis=2) if r > 1 else x, 1, 2) for x in (k, v))
+        masks = masks._replace(
+            q_segment_ids=a2a.gather(masks.q_segment_ids, 1),
+            kv_segment_ids=a2a.gather(masks.kv_segment_ids, 1),
+        )
+        if call.backward:
+            out, lse, dout, dlse = rest
+            rest = (
+                a2a.to_heads(out, 1, 2),
+                a2a.to_heads(lse, 2, 1),
+                a2a.to_heads(dout, 1, 2),
+                a2a.to_heads(dlse, 2, 1),
+            )
+    spec = dataclasses.replace(
+        local_spec,
+        q_len=q.shape[1] * pr,
+        kv_len=k.shape[1] * pr,
+        num_heads=q.shape[2],
+        num_kv_heads=k.shape[2],
+    )
+    if pr > 1:
+        # This runs as the primal forward or backward inside the one custom_vjp (_vjp.py),
+        # so it takes the ring's forward and backward, not the ring's own custom_vjp.
+        cfg = ring.RingConfig(call.name, seq.ring_axes if len(seq.ring_axes) > 1 else seq.ring_axes[0], pr)
+        if not call.backward:
+            results = ring.ring_forward(cfg, spec, q, k, v, masks)
+        else:
+            results = (*ring.ring_backward(cfg, spec, q, k, v, masks, *rest), None)
+    else:
+        results = call.fn(spec, q, k, v, masks, *rest)
+    if pa == 1:
+        return results
     if not call.backward:
-        return ring.ring_forward(cfg, spec, q, k, v, masks)
-    dq, dk, dv = ring.ring_backward(cfg, spec, q, k, v, masks, *rest)
-    return dq, dk, dv, None
+        out, lse = results
+        return a2a.to_sequence(out, 1, 2), a2a.to_sequence(lse, 2, 1)
+    dq, dk, dv, dbias = results
+    dq = a2a.to_sequence(dq, 1, 2)
+    dk, dv = (a2a.to_sequence(x, 1, 2) for x in (dk, dv))
+    if r > 1:  # the repeat's transpose: the replicas' gradients summed
+        dk, dv = (
+            x.reshape(*x.shape[:2], kh, r, x.shape[3]).sum(axis=3, dtype=jnp.float32).astype(x.dtype) for x in (dk, dv)
+        )
+    return dq, dk, dv, dbias
+
+
+class _AllToAll:
+    """The sequence <-> heads re-sharding over mesh axes `axes` (p devices, in order)."""
+
+    def __init__(self, axes: tuple, p: int):
+        self.axes, self.p = (axes[0] if len(axes) == 1 else axes), p
+
+    def to_heads(self, x, seq_axis: int, head_axis: int):
+        """[.., T/p (seq_axis), .., N (head_axis), ..] -> [.., T, .., N/p, ..]."""
+        return lax.all_to_all(x, self.axes, split_axis=head_axis, concat_axis=seq_axis, tiled=True)
+
+    def to_sequence(self, y, seq_axis: int, head_axis: int):
+        """The inverse of `to_heads`."""
+        return lax.all_to_all(y, self.axes, split_axis=seq_axis, concat_axis=head_axis, tiled=True)
+
+    def gather(self, x, seq_axis: int):
+        """Segment ids: the whole sequence (None stays None)."""
+        return None if x is None else lax.all_gather(x, self.axes, axis=seq_axis, tiled=True)
 
 
 def _sum_partials(plan: _Plan, x, dims):

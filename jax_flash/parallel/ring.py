@@ -154,7 +154,7 @@ class RingConfig:
     mesh axis of how many devices, and how the sequences are laid out on them."""
 
     implementation: str
-    axis_name: str
+    axis_name: str | tuple[str, ...]  # a tuple: the ring over those axes, major to minor
     axis_size: int
     layout: str = "contiguous"
     # A static global query offset (query t sits at key position query_offset + t): folded
@@ -787,13 +787,15 @@ def ring_attention(
         value,
         scale=scale,
         is_causal=is_causal,
-        query_seq_lengths=_global_lengths(query_seq_lengths, jnp.shape(query)[-3] * p),
-        key_value_seq_lengths=_global_lengths(key_value_seq_lengths, jnp.shape(key)[-3] * p),
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size,
         segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap,
         query_offset=query_offset,
         implementation=implementation,
+        # The lengths count the global sequence: a wide length array is clipped to it.
+        length_bounds=(jnp.shape(query)[-3] * p, jnp.shape(key)[-3] * p),
     )
     masks, static_offset = c.masks, 0
     if isinstance(query_offset, numbers.Integral):  # validated by canonicalize
@@ -819,27 +821,6 @@ def ring_attention(
     out, lse = ring_flash_attention(cfg, spec, c.q, c.k, c.v, masks)
     out, lse = restore(c, out, lse)
     return (out, lse) if return_residual else out
-
-
-def _global_lengths(lengths, total: int):
-    """Global lengths as `canonicalize` must see them: it clips a 64-bit or unsigned length to
-    the local sequence length before its int32 cast, but a ring's lengths count the global
-    sequence, so such a length is clipped to [0, total] (the global length) and cast here;
-    int32 lengths, and anything that is not an integer array (canonicalize names the error),
-    pass unchanged."""
-    if lengths is None or isinstance(lengths, (str, bytes)):
-        return lengths
-    try:
-        x = jnp.asarray(lengths)
-    except (TypeError, ValueError):
-        return lengths
-    if not jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.int32:
-        return lengths
-    if jnp.issubdtype(x.dtype, jnp.signedinteger):
-        x = jnp.clip(x, 0, total)
-    else:
-        x = jnp.minimum(x, np.asarray(total).astype(x.dtype))
-    return x.astype(jnp.int32)
 
 
 def _select(spec: AttentionSpec, cfg: RingConfig, requested: str | None) -> str:

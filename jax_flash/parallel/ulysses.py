@@ -47,7 +47,6 @@ from typing import Literal, overload
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
@@ -410,19 +409,6 @@ def _back(res, rs: _Resharder, return_residual: bool):
 # ----------------------------------------------------------------------------- hybrid
 
 
-def _global_lengths(lengths, full: int):
-    """Global lengths as int32, a wide (64-bit or unsigned) array clipped to [0, full] first.
-    ring_attention canonicalizes its *local* chunk, whose clip of a wide length array would
-    be to the local length; int32 reaches it unchanged."""
-    if lengths is None:
-        return None
-    x = jnp.asarray(lengths)
-    wide = x.dtype.itemsize > 4 or (x.dtype.itemsize == 4 and jnp.issubdtype(x.dtype, jnp.unsignedinteger))
-    if jnp.issubdtype(x.dtype, jnp.integer) and wide:
-        x = jnp.clip(x, np.asarray(0).astype(x.dtype), np.asarray(full).astype(x.dtype)).astype(jnp.int32)
-    return x
-
-
 def _merge_sinks(out, lse, sinks):
     """Add one virtual key per head with logit sinks[n] and value 0 to a finished
     (out `[*B, T, N, Hv]`, lse `[*B, T, N]`): the softmax denominator gains exp(sinks[n])."""
@@ -563,7 +549,7 @@ def hybrid_attention(
     """
     fn = "hybrid_attention"
     pa = _axis_size(a2a_axis, fn, "a2a_axis")
-    pr = _axis_size(ring_axis, fn, "ring_axis")
+    _axis_size(ring_axis, fn, "ring_axis")  # an axis of the enclosing shard_map, else a clear error
     if a2a_axis == ring_axis:
         raise ValueError(f"{fn}: a2a_axis and ring_axis must be two different mesh axes, got {a2a_axis!r} twice")
     _check_layout(layout, fn)
@@ -593,8 +579,8 @@ def hybrid_attention(
         v,
         axis_name=ring_axis,
         is_causal=is_causal,
-        query_seq_lengths=_global_lengths(query_seq_lengths, q.shape[-3] * pr),
-        key_value_seq_lengths=_global_lengths(key_value_seq_lengths, k.shape[-3] * pr),
+        query_seq_lengths=query_seq_lengths,  # global: ring_attention clips wide ones to T, S
+        key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size,
         segment_ids=_segments(segment_ids, rs),
         logits_soft_cap=logits_soft_cap,

@@ -77,6 +77,7 @@ def test_defaults(clean_env):
         deterministic=False,
         poison_outputs=False,
         emulate_cuda=False,
+        sequence_parallel="auto",
     )
     assert cfg.is_resolved and cfg.env_errors == ()
     assert not jax_flash.Config().is_resolved and jax_flash.Config().set_fields() == {}

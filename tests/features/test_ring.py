@@ -444,7 +444,7 @@ def test_bench_multi_device_section(tmp_path):
             "--seq-len",
             "512",
             "--heads",
-            "2",
+            "4",
             "--reps",
             "1",
             "--json",
@@ -459,10 +459,27 @@ def test_bench_multi_device_section(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
     assert "zigzag    : [9, 9, 9, 9]" in r.stdout, r.stdout
     rows = {(x["variant"], x["pass"]): x for x in json.loads(path.read_text())["results"]}
-    assert len(rows) == 8 and all(x["status"] == "ok" for x in rows.values()), r.stdout
+    assert len(rows) == 14 and all(x["status"] == "ok" for x in rows.values()), r.stdout
+    assert "x ring zigzag" in r.stdout, r.stdout  # the ratios against the peer
     for pass_ in ("fwd", "fwdbwd"):
         gather = rows["all-gather K/V", pass_]
         assert gather["collectives"]["all-gather"] >= 2, gather
+        kinds = lambda row: {op for op, n in row["collectives"].items() if n}
+        assert kinds(rows["all-to-all", pass_]) == {"all-to-all"}, rows["all-to-all", pass_]
+        assert kinds(rows["hybrid", pass_]) == {"all-to-all", "collective-permute"}, rows["hybrid", pass_]
+        # MHA, N = 4 heads over 4 devices: under jit the rule runs the all-to-all.
+        assert kinds(rows["jit rule", pass_]) == {"all-to-all"}, rows["jit rule", pass_]
+        assert rows["jit rule", pass_]["note"].startswith("all-to-all over"), rows["jit rule", pass_]
+    # Bytes per device, from the HLO with the ring's loop counted by its trip count: the
+    # forward ring moves each K and V chunk (128 x 4 x 64 f32 = 128 KiB) 3 times; the
+    # all-to-all's results are this device's q, k, v and out (128 KiB each); the fallback
+    # gathers all of K and V (512 KiB each).
+    chunk = 128 * 4 * 64 * 4
+    for layout in ("contiguous", "zigzag"):
+        assert rows[f"ring {layout}", "fwd"]["collective_bytes"]["collective-permute"] == 3 * 2 * chunk
+    assert rows["all-to-all", "fwd"]["collective_bytes"]["all-to-all"] == 4 * chunk
+    assert rows["all-gather K/V", "fwd"]["collective_bytes"]["all-gather"] == 2 * 4 * chunk
+    for pass_ in ("fwd", "fwdbwd"):
         for layout in ("contiguous", "zigzag"):
             ring = rows[f"ring {layout}", pass_]
             c = ring["collectives"]

@@ -153,9 +153,12 @@ SCRIPT = textwrap.dedent(
         offset = jnp.asarray([0, 5], jnp.int32)
         lens = jnp.asarray([32, 19], jnp.int32)
         seg = (jnp.arange(32)[None, :] // 11 + jnp.arange(2)[:, None]).astype(jnp.int32)
+        # The ring forced (the rule would run the all-to-all here: tests/features/
+        # test_sequence_parallel.py checks the rule and the other schemes).
+        ring = jax_flash.Config(sequence_parallel="ring")
         f = lambda q, k, v, lens, seg, off: jax_flash.attention(
             q, k, v, is_causal=True, key_value_seq_lengths=lens, segment_ids=seg,
-            query_offset=off, implementation=impl)
+            query_offset=off, implementation=impl, config=ring)
         mesh_bs = Mesh(devs.reshape(2, 4), ("batch", "seq"))
         check("S", mesh_bs, P("batch", "seq"), P("batch", "seq"), f, (lens, seg, offset),
               (P("batch"), P("batch", "seq"), P("batch")), "ring")

@@ -70,6 +70,18 @@ def test_context_parallel_matches_one_device():
     assert float(diff.group(1)) < 1e-4
 
 
+def test_context_parallel_across_processes_matches_one_device():
+    """The documented launch, `--processes=2` (here 2 processes x 2 host devices, to keep
+    the compile short): the ring across the processes learns what one device learns."""
+    pytest.importorskip("flax")
+    pytest.importorskip("optax")
+    out = _run("context_parallel.py", "--processes=2", "--devices=4", "--steps=3", "--log_every=1")
+    assert "4 devices in 2 processes" in out, out
+    diff = re.search(r"4 devices in 2 process\(es\) .* vs 1 device: max abs diff ([0-9.e+-]+)", out)
+    assert diff, out
+    assert float(diff.group(1)) < 1e-4
+
+
 def test_generate_flax_lm_paged_cache_matches_full_recomputation():
     pytest.importorskip("flax")
     pytest.importorskip("optax")
