@@ -133,8 +133,8 @@ def flex_attention(
     computed tile by tile; docs/flex.md.
 
     Args:
-      query, key, value: as for `jax_flash.attention` ([*B, T, N, H], [*B, S, K, H],
-        [*B, S, K, Hv]; grouped-query attention when K < N). The batch index `b` the user
+      query, key, value: as for `jax_flash.attention` (`[*B, T, N, H]`, `[*B, S, K, H]`,
+        `[*B, S, K, Hv]`; grouped-query attention when K < N). The batch index `b` the user
         functions receive counts the leading batch axes flattened (row-major).
       score_mod: optional `score_mod(score, b, h, q_idx, kv_idx) -> score`, written with
         jax.numpy on scalars: score is the scaled logit q·k·scale (float32; float64 for
@@ -151,11 +151,11 @@ def flex_attention(
       scale, sinks, return_residual, implementation: as for `jax_flash.attention`.
 
     A row that sees no key gives out 0 and lse -inf (with sinks: lse = sinks[n]), NaN/±inf
-    reach only the rows that see them (README, "Numerical contract"). Differentiable once
+    reach only the rows that see them (docs/numerical-contract.md). Differentiable once
     in query, key, value, sinks and the floating arrays score_mod closes over (reverse mode).
 
     Returns:
-      out [*B, T, N, Hv] in the dtype of query, or (out, lse [*B, T, N]) with
+      out `[*B, T, N, Hv]` in the dtype of query, or (out, lse `[*B, T, N]`) with
       return_residual=True.
     """
     if not isinstance(return_residual, bool):
