@@ -6,6 +6,8 @@ One module per section; the command line (`cli.main`) picks the section by its f
                   and the peers, forward and forward+backward; `--plot` (`plot`), `--tune-pallas`
                   (`pallas_tuning`), the CPU's peak and the core probe (`cpu_peak`);
 - `decode`        `--decode`: one decode step against a KV cache, contiguous and paged;
+- `flex`          `--flex`: flex_attention with a block mask (packed documents, a window with a
+                  prefix) against the built-in masks, a dense mask and jax.nn;
 - `multi_device`  `--multi-device`: ring attention against one device and the all-gather
                   fallback at a fixed global sequence length;
 - `peak_memory`   `--peak-memory`: the peak resident memory of one call, each cell in a process

@@ -1,4 +1,4 @@
-"""`python -m jax_flash.bench [--decode | --multi-device | --peak-memory] [options]`: the
+"""`python -m jax_flash.bench [--decode | --flex | --multi-device | --peak-memory] [options]`: the
 section a flag names, or the attention table."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from jax_flash.bench import attention, decode, multi_device, peak_memory
+from jax_flash.bench import attention, decode, flex, multi_device, peak_memory
 
 
 def main(argv=None) -> list[Any] | dict[str, Any]:
@@ -19,4 +19,6 @@ def main(argv=None) -> list[Any] | dict[str, Any]:
         return multi_device.multi_device_main(argv)
     if "--decode" in argv:  # one decode step against a KV cache (jax_flash/bench/decode.py)
         return decode.main(argv)
+    if "--flex" in argv:  # flex_attention with a block mask vs the built-in, dense and jax.nn paths
+        return flex.main(argv)
     return attention.main(argv)
