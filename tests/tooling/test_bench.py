@@ -359,3 +359,98 @@ def test_bench_peak_memory_runs_each_cell_in_its_own_process(capsys):
     row = rows[0]
     assert row["peak_mib"] >= row["before_mib"] > 0 and row["call_mib"] >= 0, row
     assert "| cpu | float32 | 32 | 256 | yes | fwdbwd |" in capsys.readouterr().out
+
+
+def test_bench_flex_tiny_run(tmp_path, capsys):
+    import numpy as np
+
+    from jax_flash.bench import flex
+
+    json_path = tmp_path / "flex.json"
+    t, block = 512, 32
+    results = bench.main(
+        [
+            "--flex",
+            "--seq-len",
+            str(t),
+            "--heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--block-size",
+            str(block),
+            "--window",
+            "64",
+            "--prefix",
+            "32",
+            "--reps",
+            "1",
+            "--json",
+            str(json_path),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "x built-in" in out and "x jax.nn" in out and "temp MiB" in out and "blocks" in out
+    assert "no built-in prefix" in out  # the window row says it is not the same mask
+    # Every (mask, row, pass) once, all measured.
+    cells = {(r["pattern"], r["row"], r["pass"]) for r in results}
+    assert cells == {(m, r, p) for m in flex.PATTERNS for r in flex.ROWS for p in flex.PASSES}
+    assert len(results) == len(cells)
+    for r in results:
+        assert r["status"] == "ok", r
+        assert r["time_s"] > 0 and r["temp_bytes"] is not None
+        assert r["vs_builtin"] is not None and r["vs_jax_nn"] is not None
+        assert (r["block_fraction"] is not None) == (r["row"] == "flex")
+    by = {(r["pattern"], r["row"], r["pass"]): r for r in results}
+    for m in flex.PATTERNS:
+        for p in flex.PASSES:
+            # The row's own peers are 1.
+            assert by[m, "built-in", p]["vs_builtin"] == 1.0 and by[m, "jax.nn", p]["vs_jax_nn"] == 1.0
+            # flex holds no [T, S] array: less temp memory than the dense mask's and jax.nn's.
+            assert by[m, "flex", p]["temp_bytes"] < by[m, "dense mask", p]["temp_bytes"]
+            assert by[m, "flex", p]["temp_bytes"] < by[m, "jax.nn", p]["temp_bytes"]
+    # The non-empty fraction is the block mask's: recomputed here from the masks' definitions.
+    q, kv = np.arange(t)[:, None], np.arange(t)[None, :]
+    lengths = by["documents", "flex", "fwd"]["doc_lengths"]
+    assert len(lengths) == 16 and sum(lengths) == t
+    doc = np.repeat(np.arange(16), lengths)
+    masks = {
+        "documents": (doc[:, None] == doc[None, :]) & (kv <= q),
+        "prefix+window": (kv <= q) & (q - kv < 64) | (kv < 32),
+    }
+    for m, dense in masks.items():
+        tiles = dense.reshape(t // block, block, t // block, block).any(axis=(1, 3))
+        assert by[m, "flex", "fwd"]["block_fraction"] == pytest.approx(tiles.mean())
+        assert 0 < tiles.mean() < 0.5  # sparse at this size: the check would catch "all blocks"
+    data = json.loads(json_path.read_text())
+    assert len(data["results"]) == len(results)
+
+
+def test_bench_flex_skips_dense_rows_over_the_caps(capsys):
+    results = bench.main(
+        [
+            "--flex",
+            "--seq-len",
+            "256",
+            "--heads",
+            "1",
+            "--head-dim",
+            "8",
+            "--block-size",
+            "64",
+            "--patterns",
+            "documents",
+            "--passes",
+            "fwd",
+            "--reps",
+            "1",
+            "--max-mask-gib",
+            "0.00001",
+        ]
+    )
+    by = {r["row"]: r for r in results}
+    assert by["flex"]["status"] == "ok" and by["built-in"]["status"] == "ok"
+    for row in ("dense mask", "jax.nn"):
+        assert by[row]["status"].startswith("skipped: [T, S] mask"), by[row]
+    assert by["flex"]["vs_jax_nn"] is None and by["flex"]["vs_builtin"] is not None
+    assert "skipped: [T, S] mask" in capsys.readouterr().out
