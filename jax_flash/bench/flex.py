@@ -154,7 +154,11 @@ def main(argv) -> list[dict]:
     args = p.parse_args(argv)
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()]
     patterns, rows, passes = split(args.patterns), split(args.rows), split(args.passes)
-    for name, got, allowed in (("--patterns", patterns, PATTERNS), ("--rows", rows, ROWS), ("--passes", passes, PASSES)):
+    for name, got, allowed in (
+        ("--patterns", patterns, PATTERNS),
+        ("--rows", rows, ROWS),
+        ("--passes", passes, PASSES),
+    ):
         bad = [x for x in got if x not in allowed]
         if bad:
             p.error(f"{name}: unknown {bad}; choose from {', '.join(allowed)}")
@@ -253,7 +257,9 @@ def _measure(name, rows, passes, args, max_temp, max_mask) -> tuple[list[dict], 
                 extra = (block_mask,)
             elif row in ("dense mask", "jax.nn"):
                 if mask_bytes > max_mask:
-                    r["status"] = f"skipped: [T, S] mask {mask_bytes / 2**30:.1f} GiB > --max-mask-gib {max_mask / 2**30:.1f}"
+                    r["status"] = (
+                        f"skipped: [T, S] mask {mask_bytes / 2**30:.1f} GiB > --max-mask-gib {max_mask / 2**30:.1f}"
+                    )
                     out.append((r, None, (), []))
                     continue
                 if dense_mask is None:
