@@ -1,8 +1,8 @@
 """Flex benchmark: `python -m jax_flash.bench --flex`.
 
 Two masks that the built-in kinds do not (quite) express, at T = S = --seq-len (default
-16k, as in the issue; on a 2-core CPU --seq-len 4096 takes about 2 minutes and 16k, by
-the 4k run's figures, about 15 minutes, most of it in the dense rows; jax.nn's rows are
+16k, as in the issue; on a 2-core CPU --seq-len 4096 takes about 2-3 minutes and 16k, by
+the 4k run's figures, about 15-20 minutes, most of it in the dense rows; jax.nn's rows are
 skipped there, their T×S logits exceeding the default --max-temp-gib):
 
 * documents: --docs (16) packed documents of seeded random lengths, causal within each
@@ -135,7 +135,7 @@ def main(argv) -> list[dict]:
         "--seq-len",
         type=int,
         default=16384,
-        help="T = S (default 16k: about 15 minutes on a 2-core CPU; 4096: about 2)",
+        help="T = S (default 16k: about 15-20 minutes on a 2-core CPU; 4096: about 2-3)",
     )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)
@@ -168,6 +168,7 @@ def main(argv) -> list[dict]:
         bad = [x for x in got if x not in allowed]
         if bad:
             p.error(f"{name}: unknown {bad}; choose from {', '.join(allowed)}")
+    max_temp: int | None
     if args.max_temp_gib is not None:
         max_temp = int(args.max_temp_gib * 2**30)
     else:
