@@ -499,8 +499,14 @@ struct BackwardDqKernel {
   static constexpr int STAGES = kShape.stages;
   static constexpr int THREADS = WARPS * WARP_SIZE;
   static constexpr int WARP_Q = MMA_M;
-  // k-steps of S and dP unrolled at once (dQ holds HEAD_DIM/2 registers throughout).
+  // k-steps of S and dP unrolled at once (dQ holds HEAD_DIM/2 registers throughout). On sm_100
+  // the fully unrolled H = 64 loop needs 255 registers and spills (a stack frame), two steps fit
+  // in 246: the unroll is a code-generation choice, the k-steps run in the same order either way.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000 && __CUDA_ARCH__ < 1100
+  static constexpr int K_UNROLL = HEAD_DIM < 64 ? HEAD_DIM / MMA_K : 2;
+#else
   static constexpr int K_UNROLL = HEAD_DIM <= 64 ? HEAD_DIM / MMA_K : 2;
+#endif
 
   using QTile = SmemTile<BLOCK_Q, HEAD_DIM>;      // Q
   using DoTile = SmemTile<BLOCK_Q, V_HEAD_DIM>;   // dO (QTile when Hv = H)
