@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal, overload
 
 import jax
@@ -261,17 +262,7 @@ def explain(
     # Sharded 4-D arrays ([B, T, N, H]): how a sequence-sharded call runs under jax.jit.
     shardings = [getattr(x, "sharding", None) if jnp.ndim(x) == 4 else None for x in (query, key, value)]
     c = canonicalize(query, key, value, bias, mask, **kwargs)
-    reasons = _registry.explain(c.spec)
-    try:
-        selected = _registry.select(c.spec, requested)
-    except ValueError:
-        selected = None
-    sequence = None if selected is None else partitioning.explain_sequence(selected, c.spec, shardings)
-    return Explanation(
-        selected=selected,
-        reasons=reasons,
-        notes=_registry.notes(c.spec, reasons),
-        summaries=_registry.summaries(c.spec, reasons),
-        verbose=verbose,
-        sequence_parallel=sequence,
-    )
+    e = _registry.explanation(c.spec, requested, verbose=verbose)
+    if e.selected is None:
+        return e
+    return dataclasses.replace(e, sequence_parallel=partitioning.explain_sequence(e.selected, c.spec, shardings))

@@ -182,16 +182,4 @@ def explain_flex(query, key, value, *, verbose: bool = False, **kwargs: Any) -> 
     kwargs.pop("return_residual", None)
     requested = kwargs.get("implementation")
     c = canonicalize_flex(query, key, value, **kwargs)
-    reasons = _registry.explain(c.spec)
-    try:
-        selected = _registry.select(c.spec, requested)
-    except ValueError:
-        selected = None
-    return Explanation(
-        selected=selected,
-        reasons=reasons,
-        notes=_registry.notes(c.spec, reasons),
-        summaries=_registry.summaries(c.spec, reasons),
-        verbose=verbose,
-        op="jax_flash.flex_attention",
-    )
+    return _registry.explanation(c.spec, requested, verbose=verbose, op="jax_flash.flex_attention")

@@ -241,3 +241,23 @@ class Explanation:
         if self.sequence_parallel is not None:
             lines.append(f"sequence parallel: {self.sequence_parallel}")
         return "\n".join(lines)
+
+
+def explanation(
+    spec: AttentionSpec, requested: str | None, *, verbose: bool = False, op: str = "jax_flash.attention"
+) -> Explanation:
+    """The `Explanation` of a call with this spec: why each implementation can or cannot serve
+    it, which one `requested` (None: the default order) selects, and how each would run."""
+    reasons = explain(spec)
+    try:
+        selected: str | None = select(spec, requested)
+    except ValueError:
+        selected = None
+    return Explanation(
+        selected=selected,
+        reasons=reasons,
+        notes=notes(spec, reasons),
+        summaries=summaries(spec, reasons),
+        verbose=verbose,
+        op=op,
+    )
