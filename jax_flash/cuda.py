@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_flash import _ffi, _heuristics, _registry
+from jax_flash import _build, _ffi, _heuristics, _registry
 from jax_flash._numerics import finite_part, nonfinite_rows
 from jax_flash._paged_spec import PagedSpec, target_masks
 from jax_flash._spec import AttentionSpec
@@ -302,19 +302,30 @@ class CudaImplementation:
                 return f"needs an NVIDIA GPU (the default backend is {plat})"
             if not _ffi.has_cuda_kernels():
                 why = _ffi.missing("jax_flash_fwd", "cpu")
-                return why or "the extension was built without CUDA kernels (no nvcc at build time)"
+                return why or (
+                    f"the extension was built without CUDA kernels ({_build.build_info().cuda_selection}): "
+                    'install a CUDA wheel (pip install "jax_flash[cuda13]") or rebuild with the GPU visible or '
+                    "JAX_FLASH_CUDA=ON (docs/installation.md)"
+                )
             cc = _compute_capability()
             if cc is None:
                 return "the GPU is not an NVIDIA CUDA device"
             if cc < MIN_COMPUTE_CAPABILITY:
                 return f"needs compute capability 8.0 or newer, the GPU has {cc[0]}.{cc[1]}"
             archs = _architectures()
-            if archs and kernel_image(cc, archs) is None:
+            image = kernel_image(cc, archs) if archs else "unknown"
+            if image is None:
                 return (
                     f"the extension has no kernel image for compute capability {cc[0]}.{cc[1]} "
                     f"(built for {';'.join(archs)}): rebuild with JAX_FLASH_CUDA_ARCHS including "
-                    f'"{cc[0]}{cc[1]}-real" or a PTX image such as "80-virtual"'
+                    f'"{cc[0]}{cc[1]}-real" or a PTX image such as "80-virtual", or with JAX_FLASH_CUDA=ON '
+                    "(docs/installation.md)"
                 )
+            # The driver, before any launch: the static runtime of the kernels needs one of its
+            # major version, and a PTX image one as new as the toolkit that wrote it.
+            why = _build.driver_reason(_build.cuda_driver_version(), _build.cuda_runtime_version(), image)
+            if why:
+                return why
         if spec.head_dim not in HEAD_DIMS:
             return f"has kernels for head dims {HEAD_DIMS}, got {spec.head_dim}"
         why = value_head_dim_reason(spec)
