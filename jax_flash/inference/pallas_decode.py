@@ -33,7 +33,7 @@ from jax_flash._numerics import (
     pad_axis,
     poison_infinite,
 )
-from jax_flash._pallas_kernels import compiler_params, triton, triton_missing
+from jax_flash._pallas_kernels import compiler_params, triton_missing
 from jax_flash._pallas_table import Config
 
 DTYPES = ("float16", "bfloat16", "float32")
