@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Static checks of the CUDA kernels, per instantiation and per architecture (every cubin of the
-wheels' list, cuda/CMakeLists.txt JAX_FLASH_WHEEL_ARCHS: sm_80, sm_90, sm_100, sm_120).
+wheels' list, cuda/CMakeLists.txt JAX_FLASH_WHEEL_ARCHS: sm_80, sm_90, sm_120).
 
 For every kernel of every generated instantiation (cuda/kernels/{fwd,bwd}_*.cu):
   - no register spills and no stack frame (ptxas -v / cuobjdump -res-usage: STACK 0, LOCAL 0),
@@ -9,7 +9,7 @@ For every kernel of every generated instantiation (cuda/kernels/{fwd,bwd}_*.cu):
 and for the main kernels (forward, backward) the SASS of every architecture contains the
 mma.sync / ldmatrix / cp.async instructions (HMMA.16816.F32, LDSM.16.M88.4, LDSM.16.MT88.4,
 LDGSTS.E.BYPASS.128), the PTX has no wmma.* instruction and every object carries the PTX
-image of compute_80 (which GPUs without a cubin, sm_110 and later, JIT-compile). Prints a table of registers,
+image of compute_80 (which GPUs without a cubin, sm_100 and later, JIT-compile). Prints a table of registers,
 shared memory and spills, with two estimates from the tile traits: shared-memory bytes read by
 ldmatrix per mma.sync in the main loop, and CTAs per SM (registers, shared memory, threads);
 exits 1 on any violation. Instantiations of both warp layouts (`*_warp32.cu`) are checked alike.

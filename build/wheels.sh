@@ -68,7 +68,7 @@ case "$FLAVOUR" in
       exit 1
     fi
     if [ "$MAJOR" = 12 ] && [ "$MINOR" -lt 8 ]; then
-      echo "build/wheels.sh: CUDA 12.$MINOR cannot build sm_100/sm_120 cubins; the cuda12 flavour needs CUDA 12.8 or newer" >&2
+      echo "build/wheels.sh: CUDA 12.$MINOR cannot build sm_120 cubins; the cuda12 flavour needs CUDA 12.8 or newer" >&2
       exit 1
     fi
     export CUDACXX="$NVCC"

@@ -16,7 +16,7 @@ import jax_flash
 from jax_flash import _build, _ffi, _pallas_kernels, _registry, cuda as jf_cuda, pallas as jf_pallas
 from jax_flash._normalize import canonicalize
 
-WHEEL_ARCHS = "80-real,90-real,100-real,120-real,80-virtual"
+WHEEL_ARCHS = "80-real,90-real,120-real,80-virtual"
 
 
 def _extension():
@@ -50,7 +50,7 @@ def test_build_info_reports_the_extension():
 
 
 def test_images_of_the_architecture_list():
-    assert _build._images(WHEEL_ARCHS) == (("sm_80", "sm_90", "sm_100", "sm_120"), ("compute_80",))
+    assert _build._images(WHEEL_ARCHS) == (("sm_80", "sm_90", "sm_120"), ("compute_80",))
     assert _build._images("86") == (("sm_86",), ("compute_86",))
     assert _build._images("") == ((), ())
 
