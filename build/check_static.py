@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Static checks of the CUDA kernels, per instantiation and per architecture (sm_80, sm_90, sm_120).
+"""Static checks of the CUDA kernels, per instantiation and per architecture (every cubin of the
+wheels' list, cuda/CMakeLists.txt JAX_FLASH_WHEEL_ARCHS: sm_80, sm_90, sm_120).
 
 For every kernel of every generated instantiation (cuda/kernels/{fwd,bwd}_*.cu):
   - no register spills and no stack frame (ptxas -v / cuobjdump -res-usage: STACK 0, LOCAL 0),
@@ -8,13 +9,13 @@ For every kernel of every generated instantiation (cuda/kernels/{fwd,bwd}_*.cu):
 and for the main kernels (forward, backward) the SASS of every architecture contains the
 mma.sync / ldmatrix / cp.async instructions (HMMA.16816.F32, LDSM.16.M88.4, LDSM.16.MT88.4,
 LDGSTS.E.BYPASS.128), the PTX has no wmma.* instruction and every object carries the PTX
-images of compute_80 (which sm_100/103 and later JIT-compile) and compute_120. Prints a table of registers,
+image of compute_80 (which GPUs without a cubin, sm_110 and later, JIT-compile). Prints a table of registers,
 shared memory and spills, with two estimates from the tile traits: shared-memory bytes read by
 ldmatrix per mma.sync in the main loop, and CTAs per SM (registers, shared memory, threads);
 exits 1 on any violation. Instantiations of both warp layouts (`*_warp32.cu`) are checked alike.
 
 By default the objects of the last extension build (_skbuild/*/.../jax_flash_cuda.dir) are
-reused when they are newer than every kernel source and hold all three architectures; otherwise
+reused when they are newer than every kernel source and hold every architecture; otherwise
 (or with --compile) each instantiation is compiled with `nvcc -Xptxas -v`, two at a time.
 cuobjdump/nvdisasm come from the pip packages nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm
 (test extra) when they are not on PATH.
@@ -35,14 +36,26 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CUDA = ROOT / "cuda"
 KERNELS = CUDA / "kernels"
-ARCHS = (80, 90, 120)
-# PTX images (JAX_FLASH_CUDA_ARCHS' virtual entries): compute_80 is what GPUs without a cubin
-# here (sm_100/103 and later) JIT-compile, compute_120 the newest.
-PTX_ARCHS = (80, 120)
+
+
+def wheel_architectures() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(cubins, PTX images) of JAX_FLASH_CUDA=ON, the wheels' list in cuda/CMakeLists.txt."""
+    text = (CUDA / "CMakeLists.txt").read_text()
+    found = re.search(r'set\(JAX_FLASH_WHEEL_ARCHS "([^"]+)"\)', text)
+    if found is None:
+        sys.exit("check_static: no JAX_FLASH_WHEEL_ARCHS list in cuda/CMakeLists.txt")
+    entries = found.group(1).split(";")
+    cubins = tuple(int(e.split("-")[0]) for e in entries if not e.endswith("-virtual"))
+    ptx = tuple(int(e.split("-")[0]) for e in entries if not e.endswith("-real"))
+    return cubins, ptx
+
+
+# Cubins, and the PTX images that GPUs without a cubin here (sm_110 and later) JIT-compile.
+ARCHS, PTX_ARCHS = wheel_architectures()
 SMEM_LIMIT = 101376
 # sm_90 and newer reserve 1 KB of shared memory per block for the system; cuobjdump counts it in
 # SHARED, the opt-in limit (cudaDevAttrMaxSharedMemoryPerBlockOptin = 101376 on sm_120) does not.
-RESERVED_SMEM = {80: 0, 90: 1024, 120: 1024}
+RESERVED_SMEM = {80: 0, 90: 1024, 100: 1024, 120: 1024}
 # fwd_f16_hdim192.cu (Hv = H), fwd_f16_hdim192_hv128.cu (the value head dim Hv = 128), *_warp32.cu.
 INSTANTIATION = re.compile(r"^(fwd|bwd)_(f16|bf16)_hdim(\d+)(?:_hv(\d+))?(?:_(warp32))?\.cu$")
 # The mma.sync kernels (dynamic shared memory, SASS checks) and the host-side traits naming
@@ -55,13 +68,13 @@ MAIN_KERNELS = {
 REQUIRED_SASS = ("HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS.E.BYPASS.128")
 # Per-SM limits for the occupancy column (CUDA C++ Programming Guide, "Technical Specifications
 # per Compute Capability"; the same figures as CCCL's cuda::arch_traits): 64K 32-bit registers
-# (allocated per warp, 8 per thread at a time), shared memory per SM (164 KB, 228 KB, 100 KB;
+# (allocated per warp, 8 per thread at a time), shared memory per SM (164 KB, 228 KB, 228 KB, 100 KB;
 # each CTA also takes 1 KB reserved for the system, so one CTA may opt in to 163, 227, 99 KB),
 # threads per SM and resident CTAs per SM.
 SM_REGISTERS = 65536
-SM_SMEM = {80: 164 * 1024, 90: 228 * 1024, 120: 100 * 1024}
-SM_THREADS = {80: 2048, 90: 2048, 120: 1536}
-SM_MAX_CTAS = {80: 32, 90: 32, 120: 24}
+SM_SMEM = {80: 164 * 1024, 90: 228 * 1024, 100: 228 * 1024, 120: 100 * 1024}
+SM_THREADS = {80: 2048, 90: 2048, 100: 2048, 120: 1536}
+SM_MAX_CTAS = {80: 32, 90: 32, 100: 32, 120: 24}
 SMEM_RESERVED_PER_CTA = 1024
 LDMATRIX_X4_BYTES = 512  # one ldmatrix .x4: four 8x8 matrices of 16-bit elements
 

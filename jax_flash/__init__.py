@@ -2,11 +2,13 @@
 behind one function and one custom_vjp. See `attention`; `ring_attention` for sequences
 sharded over a mesh axis (context parallelism), `ulysses_attention` (all-to-all to heads) and
 `hybrid_attention` (all-to-all × ring on two mesh axes); `paged_attention` and `paged_cache_write`
-for decoding with a paged KV cache. Call settings (`Config`, `config`) are fixed when a call
+for decoding with a paged KV cache. `build_info` says how the installed package was built (its
+CUDA kernels' runtime and architectures; docs/installation.md). Call settings (`Config`, `config`) are fixed when a call
 is traced (docs/configuration.md)."""
 
 from jax_flash import _ffi
 from jax_flash._api import Explanation, attention, explain
+from jax_flash._build import BuildInfo, build_info
 from jax_flash._config import Config, config, current_config
 from jax_flash._export import export_disabled_checks
 from jax_flash._flex import BlockMask, create_block_mask
@@ -28,10 +30,12 @@ _ffi.targets()
 __version__ = "0.1.0"
 __all__ = [
     "BlockMask",
+    "BuildInfo",
     "Config",
     "Explanation",
     "__version__",
     "attention",
+    "build_info",
     "config",
     "create_block_mask",
     "current_config",

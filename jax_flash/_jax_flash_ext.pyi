@@ -23,6 +23,21 @@ def cuda_architectures() -> str:
     """The CUDA architectures of the kernels' images, comma-separated as CMake spells them
     ("80-real,80-virtual,..."); empty without CUDA kernels."""
 
+class _BuildInfo(TypedDict):
+    cuda_runtime_version: int
+    cuda_architectures: str
+    cuda_selection: str
+    cpu_isas: list[str]
+    compiler: str
+
+def build_info() -> _BuildInfo:
+    """How this module was built: cuda_runtime_version (CUDART_VERSION of the static runtime the
+    kernels link, 0 without them), cuda_architectures, cuda_selection (why those), cpu_isas (the
+    ISAs with cpu kernels), compiler."""
+
+def cuda_driver_version() -> int:
+    """The installed driver's CUDA version (12080 for 12.8), 0 without a driver or without CUDA kernels."""
+
 def cpu_core_share(threads: int) -> float:
     """Each thread's FMA rate with `threads` threads running FMAs at once, over one thread's
     alone (the slowest's): ~1 with a core each, ~1/2 where two share a core; 0 off x86-64."""

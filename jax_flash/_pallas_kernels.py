@@ -22,9 +22,11 @@ that sees a non-finite v being made NaN by a per-key flag.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -37,11 +39,42 @@ from jax_flash._spec import AttentionSpec
 LOG2E = math.log2(math.e)
 
 
-def triton():
-    """(jax.experimental.pallas, its Triton module), or ImportError with the reason."""
-    from jax.experimental.pallas import triton as plt
+TRITON_MODULE = "jax.experimental.pallas.triton"
 
-    return pl, plt
+
+def triton():
+    """(jax.experimental.pallas, its Triton module), or ImportError with the reason. Imported
+    by name through sys.modules, so a JAX without the module (or a test that sets its entry to
+    None) is an ImportError here, never an AttributeError inside Pallas."""
+    return pl, importlib.import_module(TRITON_MODULE)
+
+
+def jax_version() -> tuple[int, int]:
+    """(major, minor) of the installed JAX."""
+    major, minor = jax.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def triton_missing() -> str | None:
+    """None when the installed JAX has Pallas's Triton backend, else why `pallas` cannot run."""
+    try:
+        triton()
+    except ImportError as e:
+        return (
+            f"this JAX ({jax.__version__}) has no Pallas Triton backend ({TRITON_MODULE} cannot be imported: {e}); "
+            "pallas needs a JAX that ships it (implementation=None runs cuda or xla instead)"
+        )
+    return None
+
+
+def triton_deprecation() -> str | None:
+    """What `explain` adds on a JAX that deprecated Pallas's Triton backend (0.11 and later)."""
+    if jax_version() < (0, 11):
+        return None
+    return (
+        f"JAX {jax.__version__} deprecates Pallas's Triton backend and will remove it; pallas then becomes "
+        "unavailable, and cuda (the kernels of a CUDA wheel) or xla serve the call"
+    )
 
 
 def compiler_params(cfg: Config):

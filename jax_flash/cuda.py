@@ -18,12 +18,13 @@ docs/configuration.md) choose how it runs:
 The rules that decide from them and from the call's shapes (split-KV, GQA packing, the grid)
 are `jax_flash._heuristics`; an invalid variable is a ValueError naming it when a call is traced.
 
-Architectures: the extension holds the images its build listed (JAX_FLASH_CUDA_ARCHS; by
-default cubins for sm_80, sm_90, sm_120 and PTX for compute_80 and compute_120). A GPU runs
-the cubin of its own major version and an equal or lower minor, else the newest PTX image it
-can JIT-compile (sm_100/103 and later run the compute_80 PTX, compiled by the driver at first
-use); with neither, `unsupported` says so before any launch, and `explain` names the image a
-GPU would run.
+Architectures: the extension holds the images its build chose (cuda/CMakeLists.txt: with
+JAX_FLASH_CUDA=ON, as in the wheels, cubins for sm_80, sm_90, sm_120 and compute_80 PTX; AUTO:
+the visible GPUs'; or JAX_FLASH_CUDA_ARCHS). A GPU runs the cubin of its own major version and
+an equal or lower minor, else the newest PTX image it can JIT-compile (sm_100/103 and later run
+the compute_80 PTX, compiled by the driver at first use); with neither, `unsupported` says so
+before any launch, and `explain` names the image a GPU would run. Before that, the driver must
+be new enough for the kernels' static CUDA runtime (`_build.driver_reason`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_flash import _ffi, _heuristics, _registry
+from jax_flash import _build, _ffi, _heuristics, _registry
 from jax_flash._numerics import finite_part, nonfinite_rows
 from jax_flash._paged_spec import PagedSpec, target_masks
 from jax_flash._spec import AttentionSpec
@@ -302,19 +303,30 @@ class CudaImplementation:
                 return f"needs an NVIDIA GPU (the default backend is {plat})"
             if not _ffi.has_cuda_kernels():
                 why = _ffi.missing("jax_flash_fwd", "cpu")
-                return why or "the extension was built without CUDA kernels (no nvcc at build time)"
+                return why or (
+                    f"the extension was built without CUDA kernels ({_build.build_info().cuda_selection}): "
+                    'install a CUDA wheel (pip install "jax_flash[cuda13]") or rebuild with the GPU visible or '
+                    "JAX_FLASH_CUDA=ON (docs/installation.md)"
+                )
             cc = _compute_capability()
             if cc is None:
                 return "the GPU is not an NVIDIA CUDA device"
             if cc < MIN_COMPUTE_CAPABILITY:
                 return f"needs compute capability 8.0 or newer, the GPU has {cc[0]}.{cc[1]}"
             archs = _architectures()
-            if archs and kernel_image(cc, archs) is None:
+            image = kernel_image(cc, archs) if archs else "unknown"
+            if image is None:
                 return (
                     f"the extension has no kernel image for compute capability {cc[0]}.{cc[1]} "
                     f"(built for {';'.join(archs)}): rebuild with JAX_FLASH_CUDA_ARCHS including "
-                    f'"{cc[0]}{cc[1]}-real" or a PTX image such as "80-virtual"'
+                    f'"{cc[0]}{cc[1]}-real" or a PTX image such as "80-virtual", or with JAX_FLASH_CUDA=ON '
+                    "(docs/installation.md)"
                 )
+            # The driver, before any launch: the static runtime of the kernels needs one of its
+            # major version, and a PTX image one as new as the toolkit that wrote it.
+            why = _build.driver_reason(_build.cuda_driver_version(), _build.cuda_runtime_version(), image)
+            if why:
+                return why
         if spec.head_dim not in HEAD_DIMS:
             return f"has kernels for head dims {HEAD_DIMS}, got {spec.head_dim}"
         why = value_head_dim_reason(spec)

@@ -36,7 +36,16 @@ from jax_flash import _heuristics, _registry
 from jax_flash._merge import merge_partials
 from jax_flash._numerics import pad_axis, round_up
 from jax_flash._paged_spec import PagedSpec
-from jax_flash._pallas_kernels import Layout, compiler_params, dkdv_kernel, dq_kernel, forward_kernel, triton
+from jax_flash._pallas_kernels import (
+    Layout,
+    compiler_params,
+    dkdv_kernel,
+    dq_kernel,
+    forward_kernel,
+    triton,
+    triton_deprecation,
+    triton_missing,
+)
 from jax_flash._pallas_table import padded_head_dim, smem_budget
 from jax_flash._spec import AttentionSpec, MaskInputs
 from jax_flash.inference import pallas_decode
@@ -511,10 +520,9 @@ class PallasImplementation:
         plat = _registry.platform()
         if plat not in ("gpu", "cpu"):
             return f"runs on GPUs through Triton (and interpreted on the CPU), not on {plat}"
-        try:
-            triton()
-        except ImportError as e:
-            return f"jax.experimental.pallas.triton cannot be imported: {e}"
+        missing = triton_missing()
+        if missing:
+            return missing
         if spec.dtype not in DTYPES:
             return f"supports dtypes {DTYPES}, got {spec.dtype}"
         if spec.head_dim > MAX_HEAD_DIM:
@@ -530,6 +538,9 @@ class PallasImplementation:
         """What `explain` adds: the forward's split-KV, and on a CPU that the kernels are
         interpreted, which is for tests."""
         split = split_kv_description(spec)
+        deprecation = triton_deprecation()
+        if deprecation:
+            split += f"; {deprecation}"
         if _interpret(None):
             return f"interpreted (slow): the Triton kernels run with interpret=True on the CPU; {split}"
         return split

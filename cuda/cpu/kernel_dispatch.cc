@@ -107,5 +107,13 @@ const KernelTable* SelectKernels(std::string_view requested, std::string_view se
   return nullptr;
 }
 
+std::vector<std::string> CompiledIsas() {
+#if defined(__x86_64__) || defined(_M_X64)
+  return {"amx", "avx512bf16", "avx512", "avx2", "generic", "amx_emulated"};
+#else
+  return {"generic"};
+#endif
+}
+
 }  // namespace cpu
 }  // namespace jax_flash

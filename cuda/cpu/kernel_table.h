@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "cpu/problem.h"
 
@@ -61,6 +62,10 @@ const KernelTable& Kernels();
 // error message naming `setting`=`requested` when the name is unknown or this CPU lacks it.
 // The handlers take the name from their isa attribute; it is never read from the environment.
 const KernelTable* SelectKernels(std::string_view requested, std::string_view setting, std::string* error);
+
+// The ISAs this build holds kernels for (SelectKernels can return), widest first; on x86-64
+// every one, elsewhere "generic" alone. Which of them this CPU runs is SelectKernels' answer.
+std::vector<std::string> CompiledIsas();
 
 }  // namespace cpu
 }  // namespace jax_flash

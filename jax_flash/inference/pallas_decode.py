@@ -33,7 +33,7 @@ from jax_flash._numerics import (
     pad_axis,
     poison_infinite,
 )
-from jax_flash._pallas_kernels import compiler_params, triton
+from jax_flash._pallas_kernels import compiler_params, triton_missing
 from jax_flash._pallas_table import Config
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -45,10 +45,9 @@ def _pow2(x: int) -> bool:
 
 def unsupported(pspec) -> str | None:
     """None, or why the pallas decode kernel cannot serve this paged call."""
-    try:
-        triton()
-    except ImportError as e:
-        return f"jax.experimental.pallas.triton cannot be imported: {e}"
+    missing = triton_missing()
+    if missing:
+        return missing
     spec = pspec.attention
     if _registry.platform() not in ("gpu", "cpu"):
         return f"runs on GPUs through Triton (and interpreted on the CPU), not on {_registry.platform()}"

@@ -1,6 +1,6 @@
 """Which kernel image a GPU runs (jax_flash.cuda.kernel_image), and the default architectures:
 every capability from 8.0 up has an image (a cubin, or the compute_80 PTX the driver
-JIT-compiles, e.g. on sm_100/103), and a build without one for the GPU is refused before any
+JIT-compiles, e.g. on sm_110), and a build without one for the GPU is refused before any
 launch, with the reason in `explain`."""
 
 from __future__ import annotations
@@ -14,27 +14,37 @@ import jax.numpy as jnp
 import pytest
 
 import jax_flash
-from jax_flash import _ffi, _registry, cuda as jf_cuda
+from jax_flash import _build, _ffi, _registry, cuda as jf_cuda
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _defaults():
+def _wheel_architectures():
+    """The architectures of JAX_FLASH_CUDA=ON (the wheels, CI), from cuda/CMakeLists.txt."""
     cmake = (ROOT / "cuda" / "CMakeLists.txt").read_text()
-    in_cmake = re.search(r'set\(JAX_FLASH_CUDA_ARCHS "([^"]+)"', cmake).group(1)
-    toml = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    in_toml = toml["tool"]["scikit-build"]["cmake"]["define"]["JAX_FLASH_CUDA_ARCHS"]["default"]
-    return in_cmake, in_toml
+    return re.search(r'set\(JAX_FLASH_WHEEL_ARCHS "([^"]+)"', cmake).group(1)
 
 
-def test_default_architectures_agree_and_cover_every_later_gpu():
-    in_cmake, in_toml = _defaults()
-    assert in_cmake == in_toml
-    archs = in_cmake.split(";")
-    assert "80-virtual" in archs
+def test_wheel_architectures_cover_every_later_gpu_and_source_builds_choose():
+    archs = _wheel_architectures().split(";")
+    assert archs == ["80-real", "90-real", "120-real", "80-virtual"]
     for major in range(8, 16):
         for minor in range(10):
             assert jf_cuda.kernel_image((major, minor), archs) is not None, (major, minor)
+    # Ampere and Ada (8.6, 8.9) run the sm_80 cubin; Blackwell B200/B300 (10.0, 10.3) and sm_110 the PTX.
+    assert [jf_cuda.kernel_image(cc, archs) for cc in ((8, 6), (8, 9), (10, 3), (11, 0), (12, 1))] == [
+        "sm_80",
+        "sm_80",
+        "compute_80 PTX",
+        "compute_80 PTX",
+        "sm_120",
+    ]
+    # A source build chooses by JAX_FLASH_CUDA (AUTO: the visible GPUs); an explicit list is
+    # empty by default, in CMake and in pyproject.toml alike.
+    cmake = (ROOT / "cuda" / "CMakeLists.txt").read_text()
+    assert 'set(JAX_FLASH_CUDA_ARCHS "" CACHE' in cmake and 'set(JAX_FLASH_CUDA "AUTO" CACHE' in cmake
+    toml = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["scikit-build"]["cmake"]["define"]
+    assert toml["JAX_FLASH_CUDA_ARCHS"]["default"] == "" and toml["JAX_FLASH_CUDA"]["default"] == "AUTO"
 
 
 @pytest.mark.parametrize(
@@ -65,6 +75,9 @@ def _pretend_gpu(monkeypatch, cc, archs):
     monkeypatch.setattr(_ffi, "has_cuda_kernels", lambda: True)
     monkeypatch.setattr(jf_cuda, "_compute_capability", lambda: cc)
     monkeypatch.setattr(jf_cuda, "_architectures", lambda: tuple(archs.split(",")))
+    # A driver for the kernels' runtime (tests/internals/test_build_info.py fakes older ones).
+    monkeypatch.setattr(_build, "cuda_driver_version", lambda: 13000)
+    monkeypatch.setattr(_build, "cuda_runtime_version", lambda: 13000)
 
 
 def _spec():

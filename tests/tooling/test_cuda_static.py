@@ -1,5 +1,5 @@
 """Static checks of the CUDA kernels (build/check_static.py): per instantiation and per arch
-(sm_80, sm_90, sm_120), no register spills, no stack frame, shared memory within the 99 KB
+(every cubin of the wheels: sm_80, sm_90, sm_120), no register spills, no stack frame, shared memory within the 99 KB
 sm_120 limit, and mma.sync/ldmatrix/cp.async (HMMA, LDSM, LDGSTS) in the SASS, no wmma; the
 value head dims Hv != H ((192, 128), (128, 64)) among them.
 

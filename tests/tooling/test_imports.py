@@ -61,7 +61,8 @@ LAYERS = (
     # The one custom_vjp and the registry it dispatches through (by name).
     ("dispatch", ("jax_flash._vjp", "jax_flash._registry")),
     # Spec, settings, argument normalisation, masks, dropout bits, numerics, the schedule
-    # rules and the Pallas tile table (data), split-KV chunking, the lse merge, the extension.
+    # rules and the Pallas tile table (data), split-KV chunking, the lse merge, the extension
+    # and what it says of its build.
     (
         "shared",
         (
@@ -78,6 +79,7 @@ LAYERS = (
             "jax_flash._heuristics",
             "jax_flash._pallas_table",
             "jax_flash.inference.split_kv",
+            "jax_flash._build",
             "jax_flash._jax_flash_ext",
             "jax_flash._jax_flash_emu",
         ),

@@ -20,7 +20,12 @@ def test_version_is_written_once():
     assert "version" not in project and "version" in project["dynamic"]
     provider = PYPROJECT["tool"]["scikit-build"]["metadata"]["version"]
     assert provider["provider"] == "scikit_build_core.metadata.regex"
-    source = (ROOT / provider["input"]).read_text()
+    # The source tree's file; against an installed wheel (tests copied out of the tree), the
+    # installed copy of the same file.
+    path = ROOT / provider["input"]
+    if not path.exists():
+        path = pathlib.Path(jax_flash.__file__).parent.parent / provider["input"]
+    source = path.read_text()
     # scikit-build-core's default pattern for the regex provider
     found = re.findall(r'(?im)^(?:__version__|VERSION)(?: ?: ?str)? *= *([\'"])v?(.+?)\1', source)
     assert [v for _, v in found] == [jax_flash.__version__]
@@ -28,7 +33,10 @@ def test_version_is_written_once():
         installed = importlib.metadata.version("jax_flash")
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("jax_flash is not installed (run from the source tree)")
-    assert installed == jax_flash.__version__
+    # A wheel's flavour is the local label of its version (X.Y.Z+cpu, +cu12; docs/installation.md).
+    public, _, label = installed.partition("+")
+    assert public == jax_flash.__version__
+    assert label in ("", "cpu", "cu12", "emu", "cpu.emu", "cu12.emu"), installed
 
 
 def test_license_and_type_information_ship():
