@@ -19,9 +19,9 @@ The rules that decide from them and from the call's shapes (split-KV, GQA packin
 are `jax_flash._heuristics`; an invalid variable is a ValueError naming it when a call is traced.
 
 Architectures: the extension holds the images its build chose (cuda/CMakeLists.txt: with
-JAX_FLASH_CUDA=ON, as in the wheels, cubins for sm_80, sm_90, sm_120 and compute_80 PTX; AUTO:
+JAX_FLASH_CUDA=ON, as in the wheels, cubins for sm_80, sm_90, sm_100, sm_120 and compute_80 PTX; AUTO:
 the visible GPUs'; or JAX_FLASH_CUDA_ARCHS). A GPU runs the cubin of its own major version and
-an equal or lower minor, else the newest PTX image it can JIT-compile (sm_100/103 and later run
+an equal or lower minor, else the newest PTX image it can JIT-compile (sm_110 and later run
 the compute_80 PTX, compiled by the driver at first use); with neither, `unsupported` says so
 before any launch, and `explain` names the image a GPU would run. Before that, the driver must
 be new enough for the kernels' static CUDA runtime (`_build.driver_reason`).

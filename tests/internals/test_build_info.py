@@ -16,7 +16,7 @@ import jax_flash
 from jax_flash import _build, _ffi, _pallas_kernels, _registry, cuda as jf_cuda, pallas as jf_pallas
 from jax_flash._normalize import canonicalize
 
-WHEEL_ARCHS = "80-real,90-real,120-real,80-virtual"
+WHEEL_ARCHS = "80-real,90-real,100-real,120-real,80-virtual"
 
 
 def _extension():

@@ -27,15 +27,17 @@ def _wheel_architectures():
 
 def test_wheel_architectures_cover_every_later_gpu_and_source_builds_choose():
     archs = _wheel_architectures().split(";")
-    assert archs == ["80-real", "90-real", "120-real", "80-virtual"]
+    assert archs == ["80-real", "90-real", "100-real", "120-real", "80-virtual"]
     for major in range(8, 16):
         for minor in range(10):
             assert jf_cuda.kernel_image((major, minor), archs) is not None, (major, minor)
-    # Ampere and Ada (8.6, 8.9) run the sm_80 cubin; Blackwell B200/B300 (10.0, 10.3) and sm_110 the PTX.
-    assert [jf_cuda.kernel_image(cc, archs) for cc in ((8, 6), (8, 9), (10, 3), (11, 0), (12, 1))] == [
+    # Ampere and Ada (8.6, 8.9) run the sm_80 cubin, Blackwell B200/B300 (10.0, 10.3) the sm_100
+    # one, sm_110 the PTX.
+    assert [jf_cuda.kernel_image(cc, archs) for cc in ((8, 6), (8, 9), (10, 0), (10, 3), (11, 0), (12, 1))] == [
         "sm_80",
         "sm_80",
-        "compute_80 PTX",
+        "sm_100",
+        "sm_100",
         "compute_80 PTX",
         "sm_120",
     ]
