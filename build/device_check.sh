@@ -356,7 +356,14 @@ step_correctness() {
   [ "$DRY" = 1 ] && export JAX_FLASH_GPU_SUITE=emulated
   if "$PY" -c "import pytest" 2>/dev/null; then
     # -o addopts=: pyproject.toml asks for pytest-xdist workers, which this machine may lack.
-    "$PY" -m pytest -o addopts= tests/internals/test_gpu.py -m gpu -v -p no:cacheprovider -rfEs --durations=5
+    # Each test spends most of its time compiling (on the H200, 53 tests took 206 s for the
+    # first 24 in one process and 123 s for all with 8 workers): one worker per two CPUs, up to
+    # 8, where pytest-xdist is installed.
+    local workers=$((JOBS / 2)) parallel=()
+    ((workers > 8)) && workers=8
+    ((workers >= 2)) && "$PY" -c "import xdist" 2>/dev/null && parallel=(-n "$workers")
+    "$PY" -m pytest -o addopts= tests/internals/test_gpu.py -m gpu -v -p no:cacheprovider -rfEs --durations=5 \
+      "${parallel[@]}"
   else
     echo "pytest is not installed: tests/internals/test_gpu.py's own runner"
     "$PY" tests/internals/test_gpu.py
