@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-ROOT = next(p for p in pathlib.Path(__file__).resolve().parents if (p / "jax_flash").is_dir())
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the checkout, or a copy of it without jax_flash/ (an installed wheel)
 
 # ---- the signatures: the one table ---------------------------------------------------------
 #

@@ -11,13 +11,15 @@ implementations without importing them, and it is no edge here.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = ROOT / "jax_flash"
+# The package the suite imports: the source tree, or an installed wheel's copy in site-packages.
+PACKAGE = Path(importlib.util.find_spec("jax_flash").origin).parent
 
 # Top to bottom. A module may import modules of its own layer or of a lower one. An entry
 # names a module or a package prefix (the longest entry that matches a module decides).
