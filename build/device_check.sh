@@ -270,7 +270,9 @@ run_step() {
     124 | 137) STATE[$name]="cut"; note="cut at its limit of ${limit} s; last: $note" ;;
     *) STATE[$name]=failed ;;
   esac
-  [ "$name" = machine ] && [ "$rc" = 0 ] && STATE[$name]=ran
+  # The machine's description is information only: even cut short (a small budget scales its
+  # cap down to 1 s) it does not fail the run.
+  [ "$name" = machine ] && STATE[$name]=ran
   NOTE[$name]=$note
   write_json
   echo "---- $name: ${STATE[$name]} in ${SECS[$name]} s (rc $rc)"
