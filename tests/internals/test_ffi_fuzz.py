@@ -33,7 +33,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]  # the checkout, or a copy of it without jax_flash/ (an installed wheel)
+ROOT = (
+    pathlib.Path(__file__).resolve().parents[2]
+)  # the checkout, or a copy of it without jax_flash/ (an installed wheel)
 
 # ---- the signatures: the one table ---------------------------------------------------------
 #

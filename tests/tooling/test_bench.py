@@ -228,7 +228,8 @@ def test_bench_torch_peer_and_cpu_peak(capsys):
             assert torch_row.status.startswith("failed")
     peaks = bench.cpu_peaks()
     if peaks:  # Linux x86-64
-        assert "CPU peak" in out and peaks["clock_ghz"] > 0.5
+        # A clock no x86-64 core reaches (above 7 GHz) is a probe the core folded away.
+        assert "CPU peak" in out and 0.5 < peaks["clock_ghz"] < 7.0
         assert peaks["bfloat16"][1] >= peaks["float32"][1] > 0
         assert 0 < by_impl[("cpu", "fwd")].peak_fraction < 1
         # Whether the threads had a core each: one probe per case, the same for every peer.
