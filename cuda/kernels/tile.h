@@ -33,8 +33,8 @@ constexpr int kMaxSmemBytes = 101376;
 enum class Pass { kForward, kBackward, kBackwardDq };
 
 // How a CTA's work is split over its warps, chosen at dispatch (JAX_FLASH_CUDA_LAYOUT, read by
-// the handlers; cuda/README.md). Both are compiled; kWarp16 is the default until a GPU
-// measurement decides.
+// the handlers; cuda/README.md). Both are compiled; kWarp16 is the default (on an H200 kWarp32
+// took 0.98-1.13x its time: docs/gpu-results.md, "Runs").
 //   kWarp16: every warp owns one m16 block of rows: the forward runs 8 warps x 16 query rows,
 //            the backward 64 keys per CTA.
 //   kWarp32: FlashAttention-2's partition: the forward runs 4 warps x 32 query rows (two m16
