@@ -22,7 +22,7 @@ that setting: then the ValueError names the variable (so `JAX_FLASH_CUDA_LAYOUT=
 `cuda` calls, not `cpu` ones, and `explain` still answers).
 
 Setting                                Variable                             Default
-cpu_isa             str                JAX_FLASH_CPU_ISA                    "" (the widest the CPU has)
+cpu_isa             str                JAX_FLASH_CPU_ISA                    "" (the CPU's default)
 cpu_split_kv        int                JAX_FLASH_CPU_SPLIT_KV               0 (the rule)
 cpu_gradient_chunks int                JAX_FLASH_CPU_GRADIENT_CHUNKS        0 (the rule)
 cuda_layout         str                JAX_FLASH_CUDA_LAYOUT                "warp16"
@@ -169,9 +169,10 @@ class Config:
     `JAX_FLASH_*` variable, then from the default (module `jax_flash._config`).
 
     Attributes:
-      cpu_isa: the `cpu` kernels' instruction set: "" (the widest this CPU has), "amx",
-        "avx512bf16", "avx512", "avx2", "generic" or "amx_emulated" (AMX code with emulated
-        tile instructions, for tests). An ISA the CPU lacks is an error of the call.
+      cpu_isa: the `cpu` kernels' instruction set: "" (this CPU's default: the widest, but
+        avx512 over avx512bf16 where bf16 dot products are the slower), "amx", "avx512bf16",
+        "avx512", "avx2", "generic" or "amx_emulated" (AMX code with emulated tile
+        instructions, for tests). An ISA the CPU lacks is an error of the call.
       cpu_split_kv: the `cpu` forward's split-KV chunks: 0 the rule, C >= 1 forces C (1:
         never split; at most one chunk per key block is used).
       cpu_gradient_chunks: the `cpu` backward's key-block chunks: 0 the rule (from XLA's

@@ -151,7 +151,7 @@ CPU_MIN_CHUNK_KEY_BLOCKS = 4
 
 
 def cpu_isa(spec: AttentionSpec) -> str:
-    """The cpu kernels' instruction set: "" (the widest this CPU has) or one ISA's name."""
+    """The cpu kernels' instruction set: "" (the default ISA of this CPU) or one ISA's name."""
     return spec.settings.get("cpu_isa")
 
 

@@ -54,9 +54,17 @@ def set_cpu_thread_limit(threads: int) -> int:
     Results are bitwise the same for every cap."""
 
 def cpu_isa(requested: str | None = None) -> str:
-    """The ISA the cpu kernels run for `requested` ("": the widest this CPU has; None: the value
-    of JAX_FLASH_CPU_ISA); a ValueError naming JAX_FLASH_CPU_ISA when it is unknown or this CPU
-    lacks it."""
+    """The ISA the cpu kernels run for `requested` ("": the default, cpu_default_isa's rule on
+    this CPU; None: the value of JAX_FLASH_CPU_ISA); a ValueError naming JAX_FLASH_CPU_ISA when
+    it is unknown or this CPU lacks it."""
+
+def cpu_default_isa(amx: bool, avx512bf16: bool, avx512: bool, avx2: bool, bf16_dot_over_fma: float) -> str:
+    """The default ISA's rule (cpu_isa("") applies it to this CPU): amx where granted; else
+    avx512bf16 where bf16_dot_over_fma >= 1, else avx512; else avx2; else generic."""
+
+def cpu_bf16_dot_over_fma() -> float:
+    """FLOP/s of vdpbf16ps over those of vfmadd231ps on this CPU, measured once (0 without
+    AVX-512 BF16)."""
 
 def cpu_blocking(h: int, dtype: Literal["float32", "bfloat16", "float16"], bf16_products: bool, /) -> _CpuBlocking:
     """(H, dtype, bf16_products) -> the cpu kernels' tile blocking (tiling.h BlockingFor):

@@ -28,7 +28,7 @@ def split_kv_description(spec: AttentionSpec) -> str:
 
 
 def isa(spec: AttentionSpec) -> str:
-    """The call's ISA (Config.cpu_isa): "" (the widest this CPU runs) or one ISA; an unknown
+    """The call's ISA (Config.cpu_isa): "" (the default ISA of this CPU) or one ISA; an unknown
     one, or one this CPU lacks, is a ValueError naming JAX_FLASH_CPU_ISA when the call is traced."""
     value = _heuristics.cpu_isa(spec)
     if value:

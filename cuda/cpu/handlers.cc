@@ -103,7 +103,7 @@ void ToProblem(const boundary::Problem& b, Problem* p) {
 
 void Poison(ffi::AnyBuffer buffer) { std::memset(buffer.untyped_data(), nonfinite::kNanFillByte, buffer.size_bytes()); }
 
-// The ISA attribute: "" (the widest this CPU runs) or a name of SelectKernels; an unknown name,
+// The ISA attribute: "" (the default ISA of this CPU) or a name of SelectKernels; an unknown name,
 // or one this CPU lacks, is an error naming it.
 const KernelTable* KernelsFor(Checker& check, std::string_view isa) {
   if (!check.ok()) return nullptr;
@@ -300,7 +300,7 @@ ffi::Error Backward(ffi::ThreadPool pool, const boundary::BackwardCall& call, ff
 template <class Binding>
 auto CpuForwardSignature(Binding&& binding) {
   return boundary::BindForward(std::move(binding))
-      .template Attr<std::string_view>("isa")    // "" (the widest this CPU runs) or an ISA's name
+      .template Attr<std::string_view>("isa")    // "" (the default ISA of this CPU) or an ISA's name
       .template Attr<int64_t>("forward_chunks")  // split-KV key chunks, >= 1 (1: no split)
       .template Attr<bool>("pack_gqa");          // T = 1: the G query heads of a kv head in one tile
 }

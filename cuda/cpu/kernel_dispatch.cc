@@ -1,6 +1,10 @@
 // Chooses the kernels for this CPU at run time, so the wheel needs no -march flags.
+#include <chrono>
 #include <string>
 #include <string_view>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
 #if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -58,9 +62,87 @@ bool CpuHasAvx2() {
 #endif
 }
 
+#if defined(__x86_64__) || defined(_M_X64)
+// Instructions per second of 12 independent chains of `step` (more than latency × ports on any
+// core, so the ports bound it): the best of 5 bursts of ~0.3 ms.
+template <typename Step>
+double ChainRate(Step step) {
+  double best = 0.0;
+  for (int burst = 0; burst < 5; ++burst) {
+    constexpr int64_t kSteps = 20000;
+    const auto start = std::chrono::steady_clock::now();
+    step(kSteps);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (seconds > 0 && 12.0 * kSteps / seconds > best) best = 12.0 * kSteps / seconds;
+  }
+  return best;
+}
+
+#define JAX_FLASH_TIMES12(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define JAX_FLASH_DECLARE(i) __m512 c##i = _mm512_set1_ps(static_cast<float>(i));
+#define JAX_FLASH_KEEP(i) asm volatile("" : "+v"(c##i));
+
+__attribute__((target("avx512f,avx512bf16"))) void DotChains(int64_t steps) {
+  const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80);  // bf16 1.0
+  const __m512bh b = (__m512bh)_mm512_set1_epi16(0x3a80);  // bf16 ~0.001
+  JAX_FLASH_TIMES12(JAX_FLASH_DECLARE)
+  for (int64_t k = 0; k < steps; ++k) {
+#define JAX_FLASH_DOT(i) c##i = _mm512_dpbf16_ps(c##i, a, b);
+    JAX_FLASH_TIMES12(JAX_FLASH_DOT)
+#undef JAX_FLASH_DOT
+  }
+  JAX_FLASH_TIMES12(JAX_FLASH_KEEP)
+}
+
+__attribute__((target("avx512f"))) void FmaChains(int64_t steps) {
+  const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-4f);
+  JAX_FLASH_TIMES12(JAX_FLASH_DECLARE)
+  for (int64_t k = 0; k < steps; ++k) {
+#define JAX_FLASH_FMA(i) c##i = _mm512_fmadd_ps(c##i, a, b);
+    JAX_FLASH_TIMES12(JAX_FLASH_FMA)
+#undef JAX_FLASH_FMA
+  }
+  JAX_FLASH_TIMES12(JAX_FLASH_KEEP)
+}
+#undef JAX_FLASH_KEEP
+#undef JAX_FLASH_DECLARE
+#undef JAX_FLASH_TIMES12
+#endif
+
 }  // namespace
 
+std::string DefaultIsa(bool amx, bool avx512bf16, bool avx512, bool avx2, double bf16_dot_over_fma) {
+  if (amx) return "amx";
+  if (avx512bf16 && bf16_dot_over_fma >= 1.0) return "avx512bf16";
+  if (avx512 || avx512bf16) return "avx512";
+  if (avx2) return "avx2";
+  return "generic";
+}
+
+double Bf16DotOverFma() {
+#if defined(__x86_64__) || defined(_M_X64)
+  static const double ratio = [] {
+    if (!CpuHasAvx512Bf16()) return 0.0;
+    DotChains(1000);  // warm the 512-bit units before either is timed
+    FmaChains(1000);
+    const double dots = ChainRate(DotChains), fmas = ChainRate(FmaChains);
+    return fmas > 0 ? 64.0 * dots / (32.0 * fmas) : 0.0;
+  }();
+  return ratio;
+#else
+  return 0.0;
+#endif
+}
+
 const KernelTable* SelectKernels(std::string_view requested, std::string_view setting, std::string* error) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (requested.empty()) {
+    // The rate is measured only where it decides something: AVX-512 BF16 without AMX.
+    const bool amx = CpuHasAmx(), bf16 = CpuHasAvx512Bf16();
+    const std::string isa = DefaultIsa(amx, bf16, CpuHasAvx512(), CpuHasAvx2(), !amx && bf16 ? Bf16DotOverFma() : 0.0);
+    return SelectKernels(isa, setting, error);
+  }
+#endif
   const bool any = requested.empty();
   const std::string named = std::string(setting) + "=" + std::string(requested);
 #if defined(__x86_64__) || defined(_M_X64)

@@ -57,11 +57,24 @@ const KernelTable& Kernels();
 }
 #endif
 
-// The widest ISA this CPU runs (`requested` empty), or the one named ("amx", "avx512bf16",
-// "avx512", "avx2", "generic", or "amx_emulated", which is never chosen otherwise); null and an
-// error message naming `setting`=`requested` when the name is unknown or this CPU lacks it.
-// The handlers take the name from their isa attribute; it is never read from the environment.
+// The default ISA (`requested` empty: DefaultIsa on this CPU), or the one named ("amx",
+// "avx512bf16", "avx512", "avx2", "generic", or "amx_emulated", which is never chosen otherwise);
+// null and an error message naming `setting`=`requested` when the name is unknown or this CPU
+// lacks it. The handlers take the name from their isa attribute; it is never read from the
+// environment.
 const KernelTable* SelectKernels(std::string_view requested, std::string_view setting, std::string* error);
+
+// The default rule, from what the CPU runs: amx where granted; else avx512bf16 where its bf16
+// dot products give at least the FLOP rate of float32 FMAs (`bf16_dot_over_fma`, measured by
+// Bf16DotOverFma), else avx512 (the same kernels with float32 products); else avx2; else generic.
+// The two AVX-512 kernels differ only in bf16 products, so the rate decides nothing else.
+std::string DefaultIsa(bool amx, bool avx512bf16, bool avx512, bool avx2, double bf16_dot_over_fma);
+
+// FLOP per second of vdpbf16ps (64 per zmm instruction) over those of vfmadd231ps (32), on one
+// thread with independent chains: about 2 where the core runs both at one per cycle, 0.5 on a
+// Xeon that ran vdpbf16ps at a quarter of the FMAs' rate. Measured once (a few ms), then cached;
+// 0 on a CPU without AVX-512 BF16.
+double Bf16DotOverFma();
 
 // The ISAs this build holds kernels for (SelectKernels can return), widest first; on x86-64
 // every one, elsewhere "generic" alone. Which of them this CPU runs is SelectKernels' answer.

@@ -161,8 +161,16 @@ void AddCpuFunctions(nb::module_& m) {
         return std::string(kernels->isa);
       },
       nb::arg("requested") = nb::none(),
-      "The ISA the cpu kernels run for `requested` (\"\": the widest this CPU has; None: the value of "
+      "The ISA the cpu kernels run for `requested` (\"\": the default ISA of this CPU, cpu_default_isa; None: the "
+      "value of "
       "JAX_FLASH_CPU_ISA); a ValueError naming JAX_FLASH_CPU_ISA when it is unknown or this CPU lacks it.");
+  m.def("cpu_default_isa", &cpu::DefaultIsa, nb::arg("amx"), nb::arg("avx512bf16"), nb::arg("avx512"), nb::arg("avx2"),
+        nb::arg("bf16_dot_over_fma"),
+        "The default ISA's rule (cpu_isa(\"\") applies it to this CPU): amx where granted; else "
+        "avx512bf16 where bf16_dot_over_fma >= 1, else avx512; else avx2; else generic.");
+  m.def("cpu_bf16_dot_over_fma", &cpu::Bf16DotOverFma,
+        "FLOP/s of vdpbf16ps over those of vfmadd231ps on this CPU, measured once (0 without "
+        "AVX-512 BF16).");
   m.def(
       "cpu_blocking",
       [](int64_t h, const std::string& dtype, bool bf16_products) {

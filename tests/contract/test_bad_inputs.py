@@ -493,7 +493,7 @@ _HANDLER_SCRIPT = textwrap.dedent(
 
     def own(target, backward=False):
         # Each target's own attributes (cuda/README.md): the CUDA targets' layout; the cpu
-        # targets' isa ("": the widest this CPU runs) and forward_chunks and pack_gqa, or
+        # targets' isa ("": the default ISA of this CPU) and forward_chunks and pack_gqa, or
         # gradient_chunks (0: the rule).
         if "emu" in target:
             return {"layout": "warp16"}

@@ -363,6 +363,38 @@ def run_on(isa: str, x: dict, attrs: dict):
             return None
 
 
+def test_default_isa_rule():
+    """The default ISA: amx where granted; else avx512bf16 only where its bf16 dot products give
+    at least the float32 FMAs' FLOP rate (on a Xeon they gave half: avx512 ran bf16 1.5x
+    faster), else avx512; else avx2; else generic."""
+    rule = _jax_flash_ext.cpu_default_isa
+    assert rule(True, True, True, True, 0.5) == "amx"
+    assert rule(False, True, True, True, 2.0) == "avx512bf16"
+    assert rule(False, True, True, True, 1.0) == "avx512bf16"
+    assert rule(False, True, True, True, 0.5) == "avx512"
+    assert rule(False, False, True, True, 0.0) == "avx512"
+    assert rule(False, False, False, True, 0.0) == "avx2"
+    assert rule(False, False, False, False, 0.0) == "generic"
+
+
+def test_default_isa_is_the_rule_on_this_cpu():
+    """cpu_isa("") is the rule applied to what this CPU runs and its measured rate."""
+
+    def runs(isa):
+        try:
+            return _jax_flash_ext.cpu_isa(isa) == isa
+        except ValueError:
+            return False
+
+    ratio = _jax_flash_ext.cpu_bf16_dot_over_fma()
+    has = {isa: runs(isa) for isa in ("amx", "avx512bf16", "avx512", "avx2")}
+    assert (ratio > 0) == has["avx512bf16"]
+    if ratio > 0:
+        assert 0.1 < ratio < 8, ratio  # a vdpbf16ps is 64 FLOP, an FMA 32: 0.5 to 2 seen
+    want = _jax_flash_ext.cpu_default_isa(has["amx"], has["avx512bf16"], has["avx512"], has["avx2"], ratio)
+    assert _jax_flash_ext.cpu_isa("") == want
+
+
 @pytest.mark.parametrize("config", ["combo", "tiny_head", "mqa_wide", "wide_head", "odd_tiles"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("isa", ISAS)
