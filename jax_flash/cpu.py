@@ -38,6 +38,25 @@ def isa(spec: AttentionSpec) -> str:
     return value
 
 
+def isa_description(spec: AttentionSpec) -> str:
+    """`explain`'s words for the ISA the kernels will run: the one set, or this CPU's default
+    (cuda/cpu/README.md, "ISAs"), with the measured rate where it decided between avx512bf16
+    and avx512."""
+    from jax_flash import _jax_flash_ext
+
+    try:
+        value = isa(spec)
+    except ValueError as e:
+        return f"{e}: calls fail"
+    if value:
+        return f"ISA {value} (set by cpu_isa)"
+    chosen = _jax_flash_ext.cpu_isa("")
+    ratio = _jax_flash_ext.cpu_bf16_dot_over_fma() if chosen in ("avx512bf16", "avx512") else 0.0
+    if ratio > 0:
+        return f"ISA {chosen} (this CPU's default: bf16 dot products at {ratio:.2f}x the FLOP rate of float32 FMAs)"
+    return f"ISA {chosen} (this CPU's default)"
+
+
 def forward_attributes(spec: AttentionSpec) -> dict:
     """The cpu forward targets' own attributes for the (local) call `spec` (cuda/README.md): the
     ISA, the split-KV chunk count and GQA packing, decided when the call is traced."""
@@ -79,6 +98,7 @@ class CpuImplementation:
         for name, shape in (("bias", spec.bias_shape), ("mask", spec.mask_shape)):
             if shape is not None:
                 parts.append(f"dense {name} {list(shape)} read in place through its broadcast strides")
+        parts.append(isa_description(spec))
         if spec.bias_shape is None:
             return "; ".join(parts)
         dims = [

@@ -352,6 +352,19 @@ def test_explain_one_plain_line_per_implementation():
     _plain_and_verbose(e, jax_flash.explain_paged(*args, verbose=True))
 
 
+def test_explain_names_the_cpu_isa():
+    """verbose=True names the ISA the cpu kernels will run: this CPU's default, or the one set."""
+    from jax_flash import _jax_flash_ext
+
+    q = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
+    e = jax_flash.explain(q, q, q)
+    if e.reasons["cpu"] is not None:
+        pytest.skip(f"cpu cannot run here: {e.reasons['cpu']}")
+    assert f"ISA {_jax_flash_ext.cpu_isa('')} (this CPU's default" in e.notes["cpu"]
+    with jax_flash.config(cpu_isa="generic"):
+        assert "ISA generic (set by cpu_isa)" in jax_flash.explain(q, q, q).notes["cpu"]
+
+
 def test_explain_says_pallas_is_interpreted_on_a_cpu():
     if jax.default_backend() != "cpu":
         pytest.skip("CPU backend only")
