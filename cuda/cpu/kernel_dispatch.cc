@@ -134,55 +134,44 @@ double Bf16DotOverFma() {
 #endif
 }
 
-const KernelTable* SelectKernels(std::string_view requested, std::string_view setting, std::string* error) {
-#if defined(__x86_64__) || defined(_M_X64)
-  if (requested.empty()) {
-    // The rate is measured only where it decides something: AVX-512 BF16 without AMX.
+namespace {
+
+// DefaultIsa on this CPU, decided once per process: the rate is measured only where it
+// decides something (AVX-512 BF16 without AMX); off x86-64 every feature is absent: generic.
+const std::string& DefaultIsaOfThisCpu() {
+  static const std::string isa = [] {
     const bool amx = CpuHasAmx(), bf16 = CpuHasAvx512Bf16();
-    const std::string isa = DefaultIsa(amx, bf16, CpuHasAvx512(), CpuHasAvx2(), !amx && bf16 ? Bf16DotOverFma() : 0.0);
-    return SelectKernels(isa, setting, error);
-  }
-#endif
-  const bool any = requested.empty();
+    return DefaultIsa(amx, bf16, CpuHasAvx512(), CpuHasAvx2(), !amx && bf16 ? Bf16DotOverFma() : 0.0);
+  }();
+  return isa;
+}
+
+// The named ISA's kernels where this CPU runs them, else null and `named` + `lacks` in *error.
+[[maybe_unused]] const KernelTable* IfRuns(bool runs, const KernelTable& (*kernels)(), const std::string& named,
+                                           const char* lacks, std::string* error) {
+  if (runs) return &kernels();
+  *error = named + lacks;
+  return nullptr;
+}
+
+}  // namespace
+
+const KernelTable* SelectKernels(std::string_view requested, std::string_view setting, std::string* error) {
+  if (requested.empty()) requested = DefaultIsaOfThisCpu();
   const std::string named = std::string(setting) + "=" + std::string(requested);
 #if defined(__x86_64__) || defined(_M_X64)
-  if (any || requested == "amx") {
-    if (CpuHasAmx()) return &amx::Kernels();
-    if (!any) {
-      *error = named +
-               " but this CPU lacks AMX-BF16 with AVX-512 BF16, or the "
-               "operating system refused it the tile state";
-      return nullptr;
-    }
-  }
-  if (!any && requested == "amx_emulated") {
-    if (CpuHasAvx512Bf16()) return &amx_emulated::Kernels();
-    *error = named + " but this CPU lacks AVX-512 (F, VL, BW, DQ) with BF16";
-    return nullptr;
-  }
-  if (any || requested == "avx512bf16") {
-    if (CpuHasAvx512Bf16()) return &avx512bf16::Kernels();
-    if (!any) {
-      *error = named + " but this CPU lacks AVX-512 (F, VL, BW, DQ) with BF16";
-      return nullptr;
-    }
-  }
-  if (any || requested == "avx512") {
-    if (CpuHasAvx512()) return &avx512::Kernels();
-    if (!any) {
-      *error = named + " but this CPU lacks AVX-512 (F, VL, BW, DQ)";
-      return nullptr;
-    }
-  }
-  if (any || requested == "avx2") {
-    if (CpuHasAvx2()) return &avx2::Kernels();
-    if (!any) {
-      *error = named + " but this CPU lacks AVX2 and FMA";
-      return nullptr;
-    }
-  }
+  constexpr const char* kLacksBf16 = " but this CPU lacks AVX-512 (F, VL, BW, DQ) with BF16";
+  if (requested == "amx")
+    return IfRuns(CpuHasAmx(), amx::Kernels, named,
+                  " but this CPU lacks AMX-BF16 with AVX-512 BF16, or the operating system refused it the tile state",
+                  error);
+  if (requested == "amx_emulated") return IfRuns(CpuHasAvx512Bf16(), amx_emulated::Kernels, named, kLacksBf16, error);
+  if (requested == "avx512bf16") return IfRuns(CpuHasAvx512Bf16(), avx512bf16::Kernels, named, kLacksBf16, error);
+  if (requested == "avx512")
+    return IfRuns(CpuHasAvx512(), avx512::Kernels, named, " but this CPU lacks AVX-512 (F, VL, BW, DQ)", error);
+  if (requested == "avx2") return IfRuns(CpuHasAvx2(), avx2::Kernels, named, " but this CPU lacks AVX2 and FMA", error);
 #endif
-  if (any || requested == "generic") return &generic::Kernels();
+  if (requested == "generic") return &generic::Kernels();
   *error = named +
            " is not one of: amx, avx512bf16, avx512, avx2, generic, amx_emulated (or empty for the best "
            "this CPU runs)";

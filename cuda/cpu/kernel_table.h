@@ -72,7 +72,7 @@ std::string DefaultIsa(bool amx, bool avx512bf16, bool avx512, bool avx2, double
 
 // FLOP per second of vdpbf16ps (64 per zmm instruction) over those of vfmadd231ps (32), on one
 // thread with independent chains: about 2 where the core runs both at one per cycle, 0.5 on a
-// Xeon that ran vdpbf16ps at a quarter of the FMAs' rate. Measured once (a few ms), then cached;
+// Xeon that ran vdpbf16ps at a quarter of the FMAs' rate. Measured once (about 1 ms), then cached;
 // 0 on a CPU without AVX-512 BF16.
 double Bf16DotOverFma();
 

@@ -33,9 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-ROOT = (
-    pathlib.Path(__file__).resolve().parents[2]
-)  # the checkout, or a copy of it without jax_flash/ (an installed wheel)
+# The checkout, or a copy of it without jax_flash/ (testing an installed wheel).
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # ---- the signatures: the one table ---------------------------------------------------------
 #
