@@ -47,6 +47,11 @@ class ClosedFunction:
         self.name = name
         self.num_consts = num_consts
 
+    @property
+    def jaxpr(self) -> Any:
+        """The function's jaxpr: its constvars are the closed-over arrays, in order."""
+        return self._jaxpr
+
     def __call__(self, consts, *args):
         closed = jax.extend.core.ClosedJaxpr(self._jaxpr, list(consts))
         (out,) = jax.extend.core.jaxpr_as_fun(closed)(*args)

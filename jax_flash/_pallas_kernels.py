@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_flash import _dropout, _masking
+from jax_flash import _dropout, _masking, _pallas_flex
 from jax_flash._numerics import clamp_exponent, finite_part, poison_infinite
 from jax_flash._pallas_table import Config
 from jax_flash._spec import AttentionSpec
@@ -107,6 +107,12 @@ class Layout:
     # blocks, writing a normalised float32 partial (out, lse) that the caller merges by lse.
     kv_chunks: int = 1
     write_ds: bool = False  # dQ kernel: also store dS (for dbias)
+    # flex_attention (spec.flex): per closed-over array of the mask_mod / score_mod, whether
+    # it is a bool array (it travels as int8); block_lists: the block mask's lists of full
+    # and partly visible blocks drive the loops (the tiles are then its blocks).
+    mask_consts: tuple[bool, ...] = ()
+    score_consts: tuple[bool, ...] = ()
+    block_lists: bool = False
 
     @property
     def has_bias(self) -> bool:
@@ -152,6 +158,11 @@ class Inputs:
     q_offset: Any
     sinks: Any
     seed: Any
+    # flex_attention: [(ref, is_bool)] of the user functions' arrays, and the block lists
+    # (full count, full indices, partial count, partial indices) of this program's grid.
+    mask_consts: list[Any]
+    score_consts: list[Any]
+    lists: tuple[Any, Any, Any, Any] | None
     outputs: list[Any]
 
     def __init__(self, layout: Layout, refs, names):
@@ -172,6 +183,9 @@ class Inputs:
             self.mask = refs.pop(0)
         if layout.has_sinks:
             self.sinks = refs.pop(0)
+        self.mask_consts = [(refs.pop(0), is_bool) for is_bool in layout.mask_consts]
+        self.score_consts = [(refs.pop(0), is_bool) for is_bool in layout.score_consts]
+        self.lists = tuple(refs.pop(0) for _ in range(4)) if layout.block_lists else None
         self.seed = refs.pop(0) if layout.spec.has_dropout else None  # uint32 [2]
         self.outputs = refs
 
@@ -228,6 +242,44 @@ class TileMath:
             vis = m if vis is None else vis & m
         return vis
 
+    def flex_visible(self, masked: bool, q0, k0, bq: int, bk: int, batch, head):
+        """flex_attention's visibility of a tile (bool [bq, bk], or None: all of it): mask_mod
+        where the block is partly visible (`masked`), and the ragged key tail everywhere."""
+        flex = self.lay.spec.flex
+        assert flex is not None
+        vis = None
+        if masked and flex.mask_mod is not None:
+            args = (batch, head, q0 + _iota(bq, 0), k0 + _iota(bk, 1))
+            vis = _pallas_flex.tile(_pallas_flex.evaluate(flex.mask_mod, self.inp.mask_consts, args), (bq, bk))
+        if self.kv_limit is not None:
+            limit = k0 + _iota(bk, 1) < self.kv_limit
+            vis = limit if vis is None else vis & limit
+        return vis
+
+    def flex_score(self, x, vis, q0, k0, batch, head):
+        """score_mod of the tile's scaled logits x [bq, bk] (masked ones enter as 0, so that a
+        masked NaN never reaches a derivative); x itself without a score_mod."""
+        flex = self.lay.spec.flex
+        assert flex is not None
+        if flex.score_mod is None:
+            return x
+        if vis is not None:
+            x = jnp.where(vis, x, 0.0)
+        bq, bk = x.shape
+        args = (x, batch, head, q0 + _iota(bq, 0), k0 + _iota(bk, 1))
+        return _pallas_flex.tile(_pallas_flex.evaluate(flex.score_mod, self.inp.score_consts, args), x.shape).astype(
+            jnp.float32
+        )
+
+    def flex_score_slope(self, x, vis, q0, k0, batch, head):
+        """(score_mod of x, its derivative in the score at every position, or None without a
+        score_mod): the backward's chain rule inside the tile (score_mod is element-wise)."""
+        flex = self.lay.spec.flex
+        assert flex is not None
+        if flex.score_mod is None:
+            return x, None
+        return jax.jvp(lambda s: self.flex_score(s, vis, q0, k0, batch, head), (x,), (jnp.ones_like(x),))
+
     def dropout_keep(self, batch, head, q0, k0, bq: int, bk: int):
         """Bool [bq, bk]: dropout's keep bits of the tile (`_dropout`, global batch row,
         query head, row and column), or None without dropout. One Philox call per element
@@ -251,6 +303,44 @@ class TileMath:
             return scores * spec.scale, None
         t = _masking.transform_logits(spec, scores * spec.scale, bias_tile)
         return t, t
+
+
+def flex_key_segments(layout: Layout, inp: Inputs, nk: int):
+    """flex_attention's key loops of a row program (lo, hi, masked, block): the block mask's
+    fully visible blocks (no mask_mod), then its partly visible ones (mask_mod), each
+    `block(jj)` the key block of loop index jj; without a block mask, every key block (masked
+    when there is a mask_mod)."""
+    flex = layout.spec.flex
+    assert flex is not None
+    if inp.lists is None:
+        return ((0, nk, flex.mask_mod is not None, None),)
+    full_n, full_idx, part_n, part_idx = inp.lists  # [1], [nk], [1], [nk]
+    return (
+        (0, full_n[0], False, lambda jj: full_idx[jj]),
+        (0, part_n[0], True, lambda jj: part_idx[jj]),
+    )
+
+
+def flex_query_segments(layout: Layout, inp: Inputs, nq: int, head):
+    """The same for the query loops of a key program, for query head `head` (the block mask's
+    lists per key block: [N|1] counts, [N|1, nq] indices)."""
+    flex = layout.spec.flex
+    assert flex is not None
+    if inp.lists is None:
+        return ((0, nq, flex.mask_mod is not None, None),)
+    full_n, full_idx, part_n, part_idx = inp.lists
+    h = head if full_n.shape[0] != 1 else 0
+    return (
+        (0, full_n[h], False, lambda ii: full_idx[h, ii]),
+        (0, part_n[h], True, lambda ii: part_idx[h, ii]),
+    )
+
+
+def _loop(segments, step, carry):
+    """Run `step(masked, block)` bodies over (lo, hi, masked, block) segments."""
+    for lo, hi, masked, block in segments:
+        carry = lax.fori_loop(lo, hi, step(masked, block), carry)
+    return carry
 
 
 def band_segments(lo, hi, full_lo, full_hi):
@@ -348,10 +438,10 @@ def forward_kernel(*refs, layout: Layout):
     q = inp.q[...]  # [bq, Hp], resident for the whole key loop
     q_seg = None if inp.q_seg is None else inp.q_seg[...]
 
-    def step(masked):
-        def body(j, carry):
+    def step(masked, block=None):
+        def body(jj, carry):
             m, l, acc, bad = carry  # [bq], [bq], [bq, Hvp], [bq] (1: sees a bad v)
-            k0 = j * bk
+            k0 = (jj if block is None else block(jj)) * bk
             k = inp.k[pl.ds(k0, bk), :]
             v = inp.v[pl.ds(k0, bk), :]
             bad_v = jnp.max(jnp.where(jnp.isfinite(v), 0.0, 1.0).astype(jnp.float32), axis=1)[None, :]
@@ -360,15 +450,19 @@ def forward_kernel(*refs, layout: Layout):
             if lay.has_bias:
                 bias = dense_tile(inp.bias, bool(lay.bias_rows), bool(lay.bias_cols), (), 0, bq, k0, bk)
             x, _ = tm.logits(_dot(q, k, trans_b=True), bias)
-            if masked:
+            vis = None
+            if spec.flex is not None:
+                vis = tm.flex_visible(masked, q0, k0, bq, bk, batch, head)
+                x = tm.flex_score(x, vis, q0, k0, batch, head)
+            elif masked:
                 kv_seg = None if inp.kv_seg is None else inp.kv_seg[pl.ds(k0, bk)]
                 mask = None
                 if lay.has_mask:
                     mask = dense_tile(inp.mask, bool(lay.mask_rows), bool(lay.mask_cols), (), 0, bq, k0, bk)
                 vis = tm.visible(q0, k0, q_seg, kv_seg, mask, bq, bk)
-                if vis is not None:
-                    x = jnp.where(vis, x, -jnp.inf)
-                    bad_v = jnp.where(vis, bad_v, 0.0)
+            if vis is not None:
+                x = jnp.where(vis, x, -jnp.inf)
+                bad_v = jnp.where(vis, bad_v, 0.0)
             # A NaN logit may be dropped by the max, never by exp2(NaN): l and acc carry it.
             m_new = jnp.maximum(m, jnp.max(x, axis=1))
             # A row that has seen nothing keeps m = -inf: subtract 0 instead, so that
@@ -391,15 +485,16 @@ def forward_kernel(*refs, layout: Layout):
         jnp.zeros((bq, inp.v.shape[-1]), jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
-    segments = key_segments(lay, tm, q0, q0 + bq, nk)
+    if spec.flex is not None:  # no split-KV
+        segments = flex_key_segments(lay, inp, nk)
+    else:
+        segments = tuple((lo, hi, masked, None) for lo, hi, masked in key_segments(lay, tm, q0, q0 + bq, nk))
     if chunks > 1:  # this program's contiguous share of the block's key blocks
         first, last = segments[0][0], segments[-1][1]
         c_lo = first + (last - first) * chunk // chunks
         c_hi = first + (last - first) * (chunk + 1) // chunks
-        segments = tuple((jnp.clip(lo, c_lo, c_hi), jnp.clip(hi, c_lo, c_hi), masked) for lo, hi, masked in segments)
-    for lo, hi, masked in segments:
-        carry = lax.fori_loop(lo, hi, step(masked), carry)
-    m, l, acc, bad = carry
+        segments = tuple((jnp.clip(lo, c_lo, c_hi), jnp.clip(hi, c_lo, c_hi), m, b) for lo, hi, m, b in segments)
+    m, l, acc, bad = _loop(segments, step, carry)
     # FlashAttention-2 §3.1.1: the accumulator stays unnormalised until the last block.
     # Empty rows (l = 0: no key, or only -inf logits) give 0; a NaN l is not empty.
     empty = l == 0
@@ -418,24 +513,31 @@ def forward_kernel(*refs, layout: Layout):
 # P = exp2((x - lse)·log2 e) from lse; dead rows arrive with lse = +inf so P = 0.
 
 
-def _probabilities(tm: TileMath, lay: Layout, q, k, lse, bias, vis):
+def _probabilities(tm: TileMath, lay: Layout, q, k, lse, bias, vis, flex_at=None):
     """P (exactly 0 where masked and in empty rows, lse = +inf; NaN in poisoned rows),
-    the natural transformed logits (or None), and `live`: where dS may be nonzero."""
+    the natural transformed logits (or None), `live`: where dS may be nonzero, and the
+    score_mod's derivative (or None). flex_at: (q0, k0, batch, head) of a flex tile."""
     x, t = tm.logits(_dot(q, k, trans_b=True), bias)
+    slope = None
+    if flex_at is not None:
+        x, slope = tm.flex_score_slope(x, vis, *flex_at)
     p = jnp.exp2(clamp_exponent(x - lse[:, None]) * LOG2E)
     live = (lse != jnp.inf)[:, None]
     if vis is not None:
         p = jnp.where(vis, p, 0.0)
         live = live & vis
-    return p, t, live
+    return p, t, live, slope
 
 
-def _dscores(lay: Layout, p, dp, delta, t, live):
-    """dS = P ∘ (dP - D), times the soft cap's derivative: d loss / d (logit + bias);
-    exactly 0 outside `live`, also where dP (a bad v) or D (a poisoned row) is NaN."""
+def _dscores(lay: Layout, p, dp, delta, t, live, slope=None):
+    """dS = P ∘ (dP - D), times the soft cap's or the score_mod's derivative (`slope`):
+    d loss / d (logit + bias), or d loss / d score_mod's score; exactly 0 outside `live`,
+    also where dP (a bad v) or D (a poisoned row) is NaN."""
     ds = p * (dp - delta[:, None])
     if lay.spec.soft_cap is not None:
         ds = ds * _masking.soft_cap_grad(lay.spec, t)
+    if slope is not None:
+        ds = ds * slope
     return jnp.where(live, ds, 0.0)
 
 
@@ -461,12 +563,12 @@ def dkdv_kernel(*refs, layout: Layout):
     v = inp.v[...]  # [bk, Hvp]
     kv_seg = None if inp.kv_seg is None else inp.kv_seg[...]
     ragged_block = (j + 1) * bk > lay.spec.kv_len
-    segments = query_segments(lay, tm, k0, k0 + bk, nq, ragged_block)
+    flex = lay.spec.flex
 
-    def step(g, masked):
-        def body(i, carry):
+    def step(g, masked, block=None):
+        def body(ii, carry):
             dk, dv = carry  # [bk, Hp], [bk, Hvp] f32
-            q0 = i * bq
+            q0 = (ii if block is None else block(ii)) * bq
             q = inp.q[pl.ds(q0, bq), g, :]
             do = inp.do[pl.ds(q0, bq), g, :]
             lse = inp.lse[g, pl.ds(q0, bq)]
@@ -475,18 +577,21 @@ def dkdv_kernel(*refs, layout: Layout):
             bias = None
             if lay.has_bias:
                 bias = dense_tile(inp.bias, bool(lay.bias_rows), bool(lay.bias_cols), (gb,), q0, bq, 0, bk)
-            vis = None
-            if masked:
+            vis = flex_at = None
+            if flex is not None:
+                flex_at = (q0, k0, batch, first_head + g)
+                vis = tm.flex_visible(masked, q0, k0, bq, bk, batch, first_head + g)
+            elif masked:
                 q_seg = None if inp.q_seg is None else inp.q_seg[pl.ds(q0, bq)]
                 mask = None
                 if lay.has_mask:
                     gm = g if inp.mask.shape[0] != 1 else 0
                     mask = dense_tile(inp.mask, bool(lay.mask_rows), bool(lay.mask_cols), (gm,), q0, bq, 0, bk)
                 vis = tm.visible(q0, k0, q_seg, kv_seg, mask, bq, bk)
-            p, t, live = _probabilities(tm, lay, q, k, lse, bias, vis)
+            p, t, live, slope = _probabilities(tm, lay, q, k, lse, bias, vis, flex_at)
             keep = tm.dropout_keep(batch, first_head + g, q0, k0, bq, bk)
             dv = dv + _dot(_drop(lay, keep, p).astype(do.dtype), do, trans_a=True)
-            ds = _dscores(lay, p, _drop(lay, keep, _dot(do, v, trans_b=True)), delta, t, live)
+            ds = _dscores(lay, p, _drop(lay, keep, _dot(do, v, trans_b=True)), delta, t, live, slope)
             dk = dk + _dot(ds.astype(q.dtype), finite_part(q), trans_a=True)
             return dk, dv
 
@@ -496,9 +601,13 @@ def dkdv_kernel(*refs, layout: Layout):
     g0 = (pl.program_id(1) % lay.splits) * lay.group if lay.splits > 1 else 0
 
     def head(gi, carry):
-        for lo, hi, masked in segments:
-            carry = lax.fori_loop(lo, hi, step(g0 + gi, masked), carry)
-        return carry
+        g = g0 + gi
+        if flex is not None:
+            segments = flex_query_segments(lay, inp, nq, first_head + g)
+        else:
+            band = query_segments(lay, tm, k0, k0 + bk, nq, ragged_block)
+            segments = tuple((lo, hi, masked, None) for lo, hi, masked in band)
+        return _loop(segments, lambda masked, block: step(g, masked, block), carry)
 
     zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     if lay.group == 1:
@@ -525,31 +634,37 @@ def dq_kernel(*refs, layout: Layout):
     delta = inp.delta[...]
     q_seg = None if inp.q_seg is None else inp.q_seg[...]
 
-    def step(masked):
-        def body(j, dq):
-            k0 = j * bk
+    def step(masked, block=None):
+        def body(jj, dq):
+            k0 = (jj if block is None else block(jj)) * bk
             k = inp.k[pl.ds(k0, bk), :]
             v = inp.v[pl.ds(k0, bk), :]
             bias = None
             if lay.has_bias:
                 bias = dense_tile(inp.bias, bool(lay.bias_rows), bool(lay.bias_cols), (), 0, bq, k0, bk)
-            vis = None
-            if masked:
+            vis = flex_at = None
+            if lay.spec.flex is not None:
+                flex_at = (q0, k0, batch, head)
+                vis = tm.flex_visible(masked, q0, k0, bq, bk, batch, head)
+            elif masked:
                 kv_seg = None if inp.kv_seg is None else inp.kv_seg[pl.ds(k0, bk)]
                 mask = None
                 if lay.has_mask:
                     mask = dense_tile(inp.mask, bool(lay.mask_rows), bool(lay.mask_cols), (), 0, bq, k0, bk)
                 vis = tm.visible(q0, k0, q_seg, kv_seg, mask, bq, bk)
-            p, t, live = _probabilities(tm, lay, q, k, lse, bias, vis)
+            p, t, live, slope = _probabilities(tm, lay, q, k, lse, bias, vis, flex_at)
             keep = tm.dropout_keep(batch, head, q0, k0, bq, bk)
-            ds = _dscores(lay, p, _drop(lay, keep, _dot(do, v, trans_b=True)), delta, t, live)
+            ds = _dscores(lay, p, _drop(lay, keep, _dot(do, v, trans_b=True)), delta, t, live, slope)
             if ds_ref is not None:
                 ds_ref[:, pl.ds(k0, bk)] = ds
             return dq + _dot(ds.astype(k.dtype), finite_part(k))
 
         return body
 
-    segments = key_segments(lay, tm, q0, q0 + bq, nk)
+    if lay.spec.flex is not None:
+        segments = flex_key_segments(lay, inp, nk)
+    else:
+        segments = tuple((lo, hi, masked, None) for lo, hi, masked in key_segments(lay, tm, q0, q0 + bq, nk))
     if ds_ref is not None:
         # Key blocks the band skips still own their (zero) slice of dS.
         def zero(j, carry):
@@ -558,7 +673,5 @@ def dq_kernel(*refs, layout: Layout):
 
         lax.fori_loop(0, segments[0][0], zero, None)
         lax.fori_loop(segments[-1][1], nk, zero, None)
-    dq = jnp.zeros(q.shape, jnp.float32)
-    for lo, hi, masked in segments:
-        dq = lax.fori_loop(lo, hi, step(masked), dq)
+    dq = _loop(segments, step, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * lay.spec.scale).astype(dq_ref.dtype)

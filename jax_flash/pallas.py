@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _heuristics, _registry
+from jax_flash import _flex, _heuristics, _pallas_flex, _registry
 from jax_flash._merge import merge_partials
 from jax_flash._numerics import pad_axis, round_up
 from jax_flash._paged_spec import PagedSpec
@@ -92,7 +92,19 @@ def _dense(x, t_pad: int, s_pad: int, value, dtype=None):
     return x
 
 
+def _flex_layout(masks: MaskInputs) -> dict:
+    """Layout fields of a flex call: which closed-over arrays are bool, whether lists drive."""
+    is_bool = lambda cs: tuple(jnp.asarray(c).dtype == jnp.bool_ for c in cs or ())
+    return dict(
+        mask_consts=is_bool(masks.mask_consts),
+        score_consts=is_bool(masks.score_consts),
+        block_lists=masks.block_mask is not None,
+    )
+
+
 def _layout(spec: AttentionSpec, masks: MaskInputs, bq, bk, t_pad, s_pad, **kw) -> Layout:
+    if spec.flex is not None:
+        kw = {**_flex_layout(masks), **kw}
     dense = lambda x: (None, None) if x is None else (x.shape[2] != 1, x.shape[3] != 1)
     bias_rows, bias_cols = dense(masks.bias)
     mask_rows, mask_cols = dense(masks.mask)
@@ -146,6 +158,52 @@ class _Extras:
         self.sinks = None if masks.sinks is None else masks.sinks.astype(jnp.float32)[:, None]
         # Dropout's Philox key, the same [2] words for every program (last).
         self.seed = None if masks.dropout_seed is None else masks.dropout_seed.astype(jnp.uint32)
+        # flex_attention: the arrays its mask_mod and score_mod close over (whole, in every
+        # program), and the block mask whose lists drive the loops.
+        self.flex_consts = _pallas_flex.kernel_consts((masks.mask_consts or ()) + (masks.score_consts or ()))
+        self.block_mask = masks.block_mask
+
+    def _flex_consts(self):
+        pl, _ = triton()
+        specs = [pl.BlockSpec(c.shape, lambda *_, nd=c.ndim: (0,) * nd) for c in self.flex_consts]
+        return list(self.flex_consts), specs
+
+    def _row_lists(self):
+        """The block mask's lists per query block: full then partial (count, indices)."""
+        pl, _ = triton()
+        bm = self.block_mask
+        if bm is None:
+            return [], []
+        bb, nb, _, nk = bm.shape
+        sel = lambda b, n: (b if bb != 1 else 0, n if nb != 1 else 0)
+        args: list[Any] = []
+        specs: list[Any] = []
+        for count, indices in ((bm.full_kv_num_blocks, bm.full_kv_indices), (bm.kv_num_blocks, bm.kv_indices)):
+            args += [count, indices]
+            specs += [
+                pl.BlockSpec((None, None, 1), lambda i, n, b: (*sel(b, n), i)),
+                pl.BlockSpec((None, None, None, nk), lambda i, n, b: (*sel(b, n), i, 0)),
+            ]
+        return args, specs
+
+    def _key_lists(self):
+        """The block mask's lists per key block, for every query head (of the mask): full
+        then partial (count [N|1], indices [N|1, nq])."""
+        pl, _ = triton()
+        bm = self.block_mask
+        if bm is None:
+            return [], []
+        bb, nb, nq, _ = bm.shape
+        sel = lambda b: b if bb != 1 else 0
+        args: list[Any] = []
+        specs: list[Any] = []
+        for count, indices in ((bm.full_q_num_blocks, bm.full_q_indices), (bm.q_num_blocks, bm.q_indices)):
+            args += [count, indices]
+            specs += [
+                pl.BlockSpec((None, nb, None), lambda j, h, b: (sel(b), 0, j)),
+                pl.BlockSpec((None, nb, None, nq), lambda j, h, b: (sel(b), 0, j, 0)),
+            ]
+        return args, specs
 
     def row_grid(self, bq: int, s_pad: int, chunks: int = 1):
         """Arrays and specs for a grid (query block i, head n, batch b) seeing all keys; with
@@ -186,6 +244,9 @@ class _Extras:
         if self.sinks is not None:
             args.append(self.sinks)
             specs.append(pl.BlockSpec((None, 1), lambda i, n, b: (n, 0)))
+        for more in (self._flex_consts(), self._row_lists()):
+            args += more[0]
+            specs += more[1]
         if self.seed is not None:
             args.append(self.seed)
             specs.append(pl.BlockSpec((2,), lambda i, n, b: (0,)))
@@ -237,6 +298,9 @@ class _Extras:
                     ),
                 )
             )
+        for more in (self._flex_consts(), self._key_lists()):
+            args += more[0]
+            specs += more[1]
         if self.seed is not None:
             args.append(self.seed)
             specs.append(pl.BlockSpec((2,), lambda j, h, b: (0,)))
@@ -244,9 +308,12 @@ class _Extras:
 
 
 def _tiles(spec: AttentionSpec, cfgs):
-    """(block_q, block_k) per config and the common padded lengths T_pad, S_pad."""
+    """(block_q, block_k) per config and the common padded lengths T_pad, S_pad. A flex call
+    with a block mask runs its blocks as tiles."""
     tile = _heuristics.pallas_tile
     blocks = [(tile(spec.q_len, c.block_q), tile(spec.kv_len, c.block_k)) for c in cfgs]
+    if spec.flex is not None and spec.flex.block_size is not None:
+        blocks = [spec.flex.block_size for _ in cfgs]
     t_pad = round_up(spec.q_len, max(b[0] for b in blocks))
     s_pad = round_up(spec.kv_len, max(b[1] for b in blocks))
     return blocks, t_pad, s_pad
@@ -256,6 +323,8 @@ def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs=None, in
     """out [B, T, N, Hv] (dtype of q), lse [B, N, T] float32 natural log; partitioned over
     the inputs' shardings (`jax_flash.parallel.partitioning`)."""
     call = functools.partial(_forward_call, configs=configs, interpret=interpret)
+    if spec.flex is not None:  # the user functions see global batch rows and heads: unpartitioned
+        return call(spec, q, k, v, masks)
     return partitioning.forward("pallas", call, spec, q, k, v, masks)
 
 
@@ -276,7 +345,26 @@ def backward(
     """dq, dk, dv (input dtypes), dbias (shape and dtype of masks.bias, or None);
     partitioned over the inputs' shardings."""
     call = functools.partial(_backward_call, configs=configs, interpret=interpret)
+    if spec.flex is not None:
+        return (
+            *call(spec, q, k, v, masks, out, lse, dout, dlse),
+            _flex_consts_cotangent(spec, q, k, v, masks, out, lse, dout, dlse),
+        )
     return partitioning.backward("pallas", call, spec, q, k, v, masks, out, lse, dout, dlse)
+
+
+def _flex_consts_cotangent(spec, q, k, v, masks, out, lse, dout, dlse):
+    """The cotangents of the floating arrays a score_mod closes over (None for the others),
+    from the xla implementation's tile loop: the kernels compute dq, dk and dv, and a
+    gradient of a closed-over array (one sum over every tile of the score_mod's vjp) would
+    need scatter-adds across programs. Only what uses these cotangents runs (dead code
+    otherwise: a score_mod's array that is not differentiated costs nothing)."""
+    consts = masks.score_consts
+    if consts is None:
+        return None
+    if not _flex.split_float(consts)[0]:
+        return tuple(None for _ in consts)
+    return _registry.get("xla").backward(spec, q, k, v, masks, out, lse, dout, dlse)[4]
 
 
 # Split-KV of the forward (flash-decoding; the rule: `_heuristics.pallas_split_kv_chunks`):
@@ -324,7 +412,7 @@ def _forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, i
     cfg = _config(spec, masks, max(hp, hvp), "fwd", configs, interpret)
     ((bq, bk),), t_pad, s_pad = _tiles(spec, [cfg])
     g = spec.group_size
-    c = split_kv_chunks(spec, bq, bk, interpret)
+    c = 1 if spec.flex is not None else split_kv_chunks(spec, bq, bk, interpret)
     qp = pad_axis(pad_axis(q, 3, hp), 1, t_pad)
     kp = pad_axis(pad_axis(k, 3, hp), 1, s_pad)
     vp = pad_axis(pad_axis(v, 3, hvp), 1, s_pad)
@@ -511,6 +599,25 @@ def launch_limit(spec: AttentionSpec) -> str | None:
     return None
 
 
+def flex_limit(spec: AttentionSpec, interpret: bool) -> str | None:
+    """Why the kernels cannot run this flex_attention call, or None: a user function they
+    cannot evaluate on a tile, or (compiled by Triton) block-mask blocks that are not tiles."""
+    flex = spec.flex
+    assert flex is not None
+    for fn in (flex.mask_mod, flex.score_mod):
+        why = _pallas_flex.reason(fn)
+        if why:
+            return why
+    if flex.block_size is not None and not interpret:
+        bq, bk = flex.block_size
+        if any(x < MIN_BLOCK or x & (x - 1) for x in (bq, bk)):
+            return (
+                f"the block mask's blocks ({bq}, {bk}) are its tiles, which Triton needs to be powers of two "
+                f">= {MIN_BLOCK} (create_block_mask(..., block_size=128) is the default)"
+            )
+    return None
+
+
 class PallasImplementation:
     """Pallas/Triton kernels on a GPU; the same kernels interpreted on a CPU (tests)."""
 
@@ -529,7 +636,15 @@ class PallasImplementation:
             return f"supports head dims up to {MAX_HEAD_DIM}, got {spec.head_dim}"
         if spec.v_head_dim > MAX_HEAD_DIM:
             return f"supports value head dims up to {MAX_HEAD_DIM}, got {spec.v_head_dim}"
+        if spec.flex is not None:
+            why = flex_limit(spec, _interpret(None))
+            if why:
+                return why
         return launch_limit(spec)
+
+    # flex_attention: score_mod and mask_mod evaluated on each tile inside the kernels
+    # (`_pallas_flex`), the block mask's lists driving the loops.
+    serves_flex = True
 
     def head_dims(self) -> str:
         return f"any pair with H, Hv <= {MAX_HEAD_DIM}"
