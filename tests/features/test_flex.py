@@ -425,16 +425,20 @@ def test_kernels_trust_the_block_mask(flex_impl):
         (jax_flash.create_block_mask(lambda b, h, qi, ki: qi >= 0, None, None, shape.t, shape.s, block_size=BS), None),
         (jax_flash.create_block_mask(both, None, None, shape.t, shape.s, block_size=BS), both),
     )
+
+    def value_and_grads(f):
+        loss = lambda q, k, v: jnp.sum(f(q, k, v))
+        return jax.jit(lambda q, k, v: (f(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)))(q, k, v)
+
     for bm, described in cases:
-
-        def f(q, k, v, bm=bm):
-            return jax_flash.flex_attention(q, k, v, mask_mod=causal, block_mask=bm, implementation=flex_impl)
-
-        out, grads = jax.jit(
-            lambda q, k, v: (f(q, k, v), jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2))(q, k, v))
-        )(q, k, v)
-        g = lambda q, k, v: jax_flash.flex_reference(q, k, v, mask_mod=described)
-        ref, ref_grads = g(q, k, v), jax.grad(lambda *a: jnp.sum(g(*a)), argnums=(0, 1, 2))(q, k, v)
+        out, grads = value_and_grads(
+            lambda q, k, v, bm=bm: jax_flash.flex_attention(
+                q, k, v, mask_mod=causal, block_mask=bm, implementation=flex_impl
+            )
+        )
+        ref, ref_grads = value_and_grads(
+            lambda q, k, v, described=described: jax_flash.flex_reference(q, k, v, mask_mod=described)
+        )
         assert max_err(out, ref) <= 2e-6
         for a, r in zip(grads, ref_grads):
             assert max_err(a, r) <= 2e-5 * max(1.0, float(jnp.max(jnp.abs(r))))
