@@ -10,7 +10,8 @@ skipped there, their T×S logits exceeding the default --max-temp-gib):
 * prefix+window: a sliding window of --window keys (causal) plus a prefix of --prefix keys
   that every query sees (prefix-LM with a window).
 
-For each mask, measured in the same run, repetitions interleaved:
+For each mask, measured in the same run, repetitions interleaved (the first three rows on
+--implementation, xla by default; pallas on a GPU):
 
 * flex: `jax_flash.flex_attention(mask_mod=..., block_mask=...)`, the block mask made once
   by `create_block_mask` (its build time is printed under the table);
@@ -101,17 +102,18 @@ def block_fraction(dense: np.ndarray, block: int) -> float:
     return float(padded.reshape(nq, block, nk, block).any(axis=(1, 3)).mean())
 
 
-def _fn(row: str, pat: dict, pass_: str) -> Callable[..., Any]:
-    """f(q, k, v, do, *extra): the forward (do unused) or forward+backward in q, k, v."""
+def _fn(row: str, pat: dict, pass_: str, impl: str = "xla") -> Callable[..., Any]:
+    """f(q, k, v, do, *extra): the forward (do unused) or forward+backward in q, k, v; the
+    flex, built-in and dense-mask rows run implementation `impl`."""
     mask_mod = pat["mask_mod"]
 
     def attn(q, k, v, *extra):
         if row == "flex":
-            return jax_flash.flex_attention(q, k, v, mask_mod=mask_mod, block_mask=extra[0], implementation="xla")
+            return jax_flash.flex_attention(q, k, v, mask_mod=mask_mod, block_mask=extra[0], implementation=impl)
         if row == "built-in":
-            return jax_flash.attention(q, k, v, implementation="xla", **pat["builtin"])
+            return jax_flash.attention(q, k, v, implementation=impl, **pat["builtin"])
         if row == "dense mask":
-            return jax_flash.attention(q, k, v, mask=extra[0], implementation="xla")
+            return jax_flash.attention(q, k, v, mask=extra[0], implementation=impl)
         return jax.nn.dot_product_attention(q, k, v, mask=extra[0], implementation="xla")
 
     if pass_ == "fwd":
@@ -145,6 +147,11 @@ def main(argv) -> list[dict]:
     p.add_argument("--window", type=int, default=1024, help="sliding window, keys (prefix+window mask)")
     p.add_argument("--prefix", type=int, default=1024, help="prefix every query sees (prefix+window mask)")
     p.add_argument("--block-size", type=int, default=128, help="create_block_mask's block size")
+    p.add_argument(
+        "--implementation",
+        default="xla",
+        help="the implementation of the flex, built-in and dense-mask rows (default xla; jax.nn's is xla)",
+    )
     p.add_argument("--patterns", default=",".join(PATTERNS), help="comma list of " + ", ".join(PATTERNS))
     p.add_argument("--rows", default=",".join(ROWS), help="comma list of " + ", ".join(ROWS))
     p.add_argument("--passes", default=",".join(PASSES), help="comma list of fwd, fwdbwd")
@@ -184,7 +191,7 @@ def main(argv) -> list[dict]:
     )
     print(
         f"flex: B={args.batch}, T=S={fmt_seq(t)}, N={args.heads}, H={args.head_dim}, {args.dtype}, "
-        f"block {args.block_size}, implementation xla"
+        f"block {args.block_size}, implementation {args.implementation}"
     )
     results: list[dict] = []
     header = (
@@ -275,7 +282,7 @@ def _measure(name, rows, passes, args, max_temp, max_mask) -> tuple[list[dict], 
             operands = (*qkvdo, *extra)
             compiled = None
             try:
-                compiled = jax.jit(_fn(row, pat, pass_)).lower(*operands).compile()
+                compiled = jax.jit(_fn(row, pat, pass_, args.implementation)).lower(*operands).compile()
                 analysis = compiled.memory_analysis()
                 r["temp_bytes"] = None if analysis is None else int(analysis.temp_size_in_bytes)
                 if max_temp is not None and r["temp_bytes"] is not None and r["temp_bytes"] > max_temp:
