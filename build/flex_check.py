@@ -77,6 +77,26 @@ def run(fn, q, k, v, dout):
     return out, pull(dout)
 
 
+def flex_path(impl, score_mod, mask_mod, bm):
+    """jit(q, k, v, dout -> (out, (dq, dk, dv))) of flex_attention on `impl`."""
+
+    def attn(q, k, v):
+        return jax_flash.flex_attention(
+            q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=bm, implementation=impl
+        )
+
+    return jax.jit(lambda q, k, v, dout: run(attn, q, k, v, dout))
+
+
+def builtin_path(builtin):
+    """The same for jax_flash.attention with built-in keywords, on pallas."""
+    return jax.jit(
+        lambda q, k, v, dout: run(
+            lambda q, k, v: jax_flash.attention(q, k, v, implementation="pallas", **builtin), q, k, v, dout
+        )
+    )
+
+
 def rel_err(a, ref) -> float:
     a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
     fin = np.isfinite(ref)
@@ -113,26 +133,9 @@ def main(argv=None) -> int:
         dout = jax.random.normal(keys[3], (B, t, N, H), dtype)
         for name, mask_mod, score_mod, builtin in cases(t):
             bm = None if mask_mod is None else jax_flash.create_block_mask(mask_mod, None, None, t, t, block_size=BLOCK)
-            paths = {
-                impl: jax.jit(
-                    lambda q, k, v, dout, impl=impl: run(
-                        lambda q, k, v: jax_flash.flex_attention(
-                            q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=bm, implementation=impl
-                        ),
-                        q,
-                        k,
-                        v,
-                        dout,
-                    )
-                )
-                for impl in ("pallas", "xla")
-            }
+            paths = {impl: flex_path(impl, score_mod, mask_mod, bm) for impl in ("pallas", "xla")}
             if builtin is not None:
-                paths["built-in pallas"] = jax.jit(
-                    lambda q, k, v, dout: run(
-                        lambda q, k, v: jax_flash.attention(q, k, v, implementation="pallas", **builtin), q, k, v, dout
-                    )
-                )
+                paths["built-in pallas"] = builtin_path(builtin)
             got = {}
             for path, f in paths.items():
                 with jax.default_matmul_precision("highest" if path == "xla" else "default"):
