@@ -122,6 +122,42 @@ def reason(fn: ClosedFunction | None) -> str | None:
     return _walk(fn.jaxpr, is_array, fn.name)
 
 
+def _tile_reads(jaxpr, deps_in: list[frozenset]) -> tuple[int, list[frozenset]]:
+    """(reads of closed-over arrays whose index varies along both rows and columns, the
+    outputs' dependencies): each variable depends on a subset of {"q", "k"}."""
+    deps: dict = {}
+    get = lambda v: frozenset() if isinstance(v, jex.Literal) else deps.get(v, frozenset())
+    for v, d in zip(jaxpr.invars, deps_in):
+        deps[v] = d
+    count = 0
+    for eqn in jaxpr.eqns:
+        ins = [get(v) for v in eqn.invars]
+        union = frozenset().union(*ins)
+        if eqn.primitive.name in _CALLS:
+            inner = _inner(eqn)
+            n, outs = _tile_reads(getattr(inner, "jaxpr", inner), ins)
+            count += n
+        else:
+            if eqn.primitive.name in ("dynamic_slice", "slice") and eqn.invars[0] in jaxpr.constvars:
+                count += union == {"q", "k"}
+            outs = [union] * len(eqn.outvars)
+        for v, d in zip(eqn.outvars, outs):
+            deps[v] = d
+    return count, [get(v) for v in jaxpr.outvars]
+
+
+def tile_reads(fn: ClosedFunction | None, score: bool) -> int:
+    """How many reads of closed-over arrays in `fn` (a score_mod when `score`) load a whole
+    [bq, bk] tile (their index varies along rows and columns). Triton stages such a load's
+    index or pointer tile through shared memory to meet the scores' layout (a [128, 128] tile
+    of 64-bit pointers is 128 KiB), which the launch configuration must leave room for."""
+    if fn is None:
+        return 0
+    q, k, none = frozenset({"q"}), frozenset({"k"}), frozenset[str]()
+    deps = [q | k, none, none, q, k] if score else [none, none, q, k]
+    return _tile_reads(fn.jaxpr, deps)[0]
+
+
 def _common_shape(values) -> tuple[int, ...]:
     return tuple(np.broadcast_shapes(*(jnp.shape(x) for x in values)))
 

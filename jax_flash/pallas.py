@@ -26,6 +26,7 @@ the scale uses the true head dim (it comes from the spec).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -46,7 +47,7 @@ from jax_flash._pallas_kernels import (
     triton_deprecation,
     triton_missing,
 )
-from jax_flash._pallas_table import padded_head_dim, smem_budget
+from jax_flash._pallas_table import padded_head_dim, smem_budget, smem_estimate
 from jax_flash._spec import AttentionSpec, MaskInputs
 from jax_flash.inference import pallas_decode
 from jax_flash.parallel import partitioning
@@ -67,7 +68,34 @@ def _config(spec: AttentionSpec, masks: MaskInputs, hp: int, pass_: str, configs
         return configs[pass_]
     dense_bytes = (0 if masks.bias is None else min(4, masks.bias.dtype.itemsize)) + (0 if masks.mask is None else 1)
     budget = None if interpret else smem_budget(compute_capability())
-    return _heuristics.pallas_tile_config(hp, spec.dtype, pass_, interpret, budget, dense_bytes)
+    cfg = _heuristics.pallas_tile_config(hp, spec.dtype, pass_, interpret, budget, dense_bytes)
+    if spec.flex is not None and budget is not None:
+        cfg = flex_config(spec, cfg, hp, pass_, budget)
+    return cfg
+
+
+# Shared memory Triton takes per tile-wide read of a closed-over array (`_pallas_flex.tile_reads`):
+# its [bq, bk] tile of 64-bit pointers converted to the scores' layout. Measured on an H200: a
+# T5 table read at 128 × 128 tiles, H = 64, bf16, asked for 240 KiB = the forward's 112 KiB of
+# streamed tiles (3 stages, `smem_estimate`) + 128 KiB.
+FLEX_READ_BYTES = 8
+
+
+def flex_config(spec: AttentionSpec, cfg, hp: int, pass_: str, budget: int):
+    """A flex call's launch configuration: the block mask's blocks as tiles, and as many
+    pipeline stages (at most the table's) as leave room for the user functions' tile-wide
+    reads within `budget` bytes of shared memory."""
+    flex = spec.flex
+    assert flex is not None
+    if flex.block_size is not None:
+        cfg = dataclasses.replace(cfg, block_q=flex.block_size[0], block_k=flex.block_size[1])
+    reads = _pallas_flex.tile_reads(flex.mask_mod, False) + _pallas_flex.tile_reads(flex.score_mod, True)
+    extra = FLEX_READ_BYTES * cfg.block_q * cfg.block_k * reads
+    # Without such reads the table's stages stay (its model errs high for dK/dV at 128 × 128
+    # tiles, which ran at H = 128 on an H200 as they are).
+    while extra and cfg.num_stages > 1 and smem_estimate(cfg, hp, spec.dtype, pass_) + extra > budget:
+        cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    return cfg
 
 
 def compute_capability():

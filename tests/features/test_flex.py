@@ -583,3 +583,29 @@ def test_pallas_refuses_what_it_cannot_evaluate():
         why = pallas.flex_limit(c.spec, interpret=False)
         assert (why is None) == ok, (size, why)
         assert pallas.flex_limit(c.spec, interpret=True) is None
+
+
+def test_pallas_config_leaves_room_for_tile_reads():
+    """A user function that reads a closed-over array at every (q, kv) position (a T5 table, a
+    block-sparse table) makes Triton stage a [bq, bk] tile of pointers through shared memory:
+    the launch configuration drops pipeline stages until the table's model plus that tile fits
+    (on an H200, 3 stages of the forward at H = 64 asked for 240 KiB of 227); reads along
+    rows or columns only (document ids) and scalar reads (slopes[h]) change nothing."""
+    from jax_flash import _pallas_flex
+    from jax_flash._pallas_table import TABLE
+
+    table = jnp.ones((4, 32), jnp.float32)
+    docs = jnp.arange(300, dtype=jnp.int32) // 70
+    t5 = lambda s, b, h, qi, ki: s + table[h, jnp.clip(jnp.abs(qi - ki) // 16, 0, 31)]
+    doc_causal = lambda b, h, qi, ki: (docs[qi] == docs[ki]) & (ki <= qi)
+    alibi = lambda s, b, h, qi, ki: s - table[h, 0] * (qi - ki)
+    q = jnp.zeros((1, 300, 4, 64), jnp.bfloat16)
+    budget = 227 * 1024
+    for score_mod, reads in ((t5, 1), (alibi, 0), (None, 0)):
+        bm = jax_flash.create_block_mask(doc_causal, None, None, 300, 300, block_size=128)
+        c = canonicalize_flex(q, q, q, score_mod=score_mod, mask_mod=doc_causal, block_mask=bm)
+        assert _pallas_flex.tile_reads(c.spec.flex.score_mod, True) == reads
+        assert _pallas_flex.tile_reads(c.spec.flex.mask_mod, False) == 0
+        fwd = pallas.flex_config(c.spec, TABLE[(64, "bfloat16", "fwd")], 64, "fwd", budget)
+        assert (fwd.block_q, fwd.block_k) == (128, 128)
+        assert fwd.num_stages == (2 if reads else TABLE[(64, "bfloat16", "fwd")].num_stages)
