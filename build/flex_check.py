@@ -30,7 +30,10 @@ import jax_flash
 
 B, N, K, H, BLOCK = 2, 8, 2, 64, 128
 # Largest error relative to the peer's largest magnitude: (against xla, against built-in pallas).
-BOUNDS = {"bfloat16": (3e-2, 2e-2), "float32": (1e-2, 1e-4)}
+# float32 against the built-in pallas path: both round the products' inputs to TF32, but P is
+# rounded relative to each path's running maxima, which differ with the tiles (up to 1.5e-4
+# measured on an H200 at T = 1000).
+BOUNDS = {"bfloat16": (3e-2, 2e-2), "float32": (1e-2, 1e-3)}
 
 
 def cases(t: int):

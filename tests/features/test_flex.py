@@ -23,7 +23,9 @@ from jax_flash import pallas, xla
 from jax_flash._flex_api import canonicalize_flex
 from jax_flash._normalize import canonicalize
 
-BS = 8  # block size of the block masks below: T and S are ±1 around multiples of it
+# Block size of the block masks below: T and S are ±1 around multiples of it. On a GPU the
+# pallas kernels run the blocks as Triton tiles, which must be powers of two >= 16.
+BS = 16 if jax.default_backend() == "gpu" else 8
 SHAPE = Shape(2, 2 * BS + 1, 3 * BS - 1, 4, 2, 16)  # T = 17, S = 23, GQA 4:2
 
 
@@ -278,7 +280,7 @@ def test_check_grads_closed_over_floats(flex_impl):
     q, k, v = _inputs(shape, dt)
     params = _params(shape.n, dt)
     mask_mod = _mask_mod("doc_causal", shape)
-    bm = jax_flash.create_block_mask(mask_mod, shape.b, None, shape.t, shape.s, block_size=4)
+    bm = jax_flash.create_block_mask(mask_mod, shape.b, None, shape.t, shape.s, block_size=BS // 2 if BS < 16 else BS)
 
     @jax.jit
     def f(q, k, v, slopes, table):

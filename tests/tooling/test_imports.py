@@ -54,6 +54,7 @@ LAYERS = (
             "jax_flash.pallas",
             "jax_flash._ffi",
             "jax_flash._pallas_kernels",
+            "jax_flash._pallas_flex",
             "jax_flash.inference.pallas_decode",
         ),
     ),
