@@ -57,8 +57,8 @@ class _Read:
 
 
 def _inner(eqn) -> Any:
-    jaxpr = eqn.params[_CALLS[eqn.primitive.name]]
-    return jaxpr
+    """The jaxpr (or closed jaxpr) a call primitive calls."""
+    return eqn.params[_CALLS[eqn.primitive.name]]
 
 
 def _walk(jaxpr, const_is_array: list[bool], path: str) -> str | None:
@@ -138,7 +138,8 @@ def _tile_reads(jaxpr, deps_in: list[frozenset]) -> tuple[int, list[frozenset]]:
             n, outs = _tile_reads(getattr(inner, "jaxpr", inner), ins)
             count += n
         else:
-            if eqn.primitive.name in ("dynamic_slice", "slice") and eqn.invars[0] in jaxpr.constvars:
+            operand = eqn.invars[0] if eqn.invars else None
+            if eqn.primitive.name in ("dynamic_slice", "slice") and any(operand is c for c in jaxpr.constvars):
                 count += union == {"q", "k"}
             outs = [union] * len(eqn.outvars)
         for v, d in zip(eqn.outvars, outs):
