@@ -646,6 +646,23 @@ def flex_limit(spec: AttentionSpec, interpret: bool) -> str | None:
     return None
 
 
+def flex_description(spec: AttentionSpec) -> str:
+    """What `explain` says of a flex call's kernels."""
+    flex = spec.flex
+    assert flex is not None
+    if flex.block_size is None:
+        loops = "no block mask: every tile runs" + (", evaluating mask_mod" if flex.mask_mod is not None else "")
+    else:
+        loops = (
+            f"the block mask's {flex.block_size[0]}x{flex.block_size[1]} blocks are the tiles: each program runs its "
+            "fully visible blocks, then its partly visible ones with mask_mod, and no empty one"
+        )
+    functions = [f.name for f in (flex.score_mod, flex.mask_mod) if f is not None]
+    return (
+        f"flex_attention: {loops}; {' and '.join(functions) or 'no user function'} evaluated on each tile; no split-KV"
+    )
+
+
 class PallasImplementation:
     """Pallas/Triton kernels on a GPU; the same kernels interpreted on a CPU (tests)."""
 
@@ -678,9 +695,9 @@ class PallasImplementation:
         return f"any pair with H, Hv <= {MAX_HEAD_DIM}"
 
     def note(self, spec: AttentionSpec) -> str | None:
-        """What `explain` adds: the forward's split-KV, and on a CPU that the kernels are
-        interpreted, which is for tests."""
-        split = split_kv_description(spec)
+        """What `explain` adds: the forward's split-KV (a flex call: its loops), and on a CPU
+        that the kernels are interpreted, which is for tests."""
+        split = flex_description(spec) if spec.flex is not None else split_kv_description(spec)
         deprecation = triton_deprecation()
         if deprecation:
             split += f"; {deprecation}"
@@ -689,7 +706,9 @@ class PallasImplementation:
         return split
 
     def summary(self, spec: AttentionSpec) -> str:
-        split = split_kv_summary(spec)
+        split = (
+            "flex: the block lists drive the loops, no split-KV" if spec.flex is not None else split_kv_summary(spec)
+        )
         return f"interpreted on the CPU (slow, for tests), {split}" if _interpret(None) else split
 
     def forward(self, spec, q, k, v, masks):
