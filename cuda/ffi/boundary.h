@@ -538,7 +538,8 @@ inline void DescribeBlockMask(Checker& check, const Limits& limits, const MaskOp
   const int64_t nq = (p->q_len + block_q - 1) / block_q, nk = (p->kv_len + block_k - 1) / block_k;
   if (sd.size() != 4 || (sd[0] != 1 && sd[0] != p->batch) || (sd[1] != 1 && sd[1] != p->q_heads) || sd[2] != nq ||
       sd[3] != nk) {
-    return check.Fail("block_states has shape " + ShapeText(sd) + ", expected [B|1, N|1, nq, nk] = [" +
+    return check.Fail("with block_q, block_k = " + std::to_string(block_q) + ", " + std::to_string(block_k) +
+                      ", block_states has shape " + ShapeText(sd) + ", expected [B|1, N|1, nq, nk] = [" +
                       std::to_string(p->batch) + "|1, " + std::to_string(p->q_heads) + "|1, " + std::to_string(nq) +
                       ", " + std::to_string(nk) + "] (blocks of " + std::to_string(block_q) + "x" +
                       std::to_string(block_k) + " over T = " + std::to_string(p->q_len) +
