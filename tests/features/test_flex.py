@@ -1,11 +1,15 @@
-"""flex_attention: score_mod, mask_mod and block masks (docs/flex.md).
+"""flex_attention: score_mod, mask_mod and block masks (docs/flex.md), on xla (everything)
+and cpu (mask_mod and block masks; a score_mod is refused).
 
 The built-in masks re-expressed as mask_mods give bitwise the built-in path's results where
-the same tiles run in the same order; the recipes (ALiBi, a T5 bucket table, the soft cap, a
+the same tiles run in the same order (xla at the block mask's tiles; cpu at its own 128 x 128
+tiles, whatever the block size); the recipes (ALiBi, a T5 bucket table, the soft cap, a
 per-head scale; per-document causal, prefix-LM, dilated, block-sparse, a speculative tree)
-match the float64 reference within the reference's own float32 error, gradients included
-(closed-over float arrays too); the numerical contract holds; the tiles run follow the block
-mask; bad arguments are refused clearly. Shapes are ragged against the tiles (±1)."""
+match the float64 reference within the reference's own error at the input dtype, gradients
+included (closed-over float arrays too); the numerical contract holds; the tiles run follow
+the block mask; a cpu call with more partly visible blocks than the block mask's capacity
+gives NaN rows, never a wrong result; bad arguments are refused clearly. Shapes are ragged
+against the tiles (±1)."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from jax.test_util import check_grads
 
 import jax_flash
 from cases import EPS, FACTOR, GRAD_EPS, Shape, make_qkv, max_err
+from conftest import availability
 from jax_flash import xla
 from jax_flash._flex_api import canonicalize_flex
 from jax_flash._normalize import canonicalize
@@ -27,6 +32,18 @@ SHAPE = Shape(2, 2 * BS + 1, 3 * BS - 1, 4, 2, 16)  # T = 17, S = 23, GQA 4:2
 
 def _inputs(shape=SHAPE, dtype=jnp.float32, seed=0):
     return make_qkv(shape, dtype, seed)
+
+
+def _available(name: str) -> str:
+    why = availability(name)
+    if why is not None:
+        pytest.skip(f"{name} unavailable here: {why}")
+    return name
+
+
+CPU_TILE = 128  # the cpu kernels' tiles (cuda/cpu/tiling.h kBlockQ, kBlockK)
+# A shape of several cpu tiles each way, ragged (±1), GQA 2:1, and its block size.
+CPU_SHAPE, CPU_BS = Shape(1, 2 * CPU_TILE + 1, 3 * CPU_TILE - 1, 2, 1, 16), 64
 
 
 # ---- the built-in masks as mask_mods --------------------------------------------------------
@@ -81,6 +98,52 @@ def test_builtin_masks_bitwise(kind):
     built, flex = both(q, k, v, dout)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), built, flex):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f"{kind}: {name}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("big", [False, True], ids=["one_tile", "tiles"])
+@pytest.mark.parametrize("kind", ["causal", "offset_window", "lengths", "segments"])
+def test_builtin_masks_bitwise_cpu(kind, big, dtype):
+    """cpu: out, lse and dq, dk, dv of the mask_mod with its block mask equal bitwise those of
+    the built-in mask: the kernels run the same 128 x 128 tiles in the same order (a tile is
+    skipped when all its blocks are empty, as the built-in geometry skips it; one that
+    overlaps partly visible blocks is masked element by element from mask_mod's bits, which
+    leaves every visible score as it was), for a block mask of one tile (8 x 8 blocks) and of
+    several tiles (64 x 64 blocks). One exception: with query lengths the built-in backward
+    clips a tile's rows at the length, which changes the blocking of the bf16 products' sums
+    over the rows (dK, a last bit in 2 of 6128 elements here), so `lengths` over several tiles
+    in bfloat16 is compared within the suite's tolerance instead."""
+    _available("cpu")
+    shape, bs = (CPU_SHAPE, CPU_BS) if big else (SHAPE, BS)
+    q, k, v = _inputs(shape, jnp.dtype(dtype))
+    kw, mask_mod = _builtin(kind, shape)
+    block_mask = jax_flash.create_block_mask(mask_mod, shape.b, None, shape.t, shape.s, block_size=bs)
+    dout = jax.random.normal(jax.random.PRNGKey(9), (shape.b, shape.t, shape.n, shape.h), jnp.float32).astype(dtype)
+    dlse = jax.random.normal(jax.random.PRNGKey(8), (shape.b, shape.t, shape.n), jnp.float32)
+
+    def grads(fn):
+        (out, lse), pull = jax.vjp(fn, q, k, v)
+        return out, lse, *pull((dout, jnp.where(jnp.isfinite(lse), dlse, 0)))
+
+    built, flex = jax.jit(
+        lambda: (
+            grads(lambda q, k, v: jax_flash.attention(q, k, v, return_residual=True, implementation="cpu", **kw)),
+            grads(
+                lambda q, k, v: jax_flash.flex_attention(
+                    q, k, v, mask_mod=mask_mod, block_mask=block_mask, return_residual=True, implementation="cpu"
+                )
+            ),
+        )
+    )()
+    for i, (name, a, b) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), built, flex)):
+        if kind == "lengths" and big and dtype == "bfloat16":
+            np.testing.assert_array_equal(np.isfinite(b), np.isfinite(a))
+            ok = np.isfinite(np.asarray(a, np.float32))
+            a, b = np.asarray(a, np.float32)[ok], np.asarray(b, np.float32)[ok]
+            scale = max(1.0, float(np.max(np.abs(a), initial=0)))
+            assert max_err(b, a) <= (EPS if i < 2 else GRAD_EPS)[dtype] * scale, f"{kind}: {name}"
+        else:
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f"{kind}: {name}")
 
 
 # ---- recipes against the float64 reference --------------------------------------------------
@@ -211,6 +274,56 @@ def test_recipes_against_reference():
         assert float(jnp.max(jnp.abs(r))) > 0, f"{sc}: its closed-over array has a gradient"
         assert max_err(a, r) <= FACTOR * max_err(lo, r) + GRAD_EPS["float32"] * float(jnp.max(jnp.abs(r))), sc
     assert int(bm.num_nonempty()) < shape.b * shape.n * bm.shape[2] * bm.shape[3], "the mask has empty blocks"
+
+
+@pytest.mark.parametrize(
+    "name, dtype, with_block_mask",
+    [
+        ("cpu", "float32", True),
+        ("cpu", "bfloat16", True),
+        ("cpu", "float32", False),
+        ("xla", "bfloat16", True),
+    ],
+)
+def test_mask_recipes_against_reference(name, dtype, with_block_mask):
+    """The recipes' mask_mods alone (the implementations without score_mods run them too):
+    out, lse and the gradients in q, k, v against float64, err <= 2 x the reference's own at
+    the input dtype + eps, per head (= per recipe); with a per-(b, h) block mask (empty blocks
+    skipped, capacity exact) or without one (cpu: every block partly visible)."""
+    _available(name)
+    shape = Shape(2, 2 * BS + 1, 3 * BS - 1, len(MASKS), 1, 16)
+    mask_mod = _per_head([_mask_mod(m, shape) for m in MASKS])
+    dt = jnp.dtype(dtype)
+    q, k, v = _inputs(shape, dt)
+    bm = jax_flash.create_block_mask(mask_mod, shape.b, shape.n, shape.t, shape.s, block_size=BS)
+    assert bm.partial_capacity == int(bm.num_partial()), "created eagerly: the exact count"
+    kw = dict(block_mask=bm) if with_block_mask else {}
+    dout = jax.random.normal(jax.random.PRNGKey(4), (shape.b, shape.t, shape.n, shape.h), jnp.float32)
+    dlse = jax.random.normal(jax.random.PRNGKey(5), (shape.b, shape.t, shape.n), jnp.float32)
+
+    def run(fn, q, k, v, **kw):
+        (out, lse), pull = jax.vjp(lambda q, k, v: fn(q, k, v, mask_mod=mask_mod, return_residual=True, **kw), q, k, v)
+        lse_ct = jnp.where(jnp.isfinite(lse), dlse.astype(lse.dtype), 0)
+        return out, lse, *pull((dout.astype(out.dtype), lse_ct))
+
+    got = jax.jit(lambda q, k, v: run(jax_flash.flex_attention, q, k, v, implementation=name, **kw))(q, k, v)
+    q64, k64, v64 = (x.astype(jnp.float64) for x in (q, k, v))
+    low, ref = jax.jit(
+        lambda q, k, v, q64, k64, v64: (
+            run(jax_flash.flex_reference, q, k, v),
+            run(jax_flash.flex_reference, q64, k64, v64),
+        )
+    )(q, k, v, q64, k64, v64)
+    for i, what in enumerate(("out", "lse", "dq", "dk", "dv")):
+        axis = {"out": 2, "lse": 2, "dq": 2}.get(what)
+        heads = range(shape.n) if axis is not None else [None]
+        for h in heads:
+            a, lo, r = (np.asarray(jnp.asarray(x[i], jnp.float64)) for x in (got, low, ref))
+            if h is not None:
+                a, lo, r = (np.take(x, h, axis=axis) for x in (a, lo, r))
+            eps = (EPS if i < 2 else GRAD_EPS)[dtype] * max(1.0, float(np.max(np.abs(r[np.isfinite(r)]), initial=0)))
+            where = MASKS[h] if h is not None else "every head"
+            assert max_err(a, r) <= FACTOR * max_err(lo, r) + eps, f"{where}: {what}"
 
 
 def test_check_grads_closed_over_floats():
