@@ -398,14 +398,14 @@ def kernel_blocks(spec) -> tuple[tuple[int, int], tuple[int, int], int]:
     """((block_q, block_k), (Bm, Nm), P) of the bits the cpu kernels get for a flex call with a
     mask_mod: the block mask's blocks, its [B|1, N|1] rows widened to B (N) where the
     mask_mod reads b (h) (its bits then differ per row), and its capacity times that widening.
-    Without a block mask: DEFAULT_BLOCK_SIZE blocks (the kernels' tiles), every one partly
-    visible, so P = Bm·Nm·nq·nk and the bits are Bm·Nm·T·S/8 bytes."""
+    Without a block mask: DEFAULT_BLOCK_SIZE blocks (the kernels' tiles; at most T x S), every
+    one partly visible, so P = Bm·Nm·nq·nk and the bits are about Bm·Nm·T·S/8 bytes."""
     flex = spec.flex
     assert flex is not None and flex.mask_mod is not None
     bm = spec.batch if uses_index(flex.mask_mod, 0) else 1
     nm = spec.num_heads if uses_index(flex.mask_mod, 1) else 1
     if flex.block_size is None:
-        bq = bk = DEFAULT_BLOCK_SIZE
+        bq, bk = min(DEFAULT_BLOCK_SIZE, spec.q_len), min(DEFAULT_BLOCK_SIZE, spec.kv_len)
         nq, nk = -(-spec.q_len // bq), -(-spec.kv_len // bk)
         return (bq, bk), (bm, nm), bm * nm * nq * nk
     mb, mn = flex.block_batch_heads or (1, 1)

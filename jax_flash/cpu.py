@@ -121,7 +121,7 @@ def flex_description(spec: AttentionSpec, verbose: bool) -> str:
     if flex.block_size is None:
         text = (
             f"flex: no block_mask, every {bq}x{bk} block partly visible (mask_mod's bits at every "
-            "position; create_block_mask skips the empty blocks)"
+            "position, T·S/8 bytes per batch row and head it reads; create_block_mask skips the empty blocks)"
         )
     else:
         text = (

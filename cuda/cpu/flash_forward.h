@@ -71,8 +71,7 @@ struct ForwardTiles {
 
   // The dense mask's and the block mask's part of masking head n of batch row b (MaskScores).
   DenseMasking dense(const Problem& p, int64_t b, int64_t n) const {
-    return {p.mask.rows(b, n), mask_row, p.bias_hides_pairs() ? visible : nullptr, p.block_mask.rows(b, n),
-            block_row};
+    return {p.mask.rows(b, n), mask_row, p.bias_hides_pairs() ? visible : nullptr, p.block_mask.rows(b, n), block_row};
   }
 };
 

@@ -69,25 +69,25 @@ struct MaskOperands {
   Buffer mask;            // [B|1, N|1, T|1, S|1] pred (true: may attend), or [0] pred: none
   // A block mask (flex_attention's mask_mod, docs/flex.md), or [0] each: none. Blocks are
   // block_q × block_k positions (the attributes), nq = ceil(T / block_q), nk = ceil(S / block_k).
-  Buffer block_states;    // [Bm, Nm, nq, nk] s8: 0 empty, 1 partly visible, 2 fully visible; Bm ∈ {1, B}, Nm ∈ {1, N}
-  Buffer block_slots;     // [Bm, Nm, nq, nk] s32: a partly visible block's index into block_bits, else -1
-  Buffer block_bits;      // [P, block_q, ceil(block_k / 32)] u32: bit c % 32 of word c / 32 of row r set:
-                          // position (i·block_q + r, j·block_k + c) of the block in that slot may attend
+  Buffer block_states;  // [Bm, Nm, nq, nk] s8: 0 empty, 1 partly visible, 2 fully visible; Bm ∈ {1, B}, Nm ∈ {1, N}
+  Buffer block_slots;  // [Bm, Nm, nq, nk] s32: a partly visible block's index into block_bits, else -1
+  Buffer block_bits;  // [P, block_q, ceil(block_k / 32)] u32: bit c % 32 of word c / 32 of row r set:
+                      // position (i·block_q + r, j·block_k + c) of the block in that slot may attend
 };
 constexpr size_t kMaskOperands = 10;
 
 template <class Binding>
 auto BindMaskOperands(Binding&& binding) {
   return std::move(binding)
-      .template Arg<Buffer>()   // q_lengths
-      .template Arg<Buffer>()   // kv_lengths
-      .template Arg<Buffer>()   // q_segment_ids
-      .template Arg<Buffer>()   // kv_segment_ids
-      .template Arg<Buffer>()   // q_offset
-      .template Arg<Buffer>()   // bias
-      .template Arg<Buffer>()   // mask
-      .template Arg<Buffer>()   // block_states
-      .template Arg<Buffer>()   // block_slots
+      .template Arg<Buffer>()  // q_lengths
+      .template Arg<Buffer>()  // kv_lengths
+      .template Arg<Buffer>()  // q_segment_ids
+      .template Arg<Buffer>()  // kv_segment_ids
+      .template Arg<Buffer>()  // q_offset
+      .template Arg<Buffer>()  // bias
+      .template Arg<Buffer>()  // mask
+      .template Arg<Buffer>()  // block_states
+      .template Arg<Buffer>()  // block_slots
       .template Arg<Buffer>();  // block_bits
 }
 
@@ -97,14 +97,14 @@ auto BindMaskOperands(Binding&& binding) {
 // split-KV workspaces partial_out, partial_lse and their attributes after.
 struct ForwardCall {
   const Buffer* page_table;  // null but for the paged targets (k, v are then pages)
-  Buffer q;                  // [B, T, N, H]
-  Buffer k;                  // [B, S, K, H], or pages [num_pages, page_size, K, H]
-  Buffer v;                  // [B, S, K, Hv], or pages [num_pages, page_size, K, Hv]
+  Buffer q;  // [B, T, N, H]
+  Buffer k;  // [B, S, K, H], or pages [num_pages, page_size, K, H]
+  Buffer v;  // [B, S, K, Hv], or pages [num_pages, page_size, K, Hv]
   MaskOperands masks;
-  Buffer sinks;              // [N] f32 (-inf: no sink)
-  Buffer dropout_seed;       // [2] u32
-  Buffer out;                // result [B, T, N, Hv]
-  Buffer lse;                // result [B, N, T] f32
+  Buffer sinks;  // [N] f32 (-inf: no sink)
+  Buffer dropout_seed;  // [2] u32
+  Buffer out;  // result [B, T, N, Hv]
+  Buffer lse;  // result [B, N, T] f32
   SharedAttributes attributes;
 };
 constexpr size_t kForwardArity = 3 + kMaskOperands + 2 + 2 + kSharedAttributes;
@@ -112,12 +112,12 @@ constexpr size_t kForwardArity = 3 + kMaskOperands + 2 + 2 + kSharedAttributes;
 template <class Binding>
 auto BindForward(Binding&& binding) {
   return BindSharedAttributes(BindMaskOperands(std::move(binding)
-                                                   .template Arg<Buffer>()   // q
-                                                   .template Arg<Buffer>()   // k
+                                                   .template Arg<Buffer>()  // q
+                                                   .template Arg<Buffer>()  // k
                                                    .template Arg<Buffer>())  // v
-                                  .template Arg<Buffer>()    // sinks
-                                  .template Arg<Buffer>()    // dropout_seed
-                                  .template Ret<Buffer>()    // out
+                                  .template Arg<Buffer>()  // sinks
+                                  .template Arg<Buffer>()  // dropout_seed
+                                  .template Ret<Buffer>()  // out
                                   .template Ret<Buffer>());  // lse
 }
 
@@ -126,16 +126,16 @@ auto BindForward(Binding&& binding) {
 // deterministic. Each side binds its workspaces and dbias (always the last result) after.
 struct BackwardCall {
   Buffer q, k, v;
-  Buffer out, dout;   // [B, T, N, Hv]
-  Buffer lse, dlse;   // [B, N, T] f32
+  Buffer out, dout;  // [B, T, N, Hv]
+  Buffer lse, dlse;  // [B, N, T] f32
   MaskOperands masks;
   Buffer dropout_seed;
   // Results (written through their data):
-  Buffer dq;          // [B, T, N, H]
-  Buffer dk;          // [B, S, K, H]
-  Buffer dv;          // [B, S, K, Hv]
-  Buffer dq_accum;    // f32 workspace (its shape is each side's)
-  Buffer delta;       // [B, N, T] f32 workspace
+  Buffer dq;  // [B, T, N, H]
+  Buffer dk;  // [B, S, K, H]
+  Buffer dv;  // [B, S, K, Hv]
+  Buffer dq_accum;  // f32 workspace (its shape is each side's)
+  Buffer delta;  // [B, N, T] f32 workspace
   SharedAttributes attributes;
   bool deterministic;
 };
@@ -144,19 +144,19 @@ constexpr size_t kBackwardArity = 7 + kMaskOperands + 1 + 5 + kSharedAttributes 
 template <class Binding>
 auto BindBackward(Binding&& binding) {
   return BindSharedAttributes(BindMaskOperands(std::move(binding)
-                                                   .template Arg<Buffer>()   // q
-                                                   .template Arg<Buffer>()   // k
-                                                   .template Arg<Buffer>()   // v
-                                                   .template Arg<Buffer>()   // out
-                                                   .template Arg<Buffer>()   // dout
-                                                   .template Arg<Buffer>()   // lse
+                                                   .template Arg<Buffer>()  // q
+                                                   .template Arg<Buffer>()  // k
+                                                   .template Arg<Buffer>()  // v
+                                                   .template Arg<Buffer>()  // out
+                                                   .template Arg<Buffer>()  // dout
+                                                   .template Arg<Buffer>()  // lse
                                                    .template Arg<Buffer>())  // dlse
-                                  .template Arg<Buffer>()    // dropout_seed
-                                  .template Ret<Buffer>()    // dq
-                                  .template Ret<Buffer>()    // dk
-                                  .template Ret<Buffer>()    // dv
-                                  .template Ret<Buffer>()    // dq_accum
-                                  .template Ret<Buffer>())   // delta
+                                  .template Arg<Buffer>()  // dropout_seed
+                                  .template Ret<Buffer>()  // dq
+                                  .template Ret<Buffer>()  // dk
+                                  .template Ret<Buffer>()  // dv
+                                  .template Ret<Buffer>()  // dq_accum
+                                  .template Ret<Buffer>())  // delta
       .template Attr<bool>("deterministic");
 }
 
@@ -322,14 +322,14 @@ struct Dense {
 // visible, and a partly visible block whose slot is not in [0, partial_capacity) is poisoned
 // (its visible scores NaN: the rows of its query block come out NaN, never silently wrong).
 struct BlockMask {
-  int64_t block_q = 0, block_k = 0;       // 0: none
-  int64_t batch = 0, heads = 0;           // Bm ∈ {1, B}, Nm ∈ {1, N}
-  int64_t q_blocks = 0, kv_blocks = 0;    // nq, nk
-  int64_t partial_capacity = 0;           // P
-  int64_t words = 0;                      // ceil(block_k / 32): u32 words per bit row
-  const int8_t* states = nullptr;         // [Bm, Nm, nq, nk]
-  const int32_t* slots = nullptr;         // [Bm, Nm, nq, nk]
-  const uint32_t* bits = nullptr;         // [P, block_q, words]
+  int64_t block_q = 0, block_k = 0;  // 0: none
+  int64_t batch = 0, heads = 0;  // Bm ∈ {1, B}, Nm ∈ {1, N}
+  int64_t q_blocks = 0, kv_blocks = 0;  // nq, nk
+  int64_t partial_capacity = 0;  // P
+  int64_t words = 0;  // ceil(block_k / 32): u32 words per bit row
+  const int8_t* states = nullptr;  // [Bm, Nm, nq, nk]
+  const int32_t* slots = nullptr;  // [Bm, Nm, nq, nk]
+  const uint32_t* bits = nullptr;  // [P, block_q, words]
   bool present() const { return block_q > 0; }
 };
 

@@ -419,6 +419,99 @@ def test_contract_empty_rows_and_poison():
     assert max_err(np.asarray(out)[ok], np.asarray(ref)[ok]) <= 1e-5
 
 
+@pytest.mark.parametrize("name", ["cpu", "xla"])
+def test_contract_mask_mod(name):
+    """Without a score_mod (every implementation that serves flex): rows that see nothing give
+    out 0, lse -inf and zero gradients; a NaN query row and an inf key reach only what sees
+    them (the reference's NaN pattern, gradients too): the key, masked for every query,
+    reaches nothing."""
+    _available(name)
+    shape = Shape(1, BS + 1, 2 * BS - 1, 2, 1, 16)
+    q, k, v = _inputs(shape)
+    q = q.at[0, 3, 1, 0].set(jnp.nan)
+    k = k.at[0, 12, 0, 5].set(jnp.inf)  # key 12 is seen by no query
+
+    def mask_mod(b, h, qi, ki):
+        return (ki <= qi) & (qi >= 2) & (ki != 12)  # rows 0, 1 see nothing
+
+    bm = jax_flash.create_block_mask(mask_mod, None, None, shape.t, shape.s, block_size=BS)
+
+    def run(fn, **kw):
+        def f(q, k, v):
+            return fn(q, k, v, mask_mod=mask_mod, return_residual=True, **kw)
+
+        return jax.jit(lambda *a: (*f(*a), jax.grad(lambda *a: jnp.sum(f(*a)[0]), argnums=(0, 1, 2))(*a)))
+
+    out, lse, grads = run(jax_flash.flex_attention, block_mask=bm, implementation=name)(q, k, v)
+    ref, ref_lse, ref_grads = run(jax_flash.flex_reference)(q, k, v)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    assert np.isnan(out[0, 3, 1]).all() and not np.isnan(out[0, 3, 0]).any()
+    assert not np.isnan(out[0, :, 0]).any(), "the other head does not see the NaN query"
+    np.testing.assert_array_equal(np.asarray(out[0, :2]), 0)
+    assert np.all(np.asarray(lse[0, :2]) == -np.inf) and np.all(np.asarray(ref_lse[0, :2]) == -np.inf)
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(r))
+    np.testing.assert_array_equal(np.asarray(grads[0][0, :2]), 0)
+    ok = ~np.isnan(np.asarray(ref))
+    assert max_err(np.asarray(out)[ok], np.asarray(ref)[ok]) <= 1e-5
+
+
+# ---- partial_capacity ---------------------------------------------------------------------------
+
+
+def test_partial_capacity():
+    """Eagerly the exact count of partly visible blocks, under jit every block (the count is
+    traced), or what is asked; a bad one is refused."""
+    t, s = 4 * BS + 3, 5 * BS
+    causal = lambda b, h, qi, ki: ki <= qi
+    bm = jax_flash.create_block_mask(causal, None, 2, t, s, block_size=BS)
+    assert bm.partial_capacity == int(bm.num_partial()) == 2 * 5
+    traced = jax.jit(lambda: jax_flash.create_block_mask(causal, None, 2, t, s, block_size=BS))()
+    assert traced.partial_capacity == 2 * 5 * 5 == traced.capacity
+    asked = jax_flash.create_block_mask(causal, None, 2, t, s, block_size=BS, partial_capacity=3)
+    assert asked.partial_capacity == 3
+    np.testing.assert_array_equal(asked.to_dense(), bm.to_dense())
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match=r"partial_capacity must be None \(every block\) or an int >= 0"):
+            jax_flash.create_block_mask(causal, None, 2, t, s, block_size=BS, partial_capacity=bad)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_partial_capacity_overflow(dtype):
+    """A block mask with more partly visible blocks than its capacity: on cpu the rows of the
+    query blocks of the blocks past it (in (b, h, i, j) order) are NaN, out and lse, and so are
+    their dq rows; every other row is what the reference gives. xla, which evaluates mask_mod
+    in its tiles, does not read the capacity."""
+    _available("cpu")
+    shape = Shape(1, 5 * BS - 1, 5 * BS + 1, 2, 1, 16)  # 5 query blocks; causal: 5 partial ones
+    q, k, v = _inputs(shape, jnp.dtype(dtype))
+    causal = lambda b, h, qi, ki: ki <= qi
+    bm = jax_flash.create_block_mask(causal, None, None, shape.t, shape.s, block_size=BS, partial_capacity=3)
+    assert int(bm.num_partial()) == 5
+
+    def f(q, k, v, impl):
+        return jax_flash.flex_attention(
+            q, k, v, mask_mod=causal, block_mask=bm, return_residual=True, implementation=impl
+        )
+
+    (out, lse), dq = jax.jit(
+        lambda q, k, v: (f(q, k, v, "cpu"), jax.grad(lambda q: jnp.sum(f(q, k, v, "cpu")[0].astype(jnp.float32)))(q))
+    )(q, k, v)
+    ref, ref_lse = jax_flash.flex_reference(q, k, v, mask_mod=causal, return_residual=True)
+    bad = 3 * BS  # query blocks 3 and 4: rows 24..
+    assert np.isnan(np.asarray(out[0, bad:], np.float32)).all() and np.isnan(np.asarray(lse[0, bad:])).all()
+    assert np.isnan(np.asarray(dq[0, bad:], np.float32)).all()
+    good = np.asarray(out[0, :bad], np.float32)
+    assert not np.isnan(good).any()
+    assert max_err(good, np.asarray(ref[0, :bad], np.float32)) <= 2 * EPS[dtype] * 10
+    np.testing.assert_allclose(
+        np.asarray(lse[0, :bad]), np.asarray(ref_lse[0, :bad]), rtol=1e-2 if dtype == "bfloat16" else 1e-5
+    )
+    out_xla = f(q, k, v, "xla")[0]
+    assert not np.isnan(np.asarray(out_xla, np.float32)).any()
+
+
 # ---- work follows the mask --------------------------------------------------------------------
 
 
@@ -435,7 +528,9 @@ def test_tiles_follow_block_mask():
     nonempty = int(bm.num_nonempty())
     partial = int(jnp.sum(bm.kv_num_blocks))
     assert 0 < partial < nonempty < bm.shape[2] * bm.shape[3]
-    loss = lambda q, k, v: jnp.sum(jax_flash.flex_attention(q, k, v, mask_mod=causal, block_mask=bm))
+    loss = lambda q, k, v: jnp.sum(
+        jax_flash.flex_attention(q, k, v, mask_mod=causal, block_mask=bm, implementation="xla")
+    )
     with xla.count_tiles() as c:
         jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     assert (c.forward, c.backward) == (nonempty, nonempty)
@@ -447,8 +542,60 @@ def test_tiles_follow_block_mask():
     bm = jax_flash.create_block_mask(sparse, None, shape.n, shape.t, shape.s, block_size=BS)
     union = int(jnp.sum(jnp.any(bm.to_dense() > 0, axis=(0, 1))))
     with xla.count_tiles() as c:
-        jax.jit(lambda q, k, v: jax_flash.flex_attention(q, k, v, mask_mod=sparse, block_mask=bm))(q, k, v)
+        jax.jit(
+            lambda q, k, v: jax_flash.flex_attention(q, k, v, mask_mod=sparse, block_mask=bm, implementation="xla")
+        )(q, k, v)
     assert c.forward == union and c.mask_mod == 0  # every non-empty block is full
+
+
+def _kernel_tiles(states, shape: Shape, bs: int, heads: int) -> int:
+    """The cpu tiles (CPU_TILE x CPU_TILE, per batch row and query head) that overlap a block
+    that is not empty, from the block mask's states [B|1, N|1, nq, nk]."""
+    st = np.broadcast_to(np.asarray(states), (shape.b, heads, *np.asarray(states).shape[2:]))
+    per = CPU_TILE // bs
+    count = 0
+    for i in range(-(-shape.t // CPU_TILE)):
+        for j in range(-(-shape.s // CPU_TILE)):
+            tile = st[:, :, i * per : (i + 1) * per, j * per : (j + 1) * per]
+            count += int(np.sum(np.any(tile > 0, axis=(2, 3))))
+    return count
+
+
+def test_cpu_tiles_follow_block_mask():
+    """The cpu kernels compute exactly the 128 x 128 tiles that overlap a non-empty block of
+    their (b, h), forward and backward (a debug counter in the kernels): a causal block mask
+    skips the tiles above the diagonal; a per-head block-sparse one of 64 x 64 blocks skips
+    each head's own empty tiles (not their union, as xla's one schedule does)."""
+    _available("cpu")
+    from jax_flash import cpu
+
+    shape = Shape(1, 3 * CPU_TILE - 1, 3 * CPU_TILE + 1, 2, 1, 8)
+    q, k, v = _inputs(shape)
+    every = shape.b * shape.n * 3 * 4
+
+    def causal(b, h, qi, ki):
+        return ki <= qi
+
+    rng = np.random.default_rng(1)
+    table = jnp.asarray(rng.random(size=(shape.n, 6, 7)) < 0.3)
+    sparse = lambda b, h, qi, ki: table[h, qi // CPU_BS, ki // CPU_BS]
+    for mask_mod, heads, bs in ((causal, None, CPU_TILE), (sparse, shape.n, CPU_BS)):
+        bm = jax_flash.create_block_mask(mask_mod, None, heads, shape.t, shape.s, block_size=bs)
+        want = _kernel_tiles(bm.to_dense(), shape, bs, shape.n)
+        assert 0 < want < every
+
+        def loss(q, k, v, bm, mask_mod=mask_mod):
+            return jnp.sum(jax_flash.flex_attention(q, k, v, mask_mod=mask_mod, block_mask=bm, implementation="cpu"))
+
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        step = lambda q, k, v, bm=bm, grads=grads: grads(q, k, v, bm)
+        jax.block_until_ready(step(q, k, v))  # compiled outside the count
+        with cpu.count_tiles() as c:
+            jax.block_until_ready(step(q, k, v))
+        assert (c.forward, c.backward) == (want, want)
+    with cpu.count_tiles() as c:  # no block mask: every tile
+        jax.block_until_ready(jax_flash.flex_attention(q, k, v, mask_mod=causal, implementation="cpu"))
+    assert c.forward == every
 
 
 # ---- block masks -----------------------------------------------------------------------------
@@ -552,7 +699,7 @@ def test_create_block_mask_arguments():
         jax_flash.create_block_mask(lambda b, h, qi, ki: 1.0, 1, 1, 8, 8)
 
 
-@pytest.mark.parametrize("name", ["cpu", "cuda", "pallas"])
+@pytest.mark.parametrize("name", ["cuda", "pallas"])
 def test_other_implementations_refuse(name):
     """No silent dense fallback: an implementation that does not serve flex says so, in
     explain and as the error of a call that asks for it."""
@@ -563,3 +710,29 @@ def test_other_implementations_refuse(name):
     with pytest.raises(ValueError, match=f'implementation="{name}" cannot run this call'):
         jax_flash.flex_attention(Q, KV, KV, mask_mod=CAUSAL, implementation=name)
     assert jax_flash.explain(Q, KV, KV).reasons["xla"] is None
+
+
+def test_cpu_refuses_score_mod():
+    """cpu serves mask_mod and block masks but cannot run a score_mod: it says so (explain, and
+    the error of a call that asks for it), and implementation=None picks xla, never a silent
+    fallback of a requested cpu."""
+    _available("cpu")
+    score_mod = lambda s, b, h, qi, ki: s * 0.5
+    e = jax_flash.explain(Q, KV, KV, score_mod=score_mod, mask_mod=CAUSAL)
+    assert "a score_mod needs the user function inside the tile" in e.reasons["cpu"] and e.selected == "xla"
+    with pytest.raises(ValueError, match=r'implementation="cpu" cannot run this call: cpu serves flex_attention'):
+        jax_flash.flex_attention(Q, KV, KV, score_mod=score_mod, implementation="cpu")
+    assert jax_flash.explain(Q, KV, KV, mask_mod=CAUSAL).reasons["cpu"] is None
+
+
+def test_cpu_explain_reports_bits():
+    """explain (verbose) states the blocks the cpu kernels read and the capacity and bytes of
+    mask_mod's bits: the block mask's, or without one every 128 x 128 block (T·S/8 bytes per
+    row of blocks; none per batch row when mask_mod does not read b)."""
+    _available("cpu")
+    bm = jax_flash.create_block_mask(CAUSAL, None, None, 8, 10, block_size=4)  # 2 partial blocks
+    text = str(jax_flash.explain(Q, KV, KV, mask_mod=CAUSAL, block_mask=bm, verbose=True))
+    assert "bits of up to 2 partly visible blocks ([1, 1] rows of blocks, partial_capacity), 32 bytes" in text
+    text = str(jax_flash.explain(Q, KV, KV, mask_mod=lambda b, h, qi, ki: ki <= qi + b, verbose=True))
+    assert "no block_mask, every 8x10 block partly visible" in text  # 128 x 128, or less: T x S
+    assert "bits of up to 2 partly visible blocks ([2, 1] rows of blocks, partial_capacity), 64 bytes" in text

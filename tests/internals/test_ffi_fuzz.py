@@ -67,7 +67,6 @@ def block_variant(batch=None, heads=None) -> dict:
     }
 
 
-
 @dataclass(frozen=True)
 class Buffer:
     name: str  # as the handlers' messages name it
