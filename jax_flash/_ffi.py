@@ -106,6 +106,13 @@ def _attributes(spec: AttentionSpec) -> dict:
     )
 
 
+def _vmap_method(spec: AttentionSpec) -> str | None:
+    """A flex call (not wrapped by `partitioning`, whose vmap rule folds the mapped axis into
+    the batch: that would renumber the `b` its mask_mod sees) runs once per mapped element
+    under vmap; the others never meet vmap here."""
+    return "sequential" if spec.flex is not None else None
+
+
 def _has_block_operands(spec: AttentionSpec) -> bool:
     """A flex_attention call with a mask_mod: the cpu kernels get its block mask's operands."""
     return spec.flex is not None and spec.flex.mask_mod is not None
@@ -264,7 +271,7 @@ def forward_call(
     # Sinks [N] f32 after the mask operands (forward only), -inf (no sink) when absent.
     sinks = masks.sinks if masks.sinks is not None else jnp.full((n,), -jnp.inf, jnp.float32)
     first = () if page_table is None else (page_table,)
-    out, lse, *_ = jax.ffi.ffi_call(target, shapes)(
+    out, lse, *_ = jax.ffi.ffi_call(target, shapes, vmap_method=_vmap_method(spec))(
         *first,
         q,
         k,
@@ -335,7 +342,7 @@ def _backward_call(
         shapes += (jax.ShapeDtypeStruct(_dbias_workspace(spec, masks, deterministic), jnp.float32),)
     dbias_shape = (0,) if masks.bias is None else masks.bias.shape
     shapes += (jax.ShapeDtypeStruct(dbias_shape, jnp.float32),)
-    dq, dk, dv, *_, dbias = jax.ffi.ffi_call(target, shapes)(
+    dq, dk, dv, *_, dbias = jax.ffi.ffi_call(target, shapes, vmap_method=_vmap_method(spec))(
         q,
         k,
         v,

@@ -736,3 +736,27 @@ def test_cpu_explain_reports_bits():
     text = str(jax_flash.explain(Q, KV, KV, mask_mod=lambda b, h, qi, ki: ki <= qi + b, verbose=True))
     assert "no block_mask, every 8x10 block partly visible" in text  # 128 x 128, or less: T x S
     assert "bits of up to 2 partly visible blocks ([2, 1] rows of blocks, partial_capacity), 64 bytes" in text
+
+
+def test_cpu_decode_and_vmap():
+    """cpu: a decode step (T = 1, GQA 4:1, where the built-in path packs a kv head's query
+    heads into one tile: not with a per-head mask_mod) and the call under jax.vmap (run once
+    per mapped element, so that mask_mod sees each call's own b), gradients too, against
+    the reference."""
+    _available("cpu")
+    shape = Shape(2, 1, 3 * CPU_TILE + 5, 8, 2, 16)
+    q, k, v = (jnp.stack([x, -x]) for x in _inputs(shape))  # a leading mapped axis of 2
+    mask_mod = lambda b, h, qi, ki: (ki % 3 != h % 3) | (ki == b)
+
+    def both(fn, **kw):
+        def loss(q, k, v):
+            out = fn(q, k, v, mask_mod=mask_mod, **kw)
+            return jnp.sum(out * jnp.cos(out)), out
+
+        return jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2), has_aux=True)))(q, k, v)
+
+    (grads, out) = both(jax_flash.flex_attention, implementation="cpu")
+    (ref_grads, ref) = both(jax_flash.flex_reference)
+    assert max_err(out, ref) <= 1e-5
+    for g, r in zip(grads, ref_grads):
+        assert max_err(g, r) <= GRAD_EPS["float32"] * max(1.0, float(jnp.max(jnp.abs(r))))
