@@ -89,9 +89,12 @@ JAX_FLASH_INLINE bool LoadBlockRow(const BlockRows& blocks, int64_t t, int64_t s
       poisoned = poisoned || state == kPartialBlock;
       for (; c < end; ++c) dst[c] = lane;
     } else {
-      for (; c < end; ++c) {
+      while (c < end) {  // one 32-bit word of keys at a time: a vector shift per lane
         const int64_t key = s0 + c - first_key;  // within the block
-        dst[c] = (bits[key >> 5] >> (key & 31)) & 1u ? -1 : 0;
+        const uint32_t word = bits[key >> 5];
+        const int64_t shift = (key & 31) - c;  // key c's bit: word >> (c + shift)
+        const int64_t word_end = std::min(end, c + 32 - (key & 31));
+        for (; c < word_end; ++c) dst[c] = -static_cast<int32_t>((word >> (c + shift)) & 1u);
       }
     }
   }

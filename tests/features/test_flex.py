@@ -760,3 +760,30 @@ def test_cpu_decode_and_vmap():
     assert max_err(out, ref) <= 1e-5
     for g, r in zip(grads, ref_grads):
         assert max_err(g, r) <= GRAD_EPS["float32"] * max(1.0, float(jnp.max(jnp.abs(r))))
+
+
+@pytest.mark.parametrize("block_size", [(24, 40), (128, 96), (5, 33), (300, 7)])
+def test_cpu_block_sizes(block_size):
+    """cpu: block masks whose blocks are not the kernels' 128 x 128 tiles nor multiples of 32
+    keys (a bit row spans words, a block spans tiles, a tile many blocks) against the
+    reference, forward and gradients, per (b, h) (documents differ per batch row)."""
+    _available("cpu")
+    shape = CPU_SHAPE
+    q, k, v = _inputs(shape)
+    rng = np.random.default_rng(3)
+    docs = jnp.asarray(np.sort(rng.integers(0, 5, size=(shape.b, max(shape.t, shape.s))), axis=1), jnp.int32)
+    mask_mod = lambda b, h, qi, ki: (docs[b, qi] == docs[b, ki]) & ((ki <= qi) | (h == 1))
+    bm = jax_flash.create_block_mask(mask_mod, shape.b, shape.n, shape.t, shape.s, block_size=block_size)
+
+    def run(fn, **kw):
+        def loss(q, k, v):
+            out = fn(q, k, v, mask_mod=mask_mod, **kw)
+            return jnp.sum(out * jnp.sin(out)), out
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+    grads, out = run(jax_flash.flex_attention, block_mask=bm, implementation="cpu")
+    ref_grads, ref = run(jax_flash.flex_reference)
+    assert max_err(out, ref) <= 1e-5
+    for g, r in zip(grads, ref_grads):
+        assert max_err(g, r) <= GRAD_EPS["float32"] * max(1.0, float(jnp.max(jnp.abs(r))))
