@@ -738,11 +738,12 @@ def test_cpu_explain_reports_bits():
     assert "bits of up to 2 partly visible blocks ([2, 1] rows of blocks, partial_capacity), 64 bytes" in text
 
 
-def test_cpu_decode_and_vmap():
+@pytest.mark.parametrize("split", [0, 3], ids=["rule", "split_kv_3"])
+def test_cpu_decode_and_vmap(split):
     """cpu: a decode step (T = 1, GQA 4:1, where the built-in path packs a kv head's query
-    heads into one tile: not with a per-head mask_mod) and the call under jax.vmap (run once
-    per mapped element, so that mask_mod sees each call's own b), gradients too, against
-    the reference."""
+    heads into one tile: not with a per-head mask_mod), with the forward's split-KV as its rule
+    decides and forced to 3 key chunks, and the call under jax.vmap (run once per mapped
+    element, so that mask_mod sees each call's own b), gradients too, against the reference."""
     _available("cpu")
     shape = Shape(2, 1, 3 * CPU_TILE + 5, 8, 2, 16)
     q, k, v = (jnp.stack([x, -x]) for x in _inputs(shape))  # a leading mapped axis of 2
@@ -755,7 +756,8 @@ def test_cpu_decode_and_vmap():
 
         return jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2), has_aux=True)))(q, k, v)
 
-    (grads, out) = both(jax_flash.flex_attention, implementation="cpu")
+    with jax_flash.config(cpu_split_kv=split):
+        (grads, out) = both(jax_flash.flex_attention, implementation="cpu")
     (ref_grads, ref) = both(jax_flash.flex_reference)
     assert max_err(out, ref) <= 1e-5
     for g, r in zip(grads, ref_grads):
