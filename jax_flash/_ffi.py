@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_flash import _flex
 from jax_flash._spec import AttentionSpec, MaskInputs
 from jax_flash.parallel import partitioning
 
@@ -101,12 +102,32 @@ def _attributes(spec: AttentionSpec) -> dict:
         use_segment_ids=bool(spec.has_segment_ids),
         dropout_rate=np.float32(spec.dropout_rate),
         poison_outputs=poison_outputs(spec),
+        **_block_attributes(spec),
     )
 
 
+def _vmap_method(spec: AttentionSpec) -> str | None:
+    """A flex call (not wrapped by `partitioning`, whose vmap rule folds the mapped axis into
+    the batch: that would renumber the `b` its mask_mod sees) runs once per mapped element
+    under vmap; the others never meet vmap here."""
+    return "sequential" if spec.flex is not None else None
+
+
+def _has_block_operands(spec: AttentionSpec) -> bool:
+    """A flex_attention call with a mask_mod: the cpu kernels get its block mask's operands."""
+    return spec.flex is not None and spec.flex.mask_mod is not None
+
+
+def _block_attributes(spec: AttentionSpec) -> dict:
+    """block_q, block_k: the blocks of the block mask operands, 0 without them."""
+    bq, bk = _flex.kernel_blocks(spec)[0] if _has_block_operands(spec) else (0, 0)
+    return dict(block_q=np.int64(bq), block_k=np.int64(bk))
+
+
 def _mask_operands(spec: AttentionSpec, masks: MaskInputs, dtype):
-    """Lengths, segment ids, query offsets, the dense bias and mask are always passed: full
-    lengths, zero ids, zero offsets, and [0] float32 / [0] bool when absent. The bias keeps
+    """Lengths, segment ids, query offsets, the dense bias and mask, the block mask's operands
+    are always passed: full lengths, zero ids, zero offsets, and [0] float32 / [0] bool / [0]
+    int8, int32, uint32 when absent. The bias keeps
     its [B|1, N|1, T|1, S|1] broadcast shape (the kernels read it through strides) and a
     16-bit or float32 dtype; a float64 bias becomes float32 unless the inputs are float64."""
     b, t, s = spec.batch, spec.q_len, spec.kv_len
@@ -115,7 +136,23 @@ def _mask_operands(spec: AttentionSpec, masks: MaskInputs, dtype):
     q_seg = masks.q_segment_ids if masks.q_segment_ids is not None else jnp.zeros((b, t), jnp.int32)
     kv_seg = masks.kv_segment_ids if masks.kv_segment_ids is not None else jnp.zeros((b, s), jnp.int32)
     q_off = masks.q_offset if masks.q_offset is not None else jnp.zeros((b,), jnp.int32)
-    return q_len, kv_len, q_seg, kv_seg, q_off, _bias_operand(masks, dtype), _dense_mask_operand(masks)
+    return (
+        q_len,
+        kv_len,
+        q_seg,
+        kv_seg,
+        q_off,
+        _bias_operand(masks, dtype),
+        _dense_mask_operand(masks),
+        *_block_operands(spec, masks),
+    )
+
+
+def _block_operands(spec: AttentionSpec, masks: MaskInputs):
+    """block_states, block_slots, block_bits (`_flex.block_operands`), or [0] s8, s32, u32."""
+    if _has_block_operands(spec):
+        return _flex.block_operands(spec, masks)
+    return jnp.zeros((0,), jnp.int8), jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.uint32)
 
 
 def _bias_operand(masks: MaskInputs, dtype):
@@ -234,7 +271,7 @@ def forward_call(
     # Sinks [N] f32 after the mask operands (forward only), -inf (no sink) when absent.
     sinks = masks.sinks if masks.sinks is not None else jnp.full((n,), -jnp.inf, jnp.float32)
     first = () if page_table is None else (page_table,)
-    out, lse, *_ = jax.ffi.ffi_call(target, shapes)(
+    out, lse, *_ = jax.ffi.ffi_call(target, shapes, vmap_method=_vmap_method(spec))(
         *first,
         q,
         k,
@@ -245,6 +282,26 @@ def forward_call(
         **values,
     )
     return out, lse
+
+
+def backward_call(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout, dlse, attributes=None):
+    """The backward custom call of a target without workspaces (the cpu kernels) on whole
+    arrays, no sharding rule: dq, dk, dv, dbias (None without a bias)."""
+    return _backward_call(
+        target,
+        False,
+        None,
+        attributes,
+        spec,
+        q,
+        k,
+        v,
+        masks,
+        out,
+        lse.astype(jnp.float32),
+        dout,
+        dlse.astype(jnp.float32),
+    )
 
 
 def _backward_call(
@@ -285,7 +342,7 @@ def _backward_call(
         shapes += (jax.ShapeDtypeStruct(_dbias_workspace(spec, masks, deterministic), jnp.float32),)
     dbias_shape = (0,) if masks.bias is None else masks.bias.shape
     shapes += (jax.ShapeDtypeStruct(dbias_shape, jnp.float32),)
-    dq, dk, dv, *_, dbias = jax.ffi.ffi_call(target, shapes)(
+    dq, dk, dv, *_, dbias = jax.ffi.ffi_call(target, shapes, vmap_method=_vmap_method(spec))(
         q,
         k,
         v,

@@ -14,11 +14,16 @@ A `BlockMask` says, per (batch row, head, query block), which key blocks are par
 key blocks are empty and are skipped. `create_block_mask` computes one from a mask_mod with
 XLA, one query block at a time and a bounded number of key blocks per step, so that the
 T×S matrix of a long sequence never exists.
+
+The `cpu` kernels cannot run a user function: for them the mask_mod of the partly visible
+blocks is evaluated by XLA beforehand, one bit per position (`block_operands`), for at most
+`partial_capacity` blocks (a static number: the shape of the bits).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -105,6 +110,9 @@ class FlexSpec:
     # mask was given, so every block is partly visible (with a mask_mod) or fully visible.
     block_size: tuple[int, int] | None = None
     block_batch_heads: tuple[int, int] | None = None
+    # The block mask's partial_capacity (BlockMask): the partly visible blocks whose mask_mod
+    # bits the cpu kernels get.
+    partial_capacity: int | None = None
 
     @property
     def has_block_mask(self) -> bool:
@@ -162,6 +170,13 @@ class BlockMask:
     the order a backward pass walks. Entries past a count are unspecified. All arrays int32.
     Positions past T or S (the last blocks' padding) do not count: a last block whose real
     positions are all visible is fully visible.
+
+    `partial_capacity` (static) bounds the number of partly visible blocks over all [B|1, N|1]
+    rows: the `cpu` kernels receive mask_mod's bits for that many blocks (block_q·block_k/8
+    bytes each; at most every block, B|1·N|1·T·S/8 bytes). None: every block. A call on `cpu`
+    whose block mask has more partly visible blocks than its capacity gives NaN (out and lse)
+    in the rows of the query blocks of the blocks past it (in (b, h, query block, key block)
+    order); the other implementations do not read it.
     """
 
     kv_num_blocks: jax.Array  # [B|1, N|1, nq]
@@ -176,6 +191,7 @@ class BlockMask:
     block_size: tuple[int, int] = dataclasses.field(
         metadata=dict(static=True), default=(DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE)
     )
+    partial_capacity: int | None = dataclasses.field(metadata=dict(static=True), default=None)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -195,6 +211,18 @@ class BlockMask:
         """The number of (b, h, query block, key block) that are not empty (int32)."""
         return jnp.sum(self.kv_num_blocks) + jnp.sum(self.full_kv_num_blocks)
 
+    def num_partial(self) -> jax.Array:
+        """The number of partly visible (b, h, query block, key block) (int32): at most
+        `capacity` for the cpu kernels to see them all."""
+        return jnp.sum(self.kv_num_blocks)
+
+    @property
+    def capacity(self) -> int:
+        """partial_capacity, None read as every block: B|1·N|1·nq·nk."""
+        if self.partial_capacity is None:
+            return math.prod(self.shape)
+        return int(self.partial_capacity)
+
 
 def _dense_of(counts, indices, n: int):
     """int32 [..., rows, n]: 1 where a column is among the first `counts` indices of its row."""
@@ -212,17 +240,34 @@ def ordered(flag):
     return count, order
 
 
-def from_dense(state, seq_lengths: tuple[int, int], block_size: tuple[int, int]) -> BlockMask:
-    """A BlockMask from its int [B|1, N|1, nq, nk] states (0 empty, 1 partial, 2 full)."""
+def _capacity(x: object, name: str = "partial_capacity") -> int | None:
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or int(x) < 0:
+        raise ValueError(f"{name} must be None (every block) or an int >= 0, got {x!r}")
+    return int(x)
+
+
+def from_dense(
+    state, seq_lengths: tuple[int, int], block_size: tuple[int, int], partial_capacity: int | None = None
+) -> BlockMask:
+    """A BlockMask from its int [B|1, N|1, nq, nk] states (0 empty, 1 partial, 2 full).
+
+    partial_capacity None: the exact number of partly visible blocks when the states are
+    concrete (not traced), else every block (B|1·N|1·nq·nk)."""
     state = jnp.asarray(state)
     partial, full = state == PARTIAL, state == FULL
+    capacity = _capacity(partial_capacity)
+    if capacity is None:
+        concrete = not isinstance(state, jax.core.Tracer)
+        capacity = int(jnp.sum(partial)) if concrete else math.prod(state.shape)
     kv_n, kv_i = ordered(partial)
     fkv_n, fkv_i = ordered(full)
     q_n, q_i = ordered(jnp.swapaxes(partial, -1, -2))
     fq_n, fq_i = ordered(jnp.swapaxes(full, -1, -2))
     t, s = seq_lengths
     bq, bk = block_size
-    return BlockMask(kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i, (int(t), int(s)), (int(bq), int(bk)))
+    return BlockMask(kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i, (int(t), int(s)), (int(bq), int(bk)), capacity)
 
 
 def _positive_int(x: object) -> bool:
@@ -256,13 +301,22 @@ def create_block_mask(
     S: int,
     *,
     block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
+    partial_capacity: int | None = None,
 ) -> BlockMask:
     """The `BlockMask` of `mask_mod(b, h, q_idx, kv_idx) -> bool` for B batch rows, N query
     heads, T queries and S keys (B or N None: one row / head shared by all, mask_mod then
     called with b = 0 / h = 0), in blocks of `block_size` (an int, or (block_q, block_k)).
 
+    `partial_capacity`: how many partly visible blocks the `cpu` kernels get mask_mod's bits
+    for (static, it sizes their input: block_q·block_k/8 bytes a block). None: the exact
+    count where the mask is computed eagerly, else (under jit, where the count is traced)
+    every block, B|1·N|1·nq·nk: T·S/8 bytes per [B|1, N|1] row; give a bound to spend less.
+    A cpu call with more partly visible blocks than that gives NaN in their query blocks'
+    rows (never a silently wrong result).
+
     Evaluated by XLA one query block at a time, a bounded number of key blocks per step
-    (never the whole T×S); jit-able (B, N, T, S and block_size static)."""
+    (never the whole T×S); jit-able (B, N, T, S, block_size and partial_capacity static)."""
+    capacity = _capacity(partial_capacity)
     b_n, h_n = _size("B", B, True), _size("N", N, True)
     t, s = _size("T", T, False), _size("S", S, False)
     bq, bk = _block_size(block_size)
@@ -286,7 +340,7 @@ def create_block_mask(
         return lax.map(lambda j: tile_state(i, j), jnp.arange(nk, dtype=jnp.int32), batch_size=chunk)
 
     state = lax.map(query_block, jnp.arange(nq, dtype=jnp.int32))  # [nq, nk, B|1, N|1]
-    return from_dense(jnp.transpose(state, (2, 3, 0, 1)), (t, s), (bq, bk))
+    return from_dense(jnp.transpose(state, (2, 3, 0, 1)), (t, s), (bq, bk), capacity)
 
 
 def check_block_mask(block_mask, batch: int, heads: int, t: int, s: int) -> BlockMask:
@@ -326,4 +380,89 @@ def check_block_mask(block_mask, batch: int, heads: int, t: int, s: int) -> Bloc
             )
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise TypeError(f"block_mask.{name} must be an integer array, got {x.dtype}")
+    _capacity(block_mask.partial_capacity, "block_mask.partial_capacity")
     return block_mask
+
+
+# ---------------------------------------------------------------------------------------
+# The cpu kernels' operands (cuda/ffi/boundary.h MaskOperands: block_states, block_slots,
+# block_bits; attributes block_q, block_k)
+
+
+def uses_index(fn: ClosedFunction, position: int) -> bool:
+    """Whether the mask_mod reads its argument `position` (0: b, 1: h) at all: a mask the same
+    for every batch row (head) needs its bits once, not once per row (head)."""
+    var = fn._jaxpr.invars[position]
+    for eqn in fn._jaxpr.eqns:
+        if any(v is var for v in eqn.invars):
+            return True
+    return any(v is var for v in fn._jaxpr.outvars)
+
+
+def kernel_blocks(spec) -> tuple[tuple[int, int], tuple[int, int], int]:
+    """((block_q, block_k), (Bm, Nm), P) of the bits the cpu kernels get for a flex call with a
+    mask_mod: the block mask's blocks, its [B|1, N|1] rows widened to B (N) where the
+    mask_mod reads b (h) (its bits then differ per row), and its capacity times that widening.
+    Without a block mask: DEFAULT_BLOCK_SIZE blocks (the kernels' tiles; at most T x S), every
+    one partly visible, so P = Bm·Nm·nq·nk and the bits are about Bm·Nm·T·S/8 bytes."""
+    flex = spec.flex
+    assert flex is not None and flex.mask_mod is not None
+    bm = spec.batch if uses_index(flex.mask_mod, 0) else 1
+    nm = spec.num_heads if uses_index(flex.mask_mod, 1) else 1
+    if flex.block_size is None:
+        bq, bk = min(DEFAULT_BLOCK_SIZE, spec.q_len), min(DEFAULT_BLOCK_SIZE, spec.kv_len)
+        nq, nk = -(-spec.q_len // bq), -(-spec.kv_len // bk)
+        return (bq, bk), (bm, nm), bm * nm * nq * nk
+    mb, mn = flex.block_batch_heads or (1, 1)
+    rows_b, rows_n = max(mb, bm), max(mn, nm)
+    widening = (rows_b // mb) * (rows_n // mn)
+    nq, nk = -(-spec.q_len // flex.block_size[0]), -(-spec.kv_len // flex.block_size[1])
+    capacity = mb * mn * nq * nk if flex.partial_capacity is None else flex.partial_capacity
+    return flex.block_size, (rows_b, rows_n), capacity * widening
+
+
+def bits_bytes(spec) -> int:
+    """The bytes of the cpu kernels' packed bits for a flex call with a mask_mod."""
+    (bq, bk), _, capacity = kernel_blocks(spec)
+    return capacity * bq * (-(-bk // 32)) * 4
+
+
+def block_operands(spec, masks) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(block_states s8 [Bm, Nm, nq, nk], block_slots s32 [Bm, Nm, nq, nk], block_bits u32 [P,
+    block_q, ceil(block_k / 32)]) of a flex call with a mask_mod (`kernel_blocks`).
+
+    The bits are mask_mod evaluated by XLA at the positions of the partly visible blocks only,
+    a bounded number of blocks per step (`lax.map`), never the whole T×S; positions past T or
+    S are 0. The first P partly visible blocks in (b, h, i, j) order get slots 0..P-1; any past
+    P keep their state with slot -1, which the kernels turn into NaN rows."""
+    flex = spec.flex
+    (bq, bk), (bm, nm), capacity = kernel_blocks(spec)
+    t, s = spec.q_len, spec.kv_len
+    nq, nk = -(-t // bq), -(-s // bk)
+    if masks.block_mask is None:
+        states = jnp.full((bm, nm, nq, nk), PARTIAL, jnp.int8)
+    else:
+        states = jnp.broadcast_to(masks.block_mask.to_dense(), (bm, nm, nq, nk)).astype(jnp.int8)
+    partial = (states == PARTIAL).reshape(-1)
+    rank = jnp.cumsum(partial, dtype=jnp.int32) - 1
+    slots = jnp.where(partial & (rank < capacity), rank, -1).reshape(states.shape).astype(jnp.int32)
+    words = -(-bk // 32)
+    if capacity == 0:
+        return states, slots, jnp.zeros((0, bq, words), jnp.uint32)
+    (flat,) = jnp.nonzero(partial, size=capacity, fill_value=0)
+    b_i, h_i, q_i, k_i = (x.astype(jnp.int32) for x in jnp.unravel_index(flat, states.shape))
+    consts = masks.mask_consts or ()
+    rows = jnp.arange(bq, dtype=jnp.int32)[:, None]
+    cols = jnp.arange(words * 32, dtype=jnp.int32)[None, :]
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+
+    def block_bits(index):  # u32 [bq, words]
+        b, h, i, j = index
+        q_idx, kv_idx = i * bq + rows, j * bk + cols
+        vis = apply_mask_mod(flex.mask_mod, consts, b, h, q_idx, kv_idx)
+        vis = vis & (q_idx < t) & (kv_idx < s) & (cols < bk)
+        return jnp.sum(vis.reshape(bq, words, 32).astype(jnp.uint32) << shifts, axis=-1, dtype=jnp.uint32)
+
+    chunk = max(1, min(capacity, _POSITIONS_PER_STEP // (bq * words * 32)))
+    bits = lax.map(block_bits, (b_i, h_i, q_i, k_i), batch_size=chunk)
+    return states, slots, bits

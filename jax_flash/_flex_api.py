@@ -61,7 +61,9 @@ def canonicalize_flex(
     if block_mask is not None:
         bm = _flex.check_block_mask(block_mask, spec.batch, spec.num_heads, spec.q_len, spec.kv_len)
         (bq, bk), (mb, mn) = bm.block_size, bm.kv_num_blocks.shape[:2]
-        flex = dataclasses.replace(flex, block_size=(int(bq), int(bk)), block_batch_heads=(int(mb), int(mn)))
+        flex = dataclasses.replace(
+            flex, block_size=(int(bq), int(bk)), block_batch_heads=(int(mb), int(mn)), partial_capacity=bm.capacity
+        )
         block_mask = jax.tree.map(lambda x: jnp.asarray(x, jnp.int32), bm)
     spec = dataclasses.replace(spec, flex=flex)
     masks = c.masks._replace(score_consts=score_consts, mask_consts=mask_consts, block_mask=block_mask)

@@ -156,8 +156,10 @@ def cpu_isa(spec: AttentionSpec) -> str:
 
 
 def cpu_packs_heads(spec: AttentionSpec) -> bool:
-    """GQA packing of the cpu forward: at T = 1 the G query heads of a kv head share a tile."""
-    return packs_query_heads(spec, CPU_BLOCK)
+    """GQA packing of the cpu forward: at T = 1 the G query heads of a kv head share a tile
+    (not with a flex mask_mod: its block mask is per head)."""
+    flex_mask = spec.flex is not None and spec.flex.mask_mod is not None
+    return packs_query_heads(spec, CPU_BLOCK) and not flex_mask
 
 
 def cpu_forward_items(spec: AttentionSpec) -> int:

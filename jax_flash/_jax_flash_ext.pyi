@@ -70,6 +70,14 @@ def cpu_blocking(h: int, dtype: Literal["float32", "bfloat16", "float16"], bf16_
     """(H, dtype, bf16_products) -> the cpu kernels' tile blocking (tiling.h BlockingFor):
     block sizes and the bytes one worker's forward / backward tile step keeps hot."""
 
+def cpu_count_tiles(on: bool) -> None:
+    """Starts (True) or stops counting the tiles the cpu kernels compute, from zero (a debug
+    counter: jax_flash.cpu.count_tiles)."""
+
+def cpu_tile_counts() -> tuple[int, int]:
+    """(forward, backward): the tiles (Q·Kᵀ products) the cpu kernels computed since
+    cpu_count_tiles(True)."""
+
 def cpu_gradient_chunks(b: int, n: int, k: int, t: int, s: int, h: int, threads: int) -> int:
     """(B, N, K, T, S, H, threads of XLA's pool) -> the number of key-block chunks (float32 dQ
     partials) of the single-pass backward; 1: each work item owns its query heads."""

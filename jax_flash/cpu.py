@@ -1,10 +1,22 @@
-"""The `cpu` implementation: the extension's tiled C++ kernels (platform Host)."""
+"""The `cpu` implementation: the extension's tiled C++ kernels (platform Host).
+
+flex_attention: a mask_mod and a block mask, no score_mod (the kernels cannot run a user
+function). XLA evaluates mask_mod beforehand at the positions of the partly visible blocks
+only, one bit each (`_flex.block_operands`); the kernels' one mask (cuda/cpu/problem.h
+ClassifyTile, score_mask.h MaskScores) then skips the tiles whose blocks are all empty,
+runs those whose blocks are all full unmasked and reads the bits elsewhere, forward and
+backward. `count_tiles` counts the tiles the kernels compute (a debug counter).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
 import numpy as np
 
-from jax_flash import _ffi, _heuristics, _registry
+from jax_flash import _ffi, _flex, _heuristics, _registry
 from jax_flash._paged_spec import PagedSpec, target_masks
 from jax_flash._spec import AttentionSpec
 
@@ -69,10 +81,74 @@ def backward_attributes(spec: AttentionSpec) -> dict:
     return dict(isa=isa(spec), gradient_chunks=np.int64(_heuristics.cpu_gradient_chunks(spec)))
 
 
+# Why a flex_attention call with a score_mod is not the cpu kernels'.
+SCORE_MOD_REASON = (
+    "cpu serves flex_attention's mask_mod and block masks; a score_mod needs the user function "
+    "inside the tile: implementation='xla' or 'pallas' run it"
+)
+
+
+@dataclasses.dataclass
+class TileCounts:
+    """The tiles (Q·Kᵀ products) the cpu kernels computed inside `count_tiles`: `forward`, `backward`."""
+
+    forward: int = 0
+    backward: int = 0
+
+
+@contextlib.contextmanager
+def count_tiles() -> Iterator[TileCounts]:
+    """A debug counter of the tiles the cpu kernels compute while inside this block (every
+    call's, of any thread; read when the block ends, so block on the results inside it):
+    tests that the work follows a block mask. Not for concurrent use."""
+    from jax_flash import _jax_flash_ext
+
+    counts = TileCounts()
+    _jax_flash_ext.cpu_count_tiles(True)
+    try:
+        yield counts
+    finally:
+        counts.forward, counts.backward = _jax_flash_ext.cpu_tile_counts()
+        _jax_flash_ext.cpu_count_tiles(False)
+
+
+def flex_description(spec: AttentionSpec, verbose: bool) -> str:
+    """`explain`'s words for a flex_attention call with a mask_mod: the blocks the kernels read
+    and (verbose) the capacity and bytes of mask_mod's bits."""
+    (bq, bk), (bm, nm), capacity = _flex.kernel_blocks(spec)
+    flex = spec.flex
+    assert flex is not None
+    if flex.block_size is None:
+        text = (
+            f"flex: no block_mask, every {bq}x{bk} block partly visible (mask_mod's bits at every "
+            "position, T·S/8 bytes per batch row and head it reads; create_block_mask skips the empty blocks)"
+        )
+    else:
+        text = (
+            f"flex: the block mask's {bq}x{bk} blocks decide which {_heuristics.CPU_BLOCK}x{_heuristics.CPU_BLOCK} "
+            "tiles run (skipped where all empty, unmasked where all full), mask_mod's bits elsewhere"
+        )
+    if verbose:
+        text += (
+            f"; bits of up to {capacity} partly visible blocks ([{bm}, {nm}] rows of blocks, partial_capacity), "
+            f"{_flex.bits_bytes(spec)} bytes, evaluated by XLA before the kernels"
+        )
+    return text
+
+
+def _flex_masked(spec: AttentionSpec) -> bool:
+    return spec.flex is not None and spec.flex.mask_mod is not None
+
+
 class CpuImplementation:
     name = "cpu"
 
+    # flex_attention: mask_mod and block masks; a score_mod is refused (SCORE_MOD_REASON).
+    serves_flex = True
+
     def unsupported(self, spec: AttentionSpec) -> str | None:
+        if spec.flex is not None and spec.flex.score_mod is not None:
+            return SCORE_MOD_REASON
         if _registry.platform() != "cpu":
             return f"runs on the CPU backend only (the default backend is {_registry.platform()})"
         why = _ffi.missing("jax_flash_fwd", "cpu") or _ffi.missing("jax_flash_bwd", "cpu")
@@ -98,6 +174,8 @@ class CpuImplementation:
         for name, shape in (("bias", spec.bias_shape), ("mask", spec.mask_shape)):
             if shape is not None:
                 parts.append(f"dense {name} {list(shape)} read in place through its broadcast strides")
+        if _flex_masked(spec):
+            parts.append(flex_description(spec, verbose=True))
         parts.append(isa_description(spec))
         if spec.bias_shape is None:
             return "; ".join(parts)
@@ -127,11 +205,17 @@ class CpuImplementation:
         dense = [name for name, shape in (("bias", spec.bias_shape), ("mask", spec.mask_shape)) if shape is not None]
         if dense:
             text += f", dense {' and '.join(dense)} read in place"
+        if _flex_masked(spec):
+            text += ", " + flex_description(spec, verbose=False)
         return text
 
     def forward(self, spec, q, k, v, masks):
         # Bad settings (JAX_FLASH_CPU_ISA, JAX_FLASH_CPU_SPLIT_KV): a ValueError now.
         forward_attributes(spec)
+        if spec.flex is not None:
+            # The block operands have no sharding rule: one call on whole arrays (XLA gathers
+            # sharded inputs first).
+            return _ffi.forward_call("jax_flash_fwd", spec, q, k, v, masks, attributes=forward_attributes)
         return _ffi.forward(self.name, "jax_flash_fwd", spec, q, k, v, masks, attributes=forward_attributes)
 
     # paged_attention (jax_flash/inference/paged.py): what implementation=None runs on the CPU
@@ -171,6 +255,10 @@ class CpuImplementation:
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
         backward_attributes(spec)
+        if spec.flex is not None:  # whole arrays, as the forward
+            return _ffi.backward_call(
+                "jax_flash_bwd", spec, q, k, v, masks, out, lse, dout, dlse, attributes=backward_attributes
+            )
         return _ffi.backward(
             self.name, "jax_flash_bwd", spec, q, k, v, masks, out, lse, dout, dlse, attributes=backward_attributes
         )

@@ -43,6 +43,7 @@ struct BackwardTiles {
   int32_t* segments; // [kBlockK]
   float* bias_row;    // [kBlockK] one row of the dense bias (with one)
   int32_t* mask_row;  // [kBlockK] one row of the dense mask (with one)
+  int32_t* block_row; // [kBlockK] one row of the block mask (with one)
   int32_t* visible;   // [kBlockQ][kBlockK] the mask's lane masks (a bias with a -inf)
   float* bias_sum;    // [kBlockK] dS summed over a tile's rows (a bias broadcast over T)
   int64_t floats;
@@ -70,14 +71,15 @@ struct BackwardTiles {
     segments = reinterpret_cast<int32_t*>(w.Take(kBlockK));
     bias_row = w.Take(p.bias.present() ? kBlockK : 0);
     mask_row = reinterpret_cast<int32_t*>(w.Take(p.mask.present() ? kBlockK : 0));
+    block_row = reinterpret_cast<int32_t*>(w.Take(p.block_mask.present() ? kBlockK : 0));
     visible = reinterpret_cast<int32_t*>(w.Take(p.bias_hides_pairs() ? kBlockQ * kBlockK : 0));
     bias_sum = w.Take(p.bias.present() ? kBlockK : 0);
     floats = w.used();
   }
 
-  // The dense mask's part of masking head n of batch row b (MaskScores).
+  // The dense mask's and the block mask's part of masking head n of batch row b (MaskScores).
   DenseMasking dense(const Problem& p, int64_t b, int64_t n) const {
-    return {p.mask.rows(b, n), mask_row, p.bias_hides_pairs() ? visible : nullptr};
+    return {p.mask.rows(b, n), mask_row, p.bias_hides_pairs() ? visible : nullptr, p.block_mask.rows(b, n), block_row};
   }
 };
 

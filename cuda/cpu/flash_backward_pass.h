@@ -147,10 +147,12 @@ void GradientKeyBlock(const Problem& p, BackwardTiles& w, const MaskGeometry& ma
   // The query rows that can see any of these keys form one interval.
   const KeyInterval rows_seen = mask.rows_of_keys(s0, s0 + cols);
   for (int64_t n = g * p.group_size(); n < (g + 1) * p.group_size(); ++n) {
+    const BlockRows blocks = p.block_mask.rows(b, n);
     for (int64_t t0 = rows_seen.lo / kBlockQ * kBlockQ; t0 < rows_seen.hi; t0 += kBlockQ) {
       const int64_t rows = std::min(kBlockQ, rows_seen.hi - t0);
-      const TileVisibility visibility = ClassifyTile(mask, t0, rows, s0, cols, cols_padded != cols);
+      const TileVisibility visibility = ClassifyTile(mask, t0, rows, s0, cols, cols_padded != cols, blocks);
       if (visibility == TileVisibility::kSkip) continue;
+      CountTile(tile_counts.backward);
       const int64_t rows_padded = RoundUp(rows, kGemmRows);
       const QueryBlockOperands query = QueryOperands(p, w, chunk, b, n, t0);
       in.q = query.q;

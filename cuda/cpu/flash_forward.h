@@ -31,6 +31,7 @@ struct ForwardTiles {
   int32_t* segments;  // [kBlockK]
   float* bias_row;    // [kBlockK] one row of the dense bias (with one)
   int32_t* mask_row;  // [kBlockK] one row of the dense mask (with one)
+  int32_t* block_row; // [kBlockK] one row of the block mask (with one)
   int32_t* visible;   // [kBlockQ][kBlockK] the mask's lane masks (a bias with a -inf)
   float* scratch;       // [kProductScratchFloats] the products' own (bf16 P)
   // Streaming (Problem::stream_keys): the key block this worker visits, packed (Kᵀ, V rows),
@@ -54,6 +55,7 @@ struct ForwardTiles {
     segments = reinterpret_cast<int32_t*>(w.Take(kBlockK));
     bias_row = w.Take(p.bias.present() ? kBlockK : 0);
     mask_row = reinterpret_cast<int32_t*>(w.Take(p.mask.present() ? kBlockK : 0));
+    block_row = reinterpret_cast<int32_t*>(w.Take(p.block_mask.present() ? kBlockK : 0));
     visible = reinterpret_cast<int32_t*>(w.Take(p.bias_hides_pairs() ? kBlockQ * kBlockK : 0));
     scratch = w.Take(kProductScratchFloats);
     const bool stream = p.stream_keys;
@@ -67,9 +69,9 @@ struct ForwardTiles {
   }
   int64_t floats;  // the size of the workspace
 
-  // The dense mask's part of masking head n of batch row b (MaskScores).
+  // The dense mask's and the block mask's part of masking head n of batch row b (MaskScores).
   DenseMasking dense(const Problem& p, int64_t b, int64_t n) const {
-    return {p.mask.rows(b, n), mask_row, p.bias_hides_pairs() ? visible : nullptr};
+    return {p.mask.rows(b, n), mask_row, p.bias_hides_pairs() ? visible : nullptr, p.block_mask.rows(b, n), block_row};
   }
 };
 
@@ -194,8 +196,9 @@ void ForwardTileWith(const Problem& p, int64_t item, float* workspace) {
   for (int64_t s0 = s_begin + share.first * kBlockK; s0 < s_end; s0 += kBlockK) {
     const int64_t cols = std::min(kBlockK, last.hi - s0);
     const int64_t cols_padded = RoundUp(cols, kLanes);
-    const TileVisibility visibility = ClassifyTile(mask, t0, positions, s0, cols, cols_padded != cols);
+    const TileVisibility visibility = ClassifyTile(mask, t0, positions, s0, cols, cols_padded != cols, dense.blocks);
     if (visibility == TileVisibility::kSkip) continue;
+    CountTile(tile_counts.forward);
 
     const KeyBlockView keys = KeyBlockAt<Products>(p, w, b, g, s0, cols);
     const ScoreTile s{w.s, kBlockK, t0, live_rows, rows_padded, s0, cols, cols_padded, block.heads ? live_rows : 1};

@@ -33,6 +33,7 @@ const boundary::Limits& CpuLimits() {
   static const boundary::Limits limits = [] {
     boundary::Limits l;
     l.float32 = true;
+    l.block_masks = true;
     return l;
   }();
   return limits;
@@ -92,6 +93,21 @@ void ToProblem(const boundary::Problem& b, Problem* p) {
     p->bias_minus_inf = HasMinusInfinity(p->bias);
   }
   if (b.mask.present) p->mask = DenseOperand(b.mask.data, ElementType::kF32, b.mask.dims);
+  if (b.block_mask.present()) {
+    const boundary::BlockMask& m = b.block_mask;
+    BlockRows& layout = p->block_mask.layout;
+    layout.block_q = m.block_q;
+    layout.block_k = m.block_k;
+    layout.kv_blocks = m.kv_blocks;
+    layout.partial_capacity = m.partial_capacity;
+    layout.words = m.words;
+    layout.states = m.states;
+    layout.slots = m.slots;
+    layout.bits = m.bits;
+    p->block_mask.batch = m.batch;
+    p->block_mask.heads = m.heads;
+    p->block_mask.q_blocks = m.q_blocks;
+  }
   p->sinks = b.sinks;
   if (b.page_table != nullptr) {
     p->page_table = b.page_table;

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "common/dropout.h"
@@ -54,6 +55,52 @@ struct DenseOperand {
   }
 };
 
+// The states of a block mask's blocks (flex_attention, docs/flex.md).
+enum BlockState : int8_t { kEmptyBlock = 0, kPartialBlock = 1, kFullBlock = 2 };
+
+// The block mask of one (batch row, query head): its blocks' states, the slots of the partly
+// visible ones, and their packed bits. The mask's blocks (block_q × block_k) need not be the
+// kernel's tiles (kBlockQ × kBlockK): a tile reads every block it overlaps.
+struct BlockRows {
+  int64_t block_q = 0;  // 0: no block mask
+  int64_t block_k = 0;
+  int64_t kv_blocks = 0;           // nk
+  int64_t partial_capacity = 0;    // P
+  int64_t words = 0;               // ceil(block_k / 32)
+  const int8_t* states = nullptr;  // [nq, nk]
+  const int32_t* slots = nullptr;  // [nq, nk]
+  const uint32_t* bits = nullptr;  // [P, block_q, words]
+
+  bool present() const { return block_q > 0; }
+  // 0, 1 or 2 (any state but 0 and 2 reads as partly visible).
+  int state(int64_t i, int64_t j) const {
+    const int x = states[i * kv_blocks + j];
+    return x == kEmptyBlock || x == kFullBlock ? x : int{kPartialBlock};
+  }
+  // The bit row r of a partly visible block (i, j), or null when its slot is not in [0, P):
+  // more partly visible blocks than the bits' capacity (the block is then poisoned).
+  const uint32_t* bit_row(int64_t i, int64_t j, int64_t r) const {
+    const int32_t slot = slots[i * kv_blocks + j];
+    if (slot < 0 || slot >= partial_capacity) return nullptr;
+    return bits + (slot * block_q + r) * words;
+  }
+};
+
+// A block mask [Bm, Nm, nq, nk] (Bm ∈ {1, B}, Nm ∈ {1, N}), or none (block_q = 0).
+struct BlockMaskOperand {
+  BlockRows layout;  // states, slots at (0, 0)
+  int64_t batch = 0, heads = 0, q_blocks = 0;
+  bool present() const { return layout.present(); }
+  BlockRows rows(int64_t b, int64_t n) const {
+    BlockRows r = layout;
+    if (!present()) return r;
+    const int64_t offset = ((batch == 1 ? 0 : b) * heads + (heads == 1 ? 0 : n)) * q_blocks * layout.kv_blocks;
+    r.states += offset;
+    r.slots += offset;
+    return r;
+  }
+};
+
 // Everything a tile needs to know about the call. Pointers are untyped for the
 // element type `dtype` of q, k, v, out, dout, dq, dk, dv; statistics are float.
 struct Problem {
@@ -87,6 +134,9 @@ struct Problem {
   // dense mask (bytes, nonzero: the pair may attend), each absent or [B|1, N|1, T|1, S|1].
   DenseOperand bias;
   DenseOperand mask;
+  // flex_attention's block mask (BlockRows), or none: which tiles run, and per element of
+  // the tiles that overlap partly visible blocks, the mask_mod's bits.
+  BlockMaskOperand block_mask;
   // The bias holds a -inf (handlers.cc scans it once per call): its logit is visible with
   // weight 0, which MaskScores' lane masks then tell from a masked pair (score_mask.h).
   bool bias_minus_inf = false;
@@ -255,6 +305,20 @@ struct MaskGeometry {
   }
 };
 
+// A debug count of the tiles the kernels compute (their Q·Kᵀ products), forward and backward,
+// kept while `on` (jax_flash.cpu.count_tiles: tests that the work follows a block mask);
+// otherwise one relaxed load per tile.
+struct TileCounts {
+  std::atomic<bool> on{false};
+  std::atomic<int64_t> forward{0};
+  std::atomic<int64_t> backward{0};
+};
+inline TileCounts tile_counts;
+
+inline void CountTile(std::atomic<int64_t>& count) {
+  if (tile_counts.on.load(std::memory_order_relaxed)) count.fetch_add(1, std::memory_order_relaxed);
+}
+
 // How a (query rows × keys) tile meets the mask.
 enum class TileVisibility {
   kSkip,     // no element visible: the tile is not computed at all
@@ -282,12 +346,35 @@ inline SegmentRange RangeOfSegments(const int32_t* ids, int64_t n) {
   return r;
 }
 
+// How the block mask meets the tile of rows [t0, t0 + rows) and keys [s0, s0 + cols): skipped
+// when every block it overlaps is empty, full when every one is full, else partial.
+inline TileVisibility ClassifyBlocks(const BlockRows& blocks, int64_t t0, int64_t rows, int64_t s0, int64_t cols) {
+  bool any_visible = false, all_full = true;
+  for (int64_t i = t0 / blocks.block_q; i <= (t0 + rows - 1) / blocks.block_q; ++i) {
+    for (int64_t j = s0 / blocks.block_k; j <= (s0 + cols - 1) / blocks.block_k; ++j) {
+      const int state = blocks.state(i, j);
+      any_visible = any_visible || state != kEmptyBlock;
+      all_full = all_full && state == kFullBlock;
+    }
+  }
+  if (!any_visible) return TileVisibility::kSkip;
+  return all_full ? TileVisibility::kFull : TileVisibility::kPartial;
+}
+
 // Classifies the tile of query rows [t0, t0 + rows) (all below q_valid) and keys
 // [s0, s0 + cols) (all below kv_valid), `padded` true when the tile's storage has
-// columns beyond `cols` that must be masked too.
+// columns beyond `cols` that must be masked too; with a block mask (that of the tile's
+// (b, n)), the blocks it overlaps decide too.
 inline TileVisibility ClassifyTile(const MaskGeometry& g, int64_t t0, int64_t rows, int64_t s0, int64_t cols,
-                                   bool padded) {
+                                   bool padded, const BlockRows& blocks = {}) {
   if (rows <= 0 || cols <= 0) return TileVisibility::kSkip;
+  if (blocks.present()) {
+    const TileVisibility by_blocks = ClassifyBlocks(blocks, t0, rows, s0, cols);
+    if (by_blocks == TileVisibility::kSkip) return TileVisibility::kSkip;
+    const TileVisibility by_geometry = ClassifyTile(g, t0, rows, s0, cols, padded);
+    return by_blocks == TileVisibility::kPartial && by_geometry == TileVisibility::kFull ? TileVisibility::kPartial
+                                                                                         : by_geometry;
+  }
   const KeyInterval first = g.keys_of_row(t0);
   const KeyInterval last = g.keys_of_row(t0 + rows - 1);
   // lo and hi are non-decreasing in t: the union of the rows' intervals is

@@ -194,6 +194,20 @@ void AddCpuFunctions(nb::module_& m) {
       "(H, dtype, bf16_products) -> the cpu kernels' tile blocking (tiling.h BlockingFor): "
       "block sizes and the bytes one worker's forward / backward tile step keeps hot.");
   m.def(
+      "cpu_count_tiles",
+      [](bool on) {
+        cpu::tile_counts.forward = 0;
+        cpu::tile_counts.backward = 0;
+        cpu::tile_counts.on = on;
+      },
+      nb::arg("on"),
+      "Starts (True) or stops counting the tiles the cpu kernels compute, from zero (a debug counter: "
+      "jax_flash.cpu.count_tiles).");
+  m.def(
+      "cpu_tile_counts",
+      []() { return nb::make_tuple(cpu::tile_counts.forward.load(), cpu::tile_counts.backward.load()); },
+      "(forward, backward): the tiles (Q·Kᵀ products) the cpu kernels computed since cpu_count_tiles(True).");
+  m.def(
       "cpu_gradient_chunks",
       [](int64_t b, int64_t n, int64_t k, int64_t t, int64_t s, int64_t h, int64_t threads) {
         cpu::Problem p;

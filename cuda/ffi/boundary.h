@@ -39,8 +39,10 @@ struct SharedAttributes {
   bool use_segment_ids;
   float dropout_rate;      // [0, 1); 0: off
   bool poison_outputs;     // fill the results with NaN bytes before computing (tests)
+  int64_t block_q;         // a block mask's (block_q, block_k); 0, 0: no block mask
+  int64_t block_k;
 };
-constexpr size_t kSharedAttributes = 7;
+constexpr size_t kSharedAttributes = 9;
 
 template <class Binding>
 auto BindSharedAttributes(Binding&& binding) {
@@ -51,7 +53,9 @@ auto BindSharedAttributes(Binding&& binding) {
       .template Attr<float>("softcap")
       .template Attr<bool>("use_segment_ids")
       .template Attr<float>("dropout_rate")
-      .template Attr<bool>("poison_outputs");
+      .template Attr<bool>("poison_outputs")
+      .template Attr<int64_t>("block_q")
+      .template Attr<int64_t>("block_k");
 }
 
 // The operands of the structured and dense masks, after q, k, v (and out, dout, lse, dlse).
@@ -63,19 +67,28 @@ struct MaskOperands {
   Buffer q_offset;        // [B] s32
   Buffer bias;            // [B|1, N|1, T|1, S|1] f16/bf16/f32, or [0] f32: none
   Buffer mask;            // [B|1, N|1, T|1, S|1] pred (true: may attend), or [0] pred: none
+  // A block mask (flex_attention's mask_mod, docs/flex.md), or [0] each: none. Blocks are
+  // block_q × block_k positions (the attributes), nq = ceil(T / block_q), nk = ceil(S / block_k).
+  Buffer block_states;  // [Bm, Nm, nq, nk] s8: 0 empty, 1 partly visible, 2 fully visible; Bm ∈ {1, B}, Nm ∈ {1, N}
+  Buffer block_slots;  // [Bm, Nm, nq, nk] s32: a partly visible block's index into block_bits, else -1
+  Buffer block_bits;  // [P, block_q, ceil(block_k / 32)] u32: bit c % 32 of word c / 32 of row r set:
+                      // position (i·block_q + r, j·block_k + c) of the block in that slot may attend
 };
-constexpr size_t kMaskOperands = 7;
+constexpr size_t kMaskOperands = 10;
 
 template <class Binding>
 auto BindMaskOperands(Binding&& binding) {
   return std::move(binding)
-      .template Arg<Buffer>()   // q_lengths
-      .template Arg<Buffer>()   // kv_lengths
-      .template Arg<Buffer>()   // q_segment_ids
-      .template Arg<Buffer>()   // kv_segment_ids
-      .template Arg<Buffer>()   // q_offset
-      .template Arg<Buffer>()   // bias
-      .template Arg<Buffer>();  // mask
+      .template Arg<Buffer>()  // q_lengths
+      .template Arg<Buffer>()  // kv_lengths
+      .template Arg<Buffer>()  // q_segment_ids
+      .template Arg<Buffer>()  // kv_segment_ids
+      .template Arg<Buffer>()  // q_offset
+      .template Arg<Buffer>()  // bias
+      .template Arg<Buffer>()  // mask
+      .template Arg<Buffer>()  // block_states
+      .template Arg<Buffer>()  // block_slots
+      .template Arg<Buffer>();  // block_bits
 }
 
 // The forward (jax_flash_fwd, jax_flash_paged_fwd and their emulated twins): operands q, k, v,
@@ -84,14 +97,14 @@ auto BindMaskOperands(Binding&& binding) {
 // split-KV workspaces partial_out, partial_lse and their attributes after.
 struct ForwardCall {
   const Buffer* page_table;  // null but for the paged targets (k, v are then pages)
-  Buffer q;                  // [B, T, N, H]
-  Buffer k;                  // [B, S, K, H], or pages [num_pages, page_size, K, H]
-  Buffer v;                  // [B, S, K, Hv], or pages [num_pages, page_size, K, Hv]
+  Buffer q;  // [B, T, N, H]
+  Buffer k;  // [B, S, K, H], or pages [num_pages, page_size, K, H]
+  Buffer v;  // [B, S, K, Hv], or pages [num_pages, page_size, K, Hv]
   MaskOperands masks;
-  Buffer sinks;              // [N] f32 (-inf: no sink)
-  Buffer dropout_seed;       // [2] u32
-  Buffer out;                // result [B, T, N, Hv]
-  Buffer lse;                // result [B, N, T] f32
+  Buffer sinks;  // [N] f32 (-inf: no sink)
+  Buffer dropout_seed;  // [2] u32
+  Buffer out;  // result [B, T, N, Hv]
+  Buffer lse;  // result [B, N, T] f32
   SharedAttributes attributes;
 };
 constexpr size_t kForwardArity = 3 + kMaskOperands + 2 + 2 + kSharedAttributes;
@@ -99,12 +112,12 @@ constexpr size_t kForwardArity = 3 + kMaskOperands + 2 + 2 + kSharedAttributes;
 template <class Binding>
 auto BindForward(Binding&& binding) {
   return BindSharedAttributes(BindMaskOperands(std::move(binding)
-                                                   .template Arg<Buffer>()   // q
-                                                   .template Arg<Buffer>()   // k
+                                                   .template Arg<Buffer>()  // q
+                                                   .template Arg<Buffer>()  // k
                                                    .template Arg<Buffer>())  // v
-                                  .template Arg<Buffer>()    // sinks
-                                  .template Arg<Buffer>()    // dropout_seed
-                                  .template Ret<Buffer>()    // out
+                                  .template Arg<Buffer>()  // sinks
+                                  .template Arg<Buffer>()  // dropout_seed
+                                  .template Ret<Buffer>()  // out
                                   .template Ret<Buffer>());  // lse
 }
 
@@ -113,16 +126,16 @@ auto BindForward(Binding&& binding) {
 // deterministic. Each side binds its workspaces and dbias (always the last result) after.
 struct BackwardCall {
   Buffer q, k, v;
-  Buffer out, dout;   // [B, T, N, Hv]
-  Buffer lse, dlse;   // [B, N, T] f32
+  Buffer out, dout;  // [B, T, N, Hv]
+  Buffer lse, dlse;  // [B, N, T] f32
   MaskOperands masks;
   Buffer dropout_seed;
   // Results (written through their data):
-  Buffer dq;          // [B, T, N, H]
-  Buffer dk;          // [B, S, K, H]
-  Buffer dv;          // [B, S, K, Hv]
-  Buffer dq_accum;    // f32 workspace (its shape is each side's)
-  Buffer delta;       // [B, N, T] f32 workspace
+  Buffer dq;  // [B, T, N, H]
+  Buffer dk;  // [B, S, K, H]
+  Buffer dv;  // [B, S, K, Hv]
+  Buffer dq_accum;  // f32 workspace (its shape is each side's)
+  Buffer delta;  // [B, N, T] f32 workspace
   SharedAttributes attributes;
   bool deterministic;
 };
@@ -131,19 +144,19 @@ constexpr size_t kBackwardArity = 7 + kMaskOperands + 1 + 5 + kSharedAttributes 
 template <class Binding>
 auto BindBackward(Binding&& binding) {
   return BindSharedAttributes(BindMaskOperands(std::move(binding)
-                                                   .template Arg<Buffer>()   // q
-                                                   .template Arg<Buffer>()   // k
-                                                   .template Arg<Buffer>()   // v
-                                                   .template Arg<Buffer>()   // out
-                                                   .template Arg<Buffer>()   // dout
-                                                   .template Arg<Buffer>()   // lse
+                                                   .template Arg<Buffer>()  // q
+                                                   .template Arg<Buffer>()  // k
+                                                   .template Arg<Buffer>()  // v
+                                                   .template Arg<Buffer>()  // out
+                                                   .template Arg<Buffer>()  // dout
+                                                   .template Arg<Buffer>()  // lse
                                                    .template Arg<Buffer>())  // dlse
-                                  .template Arg<Buffer>()    // dropout_seed
-                                  .template Ret<Buffer>()    // dq
-                                  .template Ret<Buffer>()    // dk
-                                  .template Ret<Buffer>()    // dv
-                                  .template Ret<Buffer>()    // dq_accum
-                                  .template Ret<Buffer>())   // delta
+                                  .template Arg<Buffer>()  // dropout_seed
+                                  .template Ret<Buffer>()  // dq
+                                  .template Ret<Buffer>()  // dk
+                                  .template Ret<Buffer>()  // dv
+                                  .template Ret<Buffer>()  // dq_accum
+                                  .template Ret<Buffer>())  // delta
       .template Attr<bool>("deterministic");
 }
 
@@ -155,14 +168,14 @@ namespace internal {
 
 template <size_t P, class T>
 MaskOperands MasksAt(T& t) {
-  return {std::get<P>(t),     std::get<P + 1>(t), std::get<P + 2>(t), std::get<P + 3>(t),
-          std::get<P + 4>(t), std::get<P + 5>(t), std::get<P + 6>(t)};
+  return {std::get<P>(t),     std::get<P + 1>(t), std::get<P + 2>(t), std::get<P + 3>(t), std::get<P + 4>(t),
+          std::get<P + 5>(t), std::get<P + 6>(t), std::get<P + 7>(t), std::get<P + 8>(t), std::get<P + 9>(t)};
 }
 
 template <size_t P, class T>
 SharedAttributes AttributesAt(T& t) {
-  return {std::get<P>(t),     std::get<P + 1>(t), std::get<P + 2>(t), std::get<P + 3>(t),
-          std::get<P + 4>(t), std::get<P + 5>(t), std::get<P + 6>(t)};
+  return {std::get<P>(t),     std::get<P + 1>(t), std::get<P + 2>(t), std::get<P + 3>(t), std::get<P + 4>(t),
+          std::get<P + 5>(t), std::get<P + 6>(t), std::get<P + 7>(t), std::get<P + 8>(t)};
 }
 
 template <size_t P, class T>
@@ -242,6 +255,7 @@ inline std::string DtypeName(ffi::DataType t) {
     case ffi::DataType::S64: return "s64";
     case ffi::DataType::F64: return "f64";
     case ffi::DataType::U32: return "u32";
+    case ffi::DataType::S8: return "s8";
     case ffi::DataType::PRED: return "pred";
     default: return "dtype #" + std::to_string(static_cast<int>(t));
   }
@@ -303,6 +317,22 @@ struct Dense {
   int64_t dims[4] = {0, 0, 0, 0};
 };
 
+// A block mask (MaskOperands' block_*): absent (block_q = 0), or its validated shapes and data.
+// Its values are data, read by the kernels as they go: a state other than 0 and 2 is partly
+// visible, and a partly visible block whose slot is not in [0, partial_capacity) is poisoned
+// (its visible scores NaN: the rows of its query block come out NaN, never silently wrong).
+struct BlockMask {
+  int64_t block_q = 0, block_k = 0;  // 0: none
+  int64_t batch = 0, heads = 0;  // Bm ∈ {1, B}, Nm ∈ {1, N}
+  int64_t q_blocks = 0, kv_blocks = 0;  // nq, nk
+  int64_t partial_capacity = 0;  // P
+  int64_t words = 0;  // ceil(block_k / 32): u32 words per bit row
+  const int8_t* states = nullptr;  // [Bm, Nm, nq, nk]
+  const int32_t* slots = nullptr;  // [Bm, Nm, nq, nk]
+  const uint32_t* bits = nullptr;  // [P, block_q, words]
+  bool present() const { return block_q > 0; }
+};
+
 // One validated call: the shapes, the element type, the operands and the shared attributes.
 struct Problem {
   int64_t batch = 0, q_len = 0, kv_len = 0, q_heads = 0, kv_heads = 0, head_dim = 0, v_head_dim = 0;
@@ -322,6 +352,7 @@ struct Problem {
   const int32_t* q_offsets = nullptr;
   const uint32_t* dropout_seed = nullptr;  // [2]
   Dense bias, mask;
+  BlockMask block_mask;
   const float* sinks = nullptr;  // forward
   // backward
   const void* out = nullptr;
@@ -340,6 +371,8 @@ struct Limits {
   std::string (*head_dims_text)() = nullptr;
   // The CUDA kernels' int arithmetic: B, N < 2^31, T, S < 2^30 (and num_pages < 2^31).
   bool int32_sizes = false;
+  // Block masks (the block_* operands, block_q > 0): the cpu kernels; else refused.
+  bool block_masks = false;
 };
 
 namespace internal {
@@ -482,10 +515,65 @@ inline void DescribeDense(Checker& check, const char* name, const Buffer& x, ffi
                                                         : Dtype::kF32;
 }
 
-inline void DescribeDenseOperands(Checker& check, const MaskOperands& masks, Problem* p) {
+// The block mask: with block_q = block_k = 0 each operand is [0] (s8, s32, u32); else
+// block_states [Bm, Nm, nq, nk] s8 (Bm ∈ {1, B}, Nm ∈ {1, N}), block_slots the same in s32 and
+// block_bits [P, block_q, ceil(block_k / 32)] u32 (P >= 0).
+inline void DescribeBlockMask(Checker& check, const Limits& limits, const MaskOperands& masks, int64_t block_q,
+                              int64_t block_k, Problem* p) {
+  if (!check.ok()) return;
+  if (block_q == 0 && block_k == 0) {
+    check.Expect("block_states", masks.block_states, {0}, ffi::DataType::S8);
+    check.Expect("block_slots", masks.block_slots, {0}, ffi::DataType::S32);
+    check.Expect("block_bits", masks.block_bits, {0}, ffi::DataType::U32);
+    return;
+  }
+  if (!limits.block_masks)
+    return check.Fail("block masks (block_q, block_k = " + std::to_string(block_q) + ", " + std::to_string(block_k) +
+                      ") are served by the cpu kernels only; these kernels need block_q = block_k = 0");
+  if (block_q < 1 || block_k < 1 || block_q > (int64_t{1} << 30) || block_k > (int64_t{1} << 30))
+    return check.Fail("block_q and block_k must both be 0 (no block mask) or in [1, 2^30], got (" +
+                      std::to_string(block_q) + ", " + std::to_string(block_k) + ")");
+  BlockMask& m = p->block_mask;
+  const auto sd = masks.block_states.dimensions();
+  const int64_t nq = (p->q_len + block_q - 1) / block_q, nk = (p->kv_len + block_k - 1) / block_k;
+  if (sd.size() != 4 || (sd[0] != 1 && sd[0] != p->batch) || (sd[1] != 1 && sd[1] != p->q_heads) || sd[2] != nq ||
+      sd[3] != nk) {
+    return check.Fail("with block_q, block_k = " + std::to_string(block_q) + ", " + std::to_string(block_k) +
+                      ", block_states has shape " + ShapeText(sd) + ", expected [B|1, N|1, nq, nk] = [" +
+                      std::to_string(p->batch) + "|1, " + std::to_string(p->q_heads) + "|1, " + std::to_string(nq) +
+                      ", " + std::to_string(nk) + "] (blocks of " + std::to_string(block_q) + "x" +
+                      std::to_string(block_k) + " over T = " + std::to_string(p->q_len) +
+                      ", S = " + std::to_string(p->kv_len) + ")");
+  }
+  check.Expect("block_states", masks.block_states, {sd[0], sd[1], nq, nk}, ffi::DataType::S8);
+  check.Expect("block_slots", masks.block_slots, {sd[0], sd[1], nq, nk}, ffi::DataType::S32);
+  const auto bd = masks.block_bits.dimensions();
+  const int64_t words = (block_k + 31) / 32;
+  if (bd.size() != 3) {
+    return check.Fail("block_bits has shape " + ShapeText(bd) + ", expected [P, block_q, ceil(block_k / 32)] = [P, " +
+                      std::to_string(block_q) + ", " + std::to_string(words) + "]");
+  }
+  check.Expect("block_bits", masks.block_bits, {bd[0], block_q, words}, ffi::DataType::U32);
+  if (!check.ok()) return;
+  m.block_q = block_q;
+  m.block_k = block_k;
+  m.batch = sd[0];
+  m.heads = sd[1];
+  m.q_blocks = nq;
+  m.kv_blocks = nk;
+  m.partial_capacity = bd[0];
+  m.words = words;
+  m.states = static_cast<const int8_t*>(masks.block_states.untyped_data());
+  m.slots = Int32s(masks.block_slots);
+  m.bits = static_cast<const uint32_t*>(masks.block_bits.untyped_data());
+}
+
+inline void DescribeDenseOperands(Checker& check, const Limits& limits, const MaskOperands& masks,
+                                  const SharedAttributes& a, Problem* p) {
   DescribeDense(check, "bias", masks.bias, ffi::DataType::F32,
                 {ffi::DataType::F32, ffi::DataType::BF16, ffi::DataType::F16}, *p, &p->bias);
   DescribeDense(check, "mask", masks.mask, ffi::DataType::PRED, {ffi::DataType::PRED}, *p, &p->mask);
+  DescribeBlockMask(check, limits, masks, a.block_q, a.block_k, p);
 }
 
 }  // namespace internal
@@ -493,7 +581,7 @@ inline void DescribeDenseOperands(Checker& check, const MaskOperands& masks, Pro
 // The forward's operands, results and shared attributes, checked against each other; fills `p`.
 inline void DescribeForward(Checker& check, const Limits& limits, const ForwardCall& c, Problem* p) {
   internal::DescribeShared(check, limits, c.page_table, c.q, c.k, c.v, c.masks, c.dropout_seed, c.attributes, p);
-  internal::DescribeDenseOperands(check, c.masks, p);
+  internal::DescribeDenseOperands(check, limits, c.masks, c.attributes, p);
   if (!check.ok()) return;
   // Always passed (-inf when the call has none).
   check.Expect("sinks", c.sinks, {p->q_heads}, ffi::DataType::F32);
@@ -507,7 +595,7 @@ inline void DescribeForward(Checker& check, const Limits& limits, const ForwardC
 // the workspaces and dbias are each side's: CheckDbias below); fills `p`.
 inline void DescribeBackward(Checker& check, const Limits& limits, const BackwardCall& c, Problem* p) {
   internal::DescribeShared(check, limits, nullptr, c.q, c.k, c.v, c.masks, c.dropout_seed, c.attributes, p);
-  internal::DescribeDenseOperands(check, c.masks, p);
+  internal::DescribeDenseOperands(check, limits, c.masks, c.attributes, p);
   if (!check.ok()) return;
   const ffi::DataType t = p->element_type;
   const int64_t B = p->batch, T = p->q_len, S = p->kv_len, N = p->q_heads, K = p->kv_heads, H = p->head_dim,
@@ -539,15 +627,16 @@ inline void CheckDbias(Checker& check, const Buffer& dbias, const Problem& p) {
 
 // GQA packing (the forward's pack_gqa attribute): the G = N / K query heads of a kv head as the
 // rows of one tile, at one query position (T = 1), at most `max_group` of them, and nothing that
-// varies per head (a dense bias or mask, dropout).
+// varies per head (a dense bias or mask, a block mask, dropout).
 inline void CheckGqaPacking(Checker& check, bool pack_gqa, int64_t max_group, const Problem& p) {
   if (!check.ok() || !pack_gqa) return;
   const bool dropout = p.attributes.dropout_rate > 0.0f;
-  if (p.q_len != 1 || p.group_size() > max_group || p.bias.present || p.mask.present || dropout) {
+  const bool blocks = p.block_mask.present();
+  if (p.q_len != 1 || p.group_size() > max_group || p.bias.present || p.mask.present || blocks || dropout) {
     check.Fail("pack_gqa needs T = 1, G = N / K <= " + std::to_string(max_group) +
-               ", no dense bias or mask and no dropout; got T = " + std::to_string(p.q_len) +
+               ", no dense bias or mask, no block mask and no dropout; got T = " + std::to_string(p.q_len) +
                ", G = " + std::to_string(p.group_size()) + (p.bias.present ? ", a bias" : "") +
-               (p.mask.present ? ", a mask" : "") + (dropout ? ", dropout" : ""));
+               (p.mask.present ? ", a mask" : "") + (blocks ? ", a block mask" : "") + (dropout ? ", dropout" : ""));
   }
 }
 

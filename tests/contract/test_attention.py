@@ -375,6 +375,9 @@ def test_layout_variable_checked(impl, monkeypatch):
         jnp.zeros((b,), jnp.int32),
         jnp.zeros((0,), jnp.float32),
         jnp.zeros((0,), jnp.bool_),
+        jnp.zeros((0,), jnp.int8),  # block_states, block_slots, block_bits: no block mask
+        jnp.zeros((0,), jnp.int32),
+        jnp.zeros((0,), jnp.uint32),
         jnp.full((n,), -jnp.inf, jnp.float32),
         jnp.zeros((2,), jnp.uint32),
     )
@@ -392,6 +395,8 @@ def test_layout_variable_checked(impl, monkeypatch):
         use_segment_ids=False,
         dropout_rate=np.float32(0),
         poison_outputs=True,
+        block_q=np.int64(0),
+        block_k=np.int64(0),
         pack_gqa=False,
         layout="warp64",
     )

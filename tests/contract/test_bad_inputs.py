@@ -486,10 +486,22 @@ _HANDLER_SCRIPT = textwrap.dedent(
         return [jnp.ones((B, T, N, H), dt), jnp.ones((B, S, K, H), dt), jnp.ones((B, S, K, Hv), dt),
                 jnp.full((B,), T, I32), jnp.full((B,), S, I32), jnp.zeros((B, T), I32),
                 jnp.zeros((B, S), I32), jnp.zeros((B,), I32),
-                jnp.zeros((0,), F32), jnp.zeros((0,), jnp.bool_)]  # bias, mask: [0] = none
+                jnp.zeros((0,), F32), jnp.zeros((0,), jnp.bool_),  # bias, mask: [0] = none
+                *NO_BLOCKS]  # block_states, block_slots, block_bits: [0] = no block mask
+
+    NO_BLOCKS = [jnp.zeros((0,), jnp.int8), jnp.zeros((0,), I32), jnp.zeros((0,), jnp.uint32)]
+
+    def blocks(states=(1, 1, 4, 1), slots=None, bits=(2, 2, 1), states_dt=jnp.int8):
+        # A block mask of 2 x 8 blocks over T = S = 8: [Bm, Nm, nq = 4, nk = 1] states and slots,
+        # bits for 2 partly visible blocks.
+        return [jnp.ones(states, states_dt), jnp.zeros(states if slots is None else slots, I32),
+                jnp.full(bits, 0xFF, jnp.uint32)]
+
+    BLOCK_ATTRS = dict(block_q=np.int64(2), block_k=np.int64(8))
 
     ATTRS = dict(scale=np.float32(0.1), window_left=np.int64(-1), window_right=np.int64(-1),
-                 softcap=np.float32(0), use_segment_ids=False, dropout_rate=np.float32(0), poison_outputs=True)
+                 softcap=np.float32(0), use_segment_ids=False, dropout_rate=np.float32(0), poison_outputs=True,
+                 block_q=np.int64(0), block_k=np.int64(0))
 
     def own(target, backward=False):
         # Each target's own attributes (cuda/README.md): the CUDA targets' layout; the cpu
@@ -574,8 +586,18 @@ _HANDLER_SCRIPT = textwrap.dedent(
             "bias_rank3": ("bias", lambda: fwd(f, o[:8] + [jnp.zeros((N, T, S), F32)] + o[9:])),
             "bias_wrong_dim": ("bias", lambda: fwd(f, o[:8] + [jnp.zeros((1, N, T, S + 1), F32)] + o[9:])),
             "bias_int32": ("bias", lambda: fwd(f, o[:8] + [jnp.zeros((1, N, T, S), I32)] + o[9:])),
-            "mask_float32": ("mask", lambda: fwd(f, o[:9] + [jnp.zeros((1, 1, T, S), F32)])),
-            "mask_wrong_dim": ("mask", lambda: fwd(f, o[:9] + [jnp.ones((2, 1, T, S), jnp.bool_)])),
+            "mask_float32": ("mask", lambda: fwd(f, o[:9] + [jnp.zeros((1, 1, T, S), F32)] + o[10:])),
+            "mask_wrong_dim": ("mask", lambda: fwd(f, o[:9] + [jnp.ones((2, 1, T, S), jnp.bool_)] + o[10:])),
+            # A block mask (flex_attention's): served by the cpu kernels only, its operands'
+            # shapes and dtypes checked against T, S and block_q, block_k.
+            "ok_block_mask": (None if prefix == "jax_flash" else "block masks", lambda: fwd(f, o[:10] + blocks(), **BLOCK_ATTRS)),
+            "ok_block_mask_backward": (None if prefix == "jax_flash" else "block masks", lambda: bwd(b, bo[:14] + blocks(states=(B, N, 4, 1)), **BLOCK_ATTRS)),
+            "block_q_without_operands": ("block_q", lambda: fwd(f, o, **BLOCK_ATTRS)),
+            "block_states_nq": ("block_states" if prefix == "jax_flash" else "block masks", lambda: fwd(f, o[:10] + blocks(states=(1, 1, 3, 1)), **BLOCK_ATTRS)),
+            "block_states_int32": ("block_states" if prefix == "jax_flash" else "block masks", lambda: fwd(f, o[:10] + blocks(states_dt=I32), **BLOCK_ATTRS)),
+            "block_slots_shape": ("block_slots" if prefix == "jax_flash" else "block masks", lambda: fwd(f, o[:10] + blocks(slots=(1, 2, 4, 1)), **BLOCK_ATTRS)),
+            "block_bits_words": ("block_bits" if prefix == "jax_flash" else "block masks", lambda: fwd(f, o[:10] + blocks(bits=(2, 2, 2)), **BLOCK_ATTRS)),
+            "block_q_negative": ("block_q", lambda: fwd(f, o[:10] + blocks(), block_q=np.int64(-2), block_k=np.int64(8))),
             "dbias_without_bias": ("dbias", lambda: bwd(b, bo, dbias=SDS((1, N, T, S), F32))),
             "sinks_shape": ("sinks", lambda: fwd(f, o, sinks=jnp.zeros((N + 1,), F32))),
             "sinks_float16": ("sinks", lambda: fwd(f, o, sinks=jnp.zeros((N,), jnp.float16))),
@@ -625,7 +647,7 @@ _HANDLER_SCRIPT = textwrap.dedent(
                 "ok_forward_chunks_beyond_keys": (None, lambda: fwd(f, o, forward_chunks=np.int64(1000))),
                 "cpu_pack_gqa_long_query": ("pack_gqa needs T = 1", lambda: fwd(f, o, pack_gqa=True)),
                 "cpu_ok_pack_gqa": (None, lambda: fwd(f, operands(dt, T=1, K=1), pack_gqa=True)),
-                "cpu_pack_gqa_mask": ("a mask", lambda: fwd(f, operands(dt, T=1, K=1)[:9] + [jnp.ones((1, 1, 1, S), jnp.bool_)], pack_gqa=True)),
+                "cpu_pack_gqa_mask": ("a mask", lambda: fwd(f, operands(dt, T=1, K=1)[:9] + [jnp.ones((1, 1, 1, S), jnp.bool_)] + o[10:], pack_gqa=True)),
                 "gradient_chunks_5": ("gradient_chunks", lambda: bwd(b, bo, gradient_chunks=np.int64(5))),
                 "isa_int_attribute": ("expected string", lambda: fwd(f, o, isa=np.int64(1))),
             }),

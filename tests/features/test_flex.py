@@ -1,11 +1,15 @@
-"""flex_attention: score_mod, mask_mod and block masks (docs/flex.md).
+"""flex_attention: score_mod, mask_mod and block masks (docs/flex.md), on xla (everything)
+and cpu (mask_mod and block masks; a score_mod is refused).
 
 The built-in masks re-expressed as mask_mods give bitwise the built-in path's results where
-the same tiles run in the same order; the recipes (ALiBi, a T5 bucket table, the soft cap, a
+the same tiles run in the same order (xla at the block mask's tiles; cpu at its own 128 x 128
+tiles, whatever the block size); the recipes (ALiBi, a T5 bucket table, the soft cap, a
 per-head scale; per-document causal, prefix-LM, dilated, block-sparse, a speculative tree)
-match the float64 reference within the reference's own float32 error, gradients included
-(closed-over float arrays too); the numerical contract holds; the tiles run follow the block
-mask; bad arguments are refused clearly. Shapes are ragged against the tiles (±1)."""
+match the float64 reference within the reference's own error at the input dtype, gradients
+included (closed-over float arrays too); the numerical contract holds; the tiles run follow
+the block mask; a cpu call with more partly visible blocks than the block mask's capacity
+gives NaN rows, never a wrong result; bad arguments are refused clearly. Shapes are ragged
+against the tiles (±1)."""
 
 from __future__ import annotations
 
@@ -33,17 +37,32 @@ def _inputs(shape=SHAPE, dtype=jnp.float32, seed=0):
     return make_qkv(shape, dtype, seed)
 
 
-# The implementations that serve flex_attention (the others refuse: test_other_implementations_refuse).
-FLEX_IMPLEMENTATIONS = ("xla", "pallas")
-
-
-@pytest.fixture(params=FLEX_IMPLEMENTATIONS)
-def flex_impl(request):
-    name = request.param
+def _available(name: str) -> str:
     why = availability(name)
     if why is not None:
         pytest.skip(f"{name} unavailable here: {why}")
     return name
+
+
+# The implementations that serve flex_attention with score_mods (cpu serves mask_mods only:
+# its tests are below), and those that serve mask_mods.
+FLEX_IMPLEMENTATIONS = ("xla", "pallas")
+MASK_IMPLEMENTATIONS = ("xla", "pallas", "cpu")
+
+
+@pytest.fixture(params=FLEX_IMPLEMENTATIONS)
+def flex_impl(request):
+    return _available(request.param)
+
+
+@pytest.fixture(params=MASK_IMPLEMENTATIONS)
+def mask_impl(request):
+    return _available(request.param)
+
+
+CPU_TILE = 128  # the cpu kernels' tiles (cuda/cpu/tiling.h kBlockQ, kBlockK)
+# A shape of several cpu tiles each way, ragged (±1), GQA 2:1, and its block size.
+CPU_SHAPE, CPU_BS = Shape(1, 2 * CPU_TILE + 1, 3 * CPU_TILE - 1, 2, 1, 16), 64
 
 
 # ---- the built-in masks as mask_mods --------------------------------------------------------
@@ -136,6 +155,52 @@ def test_builtin_masks_pallas(kind):
         fin = np.isfinite(np.asarray(a))
         scale = max(1.0, float(np.max(np.abs(np.asarray(a)[fin]), initial=0)))
         assert max_err(np.asarray(b)[fin], np.asarray(a)[fin]) <= 4e-6 * scale, f"{kind}: {name}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("big", [False, True], ids=["one_tile", "tiles"])
+@pytest.mark.parametrize("kind", ["causal", "offset_window", "lengths", "segments"])
+def test_builtin_masks_bitwise_cpu(kind, big, dtype):
+    """cpu: out, lse and dq, dk, dv of the mask_mod with its block mask equal bitwise those of
+    the built-in mask: the kernels run the same 128 x 128 tiles in the same order (a tile is
+    skipped when all its blocks are empty, as the built-in geometry skips it; one that
+    overlaps partly visible blocks is masked element by element from mask_mod's bits, which
+    leaves every visible score as it was), for a block mask of one tile (8 x 8 blocks) and of
+    several tiles (64 x 64 blocks). One exception: with query lengths the built-in backward
+    clips a tile's rows at the length, which changes the blocking of the bf16 products' sums
+    over the rows (dK, a last bit in 2 of 6128 elements here), so `lengths` over several tiles
+    in bfloat16 is compared within the suite's tolerance instead."""
+    _available("cpu")
+    shape, bs = (CPU_SHAPE, CPU_BS) if big else (SHAPE, BS)
+    q, k, v = _inputs(shape, jnp.dtype(dtype))
+    kw, mask_mod = _builtin(kind, shape)
+    block_mask = jax_flash.create_block_mask(mask_mod, shape.b, None, shape.t, shape.s, block_size=bs)
+    dout = jax.random.normal(jax.random.PRNGKey(9), (shape.b, shape.t, shape.n, shape.h), jnp.float32).astype(dtype)
+    dlse = jax.random.normal(jax.random.PRNGKey(8), (shape.b, shape.t, shape.n), jnp.float32)
+
+    def grads(fn):
+        (out, lse), pull = jax.vjp(fn, q, k, v)
+        return out, lse, *pull((dout, jnp.where(jnp.isfinite(lse), dlse, 0)))
+
+    built, flex = jax.jit(
+        lambda: (
+            grads(lambda q, k, v: jax_flash.attention(q, k, v, return_residual=True, implementation="cpu", **kw)),
+            grads(
+                lambda q, k, v: jax_flash.flex_attention(
+                    q, k, v, mask_mod=mask_mod, block_mask=block_mask, return_residual=True, implementation="cpu"
+                )
+            ),
+        )
+    )()
+    for i, (name, a, b) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), built, flex)):
+        if kind == "lengths" and big and dtype == "bfloat16":
+            np.testing.assert_array_equal(np.isfinite(b), np.isfinite(a))
+            ok = np.isfinite(np.asarray(a, np.float32))
+            a, b = np.asarray(a, np.float32)[ok], np.asarray(b, np.float32)[ok]
+            scale = max(1.0, float(np.max(np.abs(a), initial=0)))
+            assert max_err(b, a) <= (EPS if i < 2 else GRAD_EPS)[dtype] * scale, f"{kind}: {name}"
+        else:
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f"{kind}: {name}")
 
 
 # ---- recipes against the float64 reference --------------------------------------------------
@@ -271,6 +336,56 @@ def test_recipes_against_reference(flex_impl, with_block_mask):
     assert int(bm.num_nonempty()) < shape.b * shape.n * bm.shape[2] * bm.shape[3], "the mask has empty blocks"
 
 
+@pytest.mark.parametrize(
+    "name, dtype, with_block_mask",
+    [
+        ("cpu", "float32", True),
+        ("cpu", "bfloat16", True),
+        ("cpu", "float32", False),
+        ("xla", "bfloat16", True),
+    ],
+)
+def test_mask_recipes_against_reference(name, dtype, with_block_mask):
+    """The recipes' mask_mods alone (the implementations without score_mods run them too):
+    out, lse and the gradients in q, k, v against float64, err <= 2 x the reference's own at
+    the input dtype + eps, per head (= per recipe); with a per-(b, h) block mask (empty blocks
+    skipped, capacity exact) or without one (cpu: every block partly visible)."""
+    _available(name)
+    shape = Shape(2, 2 * BS + 1, 3 * BS - 1, len(MASKS), 1, 16)
+    mask_mod = _per_head([_mask_mod(m, shape) for m in MASKS])
+    dt = jnp.dtype(dtype)
+    q, k, v = _inputs(shape, dt)
+    bm = jax_flash.create_block_mask(mask_mod, shape.b, shape.n, shape.t, shape.s, block_size=BS)
+    assert bm.partial_capacity == int(bm.num_partial()), "created eagerly: the exact count"
+    kw = dict(block_mask=bm) if with_block_mask else {}
+    dout = jax.random.normal(jax.random.PRNGKey(4), (shape.b, shape.t, shape.n, shape.h), jnp.float32)
+    dlse = jax.random.normal(jax.random.PRNGKey(5), (shape.b, shape.t, shape.n), jnp.float32)
+
+    def run(fn, q, k, v, **kw):
+        (out, lse), pull = jax.vjp(lambda q, k, v: fn(q, k, v, mask_mod=mask_mod, return_residual=True, **kw), q, k, v)
+        lse_ct = jnp.where(jnp.isfinite(lse), dlse.astype(lse.dtype), 0)
+        return out, lse, *pull((dout.astype(out.dtype), lse_ct))
+
+    got = jax.jit(lambda q, k, v: run(jax_flash.flex_attention, q, k, v, implementation=name, **kw))(q, k, v)
+    q64, k64, v64 = (x.astype(jnp.float64) for x in (q, k, v))
+    low, ref = jax.jit(
+        lambda q, k, v, q64, k64, v64: (
+            run(jax_flash.flex_reference, q, k, v),
+            run(jax_flash.flex_reference, q64, k64, v64),
+        )
+    )(q, k, v, q64, k64, v64)
+    for i, what in enumerate(("out", "lse", "dq", "dk", "dv")):
+        axis = {"out": 2, "lse": 2, "dq": 2}.get(what)
+        heads = range(shape.n) if axis is not None else [None]
+        for h in heads:
+            a, lo, r = (np.asarray(jnp.asarray(x[i], jnp.float64)) for x in (got, low, ref))
+            if h is not None:
+                a, lo, r = (np.take(x, h, axis=axis) for x in (a, lo, r))
+            eps = (EPS if i < 2 else GRAD_EPS)[dtype] * max(1.0, float(np.max(np.abs(r[np.isfinite(r)]), initial=0)))
+            where = MASKS[h] if h is not None else "every head"
+            assert max_err(a, r) <= FACTOR * max_err(lo, r) + eps, f"{where}: {what}"
+
+
 def test_check_grads_closed_over_floats(flex_impl):
     """Numerical gradients through q, k, v, ALiBi's slopes and a T5 table closed over by the
     score_mod, through the one custom_vjp, with a per-document causal block mask: float64 on
@@ -303,7 +418,7 @@ def test_check_grads_closed_over_floats(flex_impl):
     check_grads(f, (q, k, v, params["slopes"], params["table"]), order=1, modes=["rev"], **tol)
 
 
-def test_block_mask_rebuilt_under_jit(flex_impl):
+def test_block_mask_rebuilt_under_jit(mask_impl):
     """Packed documents that change every step: the document ids are an argument of the
     jitted step, and the block mask is rebuilt from them inside it; two different packings
     through one compiled step match the reference."""
@@ -319,7 +434,7 @@ def test_block_mask_rebuilt_under_jit(flex_impl):
     def step(q, k, v, docs):
         traces.append(docs)  # once per trace
         bm = jax_flash.create_block_mask(mask_of(docs), shape.b, None, shape.t, shape.s, block_size=BS)
-        out = jax_flash.flex_attention(q, k, v, mask_mod=mask_of(docs), block_mask=bm, implementation=flex_impl)
+        out = jax_flash.flex_attention(q, k, v, mask_mod=mask_of(docs), block_mask=bm, implementation=mask_impl)
         return out, bm.num_nonempty()
 
     ref = jax.jit(lambda q, k, v, docs: jax_flash.flex_reference(q, k, v, mask_mod=mask_of(docs)))
@@ -375,6 +490,99 @@ def test_contract_empty_rows_and_poison(flex_impl):
     assert max_err(np.asarray(out)[ok], np.asarray(ref)[ok]) <= 1e-5
 
 
+@pytest.mark.parametrize("name", ["cpu", "xla"])
+def test_contract_mask_mod(name):
+    """Without a score_mod (every implementation that serves flex): rows that see nothing give
+    out 0, lse -inf and zero gradients; a NaN query row and an inf key reach only what sees
+    them (the reference's NaN pattern, gradients too): the key, masked for every query,
+    reaches nothing."""
+    _available(name)
+    shape = Shape(1, BS + 1, 2 * BS - 1, 2, 1, 16)
+    q, k, v = _inputs(shape)
+    q = q.at[0, 3, 1, 0].set(jnp.nan)
+    k = k.at[0, 12, 0, 5].set(jnp.inf)  # key 12 is seen by no query
+
+    def mask_mod(b, h, qi, ki):
+        return (ki <= qi) & (qi >= 2) & (ki != 12)  # rows 0, 1 see nothing
+
+    bm = jax_flash.create_block_mask(mask_mod, None, None, shape.t, shape.s, block_size=BS)
+
+    def run(fn, **kw):
+        def f(q, k, v):
+            return fn(q, k, v, mask_mod=mask_mod, return_residual=True, **kw)
+
+        return jax.jit(lambda *a: (*f(*a), jax.grad(lambda *a: jnp.sum(f(*a)[0]), argnums=(0, 1, 2))(*a)))
+
+    out, lse, grads = run(jax_flash.flex_attention, block_mask=bm, implementation=name)(q, k, v)
+    ref, ref_lse, ref_grads = run(jax_flash.flex_reference)(q, k, v)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    assert np.isnan(out[0, 3, 1]).all() and not np.isnan(out[0, 3, 0]).any()
+    assert not np.isnan(out[0, :, 0]).any(), "the other head does not see the NaN query"
+    np.testing.assert_array_equal(np.asarray(out[0, :2]), 0)
+    assert np.all(np.asarray(lse[0, :2]) == -np.inf) and np.all(np.asarray(ref_lse[0, :2]) == -np.inf)
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(r))
+    np.testing.assert_array_equal(np.asarray(grads[0][0, :2]), 0)
+    ok = ~np.isnan(np.asarray(ref))
+    assert max_err(np.asarray(out)[ok], np.asarray(ref)[ok]) <= 1e-5
+
+
+# ---- partial_capacity ---------------------------------------------------------------------------
+
+
+def test_partial_capacity():
+    """Eagerly the exact count of partly visible blocks, under jit every block (the count is
+    traced), or what is asked; a bad one is refused."""
+    t, s = 4 * BS + 3, 5 * BS
+    causal = lambda b, h, qi, ki: ki <= qi
+    bm = jax_flash.create_block_mask(causal, None, 2, t, s, block_size=BS)
+    assert bm.partial_capacity == int(bm.num_partial()) == 2 * 5
+    traced = jax.jit(lambda: jax_flash.create_block_mask(causal, None, 2, t, s, block_size=BS))()
+    assert traced.partial_capacity == 2 * 5 * 5 == traced.capacity
+    asked = jax_flash.create_block_mask(causal, None, 2, t, s, block_size=BS, partial_capacity=3)
+    assert asked.partial_capacity == 3
+    np.testing.assert_array_equal(asked.to_dense(), bm.to_dense())
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match=r"partial_capacity must be None \(every block\) or an int >= 0"):
+            jax_flash.create_block_mask(causal, None, 2, t, s, block_size=BS, partial_capacity=bad)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_partial_capacity_overflow(dtype):
+    """A block mask with more partly visible blocks than its capacity: on cpu the rows of the
+    query blocks of the blocks past it (in (b, h, i, j) order) are NaN, out and lse, and so are
+    their dq rows; every other row is what the reference gives. xla, which evaluates mask_mod
+    in its tiles, does not read the capacity."""
+    _available("cpu")
+    shape = Shape(1, 5 * BS - 1, 5 * BS + 1, 2, 1, 16)  # 5 query blocks; causal: 5 partial ones
+    q, k, v = _inputs(shape, jnp.dtype(dtype))
+    causal = lambda b, h, qi, ki: ki <= qi
+    bm = jax_flash.create_block_mask(causal, None, None, shape.t, shape.s, block_size=BS, partial_capacity=3)
+    assert int(bm.num_partial()) == 5
+
+    def f(q, k, v, impl):
+        return jax_flash.flex_attention(
+            q, k, v, mask_mod=causal, block_mask=bm, return_residual=True, implementation=impl
+        )
+
+    (out, lse), dq = jax.jit(
+        lambda q, k, v: (f(q, k, v, "cpu"), jax.grad(lambda q: jnp.sum(f(q, k, v, "cpu")[0].astype(jnp.float32)))(q))
+    )(q, k, v)
+    ref, ref_lse = jax_flash.flex_reference(q, k, v, mask_mod=causal, return_residual=True)
+    bad = 3 * BS  # query blocks 3 and 4: rows 24..
+    assert np.isnan(np.asarray(out[0, bad:], np.float32)).all() and np.isnan(np.asarray(lse[0, bad:])).all()
+    assert np.isnan(np.asarray(dq[0, bad:], np.float32)).all()
+    good = np.asarray(out[0, :bad], np.float32)
+    assert not np.isnan(good).any()
+    assert max_err(good, np.asarray(ref[0, :bad], np.float32)) <= 2 * EPS[dtype] * 10
+    np.testing.assert_allclose(
+        np.asarray(lse[0, :bad]), np.asarray(ref_lse[0, :bad]), rtol=1e-2 if dtype == "bfloat16" else 1e-5
+    )
+    out_xla = f(q, k, v, "xla")[0]
+    assert not np.isnan(np.asarray(out_xla, np.float32)).any()
+
+
 # ---- work follows the mask --------------------------------------------------------------------
 
 
@@ -391,7 +599,9 @@ def test_tiles_follow_block_mask():
     nonempty = int(bm.num_nonempty())
     partial = int(jnp.sum(bm.kv_num_blocks))
     assert 0 < partial < nonempty < bm.shape[2] * bm.shape[3]
-    loss = lambda q, k, v: jnp.sum(jax_flash.flex_attention(q, k, v, mask_mod=causal, block_mask=bm))
+    loss = lambda q, k, v: jnp.sum(
+        jax_flash.flex_attention(q, k, v, mask_mod=causal, block_mask=bm, implementation="xla")
+    )
     with xla.count_tiles() as c:
         jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     assert (c.forward, c.backward) == (nonempty, nonempty)
@@ -403,11 +613,13 @@ def test_tiles_follow_block_mask():
     bm = jax_flash.create_block_mask(sparse, None, shape.n, shape.t, shape.s, block_size=BS)
     union = int(jnp.sum(jnp.any(bm.to_dense() > 0, axis=(0, 1))))
     with xla.count_tiles() as c:
-        jax.jit(lambda q, k, v: jax_flash.flex_attention(q, k, v, mask_mod=sparse, block_mask=bm))(q, k, v)
+        jax.jit(
+            lambda q, k, v: jax_flash.flex_attention(q, k, v, mask_mod=sparse, block_mask=bm, implementation="xla")
+        )(q, k, v)
     assert c.forward == union and c.mask_mod == 0  # every non-empty block is full
 
 
-def test_kernels_trust_the_block_mask(flex_impl):
+def test_kernels_trust_the_block_mask(mask_impl):
     """Work follows the block mask in every implementation, also where no tile can be counted
     (the pallas kernels): given a block mask that disagrees with its mask_mod on purpose, a
     block it calls full is not masked (mask_mod is not evaluated there) and a block it calls
@@ -435,7 +647,7 @@ def test_kernels_trust_the_block_mask(flex_impl):
     for bm, described in cases:
         out, grads = value_and_grads(
             lambda q, k, v, bm=bm: jax_flash.flex_attention(
-                q, k, v, mask_mod=causal, block_mask=bm, implementation=flex_impl
+                q, k, v, mask_mod=causal, block_mask=bm, implementation=mask_impl
             )
         )
         ref, ref_grads = value_and_grads(
@@ -444,6 +656,56 @@ def test_kernels_trust_the_block_mask(flex_impl):
         assert max_err(out, ref) <= 2e-6
         for a, r in zip(grads, ref_grads):
             assert max_err(a, r) <= 2e-5 * max(1.0, float(jnp.max(jnp.abs(r))))
+
+
+def _kernel_tiles(states, shape: Shape, bs: int, heads: int) -> int:
+    """The cpu tiles (CPU_TILE x CPU_TILE, per batch row and query head) that overlap a block
+    that is not empty, from the block mask's states [B|1, N|1, nq, nk]."""
+    st = np.broadcast_to(np.asarray(states), (shape.b, heads, *np.asarray(states).shape[2:]))
+    per = CPU_TILE // bs
+    count = 0
+    for i in range(-(-shape.t // CPU_TILE)):
+        for j in range(-(-shape.s // CPU_TILE)):
+            tile = st[:, :, i * per : (i + 1) * per, j * per : (j + 1) * per]
+            count += int(np.sum(np.any(tile > 0, axis=(2, 3))))
+    return count
+
+
+def test_cpu_tiles_follow_block_mask():
+    """The cpu kernels compute exactly the 128 x 128 tiles that overlap a non-empty block of
+    their (b, h), forward and backward (a debug counter in the kernels): a causal block mask
+    skips the tiles above the diagonal; a per-head block-sparse one of 64 x 64 blocks skips
+    each head's own empty tiles (not their union, as xla's one schedule does)."""
+    _available("cpu")
+    from jax_flash import cpu
+
+    shape = Shape(1, 3 * CPU_TILE - 1, 3 * CPU_TILE + 1, 2, 1, 8)
+    q, k, v = _inputs(shape)
+    every = shape.b * shape.n * 3 * 4
+
+    def causal(b, h, qi, ki):
+        return ki <= qi
+
+    rng = np.random.default_rng(1)
+    table = jnp.asarray(rng.random(size=(shape.n, 6, 7)) < 0.3)
+    sparse = lambda b, h, qi, ki: table[h, qi // CPU_BS, ki // CPU_BS]
+    for mask_mod, heads, bs in ((causal, None, CPU_TILE), (sparse, shape.n, CPU_BS)):
+        bm = jax_flash.create_block_mask(mask_mod, None, heads, shape.t, shape.s, block_size=bs)
+        want = _kernel_tiles(bm.to_dense(), shape, bs, shape.n)
+        assert 0 < want < every
+
+        def loss(q, k, v, bm, mask_mod=mask_mod):
+            return jnp.sum(jax_flash.flex_attention(q, k, v, mask_mod=mask_mod, block_mask=bm, implementation="cpu"))
+
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        step = lambda q, k, v, bm=bm, grads=grads: grads(q, k, v, bm)
+        jax.block_until_ready(step(q, k, v))  # compiled outside the count
+        with cpu.count_tiles() as c:
+            jax.block_until_ready(step(q, k, v))
+        assert (c.forward, c.backward) == (want, want)
+    with cpu.count_tiles() as c:  # no block mask: every tile
+        jax.block_until_ready(jax_flash.flex_attention(q, k, v, mask_mod=causal, implementation="cpu"))
+    assert c.forward == every
 
 
 # ---- block masks -----------------------------------------------------------------------------
@@ -547,7 +809,7 @@ def test_create_block_mask_arguments():
         jax_flash.create_block_mask(lambda b, h, qi, ki: 1.0, 1, 1, 8, 8)
 
 
-@pytest.mark.parametrize("name", ["cpu", "cuda"])
+@pytest.mark.parametrize("name", ["cuda"])
 def test_other_implementations_refuse(name):
     """No silent dense fallback: an implementation that does not serve flex says so, in
     explain and as the error of a call that asks for it."""
@@ -563,7 +825,8 @@ def test_other_implementations_refuse(name):
 def test_pallas_refuses_what_it_cannot_evaluate():
     """The pallas kernels evaluate the user functions on tiles and read closed-over arrays one
     element per position: a function that reads a slice (or passes an array whole) is
-    refused with the reason, in explain and by a call that asks for pallas; xla serves it.
+    refused with the reason, in explain and by a call that asks for pallas; xla (or cpu, for a
+    mask_mod) serves it.
     Compiled by Triton (not interpreted), block-mask blocks must be powers of two >= 16."""
     docs = jnp.arange(10, dtype=jnp.int32) // 3
 
@@ -571,7 +834,7 @@ def test_pallas_refuses_what_it_cannot_evaluate():
         return lax.dynamic_slice(docs, (ki,), (2,)).sum() >= qi
 
     e = jax_flash.explain(Q, KV, KV, mask_mod=window_sum)
-    assert e.selected == "xla" and "reads a slice" in e.reasons["pallas"], e.reasons["pallas"]
+    assert e.selected in ("xla", "cpu") and "reads a slice" in e.reasons["pallas"], e.reasons["pallas"]
     with pytest.raises(ValueError, match=r'implementation="pallas" cannot run this call: .*reads a slice'):
         jax_flash.flex_attention(Q, KV, KV, mask_mod=window_sum, implementation="pallas")
     for size, ok in ((8, False), ((16, 48), False), ((16, 64), True), (128, True)):
@@ -611,3 +874,117 @@ def test_pallas_config_leaves_room_for_tile_reads():
         fwd = pallas.flex_config(c.spec, TABLE[(64, "bfloat16", "fwd")], 64, "fwd", budget)
         assert (fwd.block_q, fwd.block_k) == (128, 128)
         assert fwd.num_stages == (2 if reads else TABLE[(64, "bfloat16", "fwd")].num_stages)
+
+
+def test_cpu_refuses_score_mod():
+    """cpu serves mask_mod and block masks but cannot run a score_mod: it says so (explain, and
+    the error of a call that asks for it), and implementation=None picks xla, never a silent
+    fallback of a requested cpu."""
+    _available("cpu")
+    score_mod = lambda s, b, h, qi, ki: s * 0.5
+    e = jax_flash.explain(Q, KV, KV, score_mod=score_mod, mask_mod=CAUSAL)
+    assert "a score_mod needs the user function inside the tile" in e.reasons["cpu"] and e.selected == "xla"
+    with pytest.raises(ValueError, match=r'implementation="cpu" cannot run this call: cpu serves flex_attention'):
+        jax_flash.flex_attention(Q, KV, KV, score_mod=score_mod, implementation="cpu")
+    assert jax_flash.explain(Q, KV, KV, mask_mod=CAUSAL).reasons["cpu"] is None
+
+
+def test_cpu_explain_reports_bits():
+    """explain (verbose) states the blocks the cpu kernels read and the capacity and bytes of
+    mask_mod's bits: the block mask's, or without one every 128 x 128 block (T·S/8 bytes per
+    row of blocks; none per batch row when mask_mod does not read b)."""
+    _available("cpu")
+    bm = jax_flash.create_block_mask(CAUSAL, None, None, 8, 10, block_size=4)  # 2 partial blocks
+    text = str(jax_flash.explain(Q, KV, KV, mask_mod=CAUSAL, block_mask=bm, verbose=True))
+    assert "bits of up to 2 partly visible blocks ([1, 1] rows of blocks, partial_capacity), 32 bytes" in text
+    text = str(jax_flash.explain(Q, KV, KV, mask_mod=lambda b, h, qi, ki: ki <= qi + b, verbose=True))
+    assert "no block_mask, every 8x10 block partly visible" in text  # 128 x 128, or less: T x S
+    assert "bits of up to 2 partly visible blocks ([2, 1] rows of blocks, partial_capacity), 64 bytes" in text
+
+
+@pytest.mark.parametrize("split", [0, 3], ids=["rule", "split_kv_3"])
+def test_cpu_decode_and_vmap(split):
+    """cpu: a decode step (T = 1, GQA 4:1, where the built-in path packs a kv head's query
+    heads into one tile: not with a per-head mask_mod), with the forward's split-KV as its rule
+    decides and forced to 3 key chunks, and the call under jax.vmap (run once per mapped
+    element, so that mask_mod sees each call's own b), gradients too, against the reference."""
+    _available("cpu")
+    shape = Shape(2, 1, 3 * CPU_TILE + 5, 8, 2, 16)
+    q, k, v = (jnp.stack([x, -x]) for x in _inputs(shape))  # a leading mapped axis of 2
+    mask_mod = lambda b, h, qi, ki: (ki % 3 != h % 3) | (ki == b)
+
+    def both(fn, **kw):
+        def loss(q, k, v):
+            out = fn(q, k, v, mask_mod=mask_mod, **kw)
+            return jnp.sum(out * jnp.cos(out)), out
+
+        return jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2), has_aux=True)))(q, k, v)
+
+    with jax_flash.config(cpu_split_kv=split):
+        (grads, out) = both(jax_flash.flex_attention, implementation="cpu")
+    (ref_grads, ref) = both(jax_flash.flex_reference)
+    assert max_err(out, ref) <= 1e-5
+    for g, r in zip(grads, ref_grads):
+        assert max_err(g, r) <= GRAD_EPS["float32"] * max(1.0, float(jnp.max(jnp.abs(r))))
+
+
+@pytest.mark.parametrize("block_size", [(24, 40), (128, 96), (5, 33), (300, 7)])
+def test_cpu_block_sizes(block_size):
+    """cpu: block masks whose blocks are not the kernels' 128 x 128 tiles nor multiples of 32
+    keys (a bit row spans words, a block spans tiles, a tile many blocks) against the
+    reference, forward and gradients, per (b, h) (documents differ per batch row)."""
+    _available("cpu")
+    shape = CPU_SHAPE
+    q, k, v = _inputs(shape)
+    rng = np.random.default_rng(3)
+    docs = jnp.asarray(np.sort(rng.integers(0, 5, size=(shape.b, max(shape.t, shape.s))), axis=1), jnp.int32)
+    mask_mod = lambda b, h, qi, ki: (docs[b, qi] == docs[b, ki]) & ((ki <= qi) | (h == 1))
+    bm = jax_flash.create_block_mask(mask_mod, shape.b, shape.n, shape.t, shape.s, block_size=block_size)
+
+    def run(fn, **kw):
+        def loss(q, k, v):
+            out = fn(q, k, v, mask_mod=mask_mod, **kw)
+            return jnp.sum(out * jnp.sin(out)), out
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+    grads, out = run(jax_flash.flex_attention, block_mask=bm, implementation="cpu")
+    ref_grads, ref = run(jax_flash.flex_reference)
+    assert max_err(out, ref) <= 1e-5
+    for g, r in zip(grads, ref_grads):
+        assert max_err(g, r) <= GRAD_EPS["float32"] * max(1.0, float(jnp.max(jnp.abs(r))))
+
+
+_SHARDED = r"""
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax, jax.numpy as jnp, numpy as np, jax_flash
+from jax.sharding import NamedSharding, PartitionSpec as P
+mesh = jax.make_mesh((2,), ("d",))
+q = jax.random.normal(jax.random.PRNGKey(0), (2, 100, 4, 16))
+k = jax.random.normal(jax.random.PRNGKey(1), (2, 90, 2, 16))
+mask_mod = lambda b, h, qi, ki: (ki <= qi + 7 * b) & (ki % 5 != h)
+bm = jax_flash.create_block_mask(mask_mod, 2, 4, 100, 90, block_size=32)
+f = lambda q, k: jax_flash.flex_attention(q, k, k, mask_mod=mask_mod, block_mask=bm, implementation="cpu")
+sharded = [jax.device_put(x, NamedSharding(mesh, P("d"))) for x in (q, k)]
+out, grads = jax.jit(lambda q, k: (f(q, k), jax.grad(lambda q, k: jnp.sum(f(q, k) ** 2), (0, 1))(q, k)))(*sharded)
+ref = lambda q, k: jax_flash.flex_reference(q, k, k, mask_mod=mask_mod)
+ref_grads = jax.grad(lambda q, k: jnp.sum(ref(q, k) ** 2), (0, 1))(q, k)
+assert float(jnp.max(jnp.abs(out - ref(q, k)))) < 1e-5
+assert all(float(jnp.max(jnp.abs(g - r))) < 1e-4 for g, r in zip(grads, ref_grads))
+print("ok")
+"""
+
+
+def test_cpu_sharded_under_jit():
+    """cpu's flex call has no sharding rule yet: with inputs sharded over the batch on two
+    host devices, under jit, XLA gathers them for the one call, and the results (forward and
+    gradients) are the reference's."""
+    _available("cpu")
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", _SHARDED], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr[-3000:]

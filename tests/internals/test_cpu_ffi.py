@@ -119,6 +119,10 @@ def make_inputs(cfg: Config, dtype: str, seed: int = 0):
     )
 
 
+# block_states, block_slots, block_bits: [0] = no block mask.
+NO_BLOCK_MASK = (np.zeros((0,), np.int8), np.zeros((0,), np.int32), np.zeros((0,), np.uint32))
+
+
 def attributes(cfg: Config) -> dict:
     return dict(
         scale=np.float32(1.0 / np.sqrt(cfg.h)),
@@ -128,6 +132,8 @@ def attributes(cfg: Config) -> dict:
         use_segment_ids=bool(cfg.segments),
         dropout_rate=np.float32(0.0),
         poison_outputs=jax_flash.current_config().get("poison_outputs"),
+        block_q=np.int64(0),  # no block mask (flex_attention's: tests/features/test_flex.py)
+        block_k=np.int64(0),
     )
 
 
@@ -168,6 +174,7 @@ def call_forward(x: dict, attrs: dict):
         x["q_off"],
         x["bias"],
         x["mask"],
+        *NO_BLOCK_MASK,
         sinks,
         x["seed"],
         **{**forward_attributes(), **attrs},
@@ -200,6 +207,7 @@ def call_backward(x: dict, out, lse, attrs: dict):
         x["q_off"],
         x["bias"],
         x["mask"],
+        *NO_BLOCK_MASK,
         x["seed"],
         **{**backward_attributes(), **attrs},
         deterministic=True,
@@ -554,6 +562,7 @@ def test_wrong_result_shape_is_an_error():
                 x["q_off"],
                 x["bias"],
                 x["mask"],
+                *NO_BLOCK_MASK,
                 np.full((2,), -np.inf, np.float32),
                 x["seed"],
                 **attributes(cfg),

@@ -1,7 +1,9 @@
 """A fuzz test of the native boundary: every registered FFI target, called directly with
 `jax.ffi.ffi_call` (none of jax_flash's Python checks in between), with wrong operand and
 result counts, shapes and dtypes, broadcast operands (bias, mask) of wrong sizes, attribute
-values out of range, attributes missing, extra or of the wrong type, must raise an XLA error
+values out of range, attributes missing, extra or of the wrong type, a block mask's operands
+(block_states, block_slots, block_bits) of wrong shapes or dtypes, or on targets without
+block masks, must raise an XLA error
 whose message names what is wrong: never crash, hang or touch memory outside its buffers (the
 emulated CUDA targets check every global access). Valid calls, also with hostile values in
 valid shapes (lengths, offsets, page ids, segment ids out of every range; NaN and ±inf in the
@@ -41,11 +43,28 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # A shape is a tuple of dim symbols (or ints); "x" as a dtype is the call's element dtype.
 # Symbols: B batch, T queries, S keys (the paged targets: MP · PS), N query heads, K kv heads,
 # H the query/key head dim, V the value head dim; P, PS, MP the paged cache's num_pages,
-# page_size, max_pages. "bias" / "mask" are the dense operands' shapes of the call ((0,): none).
+# page_size, max_pages. "bias" / "mask" are the dense operands' shapes of the call ((0,): none);
+# "block_states", "block_slots", "block_bits" the block mask's ((0,): none).
 
 X = "x"
 DIMS = dict(B=2, T=3, S=6, N=4, K=2, H=32, V=32, P=3, PS=2, MP=3)
 assert DIMS["S"] == DIMS["MP"] * DIMS["PS"]
+# A block mask of 2 x 40 blocks (two u32 words per bit row) over T = 3, S = 6: nq = 2, nk = 1,
+# with bits for 3 partly visible blocks.
+BLOCK_Q, BLOCK_K, BLOCK_CAPACITY = 2, 40, 3
+
+
+def block_variant(batch=None, heads=None) -> dict:
+    """The variant of a call with a valid block mask ([B|1, N|1] rows)."""
+    b = DIMS["B"] if batch is None else batch
+    n = DIMS["N"] if heads is None else heads
+    nq, nk = -(-DIMS["T"] // BLOCK_Q), -(-DIMS["S"] // BLOCK_K)
+    return {
+        "block_states": (b, n, nq, nk),
+        "block_slots": (b, n, nq, nk),
+        "block_bits": (BLOCK_CAPACITY, BLOCK_Q, -(-BLOCK_K // 32)),
+        "attributes": dict(block_q=np.int64(BLOCK_Q), block_k=np.int64(BLOCK_K)),
+    }
 
 
 @dataclass(frozen=True)
@@ -64,7 +83,13 @@ def _mask_operands():
         Buffer("q_offset", ("B",), "int32"),
         Buffer("bias", "bias", "bias"),
         Buffer("mask", "mask", "bool"),
+        Buffer("block_states", "block_states", "int8"),
+        Buffer("block_slots", "block_slots", "int32"),
+        Buffer("block_bits", "block_bits", "uint32"),
     )
+
+
+BLOCK_OPERANDS = ("block_states", "block_slots", "block_bits")
 
 
 Q = Buffer("q", ("B", "T", "N", "H"), X)
@@ -102,6 +127,8 @@ COMMON_ATTRIBUTES = dict(
     softcap=np.float32(0.0),
     use_segment_ids=False,
     dropout_rate=np.float32(0.0),
+    block_q=np.int64(0),  # no block mask
+    block_k=np.int64(0),
 )
 
 
@@ -123,6 +150,7 @@ class Target:
     results: tuple
     attributes: dict
     dtypes: tuple  # element dtypes of q it serves
+    block_masks: bool = False  # serves block masks (block_q > 0): the cpu kernels
     emulated: bool = False  # the CUDA kernels on the host emulation: slow, so fewer valid calls
     platform: str = "cpu"  # where it is registered (and called)
     registered_as: str = ""  # the registered name, where the key differs (the CUDA platform's)
@@ -141,6 +169,7 @@ TARGETS = {
             results=(OUT, LSE),
             attributes=dict(COMMON_ATTRIBUTES, **POISON_ATTRIBUTES, **CPU_FORWARD_ATTRIBUTES),
             dtypes=("float32", "bfloat16", "float16"),
+            block_masks=True,
         ),
         Target(
             "jax_flash_paged_fwd",
@@ -148,6 +177,7 @@ TARGETS = {
             results=(OUT, LSE),
             attributes=dict(COMMON_ATTRIBUTES, **POISON_ATTRIBUTES, **CPU_FORWARD_ATTRIBUTES),
             dtypes=("float32", "bfloat16", "float16"),
+            block_masks=True,
         ),
         Target(
             "jax_flash_bwd",
@@ -160,6 +190,7 @@ TARGETS = {
             ),
             attributes=dict(COMMON_ATTRIBUTES, deterministic=False, **POISON_ATTRIBUTES, **CPU_BACKWARD_ATTRIBUTES),
             dtypes=("float32", "bfloat16", "float16"),
+            block_masks=True,
         ),
         Target(
             "jax_flash_emu_fwd",
@@ -215,6 +246,7 @@ for _name in ("jax_flash_fwd", "jax_flash_paged_fwd", "jax_flash_bwd"):
         _emulated.results,
         dict(_emulated.attributes),
         _emulated.dtypes,
+        block_masks=False,
         emulated=False,
         platform="CUDA",
         registered_as=_name,
@@ -233,6 +265,9 @@ INVALID_ATTRIBUTE_VALUES = {
     "gradient_chunks": [np.int64(-1), np.int64(5), np.int64(-(2**40))],  # 0: the rule; 1..4 forced
     "isa": ["bogus", "AVX2 ", "avx512bf17", "amx;generic"],
     "layout": ["warp64", "Warp16", "warp16 ", "w"],
+    # Without block mask operands: any nonzero block size is refused.
+    "block_q": [np.int64(-1), np.int64(2), np.int64(-(2**40))],
+    "block_k": [np.int64(-1), np.int64(32), np.int64(2**40)],
 }
 # A value of another type for each attribute's type; none equal to a valid value (JAX's cache
 # of compiled calls keys on attribute values, and True == 1 == 1.0 would reuse another's).
@@ -290,7 +325,7 @@ def _dtype_of(buffer, dtype, variant):
         return dtype
     if buffer.dtype == "bias":
         return variant.get("bias_dtype", "float32")
-    return buffer.dtype
+    return variant.get(buffer.name + "_dtype", buffer.dtype)
 
 
 def valid_call(target: Target, dtype: str, variant: dict | None = None, fill: str = "valid") -> Case:
@@ -358,6 +393,7 @@ def mutated_cases(target: Target, rng: random.Random, count: int) -> list:
         "result_count",
         "pages",
         "dims",
+        "block_mask",
     ]
     for i in range(count):
         dtype = rng.choice(target.dtypes)
@@ -369,6 +405,10 @@ def mutated_cases(target: Target, rng: random.Random, count: int) -> list:
             full = (DIMS["B"], DIMS["N"], DIMS["T"], DIMS["S"])
             valid = tuple(d if rng.random() < 0.5 else 1 for d in full)
             variant[name] = valid
+        if kind == "block_mask":
+            # A valid block mask (where the target serves them), then one of its operands of a
+            # wrong shape or dtype; a target without block masks refuses even the valid one.
+            variant.update(block_variant(batch=rng.choice([1, None]), heads=rng.choice([1, None])))
         if kind == "dims":
             # Every buffer consistent with one dim of an edge value (empty, one, past a tile,
             # a head dim without kernels, kv heads that do not divide the query heads): the call
@@ -424,6 +464,25 @@ def mutated_cases(target: Target, rng: random.Random, count: int) -> list:
             case.operands[j] = tuple(row)
             what = f"{name} {variant[name]} -> {row[1]} {row[2]}"
             case.expect = ["bias", "dbias"] if name == "bias" else ["mask"]
+        elif kind == "block_mask":
+            if not target.block_masks:
+                what = "a valid block mask on a target without block masks"
+                case.expect = ["block masks"]
+            else:
+                name = rng.choice(BLOCK_OPERANDS)
+                j = next(i for i, b in enumerate(target.operands) if b.name == name)
+                row = list(case.operands[j])
+                if rng.random() < 0.3:
+                    row[2] = rng.choice([d for d in DTYPES if d != row[2]])
+                else:
+                    shape = row[1]
+                    # block_bits' first dim (the capacity P) is free: another one is no mistake.
+                    while shape == row[1] or (name == "block_bits" and len(shape) == 3 and shape[1:] == row[1][1:]):
+                        shape = _mutate_shape(rng, row[1])
+                    row[1] = shape
+                case.operands[j] = tuple(row)
+                what = f"{name} {variant[name]} -> {row[1]} {row[2]}"
+                case.expect = list(BLOCK_OPERANDS)
         elif kind == "attribute_value":
             names = [n for n in case.attributes if n in INVALID_ATTRIBUTE_VALUES]
             name = rng.choice(names)
@@ -534,16 +593,15 @@ def control_cases(target: Target, rng: random.Random) -> list:
     variants[1]["attributes"] = {k: v for k, v in other.items() if k in target.attributes}
     if target.emulated:  # each emulated call runs the kernels on the SIMT emulation: fewer
         variants = [variants[0], variants[1], variants[3]]
+    if target.block_masks:  # a block mask per (b, n), and one shared by every row and head
+        variants += [block_variant(), block_variant(batch=1, heads=1)]
     cases += [valid_call(target, dtype, v) for v in variants]
-    for _ in range(2 if target.emulated else 4):
-        cases.append(
-            valid_call(
-                target,
-                rng.choice(target.dtypes),
-                {"attributes": dict(use_segment_ids=True)},
-                fill=f"hostile:{rng.randrange(2**31)}",
-            )
-        )
+    for i in range(2 if target.emulated else 4):
+        hostile = {"attributes": dict(use_segment_ids=True)}
+        if target.block_masks and i % 2:  # any state and slot values, in range or not
+            hostile = block_variant()
+            hostile["attributes"]["use_segment_ids"] = True
+        cases.append(valid_call(target, rng.choice(target.dtypes), hostile, fill=f"hostile:{rng.randrange(2**31)}"))
     return cases
 
 
@@ -567,6 +625,12 @@ def _array(jnp, name, shape, dtype, fill, rng_np):
                 return jnp.full(shape, full, dt)
             if name == "page_table":
                 return jnp.asarray(np.arange(size).reshape(shape) % DIMS["P"]).astype(dt)
+            if name == "block_states":  # empty, partly and fully visible blocks
+                return jnp.asarray(rng_np.integers(0, 3, shape)).astype(dt)
+            if name == "block_slots":  # every block its slot, some past the capacity
+                return jnp.asarray(np.arange(size).reshape(shape) % (BLOCK_CAPACITY + 1)).astype(dt)
+            if name == "block_bits":
+                return jnp.asarray(rng_np.integers(0, 2**32, shape, dtype=np.uint64)).astype(dt)
             return jnp.zeros(shape, dt)
         info = np.iinfo(np.dtype(dtype))
         extremes = np.array(
