@@ -392,11 +392,11 @@ def check_block_mask(block_mask, batch: int, heads: int, t: int, s: int) -> Bloc
 def uses_index(fn: ClosedFunction, position: int) -> bool:
     """Whether the mask_mod reads its argument `position` (0: b, 1: h) at all: a mask the same
     for every batch row (head) needs its bits once, not once per row (head)."""
-    var = fn._jaxpr.invars[position]
-    for eqn in fn._jaxpr.eqns:
+    var = fn.jaxpr.invars[position]
+    for eqn in fn.jaxpr.eqns:
         if any(v is var for v in eqn.invars):
             return True
-    return any(v is var for v in fn._jaxpr.outvars)
+    return any(v is var for v in fn.jaxpr.outvars)
 
 
 def kernel_blocks(spec) -> tuple[tuple[int, int], tuple[int, int], int]:
