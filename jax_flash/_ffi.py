@@ -284,26 +284,6 @@ def forward_call(
     return out, lse
 
 
-def backward_call(target: str, spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout, dlse, attributes=None):
-    """The backward custom call of a target without workspaces (the cpu kernels) on whole
-    arrays, no sharding rule: dq, dk, dv, dbias (None without a bias)."""
-    return _backward_call(
-        target,
-        False,
-        None,
-        attributes,
-        spec,
-        q,
-        k,
-        v,
-        masks,
-        out,
-        lse.astype(jnp.float32),
-        dout,
-        dlse.astype(jnp.float32),
-    )
-
-
 def _backward_call(
     target: str,
     deterministic: bool,

@@ -15,7 +15,7 @@ key blocks are empty and are skipped. `create_block_mask` computes one from a ma
 XLA, one query block at a time and a bounded number of key blocks per step, so that the
 T×S matrix of a long sequence never exists.
 
-The `cpu` kernels cannot run a user function: for them the mask_mod of the partly visible
+The compiled kernels (`cpu`, `cuda`) cannot run a user function: for them the mask_mod of the partly visible
 blocks is evaluated by XLA beforehand, one bit per position (`block_operands`), for at most
 `partial_capacity` blocks (a static number: the shape of the bits).
 """
@@ -111,7 +111,7 @@ class FlexSpec:
     block_size: tuple[int, int] | None = None
     block_batch_heads: tuple[int, int] | None = None
     # The block mask's partial_capacity (BlockMask): the partly visible blocks whose mask_mod
-    # bits the cpu kernels get.
+    # bits the compiled kernels (cpu, cuda) get.
     partial_capacity: int | None = None
 
     @property
@@ -172,8 +172,8 @@ class BlockMask:
     positions are all visible is fully visible.
 
     `partial_capacity` (static) bounds the number of partly visible blocks over all [B|1, N|1]
-    rows: the `cpu` kernels receive mask_mod's bits for that many blocks (block_q·block_k/8
-    bytes each; at most every block, B|1·N|1·T·S/8 bytes). None: every block. A call on `cpu`
+    rows: the `cpu` and `cuda` kernels receive mask_mod's bits for that many blocks (block_q·block_k/8
+    bytes each; at most every block, B|1·N|1·T·S/8 bytes). None: every block. A call on `cpu` or `cuda`
     whose block mask has more partly visible blocks than its capacity gives NaN (out and lse)
     in the rows of the query blocks of the blocks past it (in (b, h, query block, key block)
     order); the other implementations do not read it.
@@ -213,7 +213,7 @@ class BlockMask:
 
     def num_partial(self) -> jax.Array:
         """The number of partly visible (b, h, query block, key block) (int32): at most
-        `capacity` for the cpu kernels to see them all."""
+        `capacity` for the cpu and cuda kernels to see them all."""
         return jnp.sum(self.kv_num_blocks)
 
     @property
@@ -307,11 +307,11 @@ def create_block_mask(
     heads, T queries and S keys (B or N None: one row / head shared by all, mask_mod then
     called with b = 0 / h = 0), in blocks of `block_size` (an int, or (block_q, block_k)).
 
-    `partial_capacity`: how many partly visible blocks the `cpu` kernels get mask_mod's bits
+    `partial_capacity`: how many partly visible blocks the `cpu` and `cuda` kernels get mask_mod's bits
     for (static, it sizes their input: block_q·block_k/8 bytes a block). None: the exact
     count where the mask is computed eagerly, else (under jit, where the count is traced)
     every block, B|1·N|1·nq·nk: T·S/8 bytes per [B|1, N|1] row; give a bound to spend less.
-    A cpu call with more partly visible blocks than that gives NaN in their query blocks'
+    A cpu or cuda call with more partly visible blocks than that gives NaN in their query blocks'
     rows (never a silently wrong result).
 
     Evaluated by XLA one query block at a time, a bounded number of key blocks per step
@@ -385,8 +385,8 @@ def check_block_mask(block_mask, batch: int, heads: int, t: int, s: int) -> Bloc
 
 
 # ---------------------------------------------------------------------------------------
-# The cpu kernels' operands (cuda/ffi/boundary.h MaskOperands: block_states, block_slots,
-# block_bits; attributes block_q, block_k)
+# The compiled kernels' operands (cpu, cuda; cuda/ffi/boundary.h MaskOperands: block_states,
+# block_slots, block_bits; attributes block_q, block_k)
 
 
 def uses_index(fn: ClosedFunction, position: int) -> bool:
@@ -400,7 +400,7 @@ def uses_index(fn: ClosedFunction, position: int) -> bool:
 
 
 def kernel_blocks(spec) -> tuple[tuple[int, int], tuple[int, int], int]:
-    """((block_q, block_k), (Bm, Nm), P) of the bits the cpu kernels get for a flex call with a
+    """((block_q, block_k), (Bm, Nm), P) of the bits the compiled kernels get for a flex call with a
     mask_mod: the block mask's blocks, its [B|1, N|1] rows widened to B (N) where the
     mask_mod reads b (h) (its bits then differ per row), and its capacity times that widening.
     Without a block mask: DEFAULT_BLOCK_SIZE blocks (the kernels' tiles; at most T x S), every
@@ -421,8 +421,41 @@ def kernel_blocks(spec) -> tuple[tuple[int, int], tuple[int, int], int]:
     return flex.block_size, (rows_b, rows_n), capacity * widening
 
 
+def score_mod_reason(name: str) -> str:
+    """Why a flex_attention call with a score_mod is not the compiled kernels' (cpu, cuda)."""
+    return (
+        f"{name} serves flex_attention's mask_mod and block masks; a score_mod needs the user function "
+        "inside the tile: implementation='xla' or 'pallas' run it"
+    )
+
+
+def kernel_description(spec, tiles: str, verbose: bool) -> str:
+    """`explain`'s words for a flex_attention call with a mask_mod on the compiled kernels (cpu,
+    cuda), whose tiles are `tiles`: the blocks they read and (verbose) the capacity and bytes of
+    mask_mod's bits."""
+    (bq, bk), (bm, nm), capacity = kernel_blocks(spec)
+    flex = spec.flex
+    assert flex is not None
+    if flex.block_size is None:
+        text = (
+            f"flex: no block_mask, every {bq}x{bk} block partly visible (mask_mod's bits at every "
+            "position, T·S/8 bytes per batch row and head it reads; create_block_mask skips the empty blocks)"
+        )
+    else:
+        text = (
+            f"flex: the block mask's {bq}x{bk} blocks decide which {tiles} run (skipped where all empty, "
+            "unmasked where all full), mask_mod's bits elsewhere"
+        )
+    if verbose:
+        text += (
+            f"; bits of up to {capacity} partly visible blocks ([{bm}, {nm}] rows of blocks, partial_capacity), "
+            f"{bits_bytes(spec)} bytes, evaluated by XLA before the kernels"
+        )
+    return text
+
+
 def bits_bytes(spec) -> int:
-    """The bytes of the cpu kernels' packed bits for a flex call with a mask_mod."""
+    """The bytes of the compiled kernels' packed bits for a flex call with a mask_mod."""
     (bq, bk), _, capacity = kernel_blocks(spec)
     return capacity * bq * (-(-bk // 32)) * 4
 

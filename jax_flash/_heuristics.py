@@ -37,12 +37,13 @@ def chunk_count(units: int, target: int, blocks: int, min_blocks: int, max_chunk
 def packs_query_heads(spec: AttentionSpec, max_group: int) -> bool:
     """GQA packing of a kernel's forward (cpu, cuda): at T = 1 the G = N / K query heads of a
     kv head are the rows of one tile (G <= `max_group`, the tile's rows), where no dense bias,
-    dense mask or dropout varies per head."""
+    dense mask, flex block mask or dropout varies per head."""
     return (
         spec.q_len == 1
         and 1 < spec.group_size <= max_group
         and spec.bias_shape is None
         and spec.mask_shape is None
+        and not (spec.flex is not None and spec.flex.mask_mod is not None)
         and not spec.has_dropout
     )
 
@@ -156,10 +157,8 @@ def cpu_isa(spec: AttentionSpec) -> str:
 
 
 def cpu_packs_heads(spec: AttentionSpec) -> bool:
-    """GQA packing of the cpu forward: at T = 1 the G query heads of a kv head share a tile
-    (not with a flex mask_mod: its block mask is per head)."""
-    flex_mask = spec.flex is not None and spec.flex.mask_mod is not None
-    return packs_query_heads(spec, CPU_BLOCK) and not flex_mask
+    """GQA packing of the cpu forward: at T = 1 the G query heads of a kv head share a tile."""
+    return packs_query_heads(spec, CPU_BLOCK)
 
 
 def cpu_forward_items(spec: AttentionSpec) -> int:

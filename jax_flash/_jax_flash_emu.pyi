@@ -7,3 +7,10 @@ def registrations() -> dict[str, dict[str, CapsuleType]]:
     """FFI handler capsules by platform: {'cpu': {'jax_flash_emu_fwd': capsule, ...}}, the CUDA
     kernels compiled for the host against the emulation of the SIMT model and of each PTX
     instruction."""
+
+def count_tiles(on: bool) -> None:
+    """Starts (True: from zero) or stops the debug count of the tiles the emulated kernels
+    compute."""
+
+def tile_counts() -> tuple[int, int, int]:
+    """(forward, backward, backward dQ kernel): the tiles counted since count_tiles(True)."""

@@ -81,13 +81,6 @@ def backward_attributes(spec: AttentionSpec) -> dict:
     return dict(isa=isa(spec), gradient_chunks=np.int64(_heuristics.cpu_gradient_chunks(spec)))
 
 
-# Why a flex_attention call with a score_mod is not the cpu kernels'.
-SCORE_MOD_REASON = (
-    "cpu serves flex_attention's mask_mod and block masks; a score_mod needs the user function "
-    "inside the tile: implementation='xla' or 'pallas' run it"
-)
-
-
 @dataclasses.dataclass
 class TileCounts:
     """The tiles (Q·Kᵀ products) the cpu kernels computed inside `count_tiles`: `forward`, `backward`."""
@@ -113,27 +106,8 @@ def count_tiles() -> Iterator[TileCounts]:
 
 
 def flex_description(spec: AttentionSpec, verbose: bool) -> str:
-    """`explain`'s words for a flex_attention call with a mask_mod: the blocks the kernels read
-    and (verbose) the capacity and bytes of mask_mod's bits."""
-    (bq, bk), (bm, nm), capacity = _flex.kernel_blocks(spec)
-    flex = spec.flex
-    assert flex is not None
-    if flex.block_size is None:
-        text = (
-            f"flex: no block_mask, every {bq}x{bk} block partly visible (mask_mod's bits at every "
-            "position, T·S/8 bytes per batch row and head it reads; create_block_mask skips the empty blocks)"
-        )
-    else:
-        text = (
-            f"flex: the block mask's {bq}x{bk} blocks decide which {_heuristics.CPU_BLOCK}x{_heuristics.CPU_BLOCK} "
-            "tiles run (skipped where all empty, unmasked where all full), mask_mod's bits elsewhere"
-        )
-    if verbose:
-        text += (
-            f"; bits of up to {capacity} partly visible blocks ([{bm}, {nm}] rows of blocks, partial_capacity), "
-            f"{_flex.bits_bytes(spec)} bytes, evaluated by XLA before the kernels"
-        )
-    return text
+    """`explain`'s words for a flex_attention call with a mask_mod (`_flex.kernel_description`)."""
+    return _flex.kernel_description(spec, f"{_heuristics.CPU_BLOCK}x{_heuristics.CPU_BLOCK} tiles", verbose)
 
 
 def _flex_masked(spec: AttentionSpec) -> bool:
@@ -143,12 +117,12 @@ def _flex_masked(spec: AttentionSpec) -> bool:
 class CpuImplementation:
     name = "cpu"
 
-    # flex_attention: mask_mod and block masks; a score_mod is refused (SCORE_MOD_REASON).
+    # flex_attention: mask_mod and block masks; a score_mod is refused (_flex.score_mod_reason).
     serves_flex = True
 
     def unsupported(self, spec: AttentionSpec) -> str | None:
         if spec.flex is not None and spec.flex.score_mod is not None:
-            return SCORE_MOD_REASON
+            return _flex.score_mod_reason(self.name)
         if _registry.platform() != "cpu":
             return f"runs on the CPU backend only (the default backend is {_registry.platform()})"
         why = _ffi.missing("jax_flash_fwd", "cpu") or _ffi.missing("jax_flash_bwd", "cpu")
@@ -212,10 +186,6 @@ class CpuImplementation:
     def forward(self, spec, q, k, v, masks):
         # Bad settings (JAX_FLASH_CPU_ISA, JAX_FLASH_CPU_SPLIT_KV): a ValueError now.
         forward_attributes(spec)
-        if spec.flex is not None:
-            # The block operands have no sharding rule: one call on whole arrays (XLA gathers
-            # sharded inputs first).
-            return _ffi.forward_call("jax_flash_fwd", spec, q, k, v, masks, attributes=forward_attributes)
         return _ffi.forward(self.name, "jax_flash_fwd", spec, q, k, v, masks, attributes=forward_attributes)
 
     # paged_attention (jax_flash/inference/paged.py): what implementation=None runs on the CPU
@@ -255,10 +225,6 @@ class CpuImplementation:
 
     def backward(self, spec, q, k, v, masks, out, lse, dout, dlse):
         backward_attributes(spec)
-        if spec.flex is not None:  # whole arrays, as the forward
-            return _ffi.backward_call(
-                "jax_flash_bwd", spec, q, k, v, masks, out, lse, dout, dlse, attributes=backward_attributes
-            )
         return _ffi.backward(
             self.name, "jax_flash_bwd", spec, q, k, v, masks, out, lse, dout, dlse, attributes=backward_attributes
         )

@@ -15,6 +15,12 @@ docs/configuration.md) choose how it runs:
   per query head in float32 workspaces summed over the group after (MQA/GQA at small batch).
 - cuda_split_kv (JAX_FLASH_CUDA_SPLIT_KV=C): forces the forward's split-KV chunk count.
 
+flex_attention: a mask_mod and a block mask, no score_mod (the kernels cannot run a user
+function): the block mask decides which tiles each kernel runs, forward and backward, and the
+partly visible blocks' mask_mod bits, evaluated by XLA before the call, mask inside them
+(kernels/block_mask.h; `_flex.block_operands`). Under the emulation `count_tiles` counts the
+tiles the kernels compute.
+
 The rules that decide from them and from the call's shapes (split-KV, GQA packing, the grid)
 are `jax_flash._heuristics`; an invalid variable is a ValueError naming it when a call is traced.
 
@@ -29,14 +35,16 @@ be new enough for the kernels' static CUDA runtime (`_build.driver_reason`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_flash import _build, _ffi, _heuristics, _registry
+from jax_flash import _build, _ffi, _flex, _heuristics, _registry
 from jax_flash._numerics import finite_part, nonfinite_rows
 from jax_flash._paged_spec import PagedSpec, target_masks
 from jax_flash._spec import AttentionSpec
@@ -283,10 +291,54 @@ def dense_description(spec: AttentionSpec) -> str | None:
     return "; ".join(parts)
 
 
+@dataclasses.dataclass
+class TileCounts:
+    """The tiles (Q·Kᵀ products of a CTA's tile) the emulated kernels computed inside
+    `count_tiles`: `forward`, `backward` (the main kernel's), `backward_dq` (deterministic
+    mode's dQ kernel)."""
+
+    forward: int = 0
+    backward: int = 0
+    backward_dq: int = 0
+
+
+@contextlib.contextmanager
+def count_tiles() -> Iterator[TileCounts]:
+    """A debug counter of the tiles the kernels compute on their host emulation
+    (JAX_FLASH_EMULATE_CUDA=1) while inside this block (read when the block ends, so block on
+    the results inside it): tests that the work follows a block mask. A GPU keeps no count.
+    Not for concurrent use."""
+    from jax_flash import _jax_flash_emu
+
+    counts = TileCounts()
+    _jax_flash_emu.count_tiles(True)
+    try:
+        yield counts
+    finally:
+        counts.forward, counts.backward, counts.backward_dq = _jax_flash_emu.tile_counts()
+        _jax_flash_emu.count_tiles(False)
+
+
+def flex_description(spec: AttentionSpec, verbose: bool) -> str:
+    """`explain`'s words for a flex_attention call with a mask_mod (`_flex.kernel_description`)."""
+    fwd = f"{_heuristics.CUDA_FORWARD_BLOCK_Q}x{_heuristics.cuda_forward_block_kv(spec)}"
+    tiles = f"forward tiles ({fwd}) and backward tiles (of {_heuristics.cuda_backward_block_kv(spec)} keys)"
+    return _flex.kernel_description(spec, tiles, verbose)
+
+
+def _flex_masked(spec: AttentionSpec) -> bool:
+    return spec.flex is not None and spec.flex.mask_mod is not None
+
+
 class CudaImplementation:
     name = "cuda"
 
+    # flex_attention: mask_mod and block masks; a score_mod is refused (_flex.score_mod_reason).
+    serves_flex = True
+
     def unsupported(self, spec: AttentionSpec) -> str | None:
+        if spec.flex is not None and spec.flex.score_mod is not None:
+            return _flex.score_mod_reason(self.name)
         plat = _registry.platform()
         try:
             emulate = emulated(spec)
@@ -346,6 +398,8 @@ class CudaImplementation:
             return f"{e}: calls fail"
         if spec.bias_shape is not None or spec.mask_shape is not None:
             text += ", dense bias/mask read in place"
+        if _flex_masked(spec):
+            text += ", " + flex_description(spec, verbose=False)
         if emulated(spec):
             return f"host emulation (JAX_FLASH_EMULATE_CUDA=1), {text}"
         cc = _compute_capability()
@@ -375,6 +429,8 @@ class CudaImplementation:
             dense = f"{e}: backward calls fail"
         if dense:
             how += "; " + dense
+        if _flex_masked(spec):
+            how += "; " + flex_description(spec, verbose=True)
         if emulated(spec):
             return f"on the host emulation of the kernels: JAX_FLASH_EMULATE_CUDA=1; {how}"
         cc = _compute_capability()

@@ -351,8 +351,6 @@ def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs=None, in
     """out [B, T, N, Hv] (dtype of q), lse [B, N, T] float32 natural log; partitioned over
     the inputs' shardings (`jax_flash.parallel.partitioning`)."""
     call = functools.partial(_forward_call, configs=configs, interpret=interpret)
-    if spec.flex is not None:  # the user functions see global batch rows and heads: unpartitioned
-        return call(spec, q, k, v, masks)
     return partitioning.forward("pallas", call, spec, q, k, v, masks)
 
 
@@ -373,12 +371,10 @@ def backward(
     """dq, dk, dv (input dtypes), dbias (shape and dtype of masks.bias, or None);
     partitioned over the inputs' shardings."""
     call = functools.partial(_backward_call, configs=configs, interpret=interpret)
+    grads = partitioning.backward("pallas", call, spec, q, k, v, masks, out, lse, dout, dlse)
     if spec.flex is not None:
-        return (
-            *call(spec, q, k, v, masks, out, lse, dout, dlse),
-            _flex_consts_cotangent(spec, q, k, v, masks, out, lse, dout, dlse),
-        )
-    return partitioning.backward("pallas", call, spec, q, k, v, masks, out, lse, dout, dlse)
+        return (*grads, _flex_consts_cotangent(spec, q, k, v, masks, out, lse, dout, dlse))
+    return grads
 
 
 def _flex_consts_cotangent(spec, q, k, v, masks, out, lse, dout, dlse):

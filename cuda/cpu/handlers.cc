@@ -33,7 +33,6 @@ const boundary::Limits& CpuLimits() {
   static const boundary::Limits limits = [] {
     boundary::Limits l;
     l.float32 = true;
-    l.block_masks = true;
     return l;
   }();
   return limits;

@@ -33,6 +33,9 @@ inline AttentionParams EmuArgument(AttentionParams p) {
   p.dv_accum = emu::tag_global(p.dv_accum);
   p.bias.data = emu::tag_global(p.bias.data);
   p.mask.data = emu::tag_global(p.mask.data);
+  p.blocks.states = emu::tag_global(p.blocks.states);
+  p.blocks.slots = emu::tag_global(p.blocks.slots);
+  p.blocks.bits = emu::tag_global(p.blocks.bits);
   p.dbias.data = emu::tag_global(p.dbias.data);
   p.dbias_out = emu::tag_global(p.dbias_out);
   return p;

@@ -4,6 +4,7 @@
 #include <nanobind/nanobind.h>
 
 #include "emu/module.h"
+#include "emu/simt.h"
 
 namespace nb = nanobind;
 
@@ -20,4 +21,14 @@ NB_MODULE(_jax_flash_emu, m) {
       "FFI handler capsules by platform: {'cpu': {'jax_flash_emu_fwd': capsule, ...}}, the CUDA "
       "kernels compiled for the host against the emulation of the SIMT model and of each PTX "
       "instruction.");
+  m.def(
+      "count_tiles", [](bool on) { jax_flash::emu::set_tile_counting(on); },
+      "Starts (True: from zero) or stops the debug count of the tiles the emulated kernels compute.");
+  m.def(
+      "tile_counts",
+      []() {
+        namespace emu = jax_flash::emu;
+        return nb::make_tuple(emu::tile_count(0), emu::tile_count(1), emu::tile_count(2));
+      },
+      "(forward, backward, backward dQ kernel): the tiles counted since count_tiles(True).");
 }

@@ -258,6 +258,12 @@ uint8_t ld_global_u8(const uint8_t* p, const char* file, int line) {
   std::memcpy(&v, p, 1);
   return v;
 }
+uint32_t ld_global_b32(const uint32_t* p, const char* file, int line) {
+  p = check_global("ld.global.b32", p, 4, detail::MemOp::kRead, file, line);
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
 void ld_global_v4_b32(uint32_t r[4], const void* p, const char* file, int line) {
   p = check_global("ld.global.v4.b32", p, 16, detail::MemOp::kRead, file, line);
   std::memcpy(r, p, 16);

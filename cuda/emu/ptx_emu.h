@@ -79,6 +79,7 @@ void st_shared_f32(float* p, float v, JAX_FLASH_EMU_SITE);
 float ld_global_f32(const float* p, JAX_FLASH_EMU_SITE);
 uint16_t ld_global_b16(const uint16_t* p, JAX_FLASH_EMU_SITE);
 uint8_t ld_global_u8(const uint8_t* p, JAX_FLASH_EMU_SITE);
+uint32_t ld_global_b32(const uint32_t* p, JAX_FLASH_EMU_SITE);
 void ld_global_v4_b32(uint32_t r[4], const void* p, JAX_FLASH_EMU_SITE);
 void st_global_f32(float* p, float v, JAX_FLASH_EMU_SITE);
 void st_global_b32(void* p, uint32_t v, JAX_FLASH_EMU_SITE);

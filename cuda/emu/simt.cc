@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -1109,6 +1110,23 @@ GlobalBufferScope::~GlobalBufferScope() { detail::tls_global_buffers = saved_; }
 
 char* dynamic_smem() { return detail::runtime("dynamic shared memory").smem; }
 size_t dynamic_smem_size() { return detail::runtime("dynamic shared memory").smem_bytes; }
+
+namespace {
+std::atomic<bool> tile_counting{false};
+std::atomic<int64_t> tile_counts[kTilePasses];
+}  // namespace
+
+void count_tile(int pass) {
+  if (tile_counting.load(std::memory_order_relaxed) && pass >= 0 && pass < kTilePasses)
+    tile_counts[pass].fetch_add(1, std::memory_order_relaxed);
+}
+void set_tile_counting(bool on) {
+  if (on) {
+    for (auto& c : tile_counts) c.store(0, std::memory_order_relaxed);
+  }
+  tile_counting.store(on, std::memory_order_relaxed);
+}
+int64_t tile_count(int pass) { return pass >= 0 && pass < kTilePasses ? tile_counts[pass].load() : 0; }
 
 LaunchOptions LaunchOptions::FromEnvironment() {
   LaunchOptions o;

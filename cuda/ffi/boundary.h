@@ -371,8 +371,6 @@ struct Limits {
   std::string (*head_dims_text)() = nullptr;
   // The CUDA kernels' int arithmetic: B, N < 2^31, T, S < 2^30 (and num_pages < 2^31).
   bool int32_sizes = false;
-  // Block masks (the block_* operands, block_q > 0): the cpu kernels; else refused.
-  bool block_masks = false;
 };
 
 namespace internal {
@@ -518,8 +516,8 @@ inline void DescribeDense(Checker& check, const char* name, const Buffer& x, ffi
 // The block mask: with block_q = block_k = 0 each operand is [0] (s8, s32, u32); else
 // block_states [Bm, Nm, nq, nk] s8 (Bm ∈ {1, B}, Nm ∈ {1, N}), block_slots the same in s32 and
 // block_bits [P, block_q, ceil(block_k / 32)] u32 (P >= 0).
-inline void DescribeBlockMask(Checker& check, const Limits& limits, const MaskOperands& masks, int64_t block_q,
-                              int64_t block_k, Problem* p) {
+inline void DescribeBlockMask(Checker& check, const MaskOperands& masks, int64_t block_q, int64_t block_k,
+                              Problem* p) {
   if (!check.ok()) return;
   if (block_q == 0 && block_k == 0) {
     check.Expect("block_states", masks.block_states, {0}, ffi::DataType::S8);
@@ -527,9 +525,6 @@ inline void DescribeBlockMask(Checker& check, const Limits& limits, const MaskOp
     check.Expect("block_bits", masks.block_bits, {0}, ffi::DataType::U32);
     return;
   }
-  if (!limits.block_masks)
-    return check.Fail("block masks (block_q, block_k = " + std::to_string(block_q) + ", " + std::to_string(block_k) +
-                      ") are served by the cpu kernels only; these kernels need block_q = block_k = 0");
   if (block_q < 1 || block_k < 1 || block_q > (int64_t{1} << 30) || block_k > (int64_t{1} << 30))
     return check.Fail("block_q and block_k must both be 0 (no block mask) or in [1, 2^30], got (" +
                       std::to_string(block_q) + ", " + std::to_string(block_k) + ")");
@@ -568,12 +563,12 @@ inline void DescribeBlockMask(Checker& check, const Limits& limits, const MaskOp
   m.bits = static_cast<const uint32_t*>(masks.block_bits.untyped_data());
 }
 
-inline void DescribeDenseOperands(Checker& check, const Limits& limits, const MaskOperands& masks,
+inline void DescribeDenseOperands(Checker& check, const MaskOperands& masks,
                                   const SharedAttributes& a, Problem* p) {
   DescribeDense(check, "bias", masks.bias, ffi::DataType::F32,
                 {ffi::DataType::F32, ffi::DataType::BF16, ffi::DataType::F16}, *p, &p->bias);
   DescribeDense(check, "mask", masks.mask, ffi::DataType::PRED, {ffi::DataType::PRED}, *p, &p->mask);
-  DescribeBlockMask(check, limits, masks, a.block_q, a.block_k, p);
+  DescribeBlockMask(check, masks, a.block_q, a.block_k, p);
 }
 
 }  // namespace internal
@@ -581,7 +576,7 @@ inline void DescribeDenseOperands(Checker& check, const Limits& limits, const Ma
 // The forward's operands, results and shared attributes, checked against each other; fills `p`.
 inline void DescribeForward(Checker& check, const Limits& limits, const ForwardCall& c, Problem* p) {
   internal::DescribeShared(check, limits, c.page_table, c.q, c.k, c.v, c.masks, c.dropout_seed, c.attributes, p);
-  internal::DescribeDenseOperands(check, limits, c.masks, c.attributes, p);
+  internal::DescribeDenseOperands(check, c.masks, c.attributes, p);
   if (!check.ok()) return;
   // Always passed (-inf when the call has none).
   check.Expect("sinks", c.sinks, {p->q_heads}, ffi::DataType::F32);
@@ -595,7 +590,7 @@ inline void DescribeForward(Checker& check, const Limits& limits, const ForwardC
 // the workspaces and dbias are each side's: CheckDbias below); fills `p`.
 inline void DescribeBackward(Checker& check, const Limits& limits, const BackwardCall& c, Problem* p) {
   internal::DescribeShared(check, limits, nullptr, c.q, c.k, c.v, c.masks, c.dropout_seed, c.attributes, p);
-  internal::DescribeDenseOperands(check, limits, c.masks, c.attributes, p);
+  internal::DescribeDenseOperands(check, c.masks, c.attributes, p);
   if (!check.ok()) return;
   const ffi::DataType t = p->element_type;
   const int64_t B = p->batch, T = p->q_len, S = p->kv_len, N = p->q_heads, K = p->kv_heads, H = p->head_dim,

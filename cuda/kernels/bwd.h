@@ -286,21 +286,27 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAY
   const int q_block_begin = rows.lo / K::BLOCK_Q;
   const int q_blocks = rows.empty() ? 0 : CeilDiv(rows.hi, K::BLOCK_Q) - q_block_begin;
   const int items = heads * q_blocks;
+  auto item_head = [&](int item) { return first_head + item / q_blocks; };
+  auto item_t0 = [&](int item) { return (q_block_begin + item % q_blocks) * K::BLOCK_Q; };
+  // Of them run all but those a block mask leaves empty (kernels/block_mask.h).
+  auto runs = [&](int item) {
+    return !p.blocks_present() ||
+           p.block_rows(batch, item_head(item)).cover(item_t0(item), K::BLOCK_Q, s0, K::BLOCK_KV).any_visible;
+  };
+  const int first_running = next_running(0, items, runs);
 
   float dk[K::DK_COLS / MMA_N][4];  // (MMA_M rows, MMA_N cols, 4 regs): the warp's 16 keys x DK_COLS
   float dv[K::DV_COLS / MMA_N][4];  // ... x DV_COLS
   clear(dk);
   clear(dv);
 
-  if (items > 0) {
+  if (first_running < items) {
     char* const k_tile = smem;
     char* const v_tile = smem + K::KVTile::kBytes;
     char* const ds_tile = v_tile + K::VTile::kBytes;
     char* const ring = smem + K::kRingOffset;
     const int64_t kv_stride = p.kv_row_stride();
     const int64_t q_stride = p.q_row_stride(), o_stride = p.o_row_stride<K::kHvIsH>();
-    auto item_head = [&](int item) { return first_head + item / q_blocks; };
-    auto item_t0 = [&](int item) { return (q_block_begin + item % q_blocks) * K::BLOCK_Q; };
     auto load_item = [&](int item, int slot) {
       const int n = item_head(item), t0 = item_t0(item);
       char* stage = ring + slot * K::kStageBytes;
@@ -315,6 +321,8 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAY
                                       ? warp_segment_range(mask.kv_segments, warp_s0, K::WARP_KV, mask.kv_valid, lane)
                                       : SegmentRange{0, 0};
 
+    int fetch = first_running;  // the next running item to copy: STAGES - 1 ahead of the math
+
     // Prologue: K and V with the first query block, then the rest of the ring.
     load_tile_async<typename K::KVTile, K::THREADS>(k_tile, p.k + p.kv_offset(batch, s0, kv_head), kv_stride,
                                                     p.kv_len - s0);
@@ -322,17 +330,23 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAY
                                                    p.v_row_stride<K::kHvIsH>(), p.kv_len - s0);
     JAX_FLASH_UNROLL
     for (int stage = 0; stage < K::STAGES - 1; ++stage) {
-      if (stage < items) load_item(stage, stage);
+      if (fetch < items) {
+        load_item(fetch, stage);
+        fetch = next_running(fetch + 1, items, runs);
+      }
       ptx::cp_async_commit_group();
     }
 
-    for (int item = 0; item < items; ++item) {
-      const int slot = item % K::STAGES;
+    for (int item = first_running, count = 0; item < items; item = next_running(item + 1, items, runs), ++count) {
+      const int slot = count % K::STAGES;
       ptx::cp_async_wait_group<K::STAGES - 2>();
       __syncthreads();  // this block's tiles landed; the slot and dSᵀ tile reused next are free
-      const int next = item + K::STAGES - 1;
-      if (next < items) load_item(next, next % K::STAGES);
+      if (fetch < items) {
+        load_item(fetch, (count + K::STAGES - 1) % K::STAGES);
+        fetch = next_running(fetch + 1, items, runs);
+      }
       ptx::cp_async_commit_group();
+      count_tile(TilePass::kBackward);
 
       const int n = item_head(item), t0 = item_t0(item);
       const char* q_tile = ring + slot * K::kStageBytes;
@@ -359,8 +373,8 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAY
         const bool interior = mask.is_interior(t0, K::BLOCK_Q, warp_s0, K::WARP_KV, segments_allow_all);
         // The bias and mask rows of (b, n), derived per item (ptx::mov_b32_volatile): held across the loop they spill.
         const int b_item = ptx::mov_b32_volatile(batch);
-        scaling.prepare<true, true>(s, mask, p.bias_rows(b_item, n), p.mask_rows(b_item, n), interior, warp_s0, t0,
-                                    lane);
+        scaling.prepare<true, true>(s, mask, p.bias_rows(b_item, n), p.mask_rows(b_item, n), p.block_rows(b_item, n),
+                                    interior, warp_s0, t0, lane);
         // Dropout: out = Z·V with Z = keep ∘ P / (1 − rate); dPᵀ becomes the cotangent of P
         // and Pᵀ becomes Zᵀ for dV (D = rowsum(dO ∘ O) is unchanged).
         const uint64_t keep =
@@ -551,9 +565,17 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM, V_HEAD_DIM>::
   float dq[HEAD_DIM / MMA_N][4];  // (MMA_M rows, MMA_N cols, 4 regs): the warp's 16 x HEAD_DIM dQ
   clear(dq);
 
-  if (!keys.empty()) {
-    const int tile_begin = keys.lo / K::BLOCK_KV;
-    const int tile_end = CeilDiv(keys.hi, K::BLOCK_KV);
+  // The key tiles the block sees, of them all but those a block mask leaves empty, as in the
+  // forward (kernels/block_mask.h).
+  const int tile_begin = keys.empty() ? 0 : keys.lo / K::BLOCK_KV;
+  const int tile_end = keys.empty() ? 0 : CeilDiv(keys.hi, K::BLOCK_KV);
+  auto runs = [&](int tile) {
+    return !p.blocks_present() ||
+           p.block_rows(batch, head).cover(t0, K::BLOCK_Q, tile * K::BLOCK_KV, K::BLOCK_KV).any_visible;
+  };
+  const int first_running = next_running(tile_begin, tile_end, runs);
+
+  if (first_running < tile_end) {
     char* const ring = do_tile + K::DoTile::kBytes;
     const int64_t kv_stride = p.kv_row_stride(), v_stride = p.v_row_stride<K::kHvIsH>();
     const uint16_t* const k_base = p.k + p.kv_offset(batch, 0, kv_head);
@@ -578,6 +600,8 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM, V_HEAD_DIM>::
                                       ? warp_segment_range(mask.q_segments, warp_t0, K::WARP_Q, mask.q_valid, lane)
                                       : SegmentRange{0, 0};
 
+    int fetch = first_running;  // the next running tile to copy: STAGES - 1 ahead of the math
+
     load_tile_async<typename K::QTile, K::THREADS>(q_tile, p.q + p.q_offset(batch, t0, head), p.q_row_stride(),
                                                    p.q_len - t0);
     load_tile_async<typename K::DoTile, K::THREADS>(do_tile, p.dout + p.o_offset<K::kHvIsH>(batch, t0, head),
@@ -585,17 +609,23 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM, V_HEAD_DIM>::
     ptx::cp_async_commit_group();
     JAX_FLASH_UNROLL
     for (int stage = 0; stage < K::STAGES - 1; ++stage) {
-      if (tile_begin + stage < tile_end) load_kv(tile_begin + stage, stage);
+      if (fetch < tile_end) {
+        load_kv(fetch, stage);
+        fetch = next_running(fetch + 1, tile_end, runs);
+      }
       ptx::cp_async_commit_group();
     }
 
-    for (int tile = tile_begin; tile < tile_end; ++tile) {
-      const int slot = (tile - tile_begin) % K::STAGES;
+    for (int tile = first_running, count = 0; tile < tile_end; tile = next_running(tile + 1, tile_end, runs), ++count) {
+      const int slot = count % K::STAGES;
       ptx::cp_async_wait_group<K::STAGES - 2>();
       __syncthreads();
-      const int next = tile + K::STAGES - 1;
-      if (next < tile_end) load_kv(next, (next - tile_begin) % K::STAGES);
+      if (fetch < tile_end) {
+        load_kv(fetch, (count + K::STAGES - 1) % K::STAGES);
+        fetch = next_running(fetch + 1, tile_end, runs);
+      }
       ptx::cp_async_commit_group();
+      count_tile(TilePass::kBackwardDq);
 
       const char* k_tile = ring + slot * K::kStageBytes;
       const char* v_tile = k_tile + K::KVTile::kBytes;
@@ -617,8 +647,8 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM, V_HEAD_DIM>::
       const bool interior = mask.is_interior(warp_t0, K::WARP_Q, s0, K::BLOCK_KV, segments_allow_all);
       // The bias and mask rows, derived per tile (ptx::mov_b32_volatile): held across the loop they spill.
       const int b_tile = ptx::mov_b32_volatile(batch);
-      scaling.prepare<false, true>(s, mask, p.bias_rows(b_tile, head), p.mask_rows(b_tile, head), interior, warp_t0, s0,
-                                   lane);
+      scaling.prepare<false, true>(s, mask, p.bias_rows(b_tile, head), p.mask_rows(b_tile, head),
+                                   p.block_rows(b_tile, head), interior, warp_t0, s0, lane);
       if (drop.on)  // dZ -> dP, the cotangent of P
         drop_fragment(dp, keep_bits_of_fragment<false, K::BLOCK_KV / MMA_N>(drop, batch, head, warp_t0, s0, lane),
                       drop.keep_scale);

@@ -121,6 +121,21 @@ inline void ToParams(const boundary::Problem& b, AttentionParams* p, ElementType
   p->dropout_seed = b.dropout_seed;
   if (b.bias.present) p->bias = DenseOperand::of(b.bias.data, DenseTypeOf(b.bias.dtype), b.bias.dims);
   if (b.mask.present) p->mask = DenseOperand::of(b.mask.data, DenseType::kBool, b.mask.dims);
+  if (b.block_mask.present()) {
+    const boundary::BlockMask& m = b.block_mask;
+    p->blocks.states = reinterpret_cast<const uint8_t*>(m.states);
+    p->blocks.slots = m.slots;
+    p->blocks.bits = m.bits;
+    p->blocks.block_q = static_cast<int>(m.block_q);
+    p->blocks.block_k = static_cast<int>(m.block_k);
+    p->blocks.batch = static_cast<int>(m.batch);
+    p->blocks.heads = static_cast<int>(m.heads);
+    p->blocks.q_blocks = static_cast<int>(m.q_blocks);
+    p->blocks.kv_blocks = static_cast<int>(m.kv_blocks);
+    p->blocks.words = static_cast<int>(m.words);
+    // Slots past 2^31 - 1 cannot occur (they index [P, block_q, words] u32 in memory).
+    p->blocks.capacity = static_cast<int>(m.partial_capacity < (int64_t{1} << 31) ? m.partial_capacity : (int64_t{1} << 31) - 1);
+  }
   p->sinks = b.sinks;
   if (b.page_table != nullptr) {
     p->page_table = b.page_table;

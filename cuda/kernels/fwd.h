@@ -193,12 +193,22 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
   char* const scan = smem + K::kScanOffset;
   if (scans_values) clear_notes<K::ROW_BLOCKS>(K::Scan::notes(scan));
 
+  // This CTA's chunk of the key tiles the block sees (all of them without a split); of them
+  // run all but those a block mask leaves empty (kernels/block_mask.h).
+  int tile_begin = 0, tile_end = 0;
   if (!keys.empty()) {
-    // This CTA's chunk of the key tiles the block sees (all of them without a split).
     const int first_tile = keys.lo / K::BLOCK_KV;
     const int tiles = CeilDiv(keys.hi, K::BLOCK_KV) - first_tile;
-    const int tile_begin = first_tile + tiles * split / p.kv_splits;
-    const int tile_end = first_tile + tiles * (split + 1) / p.kv_splits;
+    tile_begin = first_tile + tiles * split / p.kv_splits;
+    tile_end = first_tile + tiles * (split + 1) / p.kv_splits;
+  }
+  auto runs = [&](int tile) {
+    return !p.blocks_present() ||
+           p.block_rows(batch, head).cover(t0, positions, tile * K::BLOCK_KV, K::BLOCK_KV).any_visible;
+  };
+  const int first_running = next_running(tile_begin, tile_end, runs);
+
+  if (first_running < tile_end) {
     char* const q_tile = smem;
     char* const kv_ring = smem + K::QTile::kBytes;
     // K and V rows of this (batch, kv head): a contiguous cache's, or the pool's of a paged one.
@@ -228,24 +238,33 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
                                       ? warp_segment_range(mask.q_segments, warp_p0, warp_positions, mask.q_valid, lane)
                                       : SegmentRange{0, 0};
 
+    // The next running tile to copy: STAGES - 1 ahead of the math.
+    int fetch = first_running;
+
     // Prologue: the Q tile, then the first STAGES - 1 key tiles, one commit group each.
     const ForwardRows q_rows = ForwardRows::of<K::kHvIsH>(p, batch, head, t0);
     load_tile_async<typename K::QTile, K::THREADS>(q_tile, p.q + q_rows.q0, q_rows.q_stride, q_rows.valid);
     ptx::cp_async_commit_group();
     JAX_FLASH_UNROLL
     for (int stage = 0; stage < K::STAGES - 1; ++stage) {
-      if (tile_begin + stage < tile_end) load_kv(tile_begin + stage, stage);
+      if (fetch < tile_end) {
+        load_kv(fetch, stage);
+        fetch = next_running(fetch + 1, tile_end, runs);
+      }
       ptx::cp_async_commit_group();  // possibly empty: keeps one group per ring slot
     }
 
-    for (int tile = tile_begin; tile < tile_end; ++tile) {
-      const int slot = (tile - tile_begin) % K::STAGES;
+    for (int tile = first_running, count = 0; tile < tile_end; tile = next_running(tile + 1, tile_end, runs), ++count) {
+      const int slot = count % K::STAGES;
       // This tile (and Q) have landed; every warp is done with the slot the next copy reuses.
       ptx::cp_async_wait_group<K::STAGES - 2>();
       __syncthreads();
-      const int next = tile + K::STAGES - 1;
-      if (next < tile_end) load_kv(next, (next - tile_begin) % K::STAGES);
+      if (fetch < tile_end) {
+        load_kv(fetch, (count + K::STAGES - 1) % K::STAGES);
+        fetch = next_running(fetch + 1, tile_end, runs);
+      }
       ptx::cp_async_commit_group();
+      count_tile(TilePass::kForward);
 
       const char* k_tile = kv_ring + slot * K::kStageBytes;
       const char* v_tile = k_tile + K::KVTile::kBytes;
@@ -271,14 +290,14 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
         if (p.pack_gqa) {
           // Every row at position 0, no dense bias or mask (the host packs only without them).
           const bool interior = mask.is_interior(0, 1, s0, K::BLOCK_KV, segments_allow_all);
-          scaling.prepare<false>(s[rb], mask, DenseRows{}, DenseRows{}, true, 0, s0, lane);
+          scaling.prepare<false>(s[rb], mask, DenseRows{}, DenseRows{}, BlockRows{}, true, 0, s0, lane);
           if (!interior) mask_columns(s[rb], mask, 0, s0, lane);
         } else {
           const bool interior = mask.is_interior(rows_t0, MMA_M, s0, K::BLOCK_KV, segments_allow_all);
           // The bias and mask rows, derived per tile (ptx::mov_b32_volatile): held across the loop they spill.
           const int b_tile = ptx::mov_b32_volatile(batch);
-          scaling.prepare<false>(s[rb], mask, p.bias_rows(b_tile, head), p.mask_rows(b_tile, head), interior, rows_t0,
-                                 s0, lane);
+          scaling.prepare<false>(s[rb], mask, p.bias_rows(b_tile, head), p.mask_rows(b_tile, head),
+                                 p.block_rows(b_tile, head), interior, rows_t0, s0, lane);
         }
         if (scans_values) note_rows_that_see(s[rb], K::Scan::key_flags(scan), K::Scan::notes(scan), rb, lane);
         softmax[rb].update(s[rb], o[rb], scaling.exp_scale);

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "kernels/bias.h"
+#include "kernels/block_mask.h"
 #include "kernels/dropout.h"
 #include "kernels/platform.h"
 #include "kernels/ptx.h"
@@ -50,6 +51,8 @@ struct AttentionParams {
   // strides (kernels/bias.h); data null when the call has none.
   DenseOperand bias;
   DenseOperand mask;
+  // flex_attention's block mask (kernels/block_mask.h): states null when the call has none.
+  BlockMaskOperand blocks;
   // Backward: where the main kernel puts dbias (the dbias result, or in deterministic mode the
   // dbias_accum workspace when the bias is broadcast over B, N or S); data null without a bias.
   DbiasTarget dbias;
@@ -110,6 +113,8 @@ struct AttentionParams {
   // The bias and mask rows of (b, n).
   __device__ __forceinline__ DenseRows bias_rows(int b, int n) const { return bias.rows_of(b, n, q_len, kv_len); }
   __device__ __forceinline__ DenseRows mask_rows(int b, int n) const { return mask.rows_of(b, n, q_len, kv_len); }
+  __device__ __forceinline__ bool blocks_present() const { return blocks.states != nullptr; }
+  __device__ __forceinline__ BlockRows block_rows(int b, int n) const { return blocks.rows_of(b, n, q_len, kv_len); }
 
   __device__ __forceinline__ float sink(int n) const { return sinks != nullptr ? sinks[n] : -INFINITY; }
 

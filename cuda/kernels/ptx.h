@@ -223,6 +223,18 @@ __device__ __forceinline__ uint8_t ld_global_u8(const uint8_t* p JAX_FLASH_SITE)
 #endif
 }
 
+// ld.global.b32 d, [p]: one 4-byte word from global memory (§9.7.9.8), e.g. of a block mask's
+// slots and bits.
+__device__ __forceinline__ uint32_t ld_global_b32(const uint32_t* p JAX_FLASH_SITE) {
+#ifndef JAX_FLASH_EMULATE
+  uint32_t v;
+  asm volatile("ld.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+#else
+  return emu::ld_global_b32(p JAX_FLASH_AT);
+#endif
+}
+
 // ld.global.v4.b32 {r0..r3}, [p]: one 16-byte-aligned chunk from global memory (§9.7.9.8).
 __device__ __forceinline__ void ld_global_v4_b32(uint32_t r[4], const void* p JAX_FLASH_SITE) {
 #ifndef JAX_FLASH_EMULATE

@@ -94,15 +94,16 @@ struct LogitScaling {
 
   // Raw scores of a tile to logits: transform (scale, the dense bias of the tile's (b, n) if
   // any, soft cap, ±inf -> NaN), then set invisible elements to −inf: unless the tile is
-  // interior, those the structured mask hides, and those the dense mask (if any) does not allow.
+  // interior, those the structured mask hides, those the dense mask (if any) does not allow,
+  // and those the block mask (if any) hides (NaN in its poisoned blocks, kernels/block_mask.h).
   // GRADIENT (the backward kernels): a −inf bias gives its visible pair the logit −FLT_MAX
   // instead, whose P = exp(x − lse) is still 0 for a finite lse, but which is not taken for a
   // masked pair (P = dS = 0 whatever lse and D are): a NaN lse or D reaches it, as in the
   // reference (a −inf bias is not a mask). The forward keeps −inf, so that a row of them is empty.
   template <bool TRANSPOSED, bool GRADIENT = false, int N_BLOCKS>
   __device__ __forceinline__ void prepare(float (&acc)[N_BLOCKS][4], const Mask& mask, const DenseRows& bias,
-                                          const DenseRows& dense_mask, bool interior, int row0, int col0,
-                                          int lane) const {
+                                          const DenseRows& dense_mask, const BlockRows& blocks, bool interior,
+                                          int row0, int col0, int lane) const {
     if (bias.present()) {
       JAX_FLASH_UNROLL
       for (int j = 0; j < N_BLOCKS; ++j) {
@@ -123,6 +124,7 @@ struct LogitScaling {
     }
     if (!interior) mask_fragment<TRANSPOSED>(acc, mask, row0, col0, lane);
     if (dense_mask.present()) mask_fragment_dense<TRANSPOSED>(acc, dense_mask, row0, col0, lane);
+    if (blocks.present()) mask_fragment_blocks<TRANSPOSED>(acc, blocks, row0, col0, lane);
   }
 
   // The backward's P = exp2((x − lse) · exp_scale) and dS = P ∘ (dP − D) ∘ cap′(x) of one

@@ -114,7 +114,10 @@ class _Call:
 
 
 def forward(name: str, fn: Callable, spec: AttentionSpec, q, k, v, masks: MaskInputs):
-    """fn(spec, q, k, v, masks) -> (out, lse), partitioned over the inputs' shardings."""
+    """fn(spec, q, k, v, masks) -> (out, lse), partitioned over the inputs' shardings; a
+    flex_attention call unpartitioned (`_unpartitioned`)."""
+    if _unpartitioned(spec):
+        return fn(spec, q, k, v, masks)
     return _wrapped(name, False, fn, spec, q, k, v, masks, ())
 
 
@@ -131,8 +134,17 @@ def backward(
     dout,
     dlse,
 ):
-    """fn(spec, q, k, v, masks, out, lse, dout, dlse) -> (dq, dk, dv, dbias or None)."""
+    """fn(spec, q, k, v, masks, out, lse, dout, dlse) -> (dq, dk, dv, dbias or None), as `forward`."""
+    if _unpartitioned(spec):
+        return fn(spec, q, k, v, masks, out, lse, dout, dlse)
     return _wrapped(name, True, fn, spec, q, k, v, masks, (out, lse, dout, dlse))
+
+
+def _unpartitioned(spec: AttentionSpec) -> bool:
+    """A flex_attention call has no sharding rule yet: it runs once on whole arrays (XLA
+    gathers sharded inputs first), since its mask_mod and score_mod see global batch rows and
+    heads, and the kernels' block operands and closed-over arrays have no rule of their own."""
+    return spec.flex is not None
 
 
 def sharding_rule(call: _Call, *_) -> str:

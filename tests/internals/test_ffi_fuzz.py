@@ -2,8 +2,7 @@
 `jax.ffi.ffi_call` (none of jax_flash's Python checks in between), with wrong operand and
 result counts, shapes and dtypes, broadcast operands (bias, mask) of wrong sizes, attribute
 values out of range, attributes missing, extra or of the wrong type, a block mask's operands
-(block_states, block_slots, block_bits) of wrong shapes or dtypes, or on targets without
-block masks, must raise an XLA error
+(block_states, block_slots, block_bits) of wrong shapes or dtypes, must raise an XLA error
 whose message names what is wrong: never crash, hang or touch memory outside its buffers (the
 emulated CUDA targets check every global access). Valid calls, also with hostile values in
 valid shapes (lengths, offsets, page ids, segment ids out of every range; NaN and ±inf in the
@@ -150,7 +149,6 @@ class Target:
     results: tuple
     attributes: dict
     dtypes: tuple  # element dtypes of q it serves
-    block_masks: bool = False  # serves block masks (block_q > 0): the cpu kernels
     emulated: bool = False  # the CUDA kernels on the host emulation: slow, so fewer valid calls
     platform: str = "cpu"  # where it is registered (and called)
     registered_as: str = ""  # the registered name, where the key differs (the CUDA platform's)
@@ -169,7 +167,6 @@ TARGETS = {
             results=(OUT, LSE),
             attributes=dict(COMMON_ATTRIBUTES, **POISON_ATTRIBUTES, **CPU_FORWARD_ATTRIBUTES),
             dtypes=("float32", "bfloat16", "float16"),
-            block_masks=True,
         ),
         Target(
             "jax_flash_paged_fwd",
@@ -177,7 +174,6 @@ TARGETS = {
             results=(OUT, LSE),
             attributes=dict(COMMON_ATTRIBUTES, **POISON_ATTRIBUTES, **CPU_FORWARD_ATTRIBUTES),
             dtypes=("float32", "bfloat16", "float16"),
-            block_masks=True,
         ),
         Target(
             "jax_flash_bwd",
@@ -190,7 +186,6 @@ TARGETS = {
             ),
             attributes=dict(COMMON_ATTRIBUTES, deterministic=False, **POISON_ATTRIBUTES, **CPU_BACKWARD_ATTRIBUTES),
             dtypes=("float32", "bfloat16", "float16"),
-            block_masks=True,
         ),
         Target(
             "jax_flash_emu_fwd",
@@ -246,7 +241,6 @@ for _name in ("jax_flash_fwd", "jax_flash_paged_fwd", "jax_flash_bwd"):
         _emulated.results,
         dict(_emulated.attributes),
         _emulated.dtypes,
-        block_masks=False,
         emulated=False,
         platform="CUDA",
         registered_as=_name,
@@ -406,8 +400,7 @@ def mutated_cases(target: Target, rng: random.Random, count: int) -> list:
             valid = tuple(d if rng.random() < 0.5 else 1 for d in full)
             variant[name] = valid
         if kind == "block_mask":
-            # A valid block mask (where the target serves them), then one of its operands of a
-            # wrong shape or dtype; a target without block masks refuses even the valid one.
+            # A valid block mask, then one of its operands of a wrong shape or dtype.
             variant.update(block_variant(batch=rng.choice([1, None]), heads=rng.choice([1, None])))
         if kind == "dims":
             # Every buffer consistent with one dim of an edge value (empty, one, past a tile,
@@ -465,24 +458,20 @@ def mutated_cases(target: Target, rng: random.Random, count: int) -> list:
             what = f"{name} {variant[name]} -> {row[1]} {row[2]}"
             case.expect = ["bias", "dbias"] if name == "bias" else ["mask"]
         elif kind == "block_mask":
-            if not target.block_masks:
-                what = "a valid block mask on a target without block masks"
-                case.expect = ["block masks"]
+            name = rng.choice(BLOCK_OPERANDS)
+            j = next(i for i, b in enumerate(target.operands) if b.name == name)
+            row = list(case.operands[j])
+            if rng.random() < 0.3:
+                row[2] = rng.choice([d for d in DTYPES if d != row[2]])
             else:
-                name = rng.choice(BLOCK_OPERANDS)
-                j = next(i for i, b in enumerate(target.operands) if b.name == name)
-                row = list(case.operands[j])
-                if rng.random() < 0.3:
-                    row[2] = rng.choice([d for d in DTYPES if d != row[2]])
-                else:
-                    shape = row[1]
-                    # block_bits' first dim (the capacity P) is free: another one is no mistake.
-                    while shape == row[1] or (name == "block_bits" and len(shape) == 3 and shape[1:] == row[1][1:]):
-                        shape = _mutate_shape(rng, row[1])
-                    row[1] = shape
-                case.operands[j] = tuple(row)
-                what = f"{name} {variant[name]} -> {row[1]} {row[2]}"
-                case.expect = list(BLOCK_OPERANDS)
+                shape = row[1]
+                # block_bits' first dim (the capacity P) is free: another one is no mistake.
+                while shape == row[1] or (name == "block_bits" and len(shape) == 3 and shape[1:] == row[1][1:]):
+                    shape = _mutate_shape(rng, row[1])
+                row[1] = shape
+            case.operands[j] = tuple(row)
+            what = f"{name} {variant[name]} -> {row[1]} {row[2]}"
+            case.expect = list(BLOCK_OPERANDS)
         elif kind == "attribute_value":
             names = [n for n in case.attributes if n in INVALID_ATTRIBUTE_VALUES]
             name = rng.choice(names)
@@ -593,12 +582,12 @@ def control_cases(target: Target, rng: random.Random) -> list:
     variants[1]["attributes"] = {k: v for k, v in other.items() if k in target.attributes}
     if target.emulated:  # each emulated call runs the kernels on the SIMT emulation: fewer
         variants = [variants[0], variants[1], variants[3]]
-    if target.block_masks:  # a block mask per (b, n), and one shared by every row and head
-        variants += [block_variant(), block_variant(batch=1, heads=1)]
+    # A block mask per (b, n), and one shared by every row and head.
+    variants += [block_variant(), block_variant(batch=1, heads=1)]
     cases += [valid_call(target, dtype, v) for v in variants]
     for i in range(2 if target.emulated else 4):
         hostile = {"attributes": dict(use_segment_ids=True)}
-        if target.block_masks and i % 2:  # any state and slot values, in range or not
+        if i % 2:  # any state and slot values, in range or not
             hostile = block_variant()
             hostile["attributes"]["use_segment_ids"] = True
         cases.append(valid_call(target, rng.choice(target.dtypes), hostile, fill=f"hostile:{rng.randrange(2**31)}"))
