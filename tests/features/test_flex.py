@@ -1,17 +1,20 @@
-"""flex_attention: score_mod, mask_mod and block masks (docs/flex.md), on xla (everything)
-and cpu (mask_mod and block masks; a score_mod is refused).
+"""flex_attention: score_mod, mask_mod and block masks (docs/flex.md), on xla and pallas
+(everything) and the compiled kernels, cpu and cuda (emulated on the host here: mask_mod and
+block masks; a score_mod is refused).
 
 The built-in masks re-expressed as mask_mods give bitwise the built-in path's results where
-the same tiles run in the same order (xla at the block mask's tiles; cpu at its own 128 x 128
+the same tiles run in the same order (xla at the block mask's tiles; cpu and cuda at their own
 tiles, whatever the block size); the recipes (ALiBi, a T5 bucket table, the soft cap, a
 per-head scale; per-document causal, prefix-LM, dilated, block-sparse, a speculative tree)
 match the float64 reference within the reference's own error at the input dtype, gradients
 included (closed-over float arrays too); the numerical contract holds; the tiles run follow
-the block mask; a cpu call with more partly visible blocks than the block mask's capacity
+the block mask; a cpu or cuda call with more partly visible blocks than the block mask's capacity
 gives NaN rows, never a wrong result; bad arguments are refused clearly. Shapes are ragged
 against the tiles (±1)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +64,19 @@ def mask_impl(request):
 
 
 CPU_TILE = 128  # the cpu kernels' tiles (cuda/cpu/tiling.h kBlockQ, kBlockK)
+# The cuda kernels' tiles at head dim 32 (cuda/kernels/tile.h, warp16): the forward's 128 x 64,
+# the backward's and the dQ kernel's 64 x 64; their inputs are 16-bit, their head dims >= 32.
+CUDA_FORWARD_TILE, CUDA_BACKWARD_TILE = (128, 64), (64, 64)
+# A shape of several cuda tiles each way, ragged (±1), GQA 2:1, and a block size of 32.
+CUDA_SHAPE, CUDA_BS = Shape(1, 2 * 128 + 1, 3 * 64 - 1, 2, 1, 32), 32
+
+
+def _kernel_case(name: str, shape: Shape, dtype="float32") -> tuple[Shape, str]:
+    """(shape, dtype) of a test for implementation `name`: the cuda kernels take 16-bit inputs
+    (bfloat16 for a float32 test) and head dims >= 32."""
+    if name != "cuda":
+        return shape, dtype
+    return dataclasses.replace(shape, h=max(shape.h, 32)), "bfloat16" if dtype == "float32" else dtype
 # A shape of several cpu tiles each way, ragged (±1), GQA 2:1, and its block size.
 CPU_SHAPE, CPU_BS = Shape(1, 2 * CPU_TILE + 1, 3 * CPU_TILE - 1, 2, 1, 16), 64
 
@@ -203,6 +219,40 @@ def test_builtin_masks_bitwise_cpu(kind, big, dtype):
             np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f"{kind}: {name}")
 
 
+@pytest.mark.parametrize("kind", ["causal", "offset_window", "lengths", "segments"])
+def test_builtin_masks_bitwise_cuda(kind):
+    """cuda (the kernels on their host emulation): out, lse and dq, dk, dv of the mask_mod with
+    its block mask (32 x 32 blocks, several per tile) equal bitwise those of the built-in mask:
+    each kernel runs the same tiles in the same order (a tile is skipped when all its blocks
+    are empty, as the built-in geometry skips it; a fragment under partly visible blocks is
+    masked element by element from mask_mod's bits, which leaves every visible score as it
+    was, and a warp whose rows see none of a tile adds exact zeros)."""
+    _available("cuda")
+    shape = CUDA_SHAPE
+    q, k, v = _inputs(shape, jnp.bfloat16)
+    kw, mask_mod = _builtin(kind, shape)
+    block_mask = jax_flash.create_block_mask(mask_mod, shape.b, None, shape.t, shape.s, block_size=CUDA_BS)
+    dout = jax.random.normal(jax.random.PRNGKey(9), (shape.b, shape.t, shape.n, shape.h), jnp.bfloat16)
+    dlse = jax.random.normal(jax.random.PRNGKey(8), (shape.b, shape.t, shape.n), jnp.float32)
+
+    def grads(fn):
+        (out, lse), pull = jax.vjp(fn, q, k, v)
+        return out, lse, *pull((dout, jnp.where(jnp.isfinite(lse), dlse, 0)))
+
+    built, flex = jax.jit(
+        lambda: (
+            grads(lambda q, k, v: jax_flash.attention(q, k, v, return_residual=True, implementation="cuda", **kw)),
+            grads(
+                lambda q, k, v: jax_flash.flex_attention(
+                    q, k, v, mask_mod=mask_mod, block_mask=block_mask, return_residual=True, implementation="cuda"
+                )
+            ),
+        )
+    )()
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), built, flex):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f"{kind}: {name}")
+
+
 # ---- recipes against the float64 reference --------------------------------------------------
 
 
@@ -343,15 +393,17 @@ def test_recipes_against_reference(flex_impl, with_block_mask):
         ("cpu", "bfloat16", True),
         ("cpu", "float32", False),
         ("xla", "bfloat16", True),
+        ("cuda", "bfloat16", True),
+        ("cuda", "float16", False),
     ],
 )
 def test_mask_recipes_against_reference(name, dtype, with_block_mask):
     """The recipes' mask_mods alone (the implementations without score_mods run them too):
     out, lse and the gradients in q, k, v against float64, err <= 2 x the reference's own at
     the input dtype + eps, per head (= per recipe); with a per-(b, h) block mask (empty blocks
-    skipped, capacity exact) or without one (cpu: every block partly visible)."""
+    skipped, capacity exact) or without one (cpu, cuda: every block partly visible)."""
     _available(name)
-    shape = Shape(2, 2 * BS + 1, 3 * BS - 1, len(MASKS), 1, 16)
+    shape, _ = _kernel_case(name, Shape(2, 2 * BS + 1, 3 * BS - 1, len(MASKS), 1, 16))
     mask_mod = _per_head([_mask_mod(m, shape) for m in MASKS])
     dt = jnp.dtype(dtype)
     q, k, v = _inputs(shape, dt)
@@ -490,15 +542,15 @@ def test_contract_empty_rows_and_poison(flex_impl):
     assert max_err(np.asarray(out)[ok], np.asarray(ref)[ok]) <= 1e-5
 
 
-@pytest.mark.parametrize("name", ["cpu", "xla"])
+@pytest.mark.parametrize("name", ["cpu", "xla", "cuda"])
 def test_contract_mask_mod(name):
     """Without a score_mod (every implementation that serves flex): rows that see nothing give
     out 0, lse -inf and zero gradients; a NaN query row and an inf key reach only what sees
     them (the reference's NaN pattern, gradients too): the key, masked for every query,
     reaches nothing."""
     _available(name)
-    shape = Shape(1, BS + 1, 2 * BS - 1, 2, 1, 16)
-    q, k, v = _inputs(shape)
+    shape, dtype = _kernel_case(name, Shape(1, BS + 1, 2 * BS - 1, 2, 1, 16))
+    q, k, v = _inputs(shape, jnp.dtype(dtype))
     q = q.at[0, 3, 1, 0].set(jnp.nan)
     k = k.at[0, 12, 0, 5].set(jnp.inf)  # key 12 is seen by no query
 
@@ -524,8 +576,9 @@ def test_contract_mask_mod(name):
     for g, r in zip(grads, ref_grads):
         np.testing.assert_array_equal(np.isnan(g), np.isnan(r))
     np.testing.assert_array_equal(np.asarray(grads[0][0, :2]), 0)
-    ok = ~np.isnan(np.asarray(ref))
-    assert max_err(np.asarray(out)[ok], np.asarray(ref)[ok]) <= 1e-5
+    ok = ~np.isnan(np.asarray(ref, np.float32))
+    tol = 1e-5 if dtype == "float32" else 4 * EPS[dtype] * max(1.0, float(np.max(np.abs(np.asarray(ref)[ok]))))
+    assert max_err(np.asarray(out, np.float32)[ok], np.asarray(ref, np.float32)[ok]) <= tol
 
 
 # ---- partial_capacity ---------------------------------------------------------------------------
@@ -548,14 +601,14 @@ def test_partial_capacity():
             jax_flash.create_block_mask(causal, None, 2, t, s, block_size=BS, partial_capacity=bad)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cpu_partial_capacity_overflow(dtype):
-    """A block mask with more partly visible blocks than its capacity: on cpu the rows of the
-    query blocks of the blocks past it (in (b, h, i, j) order) are NaN, out and lse, and so are
-    their dq rows; every other row is what the reference gives. xla, which evaluates mask_mod
-    in its tiles, does not read the capacity."""
-    _available("cpu")
-    shape = Shape(1, 5 * BS - 1, 5 * BS + 1, 2, 1, 16)  # 5 query blocks; causal: 5 partial ones
+@pytest.mark.parametrize("name, dtype", [("cpu", "float32"), ("cpu", "bfloat16"), ("cuda", "bfloat16")])
+def test_kernels_partial_capacity_overflow(name, dtype):
+    """A block mask with more partly visible blocks than its capacity: on cpu and cuda the rows
+    of the query blocks of the blocks past it (in (b, h, i, j) order) are NaN, out and lse, and
+    so are their dq rows; every other row is what the reference gives. xla, which evaluates
+    mask_mod in its tiles, does not read the capacity."""
+    _available(name)
+    shape, _ = _kernel_case(name, Shape(1, 5 * BS - 1, 5 * BS + 1, 2, 1, 16))  # causal: 5 partial blocks
     q, k, v = _inputs(shape, jnp.dtype(dtype))
     causal = lambda b, h, qi, ki: ki <= qi
     bm = jax_flash.create_block_mask(causal, None, None, shape.t, shape.s, block_size=BS, partial_capacity=3)
@@ -567,7 +620,7 @@ def test_cpu_partial_capacity_overflow(dtype):
         )
 
     (out, lse), dq = jax.jit(
-        lambda q, k, v: (f(q, k, v, "cpu"), jax.grad(lambda q: jnp.sum(f(q, k, v, "cpu")[0].astype(jnp.float32)))(q))
+        lambda q, k, v: (f(q, k, v, name), jax.grad(lambda q: jnp.sum(f(q, k, v, name)[0].astype(jnp.float32)))(q))
     )(q, k, v)
     ref, ref_lse = jax_flash.flex_reference(q, k, v, mask_mod=causal, return_residual=True)
     bad = 3 * BS  # query blocks 3 and 4: rows 24..
@@ -658,16 +711,16 @@ def test_kernels_trust_the_block_mask(mask_impl):
             assert max_err(a, r) <= 2e-5 * max(1.0, float(jnp.max(jnp.abs(r))))
 
 
-def _kernel_tiles(states, shape: Shape, bs: int, heads: int) -> int:
-    """The cpu tiles (CPU_TILE x CPU_TILE, per batch row and query head) that overlap a block
-    that is not empty, from the block mask's states [B|1, N|1, nq, nk]."""
+def _kernel_tiles(states, shape: Shape, bs: int, heads: int, tile=(CPU_TILE, CPU_TILE)) -> int:
+    """The kernel tiles (tile[0] rows x tile[1] keys, multiples of bs, per batch row and query
+    head) that overlap a block that is not empty, from the block mask's states [B|1, N|1, nq, nk]."""
     st = np.broadcast_to(np.asarray(states), (shape.b, heads, *np.asarray(states).shape[2:]))
-    per = CPU_TILE // bs
+    per_q, per_k = tile[0] // bs, tile[1] // bs
     count = 0
-    for i in range(-(-shape.t // CPU_TILE)):
-        for j in range(-(-shape.s // CPU_TILE)):
-            tile = st[:, :, i * per : (i + 1) * per, j * per : (j + 1) * per]
-            count += int(np.sum(np.any(tile > 0, axis=(2, 3))))
+    for i in range(-(-shape.t // tile[0])):
+        for j in range(-(-shape.s // tile[1])):
+            blocks = st[:, :, i * per_q : (i + 1) * per_q, j * per_k : (j + 1) * per_k]
+            count += int(np.sum(np.any(blocks > 0, axis=(2, 3))))
     return count
 
 
@@ -706,6 +759,57 @@ def test_cpu_tiles_follow_block_mask():
     with cpu.count_tiles() as c:  # no block mask: every tile
         jax.block_until_ready(jax_flash.flex_attention(q, k, v, mask_mod=causal, implementation="cpu"))
     assert c.forward == every
+
+
+def test_cuda_tiles_follow_block_mask():
+    """cuda (on its host emulation, which counts them): the forward computes exactly the
+    128 x 64 tiles, the backward's main kernel and deterministic mode's dQ kernel exactly the
+    64 x 64 tiles, that overlap a non-empty block of their (b, h): a causal block mask skips the
+    tiles above the diagonal, a per-head block-sparse one of 32 x 32 blocks each head's own
+    empty tiles. Their results (forward and gradients, both modes) match the reference."""
+    _available("cuda")
+    from jax_flash import cuda
+
+    shape = CUDA_SHAPE
+    q, k, v = _inputs(shape, jnp.bfloat16)
+    every = shape.b * shape.n * 3 * 3  # forward tiles: ceil(257 / 128) x ceil(191 / 64)
+
+    def causal(b, h, qi, ki):
+        return ki <= qi
+
+    rng = np.random.default_rng(1)
+    table = jnp.asarray(rng.random(size=(shape.n, 9, 6)) < 0.3)
+    sparse = lambda b, h, qi, ki: table[h, qi // CUDA_BS, ki // CUDA_BS]
+    for mask_mod, heads in ((causal, None), (sparse, shape.n)):
+        bm = jax_flash.create_block_mask(mask_mod, None, heads, shape.t, shape.s, block_size=CUDA_BS)
+        forward = _kernel_tiles(bm.to_dense(), shape, CUDA_BS, shape.n, CUDA_FORWARD_TILE)
+        backward = _kernel_tiles(bm.to_dense(), shape, CUDA_BS, shape.n, CUDA_BACKWARD_TILE)
+        assert 0 < forward < every
+
+        def value_and_grads(fn, q, k, v, mask_mod=mask_mod, **kw):
+            def loss(q, k, v):  # one forward and one backward call
+                out = fn(q, k, v, mask_mod=mask_mod, **kw).astype(jnp.float32)
+                return jnp.sum(out * jnp.cos(out)), out
+
+            grads, out = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+            return out, grads
+
+        q64, k64, v64 = (x.astype(jnp.float64) for x in (q, k, v))
+        low, ref = (value_and_grads(jax_flash.flex_reference, *x) for x in ((q, k, v), (q64, k64, v64)))
+        for deterministic in (False, True):
+            with jax_flash.config(deterministic=deterministic):
+                step = jax.jit(
+                    lambda q, k, v, bm=bm: value_and_grads(
+                        jax_flash.flex_attention, q, k, v, block_mask=bm, implementation="cuda"
+                    )
+                )
+                jax.block_until_ready(step(q, k, v))  # compiled outside the count
+                with cuda.count_tiles() as c:
+                    got = jax.block_until_ready(step(q, k, v))
+            assert (c.forward, c.backward, c.backward_dq) == (forward, backward, backward if deterministic else 0)
+            for g, lo, r in zip(jax.tree.leaves(got), jax.tree.leaves(low), jax.tree.leaves(ref)):
+                scale = max(1.0, float(jnp.max(jnp.abs(r))))
+                assert max_err(g, r) <= FACTOR * max_err(lo, r) + GRAD_EPS["bfloat16"] * scale
 
 
 # ---- block masks -----------------------------------------------------------------------------
@@ -809,19 +913,6 @@ def test_create_block_mask_arguments():
         jax_flash.create_block_mask(lambda b, h, qi, ki: 1.0, 1, 1, 8, 8)
 
 
-@pytest.mark.parametrize("name", ["cuda"])
-def test_other_implementations_refuse(name):
-    """No silent dense fallback: an implementation that does not serve flex says so, in
-    explain and as the error of a call that asks for it."""
-    e = jax_flash.explain(Q, KV, KV, mask_mod=CAUSAL, implementation="xla")
-    assert e.op == "jax_flash.flex_attention" and e.selected == "xla"
-    why = e.reasons[name]
-    assert why is not None and ("flex_attention" in why or "cannot be loaded" in why)
-    with pytest.raises(ValueError, match=f'implementation="{name}" cannot run this call'):
-        jax_flash.flex_attention(Q, KV, KV, mask_mod=CAUSAL, implementation=name)
-    assert jax_flash.explain(Q, KV, KV).reasons["xla"] is None
-
-
 def test_pallas_refuses_what_it_cannot_evaluate():
     """The pallas kernels evaluate the user functions on tiles and read closed-over arrays one
     element per position: a function that reads a slice (or passes an array whole) is
@@ -876,17 +967,20 @@ def test_pallas_config_leaves_room_for_tile_reads():
         assert fwd.num_stages == (2 if reads else TABLE[(64, "bfloat16", "fwd")].num_stages)
 
 
-def test_cpu_refuses_score_mod():
-    """cpu serves mask_mod and block masks but cannot run a score_mod: it says so (explain, and
-    the error of a call that asks for it), and implementation=None picks xla, never a silent
-    fallback of a requested cpu."""
-    _available("cpu")
+@pytest.mark.parametrize("name", ["cpu", "cuda"])
+def test_kernels_refuse_score_mod(name):
+    """cpu and cuda serve mask_mod and block masks but cannot run a score_mod: they say so
+    (explain, and the error of a call that asks for them), and implementation=None picks xla,
+    never a silent fallback of a requested kernel."""
+    _available(name)
+    shape, dtype = _kernel_case(name, Shape(2, 8, 10, 4, 2, 16))
+    q, k, v = _inputs(shape, jnp.dtype(dtype))
     score_mod = lambda s, b, h, qi, ki: s * 0.5
-    e = jax_flash.explain(Q, KV, KV, score_mod=score_mod, mask_mod=CAUSAL)
-    assert "a score_mod needs the user function inside the tile" in e.reasons["cpu"] and e.selected == "xla"
-    with pytest.raises(ValueError, match=r'implementation="cpu" cannot run this call: cpu serves flex_attention'):
-        jax_flash.flex_attention(Q, KV, KV, score_mod=score_mod, implementation="cpu")
-    assert jax_flash.explain(Q, KV, KV, mask_mod=CAUSAL).reasons["cpu"] is None
+    e = jax_flash.explain(q, k, v, score_mod=score_mod, mask_mod=CAUSAL)
+    assert "a score_mod needs the user function inside the tile" in e.reasons[name] and e.selected == "xla"
+    with pytest.raises(ValueError, match=f'implementation="{name}" cannot run this call: {name} serves flex_attention'):
+        jax_flash.flex_attention(q, k, v, score_mod=score_mod, implementation=name)
+    assert jax_flash.explain(q, k, v, mask_mod=CAUSAL).reasons[name] is None
 
 
 def test_cpu_explain_reports_bits():
@@ -902,15 +996,16 @@ def test_cpu_explain_reports_bits():
     assert "bits of up to 2 partly visible blocks ([2, 1] rows of blocks, partial_capacity), 64 bytes" in text
 
 
+@pytest.mark.parametrize("name", ["cpu", "cuda"])
 @pytest.mark.parametrize("split", [0, 3], ids=["rule", "split_kv_3"])
-def test_cpu_decode_and_vmap(split):
-    """cpu: a decode step (T = 1, GQA 4:1, where the built-in path packs a kv head's query
-    heads into one tile: not with a per-head mask_mod), with the forward's split-KV as its rule
-    decides and forced to 3 key chunks, and the call under jax.vmap (run once per mapped
+def test_kernels_decode_and_vmap(name, split):
+    """cpu and cuda: a decode step (T = 1, GQA 4:1, where the built-in path packs a kv head's
+    query heads into one tile: not with a per-head mask_mod), with the forward's split-KV as its
+    rule decides and forced to 3 key chunks, and the call under jax.vmap (run once per mapped
     element, so that mask_mod sees each call's own b), gradients too, against the reference."""
-    _available("cpu")
-    shape = Shape(2, 1, 3 * CPU_TILE + 5, 8, 2, 16)
-    q, k, v = (jnp.stack([x, -x]) for x in _inputs(shape))  # a leading mapped axis of 2
+    _available(name)
+    shape, dtype = _kernel_case(name, Shape(2, 1, 3 * CPU_TILE + 5, 8, 2, 16))
+    q, k, v = (jnp.stack([x, -x]) for x in _inputs(shape, jnp.dtype(dtype)))  # a leading mapped axis of 2
     mask_mod = lambda b, h, qi, ki: (ki % 3 != h % 3) | (ki == b)
 
     def both(fn, **kw):
@@ -918,14 +1013,22 @@ def test_cpu_decode_and_vmap(split):
             out = fn(q, k, v, mask_mod=mask_mod, **kw)
             return jnp.sum(out * jnp.cos(out)), out
 
-        return jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2), has_aux=True)))(q, k, v)
+        return jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2), has_aux=True)))(*inputs)
 
-    with jax_flash.config(cpu_split_kv=split):
-        (grads, out) = both(jax_flash.flex_attention, implementation="cpu")
+    inputs = (q, k, v)
+    with jax_flash.config(**{f"{name}_split_kv": split}):
+        (grads, out) = both(jax_flash.flex_attention, implementation=name)
+    (low_grads, low) = both(jax_flash.flex_reference)  # the reference at the input dtype
+    if dtype == "float32":
+        assert max_err(out, low) <= 1e-5
+        for g, r in zip(grads, low_grads):
+            assert max_err(g, r) <= GRAD_EPS["float32"] * max(1.0, float(jnp.max(jnp.abs(r))))
+        return
+    inputs = tuple(x.astype(jnp.float64) for x in (q, k, v))  # 16-bit: err <= 2 x the reference's own
     (ref_grads, ref) = both(jax_flash.flex_reference)
-    assert max_err(out, ref) <= 1e-5
-    for g, r in zip(grads, ref_grads):
-        assert max_err(g, r) <= GRAD_EPS["float32"] * max(1.0, float(jnp.max(jnp.abs(r))))
+    assert max_err(out, ref) <= FACTOR * max_err(low, ref) + EPS[dtype]
+    for g, lo, r in zip(grads, low_grads, ref_grads):
+        assert max_err(g, r) <= FACTOR * max_err(lo, r) + GRAD_EPS[dtype] * max(1.0, float(jnp.max(jnp.abs(r))))
 
 
 @pytest.mark.parametrize("block_size", [(24, 40), (128, 96), (5, 33), (300, 7)])
