@@ -187,11 +187,12 @@ __global__ void memory_kernel(const float* src, float* out_f32, uint32_t* out_b3
   ptx::ld_shared_v4_b32(w, sf + kMemThreads + 4 * ((t + 5) % (kMemThreads / 4)));
   ptx::st_global_f32(out_f32 + g, y);
   ptx::st_global_v4_b32(out_b32 + 8 * g, v);
-  // The narrow loads (a 16-bit half and a byte of src's words) and the volatile mov, folded
-  // into three of the shared words' round trip.
+  // The narrow loads (a 16-bit half and a byte of src's words), a 32-bit word load and the
+  // volatile mov, folded into the shared words' round trip.
   w[0] ^= ptx::ld_global_b16(reinterpret_cast<const uint16_t*>(src) + 2 * g + (g & 1));
   w[1] ^= ptx::ld_global_u8(reinterpret_cast<const uint8_t*>(src) + 4 * g + (g & 3));
   w[2] ^= static_cast<uint32_t>(ptx::mov_b32_volatile(g * 2654435 + 17));
+  w[3] ^= ptx::ld_global_b32(reinterpret_cast<const uint32_t*>(src) + (g * 7 + 1) % kMemTotal);
   for (int i = 0; i < 4; ++i) ptx::st_global_b32(out_b32 + 8 * g + 4 + i, w[i]);
   ptx::red_global_add_f32(acc + g % 4, static_cast<float>(g % 13) - 6.0f);
   ptx::red_global_add_f32(acc + 4, 1.0f);
@@ -681,7 +682,7 @@ void compare_memory(const Outputs& g, const Outputs& e) {
   exact("ld_global_f32, st_shared_f32, ld_shared_f32, st_global_f32", words(g.mem_f32), words(e.mem_f32));
   exact(
       "ld_global_v4_b32, st_shared_b32, ld_shared_v4_b32, st_global_v4_b32, st_global_b32, ld_global_b16, "
-      "ld_global_u8, mov_b32_volatile",
+      "ld_global_u8, ld_global_b32, mov_b32_volatile",
       g.mem_b32, e.mem_b32);
   exact("red_global_add_f32, red_global_add_v2_f32", words(g.mem_acc), words(e.mem_acc));
 }
