@@ -182,9 +182,15 @@ def select(spec: AttentionSpec, requested: str | None) -> str:
             raise ValueError(f'implementation="{requested}" cannot run this call: {why}')
         return requested
     for name in preference():
-        if reason(name, spec) is None:
+        if reason(name, spec) is None and _default_for(name, spec):
             return name
     raise ValueError(f"no implementation can run this call: {explain(spec)}")
+
+
+def _default_for(name: str, spec: AttentionSpec) -> bool:
+    """Whether implementation=None may pick `name` for `spec`: a flex call only where the
+    implementation says so (`flex_default`, True when absent); asking for it by name works."""
+    return spec.flex is None or getattr(get(name), "flex_default", True)
 
 
 def paged_reason(name: str, pspec: PagedSpec) -> str | None:

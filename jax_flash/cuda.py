@@ -323,7 +323,10 @@ def flex_description(spec: AttentionSpec, verbose: bool) -> str:
     """`explain`'s words for a flex_attention call with a mask_mod (`_flex.kernel_description`)."""
     fwd = f"{_heuristics.CUDA_FORWARD_BLOCK_Q}x{_heuristics.cuda_forward_block_kv(spec)}"
     tiles = f"forward tiles ({fwd}) and backward tiles (of {_heuristics.cuda_backward_block_kv(spec)} keys)"
-    return _flex.kernel_description(spec, tiles, verbose)
+    text = _flex.kernel_description(spec, tiles, verbose)
+    if verbose:
+        text += "; run when asked for by name (implementation=None does not pick cuda for a flex call yet)"
+    return text
 
 
 def _flex_masked(spec: AttentionSpec) -> bool:
@@ -335,6 +338,9 @@ class CudaImplementation:
 
     # flex_attention: mask_mod and block masks; a score_mod is refused (_flex.score_mod_reason).
     serves_flex = True
+    # ... when asked for by name: implementation=None picks pallas (measured on a GPU) for a flex
+    # call until these kernels' block masks have run on one (tested on the host emulation).
+    flex_default = False
 
     def unsupported(self, spec: AttentionSpec) -> str | None:
         if spec.flex is not None and spec.flex.score_mod is not None:

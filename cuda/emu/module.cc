@@ -22,7 +22,7 @@ NB_MODULE(_jax_flash_emu, m) {
       "kernels compiled for the host against the emulation of the SIMT model and of each PTX "
       "instruction.");
   m.def(
-      "count_tiles", [](bool on) { jax_flash::emu::set_tile_counting(on); },
+      "count_tiles", [](bool on) { jax_flash::emu::set_tile_counting(on); }, nb::arg("on"),
       "Starts (True: from zero) or stops the debug count of the tiles the emulated kernels compute.");
   m.def(
       "tile_counts",

@@ -967,6 +967,25 @@ def test_pallas_config_leaves_room_for_tile_reads():
         assert fwd.num_stages == (2 if reads else TABLE[(64, "bfloat16", "fwd")].num_stages)
 
 
+def test_cuda_flex_only_by_name(monkeypatch):
+    """implementation=None does not pick cuda for a flex call (its block masks have not run on a
+    GPU yet): with cuda first in the platform's order, the next implementation that serves the
+    call runs it, explain says why, and asking for cuda by name runs it."""
+    _available("cuda")
+    from jax_flash import _registry
+
+    monkeypatch.setattr(_registry, "preference", lambda: ("cuda", "xla"))
+    shape, dtype = _kernel_case("cuda", Shape(1, 8, 10, 2, 1, 16))
+    q, k, v = _inputs(shape, jnp.dtype(dtype))
+    e = jax_flash.explain(q, k, v, mask_mod=CAUSAL, verbose=True)
+    assert e.reasons["cuda"] is None and e.selected == "xla"
+    assert "implementation=None does not pick cuda for a flex call" in str(e)
+    assert jax_flash.explain(q, k, v, is_causal=True).selected == "cuda"
+    out = jax_flash.flex_attention(q, k, v, mask_mod=CAUSAL, implementation="cuda")
+    ref = jax_flash.flex_reference(q, k, v, mask_mod=CAUSAL)
+    assert max_err(out, ref) <= 4 * EPS[dtype] * max(1.0, float(jnp.max(jnp.abs(ref.astype(jnp.float32)))))
+
+
 @pytest.mark.parametrize("name", ["cpu", "cuda"])
 def test_kernels_refuse_score_mod(name):
     """cpu and cuda serve mask_mod and block masks but cannot run a score_mod: they say so
