@@ -516,8 +516,7 @@ inline void DescribeDense(Checker& check, const char* name, const Buffer& x, ffi
 // The block mask: with block_q = block_k = 0 each operand is [0] (s8, s32, u32); else
 // block_states [Bm, Nm, nq, nk] s8 (Bm ∈ {1, B}, Nm ∈ {1, N}), block_slots the same in s32 and
 // block_bits [P, block_q, ceil(block_k / 32)] u32 (P >= 0).
-inline void DescribeBlockMask(Checker& check, const MaskOperands& masks, int64_t block_q, int64_t block_k,
-                              Problem* p) {
+inline void DescribeBlockMask(Checker& check, const MaskOperands& masks, int64_t block_q, int64_t block_k, Problem* p) {
   if (!check.ok()) return;
   if (block_q == 0 && block_k == 0) {
     check.Expect("block_states", masks.block_states, {0}, ffi::DataType::S8);
@@ -563,8 +562,7 @@ inline void DescribeBlockMask(Checker& check, const MaskOperands& masks, int64_t
   m.bits = static_cast<const uint32_t*>(masks.block_bits.untyped_data());
 }
 
-inline void DescribeDenseOperands(Checker& check, const MaskOperands& masks,
-                                  const SharedAttributes& a, Problem* p) {
+inline void DescribeDenseOperands(Checker& check, const MaskOperands& masks, const SharedAttributes& a, Problem* p) {
   DescribeDense(check, "bias", masks.bias, ffi::DataType::F32,
                 {ffi::DataType::F32, ffi::DataType::BF16, ffi::DataType::F16}, *p, &p->bias);
   DescribeDense(check, "mask", masks.mask, ffi::DataType::PRED, {ffi::DataType::PRED}, *p, &p->mask);

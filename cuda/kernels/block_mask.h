@@ -78,8 +78,8 @@ struct BlockRows {
     const int st = state(i, j);
     if (st == kFullBlock) return x;
     if (st == kEmptyBlock) return -INFINITY;
-    const int32_t slot = static_cast<int32_t>(ptx::ld_global_b32(
-        reinterpret_cast<const uint32_t*>(slots) + static_cast<int64_t>(i) * kv_blocks + j));
+    const int32_t slot = static_cast<int32_t>(
+        ptx::ld_global_b32(reinterpret_cast<const uint32_t*>(slots) + static_cast<int64_t>(i) * kv_blocks + j));
     if (slot < 0 || slot >= capacity) return x == -INFINITY ? x : __uint_as_float(0x7fc00000u);
     const int r = t - i * block_q, c = s - j * block_k;
     const uint32_t word = ptx::ld_global_b32(bits + (static_cast<int64_t>(slot) * block_q + r) * words + (c >> 5));

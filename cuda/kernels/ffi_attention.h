@@ -134,7 +134,8 @@ inline void ToParams(const boundary::Problem& b, AttentionParams* p, ElementType
     p->blocks.kv_blocks = static_cast<int>(m.kv_blocks);
     p->blocks.words = static_cast<int>(m.words);
     // Slots past 2^31 - 1 cannot occur (they index [P, block_q, words] u32 in memory).
-    p->blocks.capacity = static_cast<int>(m.partial_capacity < (int64_t{1} << 31) ? m.partial_capacity : (int64_t{1} << 31) - 1);
+    p->blocks.capacity =
+        static_cast<int>(m.partial_capacity < (int64_t{1} << 31) ? m.partial_capacity : (int64_t{1} << 31) - 1);
   }
   p->sinks = b.sinks;
   if (b.page_table != nullptr) {

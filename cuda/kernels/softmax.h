@@ -102,8 +102,8 @@ struct LogitScaling {
   // reference (a −inf bias is not a mask). The forward keeps −inf, so that a row of them is empty.
   template <bool TRANSPOSED, bool GRADIENT = false, int N_BLOCKS>
   __device__ __forceinline__ void prepare(float (&acc)[N_BLOCKS][4], const Mask& mask, const DenseRows& bias,
-                                          const DenseRows& dense_mask, const BlockRows& blocks, bool interior,
-                                          int row0, int col0, int lane) const {
+                                          const DenseRows& dense_mask, const BlockRows& blocks, bool interior, int row0,
+                                          int col0, int lane) const {
     if (bias.present()) {
       JAX_FLASH_UNROLL
       for (int j = 0; j < N_BLOCKS; ++j) {

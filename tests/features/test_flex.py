@@ -70,6 +70,9 @@ CUDA_FORWARD_TILE, CUDA_BACKWARD_TILE = (128, 64), (64, 64)
 # A shape of several cuda tiles each way, ragged (±1), GQA 2:1, and a block size of 32.
 CUDA_SHAPE, CUDA_BS = Shape(1, 2 * 128 + 1, 3 * 64 - 1, 2, 1, 32), 32
 
+# A shape of several cpu tiles each way, ragged (±1), GQA 2:1, and its block size.
+CPU_SHAPE, CPU_BS = Shape(1, 2 * CPU_TILE + 1, 3 * CPU_TILE - 1, 2, 1, 16), 64
+
 
 def _kernel_case(name: str, shape: Shape, dtype="float32") -> tuple[Shape, str]:
     """(shape, dtype) of a test for implementation `name`: the cuda kernels take 16-bit inputs
@@ -77,8 +80,6 @@ def _kernel_case(name: str, shape: Shape, dtype="float32") -> tuple[Shape, str]:
     if name != "cuda":
         return shape, dtype
     return dataclasses.replace(shape, h=max(shape.h, 32)), "bfloat16" if dtype == "float32" else dtype
-# A shape of several cpu tiles each way, ragged (±1), GQA 2:1, and its block size.
-CPU_SHAPE, CPU_BS = Shape(1, 2 * CPU_TILE + 1, 3 * CPU_TILE - 1, 2, 1, 16), 64
 
 
 # ---- the built-in masks as mask_mods --------------------------------------------------------
