@@ -59,6 +59,7 @@ TEST_FILES = (
     "tests/features/test_decode.py",
     "tests/features/test_dense.py",
     "tests/features/test_dense_bias.py",
+    "tests/features/test_flex.py",
 )
 
 # Test selections (implementation "cuda" runs on the emulation here).
@@ -89,6 +90,12 @@ KV_GRID = "cuda and kv_heads_grid"
 # The value head dim Hv != H ((192, 128), (128, 64)): the suite's MLA case and the cuda tests of
 # both backward grids and deterministic mode.
 HV = "cuda and (small_mla or value_head_dim_cuda) and not sweep"
+# flex_attention's block masks on cuda (kernels/block_mask.h): the built-in masks as mask_mods
+# (bitwise), the recipes against float64, the contract, capacity overflow, the tile counts.
+FLEX = (
+    "cuda and (test_builtin_masks_bitwise_cuda or test_mask_recipes_against_reference or test_contract_mask_mod "
+    "or test_kernels_partial_capacity_overflow or test_cuda_tiles_follow_block_mask)"
+)
 
 K = "cuda/kernels/"
 MUTATIONS = [
@@ -398,8 +405,8 @@ MUTATIONS = [
     Mutation(
         "split_chunk_end",
         K + "fwd.h",
-        "const int tile_end = first_tile + tiles * (split + 1) / p.kv_splits;",
-        "const int tile_end = first_tile + tiles * (split + 1) / p.kv_splits - 1;",
+        "tile_end = first_tile + tiles * (split + 1) / p.kv_splits;",
+        "tile_end = first_tile + tiles * (split + 1) / p.kv_splits - 1;",
         DECODE,
         what="split-KV: each chunk's last key tile dropped",
     ),
@@ -846,10 +853,53 @@ MUTATIONS = [
     Mutation(
         "det_tile_end",
         K + "bwd.h",
-        "const int tile_end = CeilDiv(keys.hi, K::BLOCK_KV);",
-        "const int tile_end = keys.hi / K::BLOCK_KV;",
+        "const int tile_end = keys.empty() ? 0 : CeilDiv(keys.hi, K::BLOCK_KV);",
+        "const int tile_end = keys.empty() ? 0 : keys.hi / K::BLOCK_KV;",
         DET,
         what="deterministic dQ kernel: ragged last key tile dropped",
+    ),
+    # ---- block_mask.h: flex_attention's block masks ---------------------------------------
+    Mutation(
+        "block_bits_ignored",
+        K + "block_mask.h",
+        "return (word >> (c & 31)) & 1u ? BlockVerdict::kShown : BlockVerdict::kHidden;",
+        "return (word >> (c & 31)) | 1u ? BlockVerdict::kShown : BlockVerdict::kHidden;",
+        FLEX,
+        what="block mask: a partly visible block's bits ignored (all of it shown)",
+    ),
+    Mutation(
+        "block_full_one_column",
+        K + "block_mask.h",
+        "return (t1 - 1) / block_q == i && (s1 - 1) / block_k == j && state(i, j) == kFullBlock;",
+        "return (t1 - 1) / block_q == i && state(i, j) == kFullBlock;",
+        FLEX,
+        what="block mask: a fragment over several key blocks taken as within its first block",
+    ),
+    Mutation(
+        "block_skip_partial",
+        K + "block_mask.h",
+        "visible = visible || state(i, j) != kEmptyBlock;",
+        "visible = visible || state(i, j) == kFullBlock;",
+        FLEX,
+        what="block mask: tiles under partly visible blocks only skipped",
+    ),
+    Mutation(
+        "block_slot_capacity",
+        K + "block_mask.h",
+        "if (slot < 0 || slot >= capacity) return BlockVerdict::kPoisoned;",
+        "if (slot < 0) return BlockVerdict::kPoisoned;",
+        FLEX,
+        what="block mask: a slot past the bits' capacity read (not poisoned)",
+    ),
+    Mutation(
+        "block_fetch_cursor",
+        K + "fwd.h",
+        "fetch = next_running(fetch + 1, tile_end, runs);",
+        "fetch = fetch + 1;",
+        FLEX,
+        count=2,
+        nth=2,
+        what="forward: the copy cursor steps over empty tiles too (the ring's slots hold the wrong tiles)",
     ),
 ]
 

@@ -5,10 +5,10 @@
 //
 // It is one more setting of the one mask, not a kernel of its own:
 //   - which tiles run: a CTA's tile (rows x keys) runs unless every block under it is empty
-//     (`cover`, `next_running`): the loops of the forward, the backward and the dQ kernel visit
-//     the same tiles as without a block mask, less the empty ones, and prefetch only those;
-//   - which elements are masked: a fragment under blocks that are all full needs nothing;
-//     elsewhere each element reads its block's state and, in a partly visible block, its bit
+//     (`any_visible`, `next_running`): the loops of the forward, the backward and the dQ kernel
+//     visit the same tiles as without a block mask, less the empty ones, and prefetch only those;
+//   - which elements are masked: a fragment within one full block needs nothing; elsewhere
+//     each element reads its block's state and, in a partly visible block, its bit
 //     (`mask_fragment_blocks`, after the structured and the dense masks).
 // The mask's blocks need not be the kernels' tiles: a tile reads every block it overlaps.
 // A partly visible block whose slot is not in [0, capacity) (more of them than the bits hold)
@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/platform.h"
 #include "kernels/ptx.h"
@@ -28,11 +29,8 @@ namespace kernels {
 
 enum BlockState : int { kEmptyBlock = 0, kPartialBlock = 1, kFullBlock = 2 };
 
-// What the blocks under a tile say of it.
-struct BlockCover {
-  bool any_visible = true;  // some block is not empty: the tile runs
-  bool all_full = true;     // every block is full: the blocks mask no element of it
-};
+// What the block mask does to one pair.
+enum class BlockVerdict : int { kShown = 0, kHidden = 1, kPoisoned = 2 };
 
 // The block mask of one (b, n).
 struct BlockRows {
@@ -53,37 +51,42 @@ struct BlockRows {
     return x == kEmptyBlock || x == kFullBlock ? x : int{kPartialBlock};
   }
 
-  // The blocks under rows [t0, t0 + n_rows) x keys [s0, s0 + n_cols), clipped to [0, T) x [0, S).
-  __device__ __forceinline__ BlockCover cover(int t0, int n_rows, int s0, int n_cols) const {
-    BlockCover c;
-    if (!present()) return c;
+  // Whether some block under rows [t0, t0 + n_rows) x keys [s0, s0 + n_cols), clipped to
+  // [0, T) x [0, S), is not empty: a tile there runs.
+  __device__ __forceinline__ bool any_visible(int t0, int n_rows, int s0, int n_cols) const {
+    if (!present()) return true;
     const int t1 = min(t0 + n_rows, rows), s1 = min(s0 + n_cols, cols);
-    c.any_visible = false;
-    if (t1 <= t0 || s1 <= s0) return c;
+    bool visible = false;
+    if (t1 <= t0 || s1 <= s0) return visible;
     for (int i = t0 / block_q; i <= (t1 - 1) / block_q; ++i) {
-      for (int j = s0 / block_k; j <= (s1 - 1) / block_k; ++j) {
-        const int st = state(i, j);
-        c.any_visible = c.any_visible || st != kEmptyBlock;
-        c.all_full = c.all_full && st == kFullBlock;
-      }
+      for (int j = s0 / block_k; j <= (s1 - 1) / block_k; ++j) visible = visible || state(i, j) != kEmptyBlock;
     }
-    return c;
+    return visible;
   }
 
-  // Logit x of (t, s), t < T and s < S, as the block mask leaves it: −inf where it hides the
-  // pair, x where it shows it, NaN where the pair's block is poisoned (unless x is −inf: a
-  // pair another mask hides stays hidden).
-  __device__ __forceinline__ float apply(float x, int t, int s) const {
+  // Whether the block mask leaves all of [t0, t1) x [s0, s1) alone: none of it within
+  // [0, T) x [0, S), or all of that within one full block.
+  __device__ __forceinline__ bool within_full_block(int t0, int t1, int s0, int s1) const {
+    t1 = min(t1, rows);
+    s1 = min(s1, cols);
+    if (t1 <= t0 || s1 <= s0) return true;
+    const int i = t0 / block_q, j = s0 / block_k;
+    return (t1 - 1) / block_q == i && (s1 - 1) / block_k == j && state(i, j) == kFullBlock;
+  }
+
+  // What the block mask does to the pair (t, s), t < T and s < S: shows it, hides it, or (its
+  // block poisoned) makes its logit NaN unless another mask already hides it.
+  __device__ __forceinline__ BlockVerdict verdict(int t, int s) const {
     const int i = t / block_q, j = s / block_k;
     const int st = state(i, j);
-    if (st == kFullBlock) return x;
-    if (st == kEmptyBlock) return -INFINITY;
+    if (st == kFullBlock) return BlockVerdict::kShown;
+    if (st == kEmptyBlock) return BlockVerdict::kHidden;
     const int32_t slot = static_cast<int32_t>(
         ptx::ld_global_b32(reinterpret_cast<const uint32_t*>(slots) + static_cast<int64_t>(i) * kv_blocks + j));
-    if (slot < 0 || slot >= capacity) return x == -INFINITY ? x : __uint_as_float(0x7fc00000u);
+    if (slot < 0 || slot >= capacity) return BlockVerdict::kPoisoned;
     const int r = t - i * block_q, c = s - j * block_k;
     const uint32_t word = ptx::ld_global_b32(bits + (static_cast<int64_t>(slot) * block_q + r) * words + (c >> 5));
-    return (word >> (c & 31)) & 1u ? x : -INFINITY;
+    return (word >> (c & 31)) & 1u ? BlockVerdict::kShown : BlockVerdict::kHidden;
   }
 };
 
@@ -124,22 +127,40 @@ __device__ __forceinline__ int next_running(int tile, int end, const Runs& runs)
   return tile;
 }
 
-// The block mask of a fragment (C layout; rows are queries, or keys when TRANSPOSED): unless
-// every block under it is full, each element within [0, T) x [0, S) reads its block.
+// The block mask of a fragment (C layout; rows are queries, or keys when TRANSPOSED): nothing
+// when the fragment lies within one full block (every fragment of a full block when the
+// blocks are multiples of the fragments, as the default 128 x 128 is); otherwise the verdicts
+// of its 4·N_BLOCKS elements (bit 4j + i of two words; elements past T or S are left alone)
+// are gathered in a rolled loop, which holds a few registers while the tile's scores and O are
+// live, then applied with selects.
 template <bool TRANSPOSED, int N_BLOCKS>
 __device__ __forceinline__ void mask_fragment_blocks(float (&acc)[N_BLOCKS][4], const BlockRows& blocks, int row0,
                                                      int col0, int lane) {
-  const BlockCover c =
-      TRANSPOSED ? blocks.cover(col0, 8 * N_BLOCKS, row0, MMA_M) : blocks.cover(row0, MMA_M, col0, 8 * N_BLOCKS);
-  if (c.all_full) return;
+  static_assert(4 * N_BLOCKS <= 64, "one bit per accumulator element in a 64-bit word");
+  const int t0 = TRANSPOSED ? col0 : row0, s0 = TRANSPOSED ? row0 : col0;
+  const int t1 = t0 + (TRANSPOSED ? 8 * N_BLOCKS : MMA_M), s1 = s0 + (TRANSPOSED ? MMA_M : 8 * N_BLOCKS);
+  if (blocks.within_full_block(t0, t1, s0, s1)) return;
+  using Word = std::conditional_t<4 * N_BLOCKS <= 32, uint32_t, uint64_t>;
+  Word hidden = 0, poisoned = 0;
+#pragma unroll 1
+  for (int e = 0; e < 4 * N_BLOCKS; ++e) {  // e = 4j + i: element i of n-block j
+    const int j = e >> 2, i = e & 3;
+    const int row = row0 + (lane >> 2) + 8 * (i >> 1);
+    const int col = col0 + 8 * j + 2 * (lane & 3) + (i & 1);
+    const int t = TRANSPOSED ? col : row, s = TRANSPOSED ? row : col;
+    if (t >= blocks.rows || s >= blocks.cols) continue;
+    const BlockVerdict v = blocks.verdict(t, s);
+    hidden |= static_cast<Word>(v == BlockVerdict::kHidden) << e;
+    poisoned |= static_cast<Word>(v == BlockVerdict::kPoisoned) << e;
+  }
   JAX_FLASH_UNROLL
   for (int j = 0; j < N_BLOCKS; ++j) {
     JAX_FLASH_UNROLL
     for (int i = 0; i < 4; ++i) {
-      const int row = row0 + (lane >> 2) + 8 * (i >> 1);
-      const int col = col0 + 8 * j + 2 * (lane & 3) + (i & 1);
-      const int t = TRANSPOSED ? col : row, s = TRANSPOSED ? row : col;
-      if (t < blocks.rows && s < blocks.cols) acc[j][i] = blocks.apply(acc[j][i], t, s);
+      const int e = 4 * j + i;
+      const float x = acc[j][i];
+      if ((hidden >> e) & 1u) acc[j][i] = -INFINITY;
+      else if ((poisoned >> e) & 1u && x != -INFINITY) acc[j][i] = __uint_as_float(0x7fc00000u);
     }
   }
 }

@@ -291,7 +291,7 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAY
   // Of them run all but those a block mask leaves empty (kernels/block_mask.h).
   auto runs = [&](int item) {
     return !p.blocks_present() ||
-           p.block_rows(batch, item_head(item)).cover(item_t0(item), K::BLOCK_Q, s0, K::BLOCK_KV).any_visible;
+           p.block_rows(batch, item_head(item)).any_visible(item_t0(item), K::BLOCK_Q, s0, K::BLOCK_KV);
   };
   const int first_running = next_running(0, items, runs);
 
@@ -306,9 +306,12 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAY
     char* const ds_tile = v_tile + K::VTile::kBytes;
     char* const ring = smem + K::kRingOffset;
     const int64_t kv_stride = p.kv_row_stride();
-    const int64_t q_stride = p.q_row_stride(), o_stride = p.o_row_stride<K::kHvIsH>();
     auto load_item = [&](int item, int slot) {
       const int n = item_head(item), t0 = item_t0(item);
+      // The Q and dO row strides, derived per copy (ptx::mov_b32_volatile): held across the
+      // loop, the copies' row addresses spill.
+      const int64_t heads_volatile = ptx::mov_b32_volatile(p.q_heads);
+      const int64_t q_stride = heads_volatile * p.head_dim, o_stride = heads_volatile * p.template v_width<K::kHvIsH>();
       char* stage = ring + slot * K::kStageBytes;
       load_tile_async<typename K::QTile, K::THREADS>(stage, p.q + p.q_offset(batch, t0, n), q_stride, p.q_len - t0);
       load_tile_async<typename K::DoTile, K::THREADS>(
@@ -571,7 +574,7 @@ __global__ void __launch_bounds__(BackwardDqKernel<Elem, HEAD_DIM, V_HEAD_DIM>::
   const int tile_end = keys.empty() ? 0 : CeilDiv(keys.hi, K::BLOCK_KV);
   auto runs = [&](int tile) {
     return !p.blocks_present() ||
-           p.block_rows(batch, head).cover(t0, K::BLOCK_Q, tile * K::BLOCK_KV, K::BLOCK_KV).any_visible;
+           p.block_rows(batch, head).any_visible(t0, K::BLOCK_Q, tile * K::BLOCK_KV, K::BLOCK_KV);
   };
   const int first_running = next_running(tile_begin, tile_end, runs);
 

@@ -37,9 +37,10 @@ struct ForwardKernel {
   static constexpr int WARP_Q = kShape.rows_per_warp;  // query rows per warp
   static constexpr int ROW_BLOCKS = WARP_Q / MMA_M;     // its m16 row blocks
   // k-steps of S = Q·Kᵀ unrolled at once: a warp of 32 rows holds O (HEAD_DIM registers per
-  // thread) and S (BLOCK_KV) throughout; at H=96 full unrolling leaves no register to spare,
-  // nor at H > 128 with 16 rows (O alone takes HEAD_DIM / 2).
-  static constexpr int K_UNROLL = (ROW_BLOCKS > 1 && HEAD_DIM > 64) || HEAD_DIM > 128 ? 2 : HEAD_DIM / MMA_K;
+  // thread) and S (BLOCK_KV) throughout; at H = 96 one k-step at a time leaves registers for
+  // the block mask's gather (kernels/block_mask.h), at H > 128 with 16 rows two (O alone takes
+  // HEAD_DIM / 2).
+  static constexpr int K_UNROLL = ROW_BLOCKS > 1 && HEAD_DIM > 64 ? 1 : HEAD_DIM > 128 ? 2 : HEAD_DIM / MMA_K;
 
   using QTile = SmemTile<BLOCK_Q, HEAD_DIM>;
   using KVTile = SmemTile<BLOCK_KV, HEAD_DIM>;   // K
@@ -204,7 +205,7 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
   }
   auto runs = [&](int tile) {
     return !p.blocks_present() ||
-           p.block_rows(batch, head).cover(t0, positions, tile * K::BLOCK_KV, K::BLOCK_KV).any_visible;
+           p.block_rows(batch, head).any_visible(t0, positions, tile * K::BLOCK_KV, K::BLOCK_KV);
   };
   const int first_running = next_running(tile_begin, tile_end, runs);
 

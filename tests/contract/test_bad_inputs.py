@@ -588,15 +588,15 @@ _HANDLER_SCRIPT = textwrap.dedent(
             "bias_int32": ("bias", lambda: fwd(f, o[:8] + [jnp.zeros((1, N, T, S), I32)] + o[9:])),
             "mask_float32": ("mask", lambda: fwd(f, o[:9] + [jnp.zeros((1, 1, T, S), F32)] + o[10:])),
             "mask_wrong_dim": ("mask", lambda: fwd(f, o[:9] + [jnp.ones((2, 1, T, S), jnp.bool_)] + o[10:])),
-            # A block mask (flex_attention's): served by the cpu kernels only, its operands'
-            # shapes and dtypes checked against T, S and block_q, block_k.
-            "ok_block_mask": (None if prefix == "jax_flash" else "block masks", lambda: fwd(f, o[:10] + blocks(), **BLOCK_ATTRS)),
-            "ok_block_mask_backward": (None if prefix == "jax_flash" else "block masks", lambda: bwd(b, bo[:14] + blocks(states=(B, N, 4, 1)), **BLOCK_ATTRS)),
+            # A block mask (flex_attention's): served by every target, its operands' shapes and
+            # dtypes checked against T, S and block_q, block_k.
+            "ok_block_mask": (None, lambda: fwd(f, o[:10] + blocks(), **BLOCK_ATTRS)),
+            "ok_block_mask_backward": (None, lambda: bwd(b, bo[:14] + blocks(states=(B, N, 4, 1)), **BLOCK_ATTRS)),
             "block_q_without_operands": ("block_q", lambda: fwd(f, o, **BLOCK_ATTRS)),
-            "block_states_nq": ("block_states" if prefix == "jax_flash" else "block masks", lambda: fwd(f, o[:10] + blocks(states=(1, 1, 3, 1)), **BLOCK_ATTRS)),
-            "block_states_int32": ("block_states" if prefix == "jax_flash" else "block masks", lambda: fwd(f, o[:10] + blocks(states_dt=I32), **BLOCK_ATTRS)),
-            "block_slots_shape": ("block_slots" if prefix == "jax_flash" else "block masks", lambda: fwd(f, o[:10] + blocks(slots=(1, 2, 4, 1)), **BLOCK_ATTRS)),
-            "block_bits_words": ("block_bits" if prefix == "jax_flash" else "block masks", lambda: fwd(f, o[:10] + blocks(bits=(2, 2, 2)), **BLOCK_ATTRS)),
+            "block_states_nq": ("block_states", lambda: fwd(f, o[:10] + blocks(states=(1, 1, 3, 1)), **BLOCK_ATTRS)),
+            "block_states_int32": ("block_states", lambda: fwd(f, o[:10] + blocks(states_dt=I32), **BLOCK_ATTRS)),
+            "block_slots_shape": ("block_slots", lambda: fwd(f, o[:10] + blocks(slots=(1, 2, 4, 1)), **BLOCK_ATTRS)),
+            "block_bits_words": ("block_bits", lambda: fwd(f, o[:10] + blocks(bits=(2, 2, 2)), **BLOCK_ATTRS)),
             "block_q_negative": ("block_q", lambda: fwd(f, o[:10] + blocks(), block_q=np.int64(-2), block_k=np.int64(8))),
             "dbias_without_bias": ("dbias", lambda: bwd(b, bo, dbias=SDS((1, N, T, S), F32))),
             "sinks_shape": ("sinks", lambda: fwd(f, o, sinks=jnp.zeros((N + 1,), F32))),
