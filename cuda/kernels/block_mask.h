@@ -159,8 +159,10 @@ __device__ __forceinline__ void mask_fragment_blocks(float (&acc)[N_BLOCKS][4], 
     for (int i = 0; i < 4; ++i) {
       const int e = 4 * j + i;
       const float x = acc[j][i];
-      if ((hidden >> e) & 1u) acc[j][i] = -INFINITY;
-      else if ((poisoned >> e) & 1u && x != -INFINITY) acc[j][i] = __uint_as_float(0x7fc00000u);
+      if ((hidden >> e) & 1u)
+        acc[j][i] = -INFINITY;
+      else if ((poisoned >> e) & 1u && x != -INFINITY)
+        acc[j][i] = __uint_as_float(0x7fc00000u);
     }
   }
 }

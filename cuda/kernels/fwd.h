@@ -204,8 +204,7 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
     tile_end = first_tile + tiles * (split + 1) / p.kv_splits;
   }
   auto runs = [&](int tile) {
-    return !p.blocks_present() ||
-           p.block_rows(batch, head).any_visible(t0, positions, tile * K::BLOCK_KV, K::BLOCK_KV);
+    return !p.blocks_present() || p.block_rows(batch, head).any_visible(t0, positions, tile * K::BLOCK_KV, K::BLOCK_KV);
   };
   const int first_running = next_running(tile_begin, tile_end, runs);
 
