@@ -94,7 +94,8 @@ HV = "cuda and (small_mla or value_head_dim_cuda) and not sweep"
 # (bitwise), the recipes against float64, the contract, capacity overflow, the tile counts.
 FLEX = (
     "cuda and (test_builtin_masks_bitwise_cuda or test_mask_recipes_against_reference or test_contract_mask_mod "
-    "or test_kernels_partial_capacity_overflow or test_cuda_tiles_follow_block_mask)"
+    "or test_kernels_partial_capacity_overflow or test_cuda_tiles_follow_block_mask "
+    "or test_cuda_ring_prefetches_across_gaps)"
 )
 
 K = "cuda/kernels/"
@@ -887,9 +888,9 @@ MUTATIONS = [
         "block_slot_capacity",
         K + "block_mask.h",
         "if (slot < 0 || slot >= capacity) return BlockVerdict::kPoisoned;",
-        "if (slot < 0) return BlockVerdict::kPoisoned;",
+        "if (slot >= capacity) return BlockVerdict::kPoisoned;",
         FLEX,
-        what="block mask: a slot past the bits' capacity read (not poisoned)",
+        what="block mask: a partly visible block without a slot (past the capacity) read at slot -1",
     ),
     Mutation(
         "block_fetch_cursor",
@@ -900,6 +901,26 @@ MUTATIONS = [
         count=2,
         nth=2,
         what="forward: the copy cursor steps over empty tiles too (the ring's slots hold the wrong tiles)",
+    ),
+    Mutation(
+        "block_fetch_cursor_bwd",
+        K + "bwd.h",
+        "fetch = next_running(fetch + 1, items, runs);",
+        "fetch = fetch + 1;",
+        FLEX,
+        count=2,
+        nth=2,
+        what="backward: the copy cursor steps over empty items too",
+    ),
+    Mutation(
+        "block_fetch_cursor_dq",
+        K + "bwd.h",
+        "fetch = next_running(fetch + 1, tile_end, runs);",
+        "fetch = fetch + 1;",
+        FLEX,
+        count=2,
+        nth=2,
+        what="deterministic dQ kernel: the copy cursor steps over empty tiles too",
     ),
 ]
 

@@ -429,10 +429,10 @@ def score_mod_reason(name: str) -> str:
     )
 
 
-def kernel_description(spec, tiles: str, verbose: bool) -> str:
+def kernel_description(spec, tiles: str, unmasked: str, verbose: bool) -> str:
     """`explain`'s words for a flex_attention call with a mask_mod on the compiled kernels (cpu,
-    cuda), whose tiles are `tiles`: the blocks they read and (verbose) the capacity and bytes of
-    mask_mod's bits."""
+    cuda), whose tiles are `tiles` and which run `unmasked` what full blocks cover: the blocks
+    they read and (verbose) the capacity and bytes of mask_mod's bits."""
     (bq, bk), (bm, nm), capacity = kernel_blocks(spec)
     flex = spec.flex
     assert flex is not None
@@ -444,7 +444,7 @@ def kernel_description(spec, tiles: str, verbose: bool) -> str:
     else:
         text = (
             f"flex: the block mask's {bq}x{bk} blocks decide which {tiles} run (skipped where all empty, "
-            "unmasked where all full), mask_mod's bits elsewhere"
+            f"{unmasked}), mask_mod's bits elsewhere"
         )
     if verbose:
         text += (

@@ -107,7 +107,8 @@ def count_tiles() -> Iterator[TileCounts]:
 
 def flex_description(spec: AttentionSpec, verbose: bool) -> str:
     """`explain`'s words for a flex_attention call with a mask_mod (`_flex.kernel_description`)."""
-    return _flex.kernel_description(spec, f"{_heuristics.CPU_BLOCK}x{_heuristics.CPU_BLOCK} tiles", verbose)
+    tiles = f"{_heuristics.CPU_BLOCK}x{_heuristics.CPU_BLOCK} tiles"
+    return _flex.kernel_description(spec, tiles, "unmasked where all full", verbose)
 
 
 def _flex_masked(spec: AttentionSpec) -> bool:

@@ -323,7 +323,9 @@ def flex_description(spec: AttentionSpec, verbose: bool) -> str:
     """`explain`'s words for a flex_attention call with a mask_mod (`_flex.kernel_description`)."""
     fwd = f"{_heuristics.CUDA_FORWARD_BLOCK_Q}x{_heuristics.cuda_forward_block_kv(spec)}"
     tiles = f"forward tiles ({fwd}) and backward tiles (of {_heuristics.cuda_backward_block_kv(spec)} keys)"
-    text = _flex.kernel_description(spec, tiles, verbose)
+    text = _flex.kernel_description(
+        spec, tiles, "a fragment (16 queries or keys of a tile) within one full block unmasked", verbose
+    )
     if verbose:
         text += "; run when asked for by name (implementation=None does not pick cuda for a flex call yet)"
     return text

@@ -174,6 +174,31 @@ def test_builtin_masks_pallas(kind):
         assert max_err(np.asarray(b)[fin], np.asarray(a)[fin]) <= 4e-6 * scale, f"{kind}: {name}"
 
 
+def _builtin_and_flex(kind, name, shape, dtype, block_size):
+    """(out, lse, dq, dk, dv) of the built-in mask `kind` and of the same mask as a mask_mod
+    with its block mask (block_size), on implementation `name`, under one jit."""
+    q, k, v = _inputs(shape, dtype)
+    kw, mask_mod = _builtin(kind, shape)
+    block_mask = jax_flash.create_block_mask(mask_mod, shape.b, None, shape.t, shape.s, block_size=block_size)
+    dout = jax.random.normal(jax.random.PRNGKey(9), (shape.b, shape.t, shape.n, shape.h), jnp.float32).astype(dtype)
+    dlse = jax.random.normal(jax.random.PRNGKey(8), (shape.b, shape.t, shape.n), jnp.float32)
+
+    def grads(fn):
+        (out, lse), pull = jax.vjp(fn, q, k, v)
+        return out, lse, *pull((dout, jnp.where(jnp.isfinite(lse), dlse, 0)))
+
+    return jax.jit(
+        lambda: (
+            grads(lambda q, k, v: jax_flash.attention(q, k, v, return_residual=True, implementation=name, **kw)),
+            grads(
+                lambda q, k, v: jax_flash.flex_attention(
+                    q, k, v, mask_mod=mask_mod, block_mask=block_mask, return_residual=True, implementation=name
+                )
+            ),
+        )
+    )()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("big", [False, True], ids=["one_tile", "tiles"])
 @pytest.mark.parametrize("kind", ["causal", "offset_window", "lengths", "segments"])
@@ -189,26 +214,7 @@ def test_builtin_masks_bitwise_cpu(kind, big, dtype):
     in bfloat16 is compared within the suite's tolerance instead."""
     _available("cpu")
     shape, bs = (CPU_SHAPE, CPU_BS) if big else (SHAPE, BS)
-    q, k, v = _inputs(shape, jnp.dtype(dtype))
-    kw, mask_mod = _builtin(kind, shape)
-    block_mask = jax_flash.create_block_mask(mask_mod, shape.b, None, shape.t, shape.s, block_size=bs)
-    dout = jax.random.normal(jax.random.PRNGKey(9), (shape.b, shape.t, shape.n, shape.h), jnp.float32).astype(dtype)
-    dlse = jax.random.normal(jax.random.PRNGKey(8), (shape.b, shape.t, shape.n), jnp.float32)
-
-    def grads(fn):
-        (out, lse), pull = jax.vjp(fn, q, k, v)
-        return out, lse, *pull((dout, jnp.where(jnp.isfinite(lse), dlse, 0)))
-
-    built, flex = jax.jit(
-        lambda: (
-            grads(lambda q, k, v: jax_flash.attention(q, k, v, return_residual=True, implementation="cpu", **kw)),
-            grads(
-                lambda q, k, v: jax_flash.flex_attention(
-                    q, k, v, mask_mod=mask_mod, block_mask=block_mask, return_residual=True, implementation="cpu"
-                )
-            ),
-        )
-    )()
+    built, flex = _builtin_and_flex(kind, "cpu", shape, jnp.dtype(dtype), bs)
     for i, (name, a, b) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), built, flex)):
         if kind == "lengths" and big and dtype == "bfloat16":
             np.testing.assert_array_equal(np.isfinite(b), np.isfinite(a))
@@ -229,27 +235,7 @@ def test_builtin_masks_bitwise_cuda(kind):
     masked element by element from mask_mod's bits, which leaves every visible score as it
     was, and a warp whose rows see none of a tile adds exact zeros)."""
     _available("cuda")
-    shape = CUDA_SHAPE
-    q, k, v = _inputs(shape, jnp.bfloat16)
-    kw, mask_mod = _builtin(kind, shape)
-    block_mask = jax_flash.create_block_mask(mask_mod, shape.b, None, shape.t, shape.s, block_size=CUDA_BS)
-    dout = jax.random.normal(jax.random.PRNGKey(9), (shape.b, shape.t, shape.n, shape.h), jnp.bfloat16)
-    dlse = jax.random.normal(jax.random.PRNGKey(8), (shape.b, shape.t, shape.n), jnp.float32)
-
-    def grads(fn):
-        (out, lse), pull = jax.vjp(fn, q, k, v)
-        return out, lse, *pull((dout, jnp.where(jnp.isfinite(lse), dlse, 0)))
-
-    built, flex = jax.jit(
-        lambda: (
-            grads(lambda q, k, v: jax_flash.attention(q, k, v, return_residual=True, implementation="cuda", **kw)),
-            grads(
-                lambda q, k, v: jax_flash.flex_attention(
-                    q, k, v, mask_mod=mask_mod, block_mask=block_mask, return_residual=True, implementation="cuda"
-                )
-            ),
-        )
-    )()
+    built, flex = _builtin_and_flex(kind, "cuda", CUDA_SHAPE, jnp.bfloat16, CUDA_BS)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), built, flex):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f"{kind}: {name}")
 
@@ -811,6 +797,68 @@ def test_cuda_tiles_follow_block_mask():
             for g, lo, r in zip(jax.tree.leaves(got), jax.tree.leaves(low), jax.tree.leaves(ref)):
                 scale = max(1.0, float(jnp.max(jnp.abs(r))))
                 assert max_err(g, r) <= FACTOR * max_err(lo, r) + GRAD_EPS["bfloat16"] * scale
+
+
+def test_cuda_ring_prefetches_across_gaps():
+    """cuda: each loop's cp.async ring copies the running tiles only, STAGES - 1 ahead of the
+    math, so a tile after a gap lands in the slot the math reads: a mask whose running tiles
+    have gaps past the prologue's copies (every third tile of a CTA's row is empty: 8 key
+    tiles per forward CTA (no split-KV), 5 query blocks per backward CTA and 8 key tiles per
+    dQ CTA), some
+    blocks partly visible, gives the forward of the same mask given densely bitwise (that
+    call runs every tile; an empty one adds exact zeros) and the reference's gradients in both
+    backward modes, computing exactly the tiles of non-empty blocks."""
+    _available("cuda")
+    from jax_flash import cuda
+
+    shape = Shape(1, 4 * 64 + 1, 8 * 64 - 1, 2, 1, 32)
+    q, k, v = _inputs(shape, jnp.bfloat16, seed=3)
+
+    def gapped(b, h, qi, ki):
+        # Forward tiles (128 rows) and backward blocks (64 rows, in pairs) against 64-key tiles:
+        # a third of them empty; odd key tiles partly visible (a pattern of bits).
+        runs = (qi // 128 + ki // 64 + h) % 3 != 1
+        return runs & (((ki // 64) % 2 == 0) | ((qi + 2 * ki) % 7 != 0))
+
+    bm = jax_flash.create_block_mask(gapped, None, shape.n, shape.t, shape.s, block_size=CUDA_BS)
+    qi, ki = jnp.arange(shape.t)[:, None], jnp.arange(shape.s)[None, :]
+    dense = jnp.stack([gapped(0, h, qi, ki) for h in range(shape.n)])[None]
+    with jax_flash.config(cuda_split_kv=1):  # one key chunk: each forward CTA loops over 8 tiles
+        flex_fwd, dense_fwd = jax.jit(
+            lambda: (
+                jax_flash.flex_attention(
+                    q, k, v, mask_mod=gapped, block_mask=bm, return_residual=True, implementation="cuda"
+                ),
+                jax_flash.attention(q, k, v, mask=dense, return_residual=True, implementation="cuda"),
+            )
+        )()
+    for name, a, b in zip(("out", "lse"), flex_fwd, dense_fwd):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    forward = _kernel_tiles(bm.to_dense(), shape, CUDA_BS, shape.n, CUDA_FORWARD_TILE)
+    backward = _kernel_tiles(bm.to_dense(), shape, CUDA_BS, shape.n, CUDA_BACKWARD_TILE)
+
+    def value_and_grads(fn, q, k, v, **kw):
+        def loss(q, k, v):
+            out = fn(q, k, v, mask_mod=gapped, **kw).astype(jnp.float32)
+            return jnp.sum(out * jnp.cos(out)), out
+
+        grads, out = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return out, grads
+
+    q64, k64, v64 = (x.astype(jnp.float64) for x in (q, k, v))
+    low, ref = (value_and_grads(jax_flash.flex_reference, *x) for x in ((q, k, v), (q64, k64, v64)))
+    for deterministic in (False, True):
+        with jax_flash.config(deterministic=deterministic, cuda_split_kv=1):
+            step = jax.jit(
+                lambda q, k, v: value_and_grads(jax_flash.flex_attention, q, k, v, block_mask=bm, implementation="cuda")
+            )
+            jax.block_until_ready(step(q, k, v))
+            with cuda.count_tiles() as c:
+                got = jax.block_until_ready(step(q, k, v))
+        assert (c.forward, c.backward, c.backward_dq) == (forward, backward, backward if deterministic else 0)
+        for g, lo, r in zip(jax.tree.leaves(got), jax.tree.leaves(low), jax.tree.leaves(ref)):
+            scale = max(1.0, float(jnp.max(jnp.abs(r))))
+            assert max_err(g, r) <= FACTOR * max_err(lo, r) + GRAD_EPS["bfloat16"] * scale
 
 
 # ---- block masks -----------------------------------------------------------------------------
