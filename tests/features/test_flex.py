@@ -748,6 +748,40 @@ def test_cpu_tiles_follow_block_mask():
     assert c.forward == every
 
 
+def _check_cuda_tiles_and_grads(q, k, v, mask_mod, bm, shape, **settings):
+    """One forward and one backward call of flex_attention on cuda with block mask `bm`, in
+    both backward modes (and `settings`): the kernels compute exactly the tiles over non-empty
+    blocks (forward, main backward, deterministic dQ kernel), and the output and gradients
+    match the float64 reference within the bf16 reference's own error."""
+    from jax_flash import cuda
+
+    forward = _kernel_tiles(bm.to_dense(), shape, CUDA_BS, shape.n, CUDA_FORWARD_TILE)
+    backward = _kernel_tiles(bm.to_dense(), shape, CUDA_BS, shape.n, CUDA_BACKWARD_TILE)
+
+    def value_and_grads(fn, q, k, v, **kw):
+        def loss(q, k, v):
+            out = fn(q, k, v, mask_mod=mask_mod, **kw).astype(jnp.float32)
+            return jnp.sum(out * jnp.cos(out)), out
+
+        grads, out = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return out, grads
+
+    q64, k64, v64 = (x.astype(jnp.float64) for x in (q, k, v))
+    low, ref = (value_and_grads(jax_flash.flex_reference, *x) for x in ((q, k, v), (q64, k64, v64)))
+    for deterministic in (False, True):
+        with jax_flash.config(deterministic=deterministic, **settings):
+            step = jax.jit(
+                lambda q, k, v: value_and_grads(jax_flash.flex_attention, q, k, v, block_mask=bm, implementation="cuda")
+            )
+            jax.block_until_ready(step(q, k, v))  # compiled outside the count
+            with cuda.count_tiles() as c:
+                got = jax.block_until_ready(step(q, k, v))
+        assert (c.forward, c.backward, c.backward_dq) == (forward, backward, backward if deterministic else 0)
+        for g, lo, r in zip(jax.tree.leaves(got), jax.tree.leaves(low), jax.tree.leaves(ref)):
+            scale = max(1.0, float(jnp.max(jnp.abs(r))))
+            assert max_err(g, r) <= FACTOR * max_err(lo, r) + GRAD_EPS["bfloat16"] * scale
+
+
 def test_cuda_tiles_follow_block_mask():
     """cuda (on its host emulation, which counts them): the forward computes exactly the
     128 x 64 tiles, the backward's main kernel and deterministic mode's dQ kernel exactly the
@@ -755,8 +789,6 @@ def test_cuda_tiles_follow_block_mask():
     tiles above the diagonal, a per-head block-sparse one of 32 x 32 blocks each head's own
     empty tiles. Their results (forward and gradients, both modes) match the reference."""
     _available("cuda")
-    from jax_flash import cuda
-
     shape = CUDA_SHAPE
     q, k, v = _inputs(shape, jnp.bfloat16)
     every = shape.b * shape.n * 3 * 3  # forward tiles: ceil(257 / 128) x ceil(191 / 64)
@@ -769,34 +801,8 @@ def test_cuda_tiles_follow_block_mask():
     sparse = lambda b, h, qi, ki: table[h, qi // CUDA_BS, ki // CUDA_BS]
     for mask_mod, heads in ((causal, None), (sparse, shape.n)):
         bm = jax_flash.create_block_mask(mask_mod, None, heads, shape.t, shape.s, block_size=CUDA_BS)
-        forward = _kernel_tiles(bm.to_dense(), shape, CUDA_BS, shape.n, CUDA_FORWARD_TILE)
-        backward = _kernel_tiles(bm.to_dense(), shape, CUDA_BS, shape.n, CUDA_BACKWARD_TILE)
-        assert 0 < forward < every
-
-        def value_and_grads(fn, q, k, v, mask_mod=mask_mod, **kw):
-            def loss(q, k, v):  # one forward and one backward call
-                out = fn(q, k, v, mask_mod=mask_mod, **kw).astype(jnp.float32)
-                return jnp.sum(out * jnp.cos(out)), out
-
-            grads, out = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-            return out, grads
-
-        q64, k64, v64 = (x.astype(jnp.float64) for x in (q, k, v))
-        low, ref = (value_and_grads(jax_flash.flex_reference, *x) for x in ((q, k, v), (q64, k64, v64)))
-        for deterministic in (False, True):
-            with jax_flash.config(deterministic=deterministic):
-                step = jax.jit(
-                    lambda q, k, v, bm=bm: value_and_grads(
-                        jax_flash.flex_attention, q, k, v, block_mask=bm, implementation="cuda"
-                    )
-                )
-                jax.block_until_ready(step(q, k, v))  # compiled outside the count
-                with cuda.count_tiles() as c:
-                    got = jax.block_until_ready(step(q, k, v))
-            assert (c.forward, c.backward, c.backward_dq) == (forward, backward, backward if deterministic else 0)
-            for g, lo, r in zip(jax.tree.leaves(got), jax.tree.leaves(low), jax.tree.leaves(ref)):
-                scale = max(1.0, float(jnp.max(jnp.abs(r))))
-                assert max_err(g, r) <= FACTOR * max_err(lo, r) + GRAD_EPS["bfloat16"] * scale
+        assert 0 < _kernel_tiles(bm.to_dense(), shape, CUDA_BS, shape.n, CUDA_FORWARD_TILE) < every
+        _check_cuda_tiles_and_grads(q, k, v, mask_mod, bm, shape)
 
 
 def test_cuda_ring_prefetches_across_gaps():
@@ -804,13 +810,10 @@ def test_cuda_ring_prefetches_across_gaps():
     math, so a tile after a gap lands in the slot the math reads: a mask whose running tiles
     have gaps past the prologue's copies (every third tile of a CTA's row is empty: 8 key
     tiles per forward CTA (no split-KV), 5 query blocks per backward CTA and 8 key tiles per
-    dQ CTA), some
-    blocks partly visible, gives the forward of the same mask given densely bitwise (that
-    call runs every tile; an empty one adds exact zeros) and the reference's gradients in both
-    backward modes, computing exactly the tiles of non-empty blocks."""
+    dQ CTA), some blocks partly visible, gives the forward of the same mask given densely
+    bitwise (that call runs every tile; an empty one adds exact zeros) and the reference's
+    gradients in both backward modes, computing exactly the tiles of non-empty blocks."""
     _available("cuda")
-    from jax_flash import cuda
-
     shape = Shape(1, 4 * 64 + 1, 8 * 64 - 1, 2, 1, 32)
     q, k, v = _inputs(shape, jnp.bfloat16, seed=3)
 
@@ -834,31 +837,7 @@ def test_cuda_ring_prefetches_across_gaps():
         )()
     for name, a, b in zip(("out", "lse"), flex_fwd, dense_fwd):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
-    forward = _kernel_tiles(bm.to_dense(), shape, CUDA_BS, shape.n, CUDA_FORWARD_TILE)
-    backward = _kernel_tiles(bm.to_dense(), shape, CUDA_BS, shape.n, CUDA_BACKWARD_TILE)
-
-    def value_and_grads(fn, q, k, v, **kw):
-        def loss(q, k, v):
-            out = fn(q, k, v, mask_mod=gapped, **kw).astype(jnp.float32)
-            return jnp.sum(out * jnp.cos(out)), out
-
-        grads, out = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-        return out, grads
-
-    q64, k64, v64 = (x.astype(jnp.float64) for x in (q, k, v))
-    low, ref = (value_and_grads(jax_flash.flex_reference, *x) for x in ((q, k, v), (q64, k64, v64)))
-    for deterministic in (False, True):
-        with jax_flash.config(deterministic=deterministic, cuda_split_kv=1):
-            step = jax.jit(
-                lambda q, k, v: value_and_grads(jax_flash.flex_attention, q, k, v, block_mask=bm, implementation="cuda")
-            )
-            jax.block_until_ready(step(q, k, v))
-            with cuda.count_tiles() as c:
-                got = jax.block_until_ready(step(q, k, v))
-        assert (c.forward, c.backward, c.backward_dq) == (forward, backward, backward if deterministic else 0)
-        for g, lo, r in zip(jax.tree.leaves(got), jax.tree.leaves(low), jax.tree.leaves(ref)):
-            scale = max(1.0, float(jnp.max(jnp.abs(r))))
-            assert max_err(g, r) <= FACTOR * max_err(lo, r) + GRAD_EPS["bfloat16"] * scale
+    _check_cuda_tiles_and_grads(q, k, v, gapped, bm, shape, cuda_split_kv=1)
 
 
 # ---- block masks -----------------------------------------------------------------------------
