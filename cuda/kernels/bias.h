@@ -99,17 +99,6 @@ struct DenseOperand {
 
 // ---- fragments --------------------------------------------------------------------------------
 
-// The (query t, key s) of accumulator element (j, i) of a 16 x (8·N) fragment whose first row is
-// row0 and first column col0 (C layout, PTX ISA §9.7.14.5.8: row lane/4 + 8·(i/2), column 8j +
-// 2·(lane%4) + i%2); rows are queries in the forward, keys in the backward (TRANSPOSED).
-template <bool TRANSPOSED>
-__device__ __forceinline__ void fragment_position(int j, int i, int row0, int col0, int lane, int& t, int& s) {
-  const int row = row0 + (lane >> 2) + 8 * (i >> 1);
-  const int col = col0 + 8 * j + 2 * (lane & 3) + (i & 1);
-  t = TRANSPOSED ? col : row;
-  s = TRANSPOSED ? row : col;
-}
-
 // The dense mask of a fragment: elements it does not allow become −inf. Positions past T, S are
 // left (the structured mask hides them).
 template <bool TRANSPOSED, int N_BLOCKS>

@@ -144,10 +144,8 @@ __device__ __forceinline__ void mask_fragment_blocks(float (&acc)[N_BLOCKS][4], 
   Word hidden = 0, poisoned = 0;
 #pragma unroll 1
   for (int e = 0; e < 4 * N_BLOCKS; ++e) {  // e = 4j + i: element i of n-block j
-    const int j = e >> 2, i = e & 3;
-    const int row = row0 + (lane >> 2) + 8 * (i >> 1);
-    const int col = col0 + 8 * j + 2 * (lane & 3) + (i & 1);
-    const int t = TRANSPOSED ? col : row, s = TRANSPOSED ? row : col;
+    int t, s;
+    fragment_position<TRANSPOSED>(e >> 2, e & 3, row0, col0, lane, t, s);
     if (t >= blocks.rows || s >= blocks.cols) continue;
     const BlockVerdict v = blocks.verdict(t, s);
     hidden |= static_cast<Word>(v == BlockVerdict::kHidden) << e;

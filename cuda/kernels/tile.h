@@ -26,6 +26,17 @@ constexpr int MMA_N = 8;
 constexpr int MMA_K = 16;
 constexpr int WARP_SIZE = 32;
 
+// The (query t, key s) of accumulator element (j, i) of a 16 x (8·N) fragment whose first row is
+// row0 and first column col0 (C layout, PTX ISA §9.7.14.5.8: row lane/4 + 8·(i/2), column 8j +
+// 2·(lane%4) + i%2); rows are queries in the forward, keys in the backward (TRANSPOSED).
+template <bool TRANSPOSED>
+__device__ __forceinline__ void fragment_position(int j, int i, int row0, int col0, int lane, int& t, int& s) {
+  const int row = row0 + (lane >> 2) + 8 * (i >> 1);
+  const int col = col0 + 8 * j + 2 * (lane & 3) + (i & 1);
+  t = TRANSPOSED ? col : row;
+  s = TRANSPOSED ? row : col;
+}
+
 // The opt-in dynamic shared memory limit per block on sm_120 (99 KB, the smallest of the
 // archs we build for after sm_86/89); every instantiation must fit it.
 constexpr int kMaxSmemBytes = 101376;
