@@ -34,6 +34,8 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "build"))
+import sass_loops  # noqa: E402  (build/sass_loops.py: the key loop of a kernel's SASS)
 CUDA = ROOT / "cuda"
 KERNELS = CUDA / "kernels"
 
@@ -62,6 +64,7 @@ INSTANTIATION = re.compile(r"^(fwd|bwd)_(f16|bf16)_hdim(\d+)(?:_hv(\d+))?(?:_(wa
 # their shared memory size.
 MAIN_KERNELS = {
     "attention_forward_kernel": "ForwardKernel",
+    "attention_forward_plain_kernel": "PlainForwardKernel",
     "attention_backward_kernel": "BackwardKernel",
     "attention_backward_dq_kernel": "BackwardDqKernel",
 }
@@ -78,6 +81,37 @@ SM_MAX_CTAS = {80: 32, 90: 32, 100: 32, 120: 24}
 SMEM_RESERVED_PER_CTA = 1024
 LDMATRIX_X4_BYTES = 512  # one ldmatrix .x4: four 8x8 matrices of 16-bit elements
 
+# The steady-state key loop of each plain main kernel (build/sass_loops.py: the backward-branch
+# loop holding the most HMMA, the fewest instructions among equals, a rolled inner k-step loop
+# counted as often as it runs), per (H, Hv) and architecture: instructions per HMMA, LDSM per
+# HMMA, branch instructions in the loop's address range (the inner loop's once), and the CTAs
+# per SM that registers and shared memory allow. The instruction budgets are the figures
+# measured with nvcc 13.0 plus 0.1, a regression guard: a compare and select per score adds
+# 0.5 per HMMA or more. The general kernels' figures are printed, not held. The targets are
+# lower (cuda/README.md, "The plain forward"): <= 4.0 instructions and <= 0.32 LDSM per HMMA at
+# H = 128 with 2 CTAs per SM on sm_80 / sm_90, which the 4-warp, 32-row tiles reach at H <= 64
+# (at H = 96 and 128 they would need ~300 registers: 8 warps of 16 rows run there).
+_MEASURED_PER_HMMA = {  # (H, Hv): {arch: instructions per HMMA of the plain forward's key loop}
+    (32, 32): {80: 9.89, 90: 9.89, 100: 9.38, 120: 10.11},
+    (64, 64): {80: 6.02, 90: 6.04, 100: 5.79, 120: 6.49},
+    (96, 96): {80: 5.12, 90: 5.10, 100: 5.06, 120: 5.69},
+    (128, 128): {80: 4.51, 90: 4.47, 100: 4.40, 120: 5.02},
+    (128, 64): {80: 5.10, 90: 5.07, 100: 4.95, 120: 5.58},
+    (192, 192): {80: 5.71, 90: 5.80, 100: 5.79, 120: 6.43},
+    (192, 128): {80: 6.16, 90: 6.30, 100: 6.25, 120: 6.91},
+    (256, 256): {80: 5.33, 90: 5.41, 100: 5.34, 120: 5.93},
+}
+KEY_LOOP_BUDGETS = {
+    ("attention_forward_plain_kernel", h, hv): dict(
+        per_hmma={arch: round(x + 0.1, 2) for arch, x in measured.items()},
+        # 4 warps of 32 rows (H <= 64): each K and V fragment feeds 4 mma.sync; 8 warps of 16: 2.
+        ldsm_per_hmma=0.32 if h <= 64 else 0.66,
+        branches=2,
+        ctas={80: 2, 90: 2, 100: 2, 120: 2} if h <= 64 else {},
+    )
+    for (h, hv), measured in _MEASURED_PER_HMMA.items()
+}
+
 
 def smem_bytes_per_mma(kind: str, t: dict) -> float:
     """Estimated shared-memory bytes read by ldmatrix per mma.sync (m16n8k16), one warp, one
@@ -85,7 +119,7 @@ def smem_bytes_per_mma(kind: str, t: dict) -> float:
     and the epilogue are left out)."""
     h, hv, kv, q, r = t["head_dim"], t["v_head_dim"], t["block_kv"], t["block_q"], t["rows_per_warp"] // 16
     hc, hvc = h // t["col_splits"], hv // t["col_splits"]  # the backward's dK, dV columns per warp
-    if kind == "attention_forward_kernel":  # S = Q·Kᵀ (R A-loads + KV/16 B-loads per k-step), O += P·V
+    if kind in ("attention_forward_kernel", "attention_forward_plain_kernel"):  # S = Q·Kᵀ (R A-loads + KV/16 B-loads per k-step), O += P·V
         loads = (h // 16) * (r + kv // 16) + (kv // 16) * (hv // 16)
         mmas = r * (h // 16) * (kv // 8) + r * (kv // 16) * (hv // 8)
     elif kind == "attention_backward_kernel":  # Sᵀ (over H), dPᵀ (over Hv); dV, dK (its columns); the dQ share
@@ -130,6 +164,7 @@ def instantiations() -> list[pathlib.Path]:
 
 def demangle_kind(symbol: str) -> str:
     for k in (
+        "attention_forward_plain_kernel",
         "attention_forward_kernel",
         "attention_backward_kernel",
         "attention_backward_dq_kernel",
@@ -158,12 +193,13 @@ def build_objects(sources) -> dict[pathlib.Path, pathlib.Path] | None:
     return out
 
 
-def compile_objects(sources, workdir: pathlib.Path, nvcc: str) -> tuple[dict, dict]:
+def compile_objects(sources, workdir: pathlib.Path, nvcc: str, defines=()) -> tuple[dict, dict]:
     gencode = []
     for a in ARCHS:
         gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
     for a in PTX_ARCHS:
         gencode += ["-gencode", f"arch=compute_{a},code=compute_{a}"]
+    gencode += [f"-D{d}" for d in defines]
 
     def one(src):
         obj = workdir / (src.name + ".o")
@@ -210,12 +246,41 @@ def resource_usage(obj: pathlib.Path, cuobjdump: str) -> dict:
     return out
 
 
-def sass_opcodes(obj: pathlib.Path, cuobjdump: str) -> dict:
-    """{(arch, kind): set of SASS opcodes with modifiers}."""
+def sass_dump(obj: pathlib.Path, cuobjdump: str) -> str:
     env = dict(os.environ, PATH=str(pathlib.Path(cuobjdump).parent) + os.pathsep + os.environ.get("PATH", ""))
-    text = subprocess.run(
-        [cuobjdump, "--dump-sass", str(obj)], capture_output=True, text=True, check=True, env=env
-    ).stdout
+    return subprocess.run([cuobjdump, "--dump-sass", str(obj)], capture_output=True, text=True, check=True, env=env).stdout
+
+
+def key_loops(text: str) -> dict:
+    """{(arch, kind): the key loop's instructions (build/sass_loops.py)} of the main kernels."""
+    out = {}
+    for (arch, func), instructions in sass_loops.parse(text).items():
+        kind = demangle_kind(func)
+        if kind in MAIN_KERNELS:
+            loop = sass_loops.key_loop(instructions)
+            if loop is not None:
+                out[(arch, kind)] = (loop, instructions)
+    return out
+
+
+def hmma_per_step(kind: str, t: dict) -> int:
+    """The mma.sync one warp issues per step of its main loop (a key tile in the forward)."""
+    h, hv, kv, q, r = t["head_dim"], t["v_head_dim"], t["block_kv"], t["block_q"], t["rows_per_warp"] // 16
+    if kind in ("attention_forward_kernel", "attention_forward_plain_kernel"):
+        return r * (h // 16) * (kv // 8) + r * (kv // 16) * (hv // 8)
+    hc, hvc = h // t["col_splits"], hv // t["col_splits"]
+    if kind == "attention_backward_kernel":
+        return ((h + hv) // 16) * (q // 8) + (q // 16) * ((hc + hvc) // 8) + (kv // 16) * (t["dq_cols"] // 8)
+    return ((h + hv) // 16) * (kv // 8) + (kv // 16) * (h // 8)
+
+
+def loop_budget(kind: str, head_dim: int, v_head_dim: int) -> dict | None:
+    """KEY_LOOP_BUDGETS' row for a kernel and head dims, or None (figures reported only)."""
+    return KEY_LOOP_BUDGETS.get((kind, head_dim, v_head_dim))
+
+
+def sass_opcodes(text: str) -> dict:
+    """{(arch, kind): set of SASS opcodes with modifiers}."""
     out, arch, func = {}, None, None
     for line in text.splitlines():
         m = re.match(r"\s*arch = sm_(\d+)", line)
@@ -252,14 +317,14 @@ def tile_traits(sources) -> dict:
         p, d, h, hv, layout = INSTANTIATION.match(src.name).groups()
         elem = {"f16": "F16", "bf16": "Bf16"}[d]
         layout_arg = ", Layout::kWarp32" if layout else ""
-        kernels = (
-            ["attention_forward_kernel"]
-            if p == "fwd"
-            else ["attention_backward_kernel", "attention_backward_dq_kernel"]
-        )
+        if p == "fwd":
+            kernels = ["attention_forward_kernel"] + ([] if layout else ["attention_forward_plain_kernel"])
+        else:
+            kernels = ["attention_backward_kernel", "attention_backward_dq_kernel"]
         for kernel in kernels:
             traits = MAIN_KERNELS[kernel]
-            args = f"{elem}, {h}, {hv or h}" + ("" if kernel == "attention_backward_dq_kernel" else layout_arg)
+            no_layout = kernel in ("attention_backward_dq_kernel", "attention_forward_plain_kernel")
+            args = f"{elem}, {h}, {hv or h}" + ("" if no_layout else layout_arg)
             k = f"{traits}<{args}>"
             dq_cols = f"{k}::DQ_COLS" if kernel == "attention_backward_kernel" else "0"
             lines.append(
@@ -298,14 +363,16 @@ def tile_traits(sources) -> dict:
 def markdown_table(rows) -> str:
     """The main kernels' rows merged over dtypes and archs: regs and CTAs/SM per arch."""
     groups = {}
-    for stem, arch, kind, regs, smem, stack, local, spills, per_mma, ctas in rows:
+    for stem, arch, kind, regs, smem, stack, local, spills, per_mma, ctas, loop_per_hmma, _, _ in rows:
         if "attention_" + kind not in MAIN_KERNELS:
             continue
         _p, _d, h, hv, layout = INSTANTIATION.match(stem + ".cu").groups()
         head = h if hv is None else f"{h}, Hv {hv}"
         g = groups.setdefault(
-            (kind, layout or "warp16", head), {"regs": {}, "ctas": {}, "smem": set(), "per_mma": set(), "bad": set()}
+            (kind, layout or "warp16", head),
+            {"regs": {}, "ctas": {}, "smem": set(), "per_mma": set(), "bad": set(), "loop": {}},
         )
+        g["loop"].setdefault(arch, set()).add(loop_per_hmma)
         g["regs"].setdefault(arch, set()).add(regs)
         g["ctas"].setdefault(arch, set()).add(ctas)
         g["smem"].add(smem)
@@ -316,11 +383,13 @@ def markdown_table(rows) -> str:
         (
             "| kernel | layout | H | regs sm_80 / sm_90 / sm_120 | smem (bytes) | stack / local / spill st / ld "
             "(bytes) | smem B per MMA "
-            "| CTAs per SM sm_80 / sm_90 / sm_120 |"
+            "| CTAs per SM sm_80 / sm_90 / sm_120 | key loop instructions per HMMA sm_80 / sm_90 / sm_120 |"
         ),
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    order = {k: i for i, k in enumerate(("forward_kernel", "backward_kernel", "backward_dq_kernel"))}
+    order = {
+        k: i for i, k in enumerate(("forward_plain_kernel", "forward_kernel", "backward_kernel", "backward_dq_kernel"))
+    }
 
     def head_key(head):  # (H, Hv): Hv = H first, then the narrower values
         h, _, hv = head.partition(", Hv ")
@@ -335,6 +404,8 @@ def markdown_table(rows) -> str:
             + " / ".join(fmt(g["regs"].get(a, {"-"})) for a in archs)
             + f" | {fmt(g['smem'])} | {fmt(g['bad'])} | {fmt(g['per_mma'])} | "
             + " / ".join(fmt(g["ctas"].get(a, {"-"})) for a in archs)
+            + " | "
+            + " / ".join(fmt(g["loop"].get(a, {"-"})) for a in archs)
             + " |"
         )
     return "\n".join(lines)
@@ -343,6 +414,15 @@ def markdown_table(rows) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile", action="store_true", help="always compile, never reuse build objects")
+    parser.add_argument(
+        "--only", action="append", default=[], metavar="FILE", help="check only this instantiation (repeatable)"
+    )
+    parser.add_argument(
+        "--arch", type=int, default=0, help="compile and check only this sm_XY (no PTX images: their check is skipped)"
+    )
+    parser.add_argument(
+        "--define", action="append", default=[], metavar="MACRO", help="compile with -DMACRO (implies --compile)"
+    )
     parser.add_argument(
         "--markdown",
         action="store_true",
@@ -355,7 +435,14 @@ def main() -> int:
         return 2
     cuobjdump = tool("cuobjdump")
     tool("nvdisasm")
+    global ARCHS, PTX_ARCHS
     sources = instantiations()
+    if args.only:
+        sources = [src for src in sources if src.name in args.only]
+    if args.arch:
+        ARCHS, PTX_ARCHS = (args.arch,), ()
+    if args.define or args.arch:
+        args.compile = True
     if not sources:
         print("check_static: no generated instantiations in cuda/kernels", file=sys.stderr)
         return 1
@@ -372,7 +459,7 @@ def main() -> int:
                 objs = None
         if objs is None:
             print(f"compiling {len(sources)} instantiations for sm_{', sm_'.join(map(str, ARCHS))} (2 jobs)...")
-            objs, logs = compile_objects(sources, pathlib.Path(tmp), nvcc)
+            objs, logs = compile_objects(sources, pathlib.Path(tmp), nvcc, args.define)
         else:
             print("reusing the extension build's objects")
         traits = tile_traits(sources)
@@ -382,7 +469,9 @@ def main() -> int:
         for src in sources:
             obj = objs[src]
             usage = resource_usage(obj, cuobjdump)
-            sass = sass_opcodes(obj, cuobjdump)
+            dump = sass_dump(obj, cuobjdump)
+            sass = sass_opcodes(dump)
+            loops = key_loops(dump)
             spills = ptxas_spills(logs.get(src, ""))
             if ptx_has_wmma(obj, cuobjdump):
                 problems.append(f"{src.name}: the PTX contains wmma instructions")
@@ -405,6 +494,39 @@ def main() -> int:
                     spill_text = "-" if stores is None else f"{stores}/{loads}"
                     per_mma = f"{smem_bytes_per_mma(kind, tt):.0f}" if tt else "-"
                     ctas = f"{occupancy(arch, u['REG'], tt['threads'], total_smem)}" if tt else "-"
+                    loop_cols = ("-", "-", "-")
+                    if (arch, kind) in loops and tt:
+                        loop, instructions = loops[(arch, kind)]
+                        branches = loop.count("branch")  # the inner loop's once
+                        budget = loop_budget(kind, tt["head_dim"], tt["v_head_dim"])
+                        try:
+                            loop = sass_loops.weighted(loop, instructions, hmma_per_step(kind, tt))
+                            mark = ""
+                        except ValueError as e:  # several inner loops (the general kernels' features)
+                            if budget is not None:
+                                problems.append(f"{src.name} sm_{arch} {kind}: {e}")
+                            mark = "*"  # the address range counted once: not per HMMA of a key step
+                        loop_cols = (
+                            f"{loop.per_hmma():.2f}{mark}",
+                            f"{loop.per_hmma('ldsm'):.3f}{mark}",
+                            str(branches),
+                        )
+                        where = f"{src.name} sm_{arch} {kind}"
+                        if budget is not None:
+                            limit = budget["per_hmma"].get(arch)
+                            if limit is None or loop.per_hmma() > limit:
+                                problems.append(
+                                    f"{where}: key loop {loop.per_hmma():.2f} instructions per HMMA "
+                                    f"> {limit} ({len(loop.instructions)} / {loop.hmma})"
+                                )
+                            if loop.per_hmma("ldsm") > budget["ldsm_per_hmma"]:
+                                problems.append(
+                                    f"{where}: key loop {loop.per_hmma('ldsm'):.3f} LDSM per HMMA > {budget['ldsm_per_hmma']}"
+                                )
+                            if branches > budget["branches"]:
+                                problems.append(f"{where}: key loop {branches} branches > {budget['branches']}")
+                            if int(ctas) < budget["ctas"].get(arch, 1):
+                                problems.append(f"{where}: {ctas} CTAs per SM < {budget['ctas'][arch]}")
                     rows.append(
                         (
                             src.stem,
@@ -417,6 +539,7 @@ def main() -> int:
                             spill_text,
                             per_mma,
                             ctas,
+                            *loop_cols,
                         )
                     )
                     where = f"{src.name} sm_{arch} {kind}"
@@ -448,6 +571,9 @@ def main() -> int:
         "spill st/ld",
         "smem B/mma",
         "CTAs/SM",
+        "loop/HMMA",
+        "LDSM/HMMA",
+        "loop BRA",
     )
     widths = [max(len(str(r[i])) for r in [*rows, header]) for i in range(len(header))]
     for r in [header, *rows]:

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Writes the kernel instantiations: one .cu file per dtype x head dims x pass x layout in cuda/kernels/.
 
-Each file explicitly instantiates one LaunchForward/LaunchBackward template (cuda/kernels/fwd.h,
-bwd.h), so CMake compiles them in parallel and a change to one head dim rebuilds one file.
+Each file explicitly instantiates one LaunchBackward template, or LaunchForward's general kernel
+and, in the warp16 file, its plain one (cuda/kernels/fwd.h, bwd.h), so CMake compiles them in
+parallel and a change to one head dim rebuilds one file.
 Head dims are pairs (H, Hv) of the query/key and the value head dim: every H of HEAD_DIMS with
 Hv = H (`fwd_f16_hdim192.cu`), and the NARROW_VALUE_PAIRS with Hv < H (`fwd_f16_hdim192_hv128.cu`).
 The runtime -> template dispatch (cuda/kernels/dispatch.h) lists the same head dims and pairs;
@@ -33,6 +34,15 @@ PASSES = {
     "fwd": ("kernels/fwd.h", "LaunchForward", "const AttentionParams&, Stream", "kForward"),
     "bwd": ("kernels/bwd.h", "LaunchBackward", "const AttentionParams&, bool, Stream", "kBackward"),
 }
+# The forward's kernels per file (kernels/tile.h ForwardVariant): the general one of the file's
+# layout, and in the warp16 file the plain one, which serves calls without optional features
+# whatever their layout (kernels/fwd.h).
+VARIANTS = {
+    ("fwd", "warp16"): (", ForwardVariant::kGeneral", ", ForwardVariant::kPlain"),
+    ("fwd", "warp32"): (", ForwardVariant::kGeneral",),
+    ("bwd", "warp16"): ("",),
+    ("bwd", "warp32"): ("",),
+}
 # The head dims whose warp32 tile shape differs from warp16's (TileShapeFor in kernels/tile.h):
 # the forward's 4 x 32-row warps at H <= 96 (H >= 128 would spill), the backward's 128-key CTAs
 # at H <= 64.
@@ -46,8 +56,7 @@ TEMPLATE = """\
 namespace jax_flash {{
 namespace kernels {{
 static_assert(HasOwnShape(Pass::{pass_enum}, {head_dim}, {v_head_dim}, Layout::{layout}), "this layout runs another file's kernel");
-template LaunchError {function}<{elem}, {head_dim}, {v_head_dim}, Layout::{layout}>({signature});
-}}  // namespace kernels
+{instances}}}  // namespace kernels
 }}  // namespace jax_flash
 """
 
@@ -64,15 +73,19 @@ def files() -> dict[pathlib.Path, str]:
                     hv = "" if v_head_dim == head_dim else f"_hv{v_head_dim}"
                     suffix = "" if layout == "warp16" else f"_{layout}"
                     path = KERNELS / f"{pass_name}_{dtype}_hdim{head_dim}{hv}{suffix}.cu"
+                    instances = "".join(
+                        f"template LaunchError {function}<{elem}, {head_dim}, {v_head_dim}, "
+                        f"Layout::{layout_enum}{variant}>({signature});\n"
+                        for variant in VARIANTS[(pass_name, layout)]
+                    )
                     out[path] = TEMPLATE.format(
                         header=header,
-                        function=function,
                         elem=elem,
                         head_dim=head_dim,
                         v_head_dim=v_head_dim,
-                        signature=signature,
                         pass_enum=pass_enum,
                         layout=layout_enum,
+                        instances=instances,
                     )
     return out
 

@@ -140,6 +140,42 @@ def scans_values(spec: AttentionSpec, masks) -> bool:
     return (chunks > 1 or pack) and masks.bias is None
 
 
+def plain_forward(spec: AttentionSpec, masks, paged: bool) -> bool:
+    """Whether a forward call may run the plain kernel (kernels/fwd.h,
+    AttentionParams::plain_forward): none of the optional features (soft cap, segment ids,
+    dropout, dense bias or mask, a flex block mask, paging, split-KV or GQA packing). Lengths,
+    windows, query offsets and sinks it serves. It then runs when the call's scores are finite
+    (`scores_are_finite`, tested on every call); the general kernel otherwise."""
+    chunks, pack = decoding(spec)
+    return (
+        spec.soft_cap is None
+        and not spec.has_segment_ids
+        and spec.dropout_rate == 0
+        and masks.bias is None
+        and masks.mask is None
+        and not _flex_masked(spec)
+        and not paged
+        and chunks == 1
+        and not pack
+    )
+
+
+# |q·k| <= H·max|q|·max|k| (each of the H products, and every partial sum of them in float32,
+# is bounded by it): below 2**126 no score of the call can overflow float32 (max 2**128).
+_FINITE_SCORE_BOUND = 2.0**126
+
+
+def scores_are_finite(q, k):
+    """Bool scalar: every raw score q·k of the call is finite, so that the plain kernel, which
+    does not make ±inf scores NaN (docs/numerical-contract.md), has none to make: q and k finite,
+    and H·max|q|·max|k| below float32's range. One reduction over each of q and k."""
+
+    def max_abs(x):  # +inf when x holds a NaN or ±inf (whatever a max does with NaN); exact in x's dtype
+        return jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.inf), initial=0).astype(jnp.float32)
+
+    return max_abs(q) * max_abs(k) * q.shape[-1] < _FINITE_SCORE_BOUND
+
+
 def decoding_description(spec: AttentionSpec) -> str:
     """What `explain` says of the forward's split-KV and GQA packing."""
     sms, words = sm_count()
@@ -295,18 +331,23 @@ def dense_description(spec: AttentionSpec) -> str | None:
 class TileCounts:
     """The tiles (Q·Kᵀ products of a CTA's tile) the emulated kernels computed inside
     `count_tiles`: `forward`, `backward` (the main kernel's), `backward_dq` (deterministic
-    mode's dQ kernel)."""
+    mode's dQ kernel); of the forward's, `forward_plain` those the plain kernel computed
+    (kernels/fwd.h) and `forward_plain_masked` those of them it masked (the tiles before and
+    after the interior ones)."""
 
     forward: int = 0
     backward: int = 0
     backward_dq: int = 0
+    forward_plain: int = 0
+    forward_plain_masked: int = 0
 
 
 @contextlib.contextmanager
 def count_tiles() -> Iterator[TileCounts]:
     """A debug counter of the tiles the kernels compute on their host emulation
     (JAX_FLASH_EMULATE_CUDA=1) while inside this block (read when the block ends, so block on
-    the results inside it): tests that the work follows a block mask. A GPU keeps no count.
+    the results inside it): tests that the work follows a block mask, and which forward kernel
+    ran. A GPU keeps no count.
     Not for concurrent use."""
     from jax_flash import _jax_flash_emu
 
@@ -315,7 +356,13 @@ def count_tiles() -> Iterator[TileCounts]:
     try:
         yield counts
     finally:
-        counts.forward, counts.backward, counts.backward_dq = _jax_flash_emu.tile_counts()
+        (
+            counts.forward,
+            counts.backward,
+            counts.backward_dq,
+            counts.forward_plain,
+            counts.forward_plain_masked,
+        ) = _jax_flash_emu.tile_counts()
         _jax_flash_emu.count_tiles(False)
 
 
@@ -469,14 +516,24 @@ class CudaImplementation:
         return partitioning.forward(self.name, functools.partial(self._forward_local, target), spec, q, k, v, masks)
 
     def _forward_local(self, target, spec, q, k, v, masks, page_table=None):
-        call = functools.partial(
-            _ffi.forward_call, target, decoding=decoding, page_table=page_table, attributes=target_attributes
-        )
+        def call(spec, q, k, v, masks, finite_scores=False):
+            attributes = lambda s: dict(target_attributes(s), finite_scores=finite_scores)
+            return _ffi.forward_call(
+                target, spec, q, k, v, masks, decoding=decoding, page_table=page_table, attributes=attributes
+            )
+
         if scans_values(spec, masks):
             # The kernel's decoding settings handle a non-finite V themselves
             # (kernels/nonfinite.h): a decode step reads K and V once.
             return call(spec, q, k, v, masks)
         bad_v = nonfinite_rows(v)  # [B, S, K], or [num_pages, page_size, K]
+        unpoisoned = lambda: call(spec, q, k, v, masks)
+        if plain_forward(spec, masks, paged=page_table is not None):
+            # The plain kernel where every score is finite (tested here, on every call: one
+            # reduction over q and one over k), the general one where a score may be ±inf.
+            plain = lambda: call(spec, q, k, v, masks, finite_scores=True)
+            general = unpoisoned
+            unpoisoned = lambda: lax.cond(scores_are_finite(q, k), plain, general)
 
         def poisoned():
             out, lse = call(spec, q, k, finite_part(v), masks)
@@ -488,7 +545,7 @@ class CudaImplementation:
         # Only a call whose v holds a non-finite value pays for the finite copy of V and the
         # flags call: the others read V once for the test and once in the kernel (a decode
         # step's traffic is then K + 2V instead of K + 3V).
-        return lax.cond(jnp.any(bad_v), poisoned, lambda: call(spec, q, k, v, masks))
+        return lax.cond(jnp.any(bad_v), poisoned, unpoisoned)
 
     def _sees(self, call, spec, flags, masks, dtype):
         """Bool [B, T, N]: the row sees a key whose flag is set. The kernels on q = k = 0

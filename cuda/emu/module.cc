@@ -28,7 +28,9 @@ NB_MODULE(_jax_flash_emu, m) {
       "tile_counts",
       []() {
         namespace emu = jax_flash::emu;
-        return nb::make_tuple(emu::tile_count(0), emu::tile_count(1), emu::tile_count(2));
+        return nb::make_tuple(emu::tile_count(0), emu::tile_count(1), emu::tile_count(2), emu::tile_count(3),
+                              emu::tile_count(4));
       },
-      "(forward, backward, backward dQ kernel): the tiles counted since count_tiles(True).");
+      "(forward, backward, backward dQ kernel, forward by the plain kernel, of them masked): the tiles "
+      "counted since count_tiles(True).");
 }

@@ -18,7 +18,7 @@ namespace kernels {
 
 // Defined in fwd.h / bwd.h, instantiated in the generated .cu files (or, in the emulated
 // build, implicitly in the one translation unit that includes everything).
-template <class Elem, int HEAD_DIM, int V_HEAD_DIM, Layout LAYOUT>
+template <class Elem, int HEAD_DIM, int V_HEAD_DIM, Layout LAYOUT, ForwardVariant VARIANT>
 LaunchError LaunchForward(const AttentionParams& p, Stream stream);
 template <class Elem, int HEAD_DIM, int V_HEAD_DIM, Layout LAYOUT>
 LaunchError LaunchBackward(const AttentionParams& p, bool deterministic, Stream stream);
@@ -69,12 +69,18 @@ inline LaunchError LayoutFromName(std::string_view name, Layout* layout) {
   return "layout=" + std::string(name) + " is not a layout of the CUDA kernels (warp16 or warp32)";
 }
 
+// The forward: the plain kernel where the call allows it (AttentionParams::plain_forward; one
+// shape per head dims, PlainForwardShape, instantiated in the kWarp16 file), else the general
+// kernel of the layout.
 template <class Elem, int HEAD_DIM, int V_HEAD_DIM = HEAD_DIM>
 LaunchError ForwardFor(Layout layout, const AttentionParams& p, Stream stream) {
+  if (p.plain_forward())
+    return LaunchForward<Elem, HEAD_DIM, V_HEAD_DIM, Layout::kWarp16, ForwardVariant::kPlain>(p, stream);
   if constexpr (HasOwnShape(Pass::kForward, HEAD_DIM, V_HEAD_DIM, Layout::kWarp32)) {
-    if (layout == Layout::kWarp32) return LaunchForward<Elem, HEAD_DIM, V_HEAD_DIM, Layout::kWarp32>(p, stream);
+    if (layout == Layout::kWarp32)
+      return LaunchForward<Elem, HEAD_DIM, V_HEAD_DIM, Layout::kWarp32, ForwardVariant::kGeneral>(p, stream);
   }
-  return LaunchForward<Elem, HEAD_DIM, V_HEAD_DIM, Layout::kWarp16>(p, stream);
+  return LaunchForward<Elem, HEAD_DIM, V_HEAD_DIM, Layout::kWarp16, ForwardVariant::kGeneral>(p, stream);
 }
 
 template <class Elem, int HEAD_DIM, int V_HEAD_DIM = HEAD_DIM>

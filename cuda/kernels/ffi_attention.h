@@ -2,7 +2,7 @@
 // (kernels/handlers.cu) and the emulated platform "cpu" handlers (emu/targets.cc): the shared
 // operands, results and attributes are bound and validated by ffi/boundary.h (the one
 // signature and validator of every target); here the CUDA targets' own workspaces and
-// attributes (partial_out, partial_lse, pack_gqa, layout; dk_accum, dv_accum, dbias_accum),
+// attributes (partial_out, partial_lse, pack_gqa, layout, finite_scores; dk_accum, dv_accum, dbias_accum),
 // their checks, the conversion into AttentionParams and the handler bodies. Only how the
 // stream is obtained differs between the two.
 #pragma once
@@ -41,7 +41,8 @@ auto ForwardSignature(Binding&& binding) {
                                        // [0] f32
       .template Ret<ffi::AnyBuffer>()  // partial_lse [C, B, N, T] f32 workspace, or [0] f32
       .template Attr<bool>("pack_gqa")  // T = 1: the G query heads of a kv head in one tile
-      .template Attr<std::string_view>("layout");  // "warp16" or "warp32" (kernels/tile.h)
+      .template Attr<std::string_view>("layout")  // "warp16" or "warp32" (kernels/tile.h)
+      .template Attr<bool>("finite_scores");  // every q·k finite, checked by the caller (kernels/params.h)
 }
 
 // jax_flash_paged_fwd / jax_flash_emu_paged_fwd: the forward over a paged KV cache, the page
@@ -245,7 +246,7 @@ inline void CheckLayout(Checker& check, std::string_view name, Layout* layout) {
 
 inline ffi::Error Forward(const char* target, Stream stream, const boundary::ForwardCall& call,
                           ffi::Result<ffi::AnyBuffer> partial_out, ffi::Result<ffi::AnyBuffer> partial_lse,
-                          bool pack_gqa, std::string_view layout_name) {
+                          bool pack_gqa, std::string_view layout_name, bool finite_scores) {
   Checker check(target);
   boundary::Problem described;
   boundary::DescribeForward(check, CudaLimits(), call, &described);
@@ -258,6 +259,7 @@ inline ffi::Error Forward(const char* target, Stream stream, const boundary::For
   if (!check.ok()) return check.error();
   p.out = static_cast<uint16_t*>(call.out.untyped_data());
   p.lse = static_cast<float*>(call.lse.untyped_data());
+  p.finite_scores = finite_scores;
   // poison_outputs (the test suite's setting): results filled with NaN bytes before the kernels
   // run, so an element a kernel forgets to write shows up.
   if (described.attributes.poison_outputs) {

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/dropout.h"
 #include "kernels/grid.h"
@@ -331,6 +332,275 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
   }
 }
 
+// One thread's share of the cp.async copies of a whole tile, its addresses computed once: with
+// THREADS a multiple of 8 rows' worth of chunks, copy i of a thread moves the same chunk of row
+// row0 + i·kRowStep, whose swizzle is row0's (it repeats every 8 rows), so each copy is one
+// immediate shared offset and one global step away from the last. Held across the key loop:
+// a shared offset and, in elements, the offset of the thread's first copy and the step (the
+// array's base stays in the kernel's parameters). Where
+// the tile's chunks do not divide the threads (H = 96, 192), the general per-copy addressing
+// (load_tile_async).
+template <class Tile, int THREADS>
+struct TileCopier {
+  static constexpr bool kRegular = THREADS % Tile::kChunks == 0 && (THREADS / Tile::kChunks) % 8 == 0 &&
+                                   (Tile::kRows * Tile::kChunks) % THREADS == 0;
+  static constexpr int kRowStep = kRegular ? THREADS / Tile::kChunks : 1;
+  static constexpr int kCopies = Tile::kRows * Tile::kChunks / THREADS;
+  int smem = 0;        // byte offset of the thread's first copy in the tile
+  uint32_t first = 0;  // element offset of its source from the tile's first row (irregular: 0)
+  uint32_t step = 0;   // elements from one copy's source to the next (irregular: a row)
+
+  // Thread `t`'s copies; row_stride · Tile::kRows < 2^31 (AttentionParams::plain_forward):
+  // offsets within a tile fit 32 bits.
+  __device__ __forceinline__ static TileCopier of(int64_t row_stride, int t) {
+    TileCopier c;
+    const uint32_t stride = static_cast<uint32_t>(row_stride);
+    if constexpr (kRegular) {
+      c.smem = Tile::chunk_offset(t / Tile::kChunks, t % Tile::kChunks);
+      c.first = (t / Tile::kChunks) * stride + (t % Tile::kChunks) * 8;
+      c.step = kRowStep * stride;
+    } else {
+      c.step = stride;
+    }
+    return c;
+  }
+
+  // The tile whose first row is at `rows`, every row inside the array: the hot loop's copies,
+  // with nothing to test.
+  __device__ __forceinline__ void copy_full(char* tile, const uint16_t* rows) const {
+    if constexpr (kRegular) {
+      JAX_FLASH_UNROLL
+      for (int i = 0; i < kCopies; ++i)
+        ptx::cp_async_16(tile + smem + i * kRowStep * Tile::kRowBytes, rows + (first + i * step), 16);
+    } else {
+      load_tile_async<Tile, THREADS>(tile, rows, step, Tile::kRows);
+    }
+  }
+
+  // The same where rows >= rows_valid may lie past the array's end (the last key tile): those
+  // are zero-filled, never read.
+  __device__ __forceinline__ void copy_checked(char* tile, const uint16_t* rows, int rows_valid) const {
+    if constexpr (kRegular) {
+      const int row0 = static_cast<int>(threadIdx.x) / Tile::kChunks;
+      JAX_FLASH_UNROLL
+      for (int i = 0; i < kCopies; ++i) {
+        const bool inside = row0 + i * kRowStep < rows_valid;
+        ptx::cp_async_16(tile + smem + i * kRowStep * Tile::kRowBytes, rows + (inside ? first + i * step : 0u),
+                         inside ? 16 : 0);
+      }
+    } else {
+      load_tile_async<Tile, THREADS>(tile, rows, step, rows_valid);
+    }
+  }
+};
+
+#ifdef JAX_FLASH_PLANT_SCORE_TEST
+template <int N_BLOCKS>
+__device__ __forceinline__ void plant_score_test(float (&acc)[N_BLOCKS][4]) {
+  const float planted = __int_as_float(ptx::mov_b32_volatile(0x7f7fffff));
+  JAX_FLASH_UNROLL
+  for (int j = 0; j < N_BLOCKS; ++j) {
+    JAX_FLASH_UNROLL
+    for (int i = 0; i < 4; ++i) acc[j][i] = acc[j][i] == planted ? 0.0f : acc[j][i];
+  }
+}
+#endif
+
+// The plain forward's tiles (PlainForwardShape, kernels/tile.h) and shared memory: Q, one K and
+// one V tile (FlashAttention-2's split waits instead of a ring: V's copy overlaps S = Q·Kᵀ, the
+// next K's the softmax and O += P·V). One instantiation per (element, H, Hv), whatever the
+// layout attribute says.
+template <class Elem, int HEAD_DIM, int V_HEAD_DIM = HEAD_DIM>
+struct PlainForwardKernel {
+  static constexpr TileShape kShape = PlainForwardShape(HEAD_DIM, V_HEAD_DIM);
+  static constexpr int BLOCK_Q = kShape.block_q;
+  static constexpr int BLOCK_KV = kShape.block_kv;
+  static constexpr int WARPS = kShape.warps;
+  static constexpr int THREADS = WARPS * WARP_SIZE;
+  // CTAs per SM asked of the register allocator: 2 of 4 warps (at most 255 registers each),
+  // else 1 (left alone, ptxas for sm_120 caps 8 warps at 128 registers and spills).
+  static constexpr int MIN_CTAS = WARPS == 4 ? 2 : 1;
+  static constexpr int WARP_Q = kShape.rows_per_warp;
+  static constexpr int ROW_BLOCKS = WARP_Q / MMA_M;
+  // k-steps of S = Q·Kᵀ unrolled at once: all of them, but at H > 128 (O alone takes HEAD_DIM / 2
+  // registers) two.
+  static constexpr int K_UNROLL = HEAD_DIM > 128 ? 2 : HEAD_DIM / MMA_K;
+
+  using QTile = SmemTile<BLOCK_Q, HEAD_DIM>;
+  using KVTile = SmemTile<BLOCK_KV, HEAD_DIM>;
+  using VTile = SmemTile<BLOCK_KV, V_HEAD_DIM>;
+  using OTile = SmemTile<BLOCK_Q, V_HEAD_DIM>;
+  static constexpr bool kHvIsH = V_HEAD_DIM == HEAD_DIM;
+  // Shared memory: [Q][K][V].
+  static constexpr int kKOffset = QTile::kBytes;
+  static constexpr int kVOffset = kKOffset + KVTile::kBytes;
+  static constexpr int kSmemBytes = kVOffset + VTile::kBytes;
+
+  __host__ __device__ static FoldedGrid grid(const AttentionParams& p) {
+    return {CeilDiv(p.q_len, BLOCK_Q), p.q_heads, p.batch};
+  }
+
+  static_assert(BLOCK_Q == ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM>::BLOCK_Q, "one query block size (the host's rules)");
+  static_assert(BLOCK_Q == WARPS * WARP_Q && WARP_Q % MMA_M == 0, "each warp owns whole m16 row blocks");
+  static_assert(OTile::kBytes <= QTile::kBytes, "O is staged over the Q tile");
+  static_assert(kSmemBytes <= kMaxSmemBytes, "plain forward tile does not fit 99 KB of shared memory");
+};
+
+// The plain forward (AttentionParams::plain_forward): a call without any optional feature,
+// whose raw scores the caller has checked finite. Its hot loop does only the attention. The
+// key tiles a query block sees are cut once into the interior ones, where every row of the
+// block sees every key (no mask arithmetic, no test of anything), and those before and after
+// them, which apply the structured mask (lengths, the window placed by the query offset):
+// three loops in key order over one tile step whose masking is a compile-time setting. Copy
+// addresses are computed once per thread (TileCopier). Per tile it computes what the general
+// kernel computes, in the same order: with the same key tile size the two give the same bits.
+template <class Elem, int HEAD_DIM, int V_HEAD_DIM>
+__global__ void __launch_bounds__(PlainForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM>::THREADS,
+                                  PlainForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM>::MIN_CTAS)
+    attention_forward_plain_kernel(const AttentionParams p) {
+  using K = PlainForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM>;
+  JAX_FLASH_DYNAMIC_SMEM(smem);
+  const FoldedGrid grid = K::grid(p);
+  const GridIndex at = grid.index();
+  if (!grid.contains(at)) return;
+  const int q_block = at.block, batch = at.batch, head = at.head;
+  const int warp = static_cast<int>(threadIdx.x) / WARP_SIZE, lane = static_cast<int>(threadIdx.x) % WARP_SIZE;
+  const int kv_head = head / (p.q_heads / p.kv_heads);
+  const int t0 = q_block * K::BLOCK_Q;
+  const Mask mask = Mask::of(p, batch);  // lengths and the window (no segment ids)
+  const float scale = p.scale;
+
+  float o[K::ROW_BLOCKS][V_HEAD_DIM / MMA_N][4];  // ROW_BLOCKS x (MMA_M, MMA_N, 4 regs)
+  clear(o);
+  OnlineSoftmax softmax[K::ROW_BLOCKS];
+  JAX_FLASH_UNROLL
+  for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) {
+    const float sinks[2] = {p.sink(head), p.sink(head)};
+    softmax[rb].init(sinks, lane);
+  }
+
+  // The key tiles the block sees, and the interior ones among them: every (t, s) of the
+  // block's rows that exist (t < T; padding rows are never stored) is visible.
+  const Range keys = mask.keys_of_rows(t0, t0 + K::BLOCK_Q);
+  const int tile_begin = keys.empty() ? 0 : keys.lo / K::BLOCK_KV;
+  const int tile_end = keys.empty() ? 0 : CeilDiv(keys.hi, K::BLOCK_KV);
+  const int t_last = min(t0 + K::BLOCK_Q, p.q_len) - 1;
+  int interior_begin = tile_end, interior_end = tile_end;
+  if (t_last < mask.q_valid) {
+    interior_begin = max(tile_begin, CeilDiv(mask.key_lo(t_last), K::BLOCK_KV));
+    interior_end = max(interior_begin, min(tile_end, mask.key_hi(t0) / K::BLOCK_KV));
+  }
+
+  if (tile_begin < tile_end) {
+    char* const q_tile = smem;
+    char* const k_tile = smem + K::kKOffset;
+    char* const v_tile = smem + K::kVOffset;
+    using KCopier = TileCopier<typename K::KVTile, K::THREADS>;
+    using VCopier = TileCopier<typename K::VTile, K::THREADS>;
+    // (Hv = H: the same values as K's, which the compiler keeps once.)
+    const KCopier k_copier = KCopier::of(p.kv_row_stride(), static_cast<int>(threadIdx.x));
+    const VCopier v_copier = VCopier::of(p.v_row_stride<K::kHvIsH>(), static_cast<int>(threadIdx.x));
+    // Key tile `tile` of K or V: CHECKED, it may be the last one of the keys (its rows past S
+    // zero-filled); else every row is inside the array (a tile before an interior one's end).
+    auto load_k = [&](int tile, auto checked) {
+      const int s0 = tile * K::BLOCK_KV;
+      const uint16_t* rows = p.k + p.kv_offset(batch, s0, kv_head);
+      if constexpr (decltype(checked)::value) {
+        k_copier.copy_checked(k_tile, rows, p.kv_len - s0);
+      } else {
+        k_copier.copy_full(k_tile, rows);
+      }
+    };
+    auto load_v = [&](int tile, auto checked) {
+      const int s0 = tile * K::BLOCK_KV;
+      const uint16_t* rows = p.v + p.v_offset<K::kHvIsH>(batch, s0, kv_head);
+      if constexpr (decltype(checked)::value) {
+        v_copier.copy_checked(v_tile, rows, p.kv_len - s0);
+      } else {
+        v_copier.copy_full(v_tile, rows);
+      }
+    };
+    using Checked = std::true_type;
+    using Full = std::false_type;
+
+    // Prologue: the Q tile and the first K tile.
+    const ForwardRows q_rows = ForwardRows::of<K::kHvIsH>(p, batch, head, t0);
+    load_tile_async<typename K::QTile, K::THREADS>(q_tile, p.q + q_rows.q0, q_rows.q_stride, q_rows.valid);
+    load_k(tile_begin, Checked{});
+    ptx::cp_async_commit_group();
+
+    // One key tile: S = Q·Kᵀ while V's copy lands, the logits x = scale·s (masked where
+    // MASKED), then the online softmax and O += P·V while the next K's copy lands. Interior
+    // tiles (not MASKED) are whole; the next K tile is too unless NEXT_CHECKED.
+    auto step = [&](int tile, auto masked, auto next_checked) {
+      ptx::cp_async_wait_group<0>();
+      __syncthreads();  // K (and Q) have landed; every warp is done reading the last V
+      load_v(tile, masked);
+      ptx::cp_async_commit_group();
+      count_tile(TilePass::kForward);
+      count_tile(TilePass::kForwardPlain);
+      if constexpr (decltype(masked)::value) count_tile(TilePass::kForwardPlainMasked);
+      float s[K::ROW_BLOCKS][K::BLOCK_KV / MMA_N][4];  // ROW_BLOCKS x (MMA_M, MMA_N, 4 regs): S, then P
+      compute_qk<Elem, HEAD_DIM, K>(s, q_tile, k_tile, warp, lane);
+      JAX_FLASH_UNROLL
+      for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) {
+        scale_logits(s[rb], scale);
+#ifdef JAX_FLASH_PLANT_SCORE_TEST
+        // Never in a build: tests/tooling/test_cuda_static.py plants a per-score test here to
+        // see the key loop's static budget (build/check_static.py) fail.
+        plant_score_test(s[rb]);
+#endif
+        if constexpr (decltype(masked)::value) {
+          // The mask and the rows' positions derived again per masked tile (from the grid
+          // index read again): held across the interior loop they would take registers that
+          // loop needs.
+          const GridIndex here = K::grid(p).index_again();
+          const Mask edge = Mask::of(p, here.batch);
+          const int rows_t0 = here.block * K::BLOCK_Q + warp * K::WARP_Q + MMA_M * rb;
+          if (!edge.is_interior(rows_t0, MMA_M, tile * K::BLOCK_KV, K::BLOCK_KV, true))
+            mask_fragment_band(s[rb], edge, rows_t0, tile * K::BLOCK_KV, lane);
+        }
+      }
+      ptx::cp_async_wait_group<0>();
+      __syncthreads();  // V has landed; every warp is done reading K
+      if constexpr (decltype(next_checked)::value) {
+        if (tile + 1 < tile_end) load_k(tile + 1, Checked{});
+      } else {
+        load_k(tile + 1, Full{});
+      }
+      ptx::cp_async_commit_group();
+      JAX_FLASH_UNROLL
+      for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) softmax[rb].update(s[rb], o[rb], kLog2e);
+      accumulate_pv<Elem, V_HEAD_DIM, K>(o, s, v_tile, lane);
+    };
+    using Masked = std::true_type;
+    using Interior = std::false_type;
+    // The masked tiles before the interior ones, the interior ones (the last of which may be
+    // followed by the last, partly filled key tile), the masked ones after.
+    int tile = tile_begin;
+    for (; tile < interior_begin; ++tile) step(tile, Masked{}, Checked{});
+    if (tile < interior_end) {
+      for (; tile + 1 < interior_end; ++tile) step(tile, Interior{}, Full{});
+      step(tile++, Interior{}, Checked{});
+    }
+    for (; tile < tile_end; ++tile) step(tile, Masked{}, Checked{});
+    ptx::cp_async_wait_group<0>();
+  }
+  // With Hv < H, O's rows are narrower than Q's: a warp's O rows overlap another warp's Q rows.
+  if constexpr (!K::kHvIsH) __syncthreads();
+
+  // The rows' addresses from the grid index read again (held across the loops they would take
+  // registers the key loop needs).
+  const GridIndex here = grid.index_again();
+  const ForwardRows rows = ForwardRows::of<K::kHvIsH>(p, here.batch, here.head, here.block * K::BLOCK_Q);
+  JAX_FLASH_UNROLL
+  for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) {
+    float lse[2];
+    softmax[rb].finish(o[rb], kLog2e, lse);
+    store_output<Elem, K>(p, rows, o[rb], lse, smem, warp * K::WARP_Q + MMA_M * rb, lane);
+  }
+}
+
 // Split-KV's merge (flash-decoding): for each row, lse = log Σ_c e^{lse_c} and out = Σ_c
 // e^{lse_c − lse} · O_c over the chunks in order (deterministic, no atomics), one thread per
 // 4 features. A chunk that saw no key (lse_c = −inf, O_c = 0) adds nothing; a row no chunk
@@ -370,12 +640,18 @@ __global__ void __launch_bounds__(128) attention_forward_combine_kernel(const At
   if (quad == 0) ptx::st_global_f32(p.lse + stat, lse);
 }
 
-// Host side: one launch per call.
-template <class Elem, int HEAD_DIM, int V_HEAD_DIM, Layout LAYOUT>
+// Host side: one launch per call (two with split-KV), of the kernel of the variant dispatch.h chose.
+template <class Elem, int HEAD_DIM, int V_HEAD_DIM, Layout LAYOUT, ForwardVariant VARIANT>
 LaunchError LaunchForward(const AttentionParams& p, Stream stream) {
   using K = ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYOUT>;
   dim3 grid;
   if (LaunchError err = K::grid(p).dims(&grid); !err.empty()) return err;
+  if constexpr (VARIANT == ForwardVariant::kPlain) {
+    using P = PlainForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM>;
+    if (LaunchError err = P::grid(p).dims(&grid); !err.empty()) return err;
+    return Launch("attention_forward_plain_kernel", attention_forward_plain_kernel<Elem, HEAD_DIM, V_HEAD_DIM>, grid,
+                  dim3(P::THREADS), P::kSmemBytes, stream, p);
+  }
   LaunchError err = Launch("attention_forward_kernel", attention_forward_kernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYOUT>,
                            grid, dim3(K::THREADS), K::kSmemBytes, stream, p);
   if (!err.empty() || p.kv_splits == 1) return err;

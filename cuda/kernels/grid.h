@@ -47,6 +47,19 @@ struct FoldedGrid {
   }
   // This CTA's (block, head, batch).
   __device__ __forceinline__ GridIndex index() const { return of(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y); }
+  // The same, read afresh from the special registers (volatile: never merged with an earlier
+  // read), for code after a long loop: the index held across it would take registers.
+  __device__ __forceinline__ GridIndex index_again() const {
+#ifdef JAX_FLASH_EMULATE
+    return index();
+#else
+    unsigned x, y, z;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x));
+    asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(y));
+    asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
+    return of(x, y, z, gridDim.y);
+#endif
+  }
   // False for the CTAs past the last head (the last grid.z slice of more than 65535 heads).
   __host__ __device__ __forceinline__ bool contains(const GridIndex& at) const { return at.head < heads; }
 };

@@ -138,6 +138,28 @@ __device__ __forceinline__ void mask_fragment(float (&acc)[N_BLOCKS][4], const M
   }
 }
 
+// The same without segment ids (the plain forward), row by row: row t sees the keys
+// [key_lo(t), key_hi(t)) when t < q_valid, none otherwise, so an element is visible iff
+// s - key_lo(t), as unsigned, is below the interval's width: one compare per element.
+template <int N_BLOCKS>
+__device__ __forceinline__ void mask_fragment_band(float (&acc)[N_BLOCKS][4], const Mask& mask, int row0, int col0,
+                                                   int lane) {
+  JAX_FLASH_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const int t = row0 + (lane >> 2) + 8 * r;
+    const int lo = mask.key_lo(t), hi = mask.key_hi(t);
+    const unsigned width = t < mask.q_valid && hi > lo ? static_cast<unsigned>(hi - lo) : 0u;
+    const int c0 = col0 + 2 * (lane & 3) - lo;  // s - key_lo(t) of the row's first element
+    JAX_FLASH_UNROLL
+    for (int j = 0; j < N_BLOCKS; ++j) {
+      JAX_FLASH_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        if (static_cast<unsigned>(c0 + 8 * j + e) >= width) acc[j][2 * r + e] = -INFINITY;
+      }
+    }
+  }
+}
+
 // The same for a tile whose rows all sit at one position t (the forward's GQA packing: the
 // rows are query heads at T = 1): the mask is one of keys only, the same in every row.
 template <int N_BLOCKS>

@@ -55,6 +55,12 @@ enum class Pass { kForward, kBackward, kBackwardDq };
 //            dO tile and adding into dQ.
 enum class Layout { kWarp16, kWarp32 };
 
+// The forward's two kernels (kernels/fwd.h), chosen per call at dispatch (kernels/dispatch.h):
+//   kGeneral: every feature a runtime setting of the one kernel;
+//   kPlain:   none of the optional features, scores checked finite by the caller
+//             (AttentionParams::plain_forward): a hot loop that does only the attention.
+enum class ForwardVariant { kGeneral, kPlain };
+
 // Tile sizes of one kernel. Forward and backward dQ: block_q query rows per CTA
 // (rows_per_warp per warp), block_kv keys per pipeline stage. Backward: block_kv keys per CTA
 // (rows_per_warp = 16 per warp), block_q query rows per pipeline stage; col_splits warps share
@@ -132,6 +138,23 @@ __host__ __device__ constexpr TileShape TileShapeFor(Pass pass, int head_dim, in
   if (head_dim > 192) return TileShape{16, 64, 8, 2, 16, 2};
   if (head_dim > 128) return TileShape{16, 32, 4, 2, 16, 2};
   return head_dim <= 64 ? TileShape{64, 64, 4, 2, 16} : TileShape{32, 64, 4, 2, 16};
+}
+
+// The plain forward's tiles (kernels/fwd.h attention_forward_plain_kernel): FlashAttention-2's
+// shapes, one per head dim whatever the layout attribute, with one K and one V tile (stages = 1;
+// split waits instead of a ring): Q + K + V bytes. 4 warps of 32 rows (two m16 row blocks, each
+// K and V fragment feeding four mma.sync) and 64-key tiles at H <= 128: 24, 32, 64 (H = 96
+// padded to 128 columns) and 64 KB, so that 2 CTAs fit an SM on sm_80 / sm_90 / sm_100 (128
+// threads, at most 255 registers each). At H = 192 and 256 a warp of 32 rows would hold O in
+// 192 and 256 registers: 8 warps of 16 rows and 32-key tiles (72 and 96 KB; one CTA per SM),
+// as FlashAttention-2 does. The key tile is the general kernel's warp16 one (below) at
+// H <= 192, so the two kernels give the same bits there; at H = 256 it is twice as wide (16-key
+// tiles cost a barrier per 16 keys). A (H, Hv) pair with Hv < H takes the shape of (H, H).
+__host__ __device__ constexpr TileShape PlainForwardShape(int head_dim, int v_head_dim) {
+  if (v_head_dim < head_dim) return PlainForwardShape(head_dim, head_dim);
+  if (head_dim > 128) return TileShape{128, 32, 8, 1, 16};
+  if (head_dim > 64) return TileShape{128, 64, 8, 1, 16};
+  return TileShape{128, 64, 4, 1, 32};
 }
 
 // Whether `layout` gives (pass, head_dim, v_head_dim) a tile shape of its own; where it does

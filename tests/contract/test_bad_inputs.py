@@ -504,11 +504,12 @@ _HANDLER_SCRIPT = textwrap.dedent(
                  block_q=np.int64(0), block_k=np.int64(0))
 
     def own(target, backward=False):
-        # Each target's own attributes (cuda/README.md): the CUDA targets' layout; the cpu
+        # Each target's own attributes (cuda/README.md): the CUDA targets' layout (and the
+        # forward's finite_scores); the cpu
         # targets' isa ("": the default ISA of this CPU) and forward_chunks and pack_gqa, or
         # gradient_chunks (0: the rule).
         if "emu" in target:
-            return {"layout": "warp16"}
+            return {"layout": "warp16"} if backward else {"layout": "warp16", "finite_scores": False}
         if backward:
             return {"isa": "", "gradient_chunks": np.int64(0)}
         return {"isa": "", "forward_chunks": np.int64(1), "pack_gqa": False}

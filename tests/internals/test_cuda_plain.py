@@ -1,0 +1,246 @@
+"""The cuda forward's plain kernel (cuda/kernels/fwd.h, attention_forward_plain_kernel).
+
+A call without optional features whose raw scores are finite (jax_flash/cuda.py tests that on
+every call) runs the plain kernel: masked tiles peeled off an interior loop that masks nothing,
+tests nothing and poisons nothing. It computes what the general kernel computes, tile by tile in
+the same order, so the two agree bit for bit; these tests hold it to that, count which kernel
+ran and which tiles it masked (the host emulation's tile counter), and check the routing: a
+poison, an overflowing score or an optional feature sends the call to the general kernel.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash import cuda
+
+from cases import Shape, make_qkv
+
+pytestmark = pytest.mark.skipif(
+    not jax_flash.current_config().emulate_cuda, reason="counts tiles on the host emulation of the cuda kernels"
+)
+
+BLOCK_Q = 128  # the forward's query rows per CTA (kernels/tile.h)
+
+
+def _emulator_or_skip():
+    try:
+        from jax_flash import _jax_flash_emu  # noqa: F401
+    except ImportError:
+        pytest.skip("the host emulation of the cuda kernels is not built (JAX_FLASH_EMULATOR=ON)")
+
+
+def _forward(q, k, v, *, finite_scores, layout="warp16", q_lengths=None, kv_lengths=None, q_offset=None,
+             window=(-1, -1), sinks=None, scale=0.125):
+    """The emulated forward target called directly, with the finite_scores attribute given."""
+    b, t, n, _ = q.shape
+    s = k.shape[1]
+    operands = (
+        q,
+        k,
+        v,
+        jnp.full((b,), t, jnp.int32) if q_lengths is None else jnp.asarray(q_lengths, jnp.int32),
+        jnp.full((b,), s, jnp.int32) if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32),
+        jnp.zeros((b, t), jnp.int32),
+        jnp.zeros((b, s), jnp.int32),
+        jnp.zeros((b,), jnp.int32) if q_offset is None else jnp.asarray(q_offset, jnp.int32),
+        jnp.zeros((0,), jnp.float32),
+        jnp.zeros((0,), jnp.bool_),
+        jnp.zeros((0,), jnp.int8),
+        jnp.zeros((0,), jnp.int32),
+        jnp.zeros((0,), jnp.uint32),
+        jnp.full((n,), -jnp.inf, jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32),
+        jnp.zeros((2,), jnp.uint32),
+    )
+    shapes = (
+        jax.ShapeDtypeStruct((b, t, n, v.shape[-1]), q.dtype),
+        jax.ShapeDtypeStruct((b, n, t), jnp.float32),
+        jax.ShapeDtypeStruct((0,), jnp.float32),
+        jax.ShapeDtypeStruct((0,), jnp.float32),
+    )
+    attributes = dict(
+        scale=np.float32(scale),
+        window_left=np.int64(window[0]),
+        window_right=np.int64(window[1]),
+        softcap=np.float32(0),
+        use_segment_ids=False,
+        dropout_rate=np.float32(0),
+        poison_outputs=True,
+        block_q=np.int64(0),
+        block_k=np.int64(0),
+        pack_gqa=False,
+        layout=layout,
+        finite_scores=finite_scores,
+    )
+    with cuda.count_tiles() as counts:
+        out, lse, *_ = jax.block_until_ready(jax.ffi.ffi_call("jax_flash_emu_fwd", shapes)(*operands, **attributes))
+    return np.asarray(out), np.asarray(lse), counts
+
+
+def _plain_block_kv(h: int) -> int:
+    """The plain kernel's key tile (kernels/tile.h PlainForwardShape)."""
+    return 32 if h > 128 else 64
+
+
+def _block_kv(h: int, layout: str) -> int:
+    """The general kernel's key tile (kernels/tile.h TileShapeFor)."""
+    if layout == "warp32" and h <= 96:
+        return 64 if h <= 32 else 32
+    return 16 if h > 192 else 32 if h > 128 else 64
+
+
+def _tiles(t, s, block_kv, *, band=(None, None)):
+    """(tiles, masked tiles) the plain kernel runs over a [t, s] problem, from the dense
+    visibility matrix: the key tiles each 128-row query block sees (from the first to the last
+    tile holding a visible key of its rows), and of them those where some existing row of the
+    block does not see every key."""
+    rows, cols = np.arange(t)[:, None], np.arange(s)[None, :]
+    visible = np.ones((t, s), bool)
+    if band[0] is not None:
+        visible &= cols - rows >= band[0]
+    if band[1] is not None:
+        visible &= cols - rows <= band[1]
+    tiles = masked = 0
+    for t0 in range(0, t, BLOCK_Q):
+        block = visible[t0 : t0 + BLOCK_Q]
+        seen = np.flatnonzero(block.any(axis=0))
+        if seen.size == 0:
+            continue
+        for j in range(seen[0] // block_kv, seen[-1] // block_kv + 1):
+            tiles += 1
+            tile = block[:, j * block_kv : (j + 1) * block_kv]
+            masked += int(not tile.all() or tile.shape[1] < block_kv)
+    return tiles, masked
+
+
+CASES = {
+    # name: (shape, settings for _forward, the band (lo, hi) of visible s - t; None: lengths)
+    "plain": (Shape(1, 129, 200, 2, 1, 64), {}, (None, None)),
+    "causal": (Shape(1, 257, 257, 2, 2, 64), dict(window=(-1, 0)), (None, 0)),
+    "causal_offset": (Shape(1, 130, 300, 2, 1, 128), dict(window=(-1, 0), q_offset=[170]), (None, 170)),
+    "window": (Shape(1, 200, 320, 1, 1, 32), dict(window=(70, 3)), (-70, 3)),
+    "lengths": (Shape(2, 140, 191, 2, 1, 64), dict(q_lengths=[140, 100], kv_lengths=[191, 65]), None),
+    "sinks": (Shape(1, 64, 100, 2, 1, 96), dict(sinks=[0.5, -jnp.inf]), (None, None)),
+    "h256": (Shape(1, 40, 35, 1, 1, 256), dict(window=(-1, 0)), (None, 0)),
+    "h192_hv128": (Shape(1, 37, 70, 2, 1, 192, hv=128), {}, (None, None)),
+    "h128_hv64": (Shape(1, 70, 150, 2, 1, 128, hv=64), dict(window=(-1, 0)), (None, 0)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_plain_kernel_equals_general_bitwise(name):
+    """finite_scores=True runs the plain kernel (every forward tile counted as plain), False the
+    general one (none). Where their key tiles are the same size (H <= 192: the general kernel's
+    warp16 tiles), the two give the same bits of out and lse; at H = 256 (32-key tiles against
+    16) the same values within the dtype's rounding. The plain kernel has one shape whatever the
+    layout attribute, and masks exactly the tiles where some row of the query block does not see
+    every key."""
+    _emulator_or_skip()
+    shape, settings, band = CASES[name]
+    dtype = jnp.bfloat16 if shape.h != 96 else jnp.float16
+    q, k, v = make_qkv(shape, dtype, seed=3)
+    out_g, lse_g, general = _forward(q, k, v, finite_scores=False, **settings)
+    out_p, lse_p, plain = _forward(q, k, v, finite_scores=True, **settings)
+    out_w, lse_w, _ = _forward(q, k, v, finite_scores=True, layout="warp32", **settings)
+    assert general.forward > 0 and general.forward_plain == 0
+    assert plain.forward_plain == plain.forward > 0
+    np.testing.assert_array_equal(out_w.view(np.uint16), out_p.view(np.uint16))
+    np.testing.assert_array_equal(lse_w.view(np.uint32), lse_p.view(np.uint32))
+    if _block_kv(shape.h, "warp16") == _plain_block_kv(shape.h):
+        assert plain.forward == general.forward
+        np.testing.assert_array_equal(out_p.view(np.uint16), out_g.view(np.uint16))
+        np.testing.assert_array_equal(lse_p.view(np.uint32), lse_g.view(np.uint32))
+    else:
+        np.testing.assert_allclose(out_p.astype(np.float32), out_g.astype(np.float32), rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(lse_p, lse_g, rtol=1e-5, atol=1e-5)
+    if band is not None:
+        want = _tiles(shape.t, shape.s, _plain_block_kv(shape.h), band=band)
+        heads = shape.b * shape.n
+        assert (plain.forward_plain // heads, plain.forward_plain_masked // heads) == want
+
+
+def test_plain_kernel_interior_runs_unmasked():
+    """A causal call over many key tiles masks only the diagonal ones: of 4 query blocks x up to
+    8 key tiles, the interior loop runs every tile left of each block's diagonal unmasked."""
+    _emulator_or_skip()
+    shape = Shape(1, 512, 512, 1, 1, 32)
+    q, k, v = make_qkv(shape, jnp.bfloat16, seed=4)
+    _, _, counts = _forward(q, k, v, finite_scores=True, window=(-1, 0))
+    tiles, masked = _tiles(512, 512, 64, band=(None, 0))
+    assert (counts.forward_plain, counts.forward_plain_masked) == (tiles, masked)
+    assert masked == 8 and tiles == 20  # 2 diagonal tiles per 128-row block
+
+
+def _run(q, k, v, **kwargs):
+    with cuda.count_tiles() as counts:
+        out = jax.block_until_ready(jax_flash.attention(q, k, v, implementation="cuda", **kwargs))
+    return np.asarray(out.astype(jnp.float32)), counts
+
+
+def test_calls_route_to_the_plain_kernel_only_when_they_may():
+    """Through jax_flash.attention: finite inputs without optional features run the plain
+    kernel; a NaN or inf in q or k, a finite score that would overflow, a soft cap or segment
+    ids run the general kernel, which keeps the numerical contract (a poisoned row is NaN)."""
+    _emulator_or_skip()
+    shape = Shape(1, 70, 90, 2, 1, 64)
+    q, k, v = make_qkv(shape, jnp.bfloat16, seed=5)
+    out, counts = _run(q, k, v, is_causal=True)
+    assert counts.forward_plain == counts.forward > 0
+    for name, (qq, kk) in {
+        "nan_q": (q.at[0, 5, 1, 3].set(jnp.nan), k),
+        "inf_k": (q, k.at[0, 7, 0, 0].set(-jnp.inf)),
+        "overflow": (q.at[0, 9, 0, :].set(3e19), k.at[0, 2, 0, :].set(-3e19)),
+    }.items():
+        out, counts = _run(qq, kk, v, is_causal=True)
+        assert counts.forward > 0 and counts.forward_plain == 0, name
+        assert np.isnan(out).any(), name  # the contract: the poisoned / overflowing row is NaN
+    _, counts = _run(q, k, v, logits_soft_cap=30.0)
+    assert counts.forward > 0 and counts.forward_plain == 0
+    ids = jnp.zeros((1, 70), jnp.int32), jnp.zeros((1, 90), jnp.int32)
+    _, counts = _run(q, k, v, segment_ids=ids)
+    assert counts.forward > 0 and counts.forward_plain == 0
+
+
+@pytest.mark.parametrize(
+    "q_value, k_value, finite",
+    [
+        (1.0, 1.0, True),
+        (jnp.nan, 1.0, False),
+        (1.0, jnp.inf, False),
+        (-jnp.inf, 1.0, False),
+        (2.0**40, 2.0**40, True),  # 64 · 2**80: far below float32's range
+        (2.0**60, 2.0**60, False),  # 64 · 2**120 >= 2**126: a score could overflow
+    ],
+)
+def test_scores_are_finite(q_value, k_value, finite):
+    """The per-call test behind finite_scores: q and k finite and H·max|q|·max|k| < 2**126,
+    under jit too."""
+    q = jnp.ones((1, 4, 2, 64), jnp.bfloat16).at[0, 1, 1, 5].set(q_value)
+    k = jnp.ones((1, 6, 1, 64), jnp.bfloat16).at[0, 3, 0, 7].set(k_value)
+    assert bool(cuda.scores_are_finite(q, k)) is finite
+    assert bool(jax.jit(cuda.scores_are_finite)(q, k)) is finite
+
+
+def test_plain_forward_rule_matches_the_kernels():
+    """cuda.plain_forward (the Python side's rule, which decides whether the per-call test runs)
+    and the kernels' AttentionParams::plain_forward agree: each optional feature alone sends a
+    call whose scores are finite to the general kernel."""
+    _emulator_or_skip()
+    shape = Shape(1, 40, 50, 2, 2, 32)
+    q, k, v = make_qkv(shape, jnp.bfloat16, seed=6)
+    features = {
+        "soft_cap": dict(logits_soft_cap=10.0),
+        "bias": dict(bias=jnp.zeros((1, 2, 40, 50), jnp.float32)),
+        "mask": dict(mask=jnp.ones((1, 2, 40, 50), jnp.bool_)),
+        "segments": dict(segment_ids=(jnp.zeros((1, 40), jnp.int32), jnp.zeros((1, 50), jnp.int32))),
+    }
+    for name, kwargs in itertools.chain([("none", {})], features.items()):
+        _, counts = _run(q, k, v, **kwargs)
+        assert counts.forward > 0, name
+        assert (counts.forward_plain > 0) == (name == "none"), name
