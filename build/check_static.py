@@ -36,6 +36,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "build"))
 import sass_loops  # noqa: E402  (build/sass_loops.py: the key loop of a kernel's SASS)
+
 CUDA = ROOT / "cuda"
 KERNELS = CUDA / "kernels"
 
@@ -119,7 +120,10 @@ def smem_bytes_per_mma(kind: str, t: dict) -> float:
     and the epilogue are left out)."""
     h, hv, kv, q, r = t["head_dim"], t["v_head_dim"], t["block_kv"], t["block_q"], t["rows_per_warp"] // 16
     hc, hvc = h // t["col_splits"], hv // t["col_splits"]  # the backward's dK, dV columns per warp
-    if kind in ("attention_forward_kernel", "attention_forward_plain_kernel"):  # S = Q·Kᵀ (R A-loads + KV/16 B-loads per k-step), O += P·V
+    if kind in (
+        "attention_forward_kernel",
+        "attention_forward_plain_kernel",
+    ):  # S = Q·Kᵀ (R A-loads + KV/16 B-loads per k-step), O += P·V
         loads = (h // 16) * (r + kv // 16) + (kv // 16) * (hv // 16)
         mmas = r * (h // 16) * (kv // 8) + r * (kv // 16) * (hv // 8)
     elif kind == "attention_backward_kernel":  # Sᵀ (over H), dPᵀ (over Hv); dV, dK (its columns); the dQ share
@@ -248,7 +252,9 @@ def resource_usage(obj: pathlib.Path, cuobjdump: str) -> dict:
 
 def sass_dump(obj: pathlib.Path, cuobjdump: str) -> str:
     env = dict(os.environ, PATH=str(pathlib.Path(cuobjdump).parent) + os.pathsep + os.environ.get("PATH", ""))
-    return subprocess.run([cuobjdump, "--dump-sass", str(obj)], capture_output=True, text=True, check=True, env=env).stdout
+    return subprocess.run(
+        [cuobjdump, "--dump-sass", str(obj)], capture_output=True, text=True, check=True, env=env
+    ).stdout
 
 
 def key_loops(text: str) -> dict:

@@ -6,8 +6,8 @@
 #   bash build/device_check.sh --dry-run                # on a CPU machine: the same logic, emulated
 #   bash build/device_check.sh --plan                   # print the steps and their caps, run nothing
 #
-# Written for an H200 (sm_90, jax 0.11.2, Python 3.12, nvcc 13.0, no package index: everything
-# must already be installed) and one 8-minute run. Steps, each with its own time cap:
+# Written for an H100 or H200 (sm_90, jax 0.11.2, Python 3.12, nvcc 13.0, no package index:
+# everything must already be installed) and one 9-minute run. Steps, each with its own time cap:
 #   machine       GPU, driver, nvcc, Python and jax versions (into device_check.json)
 #   build         the extension in place, for this GPU's architecture only (nvidia-smi's
 #                 compute capability, e.g. JAX_FLASH_CUDA_ARCHS=90-real)
@@ -23,9 +23,12 @@
 #                 decode cell (python -m jax_flash.bench --decode, B=8, S=32k: jax.nn, cuDNN,
 #                 cuda on a contiguous and a paged cache; K/V bandwidth against the H200's
 #                 nominal), under "decode" in bench.json
+#   profile       Nsight Compute (ncu) on build/profile_case.py (H=128, 8k, bf16): speed of light,
+#                 occupancy and warp stall reasons of the first forward (the plain kernel) and
+#                 backward launches
 #   memcheck      compute-sanitizer --tool memcheck on build/sanitizer_case.py (tiny)
 #   racecheck     compute-sanitizer --tool racecheck on the same
-# The caps sum to the budget (DEVICE_CHECK_BUDGET_S, default 480 s; each cap scales with it),
+# The caps sum to the budget (DEVICE_CHECK_BUDGET_S, default 540 s; each cap scales with it),
 # which the script asserts before it starts. Time a step leaves unused goes to the next
 # elastic step (correctness, bench); no step can take time from the steps after it.
 #
@@ -33,7 +36,8 @@
 # written (and to stdout), $OUT/device_check.json is rewritten at every change of state
 # (the step running, each result), bench.json after every benchmark case. A failing step does
 # not stop the next ones; the steps that need the build are skipped when it failed. At most 8
-# files are written under $OUT: device_check.json, bench.json and the six step logs.
+# files are written under $OUT: device_check.json, bench.json and six step logs (the machine's
+# and the profile's text go into device_check.json).
 #
 # Results per step: ran (information only), passed, failed, cut (its time cap ran out),
 # skipped (not applicable here, not selected, or its prerequisite failed). The table printed
@@ -66,13 +70,13 @@ now_ms() { date +%s%3N; }
 START_MS=$(now_ms)
 
 # ---- the plan: steps in priority order, caps in seconds at the default budget --------------------
-DEFAULT_BUDGET=480
+DEFAULT_BUDGET=540
 BUDGET=${DEVICE_CHECK_BUDGET_S:-$DEFAULT_BUDGET}
-STEPS=(machine build ptx_selftest correctness bench memcheck racecheck)
-declare -A BASE_CAP=([machine]=10 [build]=100 [ptx_selftest]=45 [correctness]=95 [bench]=140
+STEPS=(machine build ptx_selftest correctness bench profile memcheck racecheck)
+declare -A BASE_CAP=([machine]=10 [build]=100 [ptx_selftest]=45 [correctness]=95 [bench]=140 [profile]=60
   [memcheck]=45 [racecheck]=45)
 declare -A ELASTIC=([correctness]=1 [bench]=1)
-declare -A NEEDS_BUILD=([correctness]=1 [bench]=1 [memcheck]=1 [racecheck]=1)
+declare -A NEEDS_BUILD=([correctness]=1 [bench]=1 [profile]=1 [memcheck]=1 [racecheck]=1)
 declare -A CAP=()
 
 if ! [[ $BUDGET =~ ^[0-9]+$ ]] || ((BUDGET < 1)); then
@@ -139,6 +143,7 @@ SELECTED=",${DEVICE_CHECK_STEPS:-$(IFS=,; echo "${STEPS[*]}")},"
 declare -A STATE=() SECS=() LIMIT=() RC=() NOTE=()
 for s in "${STEPS[@]}"; do STATE[$s]=pending; SECS[$s]=0; LIMIT[$s]=0; RC[$s]=""; NOTE[$s]=""; done
 MACHINE_TEXT=""
+PROFILE_TEXT=""
 GPU_NAME=""
 CC=""
 
@@ -170,6 +175,7 @@ write_json() {  # rewritten whole at every change, renamed into place
       "$(json_str "$COMMIT")" "$STARTED" "$BUDGET" "$(elapsed_s)" "$(overall)"
     printf ' "machine": {"gpu": %s, "compute_capability": %s, "archs": %s, "text": %s},\n' \
       "$(json_str "$GPU_NAME")" "$(json_str "$CC")" "$(json_str "${JAX_FLASH_CUDA_ARCHS:-}")" "$(json_str "$MACHINE_TEXT")"
+    printf ' "profile": %s,\n' "$(json_str "$PROFILE_TEXT")"
     printf ' "steps": ['
     for s in "${STEPS[@]}"; do
       ((first)) || printf ','
@@ -493,8 +499,21 @@ sanitize() {  # memcheck or racecheck of build/sanitizer_case.py
 step_memcheck() { sanitize memcheck; }
 step_racecheck() { sanitize racecheck; }
 
+step_profile() {  # Nsight Compute: where the first forward and backward launches stall
+  if [ "$DRY" = 1 ]; then
+    echo "dry run: build/profile_case.py emulated, without ncu"
+    "$PY" build/profile_case.py --seq-len 256
+    return
+  fi
+  local ncu
+  ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null) || { echo "ncu: not found"; return 77; }
+  "$ncu" --kernel-name regex:'attention_(forward_plain|forward|backward)_kernel' --launch-count 2 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+    "$PY" build/profile_case.py --head-dim 128
+}
+
 export -f step_machine step_build step_ptx_selftest step_correctness step_bench merge_layout_bench merge_decode_bench sanitize \
-  step_memcheck step_racecheck
+  step_memcheck step_racecheck step_profile
 export DRY PY WORK OUT JOBS
 
 # ---- the run ---------------------------------------------------------------------------------------
@@ -518,6 +537,11 @@ for s in "${STEPS[@]}"; do
     MACHINE_TEXT=$(cat "$OUT/machine.log")
     rm -f "$OUT/machine.log"  # kept in device_check.json: $OUT holds at most 8 files
     NOTE[machine]="${GPU_NAME:-no GPU}; $(grep -m1 '^jax ' <<<"$MACHINE_TEXT")"
+    write_json
+  fi
+  if [ "$s" = profile ] && [ -f "$OUT/profile.log" ]; then
+    PROFILE_TEXT=$(cat "$OUT/profile.log")
+    rm -f "$OUT/profile.log"  # kept in device_check.json: $OUT holds at most 8 files
     write_json
   fi
 done

@@ -61,6 +61,16 @@ static_assert(HasOwnShape(Pass::{pass_enum}, {head_dim}, {v_head_dim}, Layout::{
 """
 
 
+def instantiation(head: str, signature: str) -> str:
+    """`head` + `signature` + ");", broken after the first parameter where the line would pass
+    the 120 columns of .clang-format, the rest aligned under it (clang-format's own layout)."""
+    line = f"{head}{signature});"
+    if len(line) <= 120:
+        return line + "\n"
+    first, rest = signature.split(", ", 1)
+    return f"{head}{first},\n{' ' * len(head)}{rest});\n"
+
+
 def files() -> dict[pathlib.Path, str]:
     out = {}
     for pass_name, (header, function, signature, pass_enum) in PASSES.items():
@@ -74,8 +84,11 @@ def files() -> dict[pathlib.Path, str]:
                     suffix = "" if layout == "warp16" else f"_{layout}"
                     path = KERNELS / f"{pass_name}_{dtype}_hdim{head_dim}{hv}{suffix}.cu"
                     instances = "".join(
-                        f"template LaunchError {function}<{elem}, {head_dim}, {v_head_dim}, "
-                        f"Layout::{layout_enum}{variant}>({signature});\n"
+                        instantiation(
+                            f"template LaunchError {function}<{elem}, {head_dim}, {v_head_dim}, "
+                            f"Layout::{layout_enum}{variant}>(",
+                            signature,
+                        )
                         for variant in VARIANTS[(pass_name, layout)]
                     )
                     out[path] = TEMPLATE.format(

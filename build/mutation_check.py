@@ -60,6 +60,7 @@ TEST_FILES = (
     "tests/features/test_dense.py",
     "tests/features/test_dense_bias.py",
     "tests/features/test_flex.py",
+    "tests/internals/test_cuda_plain.py",
 )
 
 # Test selections (implementation "cuda" runs on the emulation here).
@@ -97,6 +98,9 @@ FLEX = (
     "or test_kernels_partial_capacity_overflow or test_cuda_tiles_follow_block_mask "
     "or test_cuda_ring_prefetches_across_gaps)"
 )
+# The plain forward (kernels/fwd.h): its own tests (bitwise against the general kernel, tile
+# counts, routing) and the shared suite's forward cases, which run it.
+PLAIN = "test_cuda_plain or (cuda and test_forward_backward and not warp32)"
 
 K = "cuda/kernels/"
 MUTATIONS = [
@@ -921,6 +925,63 @@ MUTATIONS = [
         count=2,
         nth=2,
         what="deterministic dQ kernel: the copy cursor steps over empty tiles too",
+    ),
+    # ---- fwd.h: the plain forward -----------------------------------------------------------
+    Mutation(
+        "plain_masked_after_unpeeled",
+        K + "fwd.h",
+        "for (; tile < tile_end; ++tile) step(tile, Masked{}, Checked{});",
+        "for (; tile < tile_end; ++tile) step(tile, Interior{}, Checked{});",
+        PLAIN,
+        what="plain forward: the tiles after the interior ones (the diagonal, the lengths) run unmasked",
+    ),
+    Mutation(
+        "plain_masked_before_unpeeled",
+        K + "fwd.h",
+        "for (; tile < interior_begin; ++tile) step(tile, Masked{}, Checked{});",
+        "for (; tile < interior_begin; ++tile) step(tile, Interior{}, Checked{});",
+        PLAIN,
+        what="plain forward: the tiles before the interior ones (a window's left edge) run unmasked",
+    ),
+    Mutation(
+        "plain_interior_end",
+        K + "fwd.h",
+        "interior_end = max(interior_begin, min(tile_end, mask.key_hi(t0) / K::BLOCK_KV));",
+        "interior_end = max(interior_begin, min(tile_end, CeilDiv(mask.key_hi(t0), K::BLOCK_KV)));",
+        PLAIN,
+        what="plain forward: a partly visible tile counted as interior (its end rounded up)",
+    ),
+    Mutation(
+        "plain_interior_begin",
+        K + "fwd.h",
+        "interior_begin = max(tile_begin, CeilDiv(mask.key_lo(t_last), K::BLOCK_KV));",
+        "interior_begin = max(tile_begin, mask.key_lo(t_last) / K::BLOCK_KV);",
+        PLAIN,
+        what="plain forward: a partly visible tile counted as interior (its start rounded down)",
+    ),
+    Mutation(
+        "plain_check_skipped",
+        "jax_flash/cuda.py",
+        "unpoisoned = lambda: lax.cond(scores_are_finite(q, k), plain, general)",
+        "unpoisoned = plain",
+        PLAIN + " or (cuda and nonfinite)",
+        what="plain forward: run without the per-call check that every score is finite",
+    ),
+    Mutation(
+        "plain_tail_guard",
+        K + "fwd.h",
+        "const bool inside = row0 + i * kRowStep < rows_valid;",
+        "const bool inside = row0 + i * kRowStep <= rows_valid;",
+        PLAIN,
+        what="plain forward: the last key tile's copies read one row past the keys",
+    ),
+    Mutation(
+        "plain_v_wait",
+        K + "fwd.h",
+        "      ptx::cp_async_wait_group<0>();\n      __syncthreads();  // V has landed; every warp is done reading K",
+        "      __syncthreads();  // V has landed; every warp is done reading K",
+        PLAIN,
+        what="plain forward: O += P·V without waiting for V's copy",
     ),
 ]
 

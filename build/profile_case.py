@@ -1,7 +1,7 @@
 """One forward and one forward+backward call of the cuda kernels at a benchmark size, for a
 profiler (Nsight Compute) to attach to.
 
-    ncu --kernel-name regex:'attention_(forward|backward)_kernel' --launch-count 3 \
+    ncu --kernel-name regex:'attention_(forward_plain|forward|backward)_kernel' --launch-count 3 \
         --section SpeedOfLight --section WarpStateStats python build/profile_case.py
 
 The case is the benchmark's (docs/gpu-results.md): B=2, N=16, T=S=8192, bf16; the head dim and

@@ -278,6 +278,42 @@ def cuda_layout_description(spec: AttentionSpec) -> str:
     return f"layout warp32: forward {fwd}, backward {bwd}"
 
 
+def cuda_plain_forward_blocker(spec: AttentionSpec, sms: int, paged: bool = False) -> str | None:
+    """Why a forward call may not run the cuda plain kernel (kernels/fwd.h), or None when it may.
+    It serves none of the optional features (soft cap, segment ids, dropout, dense bias or mask,
+    a flex block mask, paging, split-KV, GQA packing; lengths, windows, query offsets and sinks
+    it serves), and addresses a key tile's rows in 32 bits (K·max(H, Hv) < 2**23). A call it
+    serves runs it when its scores are finite (jax_flash/cuda.py tests that on every call) and
+    passes `plain_kernel=True`; the handlers refuse that for a call this rule refuses
+    (PlainForwardRefusal, kernels/dispatch.h)."""
+    blockers = (
+        (spec.soft_cap is not None, "a soft cap"),
+        (spec.has_segment_ids, "segment ids"),
+        (spec.dropout_rate > 0, "dropout"),
+        (spec.bias_shape is not None, "a dense bias"),
+        (spec.mask_shape is not None, "a dense mask"),
+        (spec.flex is not None and spec.flex.mask_mod is not None, "a block mask"),
+        (paged, "a paged cache"),
+        (cuda_split_kv_chunks(spec, sms) > 1, "split-KV"),
+        (cuda_packs_heads(spec), "GQA packing"),
+        (spec.num_kv_heads * max(spec.head_dim, spec.v_head_dim) >= 2**23, "K·max(H, Hv) >= 2**23"),
+    )
+    return next((why for blocked, why in blockers if blocked), None)
+
+
+def cuda_forward_kernel_description(spec: AttentionSpec, sms: int) -> str:
+    """What `explain` says of the cuda forward kernel a call runs (kernels/fwd.h)."""
+    why = cuda_plain_forward_blocker(spec, sms)
+    if why is not None:
+        return f"forward: the general kernel (the call has {why})"
+    warps = "4 warps x 32 rows" if spec.head_dim <= 64 else "8 warps x 16 rows"
+    keys = 32 if spec.head_dim > 128 else 64
+    return (
+        f"forward: the plain kernel (128x{keys} tiles, {warps}, whatever the layout) when q and k are finite "
+        "and no score can overflow (tested on every call), the general kernel otherwise"
+    )
+
+
 def cuda_forward_block_kv(spec: AttentionSpec) -> int:
     """Keys per tile of the cuda forward under the call's layout (kernels/tile.h)."""
     h = spec.head_dim

@@ -140,24 +140,16 @@ def scans_values(spec: AttentionSpec, masks) -> bool:
     return (chunks > 1 or pack) and masks.bias is None
 
 
-def plain_forward(spec: AttentionSpec, masks, paged: bool) -> bool:
-    """Whether a forward call may run the plain kernel (kernels/fwd.h,
-    AttentionParams::plain_forward): none of the optional features (soft cap, segment ids,
-    dropout, dense bias or mask, a flex block mask, paging, split-KV or GQA packing). Lengths,
-    windows, query offsets and sinks it serves. It then runs when the call's scores are finite
-    (`scores_are_finite`, tested on every call); the general kernel otherwise."""
-    chunks, pack = decoding(spec)
-    return (
-        spec.soft_cap is None
-        and not spec.has_segment_ids
-        and spec.dropout_rate == 0
-        and masks.bias is None
-        and masks.mask is None
-        and not _flex_masked(spec)
-        and not paged
-        and chunks == 1
-        and not pack
-    )
+def plain_forward_blocker(spec: AttentionSpec, paged: bool = False) -> str | None:
+    """Why a forward call may not run the plain kernel (`_heuristics.cuda_plain_forward_blocker`),
+    or None when it may: then it runs where its scores are finite (`scores_are_finite`, tested
+    on every call), the general kernel elsewhere."""
+    return _heuristics.cuda_plain_forward_blocker(spec, sm_count()[0], paged)
+
+
+def forward_kernel_description(spec: AttentionSpec) -> str:
+    """What `explain` says of the forward kernel a call runs (kernels/fwd.h)."""
+    return _heuristics.cuda_forward_kernel_description(spec, sm_count()[0])
 
 
 # |q·k| <= H·max|q|·max|k| (each of the H products, and every partial sum of them in float32,
@@ -471,6 +463,10 @@ class CudaImplementation:
         except ValueError as e:
             how = f"{e}: calls fail"
         try:
+            how += "; " + forward_kernel_description(spec)
+        except ValueError as e:
+            how += f"; {e}: calls fail"
+        try:
             how += "; " + _heuristics.cuda_backward_grid_description(spec)
         except ValueError as e:
             how += f"; {e}: backward calls fail"
@@ -516,8 +512,8 @@ class CudaImplementation:
         return partitioning.forward(self.name, functools.partial(self._forward_local, target), spec, q, k, v, masks)
 
     def _forward_local(self, target, spec, q, k, v, masks, page_table=None):
-        def call(spec, q, k, v, masks, finite_scores=False):
-            attributes = lambda s: dict(target_attributes(s), finite_scores=finite_scores)
+        def call(spec, q, k, v, masks, plain_kernel=False):
+            attributes = lambda s: dict(target_attributes(s), plain_kernel=plain_kernel)
             return _ffi.forward_call(
                 target, spec, q, k, v, masks, decoding=decoding, page_table=page_table, attributes=attributes
             )
@@ -528,10 +524,10 @@ class CudaImplementation:
             return call(spec, q, k, v, masks)
         bad_v = nonfinite_rows(v)  # [B, S, K], or [num_pages, page_size, K]
         unpoisoned = lambda: call(spec, q, k, v, masks)
-        if plain_forward(spec, masks, paged=page_table is not None):
+        if plain_forward_blocker(spec, paged=page_table is not None) is None:
             # The plain kernel where every score is finite (tested here, on every call: one
             # reduction over q and one over k), the general one where a score may be ±inf.
-            plain = lambda: call(spec, q, k, v, masks, finite_scores=True)
+            plain = lambda: call(spec, q, k, v, masks, plain_kernel=True)
             general = unpoisoned
             unpoisoned = lambda: lax.cond(scores_are_finite(q, k), plain, general)
 

@@ -69,13 +69,12 @@ inline LaunchError LayoutFromName(std::string_view name, Layout* layout) {
   return "layout=" + std::string(name) + " is not a layout of the CUDA kernels (warp16 or warp32)";
 }
 
-// The forward: the plain kernel where the call allows it (AttentionParams::plain_forward; one
-// shape per head dims, PlainForwardShape, instantiated in the kWarp16 file), else the general
-// kernel of the layout.
+// The forward: the plain kernel when the call asks for it (AttentionParams::plain; one shape
+// per head dims, PlainForwardShape, instantiated in the kWarp16 file), else the general kernel
+// of the layout.
 template <class Elem, int HEAD_DIM, int V_HEAD_DIM = HEAD_DIM>
 LaunchError ForwardFor(Layout layout, const AttentionParams& p, Stream stream) {
-  if (p.plain_forward())
-    return LaunchForward<Elem, HEAD_DIM, V_HEAD_DIM, Layout::kWarp16, ForwardVariant::kPlain>(p, stream);
+  if (p.plain) return LaunchForward<Elem, HEAD_DIM, V_HEAD_DIM, Layout::kWarp16, ForwardVariant::kPlain>(p, stream);
   if constexpr (HasOwnShape(Pass::kForward, HEAD_DIM, V_HEAD_DIM, Layout::kWarp32)) {
     if (layout == Layout::kWarp32)
       return LaunchForward<Elem, HEAD_DIM, V_HEAD_DIM, Layout::kWarp32, ForwardVariant::kGeneral>(p, stream);
@@ -90,6 +89,26 @@ LaunchError BackwardFor(Layout layout, const AttentionParams& p, bool determinis
       return LaunchBackward<Elem, HEAD_DIM, V_HEAD_DIM, Layout::kWarp32>(p, deterministic, stream);
   }
   return LaunchBackward<Elem, HEAD_DIM, V_HEAD_DIM, Layout::kWarp16>(p, deterministic, stream);
+}
+
+// What keeps a call from the plain forward (kernels/fwd.h), or null: it serves none of the
+// optional features (soft cap, segment ids, dropout, dense bias or mask, block mask, paging,
+// split-KV, GQA packing), and its copies address a key tile's rows in 32 bits (K·max(H, Hv)
+// below 2^23: a 256-key tile below 2^31 elements). jax_flash/cuda.py decides with the same rule
+// (_heuristics.cuda_plain_forward_blocker); the handlers refuse a plain_kernel call it breaks.
+inline const char* PlainForwardRefusal(const AttentionParams& p) {
+  if (p.softcap != 0.0f) return "a soft cap";
+  if (p.use_segment_ids) return "segment ids";
+  if (p.dropout_rate != 0.0f) return "dropout";
+  if (p.bias.data != nullptr) return "a dense bias";
+  if (p.mask.data != nullptr) return "a dense mask";
+  if (p.blocks.states != nullptr) return "a block mask";
+  if (p.page_table != nullptr) return "a paged cache";
+  if (p.kv_splits > 1) return "split-KV";
+  if (p.pack_gqa) return "GQA packing";
+  if (int64_t{p.kv_heads} * (p.head_dim > p.v_head_dim ? p.head_dim : p.v_head_dim) >= (int64_t{1} << 23))
+    return "K·max(H, Hv) >= 2^23";
+  return nullptr;
 }
 
 inline std::string NoKernelFor(const AttentionParams& p) {

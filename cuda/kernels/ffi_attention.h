@@ -2,7 +2,7 @@
 // (kernels/handlers.cu) and the emulated platform "cpu" handlers (emu/targets.cc): the shared
 // operands, results and attributes are bound and validated by ffi/boundary.h (the one
 // signature and validator of every target); here the CUDA targets' own workspaces and
-// attributes (partial_out, partial_lse, pack_gqa, layout, finite_scores; dk_accum, dv_accum, dbias_accum),
+// attributes (partial_out, partial_lse, pack_gqa, layout, plain_kernel; dk_accum, dv_accum, dbias_accum),
 // their checks, the conversion into AttentionParams and the handler bodies. Only how the
 // stream is obtained differs between the two.
 #pragma once
@@ -42,7 +42,7 @@ auto ForwardSignature(Binding&& binding) {
       .template Ret<ffi::AnyBuffer>()  // partial_lse [C, B, N, T] f32 workspace, or [0] f32
       .template Attr<bool>("pack_gqa")  // T = 1: the G query heads of a kv head in one tile
       .template Attr<std::string_view>("layout")  // "warp16" or "warp32" (kernels/tile.h)
-      .template Attr<bool>("finite_scores");  // every q·k finite, checked by the caller (kernels/params.h)
+      .template Attr<bool>("plain_kernel");  // the plain forward kernel (kernels/fwd.h, params.h)
 }
 
 // jax_flash_paged_fwd / jax_flash_emu_paged_fwd: the forward over a paged KV cache, the page
@@ -246,7 +246,7 @@ inline void CheckLayout(Checker& check, std::string_view name, Layout* layout) {
 
 inline ffi::Error Forward(const char* target, Stream stream, const boundary::ForwardCall& call,
                           ffi::Result<ffi::AnyBuffer> partial_out, ffi::Result<ffi::AnyBuffer> partial_lse,
-                          bool pack_gqa, std::string_view layout_name, bool finite_scores) {
+                          bool pack_gqa, std::string_view layout_name, bool plain_kernel) {
   Checker check(target);
   boundary::Problem described;
   boundary::DescribeForward(check, CudaLimits(), call, &described);
@@ -256,10 +256,14 @@ inline ffi::Error Forward(const char* target, Stream stream, const boundary::For
   Layout layout = Layout::kWarp16;
   CheckLayout(check, layout_name, &layout);
   CheckDecoding(check, described, pack_gqa, layout, partial_out, partial_lse, &p);
+  if (check.ok() && plain_kernel) {
+    if (const char* why = PlainForwardRefusal(p))
+      check.Fail(std::string("plain_kernel=true needs a call without optional features; this one has ") + why);
+    p.plain = true;
+  }
   if (!check.ok()) return check.error();
   p.out = static_cast<uint16_t*>(call.out.untyped_data());
   p.lse = static_cast<float*>(call.lse.untyped_data());
-  p.finite_scores = finite_scores;
   // poison_outputs (the test suite's setting): results filled with NaN bytes before the kernels
   // run, so an element a kernel forgets to write shows up.
   if (described.attributes.poison_outputs) {

@@ -337,9 +337,8 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
 // row0 + i·kRowStep, whose swizzle is row0's (it repeats every 8 rows), so each copy is one
 // immediate shared offset and one global step away from the last. Held across the key loop:
 // a shared offset and, in elements, the offset of the thread's first copy and the step (the
-// array's base stays in the kernel's parameters). Where
-// the tile's chunks do not divide the threads (H = 96, 192), the general per-copy addressing
-// (load_tile_async).
+// array's base stays in the kernel's parameters). Where the tile's chunks do not divide the
+// threads (H = 96, 192), the general per-copy addressing (load_tile_async).
 template <class Tile, int THREADS>
 struct TileCopier {
   static constexpr bool kRegular = THREADS % Tile::kChunks == 0 && (THREADS / Tile::kChunks) % 8 == 0 &&
@@ -350,7 +349,7 @@ struct TileCopier {
   uint32_t first = 0;  // element offset of its source from the tile's first row (irregular: 0)
   uint32_t step = 0;   // elements from one copy's source to the next (irregular: a row)
 
-  // Thread `t`'s copies; row_stride · Tile::kRows < 2^31 (AttentionParams::plain_forward):
+  // Thread `t`'s copies; row_stride · Tile::kRows < 2^31 (PlainForwardRefusal):
   // offsets within a tile fit 32 bits.
   __device__ __forceinline__ static TileCopier of(int64_t row_stride, int t) {
     TileCopier c;
@@ -440,20 +439,22 @@ struct PlainForwardKernel {
     return {CeilDiv(p.q_len, BLOCK_Q), p.q_heads, p.batch};
   }
 
-  static_assert(BLOCK_Q == ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM>::BLOCK_Q, "one query block size (the host's rules)");
+  static_assert(BLOCK_Q == ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM>::BLOCK_Q,
+                "one query block size (the host's rules)");
   static_assert(BLOCK_Q == WARPS * WARP_Q && WARP_Q % MMA_M == 0, "each warp owns whole m16 row blocks");
   static_assert(OTile::kBytes <= QTile::kBytes, "O is staged over the Q tile");
   static_assert(kSmemBytes <= kMaxSmemBytes, "plain forward tile does not fit 99 KB of shared memory");
 };
 
-// The plain forward (AttentionParams::plain_forward): a call without any optional feature,
-// whose raw scores the caller has checked finite. Its hot loop does only the attention. The
-// key tiles a query block sees are cut once into the interior ones, where every row of the
-// block sees every key (no mask arithmetic, no test of anything), and those before and after
-// them, which apply the structured mask (lengths, the window placed by the query offset):
-// three loops in key order over one tile step whose masking is a compile-time setting. Copy
-// addresses are computed once per thread (TileCopier). Per tile it computes what the general
-// kernel computes, in the same order: with the same key tile size the two give the same bits.
+// The plain forward (AttentionParams::plain; PlainForwardRefusal says which calls it serves): a
+// call without any optional feature, whose raw scores the caller has checked finite. Its hot
+// loop does only the attention. The key tiles a query block sees are cut once into the
+// interior ones, where every row of the block sees every key (no mask arithmetic, no test of
+// anything), and those before and after them, which apply the structured mask (lengths, the
+// window placed by the query offset): three loops in key order over one tile step whose
+// masking is a compile-time setting. Copy addresses are computed once per thread
+// (TileCopier). Per tile it computes what the general kernel computes, in the same order:
+// with the same key tile size the two give the same bits.
 template <class Elem, int HEAD_DIM, int V_HEAD_DIM>
 __global__ void __launch_bounds__(PlainForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM>::THREADS,
                                   PlainForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM>::MIN_CTAS)

@@ -4,6 +4,7 @@
 namespace jax_flash {
 namespace kernels {
 static_assert(HasOwnShape(Pass::kForward, 96, 96, Layout::kWarp32), "this layout runs another file's kernel");
-template LaunchError LaunchForward<Bf16, 96, 96, Layout::kWarp32, ForwardVariant::kGeneral>(const AttentionParams&, Stream);
+template LaunchError LaunchForward<Bf16, 96, 96, Layout::kWarp32, ForwardVariant::kGeneral>(const AttentionParams&,
+                                                                                            Stream);
 }  // namespace kernels
 }  // namespace jax_flash

@@ -4,7 +4,9 @@
 namespace jax_flash {
 namespace kernels {
 static_assert(HasOwnShape(Pass::kForward, 128, 64, Layout::kWarp16), "this layout runs another file's kernel");
-template LaunchError LaunchForward<F16, 128, 64, Layout::kWarp16, ForwardVariant::kGeneral>(const AttentionParams&, Stream);
-template LaunchError LaunchForward<F16, 128, 64, Layout::kWarp16, ForwardVariant::kPlain>(const AttentionParams&, Stream);
+template LaunchError LaunchForward<F16, 128, 64, Layout::kWarp16, ForwardVariant::kGeneral>(const AttentionParams&,
+                                                                                            Stream);
+template LaunchError LaunchForward<F16, 128, 64, Layout::kWarp16, ForwardVariant::kPlain>(const AttentionParams&,
+                                                                                          Stream);
 }  // namespace kernels
 }  // namespace jax_flash

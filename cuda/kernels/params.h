@@ -96,21 +96,11 @@ struct AttentionParams {
   __host__ __device__ __forceinline__ bool scans_values() const {
     return (kv_splits > 1 || pack_gqa) && bias.data == nullptr;
   }
-  // The forward's finite_scores attribute: the caller's guarantee that every raw score q·k of
-  // the call is finite (jax_flash/cuda.py checks it on every call: q and k finite, and
-  // H·max|q|·max|k| below float32's range). Only then may the plain kernel run, which does not
-  // make ±inf scores NaN (docs/numerical-contract.md): it has none to make.
-  bool finite_scores = false;
-  // Whether the forward runs its plain kernel (kernels/fwd.h): finite scores, and none of the
-  // optional features (soft cap, segment ids, dropout, dense bias or mask, block mask, paging,
-  // the decoding settings); lengths, windows, query offsets and sinks it serves. Its copies
-  // address a key tile's rows in 32 bits: K·H below 2^23 (a 256-key tile below 2^31 elements).
-  __host__ __device__ __forceinline__ bool plain_forward() const {
-    return finite_scores && softcap == 0.0f && !use_segment_ids && dropout_rate == 0.0f && bias.data == nullptr &&
-           mask.data == nullptr && blocks.states == nullptr && page_table == nullptr && kv_splits == 1 && !pack_gqa &&
-           int64_t{kv_heads} * (head_dim > v_head_dim ? head_dim : v_head_dim) < (int64_t{1} << 23);
-
-  }
+  // The forward's plain_kernel attribute (decided by the caller, jax_flash/cuda.py): run the
+  // plain kernel (kernels/fwd.h), which does not make ±inf scores NaN (docs/numerical-contract.md):
+  // the caller found every raw score q·k finite (q and k finite, H·max|q|·max|k| below float32's
+  // range, tested on every call). The handlers refuse it for a call PlainForwardRefusal names.
+  bool plain = false;
   // A paged KV cache (the paged forward target), or null: k and v are then pages
   // [num_pages, page_size, K, H|Hv] shared by the batch, key s of batch row b is slot
   // s % page_size of page page_table[b · max_pages + s / page_size], and kv_len = max_pages ·

@@ -58,7 +58,8 @@ enum class Layout { kWarp16, kWarp32 };
 // The forward's two kernels (kernels/fwd.h), chosen per call at dispatch (kernels/dispatch.h):
 //   kGeneral: every feature a runtime setting of the one kernel;
 //   kPlain:   none of the optional features, scores checked finite by the caller
-//             (AttentionParams::plain_forward): a hot loop that does only the attention.
+//             (AttentionParams::plain, PlainForwardRefusal): a hot loop that does only the
+//             attention.
 enum class ForwardVariant { kGeneral, kPlain };
 
 // Tile sizes of one kernel. Forward and backward dQ: block_q query rows per CTA

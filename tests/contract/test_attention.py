@@ -399,7 +399,7 @@ def test_layout_variable_checked(impl, monkeypatch):
         block_k=np.int64(0),
         pack_gqa=False,
         layout="warp64",
-        finite_scores=False,
+        plain_kernel=False,
     )
     with pytest.raises(Exception, match="layout=warp64 is not a layout"):
         jax.block_until_ready(jax.ffi.ffi_call(target, shapes)(*operands, **attributes))

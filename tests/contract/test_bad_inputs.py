@@ -505,11 +505,11 @@ _HANDLER_SCRIPT = textwrap.dedent(
 
     def own(target, backward=False):
         # Each target's own attributes (cuda/README.md): the CUDA targets' layout (and the
-        # forward's finite_scores); the cpu
+        # forward's plain_kernel); the cpu
         # targets' isa ("": the default ISA of this CPU) and forward_chunks and pack_gqa, or
         # gradient_chunks (0: the rule).
         if "emu" in target:
-            return {"layout": "warp16"} if backward else {"layout": "warp16", "finite_scores": False}
+            return {"layout": "warp16"} if backward else {"layout": "warp16", "plain_kernel": False}
         if backward:
             return {"isa": "", "gradient_chunks": np.int64(0)}
         return {"isa": "", "forward_chunks": np.int64(1), "pack_gqa": False}
@@ -656,6 +656,11 @@ _HANDLER_SCRIPT = textwrap.dedent(
                 "layout_unknown": ("layout=warp64 is not a layout", lambda: fwd(f, o, layout="warp64")),
                 "layout_unknown_backward": ("layout=warp64 is not a layout", lambda: bwd(b, bo, layout="warp64")),
                 "ok_layout_warp32": (None, lambda: fwd(f, o, layout="warp32")),
+                # The plain forward kernel (kernels/fwd.h) is asked for by the caller; a call
+                # with an optional feature is refused by name.
+                "ok_plain_kernel": (None, lambda: fwd(f, o, plain_kernel=True)),
+                "plain_kernel_bias": ("plain_kernel=true needs a call without optional features; this one has a dense bias", lambda: fwd(f, o[:8] + [jnp.zeros((1, N, T, S), F32)] + o[9:], plain_kernel=True)),
+                "plain_kernel_pack_gqa": ("this one has GQA packing", lambda: fwd(f, operands(dt, T=1, K=1), pack_gqa=True, plain_kernel=True)),
                 # Deterministic mode: a bias broadcast over N needs the [B, N, Tb, S] workspace.
                 "ok_bias_deterministic": (None, lambda: bwd(b, bo[:12] + [jnp.zeros((B, 1, T, S), F32)] + bo[13:], dbias=SDS((B, 1, T, S), F32), workspaces=dkv(b, dbias_accum=(B, N, T, S)), deterministic=True)),
                 "dbias_accum_missing": ("dbias_accum", lambda: bwd(b, bo[:12] + [jnp.zeros((B, 1, T, S), F32)] + bo[13:], dbias=SDS((B, 1, T, S), F32), deterministic=True)),

@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import cuda
-
 from cases import Shape, make_qkv
+from jax_flash import cuda
 
 pytestmark = pytest.mark.skipif(
     not jax_flash.current_config().emulate_cuda, reason="counts tiles on the host emulation of the cuda kernels"
@@ -36,9 +35,21 @@ def _emulator_or_skip():
         pytest.skip("the host emulation of the cuda kernels is not built (JAX_FLASH_EMULATOR=ON)")
 
 
-def _forward(q, k, v, *, finite_scores, layout="warp16", q_lengths=None, kv_lengths=None, q_offset=None,
-             window=(-1, -1), sinks=None, scale=0.125):
-    """The emulated forward target called directly, with the finite_scores attribute given."""
+def _forward(
+    q,
+    k,
+    v,
+    *,
+    plain_kernel,
+    layout="warp16",
+    q_lengths=None,
+    kv_lengths=None,
+    q_offset=None,
+    window=(-1, -1),
+    sinks=None,
+    scale=0.125,
+):
+    """The emulated forward target called directly, with the plain_kernel attribute given."""
     b, t, n, _ = q.shape
     s = k.shape[1]
     operands = (
@@ -76,7 +87,7 @@ def _forward(q, k, v, *, finite_scores, layout="warp16", q_lengths=None, kv_leng
         block_k=np.int64(0),
         pack_gqa=False,
         layout=layout,
-        finite_scores=finite_scores,
+        plain_kernel=plain_kernel,
     )
     with cuda.count_tiles() as counts:
         out, lse, *_ = jax.block_until_ready(jax.ffi.ffi_call("jax_flash_emu_fwd", shapes)(*operands, **attributes))
@@ -135,7 +146,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_plain_kernel_equals_general_bitwise(name):
-    """finite_scores=True runs the plain kernel (every forward tile counted as plain), False the
+    """plain_kernel=True runs the plain kernel (every forward tile counted as plain), False the
     general one (none). Where their key tiles are the same size (H <= 192: the general kernel's
     warp16 tiles), the two give the same bits of out and lse; at H = 256 (32-key tiles against
     16) the same values within the dtype's rounding. The plain kernel has one shape whatever the
@@ -145,9 +156,9 @@ def test_plain_kernel_equals_general_bitwise(name):
     shape, settings, band = CASES[name]
     dtype = jnp.bfloat16 if shape.h != 96 else jnp.float16
     q, k, v = make_qkv(shape, dtype, seed=3)
-    out_g, lse_g, general = _forward(q, k, v, finite_scores=False, **settings)
-    out_p, lse_p, plain = _forward(q, k, v, finite_scores=True, **settings)
-    out_w, lse_w, _ = _forward(q, k, v, finite_scores=True, layout="warp32", **settings)
+    out_g, lse_g, general = _forward(q, k, v, plain_kernel=False, **settings)
+    out_p, lse_p, plain = _forward(q, k, v, plain_kernel=True, **settings)
+    out_w, lse_w, _ = _forward(q, k, v, plain_kernel=True, layout="warp32", **settings)
     assert general.forward > 0 and general.forward_plain == 0
     assert plain.forward_plain == plain.forward > 0
     np.testing.assert_array_equal(out_w.view(np.uint16), out_p.view(np.uint16))
@@ -171,7 +182,7 @@ def test_plain_kernel_interior_runs_unmasked():
     _emulator_or_skip()
     shape = Shape(1, 512, 512, 1, 1, 32)
     q, k, v = make_qkv(shape, jnp.bfloat16, seed=4)
-    _, _, counts = _forward(q, k, v, finite_scores=True, window=(-1, 0))
+    _, _, counts = _forward(q, k, v, plain_kernel=True, window=(-1, 0))
     tiles, masked = _tiles(512, 512, 64, band=(None, 0))
     assert (counts.forward_plain, counts.forward_plain_masked) == (tiles, masked)
     assert masked == 8 and tiles == 20  # 2 diagonal tiles per 128-row block
@@ -219,7 +230,7 @@ def test_calls_route_to_the_plain_kernel_only_when_they_may():
     ],
 )
 def test_scores_are_finite(q_value, k_value, finite):
-    """The per-call test behind finite_scores: q and k finite and H·max|q|·max|k| < 2**126,
+    """The per-call test behind plain_kernel: q and k finite and H·max|q|·max|k| < 2**126,
     under jit too."""
     q = jnp.ones((1, 4, 2, 64), jnp.bfloat16).at[0, 1, 1, 5].set(q_value)
     k = jnp.ones((1, 6, 1, 64), jnp.bfloat16).at[0, 3, 0, 7].set(k_value)
@@ -228,9 +239,9 @@ def test_scores_are_finite(q_value, k_value, finite):
 
 
 def test_plain_forward_rule_matches_the_kernels():
-    """cuda.plain_forward (the Python side's rule, which decides whether the per-call test runs)
-    and the kernels' AttentionParams::plain_forward agree: each optional feature alone sends a
-    call whose scores are finite to the general kernel."""
+    """cuda.plain_forward_blocker (the Python side's rule, which decides whether the per-call test
+    runs, and what explain says) and the kernels' AttentionParams::plain_forward agree: each
+    optional feature alone sends a call whose scores are finite to the general kernel."""
     _emulator_or_skip()
     shape = Shape(1, 40, 50, 2, 2, 32)
     q, k, v = make_qkv(shape, jnp.bfloat16, seed=6)
@@ -244,3 +255,6 @@ def test_plain_forward_rule_matches_the_kernels():
         _, counts = _run(q, k, v, **kwargs)
         assert counts.forward > 0, name
         assert (counts.forward_plain > 0) == (name == "none"), name
+        text = str(jax_flash.explain(q, k, v, implementation="cuda", **kwargs))
+        want = "forward: the plain kernel" if name == "none" else "forward: the general kernel (the call has"
+        assert want in text, (name, text)

@@ -196,7 +196,9 @@ TARGETS = {
                 Buffer("partial_out", EMPTY_F32, "float32"),  # [0]: no split-KV
                 Buffer("partial_lse", EMPTY_F32, "float32"),
             ),
-            attributes=dict(COMMON_ATTRIBUTES, pack_gqa=False, finite_scores=False, **POISON_ATTRIBUTES, **CUDA_ATTRIBUTES),
+            attributes=dict(
+                COMMON_ATTRIBUTES, pack_gqa=False, plain_kernel=False, **POISON_ATTRIBUTES, **CUDA_ATTRIBUTES
+            ),
             dtypes=("float16", "bfloat16"),
             emulated=True,
         ),
@@ -209,7 +211,9 @@ TARGETS = {
                 Buffer("partial_out", EMPTY_F32, "float32"),
                 Buffer("partial_lse", EMPTY_F32, "float32"),
             ),
-            attributes=dict(COMMON_ATTRIBUTES, pack_gqa=False, finite_scores=False, **POISON_ATTRIBUTES, **CUDA_ATTRIBUTES),
+            attributes=dict(
+                COMMON_ATTRIBUTES, pack_gqa=False, plain_kernel=False, **POISON_ATTRIBUTES, **CUDA_ATTRIBUTES
+            ),
             dtypes=("float16", "bfloat16"),
             emulated=True,
         ),

@@ -91,7 +91,7 @@ def test_sass_loop_walker():
     ]
     lines += [f"        /*{a:04x}*/                   {text} ;" for a, text in program]
     parsed = sass_loops.parse("\n".join(lines))
-    (arch, name), instructions = next(iter(parsed.items()))
+    (_arch, name), instructions = next(iter(parsed.items()))
     assert name == "kernel" and len(instructions) == len(program)
     loop = sass_loops.key_loop(instructions)
     assert (loop.start, loop.end, loop.hmma, len(loop.instructions)) == (0x10, 0x40, 2, 4)  # fewer instructions

@@ -20,7 +20,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "build" / "device_check.sh"
-STEPS = ["machine", "build", "ptx_selftest", "correctness", "bench", "memcheck", "racecheck"]
+STEPS = ["machine", "build", "ptx_selftest", "correctness", "bench", "profile", "memcheck", "racecheck"]
 # What the device machine brings back from $OUT: at most 8 files with plain names.
 MAX_FILES = 8
 
@@ -44,10 +44,10 @@ def test_plan_caps_sum_within_the_budget(budget):
     proc, caps = _plan(**({} if budget is None else {"DEVICE_CHECK_BUDGET_S": budget}))
     assert proc.returncode == 0, proc.stderr
     assert list(caps) == STEPS  # every step, in priority order
-    limit = int(budget or 480)
+    limit = int(budget or 540)
     assert sum(caps.values()) <= limit and all(c >= 1 for c in caps.values())
     if budget is None:
-        assert sum(caps.values()) == 480  # the default budget is used in full
+        assert sum(caps.values()) == 540  # the default budget is used in full
 
 
 def test_plan_refuses_caps_over_the_budget(tmp_path):
@@ -80,6 +80,7 @@ def test_stubbed_run_records_every_outcome(tmp_path):
         ptx_selftest="echo 'FAIL ex2_approx: 3 mismatches'; exit 1",
         correctness="echo '== 4 passed =='",
         bench="echo 'bench: 2 of 2 cells measured'",
+        profile="echo 'ncu: not found'; exit 77",
         memcheck="echo checking; sleep 60",  # past its 1 s cap
         racecheck="echo 'compute-sanitizer: not found'; exit 77",
     )
@@ -91,6 +92,7 @@ def test_stubbed_run_records_every_outcome(tmp_path):
         "ptx_selftest": "failed",
         "correctness": "passed",
         "bench": "passed",
+        "profile": "skipped",
         "memcheck": "cut",
         "racecheck": "skipped",
     }
@@ -113,6 +115,7 @@ def test_stubbed_run_records_every_outcome(tmp_path):
     files = sorted(p.name for p in out.iterdir())
     assert len(files) <= MAX_FILES and all(re.fullmatch(r"[A-Za-z0-9._-]+", f) for f in files), files
     assert "machine.log" not in files
+    assert data["profile"] == "ncu: not found" and "profile.log" not in files  # the profile's text is in the JSON
 
 
 def test_stubbed_run_elastic_steps_take_unused_time(tmp_path):
@@ -124,13 +127,14 @@ def test_stubbed_run_elastic_steps_take_unused_time(tmp_path):
         ptx_selftest="true",
         correctness='echo "limit $STEP_LIMIT"',
         bench='echo "limit $STEP_LIMIT"',
+        profile="true",
         memcheck="true",
         racecheck="true",
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((out / "device_check.json").read_text())
     by = {s["step"]: s for s in data["steps"]}
-    later = by["memcheck"]["cap_s"] + by["racecheck"]["cap_s"]
+    later = by["profile"]["cap_s"] + by["memcheck"]["cap_s"] + by["racecheck"]["cap_s"]
     # Nothing used its time: correctness gets all but the later steps' caps, and so does bench.
     # (less the seconds the stubs before took).
     assert by["correctness"]["limit_s"] >= 20 - later - by["bench"]["cap_s"] - 3 > by["correctness"]["cap_s"]
@@ -151,6 +155,7 @@ def test_failed_build_skips_the_steps_that_need_it(tmp_path):
         ptx_selftest="echo PASS",
         correctness="echo ran",
         bench="echo ran",
+        profile="echo ran",
         memcheck="echo ran",
         racecheck="echo ran",
     )
@@ -158,7 +163,7 @@ def test_failed_build_skips_the_steps_that_need_it(tmp_path):
     states = {s["step"]: (s["state"], s["note"]) for s in json.loads((out / "device_check.json").read_text())["steps"]}
     assert states["build"] == ("failed", "nvcc: error")
     assert states["ptx_selftest"][0] == "passed"  # does not need the build
-    for step in ("correctness", "bench", "memcheck", "racecheck"):
+    for step in ("correctness", "bench", "profile", "memcheck", "racecheck"):
         assert states[step] == ("skipped", "needs the build, which failed")
         assert not (out / f"{step}.log").exists()
     assert not (out / "bench.json").exists()
@@ -171,6 +176,7 @@ def test_a_stopped_run_leaves_its_summary(tmp_path):
         ptx_selftest="true",
         correctness="echo started; sleep 60",
         bench="true",
+        profile="true",
         memcheck="true",
         racecheck="true",
     )
@@ -196,6 +202,7 @@ def test_a_stopped_run_leaves_its_summary(tmp_path):
         "ptx_selftest": "passed",
         "correctness": "cut",
         "bench": "skipped",
+        "profile": "skipped",
         "memcheck": "skipped",
         "racecheck": "skipped",
     }
