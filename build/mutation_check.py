@@ -388,6 +388,7 @@ MUTATIONS = [
         "      ptx::cp_async_commit_group();\n",
         "      \n",
         FWD,
+        count=3,  # the general kernel's; the plain forward has two more (its own mutations below)
         what="forward: the loop's copy not committed (the wait then covers the wrong groups)",
     ),
     Mutation(
@@ -741,7 +742,18 @@ MUTATIONS = [
         "if constexpr (!K::kHvIsH) __syncthreads();",
         "",
         HV,
+        count=2,
         what="forward, Hv < H: O staged over Q rows another warp may still be reading",
+    ),
+    Mutation(
+        "hv_plain_o_staging_barrier",
+        K + "fwd.h",
+        "if constexpr (!K::kHvIsH) __syncthreads();",
+        "",
+        "test_cuda_plain or (" + HV + ")",
+        count=2,
+        nth=2,
+        what="plain forward, Hv < H: O staged over Q rows another warp may still be reading",
     ),
     Mutation(
         "hv_dp_k_steps",
@@ -974,6 +986,16 @@ MUTATIONS = [
         "const bool inside = row0 + i * kRowStep <= rows_valid;",
         PLAIN,
         what="plain forward: the last key tile's copies read one row past the keys",
+    ),
+    Mutation(
+        "plain_v_commit",
+        K + "fwd.h",
+        "      ptx::cp_async_commit_group();\n",
+        "      \n",
+        PLAIN,
+        count=3,
+        nth=2,
+        what="plain forward: V's copy not committed (the wait before O += P·V then covers nothing)",
     ),
     Mutation(
         "plain_v_wait",

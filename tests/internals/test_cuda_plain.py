@@ -255,6 +255,6 @@ def test_plain_forward_rule_matches_the_kernels():
         _, counts = _run(q, k, v, **kwargs)
         assert counts.forward > 0, name
         assert (counts.forward_plain > 0) == (name == "none"), name
-        text = str(jax_flash.explain(q, k, v, implementation="cuda", **kwargs))
+        text = str(jax_flash.explain(q, k, v, implementation="cuda", verbose=True, **kwargs))
         want = "forward: the plain kernel" if name == "none" else "forward: the general kernel (the call has"
         assert want in text, (name, text)
