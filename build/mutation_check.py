@@ -974,8 +974,8 @@ MUTATIONS = [
     Mutation(
         "plain_check_skipped",
         "jax_flash/cuda.py",
-        "unpoisoned = lambda: lax.cond(scores_are_finite(q, k), plain, general)",
-        "unpoisoned = plain",
+        "case = jnp.where(jnp.any(bad_v), 0, jnp.where(scores_are_finite(q, k), 1, 2))",
+        "case = jnp.where(jnp.any(bad_v), 0, 1)",
         PLAIN + " or (cuda and nonfinite)",
         what="plain forward: run without the per-call check that every score is finite",
     ),

@@ -523,13 +523,6 @@ class CudaImplementation:
             # (kernels/nonfinite.h): a decode step reads K and V once.
             return call(spec, q, k, v, masks)
         bad_v = nonfinite_rows(v)  # [B, S, K], or [num_pages, page_size, K]
-        unpoisoned = lambda: call(spec, q, k, v, masks)
-        if plain_forward_blocker(spec, paged=page_table is not None) is None:
-            # The plain kernel where every score is finite (tested here, on every call: one
-            # reduction over q and one over k), the general one where a score may be ±inf.
-            plain = lambda: call(spec, q, k, v, masks, plain_kernel=True)
-            general = unpoisoned
-            unpoisoned = lambda: lax.cond(scores_are_finite(q, k), plain, general)
 
         def poisoned():
             out, lse = call(spec, q, k, finite_part(v), masks)
@@ -541,7 +534,15 @@ class CudaImplementation:
         # Only a call whose v holds a non-finite value pays for the finite copy of V and the
         # flags call: the others read V once for the test and once in the kernel (a decode
         # step's traffic is then K + 2V instead of K + 3V).
-        return lax.cond(jnp.any(bad_v), poisoned, unpoisoned)
+        general = lambda: call(spec, q, k, v, masks)
+        if plain_forward_blocker(spec, paged=page_table is not None) is not None:
+            return lax.cond(jnp.any(bad_v), poisoned, general)
+        # A call the plain kernel serves runs it where every score is finite (tested here, on
+        # every call: one reduction over q and one over k), the general kernel where a score
+        # may be ±inf; one conditional for the three cases.
+        plain = lambda: call(spec, q, k, v, masks, plain_kernel=True)
+        case = jnp.where(jnp.any(bad_v), 0, jnp.where(scores_are_finite(q, k), 1, 2))
+        return lax.switch(case, (poisoned, plain, general))
 
     def _sees(self, call, spec, flags, masks, dtype):
         """Bool [B, T, N]: the row sees a key whose flag is set. The kernels on q = k = 0
