@@ -331,3 +331,64 @@ def max_err(x, ref) -> float:
     if not finite.any():
         return 0.0
     return float(np.max(np.abs(x[finite] - ref[finite])))
+
+
+def cuda_forward_target(
+    target,
+    q,
+    k,
+    v,
+    *,
+    layout="warp16",
+    plain_kernel=False,
+    q_lengths=None,
+    kv_lengths=None,
+    q_offset=None,
+    window=(-1, -1),
+    sinks=None,
+    scale=0.125,
+):
+    """A direct call of a CUDA forward FFI target (`jax_flash_fwd` or the emulated
+    `jax_flash_emu_fwd`; cuda/README.md): every mask operand at its "none" value unless given,
+    no split-KV, results poisoned before the kernels run. Returns (out, lse)."""
+    b, t, n, _ = q.shape
+    s = k.shape[1]
+    operands = (
+        q,
+        k,
+        v,
+        jnp.full((b,), t, jnp.int32) if q_lengths is None else jnp.asarray(q_lengths, jnp.int32),
+        jnp.full((b,), s, jnp.int32) if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32),
+        jnp.zeros((b, t), jnp.int32),
+        jnp.zeros((b, s), jnp.int32),
+        jnp.zeros((b,), jnp.int32) if q_offset is None else jnp.asarray(q_offset, jnp.int32),
+        jnp.zeros((0,), jnp.float32),  # bias, mask: none
+        jnp.zeros((0,), jnp.bool_),
+        jnp.zeros((0,), jnp.int8),  # block_states, block_slots, block_bits: no block mask
+        jnp.zeros((0,), jnp.int32),
+        jnp.zeros((0,), jnp.uint32),
+        jnp.full((n,), -jnp.inf, jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32),
+        jnp.zeros((2,), jnp.uint32),
+    )
+    shapes = (
+        jax.ShapeDtypeStruct((b, t, n, v.shape[-1]), q.dtype),
+        jax.ShapeDtypeStruct((b, n, t), jnp.float32),
+        jax.ShapeDtypeStruct((0,), jnp.float32),  # partial_out, partial_lse: no split-KV
+        jax.ShapeDtypeStruct((0,), jnp.float32),
+    )
+    attributes = dict(
+        scale=np.float32(scale),
+        window_left=np.int64(window[0]),
+        window_right=np.int64(window[1]),
+        softcap=np.float32(0),
+        use_segment_ids=False,
+        dropout_rate=np.float32(0),
+        poison_outputs=True,
+        block_q=np.int64(0),
+        block_k=np.int64(0),
+        pack_gqa=False,
+        layout=layout,
+        plain_kernel=plain_kernel,
+    )
+    out, lse, *_ = jax.ffi.ffi_call(target, shapes)(*operands, **attributes)
+    return out, lse

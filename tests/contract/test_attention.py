@@ -25,6 +25,7 @@ from cases import (
     TILE_EDGE_KINDS,
     Case,
     Shape,
+    cuda_forward_target,
     make_qkv,
     make_sinks,
     mask_kwargs,
@@ -362,47 +363,9 @@ def test_layout_variable_checked(impl, monkeypatch):
     before = np.asarray(jax.block_until_ready(compiled(q, k, v)))
     monkeypatch.setenv("JAX_FLASH_CUDA_LAYOUT", "warp64")
     np.testing.assert_array_equal(np.asarray(compiled(q, k, v)).view(np.uint16), before.view(np.uint16))
-    b, t, n, _ = q.shape
     target = ("jax_flash_emu" if jax_flash.current_config().emulate_cuda else "jax_flash") + "_fwd"
-    operands = (
-        q,
-        k,
-        v,
-        jnp.full((b,), t, jnp.int32),
-        jnp.full((b,), t, jnp.int32),
-        jnp.zeros((b, t), jnp.int32),
-        jnp.zeros((b, t), jnp.int32),
-        jnp.zeros((b,), jnp.int32),
-        jnp.zeros((0,), jnp.float32),
-        jnp.zeros((0,), jnp.bool_),
-        jnp.zeros((0,), jnp.int8),  # block_states, block_slots, block_bits: no block mask
-        jnp.zeros((0,), jnp.int32),
-        jnp.zeros((0,), jnp.uint32),
-        jnp.full((n,), -jnp.inf, jnp.float32),
-        jnp.zeros((2,), jnp.uint32),
-    )
-    shapes = (
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
-        jax.ShapeDtypeStruct((b, n, t), jnp.float32),
-        jax.ShapeDtypeStruct((0,), jnp.float32),
-        jax.ShapeDtypeStruct((0,), jnp.float32),
-    )
-    attributes = dict(
-        scale=np.float32(0.125),
-        window_left=np.int64(-1),
-        window_right=np.int64(-1),
-        softcap=np.float32(0),
-        use_segment_ids=False,
-        dropout_rate=np.float32(0),
-        poison_outputs=True,
-        block_q=np.int64(0),
-        block_k=np.int64(0),
-        pack_gqa=False,
-        layout="warp64",
-        plain_kernel=False,
-    )
     with pytest.raises(Exception, match="layout=warp64 is not a layout"):
-        jax.block_until_ready(jax.ffi.ffi_call(target, shapes)(*operands, **attributes))
+        jax.block_until_ready(cuda_forward_target(target, q, k, v, layout="warp64"))
 
 
 def test_query_offset_traced_and_vmapped(impl):

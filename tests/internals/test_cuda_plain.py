@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from cases import Shape, make_qkv
+from cases import Shape, cuda_forward_target, make_qkv
 from jax_flash import cuda
 
 pytestmark = pytest.mark.skipif(
@@ -35,62 +35,13 @@ def _emulator_or_skip():
         pytest.skip("the host emulation of the cuda kernels is not built (JAX_FLASH_EMULATOR=ON)")
 
 
-def _forward(
-    q,
-    k,
-    v,
-    *,
-    plain_kernel,
-    layout="warp16",
-    q_lengths=None,
-    kv_lengths=None,
-    q_offset=None,
-    window=(-1, -1),
-    sinks=None,
-    scale=0.125,
-):
-    """The emulated forward target called directly, with the plain_kernel attribute given."""
-    b, t, n, _ = q.shape
-    s = k.shape[1]
-    operands = (
-        q,
-        k,
-        v,
-        jnp.full((b,), t, jnp.int32) if q_lengths is None else jnp.asarray(q_lengths, jnp.int32),
-        jnp.full((b,), s, jnp.int32) if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32),
-        jnp.zeros((b, t), jnp.int32),
-        jnp.zeros((b, s), jnp.int32),
-        jnp.zeros((b,), jnp.int32) if q_offset is None else jnp.asarray(q_offset, jnp.int32),
-        jnp.zeros((0,), jnp.float32),
-        jnp.zeros((0,), jnp.bool_),
-        jnp.zeros((0,), jnp.int8),
-        jnp.zeros((0,), jnp.int32),
-        jnp.zeros((0,), jnp.uint32),
-        jnp.full((n,), -jnp.inf, jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32),
-        jnp.zeros((2,), jnp.uint32),
-    )
-    shapes = (
-        jax.ShapeDtypeStruct((b, t, n, v.shape[-1]), q.dtype),
-        jax.ShapeDtypeStruct((b, n, t), jnp.float32),
-        jax.ShapeDtypeStruct((0,), jnp.float32),
-        jax.ShapeDtypeStruct((0,), jnp.float32),
-    )
-    attributes = dict(
-        scale=np.float32(scale),
-        window_left=np.int64(window[0]),
-        window_right=np.int64(window[1]),
-        softcap=np.float32(0),
-        use_segment_ids=False,
-        dropout_rate=np.float32(0),
-        poison_outputs=True,
-        block_q=np.int64(0),
-        block_k=np.int64(0),
-        pack_gqa=False,
-        layout=layout,
-        plain_kernel=plain_kernel,
-    )
+def _forward(q, k, v, *, plain_kernel, **settings):
+    """The emulated forward target called directly, with the plain_kernel attribute given:
+    (out, lse, the tiles counted)."""
     with cuda.count_tiles() as counts:
-        out, lse, *_ = jax.block_until_ready(jax.ffi.ffi_call("jax_flash_emu_fwd", shapes)(*operands, **attributes))
+        out, lse = jax.block_until_ready(
+            cuda_forward_target("jax_flash_emu_fwd", q, k, v, plain_kernel=plain_kernel, **settings)
+        )
     return np.asarray(out), np.asarray(lse), counts
 
 
