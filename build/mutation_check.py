@@ -742,18 +742,7 @@ MUTATIONS = [
         "if constexpr (!K::kHvIsH) __syncthreads();",
         "",
         HV,
-        count=2,
         what="forward, Hv < H: O staged over Q rows another warp may still be reading",
-    ),
-    Mutation(
-        "hv_plain_o_staging_barrier",
-        K + "fwd.h",
-        "if constexpr (!K::kHvIsH) __syncthreads();",
-        "",
-        "test_cuda_plain or (" + HV + ")",
-        count=2,
-        nth=2,
-        what="plain forward, Hv < H: O staged over Q rows another warp may still be reading",
     ),
     Mutation(
         "hv_dp_k_steps",

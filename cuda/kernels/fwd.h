@@ -587,8 +587,8 @@ __global__ void __launch_bounds__(PlainForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM>
     for (; tile < tile_end; ++tile) step(tile, Masked{}, Checked{});
     ptx::cp_async_wait_group<0>();
   }
-  // With Hv < H, O's rows are narrower than Q's: a warp's O rows overlap another warp's Q rows.
-  if constexpr (!K::kHvIsH) __syncthreads();
+  // O is staged over Q (with Hv < H a warp's O rows overlap another warp's Q rows): every warp
+  // has read Q for the last time before the last tile's second barrier, so none is needed here.
 
   // The rows' addresses from the grid index read again (held across the loops they would take
   // registers the key loop needs).
