@@ -977,6 +977,15 @@ MUTATIONS = [
         what="plain forward: the last key tile's copies read one row past the keys",
     ),
     Mutation(
+        "plain_heaviest_first_off",
+        K + "fwd.h",
+        "return grid.blocks - 1 - at.block;",
+        "return at.block;",
+        PLAIN,
+        kind="speed",
+        what="plain forward: query blocks launched first to last (the order only: the same results)",
+    ),
+    Mutation(
         "plain_v_commit",
         K + "fwd.h",
         "      ptx::cp_async_commit_group();\n",

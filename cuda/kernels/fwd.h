@@ -438,6 +438,12 @@ struct PlainForwardKernel {
   __host__ __device__ static FoldedGrid grid(const AttentionParams& p) {
     return {CeilDiv(p.q_len, BLOCK_Q), p.q_heads, p.batch};
   }
+  // The query block of a CTA: the last first. Under a causal mask the last blocks see the most
+  // keys; launched first, they leave the short ones to fill the last wave (FlashAttention-2's
+  // order). The same work either way otherwise.
+  __device__ __forceinline__ static int query_block(const FoldedGrid& grid, const GridIndex& at) {
+    return grid.blocks - 1 - at.block;
+  }
 
   static_assert(BLOCK_Q == ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM>::BLOCK_Q,
                 "one query block size (the host's rules)");
@@ -464,7 +470,7 @@ __global__ void __launch_bounds__(PlainForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM>
   const FoldedGrid grid = K::grid(p);
   const GridIndex at = grid.index();
   if (!grid.contains(at)) return;
-  const int q_block = at.block, batch = at.batch, head = at.head;
+  const int q_block = K::query_block(grid, at), batch = at.batch, head = at.head;
   const int warp = static_cast<int>(threadIdx.x) / WARP_SIZE, lane = static_cast<int>(threadIdx.x) % WARP_SIZE;
   const int kv_head = head / (p.q_heads / p.kv_heads);
   const int t0 = q_block * K::BLOCK_Q;
@@ -557,7 +563,7 @@ __global__ void __launch_bounds__(PlainForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM>
           // loop needs.
           const GridIndex here = K::grid(p).index_again();
           const Mask edge = Mask::of(p, here.batch);
-          const int rows_t0 = here.block * K::BLOCK_Q + warp * K::WARP_Q + MMA_M * rb;
+          const int rows_t0 = K::query_block(K::grid(p), here) * K::BLOCK_Q + warp * K::WARP_Q + MMA_M * rb;
           if (!edge.is_interior(rows_t0, MMA_M, tile * K::BLOCK_KV, K::BLOCK_KV, true))
             mask_fragment_band(s[rb], edge, rows_t0, tile * K::BLOCK_KV, lane);
         }
@@ -593,7 +599,8 @@ __global__ void __launch_bounds__(PlainForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM>
   // The rows' addresses from the grid index read again (held across the loops they would take
   // registers the key loop needs).
   const GridIndex here = grid.index_again();
-  const ForwardRows rows = ForwardRows::of<K::kHvIsH>(p, here.batch, here.head, here.block * K::BLOCK_Q);
+  const ForwardRows rows =
+      ForwardRows::of<K::kHvIsH>(p, here.batch, here.head, K::query_block(grid, here) * K::BLOCK_Q);
   JAX_FLASH_UNROLL
   for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) {
     float lse[2];
