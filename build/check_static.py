@@ -125,15 +125,12 @@ def smem_bytes_per_mma(kind: str, t: dict) -> float:
         "attention_forward_plain_kernel",
     ):  # S = Q·Kᵀ (R A-loads + KV/16 B-loads per k-step), O += P·V
         loads = (h // 16) * (r + kv // 16) + (kv // 16) * (hv // 16)
-        mmas = r * (h // 16) * (kv // 8) + r * (kv // 16) * (hv // 8)
     elif kind == "attention_backward_kernel":  # Sᵀ (over H), dPᵀ (over Hv); dV, dK (its columns); the dQ share
         dq_cols = t["dq_cols"]
         loads = ((h + hv) // 16) * (1 + q // 16) + (q // 16) * ((hc + hvc) // 16) + (kv // 16) * (1 + dq_cols // 16)
-        mmas = ((h + hv) // 16) * (q // 8) + (q // 16) * ((hc + hvc) // 8) + (kv // 16) * (dq_cols // 8)
     else:  # deterministic dQ: S (over H), dP (over Hv), dQ += dS·K
         loads = ((h + hv) // 16) * (1 + kv // 16) + (kv // 16) * (h // 16)
-        mmas = ((h + hv) // 16) * (kv // 8) + (kv // 16) * (h // 8)
-    return LDMATRIX_X4_BYTES * loads / mmas
+    return LDMATRIX_X4_BYTES * loads / hmma_per_step(kind, t)
 
 
 def occupancy(arch: int, regs: int, threads: int, smem: int) -> int:
@@ -257,10 +254,11 @@ def sass_dump(obj: pathlib.Path, cuobjdump: str) -> str:
     ).stdout
 
 
-def key_loops(text: str) -> dict:
-    """{(arch, kind): the key loop's instructions (build/sass_loops.py)} of the main kernels."""
+def key_loops(functions: dict) -> dict:
+    """{(arch, kind): (the key loop, the function's instructions)} of the main kernels, from
+    sass_loops.parse's {(arch, function): instructions}."""
     out = {}
-    for (arch, func), instructions in sass_loops.parse(text).items():
+    for (arch, func), instructions in functions.items():
         kind = demangle_kind(func)
         if kind in MAIN_KERNELS:
             loop = sass_loops.key_loop(instructions)
@@ -285,21 +283,12 @@ def loop_budget(kind: str, head_dim: int, v_head_dim: int) -> dict | None:
     return KEY_LOOP_BUDGETS.get((kind, head_dim, v_head_dim))
 
 
-def sass_opcodes(text: str) -> dict:
-    """{(arch, kind): set of SASS opcodes with modifiers}."""
-    out, arch, func = {}, None, None
-    for line in text.splitlines():
-        m = re.match(r"\s*arch = sm_(\d+)", line)
-        if m:
-            arch = int(m.group(1))
-        m = re.match(r"\s*Function : (\S+)", line)
-        if m:
-            func = demangle_kind(m.group(1))
-            out.setdefault((arch, func), set())
-            continue
-        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
-        if m and func:
-            out[(arch, func)].add(m.group(1))
+def sass_opcodes(functions: dict) -> dict:
+    """{(arch, kind): set of SASS opcodes with modifiers}, from sass_loops.parse's
+    {(arch, function): instructions}."""
+    out: dict = {}
+    for (arch, func), instructions in functions.items():
+        out.setdefault((arch, demangle_kind(func)), set()).update(i.opcode for i in instructions)
     return out
 
 
@@ -475,9 +464,9 @@ def main() -> int:
         for src in sources:
             obj = objs[src]
             usage = resource_usage(obj, cuobjdump)
-            dump = sass_dump(obj, cuobjdump)
-            sass = sass_opcodes(dump)
-            loops = key_loops(dump)
+            functions = sass_loops.parse(sass_dump(obj, cuobjdump))
+            sass = sass_opcodes(functions)
+            loops = key_loops(functions)
             spills = ptxas_spills(logs.get(src, ""))
             if ptx_has_wmma(obj, cuobjdump):
                 problems.append(f"{src.name}: the PTX contains wmma instructions")
