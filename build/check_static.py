@@ -90,21 +90,27 @@ LDMATRIX_X4_BYTES = 512  # one ldmatrix .x4: four 8x8 matrices of 16-bit element
 # measured with nvcc 13.0 plus 0.1, a regression guard: a compare and select per score adds
 # 0.5 per HMMA or more. The general kernels' figures are printed, not held. The targets are
 # lower (cuda/README.md, "The plain forward"): <= 4.0 instructions and <= 0.32 LDSM per HMMA at
-# H = 128 with 2 CTAs per SM on sm_80 / sm_90, which the 4-warp, 32-row tiles reach at H <= 64
-# (at H = 96 and 128 they would need ~300 registers: 8 warps of 16 rows run there).
+# H = 128 with 2 CTAs per SM on sm_80 / sm_90. The first holds (3.92, 3.93: the budget is the
+# target there); the 4-warp, 32-row tiles that reach the other two at H <= 64 spill at H = 96
+# and 128 (O 128 and S 64 registers with the fragments in flight): 8 warps of 16 rows run there.
 _MEASURED_PER_HMMA = {  # (H, Hv): {arch: instructions per HMMA of the plain forward's key loop}
-    (32, 32): {80: 9.89, 90: 9.89, 100: 9.38, 120: 10.11},
-    (64, 64): {80: 6.02, 90: 6.04, 100: 5.79, 120: 6.49},
-    (96, 96): {80: 5.12, 90: 5.10, 100: 5.06, 120: 5.69},
-    (128, 128): {80: 4.51, 90: 4.47, 100: 4.40, 120: 5.02},
-    (128, 64): {80: 5.10, 90: 5.07, 100: 4.95, 120: 5.58},
-    (192, 192): {80: 5.71, 90: 5.80, 100: 5.79, 120: 6.43},
-    (192, 128): {80: 6.16, 90: 6.30, 100: 6.25, 120: 6.91},
-    (256, 256): {80: 5.33, 90: 5.41, 100: 5.34, 120: 5.93},
+    (32, 32): {80: 8.41, 90: 8.41, 100: 7.86, 120: 8.58},
+    (64, 64): {80: 5.18, 90: 5.19, 100: 4.93, 120: 5.59},
+    (96, 96): {80: 4.50, 90: 4.50, 100: 4.45, 120: 5.09},
+    (128, 128): {80: 3.92, 90: 3.93, 100: 3.78, 120: 4.37},
+    (128, 64): {80: 4.33, 90: 4.33, 100: 4.15, 120: 4.74},
+    (192, 192): {80: 5.22, 90: 5.29, 100: 5.28, 120: 5.97},
+    (192, 128): {80: 5.50, 90: 5.62, 100: 5.53, 120: 6.15},
+    (256, 256): {80: 4.88, 90: 4.92, 100: 4.77, 120: 5.34},
 }
+# Where the target itself is below the regression guard, the target is the budget.
+_TARGET_PER_HMMA = {(128, 128): {80: 4.0, 90: 4.0}}
 KEY_LOOP_BUDGETS = {
     ("attention_forward_plain_kernel", h, hv): dict(
-        per_hmma={arch: round(x + 0.1, 2) for arch, x in measured.items()},
+        per_hmma={
+            arch: min(round(x + 0.1, 2), _TARGET_PER_HMMA.get((h, hv), {}).get(arch, 99.0))
+            for arch, x in measured.items()
+        },
         # 4 warps of 32 rows (H <= 64): each K and V fragment feeds 4 mma.sync; 8 warps of 16: 2.
         ldsm_per_hmma=0.32 if h <= 64 else 0.66,
         branches=2,

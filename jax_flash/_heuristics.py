@@ -21,6 +21,8 @@ were compiled; the rules' own thresholds are here only.
 
 from __future__ import annotations
 
+import struct
+
 from jax_flash._spec import AttentionSpec
 
 # ---- shared -------------------------------------------------------------------------------
@@ -278,11 +280,21 @@ def cuda_layout_description(spec: AttentionSpec) -> str:
     return f"layout warp32: forward {fwd}, backward {bwd}"
 
 
+def _float32(x: float) -> float:
+    """x rounded to float32, as the kernels receive the scale (±inf beyond its range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return x * float("inf")
+
+
 def cuda_plain_forward_blocker(spec: AttentionSpec, sms: int, paged: bool = False) -> str | None:
     """Why a forward call may not run the cuda plain kernel (kernels/fwd.h), or None when it may.
     It serves none of the optional features (soft cap, segment ids, dropout, dense bias or mask,
     a flex block mask, paging, split-KV, GQA packing; lengths, windows, query offsets and sinks
-    it serves), and addresses a key tile's rows in 32 bits (K·max(H, Hv) < 2**23). A call it
+    it serves), has a scale in [2**-126, 2**127) (its softmax works on raw scores with the
+    scale inside the exponent, which a zero, negative or subnormal scale would break), and
+    addresses a key tile's rows in 32 bits (K·max(H, Hv) < 2**23). A call it
     serves runs it when its scores are finite (jax_flash/cuda.py tests that on every call) and
     passes `plain_kernel=True`; the handlers refuse that for a call this rule refuses
     (PlainForwardRefusal, kernels/dispatch.h)."""
@@ -296,6 +308,7 @@ def cuda_plain_forward_blocker(spec: AttentionSpec, sms: int, paged: bool = Fals
         (paged, "a paged cache"),
         (cuda_split_kv_chunks(spec, sms) > 1, "split-KV"),
         (cuda_packs_heads(spec), "GQA packing"),
+        (not 2.0**-126 <= _float32(spec.scale) < 2.0**127, "a scale outside [2**-126, 2**127)"),
         (spec.num_kv_heads * max(spec.head_dim, spec.v_head_dim) >= 2**23, "K·max(H, Hv) >= 2**23"),
     )
     return next((why for blocked, why in blockers if blocked), None)

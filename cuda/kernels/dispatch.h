@@ -6,6 +6,8 @@
 // the kWarp16 instantiation.
 #pragma once
 
+#include <cfloat>
+
 #include <string>
 #include <string_view>
 
@@ -93,10 +95,14 @@ LaunchError BackwardFor(Layout layout, const AttentionParams& p, bool determinis
 
 // What keeps a call from the plain forward (kernels/fwd.h), or null: it serves none of the
 // optional features (soft cap, segment ids, dropout, dense bias or mask, block mask, paging,
-// split-KV, GQA packing), and its copies address a key tile's rows in 32 bits (K·max(H, Hv)
-// below 2^23: a 256-key tile below 2^31 elements). jax_flash/cuda.py decides with the same rule
-// (_heuristics.cuda_plain_forward_blocker); the handlers refuse a plain_kernel call it breaks.
+// split-KV, GQA packing), its scale is a positive normal float32 below 2^127 (its softmax
+// works on raw scores with exp_scale = scale·log2 e, which must be finite and nonzero: a masked
+// score's −inf times it must stay −inf), and its copies address a key tile's rows in 32 bits
+// (K·max(H, Hv) below 2^23: a 256-key tile below 2^32 bytes). jax_flash/cuda.py decides with
+// the same rule (_heuristics.cuda_plain_forward_blocker); the handlers refuse a plain_kernel
+// call it breaks.
 inline const char* PlainForwardRefusal(const AttentionParams& p) {
+  if (!(p.scale >= FLT_MIN && p.scale < 0x1p127f)) return "a scale outside [2^-126, 2^127)";
   if (p.softcap != 0.0f) return "a soft cap";
   if (p.use_segment_ids) return "segment ids";
   if (p.dropout_rate != 0.0f) return "dropout";

@@ -332,64 +332,73 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
   }
 }
 
-// One thread's share of the cp.async copies of a whole tile, its addresses computed once: with
-// THREADS a multiple of 8 rows' worth of chunks, copy i of a thread moves the same chunk of row
-// row0 + i·kRowStep, whose swizzle is row0's (it repeats every 8 rows), so each copy is one
-// immediate shared offset and one global step away from the last. Held across the key loop:
-// a shared offset and, in elements, the offset of the thread's first copy and the step (the
-// array's base stays in the kernel's parameters). Where the tile's chunks do not divide the
-// threads (H = 96, 192), the general per-copy addressing (load_tile_async).
+// One thread's share of the cp.async copies of consecutive tiles of one array, held as a
+// running source pointer: with THREADS a multiple of 8 rows' worth of chunks, copy i of a
+// thread moves the same chunk of row row0 + i·kRowStep, whose swizzle is row0's (it repeats
+// every 8 rows), so each copy is one immediate shared offset and one 32-bit step away from the
+// last, and the next tile one 32-bit step away from this one. Held across the key loop: the
+// pointer, the two steps and a shared offset, nothing per copy. Where the tile's chunks do not
+// divide the threads (H = 96, 192), the general per-copy addressing (load_tile_async) from the
+// tile's first row.
 template <class Tile, int THREADS>
 struct TileCopier {
   static constexpr bool kRegular = THREADS % Tile::kChunks == 0 && (THREADS / Tile::kChunks) % 8 == 0 &&
                                    (Tile::kRows * Tile::kChunks) % THREADS == 0;
   static constexpr int kRowStep = kRegular ? THREADS / Tile::kChunks : 1;
   static constexpr int kCopies = Tile::kRows * Tile::kChunks / THREADS;
-  int smem = 0;        // byte offset of the thread's first copy in the tile
-  uint32_t first = 0;  // element offset of its source from the tile's first row (irregular: 0)
-  uint32_t step = 0;   // elements from one copy's source to the next (irregular: a row)
+  const char* src;     // the thread's first copy of the next tile (irregular: the tile's first row)
+  uint32_t step;       // bytes from one copy's source to the next (irregular: a row, in elements)
+  uint32_t tile_step;  // bytes from one tile's first row to the next's
+  int smem;            // byte offset of the thread's first copy in the tile
+  int row0;            // the tile row of its first copy
 
-  // Thread `t`'s copies; row_stride · Tile::kRows < 2^31 (PlainForwardRefusal):
-  // offsets within a tile fit 32 bits.
-  __device__ __forceinline__ static TileCopier of(int64_t row_stride, int t) {
+  // Thread `t`'s copies of the tiles from `first_row` on; row_stride · Tile::kRows · 2 < 2^32
+  // (PlainForwardRefusal): the steps fit 32 bits.
+  __device__ __forceinline__ static TileCopier of(const uint16_t* first_row, int64_t row_stride, int t) {
     TileCopier c;
     const uint32_t stride = static_cast<uint32_t>(row_stride);
+    c.tile_step = Tile::kRows * stride * 2u;
     if constexpr (kRegular) {
-      c.smem = Tile::chunk_offset(t / Tile::kChunks, t % Tile::kChunks);
-      c.first = (t / Tile::kChunks) * stride + (t % Tile::kChunks) * 8;
-      c.step = kRowStep * stride;
+      c.row0 = t / Tile::kChunks;
+      c.smem = Tile::chunk_offset(c.row0, t % Tile::kChunks);
+      c.src = reinterpret_cast<const char*>(first_row + (c.row0 * stride + (t % Tile::kChunks) * 8));
+      c.step = kRowStep * stride * 2u;
     } else {
+      c.row0 = 0;
+      c.smem = 0;
+      c.src = reinterpret_cast<const char*>(first_row);
       c.step = stride;
     }
     return c;
   }
 
-  // The tile whose first row is at `rows`, every row inside the array: the hot loop's copies,
-  // with nothing to test.
-  __device__ __forceinline__ void copy_full(char* tile, const uint16_t* rows) const {
+  // The next tile, every row inside the array: the hot loop's copies, with nothing to test.
+  __device__ __forceinline__ void copy_full(char* tile) {
     if constexpr (kRegular) {
+      const char* from = src;
       JAX_FLASH_UNROLL
-      for (int i = 0; i < kCopies; ++i)
-        ptx::cp_async_16(tile + smem + i * kRowStep * Tile::kRowBytes, rows + (first + i * step), 16);
+      for (int i = 0; i < kCopies; ++i, from += step)
+        ptx::cp_async_16(tile + smem + i * kRowStep * Tile::kRowBytes, from, 16);
     } else {
-      load_tile_async<Tile, THREADS>(tile, rows, step, Tile::kRows);
+      load_tile_async<Tile, THREADS>(tile, reinterpret_cast<const uint16_t*>(src), step, Tile::kRows);
     }
+    src += tile_step;
   }
 
   // The same where rows >= rows_valid may lie past the array's end (the last key tile): those
-  // are zero-filled, never read.
-  __device__ __forceinline__ void copy_checked(char* tile, const uint16_t* rows, int rows_valid) const {
+  // are zero-filled, never read (their source is the tile's first copy, inside the array).
+  __device__ __forceinline__ void copy_checked(char* tile, int rows_valid) {
     if constexpr (kRegular) {
-      const int row0 = static_cast<int>(threadIdx.x) / Tile::kChunks;
+      const char* from = src;
       JAX_FLASH_UNROLL
-      for (int i = 0; i < kCopies; ++i) {
+      for (int i = 0; i < kCopies; ++i, from += step) {
         const bool inside = row0 + i * kRowStep < rows_valid;
-        ptx::cp_async_16(tile + smem + i * kRowStep * Tile::kRowBytes, rows + (inside ? first + i * step : 0u),
-                         inside ? 16 : 0);
+        ptx::cp_async_16(tile + smem + i * kRowStep * Tile::kRowBytes, inside ? from : src, inside ? 16 : 0);
       }
     } else {
-      load_tile_async<Tile, THREADS>(tile, rows, step, rows_valid);
+      load_tile_async<Tile, THREADS>(tile, reinterpret_cast<const uint16_t*>(src), step, rows_valid);
     }
+    src += tile_step;
   }
 };
 
@@ -475,16 +484,17 @@ __global__ void __launch_bounds__(PlainForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM>
   const int kv_head = head / (p.q_heads / p.kv_heads);
   const int t0 = q_block * K::BLOCK_Q;
   const Mask mask = Mask::of(p, batch);  // lengths and the window (no segment ids)
-  const float scale = p.scale;
+  // The softmax in base 2 on the raw scores s: p = exp2((s − m)·exp_scale), the difference of
+  // two float32 scores rounded once and multiplied by scale·log2 e (scale is positive and
+  // normal, PlainForwardRefusal): the row max gets exp2(0) = 1, and no logit x = scale·s is
+  // formed per score. The sink joins at the end (finish_scores), in logits.
+  const float exp_scale = __fmul_rn(p.scale, kLog2e);
 
   float o[K::ROW_BLOCKS][V_HEAD_DIM / MMA_N][4];  // ROW_BLOCKS x (MMA_M, MMA_N, 4 regs)
   clear(o);
   OnlineSoftmax softmax[K::ROW_BLOCKS];
   JAX_FLASH_UNROLL
-  for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) {
-    const float sinks[2] = {p.sink(head), p.sink(head)};
-    softmax[rb].init(sinks, lane);
-  }
+  for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) softmax[rb].init_empty();
 
   // The key tiles the block sees, and the interior ones among them: every (t, s) of the
   // block's rows that exist (t < T; padding rows are never stored) is visible.
@@ -504,29 +514,25 @@ __global__ void __launch_bounds__(PlainForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM>
     char* const v_tile = smem + K::kVOffset;
     using KCopier = TileCopier<typename K::KVTile, K::THREADS>;
     using VCopier = TileCopier<typename K::VTile, K::THREADS>;
-    // (Hv = H: the same values as K's, which the compiler keeps once.)
-    const KCopier k_copier = KCopier::of(p.kv_row_stride(), static_cast<int>(threadIdx.x));
-    const VCopier v_copier = VCopier::of(p.v_row_stride<K::kHvIsH>(), static_cast<int>(threadIdx.x));
-    // Key tile `tile` of K or V: CHECKED, it may be the last one of the keys (its rows past S
-    // zero-filled); else every row is inside the array (a tile before an interior one's end).
-    auto load_k = [&](int tile, auto checked) {
-      const int s0 = tile * K::BLOCK_KV;
-      const uint16_t* rows = p.k + p.kv_offset(batch, s0, kv_head);
+    // The tiles are copied in key order, K one tile ahead of V: each copier runs from the first
+    // tile on.
+    const int s_begin = tile_begin * K::BLOCK_KV;
+    KCopier k_copier =
+        KCopier::of(p.k + p.kv_offset(batch, s_begin, kv_head), p.kv_row_stride(), static_cast<int>(threadIdx.x));
+    VCopier v_copier = VCopier::of(p.v + p.v_offset<K::kHvIsH>(batch, s_begin, kv_head), p.v_row_stride<K::kHvIsH>(),
+                                   static_cast<int>(threadIdx.x));
+    // Key tile `tile` (the copier's next) of K or V: CHECKED, it may be the last one of the keys
+    // (its rows past S zero-filled); else every row is inside the array (a tile before an
+    // interior one's end).
+    auto load = [&](auto& copier, char* dst, int tile, auto checked) {
       if constexpr (decltype(checked)::value) {
-        k_copier.copy_checked(k_tile, rows, p.kv_len - s0);
+        copier.copy_checked(dst, p.kv_len - tile * K::BLOCK_KV);
       } else {
-        k_copier.copy_full(k_tile, rows);
+        copier.copy_full(dst);
       }
     };
-    auto load_v = [&](int tile, auto checked) {
-      const int s0 = tile * K::BLOCK_KV;
-      const uint16_t* rows = p.v + p.v_offset<K::kHvIsH>(batch, s0, kv_head);
-      if constexpr (decltype(checked)::value) {
-        v_copier.copy_checked(v_tile, rows, p.kv_len - s0);
-      } else {
-        v_copier.copy_full(v_tile, rows);
-      }
-    };
+    auto load_k = [&](int tile, auto checked) { load(k_copier, k_tile, tile, checked); };
+    auto load_v = [&](int tile, auto checked) { load(v_copier, v_tile, tile, checked); };
     using Checked = std::true_type;
     using Full = std::false_type;
 
@@ -551,7 +557,6 @@ __global__ void __launch_bounds__(PlainForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM>
       compute_qk<Elem, HEAD_DIM, K>(s, q_tile, k_tile, warp, lane);
       JAX_FLASH_UNROLL
       for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) {
-        scale_logits(s[rb], scale);
 #ifdef JAX_FLASH_PLANT_SCORE_TEST
         // Never in a build: tests/tooling/test_cuda_static.py plants a per-score test here to
         // see the key loop's static budget (build/check_static.py) fail.
@@ -577,7 +582,7 @@ __global__ void __launch_bounds__(PlainForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM>
       }
       ptx::cp_async_commit_group();
       JAX_FLASH_UNROLL
-      for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) softmax[rb].update(s[rb], o[rb], kLog2e);
+      for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) softmax[rb].update(s[rb], o[rb], exp_scale);
       accumulate_pv<Elem, V_HEAD_DIM, K>(o, s, v_tile, lane);
     };
     using Masked = std::true_type;
@@ -604,7 +609,7 @@ __global__ void __launch_bounds__(PlainForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM>
   JAX_FLASH_UNROLL
   for (int rb = 0; rb < K::ROW_BLOCKS; ++rb) {
     float lse[2];
-    softmax[rb].finish(o[rb], kLog2e, lse);
+    softmax[rb].finish_scores(o[rb], p.scale, p.sink(here.head), lse);
     store_output<Elem, K>(p, rows, o[rb], lse, smem, warp * K::WARP_Q + MMA_M * rb, lane);
   }
 }

@@ -181,6 +181,16 @@ struct OnlineSoftmax {
     }
   }
 
+  // The state before the first key tile of the plain forward, whose sink joins at the end
+  // (finish_scores): nothing seen, m = −inf and l = 0.
+  __device__ __forceinline__ void init_empty() {
+    JAX_FLASH_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      row_max[r] = -INFINITY;
+      row_sum[r] = 0.0f;
+    }
+  }
+
   // s (logits x) -> p = exp2((x − m_new)·exp_scale), in place; o rescaled by
   // exp2((m_old − m_new)·exp_scale) (FlashAttention-2 §3.1.1: O stays unnormalised until the
   // last tile).
@@ -210,6 +220,31 @@ struct OnlineSoftmax {
         sum += s[j][2 * r] + s[j][2 * r + 1];
       }
       row_sum[r] = sum;
+    }
+  }
+
+  // The plain forward's end (its statistics kept in raw scores s, exp_scale = scale·log2 e, no
+  // sink in the loop): x_max = scale·m rounded once, the sink joins as one more logit, then
+  // o /= l and lse = M + log(l) with M = max(x_max, sink). Without a sink (−inf) this is finish's
+  // arithmetic on x_max. A row that saw nothing has l = 0: with a sink o = 0 and lse = sink,
+  // without one o = 0 and lse = −inf. A NaN or +inf sink makes l NaN: its head's rows are NaN.
+  template <int O_BLOCKS>
+  __device__ __forceinline__ void finish_scores(float (&o)[O_BLOCKS][4], float scale, float sink, float lse[2]) {
+    JAX_FLASH_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const float l = quad_sum(row_sum[r]);
+      const float x_max = l == 0.0f ? -INFINITY : __fmul_rn(row_max[r], scale);
+      const bool empty = l == 0.0f && sink == -INFINITY;
+      const float m = l == 0.0f ? sink : fmaxf(x_max, sink);  // fmaxf drops a NaN sink; (sink − m) keeps it
+      const float keep = empty ? 0.0f : ptx::ex2_approx((x_max - m) * kLog2e);
+      const float l_all = empty ? 0.0f : l * keep + ptx::ex2_approx((sink - m) * kLog2e);
+      const float inv = empty ? 0.0f : keep / l_all;
+      JAX_FLASH_UNROLL
+      for (int j = 0; j < O_BLOCKS; ++j) {
+        o[j][2 * r] *= inv;
+        o[j][2 * r + 1] *= inv;
+      }
+      lse[r] = empty ? -INFINITY : m + log2f(l_all) / kLog2e;
     }
   }
 

@@ -661,6 +661,12 @@ _HANDLER_SCRIPT = textwrap.dedent(
                 "ok_plain_kernel": (None, lambda: fwd(f, o, plain_kernel=True)),
                 "plain_kernel_bias": ("plain_kernel=true needs a call without optional features; this one has a dense bias", lambda: fwd(f, o[:8] + [jnp.zeros((1, N, T, S), F32)] + o[9:], plain_kernel=True)),
                 "plain_kernel_pack_gqa": ("this one has GQA packing", lambda: fwd(f, operands(dt, T=1, K=1), pack_gqa=True, plain_kernel=True)),
+                # Its softmax takes the scale inside the exponent: positive and normal only.
+                "plain_kernel_scale_negative": ("this one has a scale outside [2^-126, 2^127)", lambda: fwd(f, o, scale=np.float32(-0.5), plain_kernel=True)),
+                "plain_kernel_scale_0": ("a scale outside", lambda: fwd(f, o, scale=np.float32(0), plain_kernel=True)),
+                "plain_kernel_scale_subnormal": ("a scale outside", lambda: fwd(f, o, scale=np.float32(1e-40), plain_kernel=True)),
+                "plain_kernel_scale_huge": ("a scale outside", lambda: fwd(f, o, scale=np.float32(3e38), plain_kernel=True)),
+                "ok_plain_kernel_scale_large": (None, lambda: fwd(f, o, scale=np.float32(1e38), plain_kernel=True)),
                 # Deterministic mode: a bias broadcast over N needs the [B, N, Tb, S] workspace.
                 "ok_bias_deterministic": (None, lambda: bwd(b, bo[:12] + [jnp.zeros((B, 1, T, S), F32)] + bo[13:], dbias=SDS((B, 1, T, S), F32), workspaces=dkv(b, dbias_accum=(B, N, T, S)), deterministic=True)),
                 "dbias_accum_missing": ("dbias_accum", lambda: bwd(b, bo[:12] + [jnp.zeros((B, 1, T, S), F32)] + bo[13:], dbias=SDS((B, 1, T, S), F32), deterministic=True)),

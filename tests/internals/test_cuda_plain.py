@@ -2,10 +2,11 @@
 
 A call without optional features whose raw scores are finite (jax_flash/cuda.py tests that on
 every call) runs the plain kernel: masked tiles peeled off an interior loop that masks nothing,
-tests nothing and poisons nothing. It computes what the general kernel computes, tile by tile in
-the same order, so the two agree bit for bit; these tests hold it to that, count which kernel
-ran and which tiles it masked (the host emulation's tile counter), and check the routing: a
-poison, an overflowing score or an optional feature sends the call to the general kernel.
+tests nothing and poisons nothing, its softmax in base 2 on the raw scores. It computes what the
+general kernel computes, tile by tile in the same order, within the rounding of one multiply;
+these tests hold it to that, count which kernel ran and which tiles it masked (the host
+emulation's tile counter), and check the routing: a poison, an overflowing score, a scale the
+raw-score softmax cannot take or an optional feature sends the call to the general kernel.
 """
 
 from __future__ import annotations
@@ -95,18 +96,27 @@ CASES = {
 }
 
 
+# The dtype's machine epsilon: the two kernels' P differ in the last float32 bits, which may round
+# one element of P (and so of out) the other way.
+_EPS = {jnp.bfloat16: 2.0**-7, jnp.float16: 2.0**-10}
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_plain_kernel_equals_general_bitwise(name):
+def test_plain_kernel_agrees_with_general(name):
     """plain_kernel=True runs the plain kernel (every forward tile counted as plain), False the
-    general one (none). Where their key tiles are the same size (H <= 192: the general kernel's
-    warp16 tiles), the two give the same bits of out and lse; at H = 256 (32-key tiles against
-    16) the same values within the dtype's rounding. The plain kernel has one shape whatever the
-    layout attribute, and masks exactly the tiles where some row of the query block does not see
-    every key."""
+    general one (none). The plain kernel takes the softmax on raw scores, exp2((s − m)·scale·log2 e),
+    the general one on logits, exp2((scale·s − m)·log2 e): at a scale that is not a power of two
+    the two P differ in their last float32 bits, so out agrees within the dtype's epsilon and lse
+    within 8 float32 ulps (measured: 1 bfloat16 ulp of out, 4 float32 ulps of lse), rows never
+    stored (past q_lengths) the same poison. At H = 256 (32-key tiles against 16) the
+    summation order differs too: within bfloat16 rounding of the sums. The plain kernel has one
+    shape whatever the layout attribute (the same bits under both), and masks exactly the tiles
+    where some row of the query block does not see every key."""
     _emulator_or_skip()
     shape, settings, band = CASES[name]
     dtype = jnp.bfloat16 if shape.h != 96 else jnp.float16
     q, k, v = make_qkv(shape, dtype, seed=3)
+    settings = dict(settings, scale=0.3)
     out_g, lse_g, general = _forward(q, k, v, plain_kernel=False, **settings)
     out_p, lse_p, plain = _forward(q, k, v, plain_kernel=True, **settings)
     out_w, lse_w, _ = _forward(q, k, v, plain_kernel=True, layout="warp32", **settings)
@@ -114,12 +124,14 @@ def test_plain_kernel_equals_general_bitwise(name):
     assert plain.forward_plain == plain.forward > 0
     np.testing.assert_array_equal(out_w.view(np.uint16), out_p.view(np.uint16))
     np.testing.assert_array_equal(lse_w.view(np.uint32), lse_p.view(np.uint32))
+    out_p, out_g = out_p.astype(np.float32), out_g.astype(np.float32)
     if _block_kv(shape.h, "warp16") == _plain_block_kv(shape.h):
         assert plain.forward == general.forward
-        np.testing.assert_array_equal(out_p.view(np.uint16), out_g.view(np.uint16))
-        np.testing.assert_array_equal(lse_p.view(np.uint32), lse_g.view(np.uint32))
+        eps = _EPS[dtype]
+        np.testing.assert_allclose(out_p, out_g, rtol=eps, atol=eps)
+        np.testing.assert_allclose(lse_p, lse_g, rtol=2.0**-20, atol=2.0**-20)
     else:
-        np.testing.assert_allclose(out_p.astype(np.float32), out_g.astype(np.float32), rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(out_p, out_g, rtol=2e-2, atol=2e-2)
         np.testing.assert_allclose(lse_p, lse_g, rtol=1e-5, atol=1e-5)
     if band is not None:
         want = _tiles(shape.t, shape.s, _plain_block_kv(shape.h), band=band)
@@ -147,8 +159,9 @@ def _run(q, k, v, **kwargs):
 
 def test_calls_route_to_the_plain_kernel_only_when_they_may():
     """Through jax_flash.attention: finite inputs without optional features run the plain
-    kernel; a NaN or inf in q or k, a finite score that would overflow, a soft cap or segment
-    ids run the general kernel, which keeps the numerical contract (a poisoned row is NaN)."""
+    kernel; a NaN or inf in q or k, a finite score that would overflow, a soft cap, segment
+    ids or a scale outside [2**-126, 2**127) run the general kernel, which keeps the numerical
+    contract (a poisoned row is NaN); either kernel matches the reference."""
     _emulator_or_skip()
     shape = Shape(1, 70, 90, 2, 1, 64)
     q, k, v = make_qkv(shape, jnp.bfloat16, seed=5)
@@ -164,6 +177,17 @@ def test_calls_route_to_the_plain_kernel_only_when_they_may():
         assert np.isnan(out).any(), name  # the contract: the poisoned / overflowing row is NaN
     _, counts = _run(q, k, v, logits_soft_cap=30.0)
     assert counts.forward > 0 and counts.forward_plain == 0
+    # The raw-score softmax takes the scale inside the exponent: a positive normal one only.
+    # (At 2**127 the logits leave float32's range: outside the contract, routed only.)
+    for scale in (-0.3, 0.0, -0.0, 1e-39, 2.0**127, 2.0**-126, 0.7, 1e30):
+        out, counts = _run(q, k, v, is_causal=True, scale=scale)
+        if 2.0**-126 <= scale < 2.0**127:
+            assert counts.forward_plain == counts.forward > 0, scale
+        else:
+            assert counts.forward > 0 and counts.forward_plain == 0, scale
+        if scale < 2.0**127:
+            ref = jax_flash.reference(q, k, v, is_causal=True, scale=scale, compute_dtype=jnp.float32)
+            np.testing.assert_allclose(out, np.asarray(ref), atol=1e-2, rtol=1e-2, err_msg=str(scale))
     ids = jnp.zeros((1, 70), jnp.int32), jnp.zeros((1, 90), jnp.int32)
     _, counts = _run(q, k, v, segment_ids=ids)
     assert counts.forward > 0 and counts.forward_plain == 0
