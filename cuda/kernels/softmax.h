@@ -140,18 +140,6 @@ struct LogitScaling {
   }
 };
 
-// Raw scores to logits x = scale · s, each rounded once: __fmul_rn is never contracted into the
-// FMA of a later subtraction (x − m would then be computed from the unrounded product, and the
-// row max would not get exp2(0) = 1 at large magnitudes).
-template <int N_BLOCKS>
-__device__ __forceinline__ void scale_logits(float (&acc)[N_BLOCKS][4], float scale) {
-  JAX_FLASH_UNROLL
-  for (int j = 0; j < N_BLOCKS; ++j) {
-    JAX_FLASH_UNROLL
-    for (int i = 0; i < 4; ++i) acc[j][i] = __fmul_rn(acc[j][i], scale);
-  }
-}
-
 // Sum (or max) over the quad of lanes that hold one accumulator row.
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
