@@ -66,9 +66,16 @@ INSTANTIATION = re.compile(r"^(fwd|bwd)_(f16|bf16)_hdim(\d+)(?:_hv(\d+))?(?:_(wa
 MAIN_KERNELS = {
     "attention_forward_kernel": "ForwardKernel",
     "attention_forward_plain_kernel": "PlainForwardKernel",
+    "attention_forward_decode_kernel": "ForwardKernel",  # attention_forward_kernel on the decoding tile
     "attention_backward_kernel": "BackwardKernel",
     "attention_backward_dq_kernel": "BackwardDqKernel",
 }
+FORWARD_KERNELS = ("attention_forward_kernel", "attention_forward_plain_kernel", "attention_forward_decode_kernel")
+# The decoding tile's CTAs per SM (_heuristics.CUDA_DECODE_CTAS_PER_SM, which its split-KV rule
+# counts in) where the rule says they fit: sm_90 and sm_100 (228 KB of shared memory per SM); at
+# H = 256 three (kernels/tile.h DecodeForwardShape: 320 bytes over a fourth).
+DECODE_CTAS = {90: 4, 100: 4}
+DECODE_CTAS_H256 = {90: 3, 100: 3}
 REQUIRED_SASS = ("HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS.E.BYPASS.128")
 # Per-SM limits for the occupancy column (CUDA C++ Programming Guide, "Technical Specifications
 # per Compute Capability"; the same figures as CCCL's cuda::arch_traits): 64K 32-bit registers
@@ -126,10 +133,7 @@ def smem_bytes_per_mma(kind: str, t: dict) -> float:
     and the epilogue are left out)."""
     h, hv, kv, q, r = t["head_dim"], t["v_head_dim"], t["block_kv"], t["block_q"], t["rows_per_warp"] // 16
     hc, hvc = h // t["col_splits"], hv // t["col_splits"]  # the backward's dK, dV columns per warp
-    if kind in (
-        "attention_forward_kernel",
-        "attention_forward_plain_kernel",
-    ):  # S = Q·Kᵀ (R A-loads + KV/16 B-loads per k-step), O += P·V
+    if kind in FORWARD_KERNELS:  # S = Q·Kᵀ (R A-loads + KV/16 B-loads per k-step), O += P·V
         loads = (h // 16) * (r + kv // 16) + (kv // 16) * (hv // 16)
     elif kind == "attention_backward_kernel":  # Sᵀ (over H), dPᵀ (over Hv); dV, dK (its columns); the dQ share
         dq_cols = t["dq_cols"]
@@ -170,6 +174,9 @@ def instantiations() -> list[pathlib.Path]:
 
 
 def demangle_kind(symbol: str) -> str:
+    # The general forward on the decoding tile (ForwardVariant::kDecode, the enum's third value).
+    if "attention_forward_kernel" in symbol and "14ForwardVariantE2E" in symbol:
+        return "attention_forward_decode_kernel"
     for k in (
         "attention_forward_plain_kernel",
         "attention_forward_kernel",
@@ -276,7 +283,7 @@ def key_loops(functions: dict) -> dict:
 def hmma_per_step(kind: str, t: dict) -> int:
     """The mma.sync one warp issues per step of its main loop (a key tile in the forward)."""
     h, hv, kv, q, r = t["head_dim"], t["v_head_dim"], t["block_kv"], t["block_q"], t["rows_per_warp"] // 16
-    if kind in ("attention_forward_kernel", "attention_forward_plain_kernel"):
+    if kind in FORWARD_KERNELS:
         return r * (h // 16) * (kv // 8) + r * (kv // 16) * (hv // 8)
     hc, hvc = h // t["col_splits"], hv // t["col_splits"]
     if kind == "attention_backward_kernel":
@@ -319,13 +326,17 @@ def tile_traits(sources) -> dict:
         elem = {"f16": "F16", "bf16": "Bf16"}[d]
         layout_arg = ", Layout::kWarp32" if layout else ""
         if p == "fwd":
-            kernels = ["attention_forward_kernel"] + ([] if layout else ["attention_forward_plain_kernel"])
+            kernels = ["attention_forward_kernel"] + (
+                [] if layout else ["attention_forward_plain_kernel", "attention_forward_decode_kernel"]
+            )
         else:
             kernels = ["attention_backward_kernel", "attention_backward_dq_kernel"]
         for kernel in kernels:
             traits = MAIN_KERNELS[kernel]
             no_layout = kernel in ("attention_backward_dq_kernel", "attention_forward_plain_kernel")
             args = f"{elem}, {h}, {hv or h}" + ("" if no_layout else layout_arg)
+            if kernel == "attention_forward_decode_kernel":
+                args += ", Layout::kWarp16, ForwardVariant::kDecode"
             k = f"{traits}<{args}>"
             dq_cols = f"{k}::DQ_COLS" if kernel == "attention_backward_kernel" else "0"
             lines.append(
@@ -389,7 +400,10 @@ def markdown_table(rows) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     order = {
-        k: i for i, k in enumerate(("forward_plain_kernel", "forward_kernel", "backward_kernel", "backward_dq_kernel"))
+        k: i
+        for i, k in enumerate(
+            ("forward_plain_kernel", "forward_kernel", "forward_decode_kernel", "backward_kernel", "backward_dq_kernel")
+        )
     }
 
     def head_key(head):  # (H, Hv): Hv = H first, then the narrower values
@@ -544,6 +558,10 @@ def main() -> int:
                         )
                     )
                     where = f"{src.name} sm_{arch} {kind}"
+                    if kind == "attention_forward_decode_kernel" and tt:
+                        want = (DECODE_CTAS_H256 if tt["head_dim"] == 256 else DECODE_CTAS).get(arch, 1)
+                        if int(ctas) < want:
+                            problems.append(f"{where}: {ctas} CTAs per SM < {want}")
                     if u.get("STACK", 0) > 0 or stack > 0:
                         problems.append(f"{where}: stack frame {max(stack, u.get('STACK', 0))} bytes")
                     if u.get("LOCAL", 0) > 0 or (stores or 0) > 0 or (loads or 0) > 0:

@@ -2,7 +2,8 @@
 """Writes the kernel instantiations: one .cu file per dtype x head dims x pass x layout in cuda/kernels/.
 
 Each file explicitly instantiates one LaunchBackward template, or LaunchForward's general kernel
-and, in the warp16 file, its plain one (cuda/kernels/fwd.h, bwd.h), so CMake compiles them in
+and, in the warp16 file, its plain one and the general one on the decoding tile (cuda/kernels/fwd.h,
+bwd.h), so CMake compiles them in
 parallel and a change to one head dim rebuilds one file.
 Head dims are pairs (H, Hv) of the query/key and the value head dim: every H of HEAD_DIMS with
 Hv = H (`fwd_f16_hdim192.cu`), and the NARROW_VALUE_PAIRS with Hv < H (`fwd_f16_hdim192_hv128.cu`).
@@ -35,10 +36,11 @@ PASSES = {
     "bwd": ("kernels/bwd.h", "LaunchBackward", "const AttentionParams&, bool, Stream", "kBackward"),
 }
 # The forward's kernels per file (kernels/tile.h ForwardVariant): the general one of the file's
-# layout, and in the warp16 file the plain one, which serves calls without optional features
+# layout, and in the warp16 file the plain one, which serves calls without optional features,
+# and the general one on the decoding tile, which serves calls of at most 16 query rows, both
 # whatever their layout (kernels/fwd.h).
 VARIANTS = {
-    ("fwd", "warp16"): (", ForwardVariant::kGeneral", ", ForwardVariant::kPlain"),
+    ("fwd", "warp16"): (", ForwardVariant::kGeneral", ", ForwardVariant::kPlain", ", ForwardVariant::kDecode"),
     ("fwd", "warp32"): (", ForwardVariant::kGeneral",),
     ("bwd", "warp16"): ("",),
     ("bwd", "warp32"): ("",),

@@ -61,6 +61,7 @@ TEST_FILES = (
     "tests/features/test_dense_bias.py",
     "tests/features/test_flex.py",
     "tests/internals/test_cuda_plain.py",
+    "tests/internals/test_cuda_decode_tile.py",
 )
 
 # Test selections (implementation "cuda" runs on the emulation here).
@@ -101,6 +102,9 @@ FLEX = (
 # The plain forward (kernels/fwd.h): its own tests (bitwise against the general kernel, tile
 # counts, routing) and the shared suite's forward cases, which run it.
 PLAIN = "test_cuda_plain or (cuda and test_forward_backward and not warp32)"
+# The decoding tile (kernels/tile.h DecodeForwardShape) and the split rule: its own tests (bitwise
+# against the 128-row tile at H <= 64, tile counts, routing), the decode cases and the rule.
+DECODE_TILE = "test_cuda_decode_tile or test_cuda_split_kv"
 
 K = "cuda/kernels/"
 MUTATIONS = [
@@ -1034,6 +1038,30 @@ MUTATIONS = [
         "      __syncthreads();  // V has landed; every warp is done reading K",
         PLAIN,
         what="plain forward: O += P·V without waiting for V's copy",
+    ),
+    Mutation(
+        "decode_copies_skip_odd",
+        K + "tile.h",
+        "    JAX_FLASH_UNROLL_N(2)\n    for (int i = 0; i < kCopies / THREADS; ++i) copy(i);",
+        "    JAX_FLASH_UNROLL_N(2)\n    for (int i = 0; i < kCopies / THREADS; ++i) copy(i & ~1);",
+        DECODE_TILE,
+        what="decoding tile: of a thread's many copies (two at a time) the odd ones never made",
+    ),
+    Mutation(
+        "decode_tile_rows_16_excluded",
+        "jax_flash/_heuristics.py",
+        "    return rows <= CUDA_DECODE_BLOCK_Q",
+        "    return rows < CUDA_DECODE_BLOCK_Q",
+        DECODE_TILE,
+        what="decoding tile: a call of exactly 16 rows per tile left on the 128-row tile",
+    ),
+    Mutation(
+        "split_fullest_wave_only",
+        "jax_flash/_heuristics.py",
+        "if fill[c] >= CUDA_SPLIT_WAVE_EFFICIENCY * best)",
+        "if fill[c] >= best)",
+        DECODE_TILE,
+        what="cuda split-KV: the chunk count that fills the waves best, however many chunks it takes",
     ),
 ]
 

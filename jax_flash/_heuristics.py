@@ -29,10 +29,11 @@ from jax_flash._spec import AttentionSpec
 
 
 def chunk_count(units: int, target: int, blocks: int, min_blocks: int, max_chunks: int) -> int:
-    """The split-KV rule of every kernel (cpu, cuda, pallas, each with its own figures): enough
-    key chunks for `units` parallel work units to reach `target` (a thread count, the SMs),
-    ceil(target / units), but each chunk at least `min_blocks` of the `blocks` key blocks and
-    at most `max_chunks`; 1 (no split) when the units already reach the target."""
+    """The split-KV rule of the cpu and pallas kernels (each with its own figures; cuda's is
+    wave_chunk_count): enough key chunks for `units` parallel work units to reach `target` (a
+    thread count, the SMs), ceil(target / units), but each chunk at least `min_blocks` of the
+    `blocks` key blocks and at most `max_chunks`; 1 (no split) when the units already reach the
+    target."""
     return max(1, min(-(-target // max(1, units)), blocks // min_blocks, max_chunks))
 
 
@@ -236,11 +237,24 @@ def cpu_forward_summary(spec: AttentionSpec) -> str:
 WARP32_HEAD_DIMS = {"forward": (32, 64, 96), "backward": (32, 64)}
 # The forward's query rows per CTA (kernels/tile.h, both layouts).
 CUDA_FORWARD_BLOCK_Q = 128
-# Split-KV (kernels/fwd.h): when the forward's grid, B·(K packed, else N)·ceil(T/128) CTAs, is
-# smaller than the GPU's SM count (one CTA per SM is one wave), each query block's key tiles
-# are cut into C = min(ceil(SMs / CTAs), ceil(S / block_kv) // CUDA_SPLIT_MIN_TILES,
-# CUDA_MAX_SPLITS) chunks, one CTA each, merged by lse in chunk order (deterministic). Never
-# with dropout.
+# The decoding tile (kernels/tile.h DecodeForwardShape): one warp of 16 query rows, for a call
+# whose tiles hold at most 16 rows (T <= 16, or its G <= 16 query heads packed): it reads K and
+# V once per tile for 16 rows of work, bound by the memory's bandwidth, where the 128-row tile
+# would run 8 warps of MMAs on padding rows at one CTA per SM. Its CTAs (52 KB at H = 128) fit
+# CUDA_DECODE_CTAS_PER_SM to an SM of sm_90 and sm_100 (228 KB; 3 at H = 256; 3 on sm_80, 1 on
+# sm_86/89/120, where the rule splits more than it needs), the residents the split-KV rule aims at.
+CUDA_DECODE_BLOCK_Q = 16
+CUDA_DECODE_CTAS_PER_SM = 4
+# Split-KV (kernels/fwd.h; FlashAttention-2's num_splits_heuristic): the forward's grid,
+# B·(K packed, else N)·ceil(T / rows) CTAs, against the resident slots of the GPU (SMs, times
+# CUDA_DECODE_CTAS_PER_SM on the decoding tile): when it fills fewer than
+# CUDA_SPLIT_FILLED of them, each query block's key tiles are cut into the fewest chunks C whose
+# waves are at least CUDA_SPLIT_WAVE_EFFICIENCY as full as the best C's (a wave's fill: CTAs ·
+# C / slots over its ceiling), with at most CUDA_MAX_SPLITS chunks of at least
+# CUDA_SPLIT_MIN_TILES key tiles each; one CTA per chunk, merged by lse in chunk order
+# (deterministic). Never with dropout.
+CUDA_SPLIT_FILLED = 0.8
+CUDA_SPLIT_WAVE_EFFICIENCY = 0.85
 CUDA_SPLIT_MIN_TILES = 2
 CUDA_MAX_SPLITS = 64
 # The backward grid ("Grids and GQA", cuda/README.md). auto takes the q_heads grid when the
@@ -297,7 +311,8 @@ def cuda_plain_forward_blocker(spec: AttentionSpec, sms: int, paged: bool = Fals
     addresses a key tile's rows in 32 bits (K·max(H, Hv) < 2**23). A call it
     serves runs it when its scores are finite (jax_flash/cuda.py tests that on every call) and
     passes `plain_kernel=True`; the handlers refuse that for a call this rule refuses
-    (PlainForwardRefusal, kernels/dispatch.h)."""
+    (PlainForwardRefusal, kernels/dispatch.h), except one of at most 16 query rows per tile,
+    which the plain kernel could serve but the decoding tile serves faster (cuda_decode_tile)."""
     blockers = (
         (spec.soft_cap is not None, "a soft cap"),
         (spec.has_segment_ids, "segment ids"),
@@ -306,6 +321,7 @@ def cuda_plain_forward_blocker(spec: AttentionSpec, sms: int, paged: bool = Fals
         (spec.mask_shape is not None, "a dense mask"),
         (spec.flex is not None and spec.flex.mask_mod is not None, "a block mask"),
         (paged, "a paged cache"),
+        (cuda_decode_tile(spec), f"at most {CUDA_DECODE_BLOCK_Q} query rows (the decoding tile)"),
         (cuda_split_kv_chunks(spec, sms) > 1, "split-KV"),
         (cuda_packs_heads(spec), "GQA packing"),
         (not 2.0**-126 <= _float32(spec.scale) < 2.0**127, "a scale outside [2**-126, 2**127)"),
@@ -316,6 +332,12 @@ def cuda_plain_forward_blocker(spec: AttentionSpec, sms: int, paged: bool = Fals
 
 def cuda_forward_kernel_description(spec: AttentionSpec, sms: int) -> str:
     """What `explain` says of the cuda forward kernel a call runs (kernels/fwd.h)."""
+    if cuda_decode_tile(spec):
+        rows = "G packed query heads" if cuda_packs_heads(spec) else "T queries"
+        return (
+            f"forward: the general kernel on the decoding tile ({CUDA_DECODE_BLOCK_Q}x{cuda_decode_block_kv(spec)} "
+            f"tiles, one warp of {CUDA_DECODE_BLOCK_Q} rows: the {rows} fit one m16 block)"
+        )
     why = cuda_plain_forward_blocker(spec, sms)
     if why is not None:
         return f"forward: the general kernel (the call has {why})"
@@ -333,6 +355,12 @@ def cuda_forward_block_kv(spec: AttentionSpec) -> int:
     if cuda_layout(spec) == "warp32" and h in WARP32_HEAD_DIMS["forward"]:
         return 64 if h <= 32 else 32
     return 16 if h > 192 else 32 if h > 128 else 64
+
+
+def cuda_decode_block_kv(spec: AttentionSpec) -> int:
+    """Keys per tile of the cuda forward on the decoding tile (kernels/tile.h DecodeForwardShape)."""
+    h = spec.head_dim
+    return 16 if h > 128 else 32 if h > 64 else 64
 
 
 def cuda_backward_block_kv(spec: AttentionSpec) -> int:
@@ -388,9 +416,42 @@ def cuda_packs_heads(spec: AttentionSpec) -> bool:
     return packs_query_heads(spec, CUDA_FORWARD_BLOCK_Q)
 
 
+def cuda_decode_tile(spec: AttentionSpec) -> bool:
+    """Whether the cuda forward runs the general kernel on the decoding tile (the FFI attribute
+    decode_tile; kernels/tile.h DecodeForwardShape): its tiles hold at most CUDA_DECODE_BLOCK_Q
+    query rows, the G heads of a kv head with GQA packing, else T, and its K and V row strides
+    fit 32 bits (K·max(H, Hv) < 2**31). The handlers refuse the attribute for a call this rule
+    refuses (DecodeTileRefusal, kernels/dispatch.h)."""
+    rows = spec.group_size if cuda_packs_heads(spec) else spec.q_len
+    narrow = spec.num_kv_heads * max(spec.head_dim, spec.v_head_dim) < 2**31
+    return rows <= CUDA_DECODE_BLOCK_Q and narrow
+
+
 def cuda_forward_ctas(spec: AttentionSpec) -> int:
+    """CTAs of the cuda forward before split-KV: B·(K packed, else N)·ceil(T / rows per tile)."""
     heads = spec.num_kv_heads if cuda_packs_heads(spec) else spec.num_heads
-    return spec.batch * heads * -(-spec.q_len // CUDA_FORWARD_BLOCK_Q)
+    rows = CUDA_DECODE_BLOCK_Q if cuda_decode_tile(spec) else CUDA_FORWARD_BLOCK_Q
+    return spec.batch * heads * -(-spec.q_len // rows)
+
+
+def cuda_resident_slots(spec: AttentionSpec, sms: int) -> int:
+    """The CTAs of the call's forward tile that a GPU of `sms` SMs holds at once (the split
+    rule's wave)."""
+    return sms * (CUDA_DECODE_CTAS_PER_SM if cuda_decode_tile(spec) else 1)
+
+
+def wave_chunk_count(units: int, slots: int, blocks: int, min_blocks: int, max_chunks: int) -> int:
+    """The cuda split-KV rule (FlashAttention-2's num_splits_heuristic): 1 when `units` CTAs
+    fill CUDA_SPLIT_FILLED of the `slots`; else the fewest chunks C (at most `max_chunks`, each of
+    at least `min_blocks` of the `blocks` key tiles) whose last wave is at least
+    CUDA_SPLIT_WAVE_EFFICIENCY as full as the best C's: a wave's fill is w / ceil(w), w = units ·
+    C / slots, so C avoids a nearly empty last wave."""
+    most = max(1, min(blocks // min_blocks, max_chunks))
+    if units >= CUDA_SPLIT_FILLED * slots or most == 1:
+        return 1
+    fill = [0.0] + [units * c / slots / -(-units * c // slots) for c in range(1, most + 1)]
+    best = max(fill)
+    return next(c for c in range(1, most + 1) if fill[c] >= CUDA_SPLIT_WAVE_EFFICIENCY * best)
 
 
 def cuda_split_kv_chunks(spec: AttentionSpec, sms: int) -> int:
@@ -401,8 +462,10 @@ def cuda_split_kv_chunks(spec: AttentionSpec, sms: int) -> int:
     count = forced(spec, "cuda_split_kv")
     if count is not None:
         return count
-    tiles = -(-spec.kv_len // cuda_forward_block_kv(spec))
-    return chunk_count(cuda_forward_ctas(spec), sms, tiles, CUDA_SPLIT_MIN_TILES, CUDA_MAX_SPLITS)
+    block_kv = cuda_decode_block_kv(spec) if cuda_decode_tile(spec) else cuda_forward_block_kv(spec)
+    tiles = -(-spec.kv_len // block_kv)
+    slots = cuda_resident_slots(spec, sms)
+    return wave_chunk_count(cuda_forward_ctas(spec), slots, tiles, CUDA_SPLIT_MIN_TILES, CUDA_MAX_SPLITS)
 
 
 def cuda_decoding_description(spec: AttentionSpec, sms: int, sms_words: str) -> str:
@@ -416,10 +479,15 @@ def cuda_decoding_description(spec: AttentionSpec, sms: int, sms_words: str) -> 
     elif forced(spec, "cuda_split_kv") is not None:
         why = setting_words(spec, "cuda_split_kv")
     else:
+        decode = cuda_decode_tile(spec)
+        rows = CUDA_DECODE_BLOCK_Q if decode else CUDA_FORWARD_BLOCK_Q
+        per_sm = f"{CUDA_DECODE_CTAS_PER_SM} CTAs of the decoding tile per SM" if decode else "one CTA per SM"
         why = (
-            f"{cuda_forward_ctas(spec)} CTAs (B·{'K' if pack else 'N'}·ceil(T/{CUDA_FORWARD_BLOCK_Q})) against "
-            f"{sms_words}: split when fewer, into min(ceil(SMs / CTAs), ceil(S/{cuda_forward_block_kv(spec)}) // "
-            f"{CUDA_SPLIT_MIN_TILES}, {CUDA_MAX_SPLITS}) key chunks merged by lse in chunk order"
+            f"{cuda_forward_ctas(spec)} CTAs (B·{'K' if pack else 'N'}·ceil(T/{rows})) against "
+            f"{cuda_resident_slots(spec, sms)} resident ({sms_words}, {per_sm}): split when they fill fewer "
+            f"than {CUDA_SPLIT_FILLED:.0%}, into the fewest chunks whose waves are {CUDA_SPLIT_WAVE_EFFICIENCY:.0%} "
+            f"as full as the best count's, at most {CUDA_MAX_SPLITS} of at least {CUDA_SPLIT_MIN_TILES} key "
+            "tiles each, merged by lse in chunk order"
         )
     # The decoding settings' own scan of V (scans_values, which also needs no dense bias).
     scan = "; non-finite values of V handled in the kernel (without a dense bias)" if packing or chunks > 1 else ""
@@ -437,8 +505,8 @@ def cuda_decoding_summary(spec: AttentionSpec, sms: int) -> str:
     elif forced(spec, "cuda_split_kv") is not None:
         why = setting_words(spec, "cuda_split_kv")
     elif chunks > 1:
-        why = f"{ctas} CTAs would leave most of the {sms} SMs idle"
-    elif ctas >= sms:
+        why = f"{ctas} CTAs would leave SMs idle ({cuda_resident_slots(spec, sms)} resident on {sms} SMs)"
+    elif ctas >= CUDA_SPLIT_FILLED * cuda_resident_slots(spec, sms):
         why = f"{ctas} CTAs fill the {sms} SMs"
     else:
         why = "too few key tiles to split"

@@ -513,7 +513,9 @@ class CudaImplementation:
 
     def _forward_local(self, target, spec, q, k, v, masks, page_table=None):
         def call(spec, q, k, v, masks, plain_kernel=False):
-            attributes = lambda s: dict(target_attributes(s), plain_kernel=plain_kernel)
+            attributes = lambda s: dict(
+                target_attributes(s), plain_kernel=plain_kernel, decode_tile=_heuristics.cuda_decode_tile(s)
+            )
             return _ffi.forward_call(
                 target, spec, q, k, v, masks, decoding=decoding, page_table=page_table, attributes=attributes
             )

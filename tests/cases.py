@@ -341,6 +341,7 @@ def cuda_forward_target(
     *,
     layout="warp16",
     plain_kernel=False,
+    decode_tile=False,
     q_lengths=None,
     kv_lengths=None,
     q_offset=None,
@@ -389,6 +390,7 @@ def cuda_forward_target(
         pack_gqa=False,
         layout=layout,
         plain_kernel=plain_kernel,
+        decode_tile=decode_tile,
     )
     out, lse, *_ = jax.ffi.ffi_call(target, shapes)(*operands, **attributes)
     return out, lse

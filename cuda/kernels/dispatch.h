@@ -72,11 +72,14 @@ inline LaunchError LayoutFromName(std::string_view name, Layout* layout) {
 }
 
 // The forward: the plain kernel when the call asks for it (AttentionParams::plain; one shape
-// per head dims, PlainForwardShape, instantiated in the kWarp16 file), else the general kernel
-// of the layout.
+// per head dims, PlainForwardShape, instantiated in the kWarp16 file), the general kernel on
+// the decoding tile when it asks for that (AttentionParams::decode_tile, DecodeForwardShape,
+// likewise), else the general kernel of the layout.
 template <class Elem, int HEAD_DIM, int V_HEAD_DIM = HEAD_DIM>
 LaunchError ForwardFor(Layout layout, const AttentionParams& p, Stream stream) {
   if (p.plain) return LaunchForward<Elem, HEAD_DIM, V_HEAD_DIM, Layout::kWarp16, ForwardVariant::kPlain>(p, stream);
+  if (p.decode_tile)
+    return LaunchForward<Elem, HEAD_DIM, V_HEAD_DIM, Layout::kWarp16, ForwardVariant::kDecode>(p, stream);
   if constexpr (HasOwnShape(Pass::kForward, HEAD_DIM, V_HEAD_DIM, Layout::kWarp32)) {
     if (layout == Layout::kWarp32)
       return LaunchForward<Elem, HEAD_DIM, V_HEAD_DIM, Layout::kWarp32, ForwardVariant::kGeneral>(p, stream);
@@ -114,6 +117,22 @@ inline const char* PlainForwardRefusal(const AttentionParams& p) {
   if (p.pack_gqa) return "GQA packing";
   if (int64_t{p.kv_heads} * (p.head_dim > p.v_head_dim ? p.head_dim : p.v_head_dim) >= (int64_t{1} << 23))
     return "K·max(H, Hv) >= 2^23";
+  return nullptr;
+}
+
+// What keeps a call from the decoding tile (AttentionParams::decode_tile), or null: its tiles
+// must hold at most kDecodeRows query rows (T, or G = N / K with GQA packing), its K and V row
+// strides must fit 32 bits (K·max(H, Hv) < 2^31: the kernel reads them per tile as 32-bit
+// words), and it is not a plain-kernel call (the plain kernel has tiles of its own).
+// jax_flash/_heuristics.py decides with the same rule (cuda_decode_tile); the handlers refuse a
+// decode_tile call it breaks.
+inline const char* DecodeTileRefusal(const AttentionParams& p) {
+  static_assert(kDecodeRows == 16, "the messages below name the decoding tile's rows");
+  const int rows = p.pack_gqa ? p.q_heads / p.kv_heads : p.q_len;
+  if (rows > kDecodeRows) return p.pack_gqa ? "G = N / K > 16 packed query heads" : "T > 16 queries";
+  if (int64_t{p.kv_heads} * (p.head_dim > p.v_head_dim ? p.head_dim : p.v_head_dim) >= (int64_t{1} << 31))
+    return "K·max(H, Hv) >= 2^31";
+  if (p.plain) return "plain_kernel=true";
   return nullptr;
 }
 

@@ -2,7 +2,8 @@
 // (kernels/handlers.cu) and the emulated platform "cpu" handlers (emu/targets.cc): the shared
 // operands, results and attributes are bound and validated by ffi/boundary.h (the one
 // signature and validator of every target); here the CUDA targets' own workspaces and
-// attributes (partial_out, partial_lse, pack_gqa, layout, plain_kernel; dk_accum, dv_accum, dbias_accum),
+// attributes (partial_out, partial_lse, pack_gqa, layout, plain_kernel, decode_tile; dk_accum, dv_accum,
+// dbias_accum),
 // their checks, the conversion into AttentionParams and the handler bodies. Only how the
 // stream is obtained differs between the two.
 #pragma once
@@ -42,7 +43,8 @@ auto ForwardSignature(Binding&& binding) {
       .template Ret<ffi::AnyBuffer>()  // partial_lse [C, B, N, T] f32 workspace, or [0] f32
       .template Attr<bool>("pack_gqa")  // T = 1: the G query heads of a kv head in one tile
       .template Attr<std::string_view>("layout")  // "warp16" or "warp32" (kernels/tile.h)
-      .template Attr<bool>("plain_kernel");  // the plain forward kernel (kernels/fwd.h, params.h)
+      .template Attr<bool>("plain_kernel")  // the plain forward kernel (kernels/fwd.h, params.h)
+      .template Attr<bool>("decode_tile");  // the general kernel on the decoding tile (kernels/tile.h)
 }
 
 // jax_flash_paged_fwd / jax_flash_emu_paged_fwd: the forward over a paged KV cache, the page
@@ -204,14 +206,15 @@ inline ffi::Error PrepareDbias(const char* target, const boundary::Problem& b, b
 }
 
 // The forward's decoding settings (kernels/fwd.h): GQA packing (the boundary's rule, at most the
-// rows of the forward's tile in `layout`); and split-KV, whose chunk count C is the partial
-// workspaces' leading dim ([0] for both: no split), never with dropout (its keep-mask is drawn
-// per whole row).
-inline void CheckDecoding(Checker& check, const boundary::Problem& b, bool pack_gqa, Layout layout,
+// rows of the forward's tile: the decoding tile's with decode_tile, else the layout's); and split-KV, whose chunk count
+// C is the partial workspaces' leading dim ([0] for both: no split), never with dropout (its keep-mask is drawn per
+// whole row).
+inline void CheckDecoding(Checker& check, const boundary::Problem& b, bool pack_gqa, Layout layout, bool decode_tile,
                           ffi::Result<ffi::AnyBuffer>& partial_out, ffi::Result<ffi::AnyBuffer>& partial_lse,
                           AttentionParams* p) {
   if (!check.ok()) return;
-  boundary::CheckGqaPacking(check, pack_gqa, TileShapeFor(Pass::kForward, b.head_dim, b.v_head_dim, layout).block_q, b);
+  const int rows = decode_tile ? kDecodeRows : TileShapeFor(Pass::kForward, b.head_dim, b.v_head_dim, layout).block_q;
+  boundary::CheckGqaPacking(check, pack_gqa, rows, b);
   if (!check.ok()) return;
   p->pack_gqa = pack_gqa;
   const int64_t B = b.batch, T = b.q_len, N = b.q_heads, Hv = b.v_head_dim;
@@ -246,7 +249,7 @@ inline void CheckLayout(Checker& check, std::string_view name, Layout* layout) {
 
 inline ffi::Error Forward(const char* target, Stream stream, const boundary::ForwardCall& call,
                           ffi::Result<ffi::AnyBuffer> partial_out, ffi::Result<ffi::AnyBuffer> partial_lse,
-                          bool pack_gqa, std::string_view layout_name, bool plain_kernel) {
+                          bool pack_gqa, std::string_view layout_name, bool plain_kernel, bool decode_tile) {
   Checker check(target);
   boundary::Problem described;
   boundary::DescribeForward(check, CudaLimits(), call, &described);
@@ -255,11 +258,18 @@ inline ffi::Error Forward(const char* target, Stream stream, const boundary::For
   if (check.ok()) ToParams(described, &p, &dtype);
   Layout layout = Layout::kWarp16;
   CheckLayout(check, layout_name, &layout);
-  CheckDecoding(check, described, pack_gqa, layout, partial_out, partial_lse, &p);
+  CheckDecoding(check, described, pack_gqa, layout, decode_tile, partial_out, partial_lse, &p);
   if (check.ok() && plain_kernel) {
     if (const char* why = PlainForwardRefusal(p))
       check.Fail(std::string("plain_kernel=true needs a call without optional features; this one has ") + why);
     p.plain = true;
+  }
+  if (check.ok() && decode_tile) {
+    if (const char* why = DecodeTileRefusal(p))
+      check.Fail(std::string("decode_tile=true needs at most 16 query rows per tile (T, or G with pack_gqa) and no "
+                             "plain_kernel; this call has ") +
+                 why);
+    p.decode_tile = true;
   }
   if (!check.ok()) return check.error();
   p.out = static_cast<uint16_t*>(call.out.untyped_data());

@@ -4,11 +4,13 @@
 // cp.async ring; S = Q·Kᵀ, the online softmax and O += P·V all stay in registers. Q and K have
 // HEAD_DIM (H) columns, V and O V_HEAD_DIM (Hv), which may be narrower.
 //
-// Decoding (few queries, many keys) has two settings of the same kernel: split-KV
+// Decoding (few queries, many keys) has three settings of the same kernel: split-KV
 // (flash-decoding), where each CTA runs one chunk of a query block's key tiles and leaves a
-// partial (O, lse) that attention_forward_combine_kernel merges, and GQA packing, where at
-// T = 1 the rows of a CTA's tile are the G query heads of one kv head (K and V read once per kv
-// head instead of G times, and G live rows of 16·ceil(G/16) per MMA instead of 1).
+// partial (O, lse) that attention_forward_combine_kernel merges; GQA packing, where at T = 1
+// the rows of a CTA's tile are the G query heads of one kv head (K and V read once per kv head
+// instead of G times, and G live rows of 16·ceil(G/16) per MMA instead of 1); and the decoding
+// tile (ForwardVariant::kDecode, kernels/tile.h DecodeForwardShape), one warp of 16 rows for a
+// call of at most 16 (T, or the packed G), several CTAs per SM, sized for bytes in flight.
 #pragma once
 
 #include <cstdint>
@@ -27,9 +29,15 @@
 namespace jax_flash {
 namespace kernels {
 
-template <class Elem, int HEAD_DIM, int V_HEAD_DIM = HEAD_DIM, Layout LAYOUT = Layout::kWarp16>
+// The general kernel's tiles and shared memory: the layout's (kGeneral) or the decoding
+// tile (kDecode, kernels/tile.h DecodeForwardShape).
+template <class Elem, int HEAD_DIM, int V_HEAD_DIM = HEAD_DIM, Layout LAYOUT = Layout::kWarp16,
+          ForwardVariant VARIANT = ForwardVariant::kGeneral>
 struct ForwardKernel {
-  static constexpr TileShape kShape = TileShapeFor(Pass::kForward, HEAD_DIM, V_HEAD_DIM, LAYOUT);
+  static_assert(VARIANT != ForwardVariant::kPlain, "the plain forward has its own tiles (PlainForwardKernel)");
+  static constexpr TileShape kShape = VARIANT == ForwardVariant::kDecode
+                                          ? DecodeForwardShape(HEAD_DIM, V_HEAD_DIM)
+                                          : TileShapeFor(Pass::kForward, HEAD_DIM, V_HEAD_DIM, LAYOUT);
   static constexpr int BLOCK_Q = kShape.block_q;
   static constexpr int BLOCK_KV = kShape.block_kv;
   static constexpr int WARPS = kShape.warps;
@@ -49,6 +57,7 @@ struct ForwardKernel {
   // O, staged for its store over the Q tile (QTile when Hv = H).
   using OTile = SmemTile<BLOCK_Q, V_HEAD_DIM>;
   static constexpr bool kHvIsH = V_HEAD_DIM == HEAD_DIM;
+  static constexpr bool kDecode = VARIANT == ForwardVariant::kDecode;
   // Shared memory: [Q][K_0][V_0][K_1][V_1]...[scan]: one Q tile, a ring of STAGES (K, V) tiles,
   // and the flags of the decoding settings' scan of V (kernels/nonfinite.h).
   static constexpr int kStageBytes = KVTile::kBytes + VTile::kBytes;
@@ -151,10 +160,10 @@ __device__ __forceinline__ void store_partial(const AttentionParams& p, const Fo
   }
 }
 
-template <class Elem, int HEAD_DIM, int V_HEAD_DIM, Layout LAYOUT>
-__global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYOUT>::THREADS, 1)
+template <class Elem, int HEAD_DIM, int V_HEAD_DIM, Layout LAYOUT, ForwardVariant VARIANT>
+__global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYOUT, VARIANT>::THREADS, 1)
     attention_forward_kernel(const AttentionParams p) {
-  using K = ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYOUT>;
+  using K = ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYOUT, VARIANT>;
   JAX_FLASH_DYNAMIC_SMEM(smem);
   const FoldedGrid grid = K::grid(p);
   const GridIndex at = grid.index();
@@ -217,8 +226,14 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
     const uint16_t* const k_base = p.k + (paged ? int64_t{kv_head} * HEAD_DIM : p.kv_offset(batch, 0, kv_head));
     const uint16_t* const v_base =
         p.v + (paged ? int64_t{kv_head} * V_HEAD_DIM : p.v_offset<K::kHvIsH>(batch, 0, kv_head));
-    const int64_t kv_stride = p.kv_row_stride(), v_stride = p.v_row_stride<K::kHvIsH>();
     auto load_kv = [&](int tile, int slot) {
+      // The row strides, read again per tile on the decoding tile (ptx::mov_b32_volatile; they
+      // fit 32 bits there, DecodeTileRefusal): its one warp issues 16 to 32 copies per tile, whose addresses,
+      // held across the loop, would take two registers each.
+      const int64_t kv_stride =
+          K::kDecode ? ptx::mov_b32_volatile(static_cast<int>(p.kv_row_stride())) : p.kv_row_stride();
+      const int64_t v_stride = K::kDecode ? ptx::mov_b32_volatile(static_cast<int>(p.v_row_stride<K::kHvIsH>()))
+                                          : p.v_row_stride<K::kHvIsH>();
       const int s0 = tile * K::BLOCK_KV;
       char* stage = kv_ring + slot * K::kStageBytes;
       if (paged) {  // each row from its page's slot (cp.async from the page's own address)
@@ -656,23 +671,25 @@ __global__ void __launch_bounds__(128) attention_forward_combine_kernel(const At
 // Host side: one launch per call (two with split-KV), of the kernel of the variant dispatch.h chose.
 template <class Elem, int HEAD_DIM, int V_HEAD_DIM, Layout LAYOUT, ForwardVariant VARIANT>
 LaunchError LaunchForward(const AttentionParams& p, Stream stream) {
-  using K = ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYOUT>;
   dim3 grid;
-  if (LaunchError err = K::grid(p).dims(&grid); !err.empty()) return err;
   if constexpr (VARIANT == ForwardVariant::kPlain) {
     using P = PlainForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM>;
     if (LaunchError err = P::grid(p).dims(&grid); !err.empty()) return err;
     return Launch("attention_forward_plain_kernel", attention_forward_plain_kernel<Elem, HEAD_DIM, V_HEAD_DIM>, grid,
                   dim3(P::THREADS), P::kSmemBytes, stream, p);
+  } else {
+    using K = ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYOUT, VARIANT>;
+    if (LaunchError err = K::grid(p).dims(&grid); !err.empty()) return err;
+    LaunchError err =
+        Launch("attention_forward_kernel", attention_forward_kernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYOUT, VARIANT>, grid,
+               dim3(K::THREADS), K::kSmemBytes, stream, p);
+    if (!err.empty() || p.kv_splits == 1) return err;
+    constexpr int kCombineThreads = 128;
+    const int64_t threads = static_cast<int64_t>(p.batch) * p.q_heads * p.q_len * (p.v_head_dim / 4);
+    if (LaunchError e = LinearGrid((threads + kCombineThreads - 1) / kCombineThreads, &grid); !e.empty()) return e;
+    return Launch("attention_forward_combine_kernel", attention_forward_combine_kernel<Elem>, grid,
+                  dim3(kCombineThreads), 0, stream, p);
   }
-  LaunchError err = Launch("attention_forward_kernel", attention_forward_kernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYOUT>,
-                           grid, dim3(K::THREADS), K::kSmemBytes, stream, p);
-  if (!err.empty() || p.kv_splits == 1) return err;
-  constexpr int kCombineThreads = 128;
-  const int64_t threads = static_cast<int64_t>(p.batch) * p.q_heads * p.q_len * (p.v_head_dim / 4);
-  if (LaunchError e = LinearGrid((threads + kCombineThreads - 1) / kCombineThreads, &grid); !e.empty()) return e;
-  return Launch("attention_forward_combine_kernel", attention_forward_combine_kernel<Elem>, grid, dim3(kCombineThreads),
-                0, stream, p);
 }
 
 }  // namespace kernels

@@ -8,5 +8,7 @@ template LaunchError LaunchForward<Bf16, 128, 64, Layout::kWarp16, ForwardVarian
                                                                                              Stream);
 template LaunchError LaunchForward<Bf16, 128, 64, Layout::kWarp16, ForwardVariant::kPlain>(const AttentionParams&,
                                                                                            Stream);
+template LaunchError LaunchForward<Bf16, 128, 64, Layout::kWarp16, ForwardVariant::kDecode>(const AttentionParams&,
+                                                                                            Stream);
 }  // namespace kernels
 }  // namespace jax_flash

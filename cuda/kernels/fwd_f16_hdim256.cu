@@ -8,5 +8,7 @@ template LaunchError LaunchForward<F16, 256, 256, Layout::kWarp16, ForwardVarian
                                                                                              Stream);
 template LaunchError LaunchForward<F16, 256, 256, Layout::kWarp16, ForwardVariant::kPlain>(const AttentionParams&,
                                                                                            Stream);
+template LaunchError LaunchForward<F16, 256, 256, Layout::kWarp16, ForwardVariant::kDecode>(const AttentionParams&,
+                                                                                            Stream);
 }  // namespace kernels
 }  // namespace jax_flash

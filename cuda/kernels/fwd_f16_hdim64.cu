@@ -8,5 +8,7 @@ template LaunchError LaunchForward<F16, 64, 64, Layout::kWarp16, ForwardVariant:
                                                                                            Stream);
 template LaunchError LaunchForward<F16, 64, 64, Layout::kWarp16, ForwardVariant::kPlain>(const AttentionParams&,
                                                                                          Stream);
+template LaunchError LaunchForward<F16, 64, 64, Layout::kWarp16, ForwardVariant::kDecode>(const AttentionParams&,
+                                                                                          Stream);
 }  // namespace kernels
 }  // namespace jax_flash

@@ -101,6 +101,11 @@ struct AttentionParams {
   // the caller found every raw score q·k finite (q and k finite, H·max|q|·max|k| below float32's
   // range, tested on every call). The handlers refuse it for a call PlainForwardRefusal names.
   bool plain = false;
+  // The forward's decode_tile attribute (decided by the caller, _heuristics.cuda_decode_tile):
+  // run the general kernel on the decoding tile (kernels/tile.h DecodeForwardShape: one warp
+  // of kDecodeRows rows), for a call whose tiles hold at most kDecodeRows query rows (T, or G
+  // with pack_gqa). Never with plain.
+  bool decode_tile = false;
   // A paged KV cache (the paged forward target), or null: k and v are then pages
   // [num_pages, page_size, K, H|Hv] shared by the batch, key s of batch row b is slot
   // s % page_size of page page_table[b · max_pages + s / page_size], and kv_len = max_pages ·

@@ -60,7 +60,10 @@ enum class Layout { kWarp16, kWarp32 };
 //   kPlain:   none of the optional features, scores checked finite by the caller
 //             (AttentionParams::plain, PlainForwardRefusal): a hot loop that does only the
 //             attention.
-enum class ForwardVariant { kGeneral, kPlain };
+//   kDecode:  the general kernel on the decoding tile (DecodeForwardShape; AttentionParams::
+//             decode_tile): a call whose tiles hold at most 16 query rows (T <= 16, or with GQA
+//             packing G <= 16), which reads K and V at the memory's speed rather than computing.
+enum class ForwardVariant { kGeneral, kPlain, kDecode };
 
 // Tile sizes of one kernel. Forward and backward dQ: block_q query rows per CTA
 // (rows_per_warp per warp), block_kv keys per pipeline stage. Backward: block_kv keys per CTA
@@ -158,6 +161,29 @@ __host__ __device__ constexpr TileShape PlainForwardShape(int head_dim, int v_he
   return TileShape{128, 64, 4, 1, 32};
 }
 
+// The decoding tile (ForwardVariant::kDecode): one warp of 16 query rows, for a call whose
+// tiles hold at most 16 rows (a decode step: T <= 16, or its G <= 16 query heads packed). Such
+// a call reads every key and value once per tile for 16 rows of work: it is bound by the
+// memory's bandwidth, not the tensor cores, so the tile is sized for bytes in flight. The
+// 128-row tile would run 8 warps of MMAs on padding rows and fit one CTA per SM; this one
+// runs no padding warp, and at 52 KB (H = 128: Q 4 KB + 3 stages of 32-key K and V tiles)
+// 4 CTAs fit an SM of sm_90 / sm_100 (228 KB; 3 of sm_80's 164 KB, 1 of sm_86/89/120's
+// 100 KB), each with two tiles in flight while it computes on the third. Key tiles of 12-16 KB
+// per stage: 64 keys at H <= 64, 32 at H = 96 (padded to 128 columns) and 128, 16 at H = 192
+// and 256 (56.3 KB at H = 256: 3 CTAs per SM of sm_90, 320 bytes over a fourth; two stages
+// would fit 5, but ptxas gives that loop an 88-byte stack frame on sm_80). A (H, Hv) pair with
+// Hv < H takes the shape of (H, H).
+__host__ __device__ constexpr TileShape DecodeForwardShape(int head_dim, int v_head_dim) {
+  if (v_head_dim < head_dim) return DecodeForwardShape(head_dim, head_dim);
+  if (head_dim > 128) return TileShape{16, 16, 1, 3, 16};
+  if (head_dim > 64) return TileShape{16, 32, 1, 3, 16};
+  return TileShape{16, 64, 1, 3, 16};
+}
+
+// The rows of the decoding tile: the most query rows (T, or G with packing) a call that asks
+// for it may have (the host's rule, _heuristics.CUDA_DECODE_BLOCK_Q).
+constexpr int kDecodeRows = DecodeForwardShape(128, 128).block_q;
+
 // Whether `layout` gives (pass, head_dim, v_head_dim) a tile shape of its own; where it does
 // not, the kWarp16 instantiation serves both layouts (no second copy of the same kernel is
 // compiled).
@@ -214,14 +240,22 @@ __device__ __forceinline__ void load_tile_rows_async(char* tile, const uint16_t*
                                                      int rows_valid, const RowOf& row_of) {
   constexpr int kCopies = Tile::kRows * Tile::kChunks;
   static_assert(kCopies % THREADS == 0, "every thread issues the same number of copies");
-  JAX_FLASH_UNROLL
-  for (int i = 0; i < kCopies / THREADS; ++i) {
+  auto copy = [&](int i) {
     const int copy = i * THREADS + static_cast<int>(threadIdx.x);
     const int row = copy / Tile::kChunks;
     const int chunk = copy % Tile::kChunks;
     const bool inside = row < rows_valid;
     const uint16_t* src = gmem + (inside ? row_of(row) * row_stride + chunk * 8 : 0);
     ptx::cp_async_16(tile + Tile::chunk_offset(row, chunk), src, inside ? 16 : 0);
+  };
+  if constexpr (kCopies / THREADS > 8) {
+    // Many copies per thread (the decoding tile's one warp: 16 to 32 per tile), two at a time:
+    // unrolled whole, their addresses take the registers the MMAs need (H = 256 spilled).
+    JAX_FLASH_UNROLL_N(2)
+    for (int i = 0; i < kCopies / THREADS; ++i) copy(i);
+  } else {
+    JAX_FLASH_UNROLL
+    for (int i = 0; i < kCopies / THREADS; ++i) copy(i);
   }
 }
 

@@ -505,11 +505,11 @@ _HANDLER_SCRIPT = textwrap.dedent(
 
     def own(target, backward=False):
         # Each target's own attributes (cuda/README.md): the CUDA targets' layout (and the
-        # forward's plain_kernel); the cpu
+        # forward's plain_kernel and decode_tile); the cpu
         # targets' isa ("": the default ISA of this CPU) and forward_chunks and pack_gqa, or
         # gradient_chunks (0: the rule).
         if "emu" in target:
-            return {"layout": "warp16"} if backward else {"layout": "warp16", "plain_kernel": False}
+            return {"layout": "warp16"} if backward else {"layout": "warp16", "plain_kernel": False, "decode_tile": False}
         if backward:
             return {"isa": "", "gradient_chunks": np.int64(0)}
         return {"isa": "", "forward_chunks": np.int64(1), "pack_gqa": False}
@@ -667,6 +667,15 @@ _HANDLER_SCRIPT = textwrap.dedent(
                 "plain_kernel_scale_subnormal": ("a scale outside", lambda: fwd(f, o, scale=np.float32(1e-40), plain_kernel=True)),
                 "plain_kernel_scale_huge": ("a scale outside", lambda: fwd(f, o, scale=np.float32(3e38), plain_kernel=True)),
                 "ok_plain_kernel_scale_large": (None, lambda: fwd(f, o, scale=np.float32(1e38), plain_kernel=True)),
+                # The decoding tile (kernels/tile.h): at most 16 query rows per tile, T or the
+                # packed G; never with the plain kernel.
+                "ok_decode_tile": (None, lambda: fwd(f, o, decode_tile=True)),
+                "ok_decode_tile_pack_gqa": (None, lambda: fwd(f, operands(dt, T=1, K=1), pack_gqa=True, decode_tile=True)),
+                "ok_decode_tile_16_queries": (None, lambda: fwd(f, operands(dt, T=16), decode_tile=True)),
+                "decode_tile_17_queries": ("decode_tile=true needs at most 16 query rows per tile (T, or G with pack_gqa) and no plain_kernel; this call has T > 16 queries", lambda: fwd(f, operands(dt, T=17), decode_tile=True)),
+                "decode_tile_group_17": ("pack_gqa needs T = 1, G = N / K <= 16", lambda: fwd(f, operands(dt, T=1, N=17, K=1), pack_gqa=True, decode_tile=True)),
+                "ok_pack_gqa_group_17": (None, lambda: fwd(f, operands(dt, T=1, N=17, K=1), pack_gqa=True)),
+                "decode_tile_plain_kernel": ("this call has plain_kernel=true", lambda: fwd(f, o, plain_kernel=True, decode_tile=True)),
                 # Deterministic mode: a bias broadcast over N needs the [B, N, Tb, S] workspace.
                 "ok_bias_deterministic": (None, lambda: bwd(b, bo[:12] + [jnp.zeros((B, 1, T, S), F32)] + bo[13:], dbias=SDS((B, 1, T, S), F32), workspaces=dkv(b, dbias_accum=(B, N, T, S)), deterministic=True)),
                 "dbias_accum_missing": ("dbias_accum", lambda: bwd(b, bo[:12] + [jnp.zeros((B, 1, T, S), F32)] + bo[13:], dbias=SDS((B, 1, T, S), F32), deterministic=True)),

@@ -19,7 +19,7 @@ import pytest
 
 import jax_flash
 from cases import EPS, FACTOR, max_err
-from jax_flash import xla
+from jax_flash import _heuristics, xla
 from jax_flash._normalize import canonicalize, restore
 from jax_flash.inference import paged, split_kv
 from jax_flash.reference import gather_pages
@@ -341,8 +341,11 @@ def test_pallas_split_kv(case, monkeypatch):
 
 
 def test_cuda_split_kv_rule(monkeypatch):
-    """The rule: split when the forward's CTAs are fewer than the SMs, into min(ceil(SMs /
-    CTAs), key tiles // 2, 64) chunks; never with dropout; the override and its errors."""
+    """The rule (FlashAttention-2's): split when the forward's CTAs fill fewer than 80% of the
+    resident slots (the SMs; 4 per SM on the decoding tile, a call of at most 16 rows per tile),
+    into the fewest chunks whose waves are 85% as full as the best count's, at most 64 of at
+    least 2 key tiles each; never with dropout; the override and its errors. The figures below
+    are worked by hand from that rule (132 SMs)."""
     from jax_flash import cuda
     from jax_flash._spec import AttentionSpec
 
@@ -351,12 +354,29 @@ def test_cuda_split_kv_rule(monkeypatch):
     monkeypatch.setattr(cuda, "sm_count", lambda: (132, "132 SMs"))
     decode = AttentionSpec(1, 1, 32768, 32, 8, 128, "bfloat16", 0.1)  # packed: B·K = 8 CTAs
     assert cuda.packs_heads(decode) and cuda.forward_ctas(decode) == 8
-    assert cuda.split_kv_chunks(decode) == 17  # ceil(132 / 8)
-    assert cuda.split_kv_chunks(dataclasses.replace(decode, batch=8)) == 3  # 64 CTAs
-    assert cuda.split_kv_chunks(dataclasses.replace(decode, batch=17)) == 1  # 136 >= 132
-    assert cuda.split_kv_chunks(dataclasses.replace(decode, kv_len=300)) == 2  # 5 tiles // 2
-    assert cuda.split_kv_chunks(dataclasses.replace(decode, kv_len=64)) == 1
-    assert cuda.split_kv_chunks(dataclasses.replace(decode, num_kv_heads=32)) == 5  # unpacked: 32 CTAs
+    # 528 slots; 1024 32-key tiles: at most 64 chunks; 8·C/528 grows to 0.97 at C = 64, and
+    # 0.85 of that is first reached at C = 55.
+    assert cuda.split_kv_chunks(decode) == 55
+    # 64 CTAs: C = 33 fills 4 whole waves (best 1.0); C = 7 fills 0.848 of one, C = 8 0.97.
+    assert cuda.split_kv_chunks(dataclasses.replace(decode, batch=8)) == 8
+    # 136 CTAs: C = 7 fills 952 / 1056 = 0.90 of two waves (the best, C = 62, 0.998).
+    assert cuda.split_kv_chunks(dataclasses.replace(decode, batch=17)) == 7
+    assert cuda.split_kv_chunks(dataclasses.replace(decode, batch=106)) == 1  # 848 >= 0.8 · 528
+    assert cuda.split_kv_chunks(dataclasses.replace(decode, kv_len=300)) == 5  # 10 tiles // 2
+    assert cuda.split_kv_chunks(dataclasses.replace(decode, kv_len=64)) == 1  # 2 tiles: no chunk of 2
+    # Unpacked (K = N) but T = 1: still the decoding tile, 32 CTAs; 15 · 32 / 528 = 0.91.
+    unpacked = dataclasses.replace(decode, num_kv_heads=32)
+    assert not cuda.packs_heads(unpacked) and cuda.forward_ctas(unpacked) == 32
+    assert cuda.split_kv_chunks(unpacked) == 15
+    # 8 · 32 = 256 query heads at T = 1 (MHA decoding): 0.48 of the slots; 2 chunks fill 0.97.
+    assert cuda.split_kv_chunks(dataclasses.replace(unpacked, batch=8)) == 2
+    # T = 200: the 128-row tile, one CTA per SM: 64 CTAs of 132 slots, 2 chunks fill 0.97.
+    prefill = dataclasses.replace(unpacked, q_len=200)
+    assert cuda.forward_ctas(prefill) == 64 and cuda.split_kv_chunks(prefill) == 2
+    # The decoding tile reads K's and V's row strides as 32-bit words: K·max(H, Hv) < 2**31.
+    wide = dataclasses.replace(unpacked, num_heads=2**23, num_kv_heads=2**23, head_dim=256)
+    assert not _heuristics.cuda_decode_tile(wide)
+    assert _heuristics.cuda_decode_tile(dataclasses.replace(wide, head_dim=128))
     assert not cuda.packs_heads(dataclasses.replace(decode, q_len=2))
     assert not cuda.packs_heads(dataclasses.replace(decode, bias_shape=(1, 32, 1, 32768)))
     assert cuda.split_kv_chunks(dataclasses.replace(decode, batch=0)) == 1

@@ -197,7 +197,12 @@ TARGETS = {
                 Buffer("partial_lse", EMPTY_F32, "float32"),
             ),
             attributes=dict(
-                COMMON_ATTRIBUTES, pack_gqa=False, plain_kernel=False, **POISON_ATTRIBUTES, **CUDA_ATTRIBUTES
+                COMMON_ATTRIBUTES,
+                pack_gqa=False,
+                plain_kernel=False,
+                decode_tile=False,
+                **POISON_ATTRIBUTES,
+                **CUDA_ATTRIBUTES,
             ),
             dtypes=("float16", "bfloat16"),
             emulated=True,
@@ -212,7 +217,12 @@ TARGETS = {
                 Buffer("partial_lse", EMPTY_F32, "float32"),
             ),
             attributes=dict(
-                COMMON_ATTRIBUTES, pack_gqa=False, plain_kernel=False, **POISON_ATTRIBUTES, **CUDA_ATTRIBUTES
+                COMMON_ATTRIBUTES,
+                pack_gqa=False,
+                plain_kernel=False,
+                decode_tile=False,
+                **POISON_ATTRIBUTES,
+                **CUDA_ATTRIBUTES,
             ),
             dtypes=("float16", "bfloat16"),
             emulated=True,

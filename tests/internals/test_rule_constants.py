@@ -63,6 +63,10 @@ int main(int argc, char** argv) {
                     s.col_splits, k::HasOwnShape(passes[p], h, hv, layouts[l]) ? "true" : "false");
         sep = ", ";
       }
+    const k::TileShape d = k::DecodeForwardShape(h, hv);
+    std::printf(", {\"h\": %d, \"hv\": %d, \"pass\": \"decode\", \"layout\": \"warp16\", \"block_q\": %d, "
+                "\"block_kv\": %d, \"warps\": %d, \"rows_per_warp\": %d, \"col_splits\": %d, \"own_shape\": true}",
+                h, hv, d.block_q, d.block_kv, d.warps, d.rows_per_warp, d.col_splits);
   }
   std::printf("]}\n");
   return 0;
@@ -129,6 +133,18 @@ def _cuda_mismatches(facts: dict) -> list[str]:
                     wrong.append(f"{where}: explain says {words!r}, the kernels {expected!r}")
             if bwd["col_splits"] == 1 and "warps per 16 keys" in words:
                 wrong.append(f"{where}: explain says {words!r}, the backward has one warp per 16 keys")
+        # The decoding tile (DecodeForwardShape): its rows and keys, and the warps `explain` names.
+        dec, where = shapes[(h, hv, "decode", "warp16")], f"(H, Hv) = ({h}, {hv}), decoding tile"
+        spec = _spec(h, hv, "warp16")
+        if dec["block_q"] != _heuristics.CUDA_DECODE_BLOCK_Q or dec["warps"] * dec["rows_per_warp"] != dec["block_q"]:
+            wrong.append(f"{where}: block_q {dec['block_q']} != {_heuristics.CUDA_DECODE_BLOCK_Q}")
+        if dec["block_kv"] != _heuristics.cuda_decode_block_kv(spec):
+            wrong.append(f"{where}: block_kv {dec['block_kv']} != {_heuristics.cuda_decode_block_kv(spec)}")
+        decode_spec = AttentionSpec(1, 1, 1024, 4, 1, h, "bfloat16", 0.125, value_head_dim=hv)
+        words = _heuristics.cuda_forward_kernel_description(decode_spec, 132)
+        expected = f"{dec['block_q']}x{dec['block_kv']} tiles, one warp of {dec['rows_per_warp']} rows"
+        if dec["warps"] != 1 or expected not in words:
+            wrong.append(f"{where}: explain says {words!r}, the kernels {dec['warps']} warp(s), {expected!r}")
     # The head dims with a warp32 kernel of its own (HasOwnShape), over the Hv = H pairs.
     for pass_ in ("forward", "backward"):
         own = tuple(h for h in cuda.HEAD_DIMS if shapes[(h, h, pass_, "warp32")]["own_shape"])
@@ -154,7 +170,7 @@ def _cpu_mismatches(facts: dict) -> list[str]:
 
 def test_cuda_tile_facts_match_the_kernels(kernel_facts):
     # Every compiled pair, both layouts, the three passes: a list gone short would pass vacuously.
-    assert len(kernel_facts["cuda"]) == 3 * len(LAYOUTS) * len(cuda.head_dim_pairs())
+    assert len(kernel_facts["cuda"]) == (3 * len(LAYOUTS) + 1) * len(cuda.head_dim_pairs())
     assert _cuda_mismatches(kernel_facts) == []
 
 
@@ -183,22 +199,28 @@ def test_cpu_blocks_match_the_built_extension():
 
 def test_cuda_gqa_packing_bound_is_the_forward_tile():
     # The cuda handler bounds G for pack_gqa (kernels/ffi_attention.h, boundary::CheckGqaPacking)
-    # by the rows of the forward tile it launches (TileShapeFor(Pass::kForward, ...).block_q,
-    # checked against CUDA_FORWARD_BLOCK_Q above), never by a literal of its own.
+    # by the rows of the forward tile it launches: the decoding tile's (kDecodeRows, its
+    # DecodeForwardShape's block_q, checked against CUDA_DECODE_BLOCK_Q above) with decode_tile,
+    # else TileShapeFor(Pass::kForward, ...).block_q (checked against CUDA_FORWARD_BLOCK_Q),
+    # never by a literal of its own.
     text = (CUDA_DIR / "kernels" / "ffi_attention.h").read_text()
     calls = re.findall(r"CheckGqaPacking\(\s*check\s*,\s*pack_gqa\s*,\s*(.+?),\s*b\s*\);", text, re.S)
-    assert calls, "no CheckGqaPacking call in cuda/kernels/ffi_attention.h"
-    for bound in calls:
-        bound = " ".join(bound.split())
-        assert re.fullmatch(r"TileShapeFor\(Pass::kForward, b\.head_dim, b\.v_head_dim, layout\)\.block_q", bound), (
-            bound
-        )
+    assert calls == ["rows"], calls
+    rows = re.search(r"const int rows =\s*(.+?);", text, re.S)
+    assert rows, "no rows bound before CheckGqaPacking in cuda/kernels/ffi_attention.h"
+    bound = " ".join(rows.group(1).split())
+    assert bound == (
+        "decode_tile ? kDecodeRows : TileShapeFor(Pass::kForward, b.head_dim, b.v_head_dim, layout).block_q"
+    ), bound
+    tile = (CUDA_DIR / "kernels" / "tile.h").read_text()
+    assert "constexpr int kDecodeRows = DecodeForwardShape(128, 128).block_q;" in tile
 
 
 # A Python constant changed by one step: each must show as a mismatch.
 PYTHON_MUTANTS = {
     "CPU_BLOCK": ("CPU_BLOCK", 64),
     "CUDA_FORWARD_BLOCK_Q": ("CUDA_FORWARD_BLOCK_Q", 64),
+    "CUDA_DECODE_BLOCK_Q": ("CUDA_DECODE_BLOCK_Q", 32),
     "WARP32_HEAD_DIMS": ("WARP32_HEAD_DIMS", {"forward": (32, 64, 96), "backward": (32, 64, 96)}),
 }
 
