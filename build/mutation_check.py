@@ -735,8 +735,8 @@ MUTATIONS = [
     Mutation(
         "hv_fwd_v_stride",
         K + "fwd.h",
-        "v_stride = p.v_row_stride<K::kHvIsH>();",
-        "v_stride = p.kv_row_stride();",
+        "v_stride = per_tile(p.v_row_stride<K::kHvIsH>());",
+        "v_stride = per_tile(p.kv_row_stride());",
         HV,
         what="forward: V's rows strided by K's row (H) instead of Hv",
     ),

@@ -226,14 +226,16 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
     const uint16_t* const k_base = p.k + (paged ? int64_t{kv_head} * HEAD_DIM : p.kv_offset(batch, 0, kv_head));
     const uint16_t* const v_base =
         p.v + (paged ? int64_t{kv_head} * V_HEAD_DIM : p.v_offset<K::kHvIsH>(batch, 0, kv_head));
+    // A row stride as the copies of one tile see it: on the decoding tile read again per tile
+    // (ptx::mov_b32_volatile; it fits 32 bits there, DecodeTileRefusal), since its one warp
+    // issues 16 to 32 copies per tile, whose addresses, held across the loop, would take two
+    // registers each.
+    auto per_tile = [](int64_t stride) -> int64_t {
+      return K::kDecode ? ptx::mov_b32_volatile(static_cast<int>(stride)) : stride;
+    };
     auto load_kv = [&](int tile, int slot) {
-      // The row strides, read again per tile on the decoding tile (ptx::mov_b32_volatile; they
-      // fit 32 bits there, DecodeTileRefusal): its one warp issues 16 to 32 copies per tile, whose addresses,
-      // held across the loop, would take two registers each.
-      const int64_t kv_stride =
-          K::kDecode ? ptx::mov_b32_volatile(static_cast<int>(p.kv_row_stride())) : p.kv_row_stride();
-      const int64_t v_stride = K::kDecode ? ptx::mov_b32_volatile(static_cast<int>(p.v_row_stride<K::kHvIsH>()))
-                                          : p.v_row_stride<K::kHvIsH>();
+      const int64_t kv_stride = per_tile(p.kv_row_stride());
+      const int64_t v_stride = per_tile(p.v_row_stride<K::kHvIsH>());
       const int s0 = tile * K::BLOCK_KV;
       char* stage = kv_ring + slot * K::kStageBytes;
       if (paged) {  // each row from its page's slot (cp.async from the page's own address)
