@@ -1048,6 +1048,14 @@ MUTATIONS = [
         what="decoding tile: of a thread's many copies (two at a time) the odd ones never made",
     ),
     Mutation(
+        "decode_paged_row_of_next_lane",
+        K + "fwd.h",
+        "const uint32_t lo = __shfl_sync(0xffffffffu, static_cast<uint32_t>(lane_rows[g]), row % WARP_SIZE);",
+        "const uint32_t lo = __shfl_sync(0xffffffffu, static_cast<uint32_t>(lane_rows[g]), (row + 1) % WARP_SIZE);",
+        PAGED,
+        what="decoding tile, paged: a copy takes the pool row held for the next key row (its low word)",
+    ),
+    Mutation(
         "decode_tile_rows_16_excluded",
         "jax_flash/_heuristics.py",
         "    return rows <= CUDA_DECODE_BLOCK_Q",

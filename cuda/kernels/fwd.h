@@ -160,6 +160,34 @@ __device__ __forceinline__ void store_partial(const AttentionParams& p, const Fo
   }
 }
 
+// The decoding tile's paged copies (one warp): lane l holds in lane_rows[g] the pool row of
+// the tile's key row l + 32·g (p.key_row: a page-table read and a division, once per tile), and
+// each copy takes its row's from the lane that holds it (two shuffles), instead of a table read
+// and a division per copy. Rows >= rows_valid are zero-filled, never read; every lane runs every
+// shuffle (the copies are the same count on each).
+template <class Tile, int GROUPS>
+__device__ __forceinline__ void load_rows_held_by_lanes_async(char* tile, const uint16_t* pool, int64_t row_stride,
+                                                              int rows_valid, const int64_t (&lane_rows)[GROUPS],
+                                                              int lane) {
+  constexpr int kCopies = Tile::kRows * Tile::kChunks;
+  static_assert(kCopies % WARP_SIZE == 0 && Tile::kRows <= GROUPS * WARP_SIZE, "one warp, a row per lane and group");
+  JAX_FLASH_UNROLL_N(2)
+  for (int i = 0; i < kCopies / WARP_SIZE; ++i) {
+    const int copy = i * WARP_SIZE + lane;
+    const int row = copy / Tile::kChunks, chunk = copy % Tile::kChunks;
+    int64_t at = 0;
+    JAX_FLASH_UNROLL
+    for (int g = 0; g < GROUPS; ++g) {
+      const uint32_t lo = __shfl_sync(0xffffffffu, static_cast<uint32_t>(lane_rows[g]), row % WARP_SIZE);
+      const uint32_t hi = __shfl_sync(0xffffffffu, static_cast<uint32_t>(lane_rows[g] >> 32), row % WARP_SIZE);
+      if (row / WARP_SIZE == g) at = static_cast<int64_t>((static_cast<uint64_t>(hi) << 32) | lo);
+    }
+    const bool inside = row < rows_valid;
+    ptx::cp_async_16(tile + Tile::chunk_offset(row, chunk), pool + (inside ? at * row_stride + chunk * 8 : 0),
+                     inside ? 16 : 0);
+  }
+}
+
 template <class Elem, int HEAD_DIM, int V_HEAD_DIM, Layout LAYOUT, ForwardVariant VARIANT>
 __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYOUT, VARIANT>::THREADS, 1)
     attention_forward_kernel(const AttentionParams p) {
@@ -239,6 +267,20 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
       const int s0 = tile * K::BLOCK_KV;
       char* stage = kv_ring + slot * K::kStageBytes;
       if (paged) {  // each row from its page's slot (cp.async from the page's own address)
+        // (At H = 256 the held rows would take registers its MMAs need: 8 bytes spill on sm_80.)
+        if constexpr (K::kDecode && HEAD_DIM <= 192) {
+          constexpr int kGroups = CeilDiv(K::BLOCK_KV, WARP_SIZE);
+          int64_t lane_rows[kGroups];
+          JAX_FLASH_UNROLL
+          for (int g = 0; g < kGroups; ++g) {
+            const int row = lane + WARP_SIZE * g;
+            lane_rows[g] = row < p.kv_len - s0 ? p.key_row(batch, s0 + row) : 0;
+          }
+          load_rows_held_by_lanes_async<typename K::KVTile>(stage, k_base, kv_stride, p.kv_len - s0, lane_rows, lane);
+          load_rows_held_by_lanes_async<typename K::VTile>(stage + K::KVTile::kBytes, v_base, v_stride, p.kv_len - s0,
+                                                           lane_rows, lane);
+          return;
+        }
         auto row_of = [&](int row) { return p.key_row(batch, s0 + row); };
         load_tile_rows_async<typename K::KVTile, K::THREADS>(stage, k_base, kv_stride, p.kv_len - s0, row_of);
         load_tile_rows_async<typename K::VTile, K::THREADS>(stage + K::KVTile::kBytes, v_base, v_stride, p.kv_len - s0,

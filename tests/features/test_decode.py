@@ -391,12 +391,18 @@ def test_cuda_split_kv_rule(monkeypatch):
 # The cuda paged forward (the forward kernel reading K/V through the table), emulated: pages in
 # shuffled order with NaN in the unused ones, a page size that is no power of two (48) and one
 # smaller than a key tile (16), T = 1 (GQA-packed) and 3, ragged lengths with a 0, sinks, a
-# window and soft cap; unsplit, the rule's split, and 3 chunks.
+# window and soft cap; unsplit, the rule's split, and 3 chunks. All but the last run the
+# decoding tile (at most 16 rows), whose copies take their rows' pages from the lanes that
+# looked them up (H <= 192: page 8 under its 16-key tiles at H = 192) or look them up each
+# (H = 256); T = 20 runs the 128-row tile.
 CUDA_PAGED = [
     # (B, T, N, K, H, page_size, max_pages, lengths, dtype, kwargs)
     (3, 1, 8, 2, 64, 16, 20, [0, 37, 320], "bfloat16", {}),
     (2, 3, 4, 1, 64, 48, 6, [288, 70], "float16", dict(is_causal=False)),
     (2, 1, 8, 8, 128, 64, 4, [256, 100], "bfloat16", dict(local_window_size=(40, 0), logits_soft_cap=5.0)),
+    (1, 2, 2, 1, 192, 8, 9, [67], "bfloat16", dict(is_causal=False)),
+    (1, 1, 4, 2, 256, 16, 3, [41], "bfloat16", {}),
+    (1, 20, 2, 1, 64, 16, 5, [77], "bfloat16", dict(is_causal=False)),
 ]
 
 
