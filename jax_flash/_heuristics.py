@@ -427,11 +427,18 @@ def cuda_decode_tile(spec: AttentionSpec) -> bool:
     return rows <= CUDA_DECODE_BLOCK_Q and narrow
 
 
+def cuda_forward_tile(spec: AttentionSpec) -> tuple[int, int]:
+    """(query rows, keys) of the tile the cuda forward's general kernel runs for `spec`: the
+    decoding tile's, else the layout's (kernels/tile.h)."""
+    if cuda_decode_tile(spec):
+        return CUDA_DECODE_BLOCK_Q, cuda_decode_block_kv(spec)
+    return CUDA_FORWARD_BLOCK_Q, cuda_forward_block_kv(spec)
+
+
 def cuda_forward_ctas(spec: AttentionSpec) -> int:
     """CTAs of the cuda forward before split-KV: B·(K packed, else N)·ceil(T / rows per tile)."""
     heads = spec.num_kv_heads if cuda_packs_heads(spec) else spec.num_heads
-    rows = CUDA_DECODE_BLOCK_Q if cuda_decode_tile(spec) else CUDA_FORWARD_BLOCK_Q
-    return spec.batch * heads * -(-spec.q_len // rows)
+    return spec.batch * heads * -(-spec.q_len // cuda_forward_tile(spec)[0])
 
 
 def cuda_resident_slots(spec: AttentionSpec, sms: int) -> int:
@@ -462,8 +469,7 @@ def cuda_split_kv_chunks(spec: AttentionSpec, sms: int) -> int:
     count = forced(spec, "cuda_split_kv")
     if count is not None:
         return count
-    block_kv = cuda_decode_block_kv(spec) if cuda_decode_tile(spec) else cuda_forward_block_kv(spec)
-    tiles = -(-spec.kv_len // block_kv)
+    tiles = -(-spec.kv_len // cuda_forward_tile(spec)[1])
     slots = cuda_resident_slots(spec, sms)
     return wave_chunk_count(cuda_forward_ctas(spec), slots, tiles, CUDA_SPLIT_MIN_TILES, CUDA_MAX_SPLITS)
 
@@ -479,9 +485,12 @@ def cuda_decoding_description(spec: AttentionSpec, sms: int, sms_words: str) -> 
     elif forced(spec, "cuda_split_kv") is not None:
         why = setting_words(spec, "cuda_split_kv")
     else:
-        decode = cuda_decode_tile(spec)
-        rows = CUDA_DECODE_BLOCK_Q if decode else CUDA_FORWARD_BLOCK_Q
-        per_sm = f"{CUDA_DECODE_CTAS_PER_SM} CTAs of the decoding tile per SM" if decode else "one CTA per SM"
+        rows = cuda_forward_tile(spec)[0]
+        per_sm = (
+            f"{CUDA_DECODE_CTAS_PER_SM} CTAs of the decoding tile per SM"
+            if cuda_decode_tile(spec)
+            else "one CTA per SM"
+        )
         why = (
             f"{cuda_forward_ctas(spec)} CTAs (B·{'K' if pack else 'N'}·ceil(T/{rows})) against "
             f"{cuda_resident_slots(spec, sms)} resident ({sms_words}, {per_sm}): split when they fill fewer "
