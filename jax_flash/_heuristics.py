@@ -565,6 +565,32 @@ def pallas_tile_config(
     return _pallas_table.fit(cfg, head_dim_padded, dtype, pass_, smem_budget, dense_bytes)
 
 
+def pallas_plain_blocker(spec: AttentionSpec) -> str | None:
+    """Why a call may not run the pallas plain kernels (`jax_flash._pallas_kernels`), or None
+    when it may: then each pass runs them where the call's scores and values are finite
+    (`jax_flash.pallas.plain_inputs`, tested on every call), the general kernels elsewhere.
+    They keep raw scores (no soft cap, bias or flex function to transform them) with the scale
+    inside the exponent, which a zero, negative, subnormal or huge scale would break."""
+    blockers = (
+        (spec.soft_cap is not None, "a soft cap"),
+        (spec.bias_shape is not None, "a dense bias"),
+        (spec.flex is not None, "flex_attention"),
+        (not 2.0**-126 <= _float32(spec.scale) < 2.0**127, "a scale outside [2**-126, 2**127)"),
+    )
+    return next((why for blocked, why in blockers if blocked), None)
+
+
+def pallas_kernels_description(spec: AttentionSpec) -> str:
+    """What `explain` says of the pallas kernels a call runs."""
+    why = pallas_plain_blocker(spec)
+    if why is not None:
+        return f"the general kernels (the call has {why})"
+    return (
+        "the plain kernels where q, k and v are finite and no score can overflow (tested on every call; "
+        "the general kernels otherwise)"
+    )
+
+
 def pallas_split_kv_chunks(spec: AttentionSpec, block_q: int, block_k: int, target: int) -> int:
     """The pallas forward's split-KV chunk count for `spec` at tiles (block_q, block_k); 1: none."""
     if spec.has_dropout or spec.batch * spec.num_heads * spec.q_len == 0:

@@ -56,6 +56,22 @@ def finite_part(x):
     return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
 
 
+# |q·k| <= H·max|q|·max|k| (each of the H products, and every partial sum of them in float32,
+# is bounded by it): below 2**126 no score of the call can overflow float32 (max 2**128).
+_FINITE_SCORE_BOUND = 2.0**126
+
+
+def scores_are_finite(q, k):
+    """Bool scalar: every raw score q·k of the call is finite, so that a plain kernel (the cuda
+    and pallas ones), which does not make ±inf scores NaN, has none to make: q and k finite,
+    and H·max|q|·max|k| below float32's range. One reduction over each of q and k."""
+
+    def max_abs(x):  # +inf when x holds a NaN or ±inf (whatever a max does with NaN); exact in x's dtype
+        return jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.inf), initial=0).astype(jnp.float32)
+
+    return max_abs(q) * max_abs(k) * q.shape[-1] < _FINITE_SCORE_BOUND
+
+
 def nonfinite_rows(x):
     """[B, L, N, H] -> bool [B, L, N]: the row holds a NaN or ±inf."""
     return ~jnp.all(jnp.isfinite(x), axis=-1)

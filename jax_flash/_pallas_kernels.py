@@ -4,19 +4,35 @@ Each kernel sees squeezed 2-D tiles: rows × padded head dim (Hp for q, k, dq, d
 for v, out, dout, dv: the value head dim may differ). The wrapper in
 `jax_flash.pallas` pads, builds the BlockSpecs and launches them.
 
-Units: logits, running maxima and lse are natural, each logit rounded to float32 once;
-every exponent is the difference of two such values, then times log2(e) into one exp2:
-p = exp2((x - m)·log2 e). (Folding log2(e) into the scale instead saves that multiply but
-rounds the base-2 logit and the natural lse differently: at |logit| ~ 1e9 the backward's
-exp2(x₂ - lse·log2 e) of a row's top key is then 2^-17, not 1.)
+Two variants of each kernel, chosen per call (`Layout.plain`):
 
-Non-finite inputs follow the numerical contract (docs/numerical-contract.md) with the functions of
-`jax_flash._numerics`, as `jax_flash.xla` does: ±inf raw
-scores become NaN, a NaN score reaches l through exp2 even where the row max drops it
-(Triton's max does), a row is empty only when l == 0, exponents are clamped to <= 0 by a
-select (min(NaN, 0) may be 0) (the scaled logit may be evaluated twice, once fused into an FMA), and the products
-that meet masked weights (P·V, dS·K, dSᵀ·Q) run over finite copies of their tile, a row
-that sees a non-finite v being made NaN by a per-key flag.
+- **the plain kernels** run where every raw score q·k of the call is finite and every v is
+  (`plain_inputs`, one reduction over each of q, k and v per call, tested on the device; the
+  static rule is `plain_blocker`: no soft cap, bias or flex function, a scale in
+  [2^-126, 2^127)). Their key loops do only the attention: no poisoning, no finite copies,
+  no clamp. The forward keeps the row max m of the raw scores and takes
+  p = exp2((s - m)·c), c = scale·log2 e rounded once per call: one subtraction rounded once
+  (exact by Sterbenz where s >= m/2), one multiply and one exp2 per score; the row max gets
+  exp2(0) = 1 at any magnitude, and no FMA contraction can make an exponent positive (the
+  multiply consumes the difference). The statistics become logits once per row at the end:
+  scale·m rounded once (the max of the rounded logits, rounding being monotone), the sink
+  joined as one more logit, lse = that + log l, in natural units as before. The backward
+  recomputes p = exp2(min(x - lse, 0)·log2 e) from the natural logit x = scale·s: the min
+  (one instruction, no NaN can reach it) keeps the exponent <= 0 where Triton contracts
+  scale·s - lse into one FMA.
+- **the general kernels** serve every call, non-finite inputs too. Units: logits, running
+  maxima and lse are natural, each logit rounded to float32 once; every exponent is the
+  difference of two such values, then times log2(e) into one exp2: p = exp2((x - m)·log2 e).
+  (Folding log2(e) into the scale instead saves that multiply but rounds the base-2 logit
+  and the natural lse differently: at |logit| ~ 1e9 the backward's exp2(x₂ - lse·log2 e) of
+  a row's top key is then 2^-17, not 1.) Non-finite inputs follow the numerical contract
+  (docs/numerical-contract.md) with the functions of `jax_flash._numerics`, as
+  `jax_flash.xla` does: ±inf raw scores become NaN, a NaN score reaches l through exp2 even
+  where the row max drops it (Triton's max does), a row is empty only when l == 0,
+  exponents are clamped to <= 0 by a select (min(NaN, 0) may be 0) (the scaled logit may be
+  evaluated twice, once fused into an FMA), and the products that meet masked weights (P·V,
+  dS·K, dSᵀ·Q) run over finite copies of their tile, a row that sees a non-finite v being
+  made NaN by a per-key flag.
 """
 
 from __future__ import annotations
@@ -28,6 +44,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -113,6 +130,8 @@ class Layout:
     mask_consts: tuple[bool, ...] = ()
     score_consts: tuple[bool, ...] = ()
     block_lists: bool = False
+    # The plain kernels (the module's docstring): finite scores and values, no cap or bias.
+    plain: bool = False
 
     @property
     def has_bias(self) -> bool:
@@ -135,6 +154,12 @@ class Layout:
     def folds_scale(self) -> bool:
         """Without bias or soft cap, the scale is one multiply of the raw scores."""
         return not self.has_bias and self.spec.soft_cap is None
+
+    @property
+    def exp2_factor(self) -> float:
+        """The plain forward's c = scale·log2 e (raw scores to base-2 exponents), rounded to
+        float32 once; finite and nonzero for the scales `plain_blocker` lets through."""
+        return float(np.float32(self.spec.scale * LOG2E))
 
 
 class Inputs:
@@ -343,11 +368,13 @@ def _loop(segments, step, carry):
     return carry
 
 
-def band_segments(lo, hi, full_lo, full_hi):
-    """Split [lo, hi) into masked [lo, a), unmasked [a, b), masked [b, hi)."""
-    a = jnp.clip(full_lo, lo, jnp.maximum(lo, hi))
-    b = jnp.clip(full_hi, a, jnp.maximum(a, hi))
-    return ((lo, a, True), (a, b, False), (b, hi, True))
+def band_segments(lo, hi, full_lo, full_hi, left: bool = True, right: bool = True):
+    """Split [lo, hi) into masked [lo, a), unmasked [a, b), masked [b, hi); a masked end
+    known at trace time to be empty (`left`/`right` False: no window edge or ragged tail
+    there) is left out, so that no loop is emitted for it."""
+    a = jnp.clip(full_lo, lo, jnp.maximum(lo, hi)) if left else lo
+    b = jnp.clip(full_hi, a, jnp.maximum(a, hi)) if right else hi
+    return ((lo, a, True),) * left + ((a, b, False),) + ((b, hi, True),) * right
 
 
 def key_segments(layout: Layout, tm: TileMath, q0, q1, nk: int):
@@ -379,7 +406,7 @@ def key_segments(layout: Layout, tm: TileMath, q0, q1, nk: int):
         full_hi = (q0 + band_hi + 1) // bk
     if layout.ragged_keys:
         full_hi = jnp.minimum(full_hi, spec.kv_len // bk)
-    return band_segments(lo, hi, full_lo, full_hi)
+    return band_segments(lo, hi, full_lo, full_hi, band_lo is not None, band_hi is not None or layout.ragged_keys)
 
 
 def query_segments(layout: Layout, tm: TileMath, k0, k1, nq: int, ragged_block):
@@ -405,23 +432,36 @@ def query_segments(layout: Layout, tm: TileMath, k0, k1, nq: int, ragged_block):
         full_hi = (k0 - band_lo + 1) // bq
     if layout.ragged_keys:  # the block holding the ragged key tail is masked throughout
         full_hi = jnp.where(ragged_block, full_lo, full_hi)
-    return band_segments(lo, hi, full_lo, full_hi)
+    return band_segments(lo, hi, full_lo, full_hi, band_hi is not None, band_lo is not None or layout.ragged_keys)
 
 
 # ---------------------------------------------------------------------------------------
 # Forward: grid (query block, head, batch); FlashAttention-2 Algorithm 1.
 
 
-def _softmax_init(inp: Inputs, bq: int, first_chunk=True):
+def _softmax_init(inp: Inputs, bq: int, first_chunk=True, plain=False):
     """(m, l) [bq] before the first key tile: -inf and 0, or with a sink the state after it
     alone, m = sink and l = 1 (NaN for a NaN or +inf sink, which poisons
-    every row of the head; a -inf sink is no sink). Split-KV: the sink is the first chunk's."""
-    if inp.sinks is None:
+    every row of the head; a -inf sink is no sink). Split-KV: the sink is the first chunk's.
+    The plain forward joins its sink at the end (`_join_sink`): its m is in raw units."""
+    if inp.sinks is None or plain:
         return jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32)
     sink = jnp.where(first_chunk, inp.sinks[...].reshape(1), -jnp.inf)  # [1]: this program's head
     m = jnp.broadcast_to(sink, (bq,))
     l = jnp.broadcast_to(jnp.where(sink < jnp.inf, 1.0, jnp.nan), (bq,))
     return m, l
+
+
+def _join_sink(inp: Inputs, top, l, acc, first_chunk):
+    """The plain forward's sink joined as one more logit of every row, after the key loop:
+    top [bq] the rows' largest logit (-inf: none), l, acc relative to it. The plain kernel
+    runs with finite or -inf sinks only (`plain_inputs`); a -inf sink is no sink."""
+    sink = jnp.where(first_chunk, inp.sinks[...].reshape(1), -jnp.inf)  # [1]
+    new_top = jnp.maximum(top, sink)
+    shift = jnp.where(new_top == -jnp.inf, 0.0, new_top)  # a row with neither: stays empty
+    f = jnp.exp2((top - shift) * LOG2E)
+    l = l * f + jnp.exp2((sink - shift) * LOG2E)
+    return new_top, l, acc * f[:, None]
 
 
 def forward_kernel(*refs, layout: Layout):
@@ -438,6 +478,42 @@ def forward_kernel(*refs, layout: Layout):
     q = inp.q[...]  # [bq, Hp], resident for the whole key loop
     q_seg = None if inp.q_seg is None else inp.q_seg[...]
 
+    def visible(masked, k0):
+        """The tile's visibility (bool [bq, bk]) or None: every pair visible."""
+        if spec.flex is not None:
+            return tm.flex_visible(masked, q0, k0, bq, bk, batch, head)
+        if not masked:
+            return None
+        kv_seg = None if inp.kv_seg is None else inp.kv_seg[pl.ds(k0, bk)]
+        mask = None
+        if lay.has_mask:
+            mask = dense_tile(inp.mask, bool(lay.mask_rows), bool(lay.mask_cols), (), 0, bq, k0, bk)
+        return tm.visible(q0, k0, q_seg, kv_seg, mask, bq, bk)
+
+    def plain_step(masked, block=None):
+        c = lay.exp2_factor
+
+        def body(jj, carry):
+            m, l, acc, bad = carry  # m: the rows' largest raw score; bad stays 0
+            k0 = jj * bk
+            s = _dot(q, inp.k[pl.ds(k0, bk), :], trans_b=True)  # raw scores [bq, bk]
+            vis = visible(masked, k0)
+            if vis is not None:
+                s = jnp.where(vis, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen nothing
+            p = jnp.exp2((s - m_use[:, None]) * c)
+            alpha = jnp.exp2((m - m_use) * c)
+            l = alpha * l + jnp.sum(p, axis=1)
+            keep = tm.dropout_keep(batch, head, q0, k0, bq, bk)
+            if keep is not None:  # after the statistics: P·V of the kept weights only
+                p = jnp.where(keep, p, 0.0)
+            v = inp.v[pl.ds(k0, bk), :]
+            acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
+            return m_new, l, acc, bad
+
+        return body
+
     def step(masked, block=None):
         def body(jj, carry):
             m, l, acc, bad = carry  # [bq], [bq], [bq, Hvp], [bq] (1: sees a bad v)
@@ -450,16 +526,9 @@ def forward_kernel(*refs, layout: Layout):
             if lay.has_bias:
                 bias = dense_tile(inp.bias, bool(lay.bias_rows), bool(lay.bias_cols), (), 0, bq, k0, bk)
             x, _ = tm.logits(_dot(q, k, trans_b=True), bias)
-            vis = None
+            vis = visible(masked, k0)
             if spec.flex is not None:
-                vis = tm.flex_visible(masked, q0, k0, bq, bk, batch, head)
                 x = tm.flex_score(x, vis, q0, k0, batch, head)
-            elif masked:
-                kv_seg = None if inp.kv_seg is None else inp.kv_seg[pl.ds(k0, bk)]
-                mask = None
-                if lay.has_mask:
-                    mask = dense_tile(inp.mask, bool(lay.mask_rows), bool(lay.mask_cols), (), 0, bq, k0, bk)
-                vis = tm.visible(q0, k0, q_seg, kv_seg, mask, bq, bk)
             if vis is not None:
                 x = jnp.where(vis, x, -jnp.inf)
                 bad_v = jnp.where(vis, bad_v, 0.0)
@@ -481,7 +550,7 @@ def forward_kernel(*refs, layout: Layout):
 
     # [bq] m, l, [bq, Hvp] acc, [bq] bad
     carry = (
-        *_softmax_init(inp, bq, chunk == 0),
+        *_softmax_init(inp, bq, chunk == 0, lay.plain),
         jnp.zeros((bq, inp.v.shape[-1]), jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
@@ -494,14 +563,20 @@ def forward_kernel(*refs, layout: Layout):
         c_lo = first + (last - first) * chunk // chunks
         c_hi = first + (last - first) * (chunk + 1) // chunks
         segments = tuple((jnp.clip(lo, c_lo, c_hi), jnp.clip(hi, c_lo, c_hi), m, b) for lo, hi, m, b in segments)
-    m, l, acc, bad = _loop(segments, step, carry)
+    m, l, acc, bad = _loop(segments, plain_step if lay.plain else step, carry)
+    if lay.plain:  # the raw row max as a logit, rounded once; then the sink
+        m = m * spec.scale
+        if inp.sinks is not None:
+            m, l, acc = _join_sink(inp, m, l, acc, chunk == 0)
     # FlashAttention-2 §3.1.1: the accumulator stays unnormalised until the last block.
     # Empty rows (l = 0: no key, or only -inf logits) give 0; a NaN l is not empty.
     empty = l == 0
     l_safe = jnp.where(empty, 1.0, l)
     if spec.has_dropout:  # the kept weights' 1 / (1 - rate); lse is that of the full P
         acc = acc * _dropout.keep_scale(spec.dropout_rate)
-    out = jnp.where(bad[:, None] > 0, jnp.nan, acc / l_safe[:, None])
+    out = acc / l_safe[:, None]
+    if not lay.plain:
+        out = jnp.where(bad[:, None] > 0, jnp.nan, out)
     out_ref[...] = jnp.where(empty[:, None], 0.0, out).astype(out_ref.dtype)
     lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
 
@@ -515,8 +590,13 @@ def forward_kernel(*refs, layout: Layout):
 
 def _probabilities(tm: TileMath, lay: Layout, q, k, lse, bias, vis, flex_at=None):
     """P (exactly 0 where masked and in empty rows, lse = +inf; NaN in poisoned rows),
-    the natural transformed logits (or None), `live`: where dS may be nonzero, and the
-    score_mod's derivative (or None). flex_at: (q0, k0, batch, head) of a flex tile."""
+    the natural transformed logits (or None), `live`: where dS may be nonzero (None in the
+    plain kernels: there P is 0 wherever dS must be), and the score_mod's derivative (or
+    None). flex_at: (q0, k0, batch, head) of a flex tile."""
+    if lay.plain:  # finite scores: no poison; the min keeps a contracted FMA's exponent <= 0
+        x = _dot(q, k, trans_b=True) * lay.spec.scale
+        p = jnp.exp2(jnp.minimum(x - lse[:, None], 0.0) * LOG2E)
+        return (p if vis is None else jnp.where(vis, p, 0.0)), None, None, None
     x, t = tm.logits(_dot(q, k, trans_b=True), bias)
     slope = None
     if flex_at is not None:
@@ -532,13 +612,22 @@ def _probabilities(tm: TileMath, lay: Layout, q, k, lse, bias, vis, flex_at=None
 def _dscores(lay: Layout, p, dp, delta, t, live, slope=None):
     """dS = P ∘ (dP - D), times the soft cap's or the score_mod's derivative (`slope`):
     d loss / d (logit + bias), or d loss / d score_mod's score; exactly 0 outside `live`,
-    also where dP (a bad v) or D (a poisoned row) is NaN."""
+    also where dP (a bad v) or D (a poisoned row) is NaN. The plain kernels' P is 0 outside
+    it and dP, D are finite: no select."""
     ds = p * (dp - delta[:, None])
+    if live is None:
+        return ds
     if lay.spec.soft_cap is not None:
         ds = ds * _masking.soft_cap_grad(lay.spec, t)
     if slope is not None:
         ds = ds * slope
     return jnp.where(live, ds, 0.0)
+
+
+def _operand(lay: Layout, x):
+    """A streamed q or k as the operand of dS·K or dSᵀ·Q: its finite copy (a masked pair's
+    dS = 0 must not meet a NaN), or itself in the plain kernels (all finite)."""
+    return x if lay.plain else finite_part(x)
 
 
 def _drop(lay: Layout, keep, x):
@@ -592,7 +681,7 @@ def dkdv_kernel(*refs, layout: Layout):
             keep = tm.dropout_keep(batch, first_head + g, q0, k0, bq, bk)
             dv = dv + _dot(_drop(lay, keep, p).astype(do.dtype), do, trans_a=True)
             ds = _dscores(lay, p, _drop(lay, keep, _dot(do, v, trans_b=True)), delta, t, live, slope)
-            dk = dk + _dot(ds.astype(q.dtype), finite_part(q), trans_a=True)
+            dk = dk + _dot(ds.astype(q.dtype), _operand(lay, q), trans_a=True)
             return dk, dv
 
         return body
@@ -657,7 +746,7 @@ def dq_kernel(*refs, layout: Layout):
             ds = _dscores(lay, p, _drop(lay, keep, _dot(do, v, trans_b=True)), delta, t, live, slope)
             if ds_ref is not None:
                 ds_ref[:, pl.ds(k0, bk)] = ds
-            return dq + _dot(ds.astype(k.dtype), finite_part(k))
+            return dq + _dot(ds.astype(k.dtype), _operand(lay, k))
 
         return body
 

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_flash import _build, _ffi, _flex, _heuristics, _registry
-from jax_flash._numerics import finite_part, nonfinite_rows
+from jax_flash._numerics import finite_part, nonfinite_rows, scores_are_finite
 from jax_flash._paged_spec import PagedSpec, target_masks
 from jax_flash._spec import AttentionSpec
 from jax_flash.parallel import partitioning
@@ -150,22 +150,6 @@ def plain_forward_blocker(spec: AttentionSpec, paged: bool = False) -> str | Non
 def forward_kernel_description(spec: AttentionSpec) -> str:
     """What `explain` says of the forward kernel a call runs (kernels/fwd.h)."""
     return _heuristics.cuda_forward_kernel_description(spec, sm_count()[0])
-
-
-# |q·k| <= H·max|q|·max|k| (each of the H products, and every partial sum of them in float32,
-# is bounded by it): below 2**126 no score of the call can overflow float32 (max 2**128).
-_FINITE_SCORE_BOUND = 2.0**126
-
-
-def scores_are_finite(q, k):
-    """Bool scalar: every raw score q·k of the call is finite, so that the plain kernel, which
-    does not make ±inf scores NaN (docs/numerical-contract.md), has none to make: q and k finite,
-    and H·max|q|·max|k| below float32's range. One reduction over each of q and k."""
-
-    def max_abs(x):  # +inf when x holds a NaN or ±inf (whatever a max does with NaN); exact in x's dtype
-        return jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.inf), initial=0).astype(jnp.float32)
-
-    return max_abs(q) * max_abs(k) * q.shape[-1] < _FINITE_SCORE_BOUND
 
 
 def decoding_description(spec: AttentionSpec) -> str:

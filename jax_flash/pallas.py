@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from jax_flash import _flex, _heuristics, _pallas_flex, _registry
 from jax_flash._merge import merge_partials
-from jax_flash._numerics import pad_axis, round_up
+from jax_flash._numerics import pad_axis, round_up, scores_are_finite
 from jax_flash._paged_spec import PagedSpec
 from jax_flash._pallas_kernels import (
     Layout,
@@ -347,11 +347,34 @@ def _tiles(spec: AttentionSpec, cfgs):
     return blocks, t_pad, s_pad
 
 
+def plain_inputs(q, k, v, masks: MaskInputs):
+    """Bool scalar: the plain kernels may run on these inputs: every raw score q·k is finite
+    (`_numerics.scores_are_finite`), v is finite and every sink is finite or -inf. One
+    reduction over each of q, k and v."""
+    ok = scores_are_finite(q, k) & jnp.all(jnp.isfinite(v))
+    if masks.sinks is not None:
+        ok = ok & jnp.all(masks.sinks < jnp.inf)  # NaN < inf is False
+    return ok
+
+
+def _plain_or_general(spec: AttentionSpec, call, q, k, v, masks: MaskInputs):
+    """`call(plain)` on the plain kernels where `plain_inputs` holds, else on the general
+    kernels (one conditional, on this device's shard); the general ones alone for a call
+    `_heuristics.pallas_plain_blocker` refuses."""
+    if _heuristics.pallas_plain_blocker(spec) is not None:
+        return call(False)
+    return jax.lax.cond(plain_inputs(q, k, v, masks), lambda: call(True), lambda: call(False))
+
+
 def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs=None, interpret=None):
     """out [B, T, N, Hv] (dtype of q), lse [B, N, T] float32 natural log; partitioned over
     the inputs' shardings (`jax_flash.parallel.partitioning`)."""
-    call = functools.partial(_forward_call, configs=configs, interpret=interpret)
-    return partitioning.forward("pallas", call, spec, q, k, v, masks)
+
+    def local(spec, q, k, v, masks):
+        call = functools.partial(_forward_call, spec, q, k, v, masks, configs=configs, interpret=interpret)
+        return _plain_or_general(spec, lambda plain: call(plain=plain), q, k, v, masks)
+
+    return partitioning.forward("pallas", local, spec, q, k, v, masks)
 
 
 def backward(
@@ -370,8 +393,14 @@ def backward(
 ):
     """dq, dk, dv (input dtypes), dbias (shape and dtype of masks.bias, or None);
     partitioned over the inputs' shardings."""
-    call = functools.partial(_backward_call, configs=configs, interpret=interpret)
-    grads = partitioning.backward("pallas", call, spec, q, k, v, masks, out, lse, dout, dlse)
+
+    def local(spec, q, k, v, masks, out, lse, dout, dlse):
+        call = functools.partial(
+            _backward_call, spec, q, k, v, masks, out, lse, dout, dlse, configs=configs, interpret=interpret
+        )
+        return _plain_or_general(spec, lambda plain: call(plain=plain), q, k, v, masks)
+
+    grads = partitioning.backward("pallas", local, spec, q, k, v, masks, out, lse, dout, dlse)
     if spec.flex is not None:
         return (*grads, _flex_consts_cotangent(spec, q, k, v, masks, out, lse, dout, dlse))
     return grads
@@ -426,8 +455,8 @@ def split_kv_summary(spec: AttentionSpec) -> str:
         return f"{e}: calls fail"
 
 
-def _forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, interpret):
-    """The forward kernel on (local) canonical arrays; `spec` describes them."""
+def _forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, interpret, plain=False):
+    """The forward kernel (plain or general) on (local) canonical arrays; `spec` describes them."""
     pl, _ = triton()
     interpret = _interpret(interpret)
     b, t, n, h = q.shape
@@ -442,7 +471,7 @@ def _forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, i
     vp = pad_axis(pad_axis(v, 3, hvp), 1, s_pad)
     extras = _Extras(spec, masks, t_pad, s_pad)
     extra_args, extra_specs = extras.row_grid(bq, s_pad, c)
-    layout = _layout(spec, masks, bq, bk, t_pad, s_pad, kv_chunks=c)
+    layout = _layout(spec, masks, bq, bk, t_pad, s_pad, kv_chunks=c, plain=plain)
     # Grid axis 0: the query block (and with split-KV its key chunk, the chunk fastest).
     row_spec = pl.BlockSpec((None, bq, None, hp), lambda i, n_, b_: (b_, i // c, n_, 0))
     kv_spec = pl.BlockSpec((None, s_pad, None, hp), lambda i, n_, b_: (b_, 0, n_ // g, 0))
@@ -473,7 +502,7 @@ def _forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, i
         out_shape=out_shape,
         compiler_params=compiler_params(cfg),
         interpret=interpret,
-        name="jax_flash_fwd",
+        name="jax_flash_fwd_plain" if plain else "jax_flash_fwd",
     )(qp, kp, vp, *extra_args)
     if c > 1:
         out, lse = merge_partials([out[i] for i in range(c)], [lse[i] for i in range(c)])
@@ -494,8 +523,10 @@ def _backward_call(
     *,
     configs,
     interpret,
+    plain=False,
 ):
-    """The dK/dV and dQ kernels on (local) canonical arrays; `spec` describes them."""
+    """The dK/dV and dQ kernels (plain or general) on (local) canonical arrays; `spec`
+    describes them."""
     pl, _ = triton()
     interpret = _interpret(interpret)
     b, t, n, h = q.shape
@@ -535,7 +566,7 @@ def _backward_call(
     dv_blk = pl.BlockSpec((None, bk1, None, hvp), lambda j, h_, b_: (b_, j, h_, 0))
     stat5 = pl.BlockSpec((None, None, g, t_pad), lambda j, h_, b_: (b_, h_ // splits, 0, 0))
     extra_args, extra_specs = extras.key_grid(bk1, t_pad, splits)
-    layout = _layout(spec, masks, bq1, bk1, t_pad, s_pad, group=g // splits, splits=splits)
+    layout = _layout(spec, masks, bq1, bk1, t_pad, s_pad, group=g // splits, splits=splits, plain=plain)
     dkv_dtype = lambda x: jnp.float32 if splits > 1 else x.dtype
     dk, dv = pl.pallas_call(
         functools.partial(dkdv_kernel, layout=layout),
@@ -548,7 +579,7 @@ def _backward_call(
         ],
         compiler_params=compiler_params(cfg_kv),
         interpret=interpret,
-        name="jax_flash_bwd_dkdv",
+        name="jax_flash_bwd_dkdv_plain" if plain else "jax_flash_bwd_dkdv",
     )(
         q5,
         kp,
@@ -574,14 +605,16 @@ def _backward_call(
         out_specs.append(pl.BlockSpec((None, None, bq2, s_pad), lambda i, n_, b_: (b_, n_, i, 0)))
         out_shape.append(jax.ShapeDtypeStruct((b, n, t_pad, s_pad), jnp.float32))
     res = pl.pallas_call(
-        functools.partial(dq_kernel, layout=_layout(spec, masks, bq2, bk2, t_pad, s_pad, write_ds=write_ds)),
+        functools.partial(
+            dq_kernel, layout=_layout(spec, masks, bq2, bk2, t_pad, s_pad, write_ds=write_ds, plain=plain)
+        ),
         grid=(t_pad // bq2, n, b),
         in_specs=[row_blk, kv_full, v_full, do_blk, stat, stat, *extra_specs],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=compiler_params(cfg_q),
         interpret=interpret,
-        name="jax_flash_bwd_dq",
+        name="jax_flash_bwd_dq_plain" if plain else "jax_flash_bwd_dq",
     )(qp, kp, vp, dop, lse_rows, delta, *extra_args)
     dq = res[0][:, :t, :, :h]
     dbias = None
