@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import pathlib
 import re
 import sys
@@ -78,7 +79,10 @@ def triton_kernels(lowered) -> list[TritonKernel]:
         for region in op.regions:
             for block in region.blocks:
                 for o in block.operations:
-                    if o.name == "stablehlo.custom_call" and ir.StringAttr(o.attributes["call_target_name"]).value == TRITON_CALL:
+                    if (
+                        o.name == "stablehlo.custom_call"
+                        and ir.StringAttr(o.attributes["call_target_name"]).value == TRITON_CALL
+                    ):
                         found.append(_kernel(o.attributes["mhlo.backend_config"]))
                     walk(o)
 
@@ -165,7 +169,7 @@ class KeyLoop:
 
 def _category(op) -> str | None:
     name = op.name
-    if name in _LAYOUT or name.startswith("scf.") or name.startswith("tt.return"):
+    if name in _LAYOUT or name.startswith(("scf.", "tt.return")):
         return None
     if name == "tt.load":
         return "load"
@@ -182,11 +186,6 @@ def _category(op) -> str | None:
     if _element_type(op.results[0].type) in _FLOAT_TYPES or name in ("arith.truncf", "arith.extf"):
         return "float"
     return "integer"
-
-
-def _producer(value):
-    owner = value.owner
-    return owner if isinstance(owner, ir.Operation) or hasattr(owner, "name") and hasattr(owner, "operands") else None
 
 
 def _reaches(value, target_names, stop_names, seen) -> bool:
@@ -229,6 +228,16 @@ def _selects_before_dot(dot) -> list[str]:
     return found
 
 
+def dot_loops(kernel: TritonKernel) -> int:
+    """How many `scf.for` of the kernel hold a dot (the key or query loops it emits)."""
+    with kernel.context:
+        return sum(
+            1
+            for loop in _loops(kernel.module.operation)
+            if any(op.name == "tt.dot" for op in _ops(loop.regions[0].blocks[0]))
+        )
+
+
 def key_loop(kernel: TritonKernel) -> KeyLoop | None:
     """The kernel's key loop (most dots; ties: fewest operations), or None without a loop
     holding a dot."""
@@ -246,7 +255,13 @@ def key_loop(kernel: TritonKernel) -> KeyLoop | None:
                 if cat is None:
                     continue
                 ops[cat] += 1
-                weight = _elements(op.operands[0].type) if cat == "reduce" else _elements(op.results[0].type) if op.results else 1
+                weight = (
+                    _elements(op.operands[0].type)
+                    if cat == "reduce"
+                    else _elements(op.results[0].type)
+                    if op.results
+                    else 1
+                )
                 counts[cat] += weight
                 if cat in ("select",):
                     counts["float"] += weight
@@ -274,12 +289,12 @@ def sass(kernel: TritonKernel, capability: int = 90) -> str | None:
     """The SASS of the kernel compiled by the `triton` package for sm_<capability>, or None
     where it is not installed."""
     try:
-        import triton  # noqa: PLC0415
-        from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+        import triton
+        from triton.backends.compiler import GPUTarget
     except ImportError:
         return None
-    import subprocess  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
+    import subprocess
+    import tempfile
 
     with tempfile.TemporaryDirectory() as d:
         src = pathlib.Path(d) / f"{kernel.name}.ttir"
@@ -297,9 +312,12 @@ def sass(kernel: TritonKernel, capability: int = 90) -> str | None:
 # --- the command line: ours beside JAX's mha ------------------------------------------------
 
 
-def lower_ours(head_dim: int, causal: bool, seq: int = 8192, dtype=jnp.bfloat16, backward: bool = True):
-    from jax_flash import pallas  # noqa: PLC0415
-    from jax_flash._spec import AttentionSpec, MaskInputs  # noqa: PLC0415
+def lower_ours(
+    head_dim: int, causal: bool, seq: int = 8192, dtype=jnp.bfloat16, backward: bool = True, window_left=None
+):
+    """Our forward (and backward) at B = 2, N = 16, T = S = seq, lowered for `cuda`."""
+    from jax_flash import pallas
+    from jax_flash._spec import AttentionSpec, MaskInputs
 
     spec = AttentionSpec(
         batch=2,
@@ -310,7 +328,7 @@ def lower_ours(head_dim: int, causal: bool, seq: int = 8192, dtype=jnp.bfloat16,
         head_dim=head_dim,
         dtype=jnp.dtype(dtype).name,
         scale=head_dim**-0.5,
-        window_left=None,
+        window_left=window_left,
         window_right=0 if causal else None,
     )
     x = jax.ShapeDtypeStruct((2, seq, 16, head_dim), dtype)
@@ -328,15 +346,18 @@ def lower_jax_mha(head_dim: int, causal: bool, seq: int = 8192, dtype=jnp.bfloat
     """JAX's reference Pallas kernel (`jax.experimental.pallas.ops.gpu.attention.mha`) with its
     default blocks and warps, layout [B, T, N, H]; traced without 64-bit types (its causal
     mask mixes int32 and Python ints)."""
-    from jax.experimental.pallas.ops.gpu import attention  # noqa: PLC0415
+    from jax.experimental.pallas.ops.gpu import attention
 
     x = jax.ShapeDtypeStruct((2, seq, 16, head_dim), dtype)
 
+    mha = functools.partial(attention.mha, segment_ids=None, sm_scale=head_dim**-0.5, causal=causal)
+
     def f(q, k, v):
-        o = attention.mha(q, k, v, segment_ids=None, sm_scale=head_dim**-0.5, causal=causal)
+        o = mha(q, k, v)
         if not backward:
             return o
-        return jax.vjp(lambda q, k, v: attention.mha(q, k, v, None, sm_scale=head_dim**-0.5, causal=causal), q, k, v)[1](o)
+        _, pullback = jax.vjp(mha, q, k, v)
+        return pullback(o)
 
     with jax.enable_x64(False):
         return jax.jit(f).trace(x, x, x).lower(lowering_platforms=("cuda",))
@@ -366,12 +387,12 @@ def main() -> int:
                     print("    (no triton package: no SASS)")
                     continue
                 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-                import sass_loops  # noqa: PLC0415
+                import sass_loops
 
-                for (arch, func), instructions in sass_loops.parse(text).items():
+                for instructions in sass_loops.parse(text).values():
                     sl = sass_loop(instructions)
                     if sl is not None:
-                        print(f"    sm_{arch} SASS key loop: " + ", ".join(f"{k} {v}" for k, v in sl.items()))
+                        print("    sm_90 SASS key loop: " + ", ".join(f"{k} {v}" for k, v in sl.items()))
     return 0
 
 
@@ -379,7 +400,7 @@ def sass_loop(instructions) -> dict | None:
     """The SASS key loop of a Triton kernel (the backward branch holding the most HMMA or
     HGMMA; ties: the fewest instructions) and its instruction classes."""
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
-    import sass_loops  # noqa: PLC0415
+    import sass_loops
 
     best = None
     for start, end in sass_loops.loops(instructions):

@@ -727,6 +727,7 @@ class PallasImplementation:
         """What `explain` adds: the forward's split-KV (a flex call: its loops), and on a CPU
         that the kernels are interpreted, which is for tests."""
         split = flex_description(spec) if spec.flex is not None else split_kv_description(spec)
+        split = f"{_heuristics.pallas_kernels_description(spec)}; {split}"
         deprecation = triton_deprecation()
         if deprecation:
             split += f"; {deprecation}"

@@ -87,3 +87,18 @@ def test_budget_catches_a_per_score_select(monkeypatch):
     ours = {k.name: pallas_loops.key_loop(k) for k in kernels}
     with pytest.raises(AssertionError, match="per score"):
         _check(ours[OURS["fwd"]], _loops("jax", 128, False)["mha_forward"], "planted")
+
+
+@pytest.mark.parametrize(
+    "causal, window_left, loops",
+    [(False, None, 1), (True, None, 2), (True, 300, 3)],
+    ids=["full", "causal", "window"],
+)
+def test_no_statically_empty_loop(causal, window_left, loops):
+    """A masked segment known at trace time to be empty emits no loop: the plain forward of a
+    full call has one key loop, a causal one two (interior, diagonal), a window three."""
+    kernels = pallas_loops.triton_kernels(
+        pallas_loops.lower_ours(128, causal, seq=SEQ, dtype=jnp.bfloat16, backward=False, window_left=window_left)
+    )
+    fwd = {k.name: k for k in kernels}[OURS["fwd"]]
+    assert pallas_loops.dot_loops(fwd) == loops
