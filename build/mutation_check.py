@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Mutation check of the CUDA kernels: do the emulated tests notice a one-line bug?
+"""Mutation check of the kernels (CUDA, and the pallas ones): do the tests notice a one-line bug?
 
 Each mutation below changes one line of the kernel source (cuda/kernels/) the way a real bug
 would: a fragment row, a barrier, a cp.async wait count, a tile bound, the interior test, a
@@ -62,6 +62,8 @@ TEST_FILES = (
     "tests/features/test_flex.py",
     "tests/internals/test_cuda_plain.py",
     "tests/internals/test_cuda_decode_tile.py",
+    "tests/internals/test_pallas_plain.py",
+    "tests/tooling/test_pallas_static.py",
 )
 
 # Test selections (implementation "cuda" runs on the emulation here).
@@ -105,6 +107,13 @@ PLAIN = "test_cuda_plain or (cuda and test_forward_backward and not warp32)"
 # The decoding tile (kernels/tile.h DecodeForwardShape) and the split rule: its own tests (bitwise
 # against the 128-row tile at H <= 64, tile counts, routing), the decode cases and the rule.
 DECODE_TILE = "test_cuda_decode_tile or test_cuda_split_kv"
+
+# The pallas plain kernels (jax_flash/_pallas_kernels.py, interpreted): their own tests (agreement
+# with the general kernels, routing), the shared suite's pallas cases that hold a poison or a
+# sink, and the key-loop budget read from the Triton IR (tests/tooling/test_pallas_static.py).
+PALLAS_PLAIN = "test_pallas_plain or (pallas and (nonfinite or sinks))"
+PALLAS_STATIC = "test_pallas_static"
+P = "jax_flash/_pallas_kernels.py"
 
 K = "cuda/kernels/"
 MUTATIONS = [
@@ -1070,6 +1079,70 @@ MUTATIONS = [
         "if fill[c] >= best)",
         DECODE_TILE,
         what="cuda split-KV: the chunk count that fills the waves best, however many chunks it takes",
+    ),
+    Mutation(
+        "pallas_plain_scores_unchecked",
+        "jax_flash/pallas.py",
+        "ok = scores_are_finite(q, k) & jnp.all(jnp.isfinite(v))",
+        "ok = jnp.all(jnp.isfinite(v))",
+        PALLAS_PLAIN,
+        what="pallas: the plain kernels run on a non-finite q or k (a -inf score would mask its pair)",
+    ),
+    Mutation(
+        "pallas_plain_values_unchecked",
+        "jax_flash/pallas.py",
+        "ok = scores_are_finite(q, k) & jnp.all(jnp.isfinite(v))",
+        "ok = scores_are_finite(q, k)",
+        PALLAS_PLAIN,
+        what="pallas: the plain kernels run on a non-finite v (P = 0 behind a mask times NaN)",
+    ),
+    Mutation(
+        "pallas_plain_sink_dropped",
+        P,
+        "m, l, acc = _join_sink(inp, m, l, acc, chunk == 0)",
+        "m, l, acc = m, l, acc",
+        PALLAS_PLAIN,
+        what="pallas plain forward: the sink never joined",
+    ),
+    Mutation(
+        "pallas_plain_exp2_factor",
+        P,
+        "return float(np.float32(self.spec.scale * LOG2E))",
+        "return float(np.float32(self.spec.scale))",
+        PALLAS_PLAIN,
+        what="pallas plain forward: the raw scores' exponent without log2(e)",
+    ),
+    Mutation(
+        "pallas_ragged_tail_unmasked",
+        P,
+        "band_segments(lo, hi, full_lo, full_hi, band_lo is not None, band_hi is not None or layout.ragged_keys)",
+        "band_segments(lo, hi, full_lo, full_hi, band_lo is not None, band_hi is not None)",
+        "pallas and test_forward_backward and (tile_plus or tile_minus)",
+        what="pallas forward, dQ: the ragged key tail's masked segment left out",
+    ),
+    Mutation(
+        "pallas_empty_loop_emitted",
+        P,
+        "band_segments(lo, hi, full_lo, full_hi, band_lo is not None, band_hi is not None or layout.ragged_keys)",
+        "band_segments(lo, hi, full_lo, full_hi, True, True)",
+        PALLAS_STATIC,
+        what="pallas forward: a causal call's empty masked loop emitted (speed only, caught by the IR budget)",
+    ),
+    Mutation(
+        "pallas_plain_poison_kept",
+        P,
+        "s = _dot(q, inp.k[pl.ds(k0, bk), :], trans_b=True)  # raw scores [bq, bk]",
+        "s = poison_infinite(_dot(q, inp.k[pl.ds(k0, bk), :], trans_b=True))",
+        PALLAS_STATIC,
+        what="pallas plain forward: a select per score (speed only, caught by the key-loop budget)",
+    ),
+    Mutation(
+        "pallas_plain_bwd_unclamped",
+        P,
+        "p = jnp.exp2(jnp.minimum(x - lse[:, None], 0.0) * LOG2E)",
+        "p = jnp.exp2((x - lse[:, None]) * LOG2E)",
+        PALLAS_PLAIN + " or " + PALLAS_STATIC,
+        what="pallas plain backward: the exponent unclamped (an FMA contraction of scale·s - lse may make it positive)",
     ),
 ]
 

@@ -10,8 +10,10 @@ The table is data: `pallas_table.json` beside this module, read by `load_table()
 candidates on the GPU at hand and writes that file with `dumps`.
 
 The entries shipped are FlashAttention-2 choices for sm_80/sm_90 class GPUs (228 KB of shared
-memory per SM): 128-row query tiles and 64-key tiles for the forward, 8 warps once the
-head dim reaches 128, 2-3 pipeline stages, smaller tiles for float32 and for head dim 256
+memory per SM): 128-row query tiles and 64-key tiles for the forward (128 x 128, 8 warps, 2
+stages at head dims 64 and 128 in 16 bits, as JAX's own Pallas `mha` at 128: with the plain
+kernels' key loop the per-tile work of the 64-key tiles showed: docs/gpu-results.md), 8 warps
+once the head dim reaches 128, 2-3 pipeline stages, smaller tiles for float32 and for head dim 256
 so that the tiles fit shared memory and the f32 accumulators fit registers. Every entry was
 compiled for sm_90a with Triton 3.9 and ptxas: none spills registers (the tempting dK/dV
 tiles with 128 resident keys all spilled), all fit 200 KB of shared memory.

@@ -13,6 +13,12 @@ kernel over (query block, head, batch) that loops over key blocks and, when a bi
 given, also writes dS for dbias (a [B, N, T, S] float32 buffer, summed over the axes the
 bias broadcasts along). D = rowsum(dO ∘ O) - dlse is one XLA reduction before them.
 
+Each pass comes as plain and general kernels (`_pallas_kernels`' docstring): a call
+`_heuristics.pallas_plain_blocker` lets through runs the plain ones where `plain_inputs`
+holds (q, k, v finite, no score can overflow: one reduction over each, one `lax.cond` on the
+device, on each device's shard), the general ones, which follow the numerical contract for
+any input, elsewhere. Both are compiled; the conditional picks one per call.
+
 Tiles, warps and stages come from `_pallas_table.TABLE` (made for sm_90; the data file
 `pallas_table.json`), shrunk to the GPU's shared memory where it has less
 (`_heuristics.pallas_tile_config`, beside the forward's split-KV and the dK/dV kernel's group
