@@ -108,12 +108,12 @@ PLAIN = "test_cuda_plain or (cuda and test_forward_backward and not warp32)"
 # against the 128-row tile at H <= 64, tile counts, routing), the decode cases and the rule.
 DECODE_TILE = "test_cuda_decode_tile or test_cuda_split_kv"
 
-# The pallas plain kernels (jax_flash/_pallas_kernels.py, interpreted): their own tests (agreement
+# The pallas plain kernels (jax_flash/pallas/_triton_kernels.py, interpreted): their own tests (agreement
 # with the general kernels, routing), the shared suite's pallas cases that hold a poison or a
 # sink, and the key-loop budget read from the Triton IR (tests/tooling/test_pallas_static.py).
 PALLAS_PLAIN = "test_pallas_plain or (pallas and (nonfinite or sinks))"
 PALLAS_STATIC = "test_pallas_static"
-P = "jax_flash/_pallas_kernels.py"
+P = "jax_flash/pallas/_triton_kernels.py"
 
 K = "cuda/kernels/"
 MUTATIONS = [
@@ -1082,7 +1082,7 @@ MUTATIONS = [
     ),
     Mutation(
         "pallas_plain_scores_unchecked",
-        "jax_flash/pallas.py",
+        "jax_flash/pallas/_triton.py",
         "ok = scores_are_finite(q, k) & jnp.all(jnp.isfinite(v))",
         "ok = jnp.all(jnp.isfinite(v))",
         PALLAS_PLAIN,
@@ -1090,7 +1090,7 @@ MUTATIONS = [
     ),
     Mutation(
         "pallas_plain_values_unchecked",
-        "jax_flash/pallas.py",
+        "jax_flash/pallas/_triton.py",
         "ok = scores_are_finite(q, k) & jnp.all(jnp.isfinite(v))",
         "ok = scores_are_finite(q, k)",
         PALLAS_PLAIN,

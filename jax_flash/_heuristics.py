@@ -3,7 +3,7 @@
 One place for the decisions that the implementations and the compiled kernels used to make
 each on their own: split-KV chunk counts (xla, cpu, cuda, pallas), GQA packing, the cuda
 backward grid and warp layout, and the pallas tiles (the tuned table is data:
-`_pallas_table`; its lookup and shared-memory fit are called from here). The implementations
+`pallas._table`; its lookup and shared-memory fit are called from here). The implementations
 (`cpu`, `cuda`, `pallas`, `inference/split_kv`) call these functions when a call is traced
 and hand the decision to the kernels (FFI attributes `forward_chunks`, `pack_gqa`,
 `gradient_chunks`, `layout`, `isa`, the workspace shapes of the backward grid, the Pallas
@@ -527,7 +527,7 @@ def cuda_summary(spec: AttentionSpec, sms: int) -> str:
     return f"{cuda_layout(spec)} layout, {cuda_decoding_summary(spec, sms)}, backward grid {cuda_backward_grid(spec)}"
 
 
-# ---- pallas (jax_flash/pallas.py; tiles from the tuned table, _pallas_table) ----------------
+# ---- pallas (jax_flash/pallas/_triton.py; tiles from the tuned table, pallas/_table) ------------
 
 # Split-KV of the pallas forward (flash-decoding): when the grid, B·N·ceil(T/block_q) programs,
 # is smaller than the target (the GPU's SMs; interpreted: PALLAS_INTERPRET_PROGRAMS) and the
@@ -554,19 +554,19 @@ def pallas_tile(length: int, block: int) -> int:
 def pallas_tile_config(
     head_dim_padded: int, dtype: str, pass_: str, interpret: bool, smem_budget: int | None, dense_bytes: int
 ):
-    """The tuned table's launch configuration for one pass (`_pallas_table.TABLE`; small tiles
+    """The tuned table's launch configuration for one pass (`pallas._table.TABLE`; small tiles
     when interpreted), shrunk to `smem_budget` bytes of shared memory where the GPU has less
-    than the table's sm_90 (`_pallas_table.fit`)."""
-    from jax_flash import _pallas_table
+    than the table's sm_90 (`pallas._table.fit`)."""
+    from jax_flash.pallas import _table
 
-    cfg = _pallas_table.lookup(head_dim_padded, dtype, pass_, interpret)
+    cfg = _table.lookup(head_dim_padded, dtype, pass_, interpret)
     if interpret:
         return cfg
-    return _pallas_table.fit(cfg, head_dim_padded, dtype, pass_, smem_budget, dense_bytes)
+    return _table.fit(cfg, head_dim_padded, dtype, pass_, smem_budget, dense_bytes)
 
 
 def pallas_plain_blocker(spec: AttentionSpec) -> str | None:
-    """Why a call may not run the pallas plain kernels (`jax_flash._pallas_kernels`), or None
+    """Why a call may not run the pallas plain kernels (`jax_flash.pallas._triton_kernels`), or None
     when it may: then each pass runs them where the call's scores and values are finite
     (`jax_flash.pallas.plain_inputs`, tested on every call), the general kernels elsewhere.
     They keep raw scores (no soft cap, bias or flex function to transform them) with the scale

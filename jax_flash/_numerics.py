@@ -2,7 +2,7 @@
 rules of docs/numerical-contract.md, and the online softmax's running state.
 
 Below the implementations: `xla`, split-KV, the paged forward and both Pallas kernels
-(`_pallas_kernels`, `inference/pallas_decode`) compute with these functions, in plain JAX
+(`pallas._triton_kernels`, `pallas/_decode`) compute with these functions, in plain JAX
 and inside Pallas kernel bodies alike (every function here lowers on the Triton backend
 and in interpret mode), so one rule has one definition.
 """

@@ -458,7 +458,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--tune-pallas",
         action="store_true",
-        help="first tune the Pallas block sizes with jax_flash._pallas_tune.tune(...)",
+        help="first tune the Pallas block sizes with jax_flash.pallas._tune.tune(...)",
     )
     args = p.parse_args(argv)
     args.seq_lens = int_list(args.seq_lens)

@@ -1,12 +1,12 @@
 """`--tune-pallas`: the Pallas block sizes tuned before the attention table is measured,
-with `jax_flash._pallas_tune.tune(...)` (which writes the tile table, jax_flash/pallas_table.json)."""
+with `jax_flash.pallas._tune.tune(...)` (which writes the tile table, jax_flash/pallas/table.json)."""
 
 from __future__ import annotations
 
 
 def tune_pallas(args) -> None:
     try:
-        from jax_flash._pallas_tune import tune
+        from jax_flash.pallas._tune import tune
     except ImportError as e:
         print(f"--tune-pallas: jax_flash.pallas is not available ({e})")
         return
@@ -23,7 +23,7 @@ def tune_pallas(args) -> None:
     params = inspect.signature(tune).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     kwargs = {k: v for k, v in offered.items() if takes_any or k in params}
-    print(f"tuning Pallas block sizes: jax_flash._pallas_tune.tune({kwargs})")
+    print(f"tuning Pallas block sizes: jax_flash.pallas._tune.tune({kwargs})")
     result = tune(**kwargs)
     if result is not None:
         print(result)

@@ -17,7 +17,7 @@ CUDA forward kernel with its K/V tiles read through the table (a cp.async from e
 slot, `jax_flash.cuda`), with the split-KV and GQA packing of a decode step; it is what
 implementation=None picks on an NVIDIA GPU. `implementation="cpu"` (None on a CPU) runs the
 host forward, each tile packing its key block from the pages' slots. `implementation="pallas"`
-runs a decode kernel (`pallas_decode`, on request).
+runs a decode kernel (`pallas._decode`, on request).
 
 Dispatch goes through the registry (`_registry.paged_reason`, `paged_default`): each
 implementation says what it serves with `paged_unsupported(pspec)`, runs it with

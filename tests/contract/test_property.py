@@ -51,7 +51,7 @@ from property_cases import EXTREME_SCALES, Gates, dense_mask, draw, visibility
 # ---- dimensions that wait for other work ---------------------------------------------------
 # NaN/±Inf injections in q, k, v and bias, and scales of magnitude >= 1e8: the propagation
 # contract (docs/numerical-contract.md) is implemented by the NaN/Inf work in xla.py,
-# _pallas_kernels.py and the cpu/cuda softmax; until it is merged the implementations hide
+# pallas/_triton_kernels.py and the cpu/cuda softmax; until it is merged the implementations hide
 # poisons as zeros and lose huge logits. Merged (JAX_FLASH_PROPERTY_NAN=1 turns the
 # dimension on for one run when this is False).
 NAN_CONTRACT_MERGED = True

@@ -299,7 +299,7 @@ def test_cuda_decode_handles_nonfinite_values_in_the_kernel(t, chunks, monkeypat
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse64), atol=1e-4)  # lse is not poisoned
 
 
-# The pallas forward's split-KV (jax_flash/pallas.py; interpreted on a CPU, so small caches):
+# The pallas forward's split-KV (jax_flash/pallas/_triton.py; interpreted on a CPU, so small caches):
 # JAX_FLASH_PALLAS_SPLIT_KV=C forces C chunks (1: unsplit, 40: more chunks than key blocks);
 # unset, the rule (interpreted: fewer than 8 programs) splits these decode steps.
 PALLAS_DECODE = [
@@ -569,7 +569,7 @@ PALLAS = [
 
 @pytest.mark.parametrize("case", PALLAS, ids=lambda c: f"T{c[1]}G{c[2] // c[3]}P{c[5]}-{c[8]}")
 def test_pallas_paged_decode_kernel(case):
-    from jax_flash.inference import pallas_decode
+    from jax_flash.pallas import _decode as pallas_decode
 
     b, t, n, kh, h, ps, mp, lengths, dtype, kw = case
     rng = np.random.default_rng(5)
@@ -668,7 +668,7 @@ def test_decode_poison_reaches_exactly_the_rows_that_see_it(impl):
         fwd = (
             xla.paged_forward
             if name == "xla"
-            else __import__("jax_flash.inference.pallas_decode", fromlist=["x"]).paged_forward
+            else __import__("jax_flash.pallas._decode", fromlist=["x"]).paged_forward
         )
         out, lse = jax.jit(lambda *a: fwd(pspec, *a, splits=3))(q, kp, vp, table, lengths)
         lse = jnp.swapaxes(lse, 1, 2)
@@ -704,7 +704,7 @@ def test_decode_with_sinks():
         lambda *a: jax_flash.paged_attention(*a, return_residual=True, implementation="pallas", **kw)
     )(q, kp, vp, table, lengths)
     _check(out_p, lse_p, q, ref, "float32")
-    from jax_flash.inference import pallas_decode
+    from jax_flash.pallas import _decode as pallas_decode
 
     out_p, lse_p = jax.jit(lambda *a: pallas_decode.paged_forward(pspec, *a, splits=3, sinks=sinks_c))(
         q, kp, vp, table, lengths

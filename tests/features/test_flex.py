@@ -144,7 +144,7 @@ def test_builtin_masks_pallas(kind):
     even where the same tiles run in the same order (causal) the last bits can differ."""
     if availability("pallas") is not None:
         pytest.skip(f"pallas unavailable here: {availability('pallas')}")
-    from jax_flash._pallas_table import Config
+    from jax_flash.pallas._table import Config
 
     q, k, v = _inputs()
     kw, mask_mod = _builtin(kind, SHAPE)
@@ -987,8 +987,8 @@ def test_pallas_config_leaves_room_for_tile_reads():
     the launch configuration drops pipeline stages until the table's model plus that tile fits
     (on an H200, 3 stages of the forward at H = 64 asked for 240 KiB of 227); reads along
     rows or columns only (document ids) and scalar reads (slopes[h]) change nothing."""
-    from jax_flash import _pallas_flex
-    from jax_flash._pallas_table import TABLE
+    from jax_flash.pallas import _flex_tiles
+    from jax_flash.pallas._table import TABLE
 
     table = jnp.ones((4, 32), jnp.float32)
     docs = jnp.arange(300, dtype=jnp.int32) // 70
@@ -1000,8 +1000,8 @@ def test_pallas_config_leaves_room_for_tile_reads():
     for score_mod, reads in ((t5, 1), (alibi, 0), (None, 0)):
         bm = jax_flash.create_block_mask(doc_causal, None, None, 300, 300, block_size=128)
         c = canonicalize_flex(q, q, q, score_mod=score_mod, mask_mod=doc_causal, block_mask=bm)
-        assert _pallas_flex.tile_reads(c.spec.flex.score_mod, True) == reads
-        assert _pallas_flex.tile_reads(c.spec.flex.mask_mod, False) == 0
+        assert _flex_tiles.tile_reads(c.spec.flex.score_mod, True) == reads
+        assert _flex_tiles.tile_reads(c.spec.flex.mask_mod, False) == 0
         fwd = pallas.flex_config(c.spec, TABLE[(64, "bfloat16", "fwd")], 64, "fwd", budget)
         assert (fwd.block_q, fwd.block_k) == (128, 128)
         assert fwd.num_stages == (2 if reads else TABLE[(64, "bfloat16", "fwd")].num_stages)

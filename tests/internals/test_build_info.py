@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import pytest
 
 import jax_flash
-from jax_flash import _build, _ffi, _pallas_kernels, _registry, cuda as jf_cuda, pallas as jf_pallas
+from jax_flash import _build, _ffi, _registry, cuda as jf_cuda, pallas as jf_pallas
+from jax_flash.pallas import _triton_kernels
 from jax_flash._normalize import canonicalize
 
 WHEEL_ARCHS = "80-real,90-real,100-real,120-real,80-virtual"
@@ -142,7 +143,7 @@ def test_build_without_kernels_says_why_and_what_to_install(monkeypatch):
 
 
 def test_jax_without_pallas_triton_makes_pallas_unavailable(monkeypatch):
-    monkeypatch.setitem(sys.modules, _pallas_kernels.TRITON_MODULE, None)
+    monkeypatch.setitem(sys.modules, _triton_kernels.TRITON_MODULE, None)
     why = jf_pallas.IMPLEMENTATION.unsupported(_spec())
     assert why is not None and "has no Pallas Triton backend" in why and "jax.experimental.pallas.triton" in why
     q = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
@@ -153,10 +154,10 @@ def test_jax_without_pallas_triton_makes_pallas_unavailable(monkeypatch):
 
 
 def test_pallas_notes_the_deprecation_on_jax_0_11(monkeypatch):
-    monkeypatch.setattr(_pallas_kernels, "jax_version", lambda: (0, 10))
-    assert _pallas_kernels.triton_deprecation() is None
+    monkeypatch.setattr(_triton_kernels, "jax_version", lambda: (0, 10))
+    assert _triton_kernels.triton_deprecation() is None
     assert "deprecates" not in jf_pallas.IMPLEMENTATION.note(_spec())
-    monkeypatch.setattr(_pallas_kernels, "jax_version", lambda: (0, 11))
+    monkeypatch.setattr(_triton_kernels, "jax_version", lambda: (0, 11))
     note = jf_pallas.IMPLEMENTATION.note(_spec())
     assert "deprecates Pallas's Triton backend" in note
 
@@ -171,6 +172,6 @@ def test_triton_compiler_params_of_either_jax_layout(monkeypatch):
             self.num_warps, self.num_stages = num_warps, num_stages
 
     for layout in ({"CompilerParams": Params}, {"TritonCompilerParams": Params}):
-        monkeypatch.setitem(sys.modules, _pallas_kernels.TRITON_MODULE, types.SimpleNamespace(**layout))
-        params = _pallas_kernels.compiler_params(cfg)
+        monkeypatch.setitem(sys.modules, _triton_kernels.TRITON_MODULE, types.SimpleNamespace(**layout))
+        params = _triton_kernels.compiler_params(cfg)
         assert isinstance(params, Params) and (params.num_warps, params.num_stages) == (4, 2)

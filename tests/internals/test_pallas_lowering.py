@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jax_flash import pallas
-from jax_flash._pallas_table import DTYPES, TABLE
+from jax_flash.pallas._table import DTYPES, TABLE
 from jax_flash._spec import AttentionSpec, MaskInputs
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -111,7 +111,7 @@ def test_optional_inputs_lower(kind):
 
 
 def test_table_complete():
-    from jax_flash._pallas_table import HEAD_DIMS as TABLE_HEAD_DIMS, PASSES
+    from jax_flash.pallas._table import HEAD_DIMS as TABLE_HEAD_DIMS, PASSES
 
     for h in TABLE_HEAD_DIMS:
         for dtype in DTYPES:
@@ -129,10 +129,11 @@ def test_gpu_tiles_interpreted(monkeypatch):
     """
     if jax.default_backend() != "cpu":
         pytest.skip("interpret-mode check; on a GPU the shared suite runs the real kernels")
-    from jax_flash import _pallas_table, xla
+    from jax_flash import xla
+    from jax_flash.pallas import _table
 
-    for pass_ in _pallas_table.PASSES:
-        monkeypatch.setitem(_pallas_table.INTERPRET_CONFIG, pass_, TABLE[(64, "bfloat16", pass_)])
+    for pass_ in _table.PASSES:
+        monkeypatch.setitem(_table.INTERPRET_CONFIG, pass_, TABLE[(64, "bfloat16", pass_)])
     spec = _spec(64, "float32", causal=True, q_len=130, kv_len=200, bias_shape=(1, 4, 130, 200))
     keys = jax.random.split(jax.random.PRNGKey(0), 5)
     q = jax.random.normal(keys[0], (1, 130, 4, 64), jnp.float32)
@@ -154,7 +155,7 @@ def test_gpu_tiles_interpreted(monkeypatch):
 @pytest.mark.parametrize("dense_bytes", [0, 5])
 def test_tiles_fit_shared_memory(dense_bytes):
     """sm_90's table is unchanged there; on 99 KB / 163 KB GPUs every entry shrinks to fit."""
-    from jax_flash._pallas_table import fit, smem_budget, smem_estimate
+    from jax_flash.pallas._table import fit, smem_budget, smem_estimate
 
     assert smem_budget(None) is None
     for (h, dtype, pass_), cfg in TABLE.items():

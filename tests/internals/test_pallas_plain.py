@@ -1,4 +1,4 @@
-"""The pallas plain kernels (jax_flash/_pallas_kernels.py, `Layout.plain`).
+"""The pallas plain kernels (jax_flash/pallas/_triton_kernels.py, `Layout.plain`).
 
 A call whose raw scores and values are finite (`pallas.plain_inputs`, tested on every call)
 and that has no soft cap, bias or flex function (`_heuristics.pallas_plain_blocker`) runs the
@@ -52,7 +52,7 @@ def test_plain_kernels_agree_with_general(kind, extra, monkeypatch):
     if extra == "dropout":
         kw.update(dropout_rate=0.3, dropout_rng=jax.random.PRNGKey(7))
     plain = _run(q, k, v, **kw)
-    monkeypatch.setattr(pallas, "plain_inputs", lambda *a: jnp.bool_(False))
+    monkeypatch.setattr(pallas._triton, "plain_inputs", lambda *a: jnp.bool_(False))
     general = _run(q, k, v, **kw)
     for a, b in zip(plain, general):
         _close(a, b, 2e-5)

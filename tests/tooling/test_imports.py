@@ -25,7 +25,7 @@ PACKAGE = Path(importlib.util.find_spec("jax_flash").origin).parent
 # names a module or a package prefix (the longest entry that matches a module decides).
 LAYERS = (
     # Tooling: benchmarks and tuners, beside the product; they may import anything.
-    ("tooling", ("jax_flash.bench", "jax_flash._pallas_tune")),
+    ("tooling", ("jax_flash.bench", "jax_flash.pallas._tune")),
     # The public entry points: attention and explain, the dense reference, the export
     # helper, the flax / haiku integrations and the all-to-all sequence parallelism built on
     # `attention`, the package's face.
@@ -53,9 +53,6 @@ LAYERS = (
             "jax_flash.cuda",
             "jax_flash.pallas",
             "jax_flash._ffi",
-            "jax_flash._pallas_kernels",
-            "jax_flash._pallas_flex",
-            "jax_flash.inference.pallas_decode",
         ),
     ),
     # How a compiled call partitions over a mesh, and the ring that runs inside it (and
@@ -80,7 +77,7 @@ LAYERS = (
             "jax_flash._dropout",
             "jax_flash._merge",
             "jax_flash._heuristics",
-            "jax_flash._pallas_table",
+            "jax_flash.pallas._table",
             "jax_flash.inference.split_kv",
             "jax_flash._build",
             "jax_flash._jax_flash_ext",

@@ -21,7 +21,7 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-from jax_flash import _pallas_kernels
+from jax_flash.pallas import _triton_kernels
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "build"))
@@ -76,13 +76,13 @@ def test_general_kernels_are_lowered_beside_the_plain_ones():
 def test_budget_catches_a_per_score_select(monkeypatch):
     """The old poisoning (an isinf select per raw score) planted in the plain forward fails
     the budget."""
-    dot = _pallas_kernels._dot
+    dot = _triton_kernels._dot
 
     def planted(a, b, trans_b=False, trans_a=False):
         s = dot(a, b, trans_b=trans_b, trans_a=trans_a)
         return jnp.where(jnp.isinf(s), jnp.nan, s)
 
-    monkeypatch.setattr(_pallas_kernels, "_dot", planted)
+    monkeypatch.setattr(_triton_kernels, "_dot", planted)
     kernels = pallas_loops.triton_kernels(pallas_loops.lower_ours(128, False, seq=SEQ, dtype=jnp.bfloat16))
     ours = {k.name: pallas_loops.key_loop(k) for k in kernels}
     with pytest.raises(AssertionError, match="per score"):

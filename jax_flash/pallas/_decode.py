@@ -33,8 +33,8 @@ from jax_flash._numerics import (
     pad_axis,
     poison_infinite,
 )
-from jax_flash._pallas_kernels import compiler_params, triton_missing
-from jax_flash._pallas_table import Config
+from jax_flash.pallas._table import Config
+from jax_flash.pallas._triton_kernels import compiler_params, triton_missing
 
 DTYPES = ("float16", "bfloat16", "float32")
 

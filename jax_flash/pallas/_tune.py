@@ -1,4 +1,4 @@
-"""The tuner of the Pallas kernels' tile table (`_pallas_table`): times every candidate
+"""The tuner of the Pallas kernels' tile table (`pallas._table`): times every candidate
 configuration of `candidates()` on the GPU at hand and writes the fastest as the table's
 JSON file (`python -m jax_flash.bench --tune-pallas` runs it).
 
@@ -13,8 +13,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from jax_flash import pallas
-from jax_flash._pallas_table import PASSES, TABLE, Config, dumps, padded_head_dim, smem_budget, smem_estimate
+from jax_flash.pallas import _triton as pallas
+from jax_flash.pallas._table import PASSES, TABLE, Config, dumps, padded_head_dim, smem_budget, smem_estimate
 from jax_flash._spec import AttentionSpec, MaskInputs
 
 
@@ -63,7 +63,7 @@ def tune(
     (overrides `seq_len`), T = S, `batch` × `num_heads` heads of full (or causal) attention.
     Returns the full table with the measured entries replaced by the fastest candidate
     (its repr is the JSON text of the table file); `path`: also write it there (e.g.
-    `jax_flash._pallas_table.TABLE_FILE`, the file the package reads). Candidates that fail
+    `jax_flash.pallas._table.TABLE_FILE`, the file the package reads). Candidates that fail
     to compile (shared memory, registers) are skipped. Off a GPU it prints why and returns None.
     """
     import jax
@@ -140,7 +140,7 @@ def tune(
 
 
 class TunedTable(dict):
-    """A tuned table; printing it gives the JSON text of `pallas_table.json` (`dumps`)."""
+    """A tuned table; printing it gives the JSON text of `pallas/table.json` (`dumps`)."""
 
     def __repr__(self):
         return dumps(self)

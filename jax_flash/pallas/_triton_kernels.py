@@ -48,9 +48,10 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_flash import _dropout, _masking, _pallas_flex
+from jax_flash import _dropout, _masking
 from jax_flash._numerics import clamp_exponent, finite_part, poison_infinite
-from jax_flash._pallas_table import Config
+from jax_flash.pallas import _flex_tiles
+from jax_flash.pallas._table import Config
 from jax_flash._spec import AttentionSpec
 
 LOG2E = math.log2(math.e)
@@ -275,7 +276,7 @@ class TileMath:
         vis = None
         if masked and flex.mask_mod is not None:
             args = (batch, head, q0 + _iota(bq, 0), k0 + _iota(bk, 1))
-            vis = _pallas_flex.tile(_pallas_flex.evaluate(flex.mask_mod, self.inp.mask_consts, args), (bq, bk))
+            vis = _flex_tiles.tile(_flex_tiles.evaluate(flex.mask_mod, self.inp.mask_consts, args), (bq, bk))
         if self.kv_limit is not None:
             limit = k0 + _iota(bk, 1) < self.kv_limit
             vis = limit if vis is None else vis & limit
@@ -292,7 +293,7 @@ class TileMath:
             x = jnp.where(vis, x, 0.0)
         bq, bk = x.shape
         args = (x, batch, head, q0 + _iota(bq, 0), k0 + _iota(bk, 1))
-        return _pallas_flex.tile(_pallas_flex.evaluate(flex.score_mod, self.inp.score_consts, args), x.shape).astype(
+        return _flex_tiles.tile(_flex_tiles.evaluate(flex.score_mod, self.inp.score_consts, args), x.shape).astype(
             jnp.float32
         )
 

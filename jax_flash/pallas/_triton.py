@@ -1,4 +1,5 @@
-"""The `pallas` implementation: FlashAttention-2 as Pallas kernels on the Triton backend.
+"""The `pallas` implementation's Triton kernels, as launched: FlashAttention-2 on Pallas's
+Triton backend (`jax_flash.pallas` re-exports what the rest of the package calls).
 
 On a GPU the kernels are compiled by Triton: every `pallas_call` passes the Triton
 `CompilerParams` (num_warps, num_stages), which is what selects the Triton backend rather
@@ -6,24 +7,24 @@ than Mosaic GPU. On a CPU backend the same kernels run with `interpret=True` (sl
 how the test suite exercises them without a GPU), and `implementation=None` never picks
 them there (the registry prefers `cpu`, then `xla`).
 
-Kernels (`_pallas_kernels`): a forward over (query block, head, batch) with the online
+Kernels (`_triton_kernels`): a forward over (query block, head, batch) with the online
 softmax; a dK/dV kernel over (key block, kv head, batch) that loops over the query blocks
 of every query head of its group (GQA without repeated K/V and without atomics); a dQ
 kernel over (query block, head, batch) that loops over key blocks and, when a bias is
 given, also writes dS for dbias (a [B, N, T, S] float32 buffer, summed over the axes the
 bias broadcasts along). D = rowsum(dO ∘ O) - dlse is one XLA reduction before them.
 
-Each pass comes as plain and general kernels (`_pallas_kernels`' docstring): a call
+Each pass comes as plain and general kernels (`_triton_kernels`' docstring): a call
 `_heuristics.pallas_plain_blocker` lets through runs the plain ones where `plain_inputs`
 holds (q, k, v finite, no score can overflow: one reduction over each, one `lax.cond` on the
 device, on each device's shard), the general ones, which follow the numerical contract for
 any input, elsewhere. Both are compiled; the conditional picks one per call.
 
-Tiles, warps and stages come from `_pallas_table.TABLE` (made for sm_90; the data file
-`pallas_table.json`), shrunk to the GPU's shared memory where it has less
+Tiles, warps and stages come from `_table.TABLE` (made for sm_90; the data file
+`table.json`), shrunk to the GPU's shared memory where it has less
 (`_heuristics.pallas_tile_config`, beside the forward's split-KV and the dK/dV kernel's group
 split);
-`jax_flash._pallas_tune.tune()` searches candidates on a GPU and writes that file.
+`_tune.tune()` searches candidates on a GPU and writes that file.
 
 The wrapper pads what Triton needs powers of two for (the head dims H and Hv, each to at
 least 16) and the sequence lengths to whole tiles; padded keys are masked, padded rows sliced off, and
@@ -39,11 +40,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _flex, _heuristics, _pallas_flex, _registry
+from jax_flash import _flex, _heuristics, _registry
 from jax_flash._merge import merge_partials
 from jax_flash._numerics import pad_axis, round_up, scores_are_finite
 from jax_flash._paged_spec import PagedSpec
-from jax_flash._pallas_kernels import (
+from jax_flash.pallas import _decode, _flex_tiles
+from jax_flash.pallas._table import padded_head_dim, smem_budget, smem_estimate
+from jax_flash.pallas._triton_kernels import (
     Layout,
     compiler_params,
     dkdv_kernel,
@@ -53,9 +56,7 @@ from jax_flash._pallas_kernels import (
     triton_deprecation,
     triton_missing,
 )
-from jax_flash._pallas_table import padded_head_dim, smem_budget, smem_estimate
 from jax_flash._spec import AttentionSpec, MaskInputs
-from jax_flash.inference import pallas_decode
 from jax_flash.parallel import partitioning
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -80,7 +81,7 @@ def _config(spec: AttentionSpec, masks: MaskInputs, hp: int, pass_: str, configs
     return cfg
 
 
-# Shared memory Triton takes per tile-wide read of a closed-over array (`_pallas_flex.tile_reads`):
+# Shared memory Triton takes per tile-wide read of a closed-over array (`_flex_tiles.tile_reads`):
 # its [bq, bk] tile of 64-bit pointers converted to the scores' layout. Measured on an H200: a
 # T5 table read at 128 × 128 tiles, H = 64, bf16, asked for 240 KiB = the forward's 112 KiB of
 # streamed tiles (3 stages, `smem_estimate`) + 128 KiB.
@@ -95,7 +96,7 @@ def flex_config(spec: AttentionSpec, cfg, hp: int, pass_: str, budget: int):
     assert flex is not None
     if flex.block_size is not None:
         cfg = dataclasses.replace(cfg, block_q=flex.block_size[0], block_k=flex.block_size[1])
-    reads = _pallas_flex.tile_reads(flex.mask_mod, False) + _pallas_flex.tile_reads(flex.score_mod, True)
+    reads = _flex_tiles.tile_reads(flex.mask_mod, False) + _flex_tiles.tile_reads(flex.score_mod, True)
     extra = FLEX_READ_BYTES * cfg.block_q * cfg.block_k * reads
     # Without such reads the table's stages stay (its model errs high for dK/dV at 128 × 128
     # tiles, which ran at H = 128 on an H200 as they are).
@@ -194,7 +195,7 @@ class _Extras:
         self.seed = None if masks.dropout_seed is None else masks.dropout_seed.astype(jnp.uint32)
         # flex_attention: the arrays its mask_mod and score_mod close over (whole, in every
         # program), and the block mask whose lists drive the loops.
-        self.flex_consts = _pallas_flex.kernel_consts((masks.mask_consts or ()) + (masks.score_consts or ()))
+        self.flex_consts = _flex_tiles.kernel_consts((masks.mask_consts or ()) + (masks.score_consts or ()))
         self.block_mask = masks.block_mask
 
     def _flex_consts(self):
@@ -668,7 +669,7 @@ def flex_limit(spec: AttentionSpec, interpret: bool) -> str | None:
     flex = spec.flex
     assert flex is not None
     for fn in (flex.mask_mod, flex.score_mod):
-        why = _pallas_flex.reason(fn)
+        why = _flex_tiles.reason(fn)
         if why:
             return why
     if flex.block_size is not None and not interpret:
@@ -723,7 +724,7 @@ class PallasImplementation:
         return launch_limit(spec)
 
     # flex_attention: score_mod and mask_mod evaluated on each tile inside the kernels
-    # (`_pallas_flex`), the block mask's lists driving the loops.
+    # (`pallas._flex_tiles`), the block mask's lists driving the loops.
     serves_flex = True
 
     def head_dims(self) -> str:
@@ -755,27 +756,27 @@ class PallasImplementation:
         return backward(spec, q, k, v, masks, out, lse, dout, dlse)
 
     # paged_attention (jax_flash/inference/paged.py): a decode kernel of its own
-    # (`inference/pallas_decode.py`), on request only until it has been measured on a GPU.
+    # (`inference/_decode.py`), on request only until it has been measured on a GPU.
     paged_default = False
 
     def paged_unsupported(self, pspec: PagedSpec) -> str | None:
-        return pallas_decode.unsupported(pspec)
+        return _decode.unsupported(pspec)
 
     def paged_summary(self, pspec: PagedSpec) -> str:
         split = f"split-KV over {pspec.splits} page chunks" if pspec.splits > 1 else "split-KV off"
-        where = ", interpreted on the CPU (slow, for tests)" if pallas_decode.note() else ""
+        where = ", interpreted on the CPU (slow, for tests)" if _decode.note() else ""
         return f"on request only{where}, {split}"
 
     def paged_note(self, pspec: PagedSpec) -> str:
         split = f"split-KV over {pspec.splits} page chunks" if pspec.splits > 1 else "no split-KV"
-        extra = pallas_decode.note()
+        extra = _decode.note()
         return (
             "on request only (implementation=None never picks it); decode kernel, one "
             f"page per key block, GQA-packed rows; {split}" + (f"; {extra}" if extra else "")
         )
 
     def paged_forward(self, pspec, q, key_pages, value_pages, table, lengths, sinks=None):
-        return pallas_decode.paged_forward(pspec, q, key_pages, value_pages, table, lengths, sinks=sinks)
+        return _decode.paged_forward(pspec, q, key_pages, value_pages, table, lengths, sinks=sinks)
 
 
 IMPLEMENTATION = PallasImplementation()
