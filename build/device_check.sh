@@ -409,7 +409,7 @@ step_bench() {
   if [ "$DRY" = 1 ]; then
     dsizes="--batch 1 --seq-lens 256 --heads 4 --kv-heads 2 --head-dim 64 --reps 2 --impls jax.nn,cuda,paged-cuda"
   else
-    dsizes="--batch 8 --seq-lens 32k --reps 5 --impls jax.nn,jax.nn-cudnn,cuda,paged-cuda"
+    dsizes="--batch 8 --seq-lens 32k --reps 5 --impls jax.nn,jax.nn-cudnn,cuda,paged-cuda,pallas,xla"
   fi
   echo "+ one decode cell, at most ${decode} s"
   # shellcheck disable=SC2086
@@ -427,6 +427,9 @@ step_bench() {
     ${DEVICE_CHECK_BENCH_ARGS:-$sizes} --impls cuda --time-budget "$rest" --json "$WORK/bench_warp32.json" ||
     rc=1
   merge_layout_bench "$OUT/bench.json" "$WORK/bench_warp32.json" || rc=1
+  # The run's measured order for implementation=None (jax_flash/measured_choices.json, to commit).
+  cp jax_flash/measured_choices.json "$OUT/measured_choices.json" &&
+    "$PY" -m jax_flash.bench --write-choices "$OUT/bench.json" --out "$OUT/measured_choices.json" || rc=1
   return $rc
 }
 
@@ -438,7 +441,7 @@ main_path, extra_path = sys.argv[1], sys.argv[2]
 if not os.path.exists(main_path) or not os.path.exists(extra_path):
     sys.exit(f"bench: no decode cells to merge ({main_path if not os.path.exists(main_path) else extra_path} missing)")
 main, extra = json.load(open(main_path)), json.load(open(extra_path))
-main["decode"] = {"peak": extra.get("peak"), "results": extra.get("results", [])}
+main["decode"] = {"peak": extra.get("peak"), "shape": extra.get("shape"), "results": extra.get("results", [])}
 tmp = main_path + ".tmp"
 json.dump(main, open(tmp, "w"), indent=1)
 os.replace(tmp, main_path)

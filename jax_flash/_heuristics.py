@@ -703,3 +703,83 @@ def sequence_parallel_choice(moved: dict[str, int]) -> str:
     """The rule: of the schemes that can run ({scheme: bytes one device sends, forward plus
     backward}), the one that moves the fewest bytes; ties go by SEQUENCE_SCHEMES."""
     return min(moved, key=lambda s: (moved[s], SEQUENCE_SCHEMES.index(s)))
+
+
+# ---- implementation=None on a GPU: chosen by measurement ------------------------------------
+#
+# `measured_choices.json` (beside this module, package data) holds the results of device runs
+# of `python -m jax_flash.bench` (`build/device_check.sh` writes it: `--write-choices`), one
+# entry per (architecture, shape class, pass) with each implementation's time. On a GPU,
+# `implementation=None` tries the implementations of the call's class, fastest first, before
+# the default order; where no run measured the architecture and class, the default order
+# stands, and `explain` says which of the two decided.
+
+MEASURED_CHOICES_FILE = "measured_choices.json"
+MEASURED_IMPLEMENTATIONS = ("cuda", "pallas", "xla")  # the bench's names that are ours
+DECODE_MAX_QUERIES = 16  # a call of at most this many queries is a decode step
+
+
+def seq_bucket(length: int) -> str:
+    """The sequence-length class of a key length: '<=2k', '<=8k', '<=32k' or '>32k'."""
+    for limit, name in ((2048, "<=2k"), (8192, "<=8k"), (32768, "<=32k")):
+        if length <= limit:
+            return name
+    return ">32k"
+
+
+def shape_class(spec: AttentionSpec) -> dict | None:
+    """The measured tables' class of a call: head dim, causal or not, key-length bucket,
+    decode or not; None for a call no class describes (16-bit dtypes only; no window other
+    than causal, no Hv != H, no flex function, bias or dense mask)."""
+    if spec.dtype not in ("bfloat16", "float16") or spec.v_head_dim != spec.head_dim:
+        return None
+    if spec.flex is not None or spec.bias_shape is not None or spec.mask_shape is not None:
+        return None
+    causal = spec.window_right == 0 and spec.window_left is None
+    if not causal and (spec.window_left is not None or spec.window_right is not None):
+        return None
+    return dict(
+        head_dim=spec.head_dim,
+        causal=causal,
+        seq=seq_bucket(spec.kv_len),
+        decode=spec.q_len <= DECODE_MAX_QUERIES,
+    )
+
+
+def load_measured_choices(path=None) -> list[dict]:
+    """The entries of the measured table (the file shipped with the package by default): each
+    {"arch": "sm_90", "device", "date", "jax", "source", "class": shape_class(...), "pass":
+    "fwd" | "fwdbwd", "times_ms": {implementation: ms}}."""
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).with_name(MEASURED_CHOICES_FILE) if path is None else pathlib.Path(path)
+    return list(json.loads(path.read_text())["entries"])
+
+
+def measured_choice(spec: AttentionSpec, arch: str | None, entries: list[dict]) -> tuple[tuple[str, ...], str]:
+    """(the implementations to try first, fastest first; the sentence `explain` prints) for a
+    call on architecture `arch` ("sm_90"; None off a GPU). The class's forward+backward entry
+    decides where there is one (training calls both passes on the implementation chosen),
+    else its forward entry; no entry: () and what the default order rests on."""
+    cls = shape_class(spec)
+    if arch is None:
+        return (), "not on a GPU: the platform's default order"
+    if cls is None:
+        return (), f"no measured class describes this call on {arch}: the default order"
+    found = [e for e in entries if e["arch"] == arch and e["class"] == cls]
+    found.sort(key=lambda e: e["pass"] != "fwdbwd")
+    if not found:
+        what = ", ".join(f"{k}={v}" for k, v in cls.items())
+        return (), f"no measurement for {arch} at {what}: the default order"
+    e = found[0]
+    times = {k: v for k, v in e["times_ms"].items() if k in MEASURED_IMPLEMENTATIONS and v}
+    order = tuple(sorted(times, key=lambda name: times[name]))
+    if len(order) > 1:
+        ratio = f"{order[0]} {times[order[1]] / times[order[0]]:.2f}x faster than {order[1]}"
+    else:
+        ratio = f"{order[0]} alone measured"
+    return order, (
+        f"measured on {e['device']} ({arch}), {e['date']}, {e['pass']} H={cls['head_dim']} "
+        f"{'causal' if cls['causal'] else 'full'} S {cls['seq']}{' decode' if cls['decode'] else ''}: {ratio}"
+    )

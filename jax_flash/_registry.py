@@ -16,11 +16,13 @@ silently becomes another.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from typing import Protocol, cast
 
 import jax
 
+from jax_flash import _heuristics
 from jax_flash._paged_spec import PagedSpec
 from jax_flash._spec import AttentionSpec, MaskInputs
 
@@ -174,6 +176,31 @@ def summaries(spec: AttentionSpec, reasons: dict[str, str | None]) -> dict[str, 
     return out
 
 
+def device_arch() -> str | None:
+    """The default device's architecture ("sm_90") on a GPU, else None."""
+    if platform() != "gpu":
+        return None
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    if not cc:
+        return None
+    major, minor = str(cc).split(".")[:2]
+    return f"sm_{major}{minor}"
+
+
+@functools.cache
+def _measured_entries() -> tuple[dict, ...]:
+    return tuple(_heuristics.load_measured_choices())
+
+
+def choice(spec: AttentionSpec) -> tuple[tuple[str, ...], str]:
+    """(the order implementation=None tries for `spec` here, the sentence saying what it rests
+    on): on a GPU the implementations a device run measured for the call's class, fastest
+    first (`_heuristics.measured_choice`), then the platform's default order."""
+    measured, why = _heuristics.measured_choice(spec, device_arch(), list(_measured_entries()))
+    rest = tuple(n for n in preference() if n not in measured)
+    return tuple(n for n in measured if n in _MODULES) + rest, why
+
+
 def select(spec: AttentionSpec, requested: str | None) -> str:
     """The name of the implementation that runs `spec`."""
     if requested is not None:
@@ -181,7 +208,7 @@ def select(spec: AttentionSpec, requested: str | None) -> str:
         if why is not None:
             raise ValueError(f'implementation="{requested}" cannot run this call: {why}')
         return requested
-    for name in preference():
+    for name in choice(spec)[0]:
         if reason(name, spec) is None and _default_for(name, spec):
             return name
     raise ValueError(f"no implementation can run this call: {explain(spec)}")
@@ -225,6 +252,8 @@ class Explanation:
 
     selected: str | None
     reasons: dict[str, str | None]  # name -> None (can run) or the reason it cannot
+    # What implementation=None's order rests on: a device run's measurement or the default order.
+    choice: str = ""
     notes: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> the rules and formulae behind it
     op: str = "jax_flash.attention"  # the function explained
     summaries: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> how it runs, in plain words
@@ -244,6 +273,8 @@ class Explanation:
             lines.append(f" {mark} {name:8s} available" + (f": {summary}" if summary else ""))
             if self.verbose and name in self.notes:
                 lines.append(f"   {'':8s} details: {self.notes[name]}")
+        if self.verbose and self.choice:
+            lines.append(f"order: {self.choice}")
         if self.sequence_parallel is not None:
             lines.append(f"sequence parallel: {self.sequence_parallel}")
         return "\n".join(lines)
@@ -262,6 +293,7 @@ def explanation(
     return Explanation(
         selected=selected,
         reasons=reasons,
+        choice=choice(spec)[1] if requested is None else "",
         notes=notes(spec, reasons),
         summaries=summaries(spec, reasons),
         verbose=verbose,

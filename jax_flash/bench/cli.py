@@ -1,12 +1,12 @@
-"""`python -m jax_flash.bench [--decode | --flex | --multi-device | --peak-memory] [options]`: the
-section a flag names, or the attention table."""
+"""`python -m jax_flash.bench [--decode | --flex | --multi-device | --peak-memory |
+--write-choices BENCH_JSON...] [options]`: the section a flag names, or the attention table."""
 
 from __future__ import annotations
 
 import sys
 from typing import Any
 
-from jax_flash.bench import attention, decode, flex, multi_device, peak_memory
+from jax_flash.bench import attention, choices, decode, flex, multi_device, peak_memory
 
 
 def main(argv=None) -> list[Any] | dict[str, Any]:
@@ -19,6 +19,8 @@ def main(argv=None) -> list[Any] | dict[str, Any]:
         return multi_device.multi_device_main(argv)
     if "--decode" in argv:  # one decode step against a KV cache (jax_flash/bench/decode.py)
         return decode.main(argv)
+    if "--write-choices" in argv:  # a GPU run's bench.json into the measured choices (choices.py)
+        return choices.main(argv)
     if "--flex" in argv:  # flex_attention with a block mask vs the built-in, dense and jax.nn paths
         return flex.main(argv)
     return attention.main(argv)

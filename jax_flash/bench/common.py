@@ -55,6 +55,14 @@ def fmt_seq(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 and n >= 1024 else str(n)
 
 
+def _arch(dev) -> str | None:
+    cc = getattr(dev, "compute_capability", None)
+    if not cc:
+        return None
+    major, minor = str(cc).split(".")[:2]
+    return f"sm_{major}{minor}"
+
+
 def environment() -> dict:
     dev = jax.devices()[0]
     return {
@@ -63,6 +71,8 @@ def environment() -> dict:
         "jax_flash": jax_flash.__version__,
         "backend": jax.default_backend(),
         "device": getattr(dev, "device_kind", str(dev)),
+        # "sm_90" on an NVIDIA GPU (the measured choices are kept per architecture), else None.
+        "arch": _arch(dev),
         "cpu_count": os.cpu_count(),
         "machine": _platform.machine(),
         "python": _platform.python_version(),

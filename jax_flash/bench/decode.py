@@ -186,7 +186,8 @@ def main(argv) -> list[dict]:
                 print(_format(r), flush=True)
             if args.json:
                 with open(args.json, "w") as f:
-                    json.dump({"environment": env, "peak": peak_what, "results": results}, f, indent=1)
+                    shape = {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
+                    json.dump({"environment": env, "peak": peak_what, "shape": shape, "results": results}, f, indent=1)
     print(
         "\nK/V GB/s: bytes of K and V read (2·B·S·K·H·itemsize) / time (copy: bytes read + "
         f"written / time); of peak: that over the memory bandwidth ({peak_what}); x jax.nn: "

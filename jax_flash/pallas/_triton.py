@@ -44,6 +44,7 @@ from jax_flash import _flex, _heuristics, _registry
 from jax_flash._merge import merge_partials
 from jax_flash._numerics import pad_axis, round_up, scores_are_finite
 from jax_flash._paged_spec import PagedSpec
+from jax_flash._spec import AttentionSpec, MaskInputs
 from jax_flash.pallas import _decode, _flex_tiles
 from jax_flash.pallas._table import padded_head_dim, smem_budget, smem_estimate
 from jax_flash.pallas._triton_kernels import (
@@ -56,7 +57,6 @@ from jax_flash.pallas._triton_kernels import (
     triton_deprecation,
     triton_missing,
 )
-from jax_flash._spec import AttentionSpec, MaskInputs
 from jax_flash.parallel import partitioning
 
 DTYPES = ("float16", "bfloat16", "float32")

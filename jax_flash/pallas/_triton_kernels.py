@@ -50,9 +50,9 @@ from jax.experimental import pallas as pl
 
 from jax_flash import _dropout, _masking
 from jax_flash._numerics import clamp_exponent, finite_part, poison_infinite
+from jax_flash._spec import AttentionSpec
 from jax_flash.pallas import _flex_tiles
 from jax_flash.pallas._table import Config
-from jax_flash._spec import AttentionSpec
 
 LOG2E = math.log2(math.e)
 

@@ -13,9 +13,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from jax_flash._spec import AttentionSpec, MaskInputs
 from jax_flash.pallas import _triton as pallas
 from jax_flash.pallas._table import PASSES, TABLE, Config, dumps, padded_head_dim, smem_budget, smem_estimate
-from jax_flash._spec import AttentionSpec, MaskInputs
 
 
 def candidates(head_dim: int, dtype: str, pass_: str, budget: int = 227 * 1024) -> list[Config]:

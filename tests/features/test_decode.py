@@ -666,9 +666,7 @@ def test_decode_poison_reaches_exactly_the_rows_that_see_it(impl):
         if paged.reason(name, pspec) is not None:
             pytest.skip(paged.reason(name, pspec))
         fwd = (
-            xla.paged_forward
-            if name == "xla"
-            else __import__("jax_flash.pallas._decode", fromlist=["x"]).paged_forward
+            xla.paged_forward if name == "xla" else __import__("jax_flash.pallas._decode", fromlist=["x"]).paged_forward
         )
         out, lse = jax.jit(lambda *a: fwd(pspec, *a, splits=3))(q, kp, vp, table, lengths)
         lse = jnp.swapaxes(lse, 1, 2)

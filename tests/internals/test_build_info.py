@@ -14,8 +14,8 @@ import pytest
 
 import jax_flash
 from jax_flash import _build, _ffi, _registry, cuda as jf_cuda, pallas as jf_pallas
-from jax_flash.pallas import _triton_kernels
 from jax_flash._normalize import canonicalize
+from jax_flash.pallas import _triton_kernels
 
 WHEEL_ARCHS = "80-real,90-real,100-real,120-real,80-virtual"
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from jax_flash import pallas
-from jax_flash.pallas._table import DTYPES, TABLE
 from jax_flash._spec import AttentionSpec, MaskInputs
+from jax_flash.pallas._table import DTYPES, TABLE
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 KERNELS = ("jax_flash_fwd", "jax_flash_bwd_dkdv", "jax_flash_bwd_dq")
