@@ -427,9 +427,6 @@ step_bench() {
     ${DEVICE_CHECK_BENCH_ARGS:-$sizes} --impls cuda --time-budget "$rest" --json "$WORK/bench_warp32.json" ||
     rc=1
   merge_layout_bench "$OUT/bench.json" "$WORK/bench_warp32.json" || rc=1
-  # The run's measured order for implementation=None (jax_flash/measured_choices.json, to commit).
-  cp jax_flash/measured_choices.json "$OUT/measured_choices.json" &&
-    "$PY" -m jax_flash.bench --write-choices "$OUT/bench.json" --out "$OUT/measured_choices.json" || rc=1
   return $rc
 }
 

@@ -7,7 +7,7 @@ dim, T = S; its `decode` section: one decode step over a long cache) becomes par
 for its architecture, shape class (`_heuristics.shape_class`) and pass, holding every measured
 implementation's time; an entry of the same architecture, class and pass already in the table
 is replaced, the others are kept. Runs without an architecture (not an NVIDIA GPU) and cells
-that did not run are left out. `build/device_check.sh` runs this after its bench.
+that did not run are left out. Run it on the bench.json a `build/device_check.sh` run brings back.
 """
 
 from __future__ import annotations
