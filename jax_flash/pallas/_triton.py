@@ -16,9 +16,10 @@ bias broadcasts along). D = rowsum(dO ∘ O) - dlse is one XLA reduction before 
 
 Each pass comes as plain and general kernels (`_triton_kernels`' docstring): a call
 `_heuristics.pallas_plain_blocker` lets through runs the plain ones where `plain_inputs`
-holds (q, k, v finite, no score can overflow: one reduction over each, one `lax.cond` on the
-device, on each device's shard), the general ones, which follow the numerical contract for
-any input, elsewhere. Both are compiled; the conditional picks one per call.
+holds (q, k, v finite, no score can overflow: one reduction over each, on each device's
+shard), the general ones, which follow the numerical contract for any input, elsewhere. Both
+are launched, each gated on the flag (`launches`): no conditional, whose predicate XLA would
+copy to the host.
 
 Tiles, warps and stages come from `_table.TABLE` (made for sm_90; the data file
 `table.json`), shrunk to the GPU's shared memory where it has less
@@ -356,21 +357,54 @@ def _tiles(spec: AttentionSpec, cfgs):
 
 def plain_inputs(q, k, v, masks: MaskInputs):
     """Bool scalar: the plain kernels may run on these inputs: every raw score q·k is finite
-    (`_numerics.scores_are_finite`), v is finite and every sink is finite or -inf. One
-    reduction over each of q, k and v."""
-    ok = scores_are_finite(q, k) & jnp.all(jnp.isfinite(v))
-    if masks.sinks is not None:
-        ok = ok & jnp.all(masks.sinks < jnp.inf)  # NaN < inf is False
-    return ok
+    (`_numerics.scores_are_finite`) and v is finite. One reduction over each of q, k and v.
+    (Sinks may be anything: the plain forward joins them as the general one does.)"""
+    del masks  # the same signature as the rule's other callers; the masks change nothing here
+    return scores_are_finite(q, k) & jnp.all(jnp.isfinite(v))
 
 
-def _plain_or_general(spec: AttentionSpec, call, q, k, v, masks: MaskInputs):
-    """`call(plain)` on the plain kernels where `plain_inputs` holds, else on the general
-    kernels (one conditional, on this device's shard); the general ones alone for a call
-    `_heuristics.pallas_plain_blocker` refuses."""
+# A launch of one kernel variant: (plain, run flag): the flag an int32 [1] array (the launch's
+# programs return at once where it is 0), or None (ungated).
+Launch = tuple[bool, Any]
+
+
+def launches(spec: AttentionSpec, q, k, v, masks: MaskInputs) -> tuple[Launch, ...]:
+    """The kernel launches of one pass: the general kernels alone for a call
+    `_heuristics.pallas_plain_blocker` refuses; else the plain kernels gated on `plain_inputs`
+    (tested on this device's shard), then the general ones gated on its negation, writing into
+    the same outputs (input_output_aliases). Both are launched, no conditional: XLA's GPU
+    conditional copies its predicate to the host and waits for the device, a stall in every
+    call; the launch that does not apply costs one scalar load per program."""
     if _heuristics.pallas_plain_blocker(spec) is not None:
-        return call(False)
-    return jax.lax.cond(plain_inputs(q, k, v, masks), lambda: call(True), lambda: call(False))
+        return ((False, None),)
+    run = plain_inputs(q, k, v, masks).astype(jnp.int32).reshape(1)
+    return ((True, run), (False, 1 - run))
+
+
+def _chain(pl, launches_, kernel, layout_of, args, in_specs, out_specs, out_shape, name, **kw):
+    """The pallas_calls of `launches_` in order, each gated by its flag and writing into the
+    previous one's outputs; the last one's outputs."""
+    outs: list[Any] = []
+    for plain, run in launches_:
+        call_args, specs = list(args), list(in_specs)
+        if run is not None:
+            call_args.append(run)
+            specs.append(pl.BlockSpec((1,), lambda *_: (0,)))
+        aliases: dict[int, int] = {len(call_args) + i: i for i in range(len(outs))}
+        call_args += outs
+        specs += list(out_specs) if outs else []
+        layout = layout_of(plain=plain, gated=run is not None, aliased=len(outs))
+        outs = pl.pallas_call(
+            functools.partial(kernel, layout=layout),
+            in_specs=specs,
+            out_specs=out_specs,
+            out_shape=out_shape,
+            input_output_aliases=aliases,
+            name=f"{name}_plain" if plain else name,
+            **kw,
+        )(*call_args)
+        outs = list(outs)
+    return outs
 
 
 def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs=None, interpret=None):
@@ -378,8 +412,8 @@ def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs=None, in
     the inputs' shardings (`jax_flash.parallel.partitioning`)."""
 
     def local(spec, q, k, v, masks):
-        call = functools.partial(_forward_call, spec, q, k, v, masks, configs=configs, interpret=interpret)
-        return _plain_or_general(spec, lambda plain: call(plain=plain), q, k, v, masks)
+        run = launches(spec, q, k, v, masks)
+        return _forward_call(spec, q, k, v, masks, configs=configs, interpret=interpret, launches=run)
 
     return partitioning.forward("pallas", local, spec, q, k, v, masks)
 
@@ -402,10 +436,10 @@ def backward(
     partitioned over the inputs' shardings."""
 
     def local(spec, q, k, v, masks, out, lse, dout, dlse):
-        call = functools.partial(
-            _backward_call, spec, q, k, v, masks, out, lse, dout, dlse, configs=configs, interpret=interpret
+        run = launches(spec, q, k, v, masks)
+        return _backward_call(
+            spec, q, k, v, masks, out, lse, dout, dlse, configs=configs, interpret=interpret, launches=run
         )
-        return _plain_or_general(spec, lambda plain: call(plain=plain), q, k, v, masks)
 
     grads = partitioning.backward("pallas", local, spec, q, k, v, masks, out, lse, dout, dlse)
     if spec.flex is not None:
@@ -462,8 +496,8 @@ def split_kv_summary(spec: AttentionSpec) -> str:
         return f"{e}: calls fail"
 
 
-def _forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, interpret, plain=False):
-    """The forward kernel (plain or general) on (local) canonical arrays; `spec` describes them."""
+def _forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, interpret, launches=((False, None),)):
+    """The forward kernels (`launches`) on (local) canonical arrays; `spec` describes them."""
     pl, _ = triton()
     interpret = _interpret(interpret)
     b, t, n, h = q.shape
@@ -476,9 +510,14 @@ def _forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, i
     qp = pad_axis(pad_axis(q, 3, hp), 1, t_pad)
     kp = pad_axis(pad_axis(k, 3, hp), 1, s_pad)
     vp = pad_axis(pad_axis(v, 3, hvp), 1, s_pad)
+    if masks.sinks is None and any(plain for plain, _ in launches):
+        # The plain forward always joins a sink, -inf (no sink) when the call has none: one
+        # program for both, so that a -inf sink gives the call without it bit for bit (the
+        # general kernels' -inf sink vanishes exactly in the first tile).
+        masks = masks._replace(sinks=jnp.full((spec.num_heads,), -jnp.inf, jnp.float32))
     extras = _Extras(spec, masks, t_pad, s_pad)
     extra_args, extra_specs = extras.row_grid(bq, s_pad, c)
-    layout = _layout(spec, masks, bq, bk, t_pad, s_pad, kv_chunks=c, plain=plain)
+    layout_of = functools.partial(_layout, spec, masks, bq, bk, t_pad, s_pad, kv_chunks=c)
     # Grid axis 0: the query block (and with split-KV its key chunk, the chunk fastest).
     row_spec = pl.BlockSpec((None, bq, None, hp), lambda i, n_, b_: (b_, i // c, n_, 0))
     kv_spec = pl.BlockSpec((None, s_pad, None, hp), lambda i, n_, b_: (b_, 0, n_ // g, 0))
@@ -501,16 +540,20 @@ def _forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, i
             jax.ShapeDtypeStruct((c, b, t_pad, n, hvp), jnp.float32),
             jax.ShapeDtypeStruct((c, b, n, t_pad), jnp.float32),
         ]
-    out, lse = pl.pallas_call(
-        functools.partial(forward_kernel, layout=layout),
+    out, lse = _chain(
+        pl,
+        launches,
+        forward_kernel,
+        layout_of,
+        [qp, kp, vp, *extra_args],
+        [row_spec, kv_spec, v_spec, *extra_specs],
+        out_specs,
+        out_shape,
+        "jax_flash_fwd",
         grid=(t_pad // bq * c, n, b),
-        in_specs=[row_spec, kv_spec, v_spec, *extra_specs],
-        out_specs=out_specs,
-        out_shape=out_shape,
         compiler_params=compiler_params(cfg),
         interpret=interpret,
-        name="jax_flash_fwd_plain" if plain else "jax_flash_fwd",
-    )(qp, kp, vp, *extra_args)
+    )
     if c > 1:
         out, lse = merge_partials([out[i] for i in range(c)], [lse[i] for i in range(c)])
         out = out.astype(q.dtype)
@@ -530,7 +573,7 @@ def _backward_call(
     *,
     configs,
     interpret,
-    plain=False,
+    launches=((False, None),),
 ):
     """The dK/dV and dQ kernels (plain or general) on (local) canonical arrays; `spec`
     describes them."""
@@ -573,28 +616,24 @@ def _backward_call(
     dv_blk = pl.BlockSpec((None, bk1, None, hvp), lambda j, h_, b_: (b_, j, h_, 0))
     stat5 = pl.BlockSpec((None, None, g, t_pad), lambda j, h_, b_: (b_, h_ // splits, 0, 0))
     extra_args, extra_specs = extras.key_grid(bk1, t_pad, splits)
-    layout = _layout(spec, masks, bq1, bk1, t_pad, s_pad, group=g // splits, splits=splits, plain=plain)
+    layout_of = functools.partial(_layout, spec, masks, bq1, bk1, t_pad, s_pad, group=g // splits, splits=splits)
     dkv_dtype = lambda x: jnp.float32 if splits > 1 else x.dtype
-    dk, dv = pl.pallas_call(
-        functools.partial(dkdv_kernel, layout=layout),
-        grid=(s_pad // bk1, kh * splits, b),
-        in_specs=[rows5, kv_blk, v_blk, do_rows5, stat5, stat5, *extra_specs],
-        out_specs=[dkv_blk, dv_blk],
-        out_shape=[
+    dk, dv = _chain(
+        pl,
+        launches,
+        dkdv_kernel,
+        layout_of,
+        [q5, kp, vp, do5, lse_rows.reshape(b, kh, g, t_pad), delta.reshape(b, kh, g, t_pad), *extra_args],
+        [rows5, kv_blk, v_blk, do_rows5, stat5, stat5, *extra_specs],
+        [dkv_blk, dv_blk],
+        [
             jax.ShapeDtypeStruct((b, s_pad, kh * splits, hp), dkv_dtype(k)),
             jax.ShapeDtypeStruct((b, s_pad, kh * splits, hvp), dkv_dtype(v)),
         ],
+        "jax_flash_bwd_dkdv",
+        grid=(s_pad // bk1, kh * splits, b),
         compiler_params=compiler_params(cfg_kv),
         interpret=interpret,
-        name="jax_flash_bwd_dkdv_plain" if plain else "jax_flash_bwd_dkdv",
-    )(
-        q5,
-        kp,
-        vp,
-        do5,
-        lse_rows.reshape(b, kh, g, t_pad),
-        delta.reshape(b, kh, g, t_pad),
-        *extra_args,
     )
 
     # dQ (and dS for dbias): grid (query block, head, batch), looping over key blocks.
@@ -611,18 +650,20 @@ def _backward_call(
         # dS per (batch, head) tile, summed over the axes the bias broadcasts along below.
         out_specs.append(pl.BlockSpec((None, None, bq2, s_pad), lambda i, n_, b_: (b_, n_, i, 0)))
         out_shape.append(jax.ShapeDtypeStruct((b, n, t_pad, s_pad), jnp.float32))
-    res = pl.pallas_call(
-        functools.partial(
-            dq_kernel, layout=_layout(spec, masks, bq2, bk2, t_pad, s_pad, write_ds=write_ds, plain=plain)
-        ),
+    res = _chain(
+        pl,
+        launches,
+        dq_kernel,
+        functools.partial(_layout, spec, masks, bq2, bk2, t_pad, s_pad, write_ds=write_ds),
+        [qp, kp, vp, dop, lse_rows, delta, *extra_args],
+        [row_blk, kv_full, v_full, do_blk, stat, stat, *extra_specs],
+        out_specs,
+        out_shape,
+        "jax_flash_bwd_dq",
         grid=(t_pad // bq2, n, b),
-        in_specs=[row_blk, kv_full, v_full, do_blk, stat, stat, *extra_specs],
-        out_specs=out_specs,
-        out_shape=out_shape,
         compiler_params=compiler_params(cfg_q),
         interpret=interpret,
-        name="jax_flash_bwd_dq_plain" if plain else "jax_flash_bwd_dq",
-    )(qp, kp, vp, dop, lse_rows, delta, *extra_args)
+    )
     dq = res[0][:, :t, :, :h]
     dbias = None
     if write_ds:

@@ -133,6 +133,12 @@ class Layout:
     block_lists: bool = False
     # The plain kernels (the module's docstring): finite scores and values, no cap or bias.
     plain: bool = False
+    # Gated launch (`jax_flash.pallas._triton`: the plain and the general kernels are both
+    # launched, no conditional): a last int32 [1] input, the program returns at once where it
+    # is 0; and `aliased` inputs after it, the previous launch's outputs that this one writes
+    # into (input_output_aliases), never read.
+    gated: bool = False
+    aliased: int = 0
 
     @property
     def has_bias(self) -> bool:
@@ -184,6 +190,7 @@ class Inputs:
     q_offset: Any
     sinks: Any
     seed: Any
+    run: Any
     # flex_attention: [(ref, is_bool)] of the user functions' arrays, and the block lists
     # (full count, full indices, partial count, partial indices) of this program's grid.
     mask_consts: list[Any]
@@ -213,7 +220,14 @@ class Inputs:
         self.score_consts = [(refs.pop(0), is_bool) for is_bool in layout.score_consts]
         self.lists = tuple(refs.pop(0) for _ in range(4)) if layout.block_lists else None
         self.seed = refs.pop(0) if layout.spec.has_dropout else None  # uint32 [2]
+        self.run = refs.pop(0) if layout.gated else None  # int32 [1]: 0 = return at once
+        del refs[: layout.aliased]
         self.outputs = refs
+        self.ids: tuple[Any, ...] = ()
+
+    def program_id(self, axis: int):
+        """The program's id along a grid axis, read once at the kernel's top (`_gated`)."""
+        return self.ids[axis]
 
 
 def _iota(n: int, axis: int):
@@ -454,9 +468,12 @@ def _softmax_init(inp: Inputs, bq: int, first_chunk=True, plain=False):
 
 
 def _join_sink(inp: Inputs, top, l, acc, first_chunk):
-    """The plain forward's sink joined as one more logit of every row, after the key loop:
-    top [bq] the rows' largest logit (-inf: none), l, acc relative to it. The plain kernel
-    runs with finite or -inf sinks only (`plain_inputs`); a -inf sink is no sink."""
+    """The plain forward's sink joined as one more logit of every row, after the key loop
+    (every plain forward has one: -inf where the call has none, `_forward_call`):
+    top [bq] the rows' largest logit (-inf: none), l, acc relative to it. A -inf sink is no
+    sink (f = 1, nothing added: the result of the call without it, bit for bit); a NaN or
+    +inf one makes l NaN (exp2(NaN), or exp2(inf - inf)), which poisons every row of the
+    head, empty ones too, whether or not the max kept the NaN."""
     sink = jnp.where(first_chunk, inp.sinks[...].reshape(1), -jnp.inf)  # [1]
     new_top = jnp.maximum(top, sink)
     shift = jnp.where(new_top == -jnp.inf, 0.0, new_top)  # a row with neither: stays empty
@@ -465,16 +482,33 @@ def _join_sink(inp: Inputs, top, l, acc, first_chunk):
     return new_top, l, acc * f[:, None]
 
 
+def _gated(body, layout: Layout, refs, names):
+    """Run `body(inputs, layout)`, or where the launch is gated (`Layout.gated`) only when its
+    run flag is nonzero: one scalar load, and a program of the launch that does not apply
+    returns at once, writing nothing (its outputs keep the aliased values). The program ids
+    are read before the branch (`Inputs.program_id`: interpret mode replaces them at the top
+    level of the kernel only)."""
+    inp = Inputs(layout, refs, names)
+    inp.ids = tuple(pl.program_id(axis) for axis in range(3))
+    if inp.run is None:
+        body(inp, layout)
+    else:
+        pl.when(inp.run[0] != 0)(lambda: body(inp, layout))
+
+
 def forward_kernel(*refs, layout: Layout):
-    inp = Inputs(layout, refs, ("q", "k", "v"))
+    _gated(_forward_kernel, layout, refs, ("q", "k", "v"))
+
+
+def _forward_kernel(inp: Inputs, layout: Layout):
     out_ref, lse_ref = inp.outputs
     lay, spec = layout, layout.spec
     bq, bk = lay.block_q, lay.block_k
     nk = lay.s_pad // bk
     chunks = lay.kv_chunks
-    q0 = pl.program_id(0) // chunks * bq
-    chunk = pl.program_id(0) % chunks
-    batch, head = pl.program_id(2), pl.program_id(1)
+    q0 = inp.program_id(0) // chunks * bq
+    chunk = inp.program_id(0) % chunks
+    batch, head = inp.program_id(2), inp.program_id(1)
     tm = TileMath(lay, inp)
     q = inp.q[...]  # [bq, Hp], resident for the whole key loop
     q_seg = None if inp.q_seg is None else inp.q_seg[...]
@@ -565,10 +599,8 @@ def forward_kernel(*refs, layout: Layout):
         c_hi = first + (last - first) * (chunk + 1) // chunks
         segments = tuple((jnp.clip(lo, c_lo, c_hi), jnp.clip(hi, c_lo, c_hi), m, b) for lo, hi, m, b in segments)
     m, l, acc, bad = _loop(segments, plain_step if lay.plain else step, carry)
-    if lay.plain:  # the raw row max as a logit, rounded once; then the sink
-        m = m * spec.scale
-        if inp.sinks is not None:
-            m, l, acc = _join_sink(inp, m, l, acc, chunk == 0)
+    if lay.plain:  # the raw row max as a logit, rounded once; then the sink (-inf: none)
+        m, l, acc = _join_sink(inp, m * spec.scale, l, acc, chunk == 0)
     # FlashAttention-2 §3.1.1: the accumulator stays unnormalised until the last block.
     # Empty rows (l = 0: no key, or only -inf logits) give 0; a NaN l is not empty.
     empty = l == 0
@@ -639,15 +671,18 @@ def _drop(lay: Layout, keep, x):
 
 
 def dkdv_kernel(*refs, layout: Layout):
-    inp = Inputs(layout, refs, ("q", "k", "v", "do", "lse", "delta"))
+    _gated(_dkdv_kernel, layout, refs, ("q", "k", "v", "do", "lse", "delta"))
+
+
+def _dkdv_kernel(inp: Inputs, layout: Layout):
     dk_ref, dv_ref = inp.outputs
     lay = layout
     bq, bk = lay.block_q, lay.block_k
     nq = lay.t_pad // bq
-    j = pl.program_id(0)
+    j = inp.program_id(0)
     k0 = j * bk
     # Query heads of this kv head: first_head + g (dropout counts the query head).
-    batch, first_head = pl.program_id(2), (pl.program_id(1) // lay.splits) * lay.spec.group_size
+    batch, first_head = inp.program_id(2), (inp.program_id(1) // lay.splits) * lay.spec.group_size
     tm = TileMath(lay, inp)
     k = inp.k[...]  # [bk, Hp]
     v = inp.v[...]  # [bk, Hvp]
@@ -688,7 +723,7 @@ def dkdv_kernel(*refs, layout: Layout):
         return body
 
     # This program's share of the kv head's group: heads g0 .. g0 + group - 1.
-    g0 = (pl.program_id(1) % lay.splits) * lay.group if lay.splits > 1 else 0
+    g0 = (inp.program_id(1) % lay.splits) * lay.group if lay.splits > 1 else 0
 
     def head(gi, carry):
         g = g0 + gi
@@ -709,14 +744,17 @@ def dkdv_kernel(*refs, layout: Layout):
 
 
 def dq_kernel(*refs, layout: Layout):
-    inp = Inputs(layout, refs, ("q", "k", "v", "do", "lse", "delta"))
+    _gated(_dq_kernel, layout, refs, ("q", "k", "v", "do", "lse", "delta"))
+
+
+def _dq_kernel(inp: Inputs, layout: Layout):
     dq_ref = inp.outputs[0]
     ds_ref = inp.outputs[1] if layout.write_ds else None
     lay = layout
     bq, bk = lay.block_q, lay.block_k
     nk = lay.s_pad // bk
-    q0 = pl.program_id(0) * bq
-    batch, head = pl.program_id(2), pl.program_id(1)
+    q0 = inp.program_id(0) * bq
+    batch, head = inp.program_id(2), inp.program_id(1)
     tm = TileMath(lay, inp)
     q = inp.q[...]
     do = inp.do[...]

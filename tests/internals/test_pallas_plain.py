@@ -5,8 +5,9 @@ and that has no soft cap, bias or flex function (`_heuristics.pallas_plain_block
 plain kernels: no poisoning, no finite copies, no clamp in the forward, its softmax in base 2
 on the raw scores. They compute what the general kernels compute within rounding; these tests
 hold them to that (the general kernels forced by the routing test returning False), and check
-the routing: a poison, an overflowing score, a NaN or +inf sink, a scale the raw-score softmax
-cannot take or a feature it does not serve sends the call to the general kernels.
+the routing: a poison in q, k or v, an overflowing score, a scale the raw-score softmax cannot
+take or a feature it does not serve sends the call to the general kernels (a sink does not:
+tests/features/test_sinks.py holds the plain forward's NaN, +inf and -inf sinks).
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def test_plain_kernels_agree_with_general(kind, extra, monkeypatch):
         ("v", jnp.nan, False),
         ("v", -jnp.inf, False),
         ("q", 2.0**60, False),  # with k = 2**60: 64 · 2**120 >= 2**126, a score could overflow
-        ("sinks", jnp.nan, False),
-        ("sinks", jnp.inf, False),
+        ("sinks", jnp.nan, True),  # the plain forward joins a sink as the general one does
+        ("sinks", jnp.inf, True),
         ("sinks", -jnp.inf, True),
     ],
 )
