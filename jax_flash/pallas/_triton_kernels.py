@@ -7,16 +7,18 @@ for v, out, dout, dv: the value head dim may differ). The wrapper in
 Two variants of each kernel, chosen per call (`Layout.plain`):
 
 - **the plain kernels** run where every raw score q·k of the call is finite and every v is
-  (`plain_inputs`, one reduction over each of q, k and v per call, tested on the device; the
-  static rule is `plain_blocker`: no soft cap, bias or flex function, a scale in
-  [2^-126, 2^127)). Their key loops do only the attention: no poisoning, no finite copies,
+  (`_triton.plain_inputs`, one reduction over each of q, k and v per call, tested on the
+  device; the static rule is `_heuristics.pallas_plain_blocker`: no soft cap, bias or flex
+  function, a scale in [2^-126, 2^127)); both variants are launched, each gated on that flag
+  (`_gated`). Their key loops do only the attention: no poisoning, no finite copies,
   no clamp. The forward keeps the row max m of the raw scores and takes
   p = exp2((s - m)·c), c = scale·log2 e rounded once per call: one subtraction rounded once
   (exact by Sterbenz where s >= m/2), one multiply and one exp2 per score; the row max gets
   exp2(0) = 1 at any magnitude, and no FMA contraction can make an exponent positive (the
   multiply consumes the difference). The statistics become logits once per row at the end:
   scale·m rounded once (the max of the rounded logits, rounding being monotone), the sink
-  joined as one more logit, lse = that + log l, in natural units as before. The backward
+  joined as one more logit (-inf where the call has none: `_join_sink`), lse = that + log l,
+  in natural units as before. The backward
   recomputes p = exp2(min(x - lse, 0)·log2 e) from the natural logit x = scale·s: the min
   (one instruction, no NaN can reach it) keeps the exponent <= 0 where Triton contracts
   scale·s - lse into one FMA.
