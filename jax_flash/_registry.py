@@ -252,8 +252,7 @@ class Explanation:
 
     selected: str | None
     reasons: dict[str, str | None]  # name -> None (can run) or the reason it cannot
-    # What implementation=None's order rests on: a device run's measurement or the default order.
-    choice: str = ""
+
     notes: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> the rules and formulae behind it
     op: str = "jax_flash.attention"  # the function explained
     summaries: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> how it runs, in plain words
@@ -273,8 +272,6 @@ class Explanation:
             lines.append(f" {mark} {name:8s} available" + (f": {summary}" if summary else ""))
             if self.verbose and name in self.notes:
                 lines.append(f"   {'':8s} details: {self.notes[name]}")
-        if self.verbose and self.choice:
-            lines.append(f"order: {self.choice}")
         if self.sequence_parallel is not None:
             lines.append(f"sequence parallel: {self.sequence_parallel}")
         return "\n".join(lines)
@@ -290,11 +287,15 @@ def explanation(
         selected: str | None = select(spec, requested)
     except ValueError:
         selected = None
+    details = notes(spec, reasons)
+    if requested is None and selected is not None:
+        # What implementation=None's order rests on: a device run's measurement, or the default.
+        why = f"chosen by: {choice(spec)[1]}"
+        details[selected] = f"{details[selected]}; {why}" if selected in details else why
     return Explanation(
         selected=selected,
         reasons=reasons,
-        choice=choice(spec)[1] if requested is None else "",
-        notes=notes(spec, reasons),
+        notes=details,
         summaries=summaries(spec, reasons),
         verbose=verbose,
         op=op,

@@ -113,14 +113,17 @@ def test_registry_tries_the_measured_order_first(monkeypatch):
 
 def test_explain_names_the_measurement(monkeypatch):
     q = jnp.ones((1, 32, 2, 64), jnp.bfloat16)
-    text = str(jax_flash.explain(q, q, q, verbose=True))
-    assert "order: not on a GPU: the platform's default order" in text, text
-    assert "order:" not in str(jax_flash.explain(q, q, q))
+    """The selected implementation's details (verbose) say what the order rests on."""
+    e = jax_flash.explain(q, q, q, verbose=True)
+    assert "chosen by: not on a GPU: the platform's default order" in e.notes[e.selected], e.notes
+    assert "chosen by" not in str(jax_flash.explain(q, q, q))
+    assert "chosen by" not in str(jax_flash.explain(q, q, q, verbose=True, implementation="xla"))
     monkeypatch.setattr(_registry, "device_arch", lambda: "sm_90")
     entry = (_entry({"xla": 1.0, "cpu": 0.5}, head_dim=64, seq="<=2k"),)
     monkeypatch.setattr(_registry, "_measured_entries", lambda: entry)
-    text = str(jax_flash.explain(q, q, q, verbose=True))
-    assert "order: measured on NVIDIA H200 (sm_90), 2026-12-04, fwd H=64 full S <=2k: xla alone measured" in text, text
+    e = jax_flash.explain(q, q, q, verbose=True)
+    want = "chosen by: measured on NVIDIA H200 (sm_90), 2026-12-04, fwd H=64 full S <=2k: xla alone measured"
+    assert e.selected == "xla" and want in e.notes["xla"], e.notes
 
 
 def test_the_shipped_table_loads():
