@@ -716,7 +716,7 @@ def sequence_parallel_choice(moved: dict[str, int]) -> str:
 
 MEASURED_CHOICES_FILE = "measured_choices.json"
 MEASURED_IMPLEMENTATIONS = ("cuda", "pallas", "xla")  # the bench's names that are ours
-DECODE_MAX_QUERIES = 16  # a call of at most this many queries is a decode step
+MEASURED_DECODE_QUERIES = 16  # a call of at most this many queries is a decode step (its class)
 
 
 def seq_bucket(length: int) -> str:
@@ -742,7 +742,7 @@ def shape_class(spec: AttentionSpec) -> dict | None:
         head_dim=spec.head_dim,
         causal=causal,
         seq=seq_bucket(spec.kv_len),
-        decode=spec.q_len <= DECODE_MAX_QUERIES,
+        decode=spec.q_len <= MEASURED_DECODE_QUERIES,
     )
 
 
