@@ -11,6 +11,7 @@ import platform as _platform
 import jax
 
 import jax_flash
+from jax_flash import _registry
 
 
 def thread_count() -> int:
@@ -55,14 +56,6 @@ def fmt_seq(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 and n >= 1024 else str(n)
 
 
-def _arch(dev) -> str | None:
-    cc = getattr(dev, "compute_capability", None)
-    if not cc:
-        return None
-    major, minor = str(cc).split(".")[:2]
-    return f"sm_{major}{minor}"
-
-
 def environment() -> dict:
     dev = jax.devices()[0]
     return {
@@ -72,7 +65,7 @@ def environment() -> dict:
         "backend": jax.default_backend(),
         "device": getattr(dev, "device_kind", str(dev)),
         # "sm_90" on an NVIDIA GPU (the measured choices are kept per architecture), else None.
-        "arch": _arch(dev),
+        "arch": _registry.device_arch(),
         "cpu_count": os.cpu_count(),
         "machine": _platform.machine(),
         "python": _platform.python_version(),
