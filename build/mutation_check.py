@@ -104,6 +104,9 @@ FLEX = (
 # The plain forward (kernels/fwd.h): its own tests (bitwise against the general kernel, tile
 # counts, routing) and the shared suite's forward cases, which run it.
 PLAIN = "test_cuda_plain or (cuda and test_forward_backward and not warp32)"
+# Routed forward calls (kernels/params.h route): the routing tests, and the contract's cuda
+# cases, whose poisoned values take route 0.
+ROUTE = "test_routed_call or test_calls_route or (cuda and nonfinite)"
 # The decoding tile (kernels/tile.h DecodeForwardShape) and the split rule: its own tests (bitwise
 # against the 128-row tile at H <= 64, tile counts, routing), the decode cases and the rule.
 DECODE_TILE = "test_cuda_decode_tile or test_cuda_split_kv"
@@ -939,6 +942,39 @@ MUTATIONS = [
         count=2,
         nth=2,
         what="deterministic dQ kernel: the copy cursor steps over empty tiles too",
+    ),
+    # ---- routed forward calls: the route operand (params.h, fwd.h, cuda.py) ------------------
+    Mutation(
+        "route_general_kernel_runs_always",
+        K + "fwd.h",
+        "  if (route == kRoutePlain && p.plain_beside) return;",
+        "",
+        ROUTE,
+        what="routed call: the general kernel runs on the plain kernel's route too",
+    ),
+    Mutation(
+        "route_plain_kernel_runs_always",
+        K + "fwd.h",
+        "  if (p.route != nullptr && p.read_route() != kRoutePlain) return;",
+        "",
+        ROUTE,
+        what="routed call: the plain kernel runs on every route (after the general one)",
+    ),
+    Mutation(
+        "route_scan_not_taken",
+        K + "fwd.h",
+        "const bool scans_values = p.scans_values() || route == kRouteScanValues;",
+        "const bool scans_values = p.scans_values();",
+        ROUTE,
+        what="routed call: route 0 runs the general kernel without its scan of V",
+    ),
+    Mutation(
+        "route_values_unchecked",
+        "jax_flash/cuda.py",
+        "route = jnp.where(jnp.any(bad_v), ROUTE_SCAN_VALUES,",
+        "route = jnp.where(False, ROUTE_SCAN_VALUES,",
+        ROUTE,
+        what="routed call: a non-finite v does not route to the scanning kernel",
     ),
     # ---- fwd.h: the plain forward -----------------------------------------------------------
     Mutation(

@@ -240,6 +240,7 @@ def forward_call(
     decoding: Callable[[AttentionSpec], tuple[int, bool]] | None = None,
     page_table=None,
     attributes: Callable[[AttentionSpec], dict] | None = None,
+    operands: tuple = (),
 ):
     """The forward custom call on (local) canonical arrays; `spec` describes them (no
     sharding rule: for a function that runs inside one, e.g. on one device's shards).
@@ -250,7 +251,8 @@ def forward_call(
     are then pages [num_pages, page_size, K, H], and `spec` the gathered cache's
     (S = max_pages·page_size). `attributes`: spec -> the target's own attributes beside the
     shared ones (cuda/README.md: the cpu kernels' isa, forward_chunks and pack_gqa, the CUDA
-    kernels' layout), decided here, when the call is traced."""
+    kernels' layout), decided here, when the call is traced. `operands`: the target's own
+    operands after the shared ones (the CUDA targets' route)."""
     b, t, n, _ = q.shape
     hv = v.shape[-1]
     shapes: tuple[jax.ShapeDtypeStruct, ...] = (
@@ -279,6 +281,7 @@ def forward_call(
         *_mask_operands(spec, masks, q.dtype),
         sinks.astype(jnp.float32),
         _dropout_seed(masks),
+        *operands,
         **values,
     )
     return out, lse

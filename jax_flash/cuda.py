@@ -57,6 +57,8 @@ DTYPES = ("float16", "bfloat16")
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 NARROW_VALUE_PAIRS = ((192, 128), (128, 64))
 MIN_COMPUTE_CAPABILITY = (8, 0)
+# A routed forward call's route (kernels/params.h, Route): which of its kernels runs.
+ROUTE_SCAN_VALUES, ROUTE_PLAIN, ROUTE_GENERAL = 0, 1, 2
 
 
 def head_dim_pairs() -> tuple:
@@ -496,12 +498,22 @@ class CudaImplementation:
         return partitioning.forward(self.name, functools.partial(self._forward_local, target), spec, q, k, v, masks)
 
     def _forward_local(self, target, spec, q, k, v, masks, page_table=None):
-        def call(spec, q, k, v, masks, plain_kernel=False):
+        def call(spec, q, k, v, masks, plain_kernel=False, route=None):
             attributes = lambda s: dict(
                 target_attributes(s), plain_kernel=plain_kernel, decode_tile=_heuristics.cuda_decode_tile(s)
             )
+            route = jnp.zeros((0,), jnp.int32) if route is None else jnp.reshape(route, (1,)).astype(jnp.int32)
             return _ffi.forward_call(
-                target, spec, q, k, v, masks, decoding=decoding, page_table=page_table, attributes=attributes
+                target,
+                spec,
+                q,
+                k,
+                v,
+                masks,
+                decoding=decoding,
+                page_table=page_table,
+                attributes=attributes,
+                operands=(route,),
             )
 
         if scans_values(spec, masks):
@@ -509,26 +521,35 @@ class CudaImplementation:
             # (kernels/nonfinite.h): a decode step reads K and V once.
             return call(spec, q, k, v, masks)
         bad_v = nonfinite_rows(v)  # [B, S, K], or [num_pages, page_size, K]
+        if masks.bias is not None:
+            # A -inf bias is not a mask (docs/numerical-contract.md): a non-finite value behind it
+            # still reaches the row, which the kernel's scan of V cannot tell from a masked key.
+            # The host finds such rows, on a finite copy of V, in the one call that has one.
+            return lax.cond(
+                jnp.any(bad_v),
+                lambda: self._poisoned(call, spec, q, k, v, masks, bad_v),
+                lambda: call(spec, q, k, v, masks),
+            )
+        # Every other call is routed (kernels/params.h, AttentionParams::route): the kernels
+        # read which of them runs from a device scalar computed here, so choosing by what the
+        # inputs hold needs no conditional (XLA's copies its predicate to the host and waits for
+        # the device). A v with a non-finite value: the general kernel zeroes it in its V tiles
+        # and poisons the rows that see it (one pass over V more, here, for the test); else the
+        # plain kernel where it serves the call and every score is finite (one reduction over
+        # q and one over k), the general kernel elsewhere.
+        plain = plain_forward_blocker(spec, paged=page_table is not None) is None
+        finite_scores = scores_are_finite(q, k) if plain else jnp.bool_(False)
+        route = jnp.where(jnp.any(bad_v), ROUTE_SCAN_VALUES, jnp.where(finite_scores, ROUTE_PLAIN, ROUTE_GENERAL))
+        return call(spec, q, k, v, masks, plain_kernel=plain, route=route)
 
-        def poisoned():
-            out, lse = call(spec, q, k, finite_part(v), masks)
-            sees = self._sees(call, spec, bad_v, masks, q.dtype)
-            # An empty row (lse = -inf: it sees no key, or only -inf logits, with no sink) stays 0.
-            sees = sees & (jnp.swapaxes(lse, 1, 2) != -jnp.inf)
-            return jnp.where(sees[..., None], jnp.asarray(jnp.nan, out.dtype), out), lse
-
-        # Only a call whose v holds a non-finite value pays for the finite copy of V and the
-        # flags call: the others read V once for the test and once in the kernel (a decode
-        # step's traffic is then K + 2V instead of K + 3V).
-        general = lambda: call(spec, q, k, v, masks)
-        if plain_forward_blocker(spec, paged=page_table is not None) is not None:
-            return lax.cond(jnp.any(bad_v), poisoned, general)
-        # A call the plain kernel serves runs it where every score is finite (tested here, on
-        # every call: one reduction over q and one over k), the general kernel where a score
-        # may be ±inf; one conditional for the three cases.
-        plain = lambda: call(spec, q, k, v, masks, plain_kernel=True)
-        case = jnp.where(jnp.any(bad_v), 0, jnp.where(scores_are_finite(q, k), 1, 2))
-        return lax.switch(case, (poisoned, plain, general))
+    def _poisoned(self, call, spec, q, k, v, masks, bad_v):
+        """The forward of a call with a dense bias whose v holds a non-finite value: the kernels
+        on a finite copy of V, then NaN in the rows that see a flagged key."""
+        out, lse = call(spec, q, k, finite_part(v), masks)
+        sees = self._sees(call, spec, bad_v, masks, q.dtype)
+        # An empty row (lse = -inf: it sees no key, or only -inf logits, with no sink) stays 0.
+        sees = sees & (jnp.swapaxes(lse, 1, 2) != -jnp.inf)
+        return jnp.where(sees[..., None], jnp.asarray(jnp.nan, out.dtype), out), lse
 
     def _sees(self, call, spec, flags, masks, dtype):
         """Bool [B, T, N]: the row sees a key whose flag is set. The kernels on q = k = 0

@@ -342,6 +342,7 @@ def cuda_forward_target(
     layout="warp16",
     plain_kernel=False,
     decode_tile=False,
+    route=None,
     q_lengths=None,
     kv_lengths=None,
     q_offset=None,
@@ -351,7 +352,8 @@ def cuda_forward_target(
 ):
     """A direct call of a CUDA forward FFI target (`jax_flash_fwd` or the emulated
     `jax_flash_emu_fwd`; cuda/README.md): every mask operand at its "none" value unless given,
-    no split-KV, results poisoned before the kernels run. Returns (out, lse)."""
+    no split-KV, results poisoned before the kernels run; `route` (kernels/params.h, Route):
+    a routed call's route, None for none. Returns (out, lse)."""
     b, t, n, _ = q.shape
     s = k.shape[1]
     operands = (
@@ -370,6 +372,7 @@ def cuda_forward_target(
         jnp.zeros((0,), jnp.uint32),
         jnp.full((n,), -jnp.inf, jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32),
         jnp.zeros((2,), jnp.uint32),
+        jnp.zeros((0,), jnp.int32) if route is None else jnp.asarray([route], jnp.int32),
     )
     shapes = (
         jax.ShapeDtypeStruct((b, t, n, v.shape[-1]), q.dtype),

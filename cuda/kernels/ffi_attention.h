@@ -1,8 +1,8 @@
 // The CUDA kernels' side of the FFI boundary, shared by the platform "CUDA" handlers
 // (kernels/handlers.cu) and the emulated platform "cpu" handlers (emu/targets.cc): the shared
 // operands, results and attributes are bound and validated by ffi/boundary.h (the one
-// signature and validator of every target); here the CUDA targets' own workspaces and
-// attributes (partial_out, partial_lse, pack_gqa, layout, plain_kernel, decode_tile; dk_accum, dv_accum,
+// signature and validator of every target); here the CUDA targets' own operand (route),
+// workspaces and attributes (partial_out, partial_lse, pack_gqa, layout, plain_kernel, decode_tile; dk_accum, dv_accum,
 // dbias_accum),
 // their checks, the conversion into AttentionParams and the handler bodies. Only how the
 // stream is obtained differs between the two.
@@ -38,6 +38,7 @@ using boundary::Describe;
 template <class Binding>
 auto ForwardSignature(Binding&& binding) {
   return boundary::BindForward(std::move(binding))
+      .template Arg<ffi::AnyBuffer>()  // route: [0] s32 (not routed) or [1] s32 (AttentionParams::route)
       .template Ret<ffi::AnyBuffer>()  // partial_out [C, B, T, N, Hv] f32 workspace (split-KV into C >= 2 chunks), or
                                        // [0] f32
       .template Ret<ffi::AnyBuffer>()  // partial_lse [C, B, N, T] f32 workspace, or [0] f32
@@ -239,6 +240,23 @@ inline void CheckDecoding(Checker& check, const boundary::Problem& b, bool pack_
   p->partial_lse = static_cast<float*>(partial_lse->untyped_data());
 }
 
+// The forward's route operand: [0] s32, no route (the plain_kernel attribute picks the one
+// kernel launched), or [1] s32, a routed call: the general kernel is launched and, with
+// plain_kernel, the plain kernel beside it, each running where the route says
+// (AttentionParams::route). A routed call has no dense bias (a route may ask the general kernel
+// to scan V itself, kernels/nonfinite.h, which takes a −inf logit for a masked key) and no
+// split-KV (the combine kernel would merge the partials of a kernel that did not run).
+inline void CheckRoute(Checker& check, const ffi::AnyBuffer& route, AttentionParams* p) {
+  if (!check.ok()) return;
+  auto dims = route.dimensions();
+  if (route.element_type() != ffi::DataType::S32 || dims.size() != 1 || dims[0] > 1)
+    return check.Fail("route must be [0] s32 (no route) or [1] s32, got " + Describe(route));
+  if (dims[0] == 0) return;
+  if (p->bias.data != nullptr) return check.Fail("a routed call (route [1] s32) has no dense bias");
+  if (p->kv_splits > 1) return check.Fail("a routed call (route [1] s32) does not split the keys (split-KV)");
+  p->route = static_cast<const int32_t*>(route.untyped_data());
+}
+
 // The layout attribute (kernels/dispatch.h).
 inline void CheckLayout(Checker& check, std::string_view name, Layout* layout) {
   if (!check.ok()) return;
@@ -247,7 +265,7 @@ inline void CheckLayout(Checker& check, std::string_view name, Layout* layout) {
 
 // ---- handler bodies -------------------------------------------------------------------------
 
-inline ffi::Error Forward(const char* target, Stream stream, const boundary::ForwardCall& call,
+inline ffi::Error Forward(const char* target, Stream stream, const boundary::ForwardCall& call, ffi::AnyBuffer route,
                           ffi::Result<ffi::AnyBuffer> partial_out, ffi::Result<ffi::AnyBuffer> partial_lse,
                           bool pack_gqa, std::string_view layout_name, bool plain_kernel, bool decode_tile) {
   Checker check(target);
@@ -259,6 +277,7 @@ inline ffi::Error Forward(const char* target, Stream stream, const boundary::For
   Layout layout = Layout::kWarp16;
   CheckLayout(check, layout_name, &layout);
   CheckDecoding(check, described, pack_gqa, layout, decode_tile, partial_out, partial_lse, &p);
+  CheckRoute(check, route, &p);
   if (check.ok() && plain_kernel) {
     if (const char* why = PlainForwardRefusal(p))
       check.Fail(std::string("plain_kernel=true needs a call without optional features; this one has ") + why);
@@ -281,6 +300,11 @@ inline ffi::Error Forward(const char* target, Stream stream, const boundary::For
       if (auto e = ToError(target, Poison(r, stream)); e.failure()) return e;
     }
   }
+  if (p.route == nullptr) return ToError(target, DispatchForward(dtype, layout, p, stream));
+  AttentionParams general = p;
+  general.plain = false;
+  general.plain_beside = p.plain;
+  if (auto e = ToError(target, DispatchForward(dtype, layout, general, stream)); e.failure() || !p.plain) return e;
   return ToError(target, DispatchForward(dtype, layout, p, stream));
 }
 

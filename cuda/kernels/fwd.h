@@ -196,6 +196,10 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
   const FoldedGrid grid = K::grid(p);
   const GridIndex at = grid.index();
   if (!grid.contains(at)) return;  // past the last head (more than 65535 heads span grid.z)
+  // A routed call (AttentionParams::route) may launch the plain kernel beside this one: one of
+  // them runs, this one wherever the route is not the plain kernel's.
+  const int route = p.read_route();
+  if (route == kRoutePlain && p.plain_beside) return;
   const int q_block = at.block / p.kv_splits, split = at.block % p.kv_splits, batch = at.batch;
   const int warp = static_cast<int>(threadIdx.x) / WARP_SIZE, lane = static_cast<int>(threadIdx.x) % WARP_SIZE;
   const int group = p.q_heads / p.kv_heads;
@@ -228,7 +232,7 @@ __global__ void __launch_bounds__(ForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYO
     }
     softmax[rb].init(sinks, lane);
   }
-  const bool scans_values = p.scans_values();
+  const bool scans_values = p.scans_values() || route == kRouteScanValues;
   char* const scan = smem + K::kScanOffset;
   if (scans_values) clear_notes<K::ROW_BLOCKS>(K::Scan::notes(scan));
 
@@ -538,6 +542,7 @@ __global__ void __launch_bounds__(PlainForwardKernel<Elem, HEAD_DIM, V_HEAD_DIM>
   const FoldedGrid grid = K::grid(p);
   const GridIndex at = grid.index();
   if (!grid.contains(at)) return;
+  if (p.route != nullptr && p.read_route() != kRoutePlain) return;  // a routed call's other kernel runs
   const int q_block = K::query_block(grid, at), batch = at.batch, head = at.head;
   const int warp = static_cast<int>(threadIdx.x) / WARP_SIZE, lane = static_cast<int>(threadIdx.x) % WARP_SIZE;
   const int kv_head = head / (p.q_heads / p.kv_heads);

@@ -16,6 +16,12 @@
 namespace jax_flash {
 namespace kernels {
 
+// The values of a routed forward call's route operand (AttentionParams::route), which kernel
+// of the call runs: the general kernel zeroing V's non-finite elements itself (V holds one),
+// the plain kernel (every raw score is finite), the general kernel (the rest). Kept in step
+// with jax_flash/cuda.py (ROUTE_*).
+enum Route : int { kRouteScanValues = 0, kRoutePlain = 1, kRouteGeneral = 2 };
+
 struct AttentionParams {
   int batch = 0;     // B
   int q_len = 0;     // T
@@ -91,8 +97,9 @@ struct AttentionParams {
   float* partial_lse = nullptr;
   bool pack_gqa = false;
   // Whether the forward itself handles non-finite values of V (kernels/nonfinite.h): in its
-  // decoding settings (split-KV or GQA packing) without a dense bias. Elsewhere the caller
-  // passes a finite V and finds the rows that see a non-finite value itself.
+  // decoding settings (split-KV or GQA packing) without a dense bias, and in a routed call whose
+  // route is Route::kScanValues. Elsewhere the caller passes a finite V and finds the rows that
+  // see a non-finite value itself.
   __host__ __device__ __forceinline__ bool scans_values() const {
     return (kv_splits > 1 || pack_gqa) && bias.data == nullptr;
   }
@@ -106,6 +113,18 @@ struct AttentionParams {
   // of kDecodeRows rows), for a call whose tiles hold at most kDecodeRows query rows (T, or G
   // with pack_gqa). Never with plain.
   bool decode_tile = false;
+  // The forward's route operand (a routed call, decided by the caller, jax_flash/cuda.py), or
+  // null: an int32 in device memory that says which of the kernels launched for the call runs
+  // (kernels/fwd.h); the others return after reading it. The caller computes it on the device,
+  // so that choosing a kernel by what the inputs hold needs no conditional on the host (XLA's
+  // conditional copies its predicate to the host and waits for the device).
+  const int32_t* route = nullptr;
+  // A routed call's general kernel: the plain kernel was launched beside it and serves
+  // kRoutePlain. (Without it, the general kernel serves every route: some kernel always runs.)
+  bool plain_beside = false;
+  __device__ __forceinline__ int read_route() const {
+    return route != nullptr ? static_cast<int>(ptx::ld_global_b32(reinterpret_cast<const uint32_t*>(route))) : -1;
+  }
   // A paged KV cache (the paged forward target), or null: k and v are then pages
   // [num_pages, page_size, K, H|Hv] shared by the batch, key s of batch row b is slot
   // s % page_size of page page_table[b · max_pages + s / page_size], and kv_len = max_pages ·

@@ -516,7 +516,7 @@ _HANDLER_SCRIPT = textwrap.dedent(
 
     SEED = jnp.zeros((2,), jnp.uint32)  # the dropout key's words: every target's last operand
 
-    def fwd(target, ops, outs=None, sinks=None, seed=SEED, partials=None, **attrs):
+    def fwd(target, ops, outs=None, sinks=None, seed=SEED, partials=None, route=None, **attrs):
         q = ops[0]
         if outs is None:
             outs = (SDS(q.shape[:3] + ops[2].shape[3:], q.dtype), SDS((q.shape[0], q.shape[2], q.shape[1]), F32))
@@ -529,7 +529,13 @@ _HANDLER_SCRIPT = textwrap.dedent(
         attrs = {**own(target), **attrs}
         if sinks is None:  # the forward's last operand: sinks [N] f32, -inf = none
             sinks = jnp.full((q.shape[2] if q.ndim == 4 else 1,), -jnp.inf, F32)
-        return jax.ffi.ffi_call(target, outs)(*ops, sinks, seed, **{**ATTRS, **attrs})
+        # The CUDA targets' own last operand: route ([0] s32: not routed).
+        routes = (jnp.zeros((0,), I32) if route is None else route,) if "emu" in target else ()
+        return jax.ffi.ffi_call(target, outs)(*ops, sinks, seed, *routes, **{**ATTRS, **attrs})
+
+    def route_of(target):
+        # The CUDA targets' route operand, unrouted; the cpu targets have none.
+        return (jnp.zeros((0,), I32),) if "emu" in target else ()
 
     def dkv(target, shape=(0,), dbias_accum=(0,)):
         # The CUDA targets' dk_accum, dv_accum results: [B, S, N, H] f32 (the q_heads grid)
@@ -605,6 +611,12 @@ _HANDLER_SCRIPT = textwrap.dedent(
             "dropout_seed_shape": ("dropout_seed", lambda: fwd(f, o, seed=jnp.zeros((3,), jnp.uint32))),
             "dropout_seed_int32": ("dropout_seed", lambda: fwd(f, o, seed=jnp.zeros((2,), I32))),
             "dropout_rate_1": ("dropout_rate", lambda: fwd(f, o, dropout_rate=np.float32(1))),
+            **({
+                "route_shape": ("route", lambda: fwd(f, o, route=jnp.zeros((2,), I32))),
+                "route_uint32": ("route", lambda: fwd(f, o, route=jnp.zeros((1,), jnp.uint32))),
+                "route_with_bias": ("dense bias", lambda: fwd(f, o[:8] + [jnp.zeros((1, N, T, S), F32)] + o[9:], route=jnp.ones((1,), I32))),
+                "ok_routed": (None, lambda: fwd(f, o, route=jnp.full((1,), 2, I32))),
+            } if "emu" in f else {}),
             "kv_heads_0": ("heads", lambda: fwd(f, operands(dt, K=0))),
             "heads_not_multiple": ("heads", lambda: fwd(f, operands(dt, N=3))),
             "head_dim_0": ("head dim", lambda: fwd(f, operands(dt, H=0))),
@@ -625,7 +637,7 @@ _HANDLER_SCRIPT = textwrap.dedent(
                                   lambda: fwd(f, o, softcap=np.float32(1e-40))),
             "window_below_minus_1": ("window", lambda: fwd(f, o, window_left=np.int64(-5))),
             "window_i32_attribute": ("S64", lambda: fwd(f, o, window_right=np.int32(3))),
-            "missing_attribute": ("attributes", lambda: jax.ffi.ffi_call(f, (SDS((B, T, N, H), dt), lse_shape) + (SDS((0,), F32),) * (2 if "emu" in f else 0))(*o, jnp.full((N,), -jnp.inf, F32), SEED, scale=np.float32(1))),
+            "missing_attribute": ("attributes", lambda: jax.ffi.ffi_call(f, (SDS((B, T, N, H), dt), lse_shape) + (SDS((0,), F32),) * (2 if "emu" in f else 0))(*o, jnp.full((N,), -jnp.inf, F32), SEED, *route_of(f), scale=np.float32(1))),
             "dout_shape": ("dout", lambda: bwd(b, bo[:4] + [bo[4][:, :4]] + bo[5:])),
             "out_dtype_backward": ("out", lambda: bwd(b, bo[:3] + [bo[3].astype(other)] + bo[4:])),
             "lse_dtype_backward": ("lse", lambda: bwd(b, bo[:5] + [bo[5].astype(jnp.float16)] + bo[6:])),
@@ -695,10 +707,10 @@ _HANDLER_SCRIPT = textwrap.dedent(
                 "ok_pack_gqa": (None, lambda: fwd(f, operands(dt, T=1, K=1), pack_gqa=True)),
                 # The paged forward: the page table [B, max_pages] s32 first, k and v as pages
                 # [num_pages, page_size, K, H] (S = max_pages · page_size: 2 pages of 4 here).
-                "ok_paged": (None, lambda: jax.ffi.ffi_call(prefix + "_paged_fwd", (SDS((B, T, N, H), dt), lse_shape, SDS((0,), F32), SDS((0,), F32)))(jnp.zeros((B, 2), I32), o[0], jnp.ones((3, 4, K, H), dt), jnp.ones((3, 4, K, H), dt), *o[3:], jnp.full((N,), -jnp.inf, F32), SEED, **ATTRS, **own(f), pack_gqa=False)),
-                "paged_table_dtype": ("page_table", lambda: jax.ffi.ffi_call(prefix + "_paged_fwd", (SDS((B, T, N, H), dt), lse_shape, SDS((0,), F32), SDS((0,), F32)))(jnp.zeros((B, 2), F32), o[0], jnp.ones((3, 4, K, H), dt), jnp.ones((3, 4, K, H), dt), *o[3:], jnp.full((N,), -jnp.inf, F32), SEED, **ATTRS, **own(f), pack_gqa=False)),
-                "paged_table_batch": ("page_table", lambda: jax.ffi.ffi_call(prefix + "_paged_fwd", (SDS((B, T, N, H), dt), lse_shape, SDS((0,), F32), SDS((0,), F32)))(jnp.zeros((B + 1, 2), I32), o[0], jnp.ones((3, 4, K, H), dt), jnp.ones((3, 4, K, H), dt), *o[3:], jnp.full((N,), -jnp.inf, F32), SEED, **ATTRS, **own(f), pack_gqa=False)),
-                "paged_value_pages": ("v has shape [3, 5, 2, 32], expected [3, 4, 2, 32]", lambda: jax.ffi.ffi_call(prefix + "_paged_fwd", (SDS((B, T, N, H), dt), lse_shape, SDS((0,), F32), SDS((0,), F32)))(jnp.zeros((B, 2), I32), o[0], jnp.ones((3, 4, K, H), dt), jnp.ones((3, 5, K, H), dt), *o[3:], jnp.full((N,), -jnp.inf, F32), SEED, **ATTRS, **own(f), pack_gqa=False)),
+                "ok_paged": (None, lambda: jax.ffi.ffi_call(prefix + "_paged_fwd", (SDS((B, T, N, H), dt), lse_shape, SDS((0,), F32), SDS((0,), F32)))(jnp.zeros((B, 2), I32), o[0], jnp.ones((3, 4, K, H), dt), jnp.ones((3, 4, K, H), dt), *o[3:], jnp.full((N,), -jnp.inf, F32), SEED, *route_of(f), **ATTRS, **own(f), pack_gqa=False)),
+                "paged_table_dtype": ("page_table", lambda: jax.ffi.ffi_call(prefix + "_paged_fwd", (SDS((B, T, N, H), dt), lse_shape, SDS((0,), F32), SDS((0,), F32)))(jnp.zeros((B, 2), F32), o[0], jnp.ones((3, 4, K, H), dt), jnp.ones((3, 4, K, H), dt), *o[3:], jnp.full((N,), -jnp.inf, F32), SEED, *route_of(f), **ATTRS, **own(f), pack_gqa=False)),
+                "paged_table_batch": ("page_table", lambda: jax.ffi.ffi_call(prefix + "_paged_fwd", (SDS((B, T, N, H), dt), lse_shape, SDS((0,), F32), SDS((0,), F32)))(jnp.zeros((B + 1, 2), I32), o[0], jnp.ones((3, 4, K, H), dt), jnp.ones((3, 4, K, H), dt), *o[3:], jnp.full((N,), -jnp.inf, F32), SEED, *route_of(f), **ATTRS, **own(f), pack_gqa=False)),
+                "paged_value_pages": ("v has shape [3, 5, 2, 32], expected [3, 4, 2, 32]", lambda: jax.ffi.ffi_call(prefix + "_paged_fwd", (SDS((B, T, N, H), dt), lse_shape, SDS((0,), F32), SDS((0,), F32)))(jnp.zeros((B, 2), I32), o[0], jnp.ones((3, 4, K, H), dt), jnp.ones((3, 5, K, H), dt), *o[3:], jnp.full((N,), -jnp.inf, F32), SEED, *route_of(f), **ATTRS, **own(f), pack_gqa=False)),
                 "pack_gqa_bias": ("a bias", lambda: fwd(f, operands(dt, T=1, K=1)[:8] + [jnp.zeros((1, N, 1, S), F32)] + o[9:], pack_gqa=True)),
             }),
         }

@@ -233,3 +233,72 @@ def test_plain_forward_rule_matches_the_kernels():
         text = str(jax_flash.explain(q, k, v, implementation="cuda", verbose=True, **kwargs))
         want = "forward: the plain kernel" if name == "none" else "forward: the general kernel (the call has"
         assert want in text, (name, text)
+
+
+def test_routed_call_runs_one_kernel():
+    """A routed call (the route operand, cuda/kernels/params.h) launches the general kernel and,
+    with plain_kernel, the plain kernel beside it; each returns unless the route is its own.
+    Route 1 gives the plain kernel's bits, route 2 the general kernel's, route 0 the general
+    kernel scanning V itself: a NaN value poisons exactly the rows that see its key, the others
+    keep the general kernel's bits on a finite V. Without plain_kernel the general kernel
+    serves every route: some kernel always writes the results (poisoned before it runs)."""
+    _emulator_or_skip()
+    shape = Shape(1, 150, 130, 2, 1, 64)
+    q, k, v = make_qkv(shape, jnp.bfloat16, seed=8)
+    causal = dict(window=(-1, 0))
+    plain = _forward(q, k, v, plain_kernel=True, **causal)
+    general = _forward(q, k, v, plain_kernel=False, **causal)
+
+    def same(a, b):
+        for x, y in zip(a[:2], b[:2]):
+            np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
+
+    routed = _forward(q, k, v, plain_kernel=True, route=1, **causal)
+    same(routed, plain)
+    assert routed[2].forward_plain == routed[2].forward > 0
+    for plain_kernel, route in ((True, 2), (True, 0), (False, 2), (False, 1), (False, 0)):
+        routed = _forward(q, k, v, plain_kernel=plain_kernel, route=route, **causal)
+        same(routed, general)
+        assert routed[2].forward_plain == 0 and routed[2].forward == general[2].forward, (plain_kernel, route)
+
+    bad_key = 40
+    bad_v = v.at[0, bad_key, 0, 3].set(jnp.nan)
+    finite = _forward(q, k, v.at[0, bad_key, 0, 3].set(0), plain_kernel=False, **causal)
+    for plain_kernel in (True, False):
+        out, lse, _ = _forward(q, k, bad_v, plain_kernel=plain_kernel, route=0, **causal)
+        out = out.astype(np.float32)
+        assert np.isnan(out[0, bad_key:]).all(), plain_kernel  # causal: rows t >= 40 see key 40
+        assert not np.isnan(out[0, :bad_key]).any(), plain_kernel
+        np.testing.assert_array_equal(out[0, :bad_key], finite[0].astype(np.float32)[0, :bad_key])
+        np.testing.assert_array_equal(lse, finite[1])
+
+
+def _conditionals(fn, *args) -> int:
+    text = jax.jit(fn).lower(*args).as_text()
+    return text.count("stablehlo.case") + text.count("stablehlo.if")
+
+
+def test_forward_chooses_its_kernel_without_a_conditional():
+    """XLA's GPU conditional copies its predicate to the host and waits for the device: the
+    forward routes on the device instead, so its lowering holds no conditional, with or without
+    optional features, decoding included. A call with a dense bias keeps one (cuda/README.md: a
+    -inf bias is not a mask), taken only when v holds a non-finite value."""
+    _emulator_or_skip()
+    shape = Shape(1, 40, 50, 2, 1, 32)
+    q, k, v = make_qkv(shape, jnp.bfloat16, seed=9)
+    features = {
+        "none": {},
+        "causal": dict(is_causal=True),
+        "soft_cap": dict(logits_soft_cap=10.0),
+        "mask": dict(mask=jnp.ones((1, 2, 40, 50), jnp.bool_)),
+        "segments": dict(segment_ids=(jnp.zeros((1, 40), jnp.int32), jnp.zeros((1, 50), jnp.int32))),
+    }
+    for name, kwargs in features.items():
+        fn = lambda q, k, v, kwargs=kwargs: jax_flash.attention(q, k, v, implementation="cuda", **kwargs)
+        assert _conditionals(fn, q, k, v) == 0, name
+        grad = jax.grad(lambda q, k, v, fn=fn: fn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+        assert _conditionals(grad, q, k, v) == 0, name
+    decode = lambda q, k, v: jax_flash.attention(q[:, :1], k, v, implementation="cuda")
+    assert _conditionals(decode, q, k, v) == 0
+    bias = jnp.zeros((1, 2, 40, 50), jnp.float32)
+    assert _conditionals(lambda q, k, v: jax_flash.attention(q, k, v, bias=bias, implementation="cuda"), q, k, v) == 1

@@ -99,6 +99,7 @@ V_PAGES = Buffer("v", ("P", "PS", "K", "V"), X)
 PAGE_TABLE = Buffer("page_table", ("B", "MP"), "int32")
 SINKS = Buffer("sinks", ("N",), "float32")
 SEED = Buffer("dropout_seed", (2,), "uint32")
+ROUTE = Buffer("route", (0,), "int32")  # the CUDA forward targets' own operand: [0], not routed
 OUT = Buffer("out", ("B", "T", "N", "V"), X)
 LSE = Buffer("lse", ("B", "N", "T"), "float32")
 BACKWARD_INPUTS = (
@@ -189,7 +190,7 @@ TARGETS = {
         ),
         Target(
             "jax_flash_emu_fwd",
-            operands=(Q, K, V, *_mask_operands(), SINKS, SEED),
+            operands=(Q, K, V, *_mask_operands(), SINKS, SEED, ROUTE),
             results=(
                 OUT,
                 LSE,
@@ -209,7 +210,7 @@ TARGETS = {
         ),
         Target(
             "jax_flash_emu_paged_fwd",
-            operands=(PAGE_TABLE, Q, K_PAGES, V_PAGES, *_mask_operands(), SINKS, SEED),
+            operands=(PAGE_TABLE, Q, K_PAGES, V_PAGES, *_mask_operands(), SINKS, SEED, ROUTE),
             results=(
                 OUT,
                 LSE,
@@ -437,6 +438,8 @@ def mutated_cases(target: Target, rng: random.Random, count: int) -> list:
             buffer, row = buffers[j], list(rows[j])
             if kind.endswith("shape"):
                 new = _mutate_shape(rng, row[1])
+                while buffer is ROUTE and new == (1,):  # [1] s32: a routed call, valid
+                    new = _mutate_shape(rng, row[1])
                 symbols = buffer.shape if isinstance(buffer.shape, tuple) else ()
                 row[1] = new
                 what = f"{buffer.name} shape {tuple(rows[j][1])} -> {new}"
