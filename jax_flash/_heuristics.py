@@ -345,7 +345,8 @@ def cuda_forward_kernel_description(spec: AttentionSpec, sms: int) -> str:
     keys = 32 if spec.head_dim > 128 else 64
     return (
         f"forward: the plain kernel (128x{keys} tiles, {warps}, whatever the layout) when q and k are finite "
-        "and no score can overflow (tested on every call), the general kernel otherwise"
+        "and no score can overflow (tested on every call, on the device: both kernels are launched and the "
+        "route says which runs), the general kernel otherwise"
     )
 
 
