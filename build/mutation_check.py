@@ -63,6 +63,7 @@ TEST_FILES = (
     "tests/internals/test_cuda_plain.py",
     "tests/internals/test_cuda_decode_tile.py",
     "tests/internals/test_pallas_plain.py",
+    "tests/internals/test_pallas_mosaic.py",
     "tests/tooling/test_pallas_static.py",
 )
 
@@ -117,6 +118,10 @@ DECODE_TILE = "test_cuda_decode_tile or test_cuda_split_kv"
 PALLAS_PLAIN = "test_pallas_plain or (pallas and (nonfinite or sinks))"
 PALLAS_STATIC = "test_pallas_static"
 P = "jax_flash/pallas/_triton_kernels.py"
+# The Mosaic GPU forward (jax_flash/pallas/_mosaic.py): its lowering (the module's ops counted)
+# and its interpretation against float64 (tests/internals/test_pallas_mosaic.py).
+MOSAIC = "test_pallas_mosaic"
+MG = "jax_flash/pallas/_mosaic.py"
 
 K = "cuda/kernels/"
 MUTATIONS = [
@@ -943,6 +948,47 @@ MUTATIONS = [
         nth=2,
         what="deterministic dQ kernel: the copy cursor steps over empty tiles too",
     ),
+    # ---- the Mosaic GPU forward (pallas/_mosaic.py) -------------------------------------------
+    Mutation(
+        "mosaic_ready_wait_dropped",
+        MG,
+        "                plgpu.barrier_wait(k_ready.at[slot])\n",
+        "",
+        MOSAIC,
+        what="mosaic forward: a consumer reads a key tile without waiting for its copy",
+    ),
+    Mutation(
+        "mosaic_slot_reused_early",
+        MG,
+        "                plgpu.barrier_wait(k_free.at[slot])\n                plgpu.barrier_wait(v_free.at[slot])\n                fetch(i, slot)",
+        "                fetch(i, slot)",
+        MOSAIC,
+        what="mosaic forward: the producer refills a ring slot before both consumers are done with it",
+    ),
+    Mutation(
+        "mosaic_copy_synchronous",
+        MG,
+        "plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], k_ready.at[slot])",
+        "k_smem.at[slot][...] = k_ref.at[at][...]",
+        MOSAIC,
+        what="mosaic forward: the key tile copied by the producer's threads instead of TMA",
+    ),
+    Mutation(
+        "mosaic_diagonal_unmasked",
+        MG,
+        "                if masked:  # the diagonal",
+        "                if False:  # the diagonal",
+        MOSAIC,
+        what="mosaic forward: the causal diagonal's keys past each row left visible",
+    ),
+    Mutation(
+        "mosaic_rescale_dropped",
+        MG,
+        "                o = o * lax.broadcast_in_dim(alpha, o.shape, [0])\n",
+        "",
+        MOSAIC,
+        what="mosaic forward: O not rescaled when the row max grows",
+    ),
     # ---- routed forward calls: the route operand (params.h, fwd.h, cuda.py) ------------------
     Mutation(
         "route_general_kernel_runs_always",
@@ -1012,8 +1058,8 @@ MUTATIONS = [
     Mutation(
         "plain_check_skipped",
         "jax_flash/cuda.py",
-        "case = jnp.where(jnp.any(bad_v), 0, jnp.where(scores_are_finite(q, k), 1, 2))",
-        "case = jnp.where(jnp.any(bad_v), 0, 1)",
+        "finite_scores = scores_are_finite(q, k) if plain else jnp.bool_(False)",
+        "finite_scores = jnp.bool_(True) if plain else jnp.bool_(False)",
         PLAIN + " or (cuda and nonfinite)",
         what="plain forward: run without the per-call check that every score is finite",
     ),
