@@ -1,0 +1,144 @@
+"""The pallas forward on Mosaic GPU (jax_flash/pallas/_mosaic.py), proved without a GPU in two
+layers (the third, mutations, is build/mutation_check.py's `MOSAIC` group):
+
+- *lowering*: the kernel lowers for the `cuda` platform on a CPU (`jax.export`), and the Mosaic
+  GPU module it carries holds what the design promises, counted op by op: every key and value
+  tile and the query tile come by TMA (`cp.async.bulk.tensor`), both products are wgmma, the
+  consumers wait on mbarriers where the schedule says (ready, free, the two consumers' turns),
+  the producer gives registers up and the consumers take them (`setmaxnreg`), one ex2 per score;
+- *interpretation*: JAX's GPU interpret mode runs the kernel on the CPU, warpgroups as
+  threads, TMA copies and barriers simulated, races detected, against a float64 reference at
+  small shapes (ring wrap-around, GQA, the causal diagonal and the epilogue that frees the
+  steps one consumer does not see), in a subprocess with a hard timeout: a warpgroup that
+  fails leaves the others waiting on barriers forever.
+
+Both read private JAX through tests/mosaic_interpret.py (pinned to one JAX version; skipped,
+with the reason, on another).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import mosaic_interpret
+from jax_flash.pallas import _mosaic
+
+pytestmark = pytest.mark.skipif(mosaic_interpret.available() is not None, reason=str(mosaic_interpret.available()))
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def _module_ops(h: int, causal: bool, tiles: _mosaic.ForwardTiles | None = None):
+    q = jax.ShapeDtypeStruct((2, 1024, 4, h), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 1024, 2, h), jnp.bfloat16)
+    fn = jax.jit(lambda q, k, v: _mosaic.forward(q, k, v, scale=0.1, causal=causal, tiles=tiles))
+    (ops,) = mosaic_interpret.module_ops(jax.export.export(fn, platforms=["cuda"])(q, k, k).mlir_module())
+    return ops
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("h", _mosaic.HEAD_DIMS)
+def test_forward_lowers_to_the_fa3_schedule(h, causal):
+    """The kernel's Mosaic GPU module, op by op (the counts follow from the kernel's structure:
+    one copy of each key loop body; causal has two, the interior and the diagonal)."""
+    tiles = _mosaic.default_tiles(h)
+    ops = _module_ops(h, causal)
+    op = lambda name: ops["stable_mosaic_gpu.nvvm." + name]
+    loops = 2 if causal else 1
+    # TMA: Q once per consumer (one op), K and V in the ring's first fill and in the loop.
+    assert op("cp.async.bulk.tensor.shared.cluster.global") == 1 + 2 * (tiles.stages + 1), ops
+    assert op("cp.async.bulk.tensor.global.shared.cta") == 1, ops  # O leaves by TMA
+    # mbarrier waits: Q; per key step K ready, two turns of the schedule, V ready; one turn
+    # before and one after the loops; the producer's two free slots, in its loop and for the last
+    # steps; causal: the epilogue's two turns.
+    assert op("mbarrier.try_wait.parity") == 1 + 4 * loops + 2 + 2 * 2 + (2 if causal else 0), ops
+    # Both products are wgmma, each one commit group per key step.
+    assert ops["asm:wgmma.mma_async"] >= 2 * loops and op("wgmma.commit.group.sync.aligned") == 2 * loops, ops
+    assert op("setmaxregister") == 2, ops  # the producer's decrease, the consumers' increase
+    # One ex2 per score of the thread's share of the [64, block_kv] tile, and one per row for α.
+    assert ops["asm:ex2.approx.ftz.f32"] == loops * (64 * tiles.block_kv // 128 + 2), ops
+
+
+def test_lowering_counts_can_fail():
+    """The counts above see a change of schedule: three ring slots add a TMA pair."""
+    ops = _module_ops(64, False, _mosaic.ForwardTiles(stages=3))
+    assert ops["stable_mosaic_gpu.nvvm.cp.async.bulk.tensor.shared.cluster.global"] == 1 + 2 * 4
+
+
+# (B, T, S, N, K, H, dtype, causal, scale): a ring that wraps (3 steps over 2 slots) with GQA;
+# causal over two query tiles, whose first consumers see fewer steps than the CTA copies.
+CASES = [
+    (1, 128, 256, 2, 1, 64, "bfloat16", False, 0.125),
+    (1, 128, 384, 4, 2, 128, "bfloat16", False, 0.3),
+    (2, 256, 256, 1, 1, 64, "float16", True, 0.125),
+    (1, 128, 128, 1, 1, 256, "bfloat16", True, 0.0625),
+]
+
+_INTERPRET = r"""
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import mosaic_interpret
+params = mosaic_interpret.install()(detect_races=True)
+import importlib.util
+import jax, jax.numpy as jnp
+# The very file the test process imported (a scratch copy under the mutation check), by path.
+spec = importlib.util.spec_from_file_location("jax_flash_mosaic_under_test", sys.argv[3])
+_mosaic = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = _mosaic
+spec.loader.exec_module(_mosaic)
+
+results = []
+for b, t, s, n, kh, h, dtype, causal, scale in json.loads(sys.argv[2]):
+    rng = np.random.default_rng(t + s + h)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape) + 0.25, dtype)
+               for shape in ((b, t, n, h), (b, s, kh, h), (b, s, kh, h)))
+    out, lse = _mosaic.forward(q, k, v, scale=scale, causal=causal, interpret=params)
+    out, lse = np.asarray(out.astype(jnp.float32), np.float64), np.asarray(lse, np.float64)
+    qf, kf, vf = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v))
+    kf, vf = np.repeat(kf, n // kh, axis=2), np.repeat(vf, n // kh, axis=2)
+    x = np.einsum("btnh,bsnh->bnts", qf, kf) * scale
+    if causal:
+        x = np.where(np.arange(s)[None, :] <= np.arange(t)[:, None], x, -np.inf)
+    m = x.max(-1, keepdims=True)
+    p = np.exp(x - m)
+    l = p.sum(-1, keepdims=True)
+    ref = np.einsum("bnts,bsnh->btnh", p / l, vf)
+    ref_lse = (m + np.log(l))[..., 0]
+    results.append(dict(
+        out_error=float(np.max(np.abs(out - ref)) / np.max(np.abs(ref))),
+        lse_error=float(np.max(np.abs(lse - ref_lse) / np.maximum(1, np.abs(ref_lse)))),
+        nan=bool(np.isnan(out).any() or np.isnan(lse).any()),
+    ))
+print(json.dumps(dict(results=results, races=mosaic_interpret.races_found())))
+"""
+
+
+def test_forward_interpreted_against_float64():
+    """Each case's out within a few roundings of its 16-bit type of the float64 reference,
+    lse within float32 rounding, nothing left unwritten (the interpreter fills fresh memory
+    with NaN), no race."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    run = subprocess.run(
+        [sys.executable, "-c", _INTERPRET, str(TESTS), json.dumps(CASES), _mosaic.__file__],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert not report["races"], report
+    for case, result in zip(CASES, report["results"], strict=True):
+        eps = 2.0**-8 if case[6] == "bfloat16" else 2.0**-11
+        assert not result["nan"], (case, result)
+        assert result["out_error"] <= 4 * eps, (case, result)
+        assert result["lse_error"] <= 1e-5, (case, result)
