@@ -23,6 +23,8 @@
 #                 decode cell (python -m jax_flash.bench --decode, B=8, S=32k: jax.nn, cuDNN,
 #                 cuda on a contiguous and a paged cache; K/V bandwidth against the H200's
 #                 nominal), under "decode" in bench.json
+#   mosaic        build/mosaic_check.py: the pallas Mosaic GPU forward (pallas/_mosaic.py) against
+#                 XLA at 1k, then its speed at 8k beside cuDNN, JAX's attention_mgpu and cuda
 #   profile       Nsight Compute (ncu) on build/profile_case.py (H=128, 8k, bf16): speed of light,
 #                 occupancy and warp stall reasons of the first forward (the plain kernel) and
 #                 backward launches
@@ -37,7 +39,7 @@
 # (the step running, each result), bench.json after every benchmark case. A failing step does
 # not stop the next ones; the steps that need the build are skipped when it failed. At most 8
 # files are written under $OUT: device_check.json, bench.json and six step logs (the machine's
-# and the profile's text go into device_check.json).
+# and the profile's and mosaic step's text go into device_check.json).
 #
 # Results per step: ran (information only), passed, failed, cut (its time cap ran out),
 # skipped (not applicable here, not selected, or its prerequisite failed). The table printed
@@ -72,9 +74,9 @@ START_MS=$(now_ms)
 # ---- the plan: steps in priority order, caps in seconds at the default budget --------------------
 DEFAULT_BUDGET=540
 BUDGET=${DEVICE_CHECK_BUDGET_S:-$DEFAULT_BUDGET}
-STEPS=(machine build ptx_selftest correctness bench profile memcheck racecheck)
-declare -A BASE_CAP=([machine]=10 [build]=100 [ptx_selftest]=45 [correctness]=95 [bench]=140 [profile]=60
-  [memcheck]=45 [racecheck]=45)
+STEPS=(machine build ptx_selftest correctness bench mosaic profile memcheck racecheck)
+declare -A BASE_CAP=([machine]=10 [build]=100 [ptx_selftest]=45 [correctness]=95 [bench]=110 [mosaic]=30
+  [profile]=60 [memcheck]=45 [racecheck]=45)
 declare -A ELASTIC=([correctness]=1 [bench]=1)
 declare -A NEEDS_BUILD=([correctness]=1 [bench]=1 [profile]=1 [memcheck]=1 [racecheck]=1)
 declare -A CAP=()
@@ -144,6 +146,7 @@ declare -A STATE=() SECS=() LIMIT=() RC=() NOTE=()
 for s in "${STEPS[@]}"; do STATE[$s]=pending; SECS[$s]=0; LIMIT[$s]=0; RC[$s]=""; NOTE[$s]=""; done
 MACHINE_TEXT=""
 PROFILE_TEXT=""
+MOSAIC_TEXT=""
 GPU_NAME=""
 CC=""
 
@@ -176,6 +179,7 @@ write_json() {  # rewritten whole at every change, renamed into place
     printf ' "machine": {"gpu": %s, "compute_capability": %s, "archs": %s, "text": %s},\n' \
       "$(json_str "$GPU_NAME")" "$(json_str "$CC")" "$(json_str "${JAX_FLASH_CUDA_ARCHS:-}")" "$(json_str "$MACHINE_TEXT")"
     printf ' "profile": %s,\n' "$(json_str "$PROFILE_TEXT")"
+    printf ' "mosaic": %s,\n' "$(json_str "$MOSAIC_TEXT")"
     printf ' "steps": ['
     for s in "${STEPS[@]}"; do
       ((first)) || printf ','
@@ -512,8 +516,16 @@ step_profile() {  # Nsight Compute: where the first forward and backward launche
     "$PY" build/profile_case.py --head-dim 128
 }
 
+step_mosaic() {  # the pallas Mosaic GPU forward: correct, then how fast beside its peers
+  if [ "$DRY" = 1 ]; then
+    "$PY" build/mosaic_check.py --dry-run
+    return
+  fi
+  "$PY" build/mosaic_check.py
+}
+
 export -f step_machine step_build step_ptx_selftest step_correctness step_bench merge_layout_bench merge_decode_bench sanitize \
-  step_memcheck step_racecheck step_profile
+  step_memcheck step_racecheck step_profile step_mosaic
 export DRY PY WORK OUT JOBS
 
 # ---- the run ---------------------------------------------------------------------------------------
@@ -538,6 +550,10 @@ for s in "${STEPS[@]}"; do
     rm -f "$OUT/machine.log"  # kept in device_check.json: $OUT holds at most 8 files
     NOTE[machine]="${GPU_NAME:-no GPU}; $(grep -m1 '^jax ' <<<"$MACHINE_TEXT")"
     write_json
+  fi
+  if [ "$s" = mosaic ] && [ -f "$OUT/mosaic.log" ]; then
+    MOSAIC_TEXT=$(cat "$OUT/mosaic.log")
+    rm -f "$OUT/mosaic.log"  # kept in device_check.json: $OUT holds at most 8 files
   fi
   if [ "$s" = profile ] && [ -f "$OUT/profile.log" ]; then
     PROFILE_TEXT=$(cat "$OUT/profile.log")

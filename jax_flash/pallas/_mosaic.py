@@ -15,7 +15,7 @@ A consumer's key step:
     p    = exp2((S - m')·c)          c = scale·log2 e, rounded once per call
     α    = exp2((m - m')·c)
     l    = α·l + rowsum p
-    O    = α·O + p Vᵀ...             wgmma, p from registers (16-bit), V from shared memory
+    O    = α·O + p V                wgmma, p from registers (16-bit), V from shared memory
 
 and at the end O / l, lse = m·scale + log l (natural units, the unit the backward takes).
 The subtraction S − m' is one rounding (exact by Sterbenz where S ≥ m'/2) and the row max
@@ -23,9 +23,11 @@ gets exp2(0) = 1 at any magnitude: the form of the other plain kernels
 (docs/numerical-contract.md). The two consumers take turns on the tensor cores (the
 `schedule` barrier): while one runs its softmax the other's wgmma runs.
 
-This is the plain kernel only: finite inputs (the caller tests them, as for the Triton plain
-kernels), no soft cap, bias, mask, lengths, segments or sinks, causal or not, T a multiple
-of `CONSUMERS x block_q` and S of `block_kv`. `unsupported` says why a call falls outside.
+This is the plain kernel only: finite inputs (the caller will test them, as for the Triton
+plain kernels), no soft cap, bias, mask, lengths, segments or sinks, causal or not, T a
+multiple of `CONSUMERS x block_q` and S of `block_kv`; `unsupported` says why a call falls
+outside. Nothing routes a call here yet: tests/internals/test_pallas_mosaic.py holds its
+lowering and its interpretation, build/mosaic_check.py its run on a GPU.
 """
 
 from __future__ import annotations

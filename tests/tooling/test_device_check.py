@@ -20,7 +20,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "build" / "device_check.sh"
-STEPS = ["machine", "build", "ptx_selftest", "correctness", "bench", "profile", "memcheck", "racecheck"]
+STEPS = ["machine", "build", "ptx_selftest", "correctness", "bench", "mosaic", "profile", "memcheck", "racecheck"]
 # What the device machine brings back from $OUT: at most 8 files with plain names.
 MAX_FILES = 8
 
@@ -80,6 +80,7 @@ def test_stubbed_run_records_every_outcome(tmp_path):
         ptx_selftest="echo 'FAIL ex2_approx: 3 mismatches'; exit 1",
         correctness="echo '== 4 passed =='",
         bench="echo 'bench: 2 of 2 cells measured'",
+        mosaic="echo '{\"check\": \"mosaic_forward\", \"ok\": true}'",
         profile="echo 'ncu: not found'; exit 77",
         memcheck="echo checking; sleep 60",  # past its 1 s cap
         racecheck="echo 'compute-sanitizer: not found'; exit 77",
@@ -92,6 +93,7 @@ def test_stubbed_run_records_every_outcome(tmp_path):
         "ptx_selftest": "failed",
         "correctness": "passed",
         "bench": "passed",
+        "mosaic": "passed",
         "profile": "skipped",
         "memcheck": "cut",
         "racecheck": "skipped",
@@ -116,6 +118,7 @@ def test_stubbed_run_records_every_outcome(tmp_path):
     assert len(files) <= MAX_FILES and all(re.fullmatch(r"[A-Za-z0-9._-]+", f) for f in files), files
     assert "machine.log" not in files
     assert data["profile"] == "ncu: not found" and "profile.log" not in files  # the profile's text is in the JSON
+    assert json.loads(data["mosaic"])["ok"] is True and "mosaic.log" not in files  # and the mosaic step's
 
 
 def test_stubbed_run_elastic_steps_take_unused_time(tmp_path):
@@ -127,6 +130,7 @@ def test_stubbed_run_elastic_steps_take_unused_time(tmp_path):
         ptx_selftest="true",
         correctness='echo "limit $STEP_LIMIT"',
         bench='echo "limit $STEP_LIMIT"',
+        mosaic="true",
         profile="true",
         memcheck="true",
         racecheck="true",
@@ -134,7 +138,7 @@ def test_stubbed_run_elastic_steps_take_unused_time(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((out / "device_check.json").read_text())
     by = {s["step"]: s for s in data["steps"]}
-    later = by["profile"]["cap_s"] + by["memcheck"]["cap_s"] + by["racecheck"]["cap_s"]
+    later = by["mosaic"]["cap_s"] + by["profile"]["cap_s"] + by["memcheck"]["cap_s"] + by["racecheck"]["cap_s"]
     # Nothing used its time: correctness gets all but the later steps' caps, and so does bench.
     # (less the seconds the stubs before took).
     assert by["correctness"]["limit_s"] >= 20 - later - by["bench"]["cap_s"] - 3 > by["correctness"]["cap_s"]
@@ -155,6 +159,7 @@ def test_failed_build_skips_the_steps_that_need_it(tmp_path):
         ptx_selftest="echo PASS",
         correctness="echo ran",
         bench="echo ran",
+        mosaic="echo ran",
         profile="echo ran",
         memcheck="echo ran",
         racecheck="echo ran",
@@ -163,6 +168,7 @@ def test_failed_build_skips_the_steps_that_need_it(tmp_path):
     states = {s["step"]: (s["state"], s["note"]) for s in json.loads((out / "device_check.json").read_text())["steps"]}
     assert states["build"] == ("failed", "nvcc: error")
     assert states["ptx_selftest"][0] == "passed"  # does not need the build
+    assert states["mosaic"][0] == "passed"  # neither does the Mosaic GPU kernel
     for step in ("correctness", "bench", "profile", "memcheck", "racecheck"):
         assert states[step] == ("skipped", "needs the build, which failed")
         assert not (out / f"{step}.log").exists()
@@ -176,6 +182,7 @@ def test_a_stopped_run_leaves_its_summary(tmp_path):
         ptx_selftest="true",
         correctness="echo started; sleep 60",
         bench="true",
+        mosaic="true",
         profile="true",
         memcheck="true",
         racecheck="true",
@@ -202,6 +209,7 @@ def test_a_stopped_run_leaves_its_summary(tmp_path):
         "ptx_selftest": "passed",
         "correctness": "cut",
         "bench": "skipped",
+        "mosaic": "skipped",
         "profile": "skipped",
         "memcheck": "skipped",
         "racecheck": "skipped",

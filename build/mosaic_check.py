@@ -1,0 +1,139 @@
+"""The Mosaic GPU forward (jax_flash/pallas/_mosaic.py) on a GPU: build/device_check.sh's mosaic step.
+
+    python build/mosaic_check.py              # on an sm_90 GPU
+    python build/mosaic_check.py --dry-run    # on a CPU: lower for cuda, print the module's op counts
+
+On the GPU, first correctness: the kernel against XLA's attention (jax.nn, float32 math) at
+B = 1, T = S = 1024, N = 4 over K = 2, bf16, H = 64 and 128, causal or not. Then speed: the
+forward at B = 2, N = 16, T = S = 8192, bf16, H = 64 and 128, causal or not, beside cuDNN
+(jax.nn.dot_product_attention(implementation="cudnn")), JAX's own FlashAttention-3 kernel
+(jax.experimental.pallas.ops.gpu.attention_mgpu, where it imports) and the cuda forward, in the
+same process: the median of 10 timed calls after 2 untimed, as ms, TFLOP/s (4·B·N·T·S·H,
+halved when causal) and the ratio to cuDNN. One JSON line per result; a failure is a result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jax_flash.pallas import _mosaic  # noqa: E402
+
+
+def emit(**fields):
+    print(json.dumps(fields), flush=True)
+
+
+def reference(q, k, v, causal, scale):
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    return jax.nn.dot_product_attention(
+        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), is_causal=causal, scale=scale
+    )
+
+
+def correctness():
+    for h in (64, 128):
+        for causal in (False, True):
+            keys = jax.random.split(jax.random.PRNGKey(h + causal), 3)
+            q = jax.random.normal(keys[0], (1, 1024, 4, h), jnp.bfloat16)
+            k, v = (jax.random.normal(key, (1, 1024, 2, h), jnp.bfloat16) for key in keys[1:])
+            scale = 1 / math.sqrt(h)
+            try:
+                out, lse = jax.jit(lambda q, k, v: _mosaic.forward(q, k, v, scale=scale, causal=causal))(q, k, v)
+                ref = reference(q, k, v, causal, scale)
+                err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
+                emit(check="mosaic_forward", h=h, causal=causal, max_rel_error=err, ok=bool(err <= 2.0**-6))
+            except Exception as e:  # a result, not a crash
+                emit(check="mosaic_forward", h=h, causal=causal, ok=False, error=str(e)[:300])
+
+
+def peers(causal: bool, h: int) -> dict:
+    scale = 1 / math.sqrt(h)
+    fns = {
+        "mosaic": lambda q, k, v: _mosaic.forward(q, k, v, scale=scale, causal=causal)[0],
+        "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"),
+    }
+    try:
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+        config = attention_mgpu.TuningConfig(block_q=64, block_kv=128 if h <= 128 else 64, max_concurrent_steps=2,
+                                             causal=causal)
+        fns["jax_attention_mgpu"] = lambda q, k, v: attention_mgpu.attention(q, k, v, config)
+    except Exception as e:
+        emit(peer="jax_attention_mgpu", status=f"does not import: {str(e)[:200]}")
+    import jax_flash
+
+    fns["cuda"] = lambda q, k, v: jax_flash.attention(q, k, v, is_causal=causal, implementation="cuda")
+    return fns
+
+
+def speed():
+    b, n, t, dtype = 2, 16, 8192, jnp.bfloat16
+    for h in (128, 64):
+        for causal in (False, True):
+            keys = jax.random.split(jax.random.PRNGKey(0), 3)
+            q, k, v = (jax.random.normal(key, (b, t, n, h), dtype) for key in keys)
+            flops = 4 * b * n * t * t * h / (2 if causal else 1)
+            times = {}
+            for name, fn in peers(causal, h).items():
+                try:
+                    f = jax.jit(fn)
+                    for _ in range(2):
+                        jax.block_until_ready(f(q, k, v))
+                    runs = []
+                    for _ in range(10):
+                        t0 = time.perf_counter()
+                        jax.block_until_ready(f(q, k, v))
+                        runs.append(time.perf_counter() - t0)
+                    times[name] = statistics.median(runs)
+                except Exception as e:
+                    emit(bench="forward", impl=name, h=h, causal=causal, status=f"failed: {str(e)[:200]}")
+            for name, sec in times.items():
+                emit(
+                    bench="forward",
+                    impl=name,
+                    h=h,
+                    causal=causal,
+                    ms=round(sec * 1e3, 3),
+                    tflops=round(flops / sec / 1e12, 1),
+                    vs_cudnn=round(times["cudnn"] / sec, 3) if "cudnn" in times else None,
+                )
+
+
+def dry_run():
+    """On a CPU: the kernel lowered for cuda, its Mosaic GPU module's size in the StableHLO text."""
+    for h in (64, 128, 256):
+        for causal in (False, True):
+            q = jax.ShapeDtypeStruct((2, 1024, 4, h), jnp.bfloat16)
+            k = jax.ShapeDtypeStruct((2, 1024, 2, h), jnp.bfloat16)
+            fn = jax.jit(lambda q, k, v: _mosaic.forward(q, k, v, scale=0.1, causal=causal))
+            text = jax.export.export(fn, platforms=["cuda"])(q, k, k).mlir_module()
+            emit(dry_run="lowered", h=h, causal=causal, mosaic_gpu_calls=text.count("custom_call @mosaic_gpu"))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="on a CPU: lower for cuda only")
+    args = parser.parse_args(argv)
+    emit(jax=jax.__version__, backend=jax.default_backend(), numpy=np.__version__)
+    if args.dry_run:
+        dry_run()
+        return
+    correctness()
+    speed()
+
+
+if __name__ == "__main__":
+    main()
