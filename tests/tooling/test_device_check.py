@@ -80,7 +80,7 @@ def test_stubbed_run_records_every_outcome(tmp_path):
         ptx_selftest="echo 'FAIL ex2_approx: 3 mismatches'; exit 1",
         correctness="echo '== 4 passed =='",
         bench="echo 'bench: 2 of 2 cells measured'",
-        mosaic="echo '{\"check\": \"mosaic_forward\", \"ok\": true}'",
+        mosaic='echo \'{"check": "mosaic_forward", "ok": true}\'',
         profile="echo 'ncu: not found'; exit 77",
         memcheck="echo checking; sleep 60",  # past its 1 s cap
         racecheck="echo 'compute-sanitizer: not found'; exit 77",
