@@ -75,7 +75,7 @@ START_MS=$(now_ms)
 DEFAULT_BUDGET=540
 BUDGET=${DEVICE_CHECK_BUDGET_S:-$DEFAULT_BUDGET}
 STEPS=(machine build ptx_selftest correctness bench mosaic profile memcheck racecheck)
-declare -A BASE_CAP=([machine]=10 [build]=100 [ptx_selftest]=45 [correctness]=95 [bench]=110 [mosaic]=30
+declare -A BASE_CAP=([machine]=10 [build]=100 [ptx_selftest]=45 [correctness]=90 [bench]=100 [mosaic]=45
   [profile]=60 [memcheck]=45 [racecheck]=45)
 declare -A ELASTIC=([correctness]=1 [bench]=1)
 declare -A NEEDS_BUILD=([correctness]=1 [bench]=1 [profile]=1 [memcheck]=1 [racecheck]=1)

@@ -9,7 +9,8 @@ forward at B = 2, N = 16, T = S = 8192, bf16, H = 64 and 128, causal or not, bes
 (jax.nn.dot_product_attention(implementation="cudnn")), JAX's own FlashAttention-3 kernel
 (jax.experimental.pallas.ops.gpu.attention_mgpu, where it imports) and the cuda forward, in the
 same process: the median of 10 timed calls after 2 untimed, as ms, TFLOP/s (4·B·N·T·S·H,
-halved when causal) and the ratio to cuDNN. One JSON line per result; a failure is a result.
+halved when causal) and the ratio to cuDNN; then, at H = 128 non-causal, other tiles (keys per
+step, ring slots) than the default. One JSON line per result; a failure is a result.
 """
 
 from __future__ import annotations
@@ -123,6 +124,36 @@ def speed():
                 )
 
 
+def tiles_sweep():
+    """The forward at H = 128, 8k, non-causal, over other tiles than the default: keys per step
+    and ring slots (how a first device run tunes them)."""
+    b, n, t, h = 2, 16, 8192, 128
+    keys = jax.random.split(jax.random.PRNGKey(1), 3)
+    q, k, v = (jax.random.normal(key, (b, t, n, h), jnp.bfloat16) for key in keys)
+    flops = 4 * b * n * t * t * h
+    for block_kv, stages in ((128, 3), (64, 2), (64, 4)):
+        tiles = _mosaic.ForwardTiles(block_kv=block_kv, stages=stages)
+        try:
+            f = jax.jit(lambda q, k, v, tiles=tiles: _mosaic.forward(q, k, v, scale=h**-0.5, tiles=tiles)[0])
+            for _ in range(2):
+                jax.block_until_ready(f(q, k, v))
+            runs = []
+            for _ in range(10):
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(q, k, v))
+                runs.append(time.perf_counter() - t0)
+            sec = statistics.median(runs)
+            emit(
+                sweep="forward",
+                block_kv=block_kv,
+                stages=stages,
+                ms=round(sec * 1e3, 3),
+                tflops=round(flops / sec / 1e12, 1),
+            )
+        except Exception as e:
+            emit(sweep="forward", block_kv=block_kv, stages=stages, status=f"failed: {str(e)[:200]}")
+
+
 def dry_run():
     """On a CPU: the kernel lowered for cuda, its Mosaic GPU module's size in the StableHLO text."""
     for h in (64, 128, 256):
@@ -144,6 +175,7 @@ def main(argv=None):
         return
     correctness()
     speed()
+    tiles_sweep()
 
 
 if __name__ == "__main__":
