@@ -982,6 +982,14 @@ MUTATIONS = [
         what="mosaic forward: the causal diagonal's keys past each row left visible",
     ),
     Mutation(
+        "mosaic_key_tail_unmasked",
+        MG,
+        "                    visible = col < s\n",
+        "                    visible = col >= 0\n",
+        MOSAIC,
+        what="mosaic forward: the zero keys padding a ragged S left visible",
+    ),
+    Mutation(
         "mosaic_rescale_dropped",
         MG,
         "                o = o * lax.broadcast_in_dim(alpha, o.shape, [0])\n",

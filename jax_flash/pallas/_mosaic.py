@@ -24,9 +24,10 @@ gets exp2(0) = 1 at any magnitude: the form of the other plain kernels
 `schedule` barrier): while one runs its softmax the other's wgmma runs.
 
 This is the plain kernel only: finite inputs (the caller will test them, as for the Triton
-plain kernels), no soft cap, bias, mask, lengths, segments or sinks, causal or not, T a
-multiple of `CONSUMERS x block_q` and S of `block_kv`; `unsupported` says why a call falls
-outside. Nothing routes a call here yet: tests/internals/test_pallas_mosaic.py holds its
+plain kernels), no soft cap, bias, mask, lengths, segments or sinks, causal (T = S) or not.
+Ragged T and S are padded with zeros to whole tiles here (the rows past T are computed and
+dropped, the keys past S masked in the last key step, which is peeled off the loop like the
+causal diagonal); `unsupported` says why a call falls outside. Nothing routes a call here yet: tests/internals/test_pallas_mosaic.py holds its
 lowering and its interpretation, build/mosaic_check.py its run on a GPU.
 """
 
@@ -81,10 +82,8 @@ def unsupported(shape_q, shape_k, shape_v, dtype, *, causal: bool, tiles: Forwar
         return f"a value head dim {hv} != {h}"
     if n % kh:
         return f"{n} query heads over {kh} kv heads"
-    if t % tiles.rows:
-        return f"T = {t}, not a multiple of {tiles.rows} query rows"
-    if s % tiles.block_kv:
-        return f"S = {s}, not a multiple of {tiles.block_kv} keys"
+    if t == 0 or s == 0:
+        return "an empty sequence"
     if causal and t != s:
         return "a causal call with T != S"
     return None
@@ -99,11 +98,19 @@ def forward(q, k, v, *, scale: float, causal: bool = False, tiles: ForwardTiles 
     why = unsupported(q.shape, k.shape, v.shape, q.dtype, causal=causal, tiles=tiles)
     if why is not None:
         raise ValueError(f"the Mosaic GPU forward does not serve {why}")
-    block_q, block_kv, stages = tiles.block_q, tiles.block_kv, min(tiles.stages, s // tiles.block_kv)
+    block_q, block_kv = tiles.block_q, tiles.block_kv
+    # Ragged T and S: padded with zeros to whole tiles (the rows past T are computed and dropped,
+    # the keys past S masked in the last key step).
+    t_pad, key_steps = -(-t // tiles.rows) * tiles.rows, -(-s // block_kv)
+    if t_pad != t:
+        q = jnp.pad(q, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))
+    if key_steps * block_kv != s:
+        k, v = (jnp.pad(x, ((0, 0), (0, key_steps * block_kv - s), (0, 0), (0, 0))) for x in (k, v))
+    ragged_keys = s % block_kv != 0
+    stages = min(tiles.stages, key_steps)
     group = n // kv_heads
     dtype = q.dtype
     exp2_factor = float(np.float32(scale * LOG2E))
-    key_steps = s // block_kv
 
     def body(q_ref, k_ref, v_ref, out_ref, lse_ref, smem, barriers):
         qo_smem, k_smem, v_smem, lse_smem = smem
@@ -112,7 +119,10 @@ def forward(q, k, v, *, scale: float, causal: bool = False, tiles: ForwardTiles 
         wg = lax.axis_index("wg")
         # The key steps the CTA's rows see: all of them, or (causal) up to its last row's diagonal.
         # (Loop bounds are int32 throughout, under jax_enable_x64 too.)
-        cta_steps = pl.cdiv((q_tile + 1) * tiles.rows, jnp.int32(block_kv)) if causal else jnp.int32(key_steps)
+        all_steps = jnp.int32(key_steps)
+        cta_steps = all_steps
+        if causal:
+            cta_steps = jnp.minimum(pl.cdiv((q_tile + 1) * tiles.rows, jnp.int32(block_kv)), all_steps)
 
         def take_turn():
             plgpu.barrier_arrive(schedule)
@@ -125,9 +135,12 @@ def forward(q, k, v, *, scale: float, causal: bool = False, tiles: ForwardTiles 
             t0 = q_tile * tiles.rows + wg * block_q
             plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(t0, block_q), head], q_smem, q_ready.at[wg])
             plgpu.barrier_wait(q_ready.at[wg])
-            # The steps this warpgroup's rows see, and those before its diagonal (all visible).
-            steps = pl.cdiv(t0 + block_q, jnp.int32(block_kv)) if causal else cta_steps
-            full_steps = lax.div(t0, jnp.int32(block_kv)) if causal else cta_steps
+            # The steps this warpgroup's rows see, and of them the first ones, whose every key each
+            # row sees (before the diagonal, short of a ragged key tail); the others are masked.
+            steps, full_steps = all_steps, all_steps - (1 if ragged_keys else 0)
+            if causal:
+                steps = jnp.minimum(pl.cdiv(t0 + block_q, jnp.int32(block_kv)), all_steps)
+                full_steps = jnp.minimum(lax.div(t0, jnp.int32(block_kv)), jnp.int32(s // block_kv))
 
             rows = plgpu.Layout.WGMMA.reduce(1)
             m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), rows)
@@ -147,10 +160,13 @@ def forward(q, k, v, *, scale: float, causal: bool = False, tiles: ForwardTiles 
 
                 x = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                if masked:  # the diagonal: key s visible from row t iff s <= t
+                if masked:  # the diagonal (key j visible from row r iff j <= r) and the keys past S
                     row = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA) + t0
                     col = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA) + i * block_kv
-                    x = jnp.where(col <= row, x, -jnp.inf)
+                    visible = col < s
+                    if causal:
+                        visible = visible & (col <= row)
+                    x = jnp.where(visible, x, -jnp.inf)
                 m_new = jnp.maximum(m, x.max(axis=1))
                 alpha = jnp.exp2((m - m_new) * exp2_factor)
                 p = jnp.exp2((x - lax.broadcast_in_dim(m_new, x.shape, [0])) * exp2_factor)
@@ -168,9 +184,9 @@ def forward(q, k, v, *, scale: float, causal: bool = False, tiles: ForwardTiles 
                 return o, m_new, l
 
             carry = lax.fori_loop(jnp.int32(0), full_steps, lambda i, c: step(i, c, False), (o, m, l))
-            if causal:
+            if causal or ragged_keys:
                 carry = lax.fori_loop(full_steps, steps, lambda i, c: step(i, c, True), carry)
-
+            if causal:
                 # The CTA's other consumer may see more steps: free this one's share of them.
                 @pl.loop(steps, cta_steps)
                 def _(i):
@@ -243,13 +259,14 @@ def forward(q, k, v, *, scale: float, causal: bool = False, tiles: ForwardTiles 
             collective_axes="wg",
         )
 
-    return plgpu.kernel(
+    out, lse = plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32)),
-        grid=(n, t // tiles.rows, b),
+        out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)),
+        grid=(n, t_pad // tiles.rows, b),
         grid_names=("heads", "q_tile", "batch"),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )(q, k, v)
+    return (out, lse) if t_pad == t else (out[:, :t], lse[:, :, :t])

@@ -75,11 +75,16 @@ def test_lowering_counts_can_fail():
 
 # (B, T, S, N, K, H, dtype, causal, scale): a ring that wraps (3 steps over 2 slots) with GQA;
 # causal over two query tiles, whose first consumers see fewer steps than the CTA copies.
+# Ragged: T and S one past or short of a tile (the rows past T dropped, the key tail masked);
+# at H = 256 (64-key steps) a causal query tile whose rows reach past the last key step.
 CASES = [
     (1, 128, 256, 2, 1, 64, "bfloat16", False, 0.125),
     (1, 128, 384, 4, 2, 128, "bfloat16", False, 0.3),
     (2, 256, 256, 1, 1, 64, "float16", True, 0.125),
     (1, 128, 128, 1, 1, 256, "bfloat16", True, 0.0625),
+    (1, 129, 255, 2, 2, 64, "bfloat16", False, 0.125),
+    (1, 127, 129, 1, 1, 128, "float16", False, 0.2),
+    (1, 130, 130, 1, 1, 256, "bfloat16", True, 0.0625),
 ]
 
 _INTERPRET = r"""
