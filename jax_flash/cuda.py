@@ -137,7 +137,8 @@ def decoding(spec: AttentionSpec) -> tuple[int, bool]:
 
 def scans_values(spec: AttentionSpec, masks) -> bool:
     """Whether the forward kernel zeroes V's non-finite elements and poisons the rows that see
-    them itself (AttentionParams::scans_values): in its decoding settings, without a dense bias."""
+    them itself on every call (AttentionParams::scans_values): in its decoding settings, without
+    a dense bias. (A routed call asks for the scan only where v holds a non-finite value.)"""
     chunks, pack = decoding(spec)
     return (chunks > 1 or pack) and masks.bias is None
 
