@@ -1,9 +1,9 @@
 """The Mosaic GPU forward (jax_flash/pallas/_mosaic.py) on a GPU: build/device_check.sh's mosaic step.
 
     python build/mosaic_check.py              # on an sm_90 GPU
-    python build/mosaic_check.py --dry-run    # on a CPU: lower for cuda, print the module's op counts
+    python build/mosaic_check.py --dry-run    # on a CPU: lower each case for cuda, say it lowered
 
-On the GPU, first correctness: the kernel against XLA's attention (jax.nn, float32 math) at
+On the GPU, first correctness: the kernel's out and lse against jax_flash.reference (float32) at
 B = 1, T = S = 1024, N = 4 over K = 2, bf16, H = 64 and 128, causal or not. Then speed: the
 forward at B = 2, N = 16, T = S = 8192, bf16, H = 64 and 128, causal or not, beside cuDNN
 (jax.nn.dot_product_attention(implementation="cudnn")), JAX's own FlashAttention-3 kernel
@@ -29,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import jax_flash
 from jax_flash.pallas import _mosaic
 
 
@@ -36,17 +37,17 @@ def emit(**fields):
     print(json.dumps(fields), flush=True)
 
 
-def reference(q, k, v, causal, scale):
-    """(out [B, T, N, H], lse [B, N, T]) in float32 math."""
-    group = q.shape[2] // k.shape[2]
-    q, k, v = (x.astype(jnp.float32) for x in (q, jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)))
-    x = jnp.einsum("btnh,bsnh->bnts", q, k, precision="highest") * scale
-    if causal:
-        t, s = x.shape[-2:]
-        x = jnp.where(jnp.arange(s)[None, :] <= jnp.arange(t)[:, None], x, -jnp.inf)
-    lse = jax.nn.logsumexp(x, axis=-1)
-    out = jnp.einsum("bnts,bsnh->btnh", jnp.exp(x - lse[..., None]), v, precision="highest")
-    return out, lse
+def median_seconds(fn, *args) -> float:
+    """The median of 10 timed calls of jit(fn), after 2 untimed."""
+    f = jax.jit(fn)
+    for _ in range(2):
+        jax.block_until_ready(f(*args))
+    runs = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        runs.append(time.perf_counter() - t0)
+    return statistics.median(runs)
 
 
 def correctness():
@@ -61,7 +62,9 @@ def correctness():
                     lambda q, k, v, scale=scale, causal=causal: _mosaic.forward(q, k, v, scale=scale, causal=causal)
                 )
                 out, lse = fn(q, k, v)
-                ref, ref_lse = reference(q, k, v, causal, scale)
+                ref, ref_lse = jax_flash.reference(
+                    q, k, v, is_causal=causal, scale=scale, return_residual=True, compute_dtype=jnp.float32
+                )
                 err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
                 lse_err = float(jnp.max(jnp.abs(lse - ref_lse) / jnp.maximum(1, jnp.abs(ref_lse))))
                 ok = bool(err <= 2.0**-6 and lse_err <= 1e-4)
@@ -85,8 +88,6 @@ def peers(causal: bool, h: int) -> dict:
         fns["jax_attention_mgpu"] = lambda q, k, v: attention_mgpu.attention(q, k, v, config)
     except Exception as e:
         emit(peer="jax_attention_mgpu", status=f"does not import: {str(e)[:200]}")
-    import jax_flash
-
     fns["cuda"] = lambda q, k, v: jax_flash.attention(q, k, v, is_causal=causal, implementation="cuda")
     return fns
 
@@ -94,22 +95,14 @@ def peers(causal: bool, h: int) -> dict:
 def speed():
     b, n, t, dtype = 2, 16, 8192, jnp.bfloat16
     for h in (128, 64):
+        keys = jax.random.split(jax.random.PRNGKey(0), 3)
+        q, k, v = (jax.random.normal(key, (b, t, n, h), dtype) for key in keys)
         for causal in (False, True):
-            keys = jax.random.split(jax.random.PRNGKey(0), 3)
-            q, k, v = (jax.random.normal(key, (b, t, n, h), dtype) for key in keys)
             flops = 4 * b * n * t * t * h / (2 if causal else 1)
             times = {}
             for name, fn in peers(causal, h).items():
                 try:
-                    f = jax.jit(fn)
-                    for _ in range(2):
-                        jax.block_until_ready(f(q, k, v))
-                    runs = []
-                    for _ in range(10):
-                        t0 = time.perf_counter()
-                        jax.block_until_ready(f(q, k, v))
-                        runs.append(time.perf_counter() - t0)
-                    times[name] = statistics.median(runs)
+                    times[name] = median_seconds(fn, q, k, v)
                 except Exception as e:
                     emit(bench="forward", impl=name, h=h, causal=causal, status=f"failed: {str(e)[:200]}")
             for name, sec in times.items():
@@ -134,15 +127,8 @@ def tiles_sweep():
     for block_kv, stages in ((128, 3), (64, 2), (64, 4)):
         tiles = _mosaic.ForwardTiles(block_kv=block_kv, stages=stages)
         try:
-            f = jax.jit(lambda q, k, v, tiles=tiles: _mosaic.forward(q, k, v, scale=h**-0.5, tiles=tiles)[0])
-            for _ in range(2):
-                jax.block_until_ready(f(q, k, v))
-            runs = []
-            for _ in range(10):
-                t0 = time.perf_counter()
-                jax.block_until_ready(f(q, k, v))
-                runs.append(time.perf_counter() - t0)
-            sec = statistics.median(runs)
+            fn = lambda q, k, v, tiles=tiles: _mosaic.forward(q, k, v, scale=h**-0.5, tiles=tiles)[0]
+            sec = median_seconds(fn, q, k, v)
             emit(
                 sweep="forward",
                 block_kv=block_kv,
@@ -155,7 +141,7 @@ def tiles_sweep():
 
 
 def dry_run():
-    """On a CPU: the kernel lowered for cuda, its Mosaic GPU module's size in the StableHLO text."""
+    """On a CPU: the kernel lowered for cuda, case by case, and its Mosaic GPU custom calls counted."""
     for h in (64, 128, 256):
         for causal in (False, True):
             q = jax.ShapeDtypeStruct((2, 1024, 4, h), jnp.bfloat16)

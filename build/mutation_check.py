@@ -960,7 +960,7 @@ MUTATIONS = [
     Mutation(
         "mosaic_slot_reused_early",
         MG,
-        "                plgpu.barrier_wait(k_free.at[slot])\n                plgpu.barrier_wait(v_free.at[slot])\n                fetch(i, slot)",
+        "                wait_free(slot)\n                fetch(i, slot)",
         "                fetch(i, slot)",
         MOSAIC,
         what="mosaic forward: the producer refills a ring slot before both consumers are done with it",

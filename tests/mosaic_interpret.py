@@ -53,13 +53,17 @@ def install():
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     from jax._src.state import discharge, types as state_types
 
-    interpreter = jaxpr_interpret.JaxprInterpreter if hasattr(jaxpr_interpret, "JaxprInterpreter") else None
-    if interpreter is None:
-        interpreter = next(
-            v for v in vars(jaxpr_interpret).values() if isinstance(v, type) and hasattr(v, "_interpret_run_scoped_p")
-        )
+    interpreter = jaxpr_interpret.JaxprInterpreter
     original_interpret = interpreter.interpret
     original_wgmma = interpreter._interpret_wgmma_ref_p
+
+    def at(self):
+        """The thread the interpreter is running, as its callbacks take it."""
+        return dict(
+            device_id=jnp.int32(self.device_info.device_id),
+            grid_point_coords=self.grid_point_coords,
+            thread_id=self.thread_id,
+        )
 
     def allocate(self, token, value, source_info):
         """A buffer in the accumulators' memory space (registers) holding `value`."""
@@ -72,9 +76,7 @@ def install():
         )
         return gpu_callbacks.call_allocate_buffer(
             token=token,
-            device_id=jnp.int32(self.device_info.device_id),
-            grid_point_coords=self.grid_point_coords,
-            thread_id=self.thread_id,
+            **at(self),
             allocation_request_as_array=request,
             value=value,
             source_info=source_info,
@@ -83,9 +85,7 @@ def install():
     def release(self, token, alloc, source_info):
         return gpu_callbacks.call_deallocate_buffer(
             token=token,
-            device_id=jnp.int32(self.device_info.device_id),
-            grid_point_coords=self.grid_point_coords,
-            thread_id=self.thread_id,
+            **at(self),
             allocation_key_as_array=alloc,
             source_info=source_info,
         )
@@ -94,9 +94,7 @@ def install():
         return gpu_callbacks.call_get(
             token=token,
             result_shape_and_dtype=jax.ShapeDtypeStruct(aval.shape, aval.dtype),
-            device_id=jnp.int32(self.device_info.device_id),
-            grid_point_coords=self.grid_point_coords,
-            thread_id=self.thread_id,
+            **at(self),
             allocation_key_as_array=alloc,
             transforms=(),
             source_info=source_info,

@@ -69,7 +69,7 @@ def default_tiles(head_dim: int) -> ForwardTiles:
     return ForwardTiles(block_kv=64 if head_dim > 128 else 128, stages=2)
 
 
-def unsupported(shape_q, shape_k, shape_v, dtype, *, causal: bool, tiles: ForwardTiles) -> str | None:
+def unsupported(shape_q, shape_k, shape_v, dtype, *, causal: bool) -> str | None:
     """Why the Mosaic GPU forward cannot serve these shapes, or None."""
     _, t, n, h = shape_q
     _, s, kh, hk = shape_k
@@ -95,22 +95,26 @@ def forward(q, k, v, *, scale: float, causal: bool = False, tiles: ForwardTiles 
     b, t, n, h = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
     tiles = tiles or default_tiles(h)
-    why = unsupported(q.shape, k.shape, v.shape, q.dtype, causal=causal, tiles=tiles)
+    why = unsupported(q.shape, k.shape, v.shape, q.dtype, causal=causal)
     if why is not None:
         raise ValueError(f"the Mosaic GPU forward does not serve {why}")
     block_q, block_kv = tiles.block_q, tiles.block_kv
     # Ragged T and S: padded with zeros to whole tiles (the rows past T are computed and dropped,
     # the keys past S masked in the last key step).
     t_pad, key_steps = -(-t // tiles.rows) * tiles.rows, -(-s // block_kv)
+    ragged_keys = s % block_kv != 0
     if t_pad != t:
         q = jnp.pad(q, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))
-    if key_steps * block_kv != s:
+    if ragged_keys:
         k, v = (jnp.pad(x, ((0, 0), (0, key_steps * block_kv - s), (0, 0), (0, 0))) for x in (k, v))
-    ragged_keys = s % block_kv != 0
     stages = min(tiles.stages, key_steps)
     group = n // kv_heads
     dtype = q.dtype
     exp2_factor = float(np.float32(scale * LOG2E))
+
+    def slot_of(i):
+        """The ring slot of key step i."""
+        return lax.rem(i, jnp.asarray(stages, i.dtype))
 
     def body(q_ref, k_ref, v_ref, out_ref, lse_ref, smem, barriers):
         qo_smem, k_smem, v_smem, lse_smem = smem
@@ -150,7 +154,7 @@ def forward(q, k, v, *, scale: float, causal: bool = False, tiles: ForwardTiles 
 
             def step(i, carry, masked: bool):
                 o, m, l = carry
-                slot = lax.rem(i, jnp.asarray(stages, i.dtype))
+                slot = slot_of(i)
                 plgpu.barrier_wait(k_ready.at[slot])
 
                 def scores(acc):
@@ -190,7 +194,7 @@ def forward(q, k, v, *, scale: float, causal: bool = False, tiles: ForwardTiles 
                 # The CTA's other consumer may see more steps: free this one's share of them.
                 @pl.loop(steps, cta_steps)
                 def _(i):
-                    slot = lax.rem(i, jnp.asarray(stages, i.dtype))
+                    slot = slot_of(i)
                     plgpu.barrier_arrive(k_free.at[slot])
                     plgpu.barrier_arrive(v_free.at[slot])
                     take_turn()
@@ -222,19 +226,20 @@ def forward(q, k, v, *, scale: float, causal: bool = False, tiles: ForwardTiles 
                 def _(first=first):
                     fetch(first, first)
 
-            @pl.loop(jnp.int32(stages), cta_steps)
-            def _(i):
-                slot = lax.rem(i, jnp.asarray(stages, i.dtype))
+            def wait_free(slot):
                 plgpu.barrier_wait(k_free.at[slot])
                 plgpu.barrier_wait(v_free.at[slot])
+
+            @pl.loop(jnp.int32(stages), cta_steps)
+            def _(i):
+                slot = slot_of(i)
+                wait_free(slot)
                 fetch(i, slot)
 
             # The last steps' releases: every phase of a barrier is observed before it goes.
             @pl.loop(jnp.maximum(cta_steps - stages, 0), cta_steps)
             def _(i):
-                slot = lax.rem(i, jnp.asarray(stages, i.dtype))
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
+                wait_free(slot_of(i))
 
     def entry(q_ref, k_ref, v_ref, out_ref, lse_ref):
         layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
