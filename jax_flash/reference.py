@@ -121,7 +121,6 @@ def attention_reference(
     kernel at that precision would see it). Softmax statistics are float32, or float64 when
     compute_dtype is float64. A row that sees no key gives out = 0 and lse = -inf (with
     sinks: lse = sinks[n]).
-    compute_dtype is float64. A row that sees no key gives out = 0 and lse = -inf.
 
     dropout_rate, dropout_rng: as for `jax_flash.attention`; the whole keep-mask
     (`dropout_keep`, the generator of `jax_flash._dropout`) applied to P after the
