@@ -997,6 +997,22 @@ MUTATIONS = [
         MOSAIC,
         what="mosaic forward: O not rescaled when the row max grows",
     ),
+    Mutation(
+        "mosaic_general_gate_flipped",
+        "jax_flash/pallas/_triton.py",
+        "launches=((False, 1 - run),), outs=(out, lse)",
+        "launches=((False, run),), outs=(out, lse)",
+        MOSAIC,
+        what="pallas on Mosaic GPU: the Triton general forward gated on the plain flag, not its negation",
+    ),
+    Mutation(
+        "mosaic_general_ungated",
+        "jax_flash/pallas/_triton.py",
+        "launches=((False, 1 - run),), outs=(out, lse)",
+        "launches=((False, None),), outs=(out, lse)",
+        MOSAIC,
+        what="pallas on Mosaic GPU: the Triton general forward runs on every call, over the Mosaic GPU results",
+    ),
     # ---- routed forward calls: the route operand (params.h, fwd.h, cuda.py) ------------------
     Mutation(
         "route_general_kernel_runs_always",

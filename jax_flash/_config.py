@@ -29,6 +29,7 @@ cuda_layout         str                JAX_FLASH_CUDA_LAYOUT                "war
 cuda_backward_grid  str                JAX_FLASH_CUDA_BWD_GRID              "auto"
 cuda_split_kv       int                JAX_FLASH_CUDA_SPLIT_KV              0 (the rule)
 pallas_split_kv     int                JAX_FLASH_PALLAS_SPLIT_KV            0 (the rule)
+pallas_backend      str                JAX_FLASH_PALLAS_BACKEND             "auto" (the rule)
 deterministic       bool               JAX_FLASH_DETERMINISTIC (=1)         False
 poison_outputs      bool               JAX_FLASH_POISON_OUTPUTS (set, not 0) False
 emulate_cuda        bool               JAX_FLASH_EMULATE_CUDA (=1)          False
@@ -51,6 +52,9 @@ from typing import Any
 CPU_ISAS = ("amx", "avx512bf16", "avx512", "avx2", "generic", "amx_emulated")
 CUDA_LAYOUTS = ("warp16", "warp32")
 CUDA_BACKWARD_GRIDS = ("auto", "kv_heads", "q_heads")
+# The compiler the `pallas` forward's plain calls go through: "auto" is the rule (Mosaic GPU
+# where a device run measured it faster on the architecture, Triton elsewhere).
+PALLAS_BACKENDS = ("auto", "triton", "mosaic_gpu")
 # How a call whose queries and keys/values are sharded over the sequence runs under jax.jit
 # (jax_flash.parallel.partitioning): "auto" is the rule (the fewest bytes moved per device).
 SEQUENCE_PARALLEL = ("auto", "ring", "all_to_all", "hybrid")
@@ -141,6 +145,15 @@ _FIELDS: dict[str, _Field] = {
     ),
     "cuda_split_kv": _chunk_field("JAX_FLASH_CUDA_SPLIT_KV", "the CUDA forward's split-KV"),
     "pallas_split_kv": _chunk_field("JAX_FLASH_PALLAS_SPLIT_KV", "the pallas forward's split-KV"),
+    "pallas_backend": _Field(
+        "JAX_FLASH_PALLAS_BACKEND",
+        "auto",
+        str,
+        PALLAS_BACKENDS,
+        "the pallas forward's compiler",
+        _choice(PALLAS_BACKENDS, "auto"),
+        "{variable}={value!r} is not a pallas backend (auto, triton or mosaic_gpu)",
+    ),
     "deterministic": _Field("JAX_FLASH_DETERMINISTIC", False, bool, parse=lambda text: text == "1"),
     # As the kernels read it before: set, not empty and not starting with 0.
     "poison_outputs": _Field(
@@ -182,6 +195,11 @@ class Config:
       cuda_backward_grid: the `cuda` backward's grid, "auto", "kv_heads" or "q_heads".
       cuda_split_kv: the `cuda` forward's split-KV chunks: 0 the rule, C >= 1 forces C.
       pallas_split_kv: the `pallas` forward's split-KV chunks: 0 the rule, C >= 1 forces C.
+      pallas_backend: the compiler of the `pallas` forward's plain calls: "auto" (the rule:
+        Mosaic GPU where a device run measured it faster on this GPU's architecture, Triton
+        elsewhere), "triton", or "mosaic_gpu" (the Mosaic GPU kernel on sm_90; a call it
+        cannot serve is an error naming why). The backward and the calls with features run
+        the Triton kernels.
       deterministic: the `cuda` backward accumulates dQ (and a broadcast dbias) without
         racing atomics: bitwise reproducible gradients.
       poison_outputs: the compiled kernels (`cpu`, `cuda`, emulated `cuda`) fill their
@@ -210,6 +228,7 @@ class Config:
     cuda_backward_grid: str | None = None
     cuda_split_kv: int | None = None
     pallas_split_kv: int | None = None
+    pallas_backend: str | None = None
     deterministic: bool | None = None
     poison_outputs: bool | None = None
     emulate_cuda: bool | None = None

@@ -717,6 +717,9 @@ def sequence_parallel_choice(moved: dict[str, int]) -> str:
 
 MEASURED_CHOICES_FILE = "measured_choices.json"
 MEASURED_IMPLEMENTATIONS = ("cuda", "pallas", "xla")  # the bench's names that are ours
+# The bench's name of `pallas` with its forward on Mosaic GPU (Config.pallas_backend="mosaic_gpu");
+# plain "pallas" is measured on Triton. implementation=None counts the faster of the two as pallas.
+MEASURED_PALLAS_MOSAIC = "pallas-mosaic"
 MEASURED_DECODE_QUERIES = 16  # a call of at most this many queries is a decode step (its class)
 
 
@@ -775,6 +778,9 @@ def measured_choice(spec: AttentionSpec, arch: str | None, entries: list[dict]) 
         return (), f"no measurement for {arch} at {what}: the default order"
     e = found[0]
     times = {k: v for k, v in e["times_ms"].items() if k in MEASURED_IMPLEMENTATIONS and v}
+    mosaic = e["times_ms"].get(MEASURED_PALLAS_MOSAIC)
+    if mosaic and mosaic < times.get("pallas", float("inf")):
+        times["pallas"] = mosaic
     order = tuple(sorted(times, key=lambda name: times[name]))
     if len(order) > 1:
         ratio = f"{order[0]} {times[order[1]] / times[order[0]]:.2f}x faster than {order[1]}"
@@ -784,3 +790,22 @@ def measured_choice(spec: AttentionSpec, arch: str | None, entries: list[dict]) 
         f"measured on {e['device']} ({arch}), {e['date']}, {e['pass']} H={cls['head_dim']} "
         f"{'causal' if cls['causal'] else 'full'} S {cls['seq']}{' decode' if cls['decode'] else ''}: {ratio}"
     )
+
+
+def measured_pallas_backend(spec: AttentionSpec, arch: str | None, entries: list[dict]) -> tuple[str, str]:
+    """(the compiler `pallas_backend="auto"` takes for the forward of `spec`, the sentence `explain`
+    prints): "mosaic_gpu" where a device run on `arch` measured the call's class (its forward
+    entry) with the Mosaic GPU forward faster than the Triton one, else "triton"."""
+    cls = shape_class(spec)
+    if arch is None or cls is None:
+        return "triton", "Triton: no measured class describes this call" + ("" if arch else " off a GPU")
+    for e in entries:
+        if e["arch"] == arch and e["class"] == cls and e["pass"] == "fwd":
+            triton, mosaic = e["times_ms"].get("pallas"), e["times_ms"].get(MEASURED_PALLAS_MOSAIC)
+            if triton and mosaic:
+                faster = "mosaic_gpu" if mosaic < triton else "triton"
+                return faster, (
+                    f"{'Mosaic GPU' if faster == 'mosaic_gpu' else 'Triton'}: measured on {e['device']} ({arch}), "
+                    f"{e['date']}, Mosaic GPU {triton / mosaic:.2f}x Triton's speed"
+                )
+    return "triton", f"Triton: no device run on {arch} measured the Mosaic GPU forward for this class"

@@ -192,6 +192,11 @@ def _measured_entries() -> tuple[dict, ...]:
     return tuple(_heuristics.load_measured_choices())
 
 
+def measured_entries() -> list[dict]:
+    """The measured table's entries (`_heuristics.load_measured_choices`), read once."""
+    return list(_measured_entries())
+
+
 def choice(spec: AttentionSpec) -> tuple[tuple[str, ...], str]:
     """(the order implementation=None tries for `spec` here, the sentence saying what it rests
     on): on a GPU the implementations a device run measured for the call's class, fastest

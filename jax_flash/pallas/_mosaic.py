@@ -89,9 +89,15 @@ def unsupported(shape_q, shape_k, shape_v, dtype, *, causal: bool) -> str | None
     return None
 
 
-def forward(q, k, v, *, scale: float, causal: bool = False, tiles: ForwardTiles | None = None, interpret=None):
+def forward(
+    q, k, v, *, scale: float, causal: bool = False, tiles: ForwardTiles | None = None, run=None, interpret=None
+):
     """(out [B, T, N, H], lse [B, N, T] f32, natural log) of the plain attention of canonical
-    q [B, T, N, H], k, v [B, S, K, H]; see the module docstring for what it serves."""
+    q [B, T, N, H], k, v [B, S, K, H]; see the module docstring for what it serves.
+
+    `run`: None, or an int32 [1] array: where it holds 0 every CTA returns after one load and
+    the results are left unwritten (the launch that does not apply, beside another kernel that
+    writes them: `jax_flash.pallas._route`)."""
     b, t, n, h = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
     tiles = tiles or default_tiles(h)
@@ -116,7 +122,7 @@ def forward(q, k, v, *, scale: float, causal: bool = False, tiles: ForwardTiles 
         """The ring slot of key step i."""
         return lax.rem(i, jnp.asarray(stages, i.dtype))
 
-    def body(q_ref, k_ref, v_ref, out_ref, lse_ref, smem, barriers):
+    def body(q_ref, k_ref, v_ref, run_ref, out_ref, lse_ref, smem, barriers):
         qo_smem, k_smem, v_smem, lse_smem = smem
         q_ready, k_ready, v_ready, k_free, v_free, schedule = barriers
         batch, head, q_tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tile")
@@ -132,7 +138,9 @@ def forward(q, k, v, *, scale: float, causal: bool = False, tiles: ForwardTiles 
             plgpu.barrier_arrive(schedule)
             plgpu.barrier_wait(schedule)
 
-        @pl.when(wg < CONSUMERS)
+        runs = True if run_ref is None else run_ref[0] != 0
+
+        @pl.when((wg < CONSUMERS) & runs)
         def _consumer():
             plgpu.set_max_registers(232, action="increase")
             q_smem, lse_rows = qo_smem.at[wg], lse_smem.at[wg]
@@ -210,7 +218,7 @@ def forward(q, k, v, *, scale: float, causal: bool = False, tiles: ForwardTiles 
             plgpu.copy_smem_to_gmem(lse_rows, lse_ref.at[batch, head, pl.ds(t0, block_q)])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == CONSUMERS)
+        @pl.when((wg == CONSUMERS) & runs)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
             kv_head = lax.div(head, jnp.int32(group))
@@ -241,7 +249,8 @@ def forward(q, k, v, *, scale: float, causal: bool = False, tiles: ForwardTiles 
             def _(i):
                 wait_free(slot_of(i))
 
-    def entry(q_ref, k_ref, v_ref, out_ref, lse_ref):
+    def entry(q_ref, k_ref, v_ref, *refs):
+        run_ref, (out_ref, lse_ref) = (None, refs) if run is None else (refs[0], refs[1:])
         layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         smem = (
             plgpu.SMEM((CONSUMERS, block_q, h), dtype, transforms=layout),  # Q, then O
@@ -258,7 +267,7 @@ def forward(q, k, v, *, scale: float, causal: bool = False, tiles: ForwardTiles 
             plgpu.Barrier(num_arrivals=CONSUMERS),  # schedule
         )
         pl.run_scoped(
-            lambda smem, barriers: body(q_ref, k_ref, v_ref, out_ref, lse_ref, smem, barriers),
+            lambda smem, barriers: body(q_ref, k_ref, v_ref, run_ref, out_ref, lse_ref, smem, barriers),
             smem,
             barriers,
             collective_axes="wg",
@@ -273,5 +282,5 @@ def forward(q, k, v, *, scale: float, causal: bool = False, tiles: ForwardTiles 
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
-    )(q, k, v)
+    )(q, k, v, *(() if run is None else (run,)))
     return (out, lse) if t_pad == t else (out[:, :t], lse[:, :, :t])

@@ -46,7 +46,7 @@ from jax_flash._merge import merge_partials
 from jax_flash._numerics import pad_axis, round_up, scores_are_finite
 from jax_flash._paged_spec import PagedSpec
 from jax_flash._spec import AttentionSpec, MaskInputs
-from jax_flash.pallas import _decode, _flex_tiles
+from jax_flash.pallas import _backend, _decode, _flex_tiles, _mosaic
 from jax_flash.pallas._table import padded_head_dim, smem_budget, smem_estimate
 from jax_flash.pallas._triton_kernels import (
     Layout,
@@ -381,10 +381,10 @@ def launches(spec: AttentionSpec, q, k, v, masks: MaskInputs) -> tuple[Launch, .
     return ((True, run), (False, 1 - run))
 
 
-def _chain(pl, launches_, kernel, layout_of, args, in_specs, out_specs, out_shape, name, **kw):
+def _chain(pl, launches_, kernel, layout_of, args, in_specs, out_specs, out_shape, name, outs=(), **kw):
     """The pallas_calls of `launches_` in order, each gated by its flag and writing into the
-    previous one's outputs; the last one's outputs."""
-    outs: list[Any] = []
+    previous one's outputs (the first into `outs` where given); the last one's outputs."""
+    outs = list(outs)
     for plain, run in launches_:
         call_args, specs = list(args), list(in_specs)
         if run is not None:
@@ -412,6 +412,8 @@ def forward(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs=None, in
     the inputs' shardings (`jax_flash.parallel.partitioning`)."""
 
     def local(spec, q, k, v, masks):
+        if _backend.choose(spec)[0] == "mosaic_gpu":
+            return _mosaic_forward_call(spec, q, k, v, masks, configs=configs, interpret=interpret)
         run = launches(spec, q, k, v, masks)
         return _forward_call(spec, q, k, v, masks, configs=configs, interpret=interpret, launches=run)
 
@@ -496,8 +498,23 @@ def split_kv_summary(spec: AttentionSpec) -> str:
         return f"{e}: calls fail"
 
 
-def _forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, interpret, launches=((False, None),)):
-    """The forward kernels (`launches`) on (local) canonical arrays; `spec` describes them."""
+def _mosaic_forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, interpret):
+    """The Mosaic GPU plain forward gated on `plain_inputs`, then the Triton general forward gated
+    on the negation, writing into its results (`_backend`'s docstring)."""
+    run = plain_inputs(q, k, v, masks).astype(jnp.int32).reshape(1)
+    causal = spec.window_right == 0
+    out, lse = _mosaic.forward(q, k, v, scale=spec.scale, causal=causal, run=run, interpret=_backend.INTERPRET)
+    return _forward_call(
+        spec, q, k, v, masks, configs=configs, interpret=interpret, launches=((False, 1 - run),), outs=(out, lse)
+    )
+
+
+def _forward_call(
+    spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, interpret, launches=((False, None),), outs=()
+):
+    """The forward kernels (`launches`) on (local) canonical arrays; `spec` describes them.
+    `outs`: results of an earlier launch (out [B, T, N, Hv], lse [B, N, T]) the launches write
+    into, unsplit (a ragged T is padded to the tiles: a copy)."""
     pl, _ = triton()
     interpret = _interpret(interpret)
     b, t, n, h = q.shape
@@ -506,7 +523,10 @@ def _forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, i
     cfg = _config(spec, masks, max(hp, hvp), "fwd", configs, interpret)
     ((bq, bk),), t_pad, s_pad = _tiles(spec, [cfg])
     g = spec.group_size
-    c = 1 if spec.flex is not None else split_kv_chunks(spec, bq, bk, interpret)
+    c = 1 if spec.flex is not None or outs else split_kv_chunks(spec, bq, bk, interpret)
+    if outs:
+        out, lse = outs
+        outs = (pad_axis(pad_axis(out, 3, hvp), 1, t_pad), pad_axis(lse, 2, t_pad))
     qp = pad_axis(pad_axis(q, 3, hp), 1, t_pad)
     kp = pad_axis(pad_axis(k, 3, hp), 1, s_pad)
     vp = pad_axis(pad_axis(v, 3, hvp), 1, s_pad)
@@ -550,6 +570,7 @@ def _forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, configs, i
         out_specs,
         out_shape,
         "jax_flash_fwd",
+        outs=outs,
         grid=(t_pad // bq * c, n, b),
         compiler_params=compiler_params(cfg),
         interpret=interpret,
@@ -762,6 +783,10 @@ class PallasImplementation:
             why = flex_limit(spec, _interpret(None))
             if why:
                 return why
+        try:
+            _backend.choose(spec)  # pallas_backend="mosaic_gpu" on a call the kernel cannot serve
+        except ValueError as e:
+            return str(e)
         return launch_limit(spec)
 
     # flex_attention: score_mod and mask_mod evaluated on each tile inside the kernels
@@ -775,7 +800,7 @@ class PallasImplementation:
         """What `explain` adds: the forward's split-KV (a flex call: its loops), and on a CPU
         that the kernels are interpreted, which is for tests."""
         split = flex_description(spec) if spec.flex is not None else split_kv_description(spec)
-        split = f"{_heuristics.pallas_kernels_description(spec)}; {split}"
+        split = f"{_heuristics.pallas_kernels_description(spec)}; {_backend.description(spec)}; {split}"
         deprecation = triton_deprecation()
         if deprecation:
             split += f"; {deprecation}"
@@ -787,6 +812,8 @@ class PallasImplementation:
         split = (
             "flex: the block lists drive the loops, no split-KV" if spec.flex is not None else split_kv_summary(spec)
         )
+        if _backend.runs_mosaic(spec):
+            split = f"forward on Mosaic GPU, {split}"
         return f"interpreted on the CPU (slow, for tests), {split}" if _interpret(None) else split
 
     def forward(self, spec, q, k, v, masks):

@@ -74,6 +74,7 @@ def test_defaults(clean_env):
         cuda_backward_grid="auto",
         cuda_split_kv=0,
         pallas_split_kv=0,
+        pallas_backend="auto",
         deterministic=False,
         poison_outputs=False,
         emulate_cuda=False,
@@ -143,6 +144,7 @@ def test_config_reaches_the_spec(clean_env):
     [
         (dict(cuda_layout="wide"), ValueError, "Config.cuda_layout must be one of"),
         (dict(cuda_backward_grid="heads"), ValueError, "Config.cuda_backward_grid"),
+        (dict(pallas_backend="mosaic"), ValueError, "Config.pallas_backend must be one of"),
         (dict(cpu_isa="sse9"), ValueError, "Config.cpu_isa"),
         (dict(cpu_split_kv=-1), ValueError, "Config.cpu_split_kv must be 0"),
         (dict(cuda_split_kv=1025), ValueError, "Config.cuda_split_kv"),

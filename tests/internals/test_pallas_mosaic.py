@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import jax_flash
 import mosaic_interpret
 from jax_flash.pallas import _mosaic
 
@@ -147,3 +148,87 @@ def test_forward_interpreted_against_float64():
         assert not result["nan"], (case, result)
         assert result["out_error"] <= 4 * eps, (case, result)
         assert result["lse_error"] <= 1e-5, (case, result)
+
+
+# The wired forward (jax_flash.pallas._backend): jax_flash.attention(..., implementation="pallas",
+# pallas_backend="mosaic_gpu") with the Mosaic GPU kernel interpreted and the Triton general kernel
+# interpreted beside it. (B, T, S, N, K, H, causal, where a non-finite input goes: None, "v", "q").
+WIRED = [
+    (1, 128, 256, 2, 1, 64, False, None),
+    (1, 256, 256, 1, 1, 128, True, "v"),
+    (1, 200, 200, 2, 2, 64, False, "q"),
+]
+
+_WIRED = r"""
+import importlib.util, json, os, sys
+import numpy as np
+want = sys.argv[3]  # the test process's jax_flash (a scratch copy's under the mutation check)
+if os.path.realpath(importlib.util.find_spec("jax_flash").origin) != os.path.realpath(want):
+    sys.meta_path[:] = [f for f in sys.meta_path if "jax_flash" not in getattr(f, "known_source_files", {})
+                        and "jax_flash" not in getattr(f, "known_packages", ())]
+    sys.path.insert(0, os.path.dirname(os.path.dirname(want)))
+sys.path.insert(0, sys.argv[1])
+import mosaic_interpret
+params = mosaic_interpret.install()(detect_races=True)
+import jax, jax.numpy as jnp
+import jax_flash
+from jax_flash.pallas import _backend, _mosaic
+from jax_flash.reference import attention_reference
+assert os.path.realpath(jax_flash.__file__) == os.path.realpath(want), jax_flash.__file__
+_backend.INTERPRET = params
+cfg = jax_flash.Config(pallas_backend="mosaic_gpu")
+f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+results = []
+for b, t, s, n, kh, h, causal, bad in json.loads(sys.argv[2]):
+    rng = np.random.default_rng(t + s + h)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape) + 0.25, jnp.bfloat16)
+               for shape in ((b, t, n, h), (b, s, kh, h), (b, s, kh, h)))
+    if bad == "v":
+        v = v.at[0, s - 56, 0, 5].set(jnp.nan)  # the rows that see that key: NaN
+    if bad == "q":
+        q = q.at[0, 7, 1, 0].set(jnp.inf)  # that row: NaN
+    attend = lambda q, k, v: jax_flash.attention(q, k, v, is_causal=causal, implementation="pallas", config=cfg)
+    out = f32(attend(q, k, v))
+    ref = f32(attention_reference(q, k, v, is_causal=causal, compute_dtype=jnp.float32))
+    both = np.isfinite(ref)
+    result = dict(
+        nan_rows_match=bool(np.array_equal(np.isnan(out), np.isnan(ref))),
+        out_error=float(np.max(np.abs(out - ref)[both]) / np.max(np.abs(ref[both]))),
+    )
+    if bad is None:
+        # The Mosaic GPU kernel's own bits: it ran, and the general kernel did not write over it.
+        alone = _mosaic.forward(q, k, v, scale=h**-0.5, causal=causal, interpret=params)[0]
+        result["mosaic_bits"] = bool(np.array_equal(out, f32(alone)))
+        loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * jnp.cos(jnp.arange(h)))
+        ref_attend = lambda q, k, v: attention_reference(q, k, v, is_causal=causal, compute_dtype=jnp.float32)
+        grads = jax.grad(loss(attend), argnums=(0, 1, 2))(q, k, v)
+        ref_grads = jax.grad(loss(ref_attend), argnums=(0, 1, 2))(q, k, v)
+        result["grad_error"] = max(float(np.max(np.abs(f32(g) - f32(r))) / np.max(np.abs(f32(r))))
+                                   for g, r in zip(grads, ref_grads))
+    results.append(result)
+print(json.dumps(dict(results=results, races=mosaic_interpret.races_found())))
+"""
+
+
+def test_wired_forward_interpreted():
+    """jax_flash.attention's pallas forward on Mosaic GPU: finite inputs give the Mosaic GPU kernel's
+    own bits (the Triton general kernel, gated off, leaves them) and its gradient (Triton's
+    backward on its lse) matches the reference; a NaN in v or an inf in q goes to the general
+    kernel, whose NaN rows are the reference's, the other rows within a few roundings."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    run = subprocess.run(
+        [sys.executable, "-c", _WIRED, str(TESTS), json.dumps(WIRED), jax_flash.__file__],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert not report["races"], report
+    for case, result in zip(WIRED, report["results"], strict=True):
+        assert result["nan_rows_match"], (case, result)
+        assert result["out_error"] <= 4 * 2.0**-8, (case, result)
+        if case[-1] is None:
+            assert result["mosaic_bits"], (case, result)
+            assert result["grad_error"] <= 4 * 2.0**-8, (case, result)
