@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flash
+from jax_flash import _heuristics
 from jax_flash._spec import AttentionSpec
 from jax_flash.bench.common import (
     Result,
@@ -76,6 +77,12 @@ PEER_JAX_PALLAS = "jax-pallas"
 PEER_TORCH = "torch"
 PEERS = (PEER_JAX_NN, PEER_JAX_NN_CUDNN, PEER_JAX_PALLAS, PEER_TORCH)
 FLASH = ("cuda", "pallas", "cpu", "xla")
+# `pallas` is measured on each of its forward compilers: "pallas" on Triton, "pallas-mosaic" with
+# the forward on Mosaic GPU (sm_90; the backward is Triton's), so that the measured table can say
+# which is faster (`_heuristics.measured_pallas_backend`).
+PALLAS_MOSAIC = _heuristics.MEASURED_PALLAS_MOSAIC
+PALLAS_BACKENDS = {"pallas": "triton", PALLAS_MOSAIC: "mosaic_gpu"}
+KNOWN = (*FLASH, PALLAS_MOSAIC, *PEERS)  # every name --impls takes
 # --bias: the dense bias of a case, one letter per dim of [B, N, T, S] (1: broadcast).
 BIASES = {"none": None, "t5": "1NTS", "alibi": "1N1S", "keys": "B11S"}
 
@@ -86,6 +93,11 @@ BIASES = {"none": None, "t5": "1NTS", "alibi": "1N1S", "keys": "B11S"}
 def _attention_fn(impl: str, causal: bool, head_dim: int, bias: str = "none") -> Callable:
     """(q, k, v[, bias]) -> out [B, T, N, H] for one implementation, or raises why it cannot
     run."""
+    if impl in PALLAS_BACKENDS:
+        cfg = jax_flash.Config(pallas_backend=PALLAS_BACKENDS[impl])
+        return lambda q, k, v, *b: jax_flash.attention(
+            q, k, v, *b, is_causal=causal, implementation="pallas", config=cfg
+        )
     if impl in FLASH:
         return lambda q, k, v, *b: jax_flash.attention(q, k, v, *b, is_causal=causal, implementation=impl)
     if impl == PEER_JAX_NN:
@@ -99,7 +111,7 @@ def _attention_fn(impl: str, causal: bool, head_dim: int, bias: str = "none") ->
 
         scale = 1.0 / math.sqrt(head_dim)
         return lambda q, k, v: pallas_attention.mha(q, k, v, None, sm_scale=scale, causal=causal)
-    raise ValueError(f"unknown implementation {impl!r}; known: {FLASH + PEERS}")
+    raise ValueError(f"unknown implementation {impl!r}; known: {KNOWN}")
 
 
 def _torch_fn(pass_: str, causal: bool, args: list) -> Callable:
@@ -320,6 +332,13 @@ def available_impls(requested: list[str] | None, dtype: str) -> tuple[list[str],
             names.append(name)
         else:
             skipped[name] = reasons[name]
+    mosaic = jax_flash.explain(
+        probe, probe, probe, implementation="pallas", config=jax_flash.Config(pallas_backend="mosaic_gpu")
+    )
+    if mosaic.reasons.get("pallas") is None:
+        names.append(PALLAS_MOSAIC)
+    else:
+        skipped[PALLAS_MOSAIC] = mosaic.reasons["pallas"]
     names.append(PEER_JAX_NN)
     if on_gpu:
         names.append(PEER_JAX_NN_CUDNN)
@@ -338,9 +357,9 @@ def available_impls(requested: list[str] | None, dtype: str) -> tuple[list[str],
     else:
         skipped[PEER_TORCH] = why_not_torch
     if requested:
-        unknown = [n for n in requested if n not in FLASH + PEERS]
+        unknown = [n for n in requested if n not in KNOWN]
         if unknown:
-            raise SystemExit(f"--impls: unknown {unknown}; known: {', '.join(FLASH + PEERS)}")
+            raise SystemExit(f"--impls: unknown {unknown}; known: {', '.join(KNOWN)}")
         # A requested implementation runs even if it looks unavailable: the table then says
         # why it failed.
         names = list(requested)
@@ -403,7 +422,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--impls",
         default=None,
-        help=f"comma list among {', '.join(FLASH + PEERS)} (default: every one available)",
+        help=f"comma list among {', '.join(KNOWN)} (default: every one available)",
     )
     p.add_argument(
         "--seq-lens",

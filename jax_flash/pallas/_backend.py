@@ -29,7 +29,7 @@ from jax_flash.pallas import _mosaic
 # The architectures the Mosaic GPU forward is built for (wgmma and setmaxnreg: sm_90a).
 MOSAIC_ARCHS = ("sm_90",)
 # The interpret parameters the Mosaic GPU forward runs under on a CPU: None in the package.
-INTERPRET = None
+INTERPRET: object = None
 
 
 def mosaic_unsupported(spec: AttentionSpec) -> str | None:

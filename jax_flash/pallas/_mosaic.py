@@ -27,8 +27,9 @@ This is the plain kernel only: finite inputs (the caller will test them, as for 
 plain kernels), no soft cap, bias, mask, lengths, segments or sinks, causal (T = S) or not.
 Ragged T and S are padded with zeros to whole tiles here (the rows past T are computed and
 dropped, the keys past S masked in the last key step, which is peeled off the loop like the
-causal diagonal); `unsupported` says why a call falls outside. Nothing routes a call here yet: tests/internals/test_pallas_mosaic.py holds its
-lowering and its interpretation, build/mosaic_check.py its run on a GPU.
+causal diagonal); `unsupported` says why a call falls outside. `jax_flash.pallas._backend`
+routes the calls it serves here (`Config.pallas_backend`); tests/internals/test_pallas_mosaic.py
+holds its lowering and its interpretation, build/mosaic_check.py its run on a GPU.
 """
 
 from __future__ import annotations
