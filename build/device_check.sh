@@ -24,7 +24,9 @@
 #                 cuda on a contiguous and a paged cache; K/V bandwidth against the H200's
 #                 nominal), under "decode" in bench.json
 #   mosaic        build/mosaic_check.py: the pallas Mosaic GPU forward (pallas/_mosaic.py) against
-#                 jax_flash.reference at 1k, then its speed at 8k beside cuDNN, JAX's attention_mgpu and cuda
+#                 jax_flash.reference at 1k, then its speed at 8k beside cuDNN, JAX's attention_mgpu and cuda; then
+#                 jax_flash.attention(implementation="pallas", pallas_backend="mosaic_gpu") against
+#                 the reference (gradients, a NaN in v)
 #   profile       Nsight Compute (ncu) on build/profile_case.py (H=128, 8k, bf16): speed of light,
 #                 occupancy and warp stall reasons of the first forward (the plain kernel) and
 #                 backward launches

@@ -9,7 +9,9 @@ forward at B = 2, N = 16, T = S = 8192, bf16, H = 64 and 128, causal or not, bes
 (jax.nn.dot_product_attention(implementation="cudnn")), JAX's own FlashAttention-3 kernel
 (jax.experimental.pallas.ops.gpu.attention_mgpu, where it imports) and the cuda forward, in the
 same process: the median of 10 timed calls after 2 untimed, as ms, TFLOP/s (4·B·N·T·S·H,
-halved when causal) and the ratio to cuDNN; then, at H = 128 non-causal, other tiles (keys per
+halved when causal) and the ratio to cuDNN; then the wired path
+(jax_flash.attention(implementation="pallas") with pallas_backend="mosaic_gpu") against the
+reference on finite inputs, gradients included, and with a NaN in v; then, at H = 128 non-causal, other tiles (keys per
 step, ring slots) than the default. One JSON line per result; a failure is a result.
 """
 
@@ -71,6 +73,40 @@ def correctness():
                 emit(check="mosaic_forward", h=h, causal=causal, max_rel_error=err, lse_error=lse_err, ok=ok)
             except Exception as e:  # a result, not a crash
                 emit(check="mosaic_forward", h=h, causal=causal, ok=False, error=str(e)[:300])
+
+
+def wired():
+    """jax_flash.attention(..., implementation="pallas", pallas_backend="mosaic_gpu"): finite inputs
+    (the Mosaic GPU forward, Triton's backward) and a NaN in v (Triton's general forward) against
+    the reference, NaN rows and gradients included."""
+    cfg = jax_flash.Config(pallas_backend="mosaic_gpu")
+    keys = jax.random.split(jax.random.PRNGKey(7), 3)
+    q = jax.random.normal(keys[0], (1, 1024, 4, 128), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (1, 1024, 2, 128), jnp.bfloat16) for key in keys[1:])
+    for bad in (False, True):
+        v_in = v.at[0, 700, 1, 3].set(jnp.nan) if bad else v
+        try:
+            attend = lambda q, k, v: jax_flash.attention(q, k, v, is_causal=True, implementation="pallas", config=cfg)
+            refer = lambda q, k, v: jax_flash.reference(q, k, v, is_causal=True, compute_dtype=jnp.float32)
+            out, ref = jax.jit(attend)(q, k, v_in).astype(jnp.float32), refer(q, k, v_in)
+            finite = jnp.isfinite(ref)
+            nan_rows = bool(jnp.array_equal(jnp.isnan(out), jnp.isnan(ref)))
+            err = float(jnp.max(jnp.where(finite, jnp.abs(out - ref), 0)) / jnp.max(jnp.where(finite, jnp.abs(ref), 0)))
+            fields = dict(nan_rows_match=nan_rows, max_rel_error=err)
+            ok = nan_rows and err <= 2.0**-6
+            if not bad:
+                loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) ** 2)
+                grads = jax.jit(jax.grad(loss(attend), argnums=(0, 1, 2)))(q, k, v)
+                refs = jax.grad(loss(refer), argnums=(0, 1, 2))(q, k, v)
+                gerr = max(
+                    float(jnp.max(jnp.abs(g.astype(jnp.float32) - r)) / jnp.max(jnp.abs(r)))
+                    for g, r in zip(grads, refs)
+                )
+                fields["grad_max_rel_error"] = gerr
+                ok = ok and gerr <= 2.0**-5
+            emit(check="pallas_mosaic_wired", nan_in_v=bad, ok=bool(ok), **fields)
+        except Exception as e:  # a result, not a crash
+            emit(check="pallas_mosaic_wired", nan_in_v=bad, ok=False, error=str(e)[:300])
 
 
 def peers(causal: bool, h: int) -> dict:
@@ -161,6 +197,7 @@ def main(argv=None):
         return
     correctness()
     speed()
+    wired()
     tiles_sweep()
 
 
