@@ -3,7 +3,7 @@ the lowered Mosaic GPU module.
 
 JAX's GPU interpret mode (`InterpretGPUParams`, private: `jax._src.pallas.mosaic_gpu.interpret`)
 runs a Pallas Mosaic GPU kernel on the CPU, warpgroups as threads, with shared memory, TMA
-copies and barriers simulated and races detected. In jax 0.10.2 it stops on four things the
+copies and barriers simulated and races detected. In jax 0.10.2 it stops on five things the
 FlashAttention-3 schedule needs, all of them plain data movement on the host:
 
 - `pl.run_state` over a wgmma accumulator (`plgpu.ACC.init(o)`: accumulate into registers
@@ -12,6 +12,7 @@ FlashAttention-3 schedule needs, all of them plain data movement on the host:
 - `plgpu.layout_cast` (a register layout, which the host has none of): the identity;
 - a wgmma whose A operand is a value in registers (P in P·V): here copied into a temporary
   accumulator-space buffer for the one product;
+- `plgpu.load` (a read of a ref into a register layout): the plain read `ref[idx]`;
 - a wgmma whose B operand is transposed (`plgpu.transpose_ref`, Kᵀ in Q·Kᵀ): read untransposed
   and transposed on the host.
 
@@ -51,7 +52,8 @@ def install():
     from jax._src.pallas.mosaic_gpu import core as gpu_core
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, jaxpr_interpret
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    from jax._src.state import discharge, types as state_types
+    from jax._src.pallas.mosaic_gpu import primitives as gpu_primitives
+    from jax._src.state import discharge, primitives as state_primitives, types as state_types
 
     interpreter = jaxpr_interpret.JaxprInterpreter
     original_interpret = interpreter.interpret
@@ -121,7 +123,7 @@ def install():
 
     def interpret(self, jaxpr, token, *args):
         """The interpreter's loop, with run_state and layout_cast handled first."""
-        handled = {discharge.run_state_p, gpu_core.layout_cast_p}
+        handled = {discharge.run_state_p, gpu_core.layout_cast_p, gpu_primitives.load_p}
         if not any(e.primitive in handled for e in jaxpr.eqns):
             return original_interpret(self, jaxpr, token, *args)
         # Split the jaxpr at each handled equation: the runs in between go to the interpreter.
@@ -154,6 +156,8 @@ def install():
             elif eqn.primitive is gpu_core.layout_cast_p:
                 token = flush(token)
                 env[eqn.outvars[0]] = read_var(eqn.invars[0])
+            elif eqn.primitive is gpu_primitives.load_p:  # a read of the ref, as `ref[idx]`
+                pending.append(eqn.replace(primitive=state_primitives.get_p, params=dict(tree=eqn.params["tree"])))
             else:
                 pending.append(eqn)
         token = flush(token)

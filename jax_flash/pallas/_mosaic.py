@@ -200,10 +200,13 @@ def forward(
             if causal or ragged_keys:
                 carry = lax.fori_loop(full_steps, steps, lambda i, c: step(i, c, True), carry)
             if causal:
-                # The CTA's other consumer may see more steps: free this one's share of them.
+                # The CTA's other consumer may see more steps: observe their copies and free this
+                # one's share of them.
                 @pl.loop(steps, cta_steps)
                 def _(i):
                     slot = slot_of(i)
+                    plgpu.barrier_wait(k_ready.at[slot])
+                    plgpu.barrier_wait(v_ready.at[slot])
                     plgpu.barrier_arrive(k_free.at[slot])
                     plgpu.barrier_arrive(v_free.at[slot])
                     take_turn()

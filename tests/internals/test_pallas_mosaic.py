@@ -59,8 +59,8 @@ def test_forward_lowers_to_the_fa3_schedule(h, causal):
     assert op("cp.async.bulk.tensor.global.shared.cta") == 1, ops  # O leaves by TMA
     # mbarrier waits: Q; per key step K ready, two turns of the schedule, V ready; one turn
     # before and one after the loops; the producer's two free slots, in its loop and for the last
-    # steps; causal: the epilogue's two turns.
-    assert op("mbarrier.try_wait.parity") == 1 + 4 * loops + 2 + 2 * 2 + (2 if causal else 0), ops
+    # steps; causal: the epilogue's two turns and the two copies it observes.
+    assert op("mbarrier.try_wait.parity") == 1 + 4 * loops + 2 + 2 * 2 + (4 if causal else 0), ops
     # Both products are wgmma, each one commit group per key step.
     assert ops["asm:wgmma.mma_async"] >= 2 * loops and op("wgmma.commit.group.sync.aligned") == 2 * loops, ops
     assert op("setmaxregister") == 2, ops  # the producer's decrease, the consumers' increase

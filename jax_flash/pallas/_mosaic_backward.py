@@ -1,0 +1,348 @@
+"""The pallas backward on Mosaic GPU (sm_90a): two warp-specialised kernels in the forward's
+schedule (`_mosaic`), each a TMA producer warpgroup feeding a ring and two consumer warpgroups
+of 64 rows on wgmma, recomputing the probabilities from the forward's log-sum-exp:
+
+    dQ kernel, per 64 query rows (K, V streamed):         dK/dV kernel, per 64 keys (Q, dO streamed,
+                                                           every query head of the kv head's group):
+    S   = Q Kᵀ                                             Sᵀ  = K Qᵀ
+    P   = exp2(S·c − lse₂)                                 Pᵀ  = exp2(Sᵀ·c − lse₂)
+    dP  = dO Vᵀ                                            dV += Pᵀ dO
+    dS  = P ∘ (dP − δ)                                     dPᵀ = V dOᵀ
+    dQ += dS K                                             dSᵀ = Pᵀ ∘ (dPᵀ − δ)
+    dQ ·= scale at the end                                 dK += dSᵀ Q;  dK ·= scale at the end
+
+with c = scale·log2 e, lse₂ = lse·log2 e and δ = rowsum(dO ∘ O) − dlse per query row (the lse
+output's cotangent enters as dS = P ∘ (dP − rowsum(dO ∘ O) + dlse)), computed once by XLA
+before the kernels. No atomics: dQ is its own pass, and a dK/dV CTA loops over the query heads of
+its kv head's group (GQA without per-head copies). Causal calls (T = S) skip the query blocks
+before a CTA's keys (dK/dV) and the key blocks past its rows (dQ), the diagonal's steps masked,
+peeled off the loops. Ragged T and S are padded to whole tiles: padded query rows get lse = +inf
+(P = 0) and δ = 0, padded keys are masked in the dQ kernel's last step and their dK, dV rows
+dropped.
+
+The plain kernel only, as the forward (finite inputs; no feature): `unsupported` says why a call
+falls outside. tests/internals/test_pallas_mosaic.py holds its lowering and its interpretation
+against float64 gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jax_flash.pallas._mosaic import CONSUMERS, LOG2E
+from jax_flash.pallas._mosaic import unsupported as forward_unsupported
+
+HEAD_DIMS = (64, 128)  # H = 256 needs smaller tiles than the ones below (shared memory)
+ROWS = 64  # rows of one consumer warpgroup: one wgmma M
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardTiles:
+    """The streamed tile (keys per dQ step, queries per dK/dV step) and the ring's slots."""
+
+    block: int = 64
+    stages: int = 2
+
+
+def unsupported(shape_q, shape_k, shape_v, dtype, *, causal: bool) -> str | None:
+    """Why the Mosaic GPU backward cannot serve these shapes, or None."""
+    why = forward_unsupported(shape_q, shape_k, shape_v, dtype, causal=causal)
+    if why is None and shape_q[-1] not in HEAD_DIMS:
+        return f"head dim {shape_q[-1]} in the backward (it serves {HEAD_DIMS})"
+    return why
+
+
+def _layout():
+    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _zeros(shape):
+    return plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _product(a, b, shape):
+    """a @ b on the tensor cores (wgmma) into a fresh float32 accumulator."""
+
+    def run(acc):
+        plgpu.wgmma(acc, a, b)
+        return acc[...]
+
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def _accumulate(acc, a, b):
+    """acc + a @ b (wgmma into the registers holding acc)."""
+
+    def run(ref):
+        plgpu.wgmma(ref, a, b)
+
+    return pl.run_state(run)(plgpu.ACC.init(acc))
+
+
+def _ring(stages):
+    """(slot_of(i), the ring slot of step i)."""
+    return lambda i: lax.rem(i, jnp.asarray(stages, i.dtype))
+
+
+def _produce(steps, stages, fetch, free):
+    """The producer's loop: the ring's first fill, each later step once its slot is free, and the
+    last steps' releases observed (every phase of a barrier is waited for before it goes)."""
+    slot_of = _ring(stages)
+    for first in range(stages):
+
+        @pl.when(first < steps)
+        def _(first=first):
+            fetch(jnp.int32(first), first)
+
+    @pl.loop(jnp.int32(stages), steps)
+    def _(i):
+        slot = slot_of(i)
+        plgpu.barrier_wait(free.at[slot])
+        fetch(i, slot)
+
+    @pl.loop(jnp.maximum(steps - stages, 0), steps)
+    def _(i):
+        plgpu.barrier_wait(free.at[slot_of(i)])
+
+
+def backward(q, k, v, out, lse, dout, dlse=None, *, scale: float, causal: bool = False, tiles=None, interpret=None):
+    """(dq, dk, dv) of the plain attention of canonical q [B, T, N, H], k, v [B, S, K, H] given the
+    forward's out and lse [B, N, T] (natural log) and the cotangents dout (and dlse)."""
+    b, t, n, h = q.shape
+    s, kv_heads = k.shape[1], k.shape[2]
+    tiles = tiles or BackwardTiles()
+    why = unsupported(q.shape, k.shape, v.shape, q.dtype, causal=causal)
+    if why is not None:
+        raise ValueError(f"the Mosaic GPU backward does not serve {why}")
+    dtype, group, block = q.dtype, n // kv_heads, tiles.block
+    rows = CONSUMERS * ROWS
+    c = float(np.float32(scale * LOG2E))
+    # δ and lse₂ per query row, [B, N, 2, T_pad]: one TMA copy per dK/dV step. Padded rows: P = 0.
+    delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), dout.astype(jnp.float32))
+    if dlse is not None:
+        delta = delta - dlse
+    t_pad = -(-t // rows) * rows
+    s_pad = -(-s // rows) * rows
+    pad_t = lambda x, value=0.0: jnp.pad(x, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)), constant_values=value)
+    pad_s = lambda x: jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0), (0, 0)))
+    stats = jnp.stack([lse * LOG2E, delta], axis=2)
+    stats = jnp.pad(stats, ((0, 0), (0, 0), (0, 0), (0, t_pad - t)))
+    stats = stats.at[:, :, 0, t:].set(jnp.inf)
+    qp, dop, kp, vp = pad_t(q), pad_t(dout), pad_s(k), pad_s(v)
+    q_steps, k_steps = t_pad // block, s_pad // block
+    ragged_keys = s_pad != s  # block divides rows: the pad is in the last key block
+    stages = tiles.stages
+    slot_of = _ring(stages)
+
+    def dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, smem, barriers):
+        q_smem, do_smem, stats_smem, k_smem, v_smem = smem
+        rows_ready, k_ready, v_ready, free = barriers
+        batch, head, tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tile")
+        wg = lax.axis_index("wg")
+        all_steps = jnp.int32(k_steps)
+        cta_steps = all_steps
+        if causal:
+            cta_steps = jnp.minimum(pl.cdiv((tile + 1) * rows, jnp.int32(block)), all_steps)
+
+        @pl.when(wg < CONSUMERS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            t0 = tile * rows + wg * ROWS
+            at = (batch, pl.ds(t0, ROWS), head)
+            plgpu.copy_gmem_to_smem(q_ref.at[at], q_smem.at[wg], rows_ready.at[wg])
+            plgpu.copy_gmem_to_smem(do_ref.at[at], do_smem.at[wg], rows_ready.at[wg + CONSUMERS])
+            plgpu.copy_gmem_to_smem(
+                stats_ref.at[batch, head, :, pl.ds(t0, ROWS)], stats_smem.at[wg], rows_ready.at[wg + 2 * CONSUMERS]
+            )
+            for r in range(3):
+                plgpu.barrier_wait(rows_ready.at[wg + r * CONSUMERS])
+            lse2 = plgpu.load(stats_smem.at[wg, 0], (), layout=plgpu.Layout.WGMMA.reduce(1))
+            delta = plgpu.load(stats_smem.at[wg, 1], (), layout=plgpu.Layout.WGMMA.reduce(1))
+            steps, full_steps = all_steps, all_steps - (1 if ragged_keys else 0)
+            if causal:
+                steps = jnp.minimum(pl.cdiv(t0 + ROWS, jnp.int32(block)), all_steps)
+                full_steps = jnp.minimum(lax.div(t0, jnp.int32(block)), jnp.int32(s // block))
+
+            def step(i, dq, masked: bool):
+                slot = slot_of(i)
+                plgpu.barrier_wait(k_ready.at[slot])
+                x = _product(q_smem.at[wg], plgpu.transpose_ref(k_smem.at[slot], (1, 0)), (ROWS, block))
+                if masked:  # the diagonal (key j visible from row r iff j <= r) and the keys past S
+                    row = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA) + t0
+                    col = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA) + i * block
+                    visible = col < s
+                    if causal:
+                        visible = visible & (col <= row)
+                    x = jnp.where(visible, x, -jnp.inf)
+                p = jnp.exp2(x * c - lax.broadcast_in_dim(lse2, x.shape, [0]))
+                plgpu.barrier_wait(v_ready.at[slot])
+                dp = _product(do_smem.at[wg], plgpu.transpose_ref(v_smem.at[slot], (1, 0)), (ROWS, block))
+                ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+                dq = _accumulate(dq, ds.astype(dtype), k_smem.at[slot])
+                plgpu.barrier_arrive(free.at[slot])
+                return dq
+
+            dq = lax.fori_loop(jnp.int32(0), full_steps, lambda i, a: step(i, a, False), _zeros((ROWS, h)))
+            if causal or ragged_keys:
+                dq = lax.fori_loop(full_steps, steps, lambda i, a: step(i, a, True), dq)
+            if causal:  # the CTA's other consumer may see more steps: observe their copies, free them
+
+                @pl.loop(steps, cta_steps)
+                def _(i):
+                    slot = slot_of(i)
+                    plgpu.barrier_wait(k_ready.at[slot])
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    plgpu.barrier_arrive(free.at[slot])
+
+            q_smem.at[wg][...] = (dq * scale).astype(dtype)  # dQ is staged where Q was
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[at])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == CONSUMERS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            kv_head = lax.div(head, jnp.int32(group))
+
+            def fetch(i, slot):
+                at = (batch, pl.ds(i * block, block), kv_head)
+                plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], v_ready.at[slot])
+
+            _produce(cta_steps, stages, fetch, free)
+
+    def dkv_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dk_ref, dv_ref, smem, barriers):
+        k_smem, v_smem, q_smem, do_smem, stats_smem = smem
+        keys_ready, q_ready, do_ready, stats_ready, free = barriers
+        batch, kv_head, tile = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("k_tile")
+        wg = lax.axis_index("wg")
+        # The query steps of each head that the CTA's keys see: all, or (causal) from its first key's.
+        first = lax.div(tile * rows, jnp.int32(block)) if causal else jnp.int32(0)
+        per_head = jnp.int32(q_steps) - first
+        cta_steps = per_head * group
+        diagonal = rows // block if causal else 0  # each head's first steps: the masked ones
+
+        def query_block(i):
+            """(query head, first row) of step i."""
+            return kv_head * group + lax.div(i, per_head), (first + lax.rem(i, per_head)) * block
+
+        @pl.when(wg < CONSUMERS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            k0 = tile * rows + wg * ROWS
+            at = (batch, pl.ds(k0, ROWS), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[wg], keys_ready.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[wg], keys_ready.at[wg + CONSUMERS])
+            plgpu.barrier_wait(keys_ready.at[wg])
+            plgpu.barrier_wait(keys_ready.at[wg + CONSUMERS])
+
+            def step(i, carry, masked: bool):
+                dk, dv = carry
+                slot = slot_of(i)
+                plgpu.barrier_wait(q_ready.at[slot])
+                xt = _product(k_smem.at[wg], plgpu.transpose_ref(q_smem.at[slot], (1, 0)), (ROWS, block))
+                if masked:  # key r visible from query j iff r <= j
+                    key = plgpu.broadcasted_iota(jnp.int32, xt.shape, 0, layout=plgpu.Layout.WGMMA) + k0
+                    query = plgpu.broadcasted_iota(jnp.int32, xt.shape, 1, layout=plgpu.Layout.WGMMA)
+                    xt = jnp.where(key <= query + query_block(i)[1], xt, -jnp.inf)
+                plgpu.barrier_wait(stats_ready.at[slot])
+                lse2 = plgpu.load(stats_smem.at[slot, 0], (), layout=plgpu.Layout.WGMMA.reduce(0))
+                delta = plgpu.load(stats_smem.at[slot, 1], (), layout=plgpu.Layout.WGMMA.reduce(0))
+                pt = jnp.exp2(xt * c - lax.broadcast_in_dim(lse2, xt.shape, [1]))
+                plgpu.barrier_wait(do_ready.at[slot])
+                dv = _accumulate(dv, pt.astype(dtype), do_smem.at[slot])
+                dpt = _product(v_smem.at[wg], plgpu.transpose_ref(do_smem.at[slot], (1, 0)), (ROWS, block))
+                dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
+                dk = _accumulate(dk, dst.astype(dtype), q_smem.at[slot])
+                plgpu.barrier_arrive(free.at[slot])
+                return dk, dv
+
+            def head_of_group(g, carry):
+                start, end = g * per_head, (g + 1) * per_head
+                masked_end = start + jnp.minimum(jnp.int32(diagonal), per_head)
+                carry = lax.fori_loop(start, masked_end, lambda i, a: step(i, a, True), carry)
+                return lax.fori_loop(masked_end, end, lambda i, a: step(i, a, False), carry)
+
+            dk, dv = lax.fori_loop(jnp.int32(0), jnp.int32(group), head_of_group, (_zeros((ROWS, h)),) * 2)
+            k_smem.at[wg][...] = (dk * scale).astype(dtype)  # dK and dV are staged where K and V were
+            v_smem.at[wg][...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[at])
+            plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[at])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == CONSUMERS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def fetch(i, slot):
+                head, j0 = query_block(i)
+                at = (batch, pl.ds(j0, block), head)
+                plgpu.copy_gmem_to_smem(q_ref.at[at], q_smem.at[slot], q_ready.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[at], do_smem.at[slot], do_ready.at[slot])
+                plgpu.copy_gmem_to_smem(stats_ref.at[batch, head, :, pl.ds(j0, block)], stats_smem.at[slot], stats_ready.at[slot])
+
+            _produce(cta_steps, stages, fetch, free)
+
+    def launch(kernel, grid, grid_names, smem, barriers, out_type, *args):
+        def entry(*refs):
+            pl.run_scoped(lambda smem, barriers: kernel(*refs, smem, barriers), smem, barriers, collective_axes="wg")
+
+        return plgpu.kernel(
+            entry,
+            out_type=out_type,
+            grid=grid,
+            grid_names=grid_names,
+            num_threads=CONSUMERS + 1,
+            thread_name="wg",
+            compiler_params=plgpu.CompilerParams(approx_math=True),
+            interpret=interpret,
+        )(*args)
+
+    per_wg = lambda: plgpu.SMEM((CONSUMERS, ROWS, h), dtype, transforms=_layout())
+    ring = lambda: plgpu.SMEM((stages, block, h), dtype, transforms=_layout())
+    dq = launch(
+        dq_kernel,
+        (n, t_pad // rows, b),
+        ("heads", "q_tile", "batch"),
+        (per_wg(), per_wg(), plgpu.SMEM((CONSUMERS, 2, ROWS), jnp.float32), ring(), ring()),
+        (
+            plgpu.Barrier(num_barriers=3 * CONSUMERS),  # Q, dO, (lse₂, δ) of each consumer
+            plgpu.Barrier(num_barriers=stages),  # k_ready
+            plgpu.Barrier(num_barriers=stages),  # v_ready
+            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # free
+        ),
+        jax.ShapeDtypeStruct(qp.shape, dtype),
+        qp,
+        kp,
+        vp,
+        dop,
+        stats,
+    )
+    dk, dv = launch(
+        dkv_kernel,
+        (kv_heads, s_pad // rows, b),
+        ("kv_heads", "k_tile", "batch"),
+        (per_wg(), per_wg(), ring(), ring(), plgpu.SMEM((stages, 2, block), jnp.float32)),
+        (
+            plgpu.Barrier(num_barriers=2 * CONSUMERS),  # K, V of each consumer
+            plgpu.Barrier(num_barriers=stages),  # q_ready
+            plgpu.Barrier(num_barriers=stages),  # do_ready
+            plgpu.Barrier(num_barriers=stages),  # stats_ready
+            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # free
+        ),
+        (jax.ShapeDtypeStruct(kp.shape, dtype), jax.ShapeDtypeStruct(vp.shape, dtype)),
+        qp,
+        kp,
+        vp,
+        dop,
+        stats,
+    )
+    return dq[:, :t], dk[:, :s], dv[:, :s]
