@@ -122,6 +122,8 @@ P = "jax_flash/pallas/_triton_kernels.py"
 # and its interpretation against float64 (tests/internals/test_pallas_mosaic.py).
 MOSAIC = "test_pallas_mosaic"
 MG = "jax_flash/pallas/_mosaic.py"
+MOSAIC_BWD = "test_pallas_mosaic and backward"
+MGB = "jax_flash/pallas/_mosaic_backward.py"
 
 K = "cuda/kernels/"
 MUTATIONS = [
@@ -996,6 +998,40 @@ MUTATIONS = [
         "",
         MOSAIC,
         what="mosaic forward: O not rescaled when the row max grows",
+    ),
+    Mutation(
+        "mosaic_bwd_stats_wait_dropped",
+        MGB,
+        "                plgpu.barrier_wait(stats_ready.at[slot])\n",
+        "",
+        MOSAIC_BWD,
+        what="mosaic backward: the dK/dV kernel reads lse and delta without waiting for their copy",
+    ),
+    Mutation(
+        "mosaic_bwd_slot_freed_early",
+        MGB,
+        "                dk = _accumulate(dk, dst.astype(dtype), q_smem.at[slot])\n"
+        "                plgpu.barrier_arrive(free.at[slot])",
+        "                plgpu.barrier_arrive(free.at[slot])\n"
+        "                dk = _accumulate(dk, dst.astype(dtype), q_smem.at[slot])",
+        MOSAIC_BWD,
+        what="mosaic backward: a dK/dV consumer frees its Q slot before its last product reads it",
+    ),
+    Mutation(
+        "mosaic_bwd_diagonal_unmasked",
+        MGB,
+        "                if masked:  # key r visible from query j iff r <= j",
+        "                if False:  # key r visible from query j iff r <= j",
+        MOSAIC_BWD,
+        what="mosaic backward: the dK/dV kernel's causal diagonal left unmasked",
+    ),
+    Mutation(
+        "mosaic_bwd_delta_dropped",
+        MGB,
+        "ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))",
+        "ds = p * dp",
+        MOSAIC_BWD,
+        what="mosaic backward: dS without the rowsum(dO o O) term in the dQ kernel",
     ),
     Mutation(
         "mosaic_general_gate_flipped",

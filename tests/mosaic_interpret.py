@@ -49,10 +49,9 @@ def install():
     """Patch the interpreter (once per process) and return `InterpretGPUParams`."""
     from jax._src import core as jax_core
     from jax._src.pallas.mosaic.interpret import utils as interpret_utils
-    from jax._src.pallas.mosaic_gpu import core as gpu_core
+    from jax._src.pallas.mosaic_gpu import core as gpu_core, primitives as gpu_primitives
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, jaxpr_interpret
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    from jax._src.pallas.mosaic_gpu import primitives as gpu_primitives
     from jax._src.state import discharge, primitives as state_primitives, types as state_types
 
     interpreter = jaxpr_interpret.JaxprInterpreter

@@ -36,8 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_flash.pallas._mosaic import CONSUMERS, LOG2E
-from jax_flash.pallas._mosaic import unsupported as forward_unsupported
+from jax_flash.pallas._mosaic import CONSUMERS, LOG2E, unsupported as forward_unsupported
 
 HEAD_DIMS = (64, 128)  # H = 256 needs smaller tiles than the ones below (shared memory)
 ROWS = 64  # rows of one consumer warpgroup: one wgmma M
@@ -266,9 +265,11 @@ def backward(q, k, v, out, lse, dout, dlse=None, *, scale: float, causal: bool =
 
             def head_of_group(g, carry):
                 start, end = g * per_head, (g + 1) * per_head
-                masked_end = start + jnp.minimum(jnp.int32(diagonal), per_head)
-                carry = lax.fori_loop(start, masked_end, lambda i, a: step(i, a, True), carry)
-                return lax.fori_loop(masked_end, end, lambda i, a: step(i, a, False), carry)
+                if causal:
+                    masked_end = start + jnp.minimum(jnp.int32(diagonal), per_head)
+                    carry = lax.fori_loop(start, masked_end, lambda i, a: step(i, a, True), carry)
+                    start = masked_end
+                return lax.fori_loop(start, end, lambda i, a: step(i, a, False), carry)
 
             dk, dv = lax.fori_loop(jnp.int32(0), jnp.int32(group), head_of_group, (_zeros((ROWS, h)),) * 2)
             k_smem.at[wg][...] = (dk * scale).astype(dtype)  # dK and dV are staged where K and V were
@@ -287,7 +288,9 @@ def backward(q, k, v, out, lse, dout, dlse=None, *, scale: float, causal: bool =
                 at = (batch, pl.ds(j0, block), head)
                 plgpu.copy_gmem_to_smem(q_ref.at[at], q_smem.at[slot], q_ready.at[slot])
                 plgpu.copy_gmem_to_smem(do_ref.at[at], do_smem.at[slot], do_ready.at[slot])
-                plgpu.copy_gmem_to_smem(stats_ref.at[batch, head, :, pl.ds(j0, block)], stats_smem.at[slot], stats_ready.at[slot])
+                plgpu.copy_gmem_to_smem(
+                    stats_ref.at[batch, head, :, pl.ds(j0, block)], stats_smem.at[slot], stats_ready.at[slot]
+                )
 
             _produce(cta_steps, stages, fetch, free)
 

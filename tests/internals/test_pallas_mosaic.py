@@ -30,7 +30,7 @@ import pytest
 
 import jax_flash
 import mosaic_interpret
-from jax_flash.pallas import _mosaic
+from jax_flash.pallas import _mosaic, _mosaic_backward
 
 pytestmark = pytest.mark.skipif(mosaic_interpret.available() is not None, reason=str(mosaic_interpret.available()))
 
@@ -72,6 +72,41 @@ def test_lowering_counts_can_fail():
     """The counts above see a change of schedule: three ring slots add a TMA pair."""
     ops = _module_ops(64, False, _mosaic.ForwardTiles(stages=3))
     assert ops["stable_mosaic_gpu.nvvm.cp.async.bulk.tensor.shared.cluster.global"] == 1 + 2 * 4
+
+
+def _backward_ops(h: int, causal: bool):
+    q = jax.ShapeDtypeStruct((2, 1024, 4, h), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 1024, 2, h), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((2, 4, 1024), jnp.float32)
+    fn = jax.jit(lambda q, k, v, o, lse, do: _mosaic_backward.backward(q, k, v, o, lse, do, scale=0.1, causal=causal))
+    return mosaic_interpret.module_ops(jax.export.export(fn, platforms=["cuda"])(q, k, k, q, lse, q).mlir_module())
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("h", _mosaic_backward.HEAD_DIMS)
+def test_backward_lowers_to_two_warp_specialised_kernels(h, causal):
+    """The dQ kernel and the dK/dV kernel, op by op (one copy of each loop body; causal: the
+    masked steps peeled into a loop of their own)."""
+    stages = _mosaic_backward.BackwardTiles().stages
+    dq, dkv = _backward_ops(h, causal)
+    for ops in (dq, dkv):
+        assert ops["stable_mosaic_gpu.nvvm.setmaxregister"] == 2, ops
+    op = lambda ops, name: ops["stable_mosaic_gpu.nvvm." + name]
+    loops = 2 if causal else 1
+    per_step = 64 * 64 // 128  # one ex2 per probability of the thread's share of a [64, 64] tile
+    # dQ: Q, dO and (lse₂, δ) once per consumer, K and V through the ring; waits: those three, K
+    # and V per step, the producer's free slots (loop, last steps), causal: the epilogue's K, V.
+    assert op(dq, "cp.async.bulk.tensor.shared.cluster.global") == 3 + 2 * (stages + 1), dq
+    assert op(dq, "mbarrier.try_wait.parity") == 3 + 2 * loops + 2 + (2 if causal else 0), dq
+    assert op(dq, "wgmma.commit.group.sync.aligned") == 3 * loops, dq  # S, dP, dQ
+    assert dq["asm:ex2.approx.ftz.f32"] == per_step * loops, dq
+    assert op(dq, "cp.async.bulk.tensor.global.shared.cta") == 1, dq  # dQ leaves by TMA
+    # dK/dV: K and V once per consumer, Q, dO and (lse₂, δ) through the ring.
+    assert op(dkv, "cp.async.bulk.tensor.shared.cluster.global") == 2 + 3 * (stages + 1), dkv
+    assert op(dkv, "mbarrier.try_wait.parity") == 2 + 3 * loops + 2, dkv
+    assert op(dkv, "wgmma.commit.group.sync.aligned") == 4 * loops, dkv  # Sᵀ, dV, dPᵀ, dK
+    assert dkv["asm:ex2.approx.ftz.f32"] == per_step * loops, dkv
+    assert op(dkv, "cp.async.bulk.tensor.global.shared.cta") == 2, dkv
 
 
 # (B, T, S, N, K, H, dtype, causal, scale): a ring that wraps (3 steps over 2 slots) with GQA;
@@ -148,6 +183,82 @@ def test_forward_interpreted_against_float64():
         assert not result["nan"], (case, result)
         assert result["out_error"] <= 4 * eps, (case, result)
         assert result["lse_error"] <= 1e-5, (case, result)
+
+
+# The backward: (B, T, S, N, K, H, dtype, causal, scale): GQA with both rings wrapping (6 key steps
+# of the dQ kernel, 2 heads x 2 query steps of the dK/dV kernel, over 2 slots); causal over two
+# tiles; ragged T and S; ragged causal with GQA.
+BACKWARD_CASES = [
+    (1, 128, 384, 4, 2, 128, "bfloat16", False, 0.3),
+    (2, 256, 256, 1, 1, 64, "float16", True, 0.125),
+    (1, 129, 255, 2, 2, 64, "bfloat16", False, 0.125),
+    (1, 130, 130, 2, 1, 64, "bfloat16", True, 0.125),
+]
+
+_INTERPRET_BACKWARD = r"""
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import mosaic_interpret
+params = mosaic_interpret.install()(detect_races=True)
+import importlib.util
+import jax, jax.numpy as jnp
+spec = importlib.util.spec_from_file_location("jax_flash_mosaic_backward_under_test", sys.argv[3])
+under_test = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = under_test
+spec.loader.exec_module(under_test)
+
+results = []
+for b, t, s, n, kh, h, dtype, causal, scale in json.loads(sys.argv[2]):
+    rng = np.random.default_rng(t + s + h)
+    q, k, v, do = (jnp.asarray(rng.standard_normal(shape) + 0.25, dtype)
+                   for shape in ((b, t, n, h), (b, s, kh, h), (b, s, kh, h), (b, t, n, h)))
+    qf, kf, vf, dof = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v, do))
+    g = n // kh
+    kr, vr = np.repeat(kf, g, axis=2), np.repeat(vf, g, axis=2)
+    x = np.einsum("btnh,bsnh->bnts", qf, kr) * scale
+    if causal:
+        x = np.where(np.arange(s)[None, :] <= np.arange(t)[:, None], x, -np.inf)
+    m = x.max(-1, keepdims=True)
+    lse = m + np.log(np.exp(x - m).sum(-1, keepdims=True))
+    p = np.exp(x - lse)
+    out = np.einsum("bnts,bsnh->btnh", p, vr)
+    dp = np.einsum("btnh,bsnh->bnts", dof, vr)
+    ds = p * (dp - np.einsum("btnh,btnh->bnt", dof, out)[..., None])
+    dq = np.einsum("bnts,bsnh->btnh", ds, kr) * scale
+    dk = np.einsum("bnts,btnh->bsnh", ds, qf).reshape(b, s, kh, g, h).sum(3) * scale
+    dv = np.einsum("bnts,btnh->bsnh", p, dof).reshape(b, s, kh, g, h).sum(3)
+    grads = under_test.backward(q, k, v, jnp.asarray(out, dtype), jnp.asarray(lse[..., 0], jnp.float32), do,
+                                scale=scale, causal=causal, interpret=params)
+    errors = {}
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, (dq, dk, dv)):
+        got = np.asarray(got.astype(jnp.float32), np.float64)
+        errors[name] = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+        errors[name + "_nan"] = bool(np.isnan(got).any())
+    results.append(errors)
+print(json.dumps(dict(results=results, races=mosaic_interpret.races_found())))
+"""
+
+
+def test_backward_interpreted_against_float64():
+    """dQ, dK and dV of each case within a few roundings of the 16-bit type of the float64
+    gradients (given the forward's out rounded to that type), nothing unwritten, no race."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    run = subprocess.run(
+        [sys.executable, "-c", _INTERPRET_BACKWARD, str(TESTS), json.dumps(BACKWARD_CASES), _mosaic_backward.__file__],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert not report["races"], report
+    for case, result in zip(BACKWARD_CASES, report["results"], strict=True):
+        eps = 2.0**-8 if case[6] == "bfloat16" else 2.0**-11
+        for name in ("dq", "dk", "dv"):
+            assert not result[name + "_nan"], (case, result)
+            assert result[name] <= 4 * eps, (case, name, result)
 
 
 # The wired forward (jax_flash.pallas._backend): jax_flash.attention(..., implementation="pallas",
