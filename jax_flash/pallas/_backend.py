@@ -12,8 +12,9 @@ no optional feature. A call runs it where `mosaic_unsupported` finds nothing aga
 
 It runs as the plain kernels do (`_triton.launches`): gated on the inputs being plain (q, k and v
 finite, no score can overflow; tested on the device), beside the Triton general forward gated on
-the negation and writing into the same results. The backward is Triton's either way (the
-forward's lse is the same natural-log statistic).
+the negation and writing into the same results. The backward of such a call runs the Mosaic GPU
+backward (`_mosaic_backward`: H = 64 or 128) gated the same way beside Triton's general backward;
+at other head dims Triton's backward (the forward's lse is the same natural-log statistic).
 
 Mosaic GPU kernels compile for GPUs only: on a CPU the package cannot run them (JAX's Mosaic GPU
 interpreter is private API). `INTERPRET` is the hook the tests set, through their version-pinned
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 from jax_flash import _heuristics, _registry
 from jax_flash._spec import AttentionSpec
-from jax_flash.pallas import _mosaic
+from jax_flash.pallas import _mosaic, _mosaic_backward
 
 # The architectures the Mosaic GPU forward is built for (wgmma and setmaxnreg: sm_90a).
 MOSAIC_ARCHS = ("sm_90",)
@@ -77,6 +78,20 @@ def choose(spec: AttentionSpec) -> tuple[str, str]:
     return _heuristics.measured_pallas_backend(spec, _registry.device_arch(), _registry.measured_entries())
 
 
+def backward_unsupported(spec: AttentionSpec) -> str | None:
+    """Why the Mosaic GPU backward cannot serve a call whose forward it serves, or None."""
+    b, t, s, n, kv, h = spec.batch, spec.q_len, spec.kv_len, spec.num_heads, spec.num_kv_heads, spec.head_dim
+    causal = spec.window_right == 0
+    return _mosaic_backward.unsupported(
+        (b, t, n, h), (b, s, kv, h), (b, s, kv, spec.v_head_dim), spec.dtype, causal=causal
+    )
+
+
+def runs_mosaic_backward(spec: AttentionSpec) -> bool:
+    """The backward of `spec` runs the Mosaic GPU kernels: its forward does, and they serve it."""
+    return runs_mosaic(spec) and backward_unsupported(spec) is None
+
+
 def runs_mosaic(spec: AttentionSpec) -> bool:
     """The forward of `spec` runs the Mosaic GPU kernel (False where `choose` raises)."""
     try:
@@ -93,7 +108,13 @@ def description(spec: AttentionSpec) -> str:
         return f"forward: {e}"
     if backend == "triton":
         return f"forward compiled by {why}"
+    why_not = backward_unsupported(spec)
+    backward = (
+        "backward on Mosaic GPU too (a dQ kernel and a dK/dV kernel over the group's heads)"
+        if why_not is None
+        else f"backward on Triton (the Mosaic GPU backward does not serve {why_not})"
+    )
     return (
         f"forward compiled by {why}: FlashAttention-3's schedule (TMA ring, wgmma, two consumer "
-        "warpgroups), its plain kernel where q, k and v are finite, Triton's general kernels elsewhere"
+        f"warpgroups), its plain kernel where q, k and v are finite, Triton's general kernels elsewhere; {backward}"
     )

@@ -111,9 +111,14 @@ def _produce(steps, stages, fetch, free):
         plgpu.barrier_wait(free.at[slot_of(i)])
 
 
-def backward(q, k, v, out, lse, dout, dlse=None, *, scale: float, causal: bool = False, tiles=None, interpret=None):
+def backward(
+    q, k, v, out, lse, dout, dlse=None, *, scale: float, causal: bool = False, tiles=None, run=None, interpret=None
+):
     """(dq, dk, dv) of the plain attention of canonical q [B, T, N, H], k, v [B, S, K, H] given the
-    forward's out and lse [B, N, T] (natural log) and the cotangents dout (and dlse)."""
+    forward's out and lse [B, N, T] (natural log) and the cotangents dout (and dlse).
+
+    `run`: None, or an int32 [1] array: where it holds 0 every CTA of both kernels returns after
+    one load and the results are left unwritten (as the forward's `run`)."""
     b, t, n, h = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
     tiles = tiles or BackwardTiles()
@@ -140,7 +145,7 @@ def backward(q, k, v, out, lse, dout, dlse=None, *, scale: float, causal: bool =
     stages = tiles.stages
     slot_of = _ring(stages)
 
-    def dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, smem, barriers):
+    def dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, run_ref, dq_ref, smem, barriers):
         q_smem, do_smem, stats_smem, k_smem, v_smem = smem
         rows_ready, k_ready, v_ready, free = barriers
         batch, head, tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tile")
@@ -150,7 +155,9 @@ def backward(q, k, v, out, lse, dout, dlse=None, *, scale: float, causal: bool =
         if causal:
             cta_steps = jnp.minimum(pl.cdiv((tile + 1) * rows, jnp.int32(block)), all_steps)
 
-        @pl.when(wg < CONSUMERS)
+        runs = True if run_ref is None else run_ref[0] != 0
+
+        @pl.when((wg < CONSUMERS) & runs)
         def _consumer():
             plgpu.set_max_registers(232, action="increase")
             t0 = tile * rows + wg * ROWS
@@ -205,7 +212,7 @@ def backward(q, k, v, out, lse, dout, dlse=None, *, scale: float, causal: bool =
             plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[at])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == CONSUMERS)
+        @pl.when((wg == CONSUMERS) & runs)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
             kv_head = lax.div(head, jnp.int32(group))
@@ -217,7 +224,7 @@ def backward(q, k, v, out, lse, dout, dlse=None, *, scale: float, causal: bool =
 
             _produce(cta_steps, stages, fetch, free)
 
-    def dkv_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dk_ref, dv_ref, smem, barriers):
+    def dkv_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, run_ref, dk_ref, dv_ref, smem, barriers):
         k_smem, v_smem, q_smem, do_smem, stats_smem = smem
         keys_ready, q_ready, do_ready, stats_ready, free = barriers
         batch, kv_head, tile = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("k_tile")
@@ -232,7 +239,9 @@ def backward(q, k, v, out, lse, dout, dlse=None, *, scale: float, causal: bool =
             """(query head, first row) of step i."""
             return kv_head * group + lax.div(i, per_head), (first + lax.rem(i, per_head)) * block
 
-        @pl.when(wg < CONSUMERS)
+        runs = True if run_ref is None else run_ref[0] != 0
+
+        @pl.when((wg < CONSUMERS) & runs)
         def _consumer():
             plgpu.set_max_registers(232, action="increase")
             k0 = tile * rows + wg * ROWS
@@ -279,7 +288,7 @@ def backward(q, k, v, out, lse, dout, dlse=None, *, scale: float, causal: bool =
             plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[at])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == CONSUMERS)
+        @pl.when((wg == CONSUMERS) & runs)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
 
@@ -296,6 +305,8 @@ def backward(q, k, v, out, lse, dout, dlse=None, *, scale: float, causal: bool =
 
     def launch(kernel, grid, grid_names, smem, barriers, out_type, *args):
         def entry(*refs):
+            if run is None:  # no gate: the kernel's run_ref is None
+                refs = (*refs[:5], None, *refs[5:])
             pl.run_scoped(lambda smem, barriers: kernel(*refs, smem, barriers), smem, barriers, collective_axes="wg")
 
         return plgpu.kernel(
@@ -307,7 +318,7 @@ def backward(q, k, v, out, lse, dout, dlse=None, *, scale: float, causal: bool =
             thread_name="wg",
             compiler_params=plgpu.CompilerParams(approx_math=True),
             interpret=interpret,
-        )(*args)
+        )(*args, *(() if run is None else (run,)))
 
     per_wg = lambda: plgpu.SMEM((CONSUMERS, ROWS, h), dtype, transforms=_layout())
     ring = lambda: plgpu.SMEM((stages, block, h), dtype, transforms=_layout())

@@ -46,7 +46,7 @@ from jax_flash._merge import merge_partials
 from jax_flash._numerics import pad_axis, round_up, scores_are_finite
 from jax_flash._paged_spec import PagedSpec
 from jax_flash._spec import AttentionSpec, MaskInputs
-from jax_flash.pallas import _backend, _decode, _flex_tiles, _mosaic
+from jax_flash.pallas import _backend, _decode, _flex_tiles, _mosaic, _mosaic_backward
 from jax_flash.pallas._table import padded_head_dim, smem_budget, smem_estimate
 from jax_flash.pallas._triton_kernels import (
     Layout,
@@ -438,6 +438,10 @@ def backward(
     partitioned over the inputs' shardings."""
 
     def local(spec, q, k, v, masks, out, lse, dout, dlse):
+        if _backend.runs_mosaic_backward(spec):
+            return _mosaic_backward_call(
+                spec, q, k, v, masks, out, lse, dout, dlse, configs=configs, interpret=interpret
+            )
         run = launches(spec, q, k, v, masks)
         return _backward_call(
             spec, q, k, v, masks, out, lse, dout, dlse, configs=configs, interpret=interpret, launches=run
@@ -581,6 +585,40 @@ def _forward_call(
     return out[:, :t, :, :hv], lse[:, :, :t]
 
 
+def _mosaic_backward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, out, lse, dout, dlse, *, configs, interpret):
+    """The Mosaic GPU backward gated on `plain_inputs`, then the Triton general kernels gated on
+    the negation, writing into its results (`_backend`'s docstring)."""
+    run = plain_inputs(q, k, v, masks).astype(jnp.int32).reshape(1)
+    grads = _mosaic_backward.backward(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dout.astype(q.dtype),
+        dlse.astype(jnp.float32),
+        scale=spec.scale,
+        causal=spec.window_right == 0,
+        run=run,
+        interpret=_backend.INTERPRET,
+    )
+    return _backward_call(
+        spec,
+        q,
+        k,
+        v,
+        masks,
+        out,
+        lse,
+        dout,
+        dlse,
+        configs=configs,
+        interpret=interpret,
+        launches=((False, 1 - run),),
+        outs=grads,
+    )
+
+
 def _backward_call(
     spec: AttentionSpec,
     q,
@@ -595,9 +633,11 @@ def _backward_call(
     configs,
     interpret,
     launches=((False, None),),
+    outs=(),
 ):
     """The dK/dV and dQ kernels (plain or general) on (local) canonical arrays; `spec`
-    describes them."""
+    describes them. `outs`: (dq, dk, dv) of an earlier launch the launches write into (no bias;
+    ragged T or S padded to the tiles: copies)."""
     pl, _ = triton()
     interpret = _interpret(interpret)
     b, t, n, h = q.shape
@@ -626,7 +666,10 @@ def _backward_call(
     # dK, dV: grid (key block, kv head · splits, batch); each program loops over G / splits
     # query heads of its kv head. splits = 1 (no partial sums) unless the grid would be too
     # small to fill the GPU (MQA/GQA at small batch); then f32 partials are summed below.
-    splits = _heuristics.pallas_group_splits(g, (s_pad // bk1) * kh * b, interpret, _num_sms())
+    splits = 1 if outs else _heuristics.pallas_group_splits(g, (s_pad // bk1) * kh * b, interpret, _num_sms())
+    pad_rows = lambda x, length, width: pad_axis(pad_axis(x, 3, width), 1, length)
+    outs_dq = (pad_rows(outs[0], t_pad, hp),) if outs else ()
+    outs_dkv = (pad_rows(outs[1], s_pad, hp), pad_rows(outs[2], s_pad, hvp)) if outs else ()
     q5 = qp.reshape(b, t_pad, kh, g, hp)
     do5 = dop.reshape(b, t_pad, kh, g, hvp)
     rows5 = pl.BlockSpec((None, t_pad, None, g, hp), lambda j, h_, b_: (b_, 0, h_ // splits, 0, 0))
@@ -652,6 +695,7 @@ def _backward_call(
             jax.ShapeDtypeStruct((b, s_pad, kh * splits, hvp), dkv_dtype(v)),
         ],
         "jax_flash_bwd_dkdv",
+        outs=outs_dkv,
         grid=(s_pad // bk1, kh * splits, b),
         compiler_params=compiler_params(cfg_kv),
         interpret=interpret,
@@ -681,6 +725,7 @@ def _backward_call(
         out_specs,
         out_shape,
         "jax_flash_bwd_dq",
+        outs=outs_dq,
         grid=(t_pad // bq2, n, b),
         compiler_params=compiler_params(cfg_q),
         interpret=interpret,

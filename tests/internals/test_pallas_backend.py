@@ -119,6 +119,10 @@ def test_explain_names_the_backend(sm90):
     q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
     text = str(jax_flash.explain(q, q, q, implementation="pallas", config=MOSAIC, verbose=True))
     assert "forward on Mosaic GPU" in text and "FlashAttention-3's schedule" in text
+    assert "backward on Mosaic GPU too" in text
+    q256 = jnp.zeros((1, 128, 2, 256), jnp.bfloat16)
+    text = str(jax_flash.explain(q256, q256, q256, implementation="pallas", config=MOSAIC, verbose=True))
+    assert "backward on Triton (the Mosaic GPU backward does not serve head dim 256 in the backward" in text
     text = str(jax_flash.explain(q, q, q, implementation="pallas", verbose=True))
     assert "forward compiled by Triton" in text and "no device run on sm_90 measured" in text
 
@@ -136,6 +140,23 @@ def test_wired_forward_lowers_without_a_conditional(sm90):
         assert calls == {"mosaic_gpu_v2": 1, "__gpu$xla.gpu.triton": 1}, calls
         assert "jax_flash_fwd" in text and "jax_flash_fwd_plain" not in text
         assert "stablehlo.case" not in text and "stablehlo.if" not in text
+
+
+def test_wired_backward_lowers_without_a_conditional(sm90):
+    """The gradient of a Mosaic GPU call: the forward's two kernels and the backward's Mosaic GPU dQ
+    and dK/dV kernels beside Triton's general two, each gated, no case/if."""
+    spec = _spec(t=256, s=256, num_heads=2, num_kv_heads=1, batch=1, causal=True)
+    q = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 256, 1, 128), jnp.bfloat16)
+
+    def fwd_bwd(q, k, v):
+        out, lse = pallas.forward(spec, q, k, v, MaskInputs(), interpret=False)
+        return pallas.backward(spec, q, k, v, MaskInputs(), out, lse, out, lse, interpret=False)
+
+    text = jax.jit(fwd_bwd).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    calls = collections.Counter(re.findall(r"custom_call @([A-Za-z0-9_$.]+)", text))
+    assert calls == {"mosaic_gpu_v2": 3, "__gpu$xla.gpu.triton": 3}, calls
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text
 
 
 def test_wired_forward_lowering_can_fail(sm90):

@@ -283,7 +283,7 @@ import mosaic_interpret
 params = mosaic_interpret.install()(detect_races=True)
 import jax, jax.numpy as jnp
 import jax_flash
-from jax_flash.pallas import _backend, _mosaic
+from jax_flash.pallas import _backend, _mosaic, _mosaic_backward
 from jax_flash.reference import attention_reference
 assert os.path.realpath(jax_flash.__file__) == os.path.realpath(want), jax_flash.__file__
 _backend.INTERPRET = params
@@ -316,15 +316,21 @@ for b, t, s, n, kh, h, causal, bad in json.loads(sys.argv[2]):
         ref_grads = jax.grad(loss(ref_attend), argnums=(0, 1, 2))(q, k, v)
         result["grad_error"] = max(float(np.max(np.abs(f32(g) - f32(r))) / np.max(np.abs(f32(r))))
                                    for g, r in zip(grads, ref_grads))
+        # The Mosaic GPU backward's own bits, given the forward's out and lse and the cotangent.
+        out_m, lse_m = _mosaic.forward(q, k, v, scale=h**-0.5, causal=causal, interpret=params)
+        dout = jnp.broadcast_to(jnp.cos(jnp.arange(h)), out_m.shape).astype(out_m.dtype)
+        alone = _mosaic_backward.backward(q, k, v, out_m, lse_m, dout, jnp.zeros_like(lse_m),
+                                          scale=h**-0.5, causal=causal, interpret=params)
+        result["mosaic_backward_bits"] = all(bool(np.array_equal(f32(g), f32(a))) for g, a in zip(grads, alone))
     results.append(result)
 print(json.dumps(dict(results=results, races=mosaic_interpret.races_found())))
 """
 
 
 def test_wired_forward_interpreted():
-    """jax_flash.attention's pallas forward on Mosaic GPU: finite inputs give the Mosaic GPU kernel's
-    own bits (the Triton general kernel, gated off, leaves them) and its gradient (Triton's
-    backward on its lse) matches the reference; a NaN in v or an inf in q goes to the general
+    """jax_flash.attention's pallas on Mosaic GPU: finite inputs give the Mosaic GPU kernels' own
+    bits, forward and backward (the Triton general kernels, gated off, leave them), and the
+    gradients match the reference; a NaN in v or an inf in q goes to the general
     kernel, whose NaN rows are the reference's, the other rows within a few roundings."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     run = subprocess.run(
@@ -343,3 +349,4 @@ def test_wired_forward_interpreted():
         if case[-1] is None:
             assert result["mosaic_bits"], (case, result)
             assert result["grad_error"] <= 4 * 2.0**-8, (case, result)
+            assert result["mosaic_backward_bits"], (case, result)
