@@ -198,8 +198,8 @@ class Config:
       pallas_backend: the compiler of the `pallas` forward's plain calls: "auto" (the rule:
         Mosaic GPU where a device run measured it faster on this GPU's architecture, Triton
         elsewhere), "triton", or "mosaic_gpu" (the Mosaic GPU kernel on sm_90; a call it
-        cannot serve is an error naming why). The backward and the calls with features run
-        the Triton kernels.
+        cannot serve is an error naming why); its backward on Mosaic GPU too at H = 64 or 128.
+        Calls with features run the Triton kernels.
       deterministic: the `cuda` backward accumulates dQ (and a broadcast dbias) without
         racing atomics: bitwise reproducible gradients.
       poison_outputs: the compiled kernels (`cpu`, `cuda`, emulated `cuda`) fill their

@@ -10,9 +10,9 @@ One room, its parts:
 - `_triton_kernels`: their bodies, plain and general (the numerical contract off the plain
   kernels' key loops: its docstring);
 - `_flex_tiles`: flex_attention's `score_mod` and `mask_mod` evaluated on a kernel's tile;
-- `_mosaic`: the forward's plain kernel on Mosaic GPU (sm_90a: FlashAttention-3's schedule), and
-  `_backend`, which says per call whether the forward runs it or the Triton kernels
-  (`Config.pallas_backend`);
+- `_mosaic` and `_mosaic_backward`: the plain kernels on Mosaic GPU (sm_90a: FlashAttention-3's
+  schedule), the forward and the backward's dQ and dK/dV kernels, and `_backend`, which says per
+  call whether they run or the Triton kernels (`Config.pallas_backend`);
 - `_decode`: the paged decode kernel (`paged_attention(..., implementation="pallas")`);
 - `_table` and `table.json`: the tile table (tiles, warps, stages per head dim, dtype and
   pass), with its shared-memory fit, read by `jax_flash._heuristics`;
