@@ -1034,6 +1034,22 @@ MUTATIONS = [
         what="mosaic backward: dS without the rowsum(dO o O) term in the dQ kernel",
     ),
     Mutation(
+        "mosaic_sink_not_joined",
+        MG,
+        "            if sinks_ref is not None:  # one more logit of every row",
+        "            if False:  # one more logit of every row",
+        MOSAIC,
+        what="mosaic forward: the attention sinks left out",
+    ),
+    Mutation(
+        "mosaic_general_backward_ungated",
+        "jax_flash/pallas/_triton.py",
+        "launches=((False, 1 - run),),\n        outs=grads,",
+        "launches=((False, None),),\n        outs=grads,",
+        MOSAIC,
+        what="pallas on Mosaic GPU: the Triton general backward runs on every call, over the Mosaic GPU gradients",
+    ),
+    Mutation(
         "mosaic_general_gate_flipped",
         "jax_flash/pallas/_triton.py",
         "launches=((False, 1 - run),), outs=(out, lse)",

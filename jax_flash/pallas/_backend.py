@@ -2,7 +2,7 @@
 its kernel serves (`Config.pallas_backend`; decided when the call is traced).
 
 The Mosaic GPU forward (`_mosaic`) is FlashAttention-3's schedule for sm_90: one plain kernel,
-no optional feature. A call runs it where `mosaic_unsupported` finds nothing against it and
+causal or not, with attention sinks, no other optional feature. A call runs it where `mosaic_unsupported` finds nothing against it and
 
 - `pallas_backend="mosaic_gpu"`: always (a call it cannot serve is an error naming why);
 - `pallas_backend="auto"` (the default): where a device run measured it faster than the Triton
@@ -47,7 +47,6 @@ def mosaic_unsupported(spec: AttentionSpec) -> str | None:
         (spec.has_q_lengths or spec.has_kv_lengths, "sequence lengths"),
         (spec.has_segment_ids, "segment ids"),
         (spec.has_q_offset, "a query offset"),
-        (spec.has_sinks, "attention sinks"),
         (spec.mask_shape is not None, "a dense mask"),
         (spec.has_dropout, "dropout"),
     )

@@ -23,8 +23,9 @@ gets exp2(0) = 1 at any magnitude: the form of the other plain kernels
 (docs/numerical-contract.md). The two consumers take turns on the tensor cores (the
 `schedule` barrier): while one runs its softmax the other's wgmma runs.
 
-This is the plain kernel only: finite inputs (the caller will test them, as for the Triton
-plain kernels), no soft cap, bias, mask, lengths, segments or sinks, causal (T = S) or not.
+This is the plain kernel only: finite inputs (the caller tests them, as for the Triton plain
+kernels), no soft cap, bias, mask, lengths or segments, causal (T = S) or not; attention sinks
+joined after the key loop as the Triton plain forward joins them.
 Ragged T and S are padded with zeros to whole tiles here (the rows past T are computed and
 dropped, the keys past S masked in the last key step, which is peeled off the loop like the
 causal diagonal); `unsupported` says why a call falls outside. `jax_flash.pallas._backend`
@@ -91,10 +92,23 @@ def unsupported(shape_q, shape_k, shape_v, dtype, *, causal: bool) -> str | None
 
 
 def forward(
-    q, k, v, *, scale: float, causal: bool = False, tiles: ForwardTiles | None = None, run=None, interpret=None
+    q,
+    k,
+    v,
+    *,
+    scale: float,
+    causal: bool = False,
+    tiles: ForwardTiles | None = None,
+    sinks=None,
+    run=None,
+    interpret=None,
 ):
     """(out [B, T, N, H], lse [B, N, T] f32, natural log) of the plain attention of canonical
     q [B, T, N, H], k, v [B, S, K, H]; see the module docstring for what it serves.
+
+    `sinks`: None, or [N] float32 logits joined as one more logit of every row after the key loop,
+    as the Triton plain forward joins them: a -inf sink gives the call without it bit for bit,
+    a NaN or +inf one makes the head's rows NaN.
 
     `run`: None, or an int32 [1] array: where it holds 0 every CTA returns after one load and
     the results are left unwritten (the launch that does not apply, beside another kernel that
@@ -123,7 +137,7 @@ def forward(
         """The ring slot of key step i."""
         return lax.rem(i, jnp.asarray(stages, i.dtype))
 
-    def body(q_ref, k_ref, v_ref, run_ref, out_ref, lse_ref, smem, barriers):
+    def body(q_ref, k_ref, v_ref, sinks_ref, run_ref, out_ref, lse_ref, smem, barriers):
         qo_smem, k_smem, v_smem, lse_smem = smem
         q_ready, k_ready, v_ready, k_free, v_free, schedule = barriers
         batch, head, q_tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tile")
@@ -214,9 +228,18 @@ def forward(
 
             o, m, l = carry
             pl.when(wg == 0)(take_turn)
+            top = m * scale  # the rows' largest logit
+            if sinks_ref is not None:  # one more logit of every row (-inf: none)
+                sink = sinks_ref[head]
+                new_top = jnp.maximum(top, sink)
+                shift = jnp.where(new_top == -jnp.inf, 0.0, new_top)
+                f = jnp.exp2((top - shift) * LOG2E)
+                l = l * f + jnp.exp2((sink - shift) * LOG2E)
+                o = o * lax.broadcast_in_dim(f, o.shape, [0])
+                top = new_top
             o = o / lax.broadcast_in_dim(l, o.shape, [0])
             q_smem[...] = o.astype(dtype)  # O is staged where Q was
-            lse_rows[...] = m * scale + jnp.log(l)
+            lse_rows[...] = top + jnp.log(l)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, out_ref.at[batch, pl.ds(t0, block_q), head])
             plgpu.copy_smem_to_gmem(lse_rows, lse_ref.at[batch, head, pl.ds(t0, block_q)])
@@ -254,7 +277,10 @@ def forward(
                 wait_free(slot_of(i))
 
     def entry(q_ref, k_ref, v_ref, *refs):
-        run_ref, (out_ref, lse_ref) = (None, refs) if run is None else (refs[0], refs[1:])
+        rest = list(refs)
+        sinks_ref = None if sinks is None else rest.pop(0)
+        run_ref = None if run is None else rest.pop(0)
+        out_ref, lse_ref = rest
         layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         smem = (
             plgpu.SMEM((CONSUMERS, block_q, h), dtype, transforms=layout),  # Q, then O
@@ -271,7 +297,7 @@ def forward(
             plgpu.Barrier(num_arrivals=CONSUMERS),  # schedule
         )
         pl.run_scoped(
-            lambda smem, barriers: body(q_ref, k_ref, v_ref, run_ref, out_ref, lse_ref, smem, barriers),
+            lambda smem, barriers: body(q_ref, k_ref, v_ref, sinks_ref, run_ref, out_ref, lse_ref, smem, barriers),
             smem,
             barriers,
             collective_axes="wg",
@@ -286,5 +312,5 @@ def forward(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
-    )(q, k, v, *(() if run is None else (run,)))
+    )(q, k, v, *(x for x in (sinks, run) if x is not None))
     return (out, lse) if t_pad == t else (out[:, :t], lse[:, :, :t])

@@ -507,7 +507,10 @@ def _mosaic_forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, con
     on the negation, writing into its results (`_backend`'s docstring)."""
     run = plain_inputs(q, k, v, masks).astype(jnp.int32).reshape(1)
     causal = spec.window_right == 0
-    out, lse = _mosaic.forward(q, k, v, scale=spec.scale, causal=causal, run=run, interpret=_backend.INTERPRET)
+    sinks = None if masks.sinks is None else masks.sinks.astype(jnp.float32)
+    out, lse = _mosaic.forward(
+        q, k, v, scale=spec.scale, causal=causal, sinks=sinks, run=run, interpret=_backend.INTERPRET
+    )
     return _forward_call(
         spec, q, k, v, masks, configs=configs, interpret=interpret, launches=((False, 1 - run),), outs=(out, lse)
     )

@@ -62,7 +62,6 @@ def test_forced_mosaic_serves_plain_calls(sm90):
         (dict(window_left=128, window_right=0), "a sliding window"),
         (dict(has_kv_lengths=True), "sequence lengths"),
         (dict(has_segment_ids=True), "segment ids"),
-        (dict(has_sinks=True), "attention sinks"),
         (dict(dropout_rate=0.1), "dropout"),
         (dict(value_head_dim=64), "a value head dim 64"),
         (dict(head_dim=96, scale=0.1), "head dim 96"),

@@ -322,6 +322,19 @@ for b, t, s, n, kh, h, causal, bad in json.loads(sys.argv[2]):
         alone = _mosaic_backward.backward(q, k, v, out_m, lse_m, dout, jnp.zeros_like(lse_m),
                                           scale=h**-0.5, causal=causal, interpret=params)
         result["mosaic_backward_bits"] = all(bool(np.array_equal(f32(g), f32(a))) for g, a in zip(grads, alone))
+        # Sinks: one finite (joined after the key loop), one -inf (no sink: the call without it, bit
+        # for bit); their gradient through the lse.
+        sinks = jnp.array([0.5, -jnp.inf] * (n // 2), jnp.float32)
+        sunk = lambda q, k, v, sinks: jax_flash.attention(
+            q, k, v, sinks=sinks, is_causal=causal, implementation="pallas", config=cfg)
+        with_sinks = f32(sunk(q, k, v, sinks))
+        ref_sinks = f32(attention_reference(q, k, v, sinks=sinks, is_causal=causal, compute_dtype=jnp.float32))
+        result["sinks_error"] = float(np.max(np.abs(with_sinks - ref_sinks)) / np.max(np.abs(ref_sinks)))
+        result["no_sink_bits"] = bool(np.array_equal(with_sinks[:, :, 1::2], out[:, :, 1::2]))
+        dsinks = jax.grad(lambda s: jnp.sum(sunk(q, k, v, s).astype(jnp.float32) ** 2))(sinks)
+        ref_dsinks = jax.grad(lambda s: jnp.sum(attention_reference(
+            q, k, v, sinks=s, is_causal=causal, compute_dtype=jnp.float32) ** 2))(sinks)
+        result["dsinks_error"] = float(np.max(np.abs(f32(dsinks) - f32(ref_dsinks))) / np.max(np.abs(f32(ref_dsinks))))
     results.append(result)
 print(json.dumps(dict(results=results, races=mosaic_interpret.races_found())))
 """
@@ -330,7 +343,8 @@ print(json.dumps(dict(results=results, races=mosaic_interpret.races_found())))
 def test_wired_forward_interpreted():
     """jax_flash.attention's pallas on Mosaic GPU: finite inputs give the Mosaic GPU kernels' own
     bits, forward and backward (the Triton general kernels, gated off, leave them), and the
-    gradients match the reference; a NaN in v or an inf in q goes to the general
+    gradients match the reference, with sinks too (a -inf one: the call without it, bit for bit);
+    a NaN in v or an inf in q goes to the general
     kernel, whose NaN rows are the reference's, the other rows within a few roundings."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     run = subprocess.run(
@@ -350,3 +364,5 @@ def test_wired_forward_interpreted():
             assert result["mosaic_bits"], (case, result)
             assert result["grad_error"] <= 4 * 2.0**-8, (case, result)
             assert result["mosaic_backward_bits"], (case, result)
+            assert result["sinks_error"] <= 4 * 2.0**-8 and result["no_sink_bits"], (case, result)
+            assert result["dsinks_error"] <= 4 * 2.0**-8, (case, result)
