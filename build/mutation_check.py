@@ -954,8 +954,8 @@ MUTATIONS = [
     Mutation(
         "mosaic_ready_wait_dropped",
         MG,
-        "                plgpu.barrier_wait(k_ready.at[slot])\n",
-        "",
+        "                plgpu.barrier_wait(k_ready.at[slot])\n\n                def scores(acc):",
+        "\n                def scores(acc):",
         MOSAIC,
         what="mosaic forward: a consumer reads a key tile without waiting for its copy",
     ),
