@@ -36,6 +36,7 @@ holds its lowering and its interpretation, build/mosaic_check.py its run on a GP
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -71,8 +72,74 @@ def default_tiles(head_dim: int) -> ForwardTiles:
     return ForwardTiles(block_kv=64 if head_dim > 128 else 128, stages=2)
 
 
-def unsupported(shape_q, shape_k, shape_v, dtype, *, causal: bool) -> str | None:
-    """Why the Mosaic GPU forward cannot serve these shapes, or None."""
+def band(causal: bool = False, window_left: int | None = None, window_right: int | None = None):
+    """(lo, hi): row r sees key j iff lo <= j - r <= hi (None: that side unbounded), as
+    `AttentionSpec.band()` at query offset 0; causal is hi = 0."""
+    hi = 0 if causal else window_right
+    return (None if window_left is None else -window_left), hi
+
+
+def visible_steps(lo, hi, limit: int, r0, rows: int, block: int, steps: int):
+    """For rows [r0, r0 + rows) of a band (lo, hi) over `limit` real keys in `steps` key steps of
+    `block` keys: (first, full_lo, full_hi, last), int32: the steps [first, last) hold a key some
+    row sees, and of them [full_lo, full_hi) only keys every row sees (the others are masked).
+    The same function gives the query steps that see keys [r0, r0 + rows) with (-hi, -lo)."""
+    i32 = jnp.int32
+    first = i32(0) if lo is None else lax.div(jnp.maximum(r0 + lo, 0), i32(block))
+    last = i32(steps) if hi is None else jnp.minimum(pl.cdiv(jnp.maximum(r0 + rows + hi, 0), i32(block)), i32(steps))
+    first = jnp.minimum(first, last)
+    full_lo = first if lo is None else pl.cdiv(jnp.maximum(r0 + rows - 1 + lo, 0), i32(block))
+    full_hi = i32(limit // block)
+    if hi is not None:
+        full_hi = jnp.minimum(lax.div(jnp.maximum(r0 + hi + 1, 0), i32(block)), full_hi)
+    full_lo = jnp.clip(full_lo, first, last)
+    return first, full_lo, jnp.clip(full_hi, full_lo, last), last
+
+
+def ring_slot(i, stages: int):
+    """The ring slot of step i."""
+    return lax.rem(i, jnp.asarray(stages, i.dtype))
+
+
+def produce(start, stop, stages: int, fetch, wait_free):
+    """A producer warpgroup's loop over the steps [start, stop): the ring's first fill, each later
+    step once its slot is free (`wait_free(slot)`), and the last steps' releases observed (every
+    phase of a barrier is waited for before the barrier goes). `fetch(i, slot)` issues step i's
+    TMA copies into `slot`."""
+    for r in range(stages):
+
+        @pl.when(start + r < stop)
+        def _(r=r):
+            fetch(start + r, ring_slot(start + r, stages))
+
+    @pl.loop(start + stages, stop)
+    def _(i):
+        slot = ring_slot(i, stages)
+        wait_free(slot)
+        fetch(i, slot)
+
+    @pl.loop(jnp.maximum(stop - stages, start), stop)
+    def _(i):
+        wait_free(ring_slot(i, stages))
+
+
+def mask_band(x, lo, hi, r0, c0, limit=None):
+    """Scores x [rows, cols] (WGMMA layout) with -inf where column c0 + j is not visible from row
+    r0 + i: outside lo <= col - row <= hi (None: unbounded), or col >= limit."""
+    row = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA) + r0
+    col = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA) + c0
+    conditions = [col < limit] if limit is not None else []
+    if lo is not None:
+        conditions.append(col - row >= lo)
+    if hi is not None:
+        conditions.append(col - row <= hi)
+    visible = functools.reduce(jnp.logical_and, conditions)
+    return jnp.where(visible, x, -jnp.inf)
+
+
+def unsupported(shape_q, shape_k, shape_v, dtype, *, causal: bool, window=(None, None)) -> str | None:
+    """Why the Mosaic GPU forward cannot serve these shapes, or None. `window`: (left, right) keys
+    of a sliding window (None: unbounded)."""
     _, t, n, h = shape_q
     _, s, kh, hk = shape_k
     hv = shape_v[-1]
@@ -88,6 +155,10 @@ def unsupported(shape_q, shape_k, shape_v, dtype, *, causal: bool) -> str | None
         return "an empty sequence"
     if causal and t != s:
         return "a causal call with T != S"
+    if window != (None, None) and t != s:
+        return "a sliding window with T != S"
+    if any(w is not None and w < 0 for w in window):
+        return f"a window {window} with a negative side"
     return None
 
 
@@ -98,13 +169,15 @@ def forward(
     *,
     scale: float,
     causal: bool = False,
+    window: tuple[int | None, int | None] = (None, None),
     tiles: ForwardTiles | None = None,
     sinks=None,
     run=None,
     interpret=None,
 ):
     """(out [B, T, N, H], lse [B, N, T] f32, natural log) of the plain attention of canonical
-    q [B, T, N, H], k, v [B, S, K, H]; see the module docstring for what it serves.
+    q [B, T, N, H], k, v [B, S, K, H]; see the module docstring for what it serves. `window`:
+    (left, right) keys a row sees around its own (None: unbounded; causal sets right = 0).
 
     `sinks`: None, or [N] float32 logits joined as one more logit of every row after the key loop,
     as the Triton plain forward joins them: a -inf sink gives the call without it bit for bit,
@@ -116,9 +189,10 @@ def forward(
     b, t, n, h = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
     tiles = tiles or default_tiles(h)
-    why = unsupported(q.shape, k.shape, v.shape, q.dtype, causal=causal)
+    why = unsupported(q.shape, k.shape, v.shape, q.dtype, causal=causal, window=window)
     if why is not None:
         raise ValueError(f"the Mosaic GPU forward does not serve {why}")
+    lo, hi = band(causal, *window)
     block_q, block_kv = tiles.block_q, tiles.block_kv
     # Ragged T and S: padded with zeros to whole tiles (the rows past T are computed and dropped,
     # the keys past S masked in the last key step).
@@ -133,21 +207,16 @@ def forward(
     dtype = q.dtype
     exp2_factor = float(np.float32(scale * LOG2E))
 
-    def slot_of(i):
-        """The ring slot of key step i."""
-        return lax.rem(i, jnp.asarray(stages, i.dtype))
+    slot_of = functools.partial(ring_slot, stages=stages)
 
     def body(q_ref, k_ref, v_ref, sinks_ref, run_ref, out_ref, lse_ref, smem, barriers):
         qo_smem, k_smem, v_smem, lse_smem = smem
         q_ready, k_ready, v_ready, k_free, v_free, schedule = barriers
         batch, head, q_tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tile")
         wg = lax.axis_index("wg")
-        # The key steps the CTA's rows see: all of them, or (causal) up to its last row's diagonal.
-        # (Loop bounds are int32 throughout, under jax_enable_x64 too.)
-        all_steps = jnp.int32(key_steps)
-        cta_steps = all_steps
-        if causal:
-            cta_steps = jnp.minimum(pl.cdiv((q_tile + 1) * tiles.rows, jnp.int32(block_kv)), all_steps)
+        # The key steps the CTA's rows see (the union of its consumers'; loop bounds are int32
+        # throughout, under jax_enable_x64 too).
+        cta_first, _, _, cta_last = visible_steps(lo, hi, s, q_tile * tiles.rows, tiles.rows, block_kv, key_steps)
 
         def take_turn():
             plgpu.barrier_arrive(schedule)
@@ -162,12 +231,9 @@ def forward(
             t0 = q_tile * tiles.rows + wg * block_q
             plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(t0, block_q), head], q_smem, q_ready.at[wg])
             plgpu.barrier_wait(q_ready.at[wg])
-            # The steps this warpgroup's rows see, and of them the first ones, whose every key each
-            # row sees (before the diagonal, short of a ragged key tail); the others are masked.
-            steps, full_steps = all_steps, all_steps - (1 if ragged_keys else 0)
-            if causal:
-                steps = jnp.minimum(pl.cdiv(t0 + block_q, jnp.int32(block_kv)), all_steps)
-                full_steps = jnp.minimum(lax.div(t0, jnp.int32(block_kv)), jnp.int32(s // block_kv))
+            # The steps this warpgroup's rows see, and of them those whose every key each row sees
+            # (inside the band, short of a ragged key tail); the others are masked.
+            first, full_lo, full_hi, last = visible_steps(lo, hi, s, t0, block_q, block_kv, key_steps)
 
             rows = plgpu.Layout.WGMMA.reduce(1)
             m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), rows)
@@ -187,16 +253,14 @@ def forward(
 
                 x = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                if masked:  # the diagonal (key j visible from row r iff j <= r) and the keys past S
-                    row = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA) + t0
-                    col = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA) + i * block_kv
-                    visible = col < s
-                    if causal:
-                        visible = visible & (col <= row)
-                    x = jnp.where(visible, x, -jnp.inf)
+                if masked:  # the band's edges, the keys past S
+                    x = mask_band(x, lo, hi, t0, i * block_kv, s)
                 m_new = jnp.maximum(m, x.max(axis=1))
-                alpha = jnp.exp2((m - m_new) * exp2_factor)
-                p = jnp.exp2((x - lax.broadcast_in_dim(m_new, x.shape, [0])) * exp2_factor)
+                # A masked step may hold no key of a row that has seen none yet (the band's left
+                # edge): its max stays -inf and is shifted by 0 (p = 0; alpha = 0 on l = 0 and O = 0).
+                shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked and lo is not None else m_new
+                alpha = jnp.exp2((m - shift) * exp2_factor)
+                p = jnp.exp2((x - lax.broadcast_in_dim(shift, x.shape, [0])) * exp2_factor)
                 l = l * alpha + p.sum(axis=1)
                 o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
                 plgpu.barrier_arrive(schedule)  # this softmax is done
@@ -210,13 +274,11 @@ def forward(
                 plgpu.barrier_arrive(v_free.at[slot])
                 return o, m_new, l
 
-            carry = lax.fori_loop(jnp.int32(0), full_steps, lambda i, c: step(i, c, False), (o, m, l))
-            if causal or ragged_keys:
-                carry = lax.fori_loop(full_steps, steps, lambda i, c: step(i, c, True), carry)
-            if causal:
-                # The CTA's other consumer may see more steps: observe their copies and free this
-                # one's share of them.
-                @pl.loop(steps, cta_steps)
+            def skip(start, stop):
+                """The CTA's steps this consumer's rows do not see: their copies observed (each
+                barrier's phases are waited for in order), its share freed, its turns taken."""
+
+                @pl.loop(start, stop)
                 def _(i):
                     slot = slot_of(i)
                     plgpu.barrier_wait(k_ready.at[slot])
@@ -225,6 +287,16 @@ def forward(
                     plgpu.barrier_arrive(v_free.at[slot])
                     take_turn()
                     take_turn()
+
+            carry = (o, m, l)
+            if lo is not None:  # the band's left edge
+                skip(cta_first, first)
+                carry = lax.fori_loop(first, full_lo, lambda i, c: step(i, c, True), carry)
+            carry = lax.fori_loop(full_lo, full_hi, lambda i, c: step(i, c, False), carry)
+            if hi is not None or ragged_keys:  # its right edge, the keys past S
+                carry = lax.fori_loop(full_hi, last, lambda i, c: step(i, c, True), carry)
+            if hi is not None:  # the CTA's other consumer may see more steps
+                skip(last, cta_last)
 
             o, m, l = carry
             pl.when(wg == 0)(take_turn)
@@ -255,26 +327,11 @@ def forward(
                 plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], k_ready.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], v_ready.at[slot])
 
-            for first in range(stages):  # the ring's first fill
-
-                @pl.when(first < cta_steps)
-                def _(first=first):
-                    fetch(first, first)
-
             def wait_free(slot):
                 plgpu.barrier_wait(k_free.at[slot])
                 plgpu.barrier_wait(v_free.at[slot])
 
-            @pl.loop(jnp.int32(stages), cta_steps)
-            def _(i):
-                slot = slot_of(i)
-                wait_free(slot)
-                fetch(i, slot)
-
-            # The last steps' releases: every phase of a barrier is observed before it goes.
-            @pl.loop(jnp.maximum(cta_steps - stages, 0), cta_steps)
-            def _(i):
-                wait_free(slot_of(i))
+            produce(cta_first, cta_last, stages, fetch, wait_free)
 
     def entry(q_ref, k_ref, v_ref, *refs):
         rest = list(refs)

@@ -28,6 +28,7 @@ against float64 gradients.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_flash.pallas._mosaic import CONSUMERS, LOG2E, unsupported as forward_unsupported
+from jax_flash.pallas._mosaic import (
+    CONSUMERS,
+    LOG2E,
+    band,
+    mask_band,
+    produce,
+    ring_slot,
+    unsupported as forward_unsupported,
+    visible_steps,
+)
 
 HEAD_DIMS = (64, 128)  # H = 256 needs smaller tiles than the ones below (shared memory)
 ROWS = 64  # rows of one consumer warpgroup: one wgmma M
@@ -50,9 +60,9 @@ class BackwardTiles:
     stages: int = 2
 
 
-def unsupported(shape_q, shape_k, shape_v, dtype, *, causal: bool) -> str | None:
+def unsupported(shape_q, shape_k, shape_v, dtype, *, causal: bool, window=(None, None)) -> str | None:
     """Why the Mosaic GPU backward cannot serve these shapes, or None."""
-    why = forward_unsupported(shape_q, shape_k, shape_v, dtype, causal=causal)
+    why = forward_unsupported(shape_q, shape_k, shape_v, dtype, causal=causal, window=window)
     if why is None and shape_q[-1] not in HEAD_DIMS:
         return f"head dim {shape_q[-1]} in the backward (it serves {HEAD_DIMS})"
     return why
@@ -85,34 +95,21 @@ def _accumulate(acc, a, b):
     return pl.run_state(run)(plgpu.ACC.init(acc))
 
 
-def _ring(stages):
-    """(slot_of(i), the ring slot of step i)."""
-    return lambda i: lax.rem(i, jnp.asarray(stages, i.dtype))
-
-
-def _produce(steps, stages, fetch, free):
-    """The producer's loop: the ring's first fill, each later step once its slot is free, and the
-    last steps' releases observed (every phase of a barrier is waited for before it goes)."""
-    slot_of = _ring(stages)
-    for first in range(stages):
-
-        @pl.when(first < steps)
-        def _(first=first):
-            fetch(jnp.int32(first), first)
-
-    @pl.loop(jnp.int32(stages), steps)
-    def _(i):
-        slot = slot_of(i)
-        plgpu.barrier_wait(free.at[slot])
-        fetch(i, slot)
-
-    @pl.loop(jnp.maximum(steps - stages, 0), steps)
-    def _(i):
-        plgpu.barrier_wait(free.at[slot_of(i)])
-
-
 def backward(
-    q, k, v, out, lse, dout, dlse=None, *, scale: float, causal: bool = False, tiles=None, run=None, interpret=None
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dout,
+    dlse=None,
+    *,
+    scale: float,
+    causal: bool = False,
+    window: tuple[int | None, int | None] = (None, None),
+    tiles=None,
+    run=None,
+    interpret=None,
 ):
     """(dq, dk, dv) of the plain attention of canonical q [B, T, N, H], k, v [B, S, K, H] given the
     forward's out and lse [B, N, T] (natural log) and the cotangents dout (and dlse).
@@ -122,9 +119,10 @@ def backward(
     b, t, n, h = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
     tiles = tiles or BackwardTiles()
-    why = unsupported(q.shape, k.shape, v.shape, q.dtype, causal=causal)
+    why = unsupported(q.shape, k.shape, v.shape, q.dtype, causal=causal, window=window)
     if why is not None:
         raise ValueError(f"the Mosaic GPU backward does not serve {why}")
+    lo, hi = band(causal, *window)
     dtype, group, block = q.dtype, n // kv_heads, tiles.block
     rows = CONSUMERS * ROWS
     c = float(np.float32(scale * LOG2E))
@@ -143,17 +141,14 @@ def backward(
     q_steps, k_steps = t_pad // block, s_pad // block
     ragged_keys = s_pad != s  # block divides rows: the pad is in the last key block
     stages = tiles.stages
-    slot_of = _ring(stages)
+    slot_of = functools.partial(ring_slot, stages=stages)
 
     def dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, run_ref, dq_ref, smem, barriers):
         q_smem, do_smem, stats_smem, k_smem, v_smem = smem
         rows_ready, k_ready, v_ready, free = barriers
         batch, head, tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tile")
         wg = lax.axis_index("wg")
-        all_steps = jnp.int32(k_steps)
-        cta_steps = all_steps
-        if causal:
-            cta_steps = jnp.minimum(pl.cdiv((tile + 1) * rows, jnp.int32(block)), all_steps)
+        cta_first, _, _, cta_last = visible_steps(lo, hi, s, tile * rows, rows, block, k_steps)
 
         runs = True if run_ref is None else run_ref[0] != 0
 
@@ -171,22 +166,14 @@ def backward(
                 plgpu.barrier_wait(rows_ready.at[wg + r * CONSUMERS])
             lse2 = plgpu.load(stats_smem.at[wg, 0], (), layout=plgpu.Layout.WGMMA.reduce(1))
             delta = plgpu.load(stats_smem.at[wg, 1], (), layout=plgpu.Layout.WGMMA.reduce(1))
-            steps, full_steps = all_steps, all_steps - (1 if ragged_keys else 0)
-            if causal:
-                steps = jnp.minimum(pl.cdiv(t0 + ROWS, jnp.int32(block)), all_steps)
-                full_steps = jnp.minimum(lax.div(t0, jnp.int32(block)), jnp.int32(s // block))
+            first, full_lo, full_hi, last = visible_steps(lo, hi, s, t0, ROWS, block, k_steps)
 
             def step(i, dq, masked: bool):
                 slot = slot_of(i)
                 plgpu.barrier_wait(k_ready.at[slot])
                 x = _product(q_smem.at[wg], plgpu.transpose_ref(k_smem.at[slot], (1, 0)), (ROWS, block))
-                if masked:  # the diagonal (key j visible from row r iff j <= r) and the keys past S
-                    row = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA) + t0
-                    col = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA) + i * block
-                    visible = col < s
-                    if causal:
-                        visible = visible & (col <= row)
-                    x = jnp.where(visible, x, -jnp.inf)
+                if masked:  # the band's edges, the keys past S
+                    x = mask_band(x, lo, hi, t0, i * block, s)
                 p = jnp.exp2(x * c - lax.broadcast_in_dim(lse2, x.shape, [0]))
                 plgpu.barrier_wait(v_ready.at[slot])
                 dp = _product(do_smem.at[wg], plgpu.transpose_ref(v_smem.at[slot], (1, 0)), (ROWS, block))
@@ -195,17 +182,26 @@ def backward(
                 plgpu.barrier_arrive(free.at[slot])
                 return dq
 
-            dq = lax.fori_loop(jnp.int32(0), full_steps, lambda i, a: step(i, a, False), _zeros((ROWS, h)))
-            if causal or ragged_keys:
-                dq = lax.fori_loop(full_steps, steps, lambda i, a: step(i, a, True), dq)
-            if causal:  # the CTA's other consumer may see more steps: observe their copies, free them
+            def skip(start, stop):
+                """The CTA's steps this consumer's rows do not see: their copies observed (each
+                barrier's phases are waited for in order), its share freed."""
 
-                @pl.loop(steps, cta_steps)
+                @pl.loop(start, stop)
                 def _(i):
                     slot = slot_of(i)
                     plgpu.barrier_wait(k_ready.at[slot])
                     plgpu.barrier_wait(v_ready.at[slot])
                     plgpu.barrier_arrive(free.at[slot])
+
+            dq = _zeros((ROWS, h))
+            if lo is not None:  # the band's left edge
+                skip(cta_first, first)
+                dq = lax.fori_loop(first, full_lo, lambda i, a: step(i, a, True), dq)
+            dq = lax.fori_loop(full_lo, full_hi, lambda i, a: step(i, a, False), dq)
+            if hi is not None or ragged_keys:  # its right edge, the keys past S
+                dq = lax.fori_loop(full_hi, last, lambda i, a: step(i, a, True), dq)
+            if hi is not None:  # the CTA's other consumer may see more steps
+                skip(last, cta_last)
 
             q_smem.at[wg][...] = (dq * scale).astype(dtype)  # dQ is staged where Q was
             plgpu.commit_smem()
@@ -222,18 +218,19 @@ def backward(
                 plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], k_ready.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], v_ready.at[slot])
 
-            _produce(cta_steps, stages, fetch, free)
+            produce(cta_first, cta_last, stages, fetch, lambda slot: plgpu.barrier_wait(free.at[slot]))
 
     def dkv_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, run_ref, dk_ref, dv_ref, smem, barriers):
         k_smem, v_smem, q_smem, do_smem, stats_smem = smem
         keys_ready, q_ready, do_ready, stats_ready, free = barriers
         batch, kv_head, tile = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("k_tile")
         wg = lax.axis_index("wg")
-        # The query steps of each head that the CTA's keys see: all, or (causal) from its first key's.
-        first = lax.div(tile * rows, jnp.int32(block)) if causal else jnp.int32(0)
-        per_head = jnp.int32(q_steps) - first
-        cta_steps = per_head * group
-        diagonal = rows // block if causal else 0  # each head's first steps: the masked ones
+        # The query steps of each head that see the CTA's keys (the band seen from the keys: -hi, -lo),
+        # and of them those whose every query sees every key; the others are masked.
+        first, full_lo, full_hi, last = visible_steps(
+            None if hi is None else -hi, None if lo is None else -lo, t_pad, tile * rows, rows, block, q_steps
+        )
+        per_head = last - first
 
         def query_block(i):
             """(query head, first row) of step i."""
@@ -256,10 +253,8 @@ def backward(
                 slot = slot_of(i)
                 plgpu.barrier_wait(q_ready.at[slot])
                 xt = _product(k_smem.at[wg], plgpu.transpose_ref(q_smem.at[slot], (1, 0)), (ROWS, block))
-                if masked:  # key r visible from query j iff r <= j
-                    key = plgpu.broadcasted_iota(jnp.int32, xt.shape, 0, layout=plgpu.Layout.WGMMA) + k0
-                    query = plgpu.broadcasted_iota(jnp.int32, xt.shape, 1, layout=plgpu.Layout.WGMMA)
-                    xt = jnp.where(key <= query + query_block(i)[1], xt, -jnp.inf)
+                if masked:  # the band's edges, seen from the keys
+                    xt = mask_band(xt, None if hi is None else -hi, None if lo is None else -lo, k0, query_block(i)[1])
                 plgpu.barrier_wait(stats_ready.at[slot])
                 lse2 = plgpu.load(stats_smem.at[slot, 0], (), layout=plgpu.Layout.WGMMA.reduce(0))
                 delta = plgpu.load(stats_smem.at[slot, 1], (), layout=plgpu.Layout.WGMMA.reduce(0))
@@ -273,12 +268,14 @@ def backward(
                 return dk, dv
 
             def head_of_group(g, carry):
-                start, end = g * per_head, (g + 1) * per_head
-                if causal:
-                    masked_end = start + jnp.minimum(jnp.int32(diagonal), per_head)
-                    carry = lax.fori_loop(start, masked_end, lambda i, a: step(i, a, True), carry)
-                    start = masked_end
-                return lax.fori_loop(start, end, lambda i, a: step(i, a, False), carry)
+                """The steps of the group's g-th query head: [g, g + 1) * per_head."""
+                base = g * per_head - first  # step i of this head reads query step i - base
+                if hi is not None:  # the keys' left edge (the queries before the band's upper side)
+                    carry = lax.fori_loop(base + first, base + full_lo, lambda i, a: step(i, a, True), carry)
+                carry = lax.fori_loop(base + full_lo, base + full_hi, lambda i, a: step(i, a, False), carry)
+                if lo is not None:  # their right edge
+                    carry = lax.fori_loop(base + full_hi, base + last, lambda i, a: step(i, a, True), carry)
+                return carry
 
             dk, dv = lax.fori_loop(jnp.int32(0), jnp.int32(group), head_of_group, (_zeros((ROWS, h)),) * 2)
             k_smem.at[wg][...] = (dk * scale).astype(dtype)  # dK and dV are staged where K and V were
@@ -301,7 +298,7 @@ def backward(
                     stats_ref.at[batch, head, :, pl.ds(j0, block)], stats_smem.at[slot], stats_ready.at[slot]
                 )
 
-            _produce(cta_steps, stages, fetch, free)
+            produce(jnp.int32(0), per_head * group, stages, fetch, lambda slot: plgpu.barrier_wait(free.at[slot]))
 
     def launch(kernel, grid, grid_names, smem, barriers, out_type, *args):
         def entry(*refs):

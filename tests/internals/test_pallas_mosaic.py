@@ -109,21 +109,39 @@ def test_backward_lowers_to_two_warp_specialised_kernels(h, causal):
     assert op(dkv, "cp.async.bulk.tensor.global.shared.cta") == 2, dkv
 
 
-# (B, T, S, N, K, H, dtype, causal, scale): a ring that wraps (3 steps over 2 slots) with GQA;
-# causal over two query tiles, whose first consumers see fewer steps than the CTA copies.
+# The subprocesses' reference mask: numpy [T, S], key j visible from row r (the band of
+# jax_flash.pallas._mosaic.band, lo <= j - r <= hi).
+_BAND_MASK = r"""
+def band_mask(t, s, causal, window):
+    lo, hi = (None if window[0] is None else -window[0]), (0 if causal else window[1])
+    d = np.arange(s)[None, :] - np.arange(t)[:, None]
+    return (d >= (-(t + s) if lo is None else lo)) & (d <= (t + s if hi is None else hi))
+"""
+
+# (B, T, S, N, K, H, dtype, causal, scale, window): a ring that wraps (3 steps over 2 slots) with
+# GQA; causal over two query tiles, whose first consumers see fewer steps than the CTA copies.
 # Ragged: T and S one past or short of a tile (the rows past T dropped, the key tail masked);
-# at H = 256 (64-key steps) a causal query tile whose rows reach past the last key step.
+# at H = 256 (64-key steps) a causal query tile whose rows reach past the last key step. Sliding
+# windows (left, right): both edges masked, steps skipped before and after (rows whose window
+# starts past a whole masked step), causal with a left edge, a right edge alone, ragged.
 CASES = [
-    (1, 128, 256, 2, 1, 64, "bfloat16", False, 0.125),
-    (1, 128, 384, 4, 2, 128, "bfloat16", False, 0.3),
-    (2, 256, 256, 1, 1, 64, "float16", True, 0.125),
-    (1, 128, 128, 1, 1, 256, "bfloat16", True, 0.0625),
-    (1, 129, 255, 2, 2, 64, "bfloat16", False, 0.125),
-    (1, 127, 129, 1, 1, 128, "float16", False, 0.2),
-    (1, 130, 130, 1, 1, 256, "bfloat16", True, 0.0625),
+    (1, 128, 256, 2, 1, 64, "bfloat16", False, 0.125, None),
+    (1, 128, 384, 4, 2, 128, "bfloat16", False, 0.3, None),
+    (2, 256, 256, 1, 1, 64, "float16", True, 0.125, None),
+    (1, 128, 128, 1, 1, 256, "bfloat16", True, 0.0625, None),
+    (1, 129, 255, 2, 2, 64, "bfloat16", False, 0.125, None),
+    (1, 127, 129, 1, 1, 128, "float16", False, 0.2, None),
+    (1, 130, 130, 1, 1, 256, "bfloat16", True, 0.0625, None),
+    (1, 384, 384, 2, 1, 64, "bfloat16", False, 0.125, (100, 30)),
+    (1, 384, 384, 1, 1, 64, "bfloat16", True, 0.125, (70, None)),
+    (1, 255, 255, 1, 1, 128, "float16", False, 0.125, (None, 5)),
+    (1, 200, 200, 1, 1, 256, "bfloat16", False, 0.125, (3, 200)),
 ]
 
-_INTERPRET = r"""
+
+_INTERPRET = (
+    _BAND_MASK
+    + r"""
 import json, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
@@ -138,17 +156,16 @@ sys.modules[spec.name] = _mosaic
 spec.loader.exec_module(_mosaic)
 
 results = []
-for b, t, s, n, kh, h, dtype, causal, scale in json.loads(sys.argv[2]):
+for b, t, s, n, kh, h, dtype, causal, scale, window in json.loads(sys.argv[2]):
     rng = np.random.default_rng(t + s + h)
     q, k, v = (jnp.asarray(rng.standard_normal(shape) + 0.25, dtype)
                for shape in ((b, t, n, h), (b, s, kh, h), (b, s, kh, h)))
-    out, lse = _mosaic.forward(q, k, v, scale=scale, causal=causal, interpret=params)
+    window = tuple(window or (None, None))
+    out, lse = _mosaic.forward(q, k, v, scale=scale, causal=causal, window=window, interpret=params)
     out, lse = np.asarray(out.astype(jnp.float32), np.float64), np.asarray(lse, np.float64)
     qf, kf, vf = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v))
     kf, vf = np.repeat(kf, n // kh, axis=2), np.repeat(vf, n // kh, axis=2)
-    x = np.einsum("btnh,bsnh->bnts", qf, kf) * scale
-    if causal:
-        x = np.where(np.arange(s)[None, :] <= np.arange(t)[:, None], x, -np.inf)
+    x = np.where(band_mask(t, s, causal, window), np.einsum("btnh,bsnh->bnts", qf, kf) * scale, -np.inf)
     m = x.max(-1, keepdims=True)
     p = np.exp(x - m)
     l = p.sum(-1, keepdims=True)
@@ -161,6 +178,7 @@ for b, t, s, n, kh, h, dtype, causal, scale in json.loads(sys.argv[2]):
     ))
 print(json.dumps(dict(results=results, races=mosaic_interpret.races_found())))
 """
+)
 
 
 def test_forward_interpreted_against_float64():
@@ -185,17 +203,23 @@ def test_forward_interpreted_against_float64():
         assert result["lse_error"] <= 1e-5, (case, result)
 
 
-# The backward: (B, T, S, N, K, H, dtype, causal, scale): GQA with both rings wrapping (6 key steps
-# of the dQ kernel, 2 heads x 2 query steps of the dK/dV kernel, over 2 slots); causal over two
-# tiles; ragged T and S; ragged causal with GQA.
+# The backward: (B, T, S, N, K, H, dtype, causal, scale, window): GQA with both rings wrapping (6
+# key steps of the dQ kernel, 2 heads x 2 query steps of the dK/dV kernel, over 2 slots); causal
+# over two tiles; ragged T and S; ragged causal with GQA; sliding windows (both edges, causal with
+# a left edge, a right edge alone and ragged).
 BACKWARD_CASES = [
-    (1, 128, 384, 4, 2, 128, "bfloat16", False, 0.3),
-    (2, 256, 256, 1, 1, 64, "float16", True, 0.125),
-    (1, 129, 255, 2, 2, 64, "bfloat16", False, 0.125),
-    (1, 130, 130, 2, 1, 64, "bfloat16", True, 0.125),
+    (1, 128, 384, 4, 2, 128, "bfloat16", False, 0.3, None),
+    (2, 256, 256, 1, 1, 64, "float16", True, 0.125, None),
+    (1, 129, 255, 2, 2, 64, "bfloat16", False, 0.125, None),
+    (1, 130, 130, 2, 1, 64, "bfloat16", True, 0.125, None),
+    (1, 384, 384, 2, 1, 64, "bfloat16", False, 0.125, (100, 30)),
+    (1, 384, 384, 1, 1, 128, "bfloat16", True, 0.125, (70, None)),
+    (1, 255, 255, 1, 1, 64, "float16", False, 0.125, (None, 5)),
 ]
 
-_INTERPRET_BACKWARD = r"""
+_INTERPRET_BACKWARD = (
+    _BAND_MASK
+    + r"""
 import json, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
@@ -209,16 +233,15 @@ sys.modules[spec.name] = under_test
 spec.loader.exec_module(under_test)
 
 results = []
-for b, t, s, n, kh, h, dtype, causal, scale in json.loads(sys.argv[2]):
+for b, t, s, n, kh, h, dtype, causal, scale, window in json.loads(sys.argv[2]):
+    window = tuple(window or (None, None))
     rng = np.random.default_rng(t + s + h)
     q, k, v, do = (jnp.asarray(rng.standard_normal(shape) + 0.25, dtype)
                    for shape in ((b, t, n, h), (b, s, kh, h), (b, s, kh, h), (b, t, n, h)))
     qf, kf, vf, dof = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v, do))
     g = n // kh
     kr, vr = np.repeat(kf, g, axis=2), np.repeat(vf, g, axis=2)
-    x = np.einsum("btnh,bsnh->bnts", qf, kr) * scale
-    if causal:
-        x = np.where(np.arange(s)[None, :] <= np.arange(t)[:, None], x, -np.inf)
+    x = np.where(band_mask(t, s, causal, window), np.einsum("btnh,bsnh->bnts", qf, kr) * scale, -np.inf)
     m = x.max(-1, keepdims=True)
     lse = m + np.log(np.exp(x - m).sum(-1, keepdims=True))
     p = np.exp(x - lse)
@@ -229,7 +252,7 @@ for b, t, s, n, kh, h, dtype, causal, scale in json.loads(sys.argv[2]):
     dk = np.einsum("bnts,btnh->bsnh", ds, qf).reshape(b, s, kh, g, h).sum(3) * scale
     dv = np.einsum("bnts,btnh->bsnh", p, dof).reshape(b, s, kh, g, h).sum(3)
     grads = under_test.backward(q, k, v, jnp.asarray(out, dtype), jnp.asarray(lse[..., 0], jnp.float32), do,
-                                scale=scale, causal=causal, interpret=params)
+                                scale=scale, causal=causal, window=window, interpret=params)
     errors = {}
     for name, got, ref in zip(("dq", "dk", "dv"), grads, (dq, dk, dv)):
         got = np.asarray(got.astype(jnp.float32), np.float64)
@@ -238,6 +261,7 @@ for b, t, s, n, kh, h, dtype, causal, scale in json.loads(sys.argv[2]):
     results.append(errors)
 print(json.dumps(dict(results=results, races=mosaic_interpret.races_found())))
 """
+)
 
 
 def test_backward_interpreted_against_float64():
