@@ -2,7 +2,7 @@
 its kernel serves (`Config.pallas_backend`; decided when the call is traced).
 
 The Mosaic GPU forward (`_mosaic`) is FlashAttention-3's schedule for sm_90: one plain kernel,
-causal or not, with attention sinks, no other optional feature. A call runs it where `mosaic_unsupported` finds nothing against it and
+causal or not, sliding windows, attention sinks, no other optional feature. A call runs it where `mosaic_unsupported` finds nothing against it and
 
 - `pallas_backend="mosaic_gpu"`: always (a call it cannot serve is an error naming why);
 - `pallas_backend="auto"` (the default): where a device run measured it faster than the Triton
@@ -33,6 +33,13 @@ MOSAIC_ARCHS = ("sm_90",)
 INTERPRET: object = None
 
 
+def band(spec: AttentionSpec) -> dict:
+    """The Mosaic GPU kernels' keywords for the call's causal mask or sliding window."""
+    if spec.window_right == 0 and spec.window_left is None:
+        return dict(causal=True, window=(None, None))
+    return dict(causal=False, window=(spec.window_left, spec.window_right))
+
+
 def mosaic_unsupported(spec: AttentionSpec) -> str | None:
     """Why the Mosaic GPU forward cannot serve `spec` here, or None."""
     arch = _registry.device_arch()
@@ -40,10 +47,8 @@ def mosaic_unsupported(spec: AttentionSpec) -> str | None:
         where = f"an {arch} GPU" if arch else f"the {_registry.platform()} platform"
         return f"it runs on {', '.join(MOSAIC_ARCHS)} GPUs only, not on {where}"
     blocker = _heuristics.pallas_plain_blocker(spec)
-    causal = spec.window_right == 0 and spec.window_left is None
     features = (
         (blocker is not None, blocker),
-        (spec.window_left is not None or (spec.window_right is not None and not causal), "a sliding window"),
         (spec.has_q_lengths or spec.has_kv_lengths, "sequence lengths"),
         (spec.has_segment_ids, "segment ids"),
         (spec.has_q_offset, "a query offset"),
@@ -55,7 +60,7 @@ def mosaic_unsupported(spec: AttentionSpec) -> str | None:
             return f"the call has {what} (the Mosaic GPU forward is the plain kernel only)"
     b, t, s, n, kv = spec.batch, spec.q_len, spec.kv_len, spec.num_heads, spec.num_kv_heads
     return _mosaic.unsupported(
-        (b, t, n, spec.head_dim), (b, s, kv, spec.head_dim), (b, s, kv, spec.v_head_dim), spec.dtype, causal=causal
+        (b, t, n, spec.head_dim), (b, s, kv, spec.head_dim), (b, s, kv, spec.v_head_dim), spec.dtype, **band(spec)
     )
 
 
@@ -80,9 +85,8 @@ def choose(spec: AttentionSpec) -> tuple[str, str]:
 def backward_unsupported(spec: AttentionSpec) -> str | None:
     """Why the Mosaic GPU backward cannot serve a call whose forward it serves, or None."""
     b, t, s, n, kv, h = spec.batch, spec.q_len, spec.kv_len, spec.num_heads, spec.num_kv_heads, spec.head_dim
-    causal = spec.window_right == 0
     return _mosaic_backward.unsupported(
-        (b, t, n, h), (b, s, kv, h), (b, s, kv, spec.v_head_dim), spec.dtype, causal=causal
+        (b, t, n, h), (b, s, kv, h), (b, s, kv, spec.v_head_dim), spec.dtype, **band(spec)
     )
 
 

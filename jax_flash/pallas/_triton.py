@@ -506,10 +506,9 @@ def _mosaic_forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, con
     """The Mosaic GPU plain forward gated on `plain_inputs`, then the Triton general forward gated
     on the negation, writing into its results (`_backend`'s docstring)."""
     run = plain_inputs(q, k, v, masks).astype(jnp.int32).reshape(1)
-    causal = spec.window_right == 0
     sinks = None if masks.sinks is None else masks.sinks.astype(jnp.float32)
     out, lse = _mosaic.forward(
-        q, k, v, scale=spec.scale, causal=causal, sinks=sinks, run=run, interpret=_backend.INTERPRET
+        q, k, v, scale=spec.scale, **_backend.band(spec), sinks=sinks, run=run, interpret=_backend.INTERPRET
     )
     return _forward_call(
         spec, q, k, v, masks, configs=configs, interpret=interpret, launches=((False, 1 - run),), outs=(out, lse)
@@ -601,7 +600,7 @@ def _mosaic_backward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, out, 
         dout.astype(q.dtype),
         dlse.astype(jnp.float32),
         scale=spec.scale,
-        causal=spec.window_right == 0,
+        **_backend.band(spec),
         run=run,
         interpret=_backend.INTERPRET,
     )

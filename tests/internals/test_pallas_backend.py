@@ -49,7 +49,13 @@ def sm90(monkeypatch):
 
 
 def test_forced_mosaic_serves_plain_calls(sm90):
-    for spec in (_spec(), _spec(causal=True, h=64), _spec(h=256, t=1000, s=1000, dtype="float16")):
+    for spec in (
+        _spec(),
+        _spec(causal=True, h=64),
+        _spec(h=256, t=1000, s=1000, dtype="float16"),
+        _spec(window_left=256, window_right=0),
+        _spec(window_left=100, window_right=30, has_sinks=True),
+    ):
         assert _backend.choose(spec)[0] == "mosaic_gpu", spec
 
 
@@ -59,7 +65,7 @@ def test_forced_mosaic_serves_plain_calls(sm90):
         (dict(soft_cap=30.0), "a soft cap"),
         (dict(bias_shape=(1, 1, 8192, 8192)), "a dense bias"),
         (dict(mask_shape=(1, 1, 8192, 8192)), "a dense mask"),
-        (dict(window_left=128, window_right=0), "a sliding window"),
+        (dict(q_len=100, window_left=128, window_right=0), "a sliding window with T != S"),
         (dict(has_kv_lengths=True), "sequence lengths"),
         (dict(has_segment_ids=True), "segment ids"),
         (dict(dropout_rate=0.1), "dropout"),

@@ -287,11 +287,13 @@ def test_backward_interpreted_against_float64():
 
 # The wired forward (jax_flash.pallas._backend): jax_flash.attention(..., implementation="pallas",
 # pallas_backend="mosaic_gpu") with the Mosaic GPU kernel interpreted and the Triton general kernel
-# interpreted beside it. (B, T, S, N, K, H, causal, where a non-finite input goes: None, "v", "q").
+# interpreted beside it. (B, T, S, N, K, H, causal, where a non-finite input goes: None, "v", "q",
+# a sliding window (left, right) or None).
 WIRED = [
-    (1, 128, 256, 2, 1, 64, False, None),
-    (1, 256, 256, 1, 1, 128, True, "v"),
-    (1, 200, 200, 2, 2, 64, False, "q"),
+    (1, 128, 256, 2, 1, 64, False, None, None),
+    (1, 256, 256, 1, 1, 128, True, "v", None),
+    (1, 200, 200, 2, 2, 64, False, "q", None),
+    (1, 256, 256, 2, 1, 64, False, None, (60, 10)),
 ]
 
 _WIRED = r"""
@@ -314,7 +316,9 @@ _backend.INTERPRET = params
 cfg = jax_flash.Config(pallas_backend="mosaic_gpu")
 f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
 results = []
-for b, t, s, n, kh, h, causal, bad in json.loads(sys.argv[2]):
+for b, t, s, n, kh, h, causal, bad, window in json.loads(sys.argv[2]):
+    masking = dict(local_window_size=tuple(window)) if window else dict(is_causal=causal)
+    band = dict(causal=causal, window=tuple(window or (None, None)))
     rng = np.random.default_rng(t + s + h)
     q, k, v = (jnp.asarray(rng.standard_normal(shape) + 0.25, jnp.bfloat16)
                for shape in ((b, t, n, h), (b, s, kh, h), (b, s, kh, h)))
@@ -322,9 +326,9 @@ for b, t, s, n, kh, h, causal, bad in json.loads(sys.argv[2]):
         v = v.at[0, s - 56, 0, 5].set(jnp.nan)  # the rows that see that key: NaN
     if bad == "q":
         q = q.at[0, 7, 1, 0].set(jnp.inf)  # that row: NaN
-    attend = lambda q, k, v: jax_flash.attention(q, k, v, is_causal=causal, implementation="pallas", config=cfg)
+    attend = lambda q, k, v: jax_flash.attention(q, k, v, **masking, implementation="pallas", config=cfg)
     out = f32(attend(q, k, v))
-    ref = f32(attention_reference(q, k, v, is_causal=causal, compute_dtype=jnp.float32))
+    ref = f32(attention_reference(q, k, v, **masking, compute_dtype=jnp.float32))
     both = np.isfinite(ref)
     result = dict(
         nan_rows_match=bool(np.array_equal(np.isnan(out), np.isnan(ref))),
@@ -332,32 +336,32 @@ for b, t, s, n, kh, h, causal, bad in json.loads(sys.argv[2]):
     )
     if bad is None:
         # The Mosaic GPU kernel's own bits: it ran, and the general kernel did not write over it.
-        alone = _mosaic.forward(q, k, v, scale=h**-0.5, causal=causal, interpret=params)[0]
+        alone = _mosaic.forward(q, k, v, scale=h**-0.5, **band, interpret=params)[0]
         result["mosaic_bits"] = bool(np.array_equal(out, f32(alone)))
         loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * jnp.cos(jnp.arange(h)))
-        ref_attend = lambda q, k, v: attention_reference(q, k, v, is_causal=causal, compute_dtype=jnp.float32)
+        ref_attend = lambda q, k, v: attention_reference(q, k, v, **masking, compute_dtype=jnp.float32)
         grads = jax.grad(loss(attend), argnums=(0, 1, 2))(q, k, v)
         ref_grads = jax.grad(loss(ref_attend), argnums=(0, 1, 2))(q, k, v)
         result["grad_error"] = max(float(np.max(np.abs(f32(g) - f32(r))) / np.max(np.abs(f32(r))))
                                    for g, r in zip(grads, ref_grads))
         # The Mosaic GPU backward's own bits, given the forward's out and lse and the cotangent.
-        out_m, lse_m = _mosaic.forward(q, k, v, scale=h**-0.5, causal=causal, interpret=params)
+        out_m, lse_m = _mosaic.forward(q, k, v, scale=h**-0.5, **band, interpret=params)
         dout = jnp.broadcast_to(jnp.cos(jnp.arange(h)), out_m.shape).astype(out_m.dtype)
         alone = _mosaic_backward.backward(q, k, v, out_m, lse_m, dout, jnp.zeros_like(lse_m),
-                                          scale=h**-0.5, causal=causal, interpret=params)
+                                          scale=h**-0.5, **band, interpret=params)
         result["mosaic_backward_bits"] = all(bool(np.array_equal(f32(g), f32(a))) for g, a in zip(grads, alone))
         # Sinks: one finite (joined after the key loop), one -inf (no sink: the call without it, bit
         # for bit); their gradient through the lse.
-        sinks = jnp.array([0.5, -jnp.inf] * (n // 2), jnp.float32)
+        sinks = jnp.array([6.0, -jnp.inf] * (n // 2), jnp.float32)  # about half of a row's weight
         sunk = lambda q, k, v, sinks: jax_flash.attention(
-            q, k, v, sinks=sinks, is_causal=causal, implementation="pallas", config=cfg)
+            q, k, v, sinks=sinks, **masking, implementation="pallas", config=cfg)
         with_sinks = f32(sunk(q, k, v, sinks))
-        ref_sinks = f32(attention_reference(q, k, v, sinks=sinks, is_causal=causal, compute_dtype=jnp.float32))
+        ref_sinks = f32(attention_reference(q, k, v, sinks=sinks, **masking, compute_dtype=jnp.float32))
         result["sinks_error"] = float(np.max(np.abs(with_sinks - ref_sinks)) / np.max(np.abs(ref_sinks)))
         result["no_sink_bits"] = bool(np.array_equal(with_sinks[:, :, 1::2], out[:, :, 1::2]))
         dsinks = jax.grad(lambda s: jnp.sum(sunk(q, k, v, s).astype(jnp.float32) ** 2))(sinks)
         ref_dsinks = jax.grad(lambda s: jnp.sum(attention_reference(
-            q, k, v, sinks=s, is_causal=causal, compute_dtype=jnp.float32) ** 2))(sinks)
+            q, k, v, sinks=s, **masking, compute_dtype=jnp.float32) ** 2))(sinks)
         result["dsinks_error"] = float(np.max(np.abs(f32(dsinks) - f32(ref_dsinks))) / np.max(np.abs(f32(ref_dsinks))))
     results.append(result)
 print(json.dumps(dict(results=results, races=mosaic_interpret.races_found())))
@@ -384,7 +388,7 @@ def test_wired_forward_interpreted():
     for case, result in zip(WIRED, report["results"], strict=True):
         assert result["nan_rows_match"], (case, result)
         assert result["out_error"] <= 4 * 2.0**-8, (case, result)
-        if case[-1] is None:
+        if case[7] is None:
             assert result["mosaic_bits"], (case, result)
             assert result["grad_error"] <= 4 * 2.0**-8, (case, result)
             assert result["mosaic_backward_bits"], (case, result)
