@@ -962,10 +962,10 @@ MUTATIONS = [
     Mutation(
         "mosaic_slot_reused_early",
         MG,
-        "                wait_free(slot)\n                fetch(i, slot)",
-        "                fetch(i, slot)",
+        "        wait_free(slot)\n        fetch(i, slot)",
+        "        fetch(i, slot)",
         MOSAIC,
-        what="mosaic forward: the producer refills a ring slot before both consumers are done with it",
+        what="mosaic kernels: the producer refills a ring slot before both consumers are done with it",
     ),
     Mutation(
         "mosaic_copy_synchronous",
