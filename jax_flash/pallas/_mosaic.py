@@ -24,11 +24,16 @@ gets exp2(0) = 1 at any magnitude: the form of the other plain kernels
 `schedule` barrier): while one runs its softmax the other's wgmma runs.
 
 This is the plain kernel only: finite inputs (the caller tests them, as for the Triton plain
-kernels), no soft cap, bias, mask, lengths or segments, causal (T = S) or not; attention sinks
-joined after the key loop as the Triton plain forward joins them.
+kernels), no soft cap, bias, mask, lengths or segments; attention sinks joined after the key
+loop as the Triton plain forward joins them. Causal masks and sliding windows are one *band*
+(`band`: row r sees key j iff lo <= j - r <= hi, T = S): a consumer runs only the key steps that
+hold a key its rows see (`visible_steps`), the steps on the band's two edges masked in loops of
+their own and the ones inside it not; the steps its CTA's other consumer sees and it does not are
+observed and released (`skip`). A row that has seen no key yet in a masked step (a window's left
+edge) keeps m = -inf and is shifted by 0, so p = 0 instead of NaN.
 Ragged T and S are padded with zeros to whole tiles here (the rows past T are computed and
-dropped, the keys past S masked in the last key step, which is peeled off the loop like the
-causal diagonal); `unsupported` says why a call falls outside. `jax_flash.pallas._backend`
+dropped, the keys past S masked in the last key step, peeled off the loop like the band's
+edges); `unsupported` says why a call falls outside. `jax_flash.pallas._backend`
 routes the calls it serves here (`Config.pallas_backend`); tests/internals/test_pallas_mosaic.py
 holds its lowering and its interpretation, build/mosaic_check.py its run on a GPU.
 """

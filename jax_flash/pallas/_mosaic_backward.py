@@ -14,13 +14,15 @@ of 64 rows on wgmma, recomputing the probabilities from the forward's log-sum-ex
 with c = scale·log2 e, lse₂ = lse·log2 e and δ = rowsum(dO ∘ O) − dlse per query row (the lse
 output's cotangent enters as dS = P ∘ (dP − rowsum(dO ∘ O) + dlse)), computed once by XLA
 before the kernels. No atomics: dQ is its own pass, and a dK/dV CTA loops over the query heads of
-its kv head's group (GQA without per-head copies). Causal calls (T = S) skip the query blocks
-before a CTA's keys (dK/dV) and the key blocks past its rows (dQ), the diagonal's steps masked,
-peeled off the loops. Ragged T and S are padded to whole tiles: padded query rows get lse = +inf
+its kv head's group (GQA without per-head copies). A causal mask or a sliding window (the band of
+`_mosaic.band`, T = S) skips the steps outside it: the dQ kernel's key steps as the forward's, the
+dK/dV kernel's query steps seen from the keys (the band (-hi, -lo)); the steps on its edges are
+masked, peeled off the loops. Ragged T and S are padded to whole tiles: padded query rows get lse = +inf
 (P = 0) and δ = 0, padded keys are masked in the dQ kernel's last step and their dK, dV rows
 dropped.
 
-The plain kernel only, as the forward (finite inputs; no feature): `unsupported` says why a call
+The plain kernel only, as the forward (finite inputs; sinks need nothing here: P = exp(x - lse)
+holds the sink's share, and dsinks is one XLA reduction in `jax_flash._vjp`): `unsupported` says why a call
 falls outside. tests/internals/test_pallas_mosaic.py holds its lowering and its interpretation
 against float64 gradients.
 """
