@@ -17,7 +17,8 @@
 #   correctness   tests/internals/test_gpu.py (-m gpu): a subset of the shared suite at full size,
 #                 forward, backward, deterministic mode; plain runner if pytest is missing
 #   bench         python -m jax_flash.bench at T=S=8k, H=128/64, causal or not, fwd and fwd+bwd:
-#                 jax.nn (xla), jax.nn cuDNN, JAX's Pallas mha, cuda, pallas; then cuda again
+#                 jax.nn (xla), jax.nn cuDNN, JAX's Pallas mha, cuda, pallas (Triton), pallas-mosaic
+#                 (pallas_backend=mosaic_gpu, sm_90); then cuda again
 #                 under JAX_FLASH_CUDA_LAYOUT=warp32 (cells "cuda:warp32" in bench.json), so
 #                 that one run measures both warp layouts of the kernels; between the two, one
 #                 decode cell (python -m jax_flash.bench --decode, B=8, S=32k: jax.nn, cuDNN,
@@ -396,7 +397,7 @@ step_bench() {
   if [ "$DRY" = 1 ]; then
     sizes="--impls jax.nn,jax.nn-cudnn,jax-pallas,cuda,xla --seq-lens 128 --head-dims 64 --batch 1 --heads 2 --reps 2 --max-seconds 0.5"
   else
-    sizes="--impls jax.nn,jax.nn-cudnn,jax-pallas,cuda,pallas --seq-lens 8k --head-dims 128,64 --batch 2 --heads 16 --reps 20 --max-seconds 1 --max-temp-gib 64"
+    sizes="--impls jax.nn,jax.nn-cudnn,jax-pallas,cuda,pallas,pallas-mosaic --seq-lens 8k --head-dims 128,64 --batch 2 --heads 16 --reps 20 --max-seconds 1 --max-temp-gib 64"
   fi
   t0=$(date +%s)
   # shellcheck disable=SC2086 # word splitting of the argument list is intended
