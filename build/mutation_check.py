@@ -1036,10 +1036,10 @@ MUTATIONS = [
     Mutation(
         "mosaic_window_left_unmasked",
         MG,
-        "    if lo is not None:\n        conditions.append(col - row >= lo)\n",
-        "",
+        "        conditions.append(col - row >= lo)",
+        "        conditions.append(col - row >= lo - 1)",
         MOSAIC,
-        what="mosaic kernels: a sliding window's left side left visible in its masked steps",
+        what="mosaic kernels: a sliding window's left side one key too wide in its masked steps",
     ),
     Mutation(
         "mosaic_empty_row_shift_dropped",
