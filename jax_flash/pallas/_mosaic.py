@@ -101,6 +101,23 @@ def visible_steps(lo, hi, limit: int, r0, rows: int, block: int, steps: int):
     return first, full_lo, jnp.clip(full_hi, full_lo, last), last
 
 
+def over_band(step, skip, carry, bounds, lo, hi, ragged_keys: bool):
+    """A consumer's key loop over its CTA's steps `bounds` = (cta_first, first, full_lo, full_hi,
+    last, cta_last) (`visible_steps`): the steps its rows do not see skipped (`skip(start, stop)`),
+    the band's edges and the keys past S as `step(i, carry, True)` (masked), the steps inside it as
+    `step(i, carry, False)`, each range a loop of its own; the final carry."""
+    cta_first, first, full_lo, full_hi, last, cta_last = bounds
+    if lo is not None:  # the band's left edge
+        skip(cta_first, first)
+        carry = lax.fori_loop(first, full_lo, lambda i, c: step(i, c, True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, lambda i, c: step(i, c, False), carry)
+    if hi is not None or ragged_keys:  # its right edge, the keys past S
+        carry = lax.fori_loop(full_hi, last, lambda i, c: step(i, c, True), carry)
+    if hi is not None:  # the CTA's other consumer may see more steps
+        skip(last, cta_last)
+    return carry
+
+
 def ring_slot(i, stages: int):
     """The ring slot of step i."""
     return lax.rem(i, jnp.asarray(stages, i.dtype))
@@ -293,17 +310,8 @@ def forward(
                     take_turn()
                     take_turn()
 
-            carry = (o, m, l)
-            if lo is not None:  # the band's left edge
-                skip(cta_first, first)
-                carry = lax.fori_loop(first, full_lo, lambda i, c: step(i, c, True), carry)
-            carry = lax.fori_loop(full_lo, full_hi, lambda i, c: step(i, c, False), carry)
-            if hi is not None or ragged_keys:  # its right edge, the keys past S
-                carry = lax.fori_loop(full_hi, last, lambda i, c: step(i, c, True), carry)
-            if hi is not None:  # the CTA's other consumer may see more steps
-                skip(last, cta_last)
-
-            o, m, l = carry
+            bounds = (cta_first, first, full_lo, full_hi, last, cta_last)
+            o, m, l = over_band(step, skip, (o, m, l), bounds, lo, hi, ragged_keys)
             pl.when(wg == 0)(take_turn)
             top = m * scale  # the rows' largest logit
             if sinks_ref is not None:  # one more logit of every row (-inf: none)

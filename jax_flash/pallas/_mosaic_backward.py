@@ -44,6 +44,7 @@ from jax_flash.pallas._mosaic import (
     LOG2E,
     band,
     mask_band,
+    over_band,
     produce,
     ring_slot,
     unsupported as forward_unsupported,
@@ -195,15 +196,8 @@ def backward(
                     plgpu.barrier_wait(v_ready.at[slot])
                     plgpu.barrier_arrive(free.at[slot])
 
-            dq = _zeros((ROWS, h))
-            if lo is not None:  # the band's left edge
-                skip(cta_first, first)
-                dq = lax.fori_loop(first, full_lo, lambda i, a: step(i, a, True), dq)
-            dq = lax.fori_loop(full_lo, full_hi, lambda i, a: step(i, a, False), dq)
-            if hi is not None or ragged_keys:  # its right edge, the keys past S
-                dq = lax.fori_loop(full_hi, last, lambda i, a: step(i, a, True), dq)
-            if hi is not None:  # the CTA's other consumer may see more steps
-                skip(last, cta_last)
+            bounds = (cta_first, first, full_lo, full_hi, last, cta_last)
+            dq = over_band(step, skip, _zeros((ROWS, h)), bounds, lo, hi, ragged_keys)
 
             q_smem.at[wg][...] = (dq * scale).astype(dtype)  # dQ is staged where Q was
             plgpu.commit_smem()

@@ -37,6 +37,23 @@ pytestmark = pytest.mark.skipif(mosaic_interpret.available() is not None, reason
 TESTS = Path(__file__).resolve().parents[1]
 
 
+def _interpreted(script: str, cases, path: str) -> dict:
+    """Run `script` (CASES as JSON, the module or package file under test) in a subprocess with a
+    hard timeout: a warpgroup that fails under the interpreter leaves the others waiting on
+    barriers. Its report (the last line of stdout), checked for races."""
+    run = subprocess.run(
+        [sys.executable, "-c", script, str(TESTS), json.dumps(cases), path],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert not report["races"], report
+    return report
+
+
 def _module_ops(h: int, causal: bool, tiles: _mosaic.ForwardTiles | None = None):
     q = jax.ShapeDtypeStruct((2, 1024, 4, h), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 1024, 2, h), jnp.bfloat16)
@@ -185,17 +202,7 @@ def test_forward_interpreted_against_float64():
     """Each case's out within a few roundings of its 16-bit type of the float64 reference,
     lse within float32 rounding, nothing left unwritten (the interpreter fills fresh memory
     with NaN), no race."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    run = subprocess.run(
-        [sys.executable, "-c", _INTERPRET, str(TESTS), json.dumps(CASES), _mosaic.__file__],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
-    assert not report["races"], report
+    report = _interpreted(_INTERPRET, CASES, _mosaic.__file__)
     for case, result in zip(CASES, report["results"], strict=True):
         eps = 2.0**-8 if case[6] == "bfloat16" else 2.0**-11
         assert not result["nan"], (case, result)
@@ -267,17 +274,7 @@ print(json.dumps(dict(results=results, races=mosaic_interpret.races_found())))
 def test_backward_interpreted_against_float64():
     """dQ, dK and dV of each case within a few roundings of the 16-bit type of the float64
     gradients (given the forward's out rounded to that type), nothing unwritten, no race."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    run = subprocess.run(
-        [sys.executable, "-c", _INTERPRET_BACKWARD, str(TESTS), json.dumps(BACKWARD_CASES), _mosaic_backward.__file__],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
-    assert not report["races"], report
+    report = _interpreted(_INTERPRET_BACKWARD, BACKWARD_CASES, _mosaic_backward.__file__)
     for case, result in zip(BACKWARD_CASES, report["results"], strict=True):
         eps = 2.0**-8 if case[6] == "bfloat16" else 2.0**-11
         for name in ("dq", "dk", "dv"):
@@ -374,17 +371,7 @@ def test_wired_forward_interpreted():
     gradients match the reference, with sinks too (a -inf one: the call without it, bit for bit);
     a NaN in v or an inf in q goes to the general
     kernel, whose NaN rows are the reference's, the other rows within a few roundings."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    run = subprocess.run(
-        [sys.executable, "-c", _WIRED, str(TESTS), json.dumps(WIRED), jax_flash.__file__],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
-    assert not report["races"], report
+    report = _interpreted(_WIRED, WIRED, jax_flash.__file__)
     for case, result in zip(WIRED, report["results"], strict=True):
         assert result["nan_rows_match"], (case, result)
         assert result["out_error"] <= 4 * 2.0**-8, (case, result)
