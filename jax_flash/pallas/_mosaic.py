@@ -77,11 +77,15 @@ def default_tiles(head_dim: int) -> ForwardTiles:
     return ForwardTiles(block_kv=64 if head_dim > 128 else 128, stages=2)
 
 
-def band(causal: bool = False, window_left: int | None = None, window_right: int | None = None):
+def band(causal: bool, window_left: int | None, window_right: int | None, q_len: int, kv_len: int):
     """(lo, hi): row r sees key j iff lo <= j - r <= hi (None: that side unbounded), as
-    `AttentionSpec.band()` at query offset 0; causal is hi = 0."""
+    `AttentionSpec.band()` at query offset 0 (top-left, as jax.nn, for T != S too); causal is
+    hi = 0. Clipped to [-T, S] of the padded lengths `q_len`, `kv_len` (the rows and keys the
+    kernel computes): that changes nothing (-T < j - r < S) and keeps the kernels' int32 step
+    arithmetic (r + hi, r + lo) from wrapping around for any window size."""
     hi = 0 if causal else window_right
-    return (None if window_left is None else -window_left), hi
+    lo = None if window_left is None else max(-window_left, -q_len)
+    return lo, (None if hi is None else min(hi, kv_len))
 
 
 def visible_steps(lo, hi, limit: int, r0, rows: int, block: int, steps: int):
@@ -175,10 +179,6 @@ def unsupported(shape_q, shape_k, shape_v, dtype, *, causal: bool, window=(None,
         return f"{n} query heads over {kh} kv heads"
     if t == 0 or s == 0:
         return "an empty sequence"
-    if causal and t != s:
-        return "a causal call with T != S"
-    if window != (None, None) and t != s:
-        return "a sliding window with T != S"
     if any(w is not None and w < 0 for w in window):
         return f"a window {window} with a negative side"
     return None
@@ -214,12 +214,12 @@ def forward(
     why = unsupported(q.shape, k.shape, v.shape, q.dtype, causal=causal, window=window)
     if why is not None:
         raise ValueError(f"the Mosaic GPU forward does not serve {why}")
-    lo, hi = band(causal, *window)
     block_q, block_kv = tiles.block_q, tiles.block_kv
     # Ragged T and S: padded with zeros to whole tiles (the rows past T are computed and dropped,
     # the keys past S masked in the last key step).
     t_pad, key_steps = -(-t // tiles.rows) * tiles.rows, -(-s // block_kv)
     ragged_keys = s % block_kv != 0
+    lo, hi = band(causal, *window, t_pad, key_steps * block_kv)
     if t_pad != t:
         q = jnp.pad(q, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))
     if ragged_keys:
@@ -322,7 +322,9 @@ def forward(
                 l = l * f + jnp.exp2((sink - shift) * LOG2E)
                 o = o * lax.broadcast_in_dim(f, o.shape, [0])
                 top = new_top
-            o = o / lax.broadcast_in_dim(l, o.shape, [0])
+            # A row that sees no key (a window past the keys' end, T > S) has l = 0 and O = 0:
+            # out 0 and lse -inf (the sink's logit with a sink), not 0/0.
+            o = o / lax.broadcast_in_dim(jnp.where(l == 0.0, 1.0, l), o.shape, [0])
             q_smem[...] = o.astype(dtype)  # O is staged where Q was
             lse_rows[...] = top + jnp.log(l)
             plgpu.commit_smem()

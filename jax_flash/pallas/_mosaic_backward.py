@@ -125,7 +125,6 @@ def backward(
     why = unsupported(q.shape, k.shape, v.shape, q.dtype, causal=causal, window=window)
     if why is not None:
         raise ValueError(f"the Mosaic GPU backward does not serve {why}")
-    lo, hi = band(causal, *window)
     dtype, group, block = q.dtype, n // kv_heads, tiles.block
     rows = CONSUMERS * ROWS
     c = float(np.float32(scale * LOG2E))
@@ -135,9 +134,11 @@ def backward(
         delta = delta - dlse
     t_pad = -(-t // rows) * rows
     s_pad = -(-s // rows) * rows
+    lo, hi = band(causal, *window, t_pad, s_pad)
     pad_t = lambda x, value=0.0: jnp.pad(x, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)), constant_values=value)
     pad_s = lambda x: jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0), (0, 0)))
-    stats = jnp.stack([lse * LOG2E, delta], axis=2)
+    # A row that saw no key (lse = -inf) gets P = 0 like a padded one, not exp2(-inf + inf).
+    stats = jnp.stack([jnp.where(lse == -jnp.inf, jnp.inf, lse) * LOG2E, delta], axis=2)
     stats = jnp.pad(stats, ((0, 0), (0, 0), (0, 0), (0, t_pad - t)))
     stats = stats.at[:, :, 0, t:].set(jnp.inf)
     qp, dop, kp, vp = pad_t(q), pad_t(dout), pad_s(k), pad_s(v)

@@ -140,7 +140,9 @@ def band_mask(t, s, causal, window):
 # Ragged: T and S one past or short of a tile (the rows past T dropped, the key tail masked);
 # at H = 256 (64-key steps) a causal query tile whose rows reach past the last key step. Sliding
 # windows (left, right): both edges masked, steps skipped before and after (rows whose window
-# starts past a whole masked step), causal with a left edge, a right edge alone, ragged.
+# starts past a whole masked step), causal with a left edge, a right edge alone, ragged. T != S
+# (top-left, as jax.nn): causal with keys no row sees, causal with rows past the last key, and a
+# window whose rows past S + left see no key (out 0, lse -inf; a whole CTA of them).
 CASES = [
     (1, 128, 256, 2, 1, 64, "bfloat16", False, 0.125, None),
     (1, 128, 384, 4, 2, 128, "bfloat16", False, 0.3, None),
@@ -153,6 +155,9 @@ CASES = [
     (1, 384, 384, 1, 1, 64, "bfloat16", True, 0.125, (70, None)),
     (1, 255, 255, 1, 1, 128, "float16", False, 0.125, (None, 5)),
     (1, 200, 200, 1, 1, 256, "bfloat16", False, 0.125, (3, 200)),
+    (1, 128, 320, 2, 1, 64, "bfloat16", True, 0.125, None),
+    (1, 320, 128, 1, 1, 128, "float16", True, 0.125, None),
+    (1, 300, 100, 1, 1, 64, "bfloat16", False, 0.125, (20, 10)),
 ]
 
 
@@ -184,13 +189,17 @@ for b, t, s, n, kh, h, dtype, causal, scale, window in json.loads(sys.argv[2]):
     kf, vf = np.repeat(kf, n // kh, axis=2), np.repeat(vf, n // kh, axis=2)
     x = np.where(band_mask(t, s, causal, window), np.einsum("btnh,bsnh->bnts", qf, kf) * scale, -np.inf)
     m = x.max(-1, keepdims=True)
-    p = np.exp(x - m)
+    empty = m == -np.inf  # rows that see no key: out 0, lse -inf
+    p = np.exp(x - np.where(empty, 0.0, m))
     l = p.sum(-1, keepdims=True)
-    ref = np.einsum("bnts,bsnh->btnh", p / l, vf)
+    ref = np.einsum("bnts,bsnh->btnh", p / np.where(empty, 1.0, l), vf)
     ref_lse = (m + np.log(l))[..., 0]
+    seen = ~empty[..., 0]
     results.append(dict(
         out_error=float(np.max(np.abs(out - ref)) / np.max(np.abs(ref))),
-        lse_error=float(np.max(np.abs(lse - ref_lse) / np.maximum(1, np.abs(ref_lse)))),
+        lse_error=float(np.max(np.abs(lse - ref_lse)[seen] / np.maximum(1, np.abs(ref_lse[seen])))),
+        empty_rows_exact=bool(np.all(lse[~seen] == -np.inf) and np.all(out.transpose(0, 2, 1, 3)[~seen] == 0)),
+        empty_rows=int((~seen).sum()),
         nan=bool(np.isnan(out).any() or np.isnan(lse).any()),
     ))
 print(json.dumps(dict(results=results, races=mosaic_interpret.races_found())))
@@ -208,12 +217,15 @@ def test_forward_interpreted_against_float64():
         assert not result["nan"], (case, result)
         assert result["out_error"] <= 4 * eps, (case, result)
         assert result["lse_error"] <= 1e-5, (case, result)
+        assert result["empty_rows_exact"], (case, result)
+    assert sum(r["empty_rows"] for r in report["results"]) > 128  # the window past S has a CTA of them
 
 
 # The backward: (B, T, S, N, K, H, dtype, causal, scale, window): GQA with both rings wrapping (6
 # key steps of the dQ kernel, 2 heads x 2 query steps of the dK/dV kernel, over 2 slots); causal
 # over two tiles; ragged T and S; ragged causal with GQA; sliding windows (both edges, causal with
-# a left edge, a right edge alone and ragged).
+# a left edge, a right edge alone and ragged); T != S: causal with keys no row sees, a window
+# whose rows past S + left see no key (lse -inf: their dq 0, nothing sent to dk, dv).
 BACKWARD_CASES = [
     (1, 128, 384, 4, 2, 128, "bfloat16", False, 0.3, None),
     (2, 256, 256, 1, 1, 64, "float16", True, 0.125, None),
@@ -222,6 +234,8 @@ BACKWARD_CASES = [
     (1, 384, 384, 2, 1, 64, "bfloat16", False, 0.125, (100, 30)),
     (1, 384, 384, 1, 1, 128, "bfloat16", True, 0.125, (70, None)),
     (1, 255, 255, 1, 1, 64, "float16", False, 0.125, (None, 5)),
+    (1, 128, 320, 2, 1, 64, "bfloat16", True, 0.125, None),
+    (1, 300, 100, 1, 1, 64, "bfloat16", False, 0.125, (20, 10)),
 ]
 
 _INTERPRET_BACKWARD = (
@@ -250,8 +264,9 @@ for b, t, s, n, kh, h, dtype, causal, scale, window in json.loads(sys.argv[2]):
     kr, vr = np.repeat(kf, g, axis=2), np.repeat(vf, g, axis=2)
     x = np.where(band_mask(t, s, causal, window), np.einsum("btnh,bsnh->bnts", qf, kr) * scale, -np.inf)
     m = x.max(-1, keepdims=True)
-    lse = m + np.log(np.exp(x - m).sum(-1, keepdims=True))
-    p = np.exp(x - lse)
+    empty = m == -np.inf  # rows that see no key: lse -inf, P = 0
+    lse = m + np.log(np.exp(x - np.where(empty, 0.0, m)).sum(-1, keepdims=True))
+    p = np.exp(x - np.where(empty, 0.0, lse))
     out = np.einsum("bnts,bsnh->btnh", p, vr)
     dp = np.einsum("btnh,bsnh->bnts", dof, vr)
     ds = p * (dp - np.einsum("btnh,btnh->bnt", dof, out)[..., None])
@@ -381,3 +396,17 @@ def test_wired_forward_interpreted():
             assert result["mosaic_backward_bits"], (case, result)
             assert result["sinks_error"] <= 4 * 2.0**-8 and result["no_sink_bits"], (case, result)
             assert result["dsinks_error"] <= 4 * 2.0**-8, (case, result)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_band_is_clipped_for_any_window_size(causal):
+    """A window as wide as int32 allows sees what an unbounded one sees: the band is clipped to
+    [-T, S] of the padded lengths, so the kernels' step arithmetic (r0 + rows + hi) cannot wrap
+    around."""
+    t, s, huge = 384, 256, 2**31 - 1  # T = 300, S = 200 padded to whole tiles
+    lo, hi = _mosaic.band(causal, huge, huge, t, s)
+    assert (lo, hi) == (-t, 0 if causal else s)
+    for r0 in (0, 128, 256):
+        got = _mosaic.visible_steps(lo, hi, s, jnp.int32(r0), 64, 128, 2)
+        want = _mosaic.visible_steps(None, 0 if causal else None, s, jnp.int32(r0), 64, 128, 2)
+        assert [int(x) for x in got] == [int(x) for x in want], (r0, got, want)
