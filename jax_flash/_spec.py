@@ -123,9 +123,9 @@ class AttentionSpec:
         """
         lo = hi = None
         if self.window_left is not None:
-            lo = _offset_clip(q_offset, -self.window_left, -self.q_len, self.kv_len)
+            lo = offset_clip(q_offset, -self.window_left, -self.q_len, self.kv_len)
         if self.window_right is not None:
-            hi = _offset_clip(q_offset, self.window_right, -self.q_len, self.kv_len)
+            hi = offset_clip(q_offset, self.window_right, -self.q_len, self.kv_len)
         return lo, hi
 
     def _widest_band(self, q_offset):
@@ -183,7 +183,7 @@ class AttentionSpec:
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
-def _offset_clip(offset, delta: int, lo: int, hi: int):
+def offset_clip(offset, delta: int, lo: int, hi: int):
     """clip(offset + delta, lo, hi), exact for an int32 `offset` and any Python int `delta`
     (int32 sums saturate instead of wrapping around; lo, hi are int32)."""
     if isinstance(offset, int):

@@ -2,7 +2,8 @@
 its kernel serves (`Config.pallas_backend`; decided when the call is traced).
 
 The Mosaic GPU forward (`_mosaic`) is FlashAttention-3's schedule for sm_90: one plain kernel,
-causal or not, sliding windows, attention sinks, no other optional feature. A call runs it where `mosaic_unsupported` finds nothing against it and
+causal or not, sliding windows (both placed by a query offset), sequence lengths, attention
+sinks, no other optional feature. A call runs it where `mosaic_unsupported` finds nothing against it and
 
 - `pallas_backend="mosaic_gpu"`: always (a call it cannot serve is an error naming why);
 - `pallas_backend="auto"` (the default): where a device run measured it faster than the Triton
@@ -34,10 +35,16 @@ INTERPRET: object = None
 
 
 def band(spec: AttentionSpec) -> dict:
-    """The Mosaic GPU kernels' keywords for the call's causal mask or sliding window."""
+    """The Mosaic GPU kernels' keywords for the call's causal mask or sliding window (the per
+    batch row query offset and lengths are arrays: `masks`)."""
     if spec.window_right == 0 and spec.window_left is None:
         return dict(causal=True, window=(None, None))
     return dict(causal=False, window=(spec.window_left, spec.window_right))
+
+
+def masks(masks) -> dict:
+    """The Mosaic GPU kernels' keywords for a call's [B] query offset and lengths (`MaskInputs`)."""
+    return dict(q_offset=masks.q_offset, q_lengths=masks.q_lengths, kv_lengths=masks.kv_lengths)
 
 
 def mosaic_unsupported(spec: AttentionSpec) -> str | None:
@@ -49,15 +56,13 @@ def mosaic_unsupported(spec: AttentionSpec) -> str | None:
     blocker = _heuristics.pallas_plain_blocker(spec)
     features = (
         (blocker is not None, blocker),
-        (spec.has_q_lengths or spec.has_kv_lengths, "sequence lengths"),
         (spec.has_segment_ids, "segment ids"),
-        (spec.has_q_offset, "a query offset"),
         (spec.mask_shape is not None, "a dense mask"),
         (spec.has_dropout, "dropout"),
     )
     for present, what in features:
         if present:
-            return f"the call has {what} (the Mosaic GPU forward is the plain kernel only)"
+            return f"the call has {what} (the Mosaic GPU kernels serve the band, lengths and sinks only)"
     b, t, s, n, kv = spec.batch, spec.q_len, spec.kv_len, spec.num_heads, spec.num_kv_heads
     return _mosaic.unsupported(
         (b, t, n, spec.head_dim), (b, s, kv, spec.head_dim), (b, s, kv, spec.v_head_dim), spec.dtype, **band(spec)

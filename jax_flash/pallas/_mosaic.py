@@ -24,13 +24,16 @@ gets exp2(0) = 1 at any magnitude: the form of the other plain kernels
 `schedule` barrier): while one runs its softmax the other's wgmma runs.
 
 This is the plain kernel only: finite inputs (the caller tests them, as for the Triton plain
-kernels), no soft cap, bias, mask, lengths or segments; attention sinks joined after the key
-loop as the Triton plain forward joins them. Causal masks and sliding windows are one *band*
-(`band`: row r sees key j iff lo <= j - r <= hi, T = S): a consumer runs only the key steps that
-hold a key its rows see (`visible_steps`), the steps on the band's two edges masked in loops of
-their own and the ones inside it not; the steps its CTA's other consumer sees and it does not are
-observed and released (`skip`). A row that has seen no key yet in a masked step (a window's left
-edge) keeps m = -inf and is shifted by 0, so p = 0 instead of NaN.
+kernels), no soft cap, bias, dense mask or segments; attention sinks joined after the key loop as
+the Triton plain forward joins them. Causal masks and sliding windows are one *band* (`band`:
+row r sees key j iff lo <= j - r <= hi; top-left as jax.nn, for T != S too): a consumer runs only
+the key steps that hold a key its rows see (`visible_steps`), the steps on the band's two edges
+masked in loops of their own and the ones inside it not; the steps its CTA's other consumer sees
+and it does not are observed and released (`skip`). A query offset per batch row moves the band
+and query and key lengths cut it (`Bounds`: one int32 [B, 4] operand, read once per CTA, the
+steps chosen from it as from the static band). A row that has seen no key yet in a masked step
+keeps m = -inf and is shifted by 0, so p = 0 instead of NaN; a row that sees no key at all (past
+its query length, or outside the band) ends with out 0 and lse -inf (the sink's with a sink).
 Ragged T and S are padded with zeros to whole tiles here (the rows past T are computed and
 dropped, the keys past S masked in the last key step, peeled off the loop like the band's
 edges); `unsupported` says why a call falls outside. `jax_flash.pallas._backend`
@@ -43,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +54,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jax_flash._spec import offset_clip
 
 LOG2E = math.log2(math.e)
 CONSUMERS = 2  # consumer warpgroups per CTA, one wgmma M = 64 rows each
@@ -88,36 +94,87 @@ def band(causal: bool, window_left: int | None, window_right: int | None, q_len:
     return lo, (None if hi is None else min(hi, kv_len))
 
 
-def visible_steps(lo, hi, limit: int, r0, rows: int, block: int, steps: int):
-    """For rows [r0, r0 + rows) of a band (lo, hi) over `limit` real keys in `steps` key steps of
-    `block` keys: (first, full_lo, full_hi, last), int32: the steps [first, last) hold a key some
-    row sees, and of them [full_lo, full_hi) only keys every row sees (the others are masked).
+def visible_steps(lo, hi, limit, r0, rows: int, block: int, row_limit=None):
+    """For rows [r0, r0 + rows) of a band (lo, hi) over `limit` real keys, in key steps of `block`
+    keys: (first, full_lo, full_hi, last), int32: the steps [first, last) hold a key some row
+    sees, and of them [full_lo, full_hi) only keys every row sees (the others are masked).
+    `row_limit`: the rows from it on do not exist (a query length: they see nothing and do not
+    count for the masking). Bounds are Python ints or int32 scalars (a batch row's, `Bounds`).
     The same function gives the query steps that see keys [r0, r0 + rows) with (-hi, -lo)."""
     i32 = jnp.int32
+    steps = pl.cdiv(jnp.asarray(limit, i32), i32(block))
+    n = i32(rows) if row_limit is None else jnp.clip(row_limit - r0, 0, rows).astype(i32)
     first = i32(0) if lo is None else lax.div(jnp.maximum(r0 + lo, 0), i32(block))
-    last = i32(steps) if hi is None else jnp.minimum(pl.cdiv(jnp.maximum(r0 + rows + hi, 0), i32(block)), i32(steps))
+    last = steps if hi is None else jnp.minimum(pl.cdiv(jnp.maximum(r0 + n + hi, 0), i32(block)), steps)
+    if row_limit is not None:
+        last = jnp.where(n == 0, 0, last)
     first = jnp.minimum(first, last)
-    full_lo = first if lo is None else pl.cdiv(jnp.maximum(r0 + rows - 1 + lo, 0), i32(block))
-    full_hi = i32(limit // block)
+    full_lo = first if lo is None else pl.cdiv(jnp.maximum(r0 + n - 1 + lo, 0), i32(block))
+    full_hi = lax.div(jnp.asarray(limit, i32), i32(block))
     if hi is not None:
         full_hi = jnp.minimum(lax.div(jnp.maximum(r0 + hi + 1, 0), i32(block)), full_hi)
     full_lo = jnp.clip(full_lo, first, last)
     return first, full_lo, jnp.clip(full_hi, full_lo, last), last
 
 
-def over_band(step, skip, carry, bounds, lo, hi, ragged_keys: bool):
+class Bounds(NamedTuple):
+    """What one batch row's rows see: the band (lo, hi; None: that side unbounded) and the query
+    and key lengths (q_valid, kv_valid). Python ints where the call's are static; where it has a
+    query offset or lengths, int32 scalars read from the kernel's `bounds` operand (`read`)."""
+
+    lo: object
+    hi: object
+    q_valid: object
+    kv_valid: object
+
+    @staticmethod
+    def of(
+        causal, window, q_len: int, kv_len: int, padded: tuple[int, int], q_offset=None, q_lengths=None, kv_lengths=None
+    ):
+        """(the static bounds, and None or the int32 [B, 4] operand of the runtime ones): the band
+        of `band` moved by the [B] `q_offset` (clipped to the padded lengths as `band`, exactly for
+        any int32 offset), lengths clipped to [0, T], [0, S]."""
+        lo, hi = band(causal, *window, *padded)
+        static = Bounds(lo, hi, q_len, kv_len)
+        if q_offset is None and q_lengths is None and kv_lengths is None:
+            return static, None
+        rows = next(x for x in (q_offset, q_lengths, kv_lengths) if x is not None).shape[0]
+        offset = jnp.zeros((rows,), jnp.int32) if q_offset is None else jnp.asarray(q_offset, jnp.int32)
+
+        def moved(side):  # offset + side (the window's, unclipped), clipped as `band` clips it
+            return jnp.zeros((rows,), jnp.int32) if side is None else offset_clip(offset, side, -padded[0], padded[1])
+
+        def length(x, full):
+            return jnp.full((rows,), full, jnp.int32) if x is None else jnp.clip(x, 0, full).astype(jnp.int32)
+
+        window_lo = None if window[0] is None else -window[0]
+        window_hi = 0 if causal else window[1]
+        columns = (moved(window_lo), moved(window_hi), length(q_lengths, q_len), length(kv_lengths, kv_len))
+        return static, jnp.stack(columns, axis=1)
+
+    def read(self, bounds_ref, batch) -> Bounds:
+        """The bounds of batch row `batch` in a kernel: the static ones, or read from `bounds_ref`."""
+        if bounds_ref is None:
+            return self
+        return Bounds(*(None if x is None else bounds_ref[batch, i] for i, x in enumerate(self)))
+
+
+def over_band(step, skip, carry, bounds, lo, hi, ragged_keys: bool, cut_rows: bool = False):
     """A consumer's key loop over its CTA's steps `bounds` = (cta_first, first, full_lo, full_hi,
     last, cta_last) (`visible_steps`): the steps its rows do not see skipped (`skip(start, stop)`),
     the band's edges and the keys past S as `step(i, carry, True)` (masked), the steps inside it as
-    `step(i, carry, False)`, each range a loop of its own; the final carry."""
+    `step(i, carry, False)`, each range a loop of its own; the final carry. `cut_rows`: a query
+    length may leave the consumer fewer rows (so fewer steps) than its CTA's other consumer."""
     cta_first, first, full_lo, full_hi, last, cta_last = bounds
+    if cut_rows:  # a consumer without rows sees no step: none before its CTA's first one
+        first, full_lo, full_hi, last = (jnp.clip(x, cta_first, cta_last) for x in (first, full_lo, full_hi, last))
     if lo is not None:  # the band's left edge
         skip(cta_first, first)
         carry = lax.fori_loop(first, full_lo, lambda i, c: step(i, c, True), carry)
     carry = lax.fori_loop(full_lo, full_hi, lambda i, c: step(i, c, False), carry)
     if hi is not None or ragged_keys:  # its right edge, the keys past S
         carry = lax.fori_loop(full_hi, last, lambda i, c: step(i, c, True), carry)
-    if hi is not None:  # the CTA's other consumer may see more steps
+    if hi is not None or cut_rows:  # the CTA's other consumer may see more steps
         skip(last, cta_last)
     return carry
 
@@ -194,12 +251,19 @@ def forward(
     window: tuple[int | None, int | None] = (None, None),
     tiles: ForwardTiles | None = None,
     sinks=None,
+    q_offset=None,
+    q_lengths=None,
+    kv_lengths=None,
     run=None,
     interpret=None,
 ):
     """(out [B, T, N, H], lse [B, N, T] f32, natural log) of the plain attention of canonical
     q [B, T, N, H], k, v [B, S, K, H]; see the module docstring for what it serves. `window`:
     (left, right) keys a row sees around its own (None: unbounded; causal sets right = 0).
+
+    `q_offset`, `q_lengths`, `kv_lengths`: None, or [B] int32 (`AttentionSpec`'s meaning): query
+    t of batch row b at key position q_offset[b] + t for the band; rows t >= q_lengths[b] see no
+    key (out 0, lse -inf or the sink); keys s >= kv_lengths[b] are seen by none.
 
     `sinks`: None, or [N] float32 logits joined as one more logit of every row after the key loop,
     as the Triton plain forward joins them: a -inf sink gives the call without it bit for bit,
@@ -218,8 +282,9 @@ def forward(
     # Ragged T and S: padded with zeros to whole tiles (the rows past T are computed and dropped,
     # the keys past S masked in the last key step).
     t_pad, key_steps = -(-t // tiles.rows) * tiles.rows, -(-s // block_kv)
-    ragged_keys = s % block_kv != 0
-    lo, hi = band(causal, *window, t_pad, key_steps * block_kv)
+    ragged_keys = s % block_kv != 0 or kv_lengths is not None  # a key step may be cut short
+    static, bounds = Bounds.of(causal, window, t, s, (t_pad, key_steps * block_kv), q_offset, q_lengths, kv_lengths)
+    lo, hi = static.lo, static.hi
     if t_pad != t:
         q = jnp.pad(q, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))
     if ragged_keys:
@@ -231,14 +296,18 @@ def forward(
 
     slot_of = functools.partial(ring_slot, stages=stages)
 
-    def body(q_ref, k_ref, v_ref, sinks_ref, run_ref, out_ref, lse_ref, smem, barriers):
+    def body(q_ref, k_ref, v_ref, sinks_ref, bounds_ref, run_ref, out_ref, lse_ref, smem, barriers):
         qo_smem, k_smem, v_smem, lse_smem = smem
         q_ready, k_ready, v_ready, k_free, v_free, schedule = barriers
         batch, head, q_tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tile")
         wg = lax.axis_index("wg")
-        # The key steps the CTA's rows see (the union of its consumers'; loop bounds are int32
-        # throughout, under jax_enable_x64 too).
-        cta_first, _, _, cta_last = visible_steps(lo, hi, s, q_tile * tiles.rows, tiles.rows, block_kv, key_steps)
+        # The batch row's band and lengths; the key steps the CTA's rows see (the union of its
+        # consumers'; loop bounds are int32 throughout, under jax_enable_x64 too).
+        lo, hi, q_valid, kv_valid = static.read(bounds_ref, batch)
+        row_limit = None if q_lengths is None else q_valid
+        cta_first, _, _, cta_last = visible_steps(
+            lo, hi, kv_valid, q_tile * tiles.rows, tiles.rows, block_kv, row_limit
+        )
 
         def take_turn():
             plgpu.barrier_arrive(schedule)
@@ -255,7 +324,7 @@ def forward(
             plgpu.barrier_wait(q_ready.at[wg])
             # The steps this warpgroup's rows see, and of them those whose every key each row sees
             # (inside the band, short of a ragged key tail); the others are masked.
-            first, full_lo, full_hi, last = visible_steps(lo, hi, s, t0, block_q, block_kv, key_steps)
+            first, full_lo, full_hi, last = visible_steps(lo, hi, kv_valid, t0, block_q, block_kv, row_limit)
 
             rows = plgpu.Layout.WGMMA.reduce(1)
             m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), rows)
@@ -275,12 +344,13 @@ def forward(
 
                 x = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                if masked:  # the band's edges, the keys past S
-                    x = mask_band(x, lo, hi, t0, i * block_kv, s)
+                if masked:  # the band's edges, the keys past S (or the batch row's length)
+                    x = mask_band(x, lo, hi, t0, i * block_kv, kv_valid)
                 m_new = jnp.maximum(m, x.max(axis=1))
                 # A masked step may hold no key of a row that has seen none yet (the band's left
-                # edge): its max stays -inf and is shifted by 0 (p = 0; alpha = 0 on l = 0 and O = 0).
-                shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked and lo is not None else m_new
+                # edge, or a row past the band's end): its max stays -inf and is shifted by 0
+                # (p = 0; alpha = 0 on l = 0 and O = 0). Per row, in masked steps only.
+                shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
                 alpha = jnp.exp2((m - shift) * exp2_factor)
                 p = jnp.exp2((x - lax.broadcast_in_dim(shift, x.shape, [0])) * exp2_factor)
                 l = l * alpha + p.sum(axis=1)
@@ -311,8 +381,13 @@ def forward(
                     take_turn()
 
             bounds = (cta_first, first, full_lo, full_hi, last, cta_last)
-            o, m, l = over_band(step, skip, (o, m, l), bounds, lo, hi, ragged_keys)
+            o, m, l = over_band(step, skip, (o, m, l), bounds, lo, hi, ragged_keys, q_lengths is not None)
             pl.when(wg == 0)(take_turn)
+            if q_lengths is not None:  # the rows past the batch row's query length see no key
+                row = plgpu.broadcasted_iota(jnp.int32, o.shape, 0, layout=plgpu.Layout.WGMMA) + t0
+                exists = jnp.where(row < q_valid, 1.0, 0.0).max(axis=1)
+                o, l = o * lax.broadcast_in_dim(exists, o.shape, [0]), l * exists
+                m = jnp.where(exists > 0.0, m, -jnp.inf)
             top = m * scale  # the rows' largest logit
             if sinks_ref is not None:  # one more logit of every row (-inf: none)
                 sink = sinks_ref[head]
@@ -351,6 +426,7 @@ def forward(
     def entry(q_ref, k_ref, v_ref, *refs):
         rest = list(refs)
         sinks_ref = None if sinks is None else rest.pop(0)
+        bounds_ref = None if bounds is None else rest.pop(0)
         run_ref = None if run is None else rest.pop(0)
         out_ref, lse_ref = rest
         layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -369,7 +445,9 @@ def forward(
             plgpu.Barrier(num_arrivals=CONSUMERS),  # schedule
         )
         pl.run_scoped(
-            lambda smem, barriers: body(q_ref, k_ref, v_ref, sinks_ref, run_ref, out_ref, lse_ref, smem, barriers),
+            lambda smem, barriers: body(
+                q_ref, k_ref, v_ref, sinks_ref, bounds_ref, run_ref, out_ref, lse_ref, smem, barriers
+            ),
             smem,
             barriers,
             collective_axes="wg",
@@ -384,5 +462,5 @@ def forward(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
-    )(q, k, v, *(x for x in (sinks, run) if x is not None))
+    )(q, k, v, *(x for x in (sinks, bounds, run) if x is not None))
     return (out, lse) if t_pad == t else (out[:, :t], lse[:, :, :t])

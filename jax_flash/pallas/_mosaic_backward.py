@@ -15,11 +15,12 @@ with c = scale·log2 e, lse₂ = lse·log2 e and δ = rowsum(dO ∘ O) − dlse 
 output's cotangent enters as dS = P ∘ (dP − rowsum(dO ∘ O) + dlse)), computed once by XLA
 before the kernels. No atomics: dQ is its own pass, and a dK/dV CTA loops over the query heads of
 its kv head's group (GQA without per-head copies). A causal mask or a sliding window (the band of
-`_mosaic.band`, T = S) skips the steps outside it: the dQ kernel's key steps as the forward's, the
-dK/dV kernel's query steps seen from the keys (the band (-hi, -lo)); the steps on its edges are
-masked, peeled off the loops. Ragged T and S are padded to whole tiles: padded query rows get lse = +inf
-(P = 0) and δ = 0, padded keys are masked in the dQ kernel's last step and their dK, dV rows
-dropped.
+`_mosaic.band`, moved per batch row by a query offset, cut by lengths: `_mosaic.Bounds`) skips the
+steps outside it: the dQ kernel's key steps as the forward's, the dK/dV kernel's query steps seen
+from the keys (the band (-hi, -lo)); the steps on its edges are masked, peeled off the loops.
+Ragged T and S are padded to whole tiles: padded query rows, and rows that see no key or lie past
+their query length, get lse₂ = +inf (P = 0); padded keys are masked in the dQ kernel's last step
+and their dK, dV rows dropped; keys past a key length are masked there and get dK, dV 0.
 
 The plain kernel only, as the forward (finite inputs; sinks need nothing here: P = exp(x - lse)
 holds the sink's share, and dsinks is one XLA reduction in `jax_flash._vjp`): `unsupported` says why a call
@@ -42,7 +43,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax_flash.pallas._mosaic import (
     CONSUMERS,
     LOG2E,
-    band,
+    Bounds,
     mask_band,
     over_band,
     produce,
@@ -110,12 +111,17 @@ def backward(
     scale: float,
     causal: bool = False,
     window: tuple[int | None, int | None] = (None, None),
+    q_offset=None,
+    q_lengths=None,
+    kv_lengths=None,
     tiles=None,
     run=None,
     interpret=None,
 ):
     """(dq, dk, dv) of the plain attention of canonical q [B, T, N, H], k, v [B, S, K, H] given the
     forward's out and lse [B, N, T] (natural log) and the cotangents dout (and dlse).
+    `q_offset`, `q_lengths`, `kv_lengths`: as the forward's (the rows past a query length get
+    dq 0 and send nothing; the keys past a key length get dk, dv 0).
 
     `run`: None, or an int32 [1] array: where it holds 0 every CTA of both kernels returns after
     one load and the results are left unwritten (as the forward's `run`)."""
@@ -134,25 +140,31 @@ def backward(
         delta = delta - dlse
     t_pad = -(-t // rows) * rows
     s_pad = -(-s // rows) * rows
-    lo, hi = band(causal, *window, t_pad, s_pad)
+    static, bounds = Bounds.of(causal, window, t, s, (t_pad, s_pad), q_offset, q_lengths, kv_lengths)
+    lo, hi = static.lo, static.hi
     pad_t = lambda x, value=0.0: jnp.pad(x, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)), constant_values=value)
     pad_s = lambda x: jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0), (0, 0)))
-    # A row that saw no key (lse = -inf) gets P = 0 like a padded one, not exp2(-inf + inf).
-    stats = jnp.stack([jnp.where(lse == -jnp.inf, jnp.inf, lse) * LOG2E, delta], axis=2)
+    # A row that saw no key (lse = -inf), or past its batch row's query length (lse -inf, or a
+    # sink's), gets P = 0 like a padded one (lse₂ = +inf), not exp2(-inf + inf).
+    no_key = lse == -jnp.inf
+    if q_lengths is not None:
+        no_key = no_key | (jnp.arange(t)[None, None, :] >= jnp.asarray(q_lengths)[:, None, None])
+    stats = jnp.stack([jnp.where(no_key, jnp.inf, lse) * LOG2E, delta], axis=2)
     stats = jnp.pad(stats, ((0, 0), (0, 0), (0, 0), (0, t_pad - t)))
     stats = stats.at[:, :, 0, t:].set(jnp.inf)
     qp, dop, kp, vp = pad_t(q), pad_t(dout), pad_s(k), pad_s(v)
-    q_steps, k_steps = t_pad // block, s_pad // block
-    ragged_keys = s_pad != s  # block divides rows: the pad is in the last key block
+    ragged_keys = s % block != 0 or kv_lengths is not None  # a key step may be cut short
     stages = tiles.stages
     slot_of = functools.partial(ring_slot, stages=stages)
 
-    def dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, run_ref, dq_ref, smem, barriers):
+    def dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bounds_ref, run_ref, dq_ref, smem, barriers):
         q_smem, do_smem, stats_smem, k_smem, v_smem = smem
         rows_ready, k_ready, v_ready, free = barriers
         batch, head, tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tile")
         wg = lax.axis_index("wg")
-        cta_first, _, _, cta_last = visible_steps(lo, hi, s, tile * rows, rows, block, k_steps)
+        lo, hi, q_valid, kv_valid = static.read(bounds_ref, batch)
+        row_limit = None if q_lengths is None else q_valid
+        cta_first, _, _, cta_last = visible_steps(lo, hi, kv_valid, tile * rows, rows, block, row_limit)
 
         runs = True if run_ref is None else run_ref[0] != 0
 
@@ -170,14 +182,14 @@ def backward(
                 plgpu.barrier_wait(rows_ready.at[wg + r * CONSUMERS])
             lse2 = plgpu.load(stats_smem.at[wg, 0], (), layout=plgpu.Layout.WGMMA.reduce(1))
             delta = plgpu.load(stats_smem.at[wg, 1], (), layout=plgpu.Layout.WGMMA.reduce(1))
-            first, full_lo, full_hi, last = visible_steps(lo, hi, s, t0, ROWS, block, k_steps)
+            first, full_lo, full_hi, last = visible_steps(lo, hi, kv_valid, t0, ROWS, block, row_limit)
 
             def step(i, dq, masked: bool):
                 slot = slot_of(i)
                 plgpu.barrier_wait(k_ready.at[slot])
                 x = _product(q_smem.at[wg], plgpu.transpose_ref(k_smem.at[slot], (1, 0)), (ROWS, block))
-                if masked:  # the band's edges, the keys past S
-                    x = mask_band(x, lo, hi, t0, i * block, s)
+                if masked:  # the band's edges, the keys past S (or the batch row's length)
+                    x = mask_band(x, lo, hi, t0, i * block, kv_valid)
                 p = jnp.exp2(x * c - lax.broadcast_in_dim(lse2, x.shape, [0]))
                 plgpu.barrier_wait(v_ready.at[slot])
                 dp = _product(do_smem.at[wg], plgpu.transpose_ref(v_smem.at[slot], (1, 0)), (ROWS, block))
@@ -198,7 +210,7 @@ def backward(
                     plgpu.barrier_arrive(free.at[slot])
 
             bounds = (cta_first, first, full_lo, full_hi, last, cta_last)
-            dq = over_band(step, skip, _zeros((ROWS, h)), bounds, lo, hi, ragged_keys)
+            dq = over_band(step, skip, _zeros((ROWS, h)), bounds, lo, hi, ragged_keys, q_lengths is not None)
 
             q_smem.at[wg][...] = (dq * scale).astype(dtype)  # dQ is staged where Q was
             plgpu.commit_smem()
@@ -217,15 +229,25 @@ def backward(
 
             produce(cta_first, cta_last, stages, fetch, lambda slot: plgpu.barrier_wait(free.at[slot]))
 
-    def dkv_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, run_ref, dk_ref, dv_ref, smem, barriers):
+    def dkv_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bounds_ref, run_ref, dk_ref, dv_ref, smem, barriers):
         k_smem, v_smem, q_smem, do_smem, stats_smem = smem
         keys_ready, q_ready, do_ready, stats_ready, free = barriers
         batch, kv_head, tile = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("k_tile")
         wg = lax.axis_index("wg")
+        lo, hi, q_valid, kv_valid = static.read(bounds_ref, batch)
         # The query steps of each head that see the CTA's keys (the band seen from the keys: -hi, -lo),
-        # and of them those whose every query sees every key; the others are masked.
+        # and of them those whose every query sees every key; the others are masked. The queries
+        # past T or a query length need no mask (lse₂ = +inf: P = 0): the steps end at a whole
+        # step past the last query; keys past a key length see none.
+        queries = t_pad if q_lengths is None else pl.cdiv(q_valid, block) * block
         first, full_lo, full_hi, last = visible_steps(
-            None if hi is None else -hi, None if lo is None else -lo, t_pad, tile * rows, rows, block, q_steps
+            None if hi is None else -hi,
+            None if lo is None else -lo,
+            queries,
+            tile * rows,
+            rows,
+            block,
+            None if kv_lengths is None else kv_valid,
         )
         per_head = last - first
 
@@ -275,6 +297,9 @@ def backward(
                 return carry
 
             dk, dv = lax.fori_loop(jnp.int32(0), jnp.int32(group), head_of_group, (_zeros((ROWS, h)),) * 2)
+            if kv_lengths is not None:  # the keys past the batch row's key length: dK, dV 0
+                key = plgpu.broadcasted_iota(jnp.int32, dk.shape, 0, layout=plgpu.Layout.WGMMA) + k0
+                dk, dv = (jnp.where(key < kv_valid, x, 0.0) for x in (dk, dv))
             k_smem.at[wg][...] = (dk * scale).astype(dtype)  # dK and dV are staged where K and V were
             v_smem.at[wg][...] = dv.astype(dtype)
             plgpu.commit_smem()
@@ -299,8 +324,12 @@ def backward(
 
     def launch(kernel, grid, grid_names, smem, barriers, out_type, *args):
         def entry(*refs):
-            if run is None:  # no gate: the kernel's run_ref is None
-                refs = (*refs[:5], None, *refs[5:])
+            # The kernel's bounds_ref and run_ref are None where the call has no such operand.
+            refs = list(refs)
+            if bounds is None:
+                refs.insert(5, None)
+            if run is None:
+                refs.insert(6, None)
             pl.run_scoped(lambda smem, barriers: kernel(*refs, smem, barriers), smem, barriers, collective_axes="wg")
 
         return plgpu.kernel(
@@ -312,7 +341,7 @@ def backward(
             thread_name="wg",
             compiler_params=plgpu.CompilerParams(approx_math=True),
             interpret=interpret,
-        )(*args, *(() if run is None else (run,)))
+        )(*args, *(x for x in (bounds, run) if x is not None))
 
     per_wg = lambda: plgpu.SMEM((CONSUMERS, ROWS, h), dtype, transforms=_layout())
     ring = lambda: plgpu.SMEM((stages, block, h), dtype, transforms=_layout())

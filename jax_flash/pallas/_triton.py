@@ -508,7 +508,15 @@ def _mosaic_forward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, *, con
     run = plain_inputs(q, k, v, masks).astype(jnp.int32).reshape(1)
     sinks = None if masks.sinks is None else masks.sinks.astype(jnp.float32)
     out, lse = _mosaic.forward(
-        q, k, v, scale=spec.scale, **_backend.band(spec), sinks=sinks, run=run, interpret=_backend.INTERPRET
+        q,
+        k,
+        v,
+        scale=spec.scale,
+        **_backend.band(spec),
+        **_backend.masks(masks),
+        sinks=sinks,
+        run=run,
+        interpret=_backend.INTERPRET,
     )
     return _forward_call(
         spec, q, k, v, masks, configs=configs, interpret=interpret, launches=((False, 1 - run),), outs=(out, lse)
@@ -601,6 +609,7 @@ def _mosaic_backward_call(spec: AttentionSpec, q, k, v, masks: MaskInputs, out, 
         dlse.astype(jnp.float32),
         scale=spec.scale,
         **_backend.band(spec),
+        **_backend.masks(masks),
         run=run,
         interpret=_backend.INTERPRET,
     )

@@ -55,6 +55,10 @@ def test_forced_mosaic_serves_plain_calls(sm90):
         _spec(h=256, t=1000, s=1000, dtype="float16"),
         _spec(window_left=256, window_right=0),
         _spec(window_left=100, window_right=30, has_sinks=True),
+        _spec(q_len=100, window_right=0),
+        _spec(q_len=100, window_left=128, window_right=0),
+        _spec(has_q_lengths=True, has_kv_lengths=True),
+        _spec(has_q_offset=True, window_right=0, has_kv_lengths=True),
     ):
         assert _backend.choose(spec)[0] == "mosaic_gpu", spec
 
@@ -65,14 +69,11 @@ def test_forced_mosaic_serves_plain_calls(sm90):
         (dict(soft_cap=30.0), "a soft cap"),
         (dict(bias_shape=(1, 1, 8192, 8192)), "a dense bias"),
         (dict(mask_shape=(1, 1, 8192, 8192)), "a dense mask"),
-        (dict(q_len=100, window_left=128, window_right=0), "a sliding window with T != S"),
-        (dict(has_kv_lengths=True), "sequence lengths"),
         (dict(has_segment_ids=True), "segment ids"),
         (dict(dropout_rate=0.1), "dropout"),
         (dict(value_head_dim=64), "a value head dim 64"),
         (dict(head_dim=96, scale=0.1), "head dim 96"),
         (dict(dtype="float32"), "dtype float32"),
-        (dict(q_len=100, window_right=0), "a causal call with T != S"),
         (dict(scale=0.0), "a scale outside"),
     ],
 )

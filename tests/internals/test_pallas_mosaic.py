@@ -126,13 +126,27 @@ def test_backward_lowers_to_two_warp_specialised_kernels(h, causal):
     assert op(dkv, "cp.async.bulk.tensor.global.shared.cta") == 2, dkv
 
 
-# The subprocesses' reference mask: numpy [T, S], key j visible from row r (the band of
-# jax_flash.pallas._mosaic.band, lo <= j - r <= hi).
+# The subprocesses' reference mask: numpy [B, 1, T, S], key j visible from row r of batch row
+# b (the band of jax_flash.pallas._mosaic.band, lo <= j - (r + q_offset[b]) <= hi, r below
+# q_lengths[b], j below kv_lengths[b]; `extra` holds the [B] arrays a case gives), and the
+# keyword arguments of the kernels for `extra`.
 _BAND_MASK = r"""
-def band_mask(t, s, causal, window):
+def band_mask(b, t, s, causal, window, extra):
     lo, hi = (None if window[0] is None else -window[0]), (0 if causal else window[1])
-    d = np.arange(s)[None, :] - np.arange(t)[:, None]
-    return (d >= (-(t + s) if lo is None else lo)) & (d <= (t + s if hi is None else hi))
+    d = np.arange(s)[None, None, :] - np.arange(t)[None, :, None] - np.asarray(extra.get("q_offset", [0] * b))[:, None, None]
+    vis = np.ones((b, t, s), bool)
+    if lo is not None:
+        vis &= d >= lo
+    if hi is not None:
+        vis &= d <= hi
+    if "q_lengths" in extra:
+        vis &= np.arange(t)[None, :, None] < np.asarray(extra["q_lengths"])[:, None, None]
+    if "kv_lengths" in extra:
+        vis &= np.arange(s)[None, None, :] < np.asarray(extra["kv_lengths"])[:, None, None]
+    return vis[:, None]
+
+def extra_args(extra):
+    return {name: jnp.asarray(value, jnp.int32) for name, value in extra.items()}
 """
 
 # (B, T, S, N, K, H, dtype, causal, scale, window): a ring that wraps (3 steps over 2 slots) with
@@ -142,7 +156,10 @@ def band_mask(t, s, causal, window):
 # windows (left, right): both edges masked, steps skipped before and after (rows whose window
 # starts past a whole masked step), causal with a left edge, a right edge alone, ragged. T != S
 # (top-left, as jax.nn): causal with keys no row sees, causal with rows past the last key, and a
-# window whose rows past S + left see no key (out 0, lse -inf; a whole CTA of them).
+# window whose rows past S + left see no key (out 0, lse -inf; a whole CTA of them). Per batch
+# row (the bounds operand): query offsets, one placing rows before every key (whole consumers and
+# a CTA that see nothing); a window moved by offsets with query and key lengths cutting it; lengths
+# alone, 0 among them.
 CASES = [
     (1, 128, 256, 2, 1, 64, "bfloat16", False, 0.125, None),
     (1, 128, 384, 4, 2, 128, "bfloat16", False, 0.3, None),
@@ -158,6 +175,21 @@ CASES = [
     (1, 128, 320, 2, 1, 64, "bfloat16", True, 0.125, None),
     (1, 320, 128, 1, 1, 128, "float16", True, 0.125, None),
     (1, 300, 100, 1, 1, 64, "bfloat16", False, 0.125, (20, 10)),
+    (2, 200, 300, 2, 1, 64, "bfloat16", True, 0.125, None, {"q_offset": [100, -150]}),
+    (
+        2,
+        190,
+        250,
+        2,
+        2,
+        128,
+        "float16",
+        False,
+        0.2,
+        (30, 40),
+        {"q_offset": [60, 0], "q_lengths": [150, 190], "kv_lengths": [250, 77]},
+    ),
+    (3, 130, 200, 1, 1, 64, "bfloat16", False, 0.125, None, {"q_lengths": [0, 70, 130], "kv_lengths": [200, 0, 65]}),
 ]
 
 
@@ -178,16 +210,17 @@ sys.modules[spec.name] = _mosaic
 spec.loader.exec_module(_mosaic)
 
 results = []
-for b, t, s, n, kh, h, dtype, causal, scale, window in json.loads(sys.argv[2]):
+for b, t, s, n, kh, h, dtype, causal, scale, window, *extra in json.loads(sys.argv[2]):
+    extra = extra[0] if extra else {}
     rng = np.random.default_rng(t + s + h)
     q, k, v = (jnp.asarray(rng.standard_normal(shape) + 0.25, dtype)
                for shape in ((b, t, n, h), (b, s, kh, h), (b, s, kh, h)))
     window = tuple(window or (None, None))
-    out, lse = _mosaic.forward(q, k, v, scale=scale, causal=causal, window=window, interpret=params)
+    out, lse = _mosaic.forward(q, k, v, scale=scale, causal=causal, window=window, interpret=params, **extra_args(extra))
     out, lse = np.asarray(out.astype(jnp.float32), np.float64), np.asarray(lse, np.float64)
     qf, kf, vf = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v))
     kf, vf = np.repeat(kf, n // kh, axis=2), np.repeat(vf, n // kh, axis=2)
-    x = np.where(band_mask(t, s, causal, window), np.einsum("btnh,bsnh->bnts", qf, kf) * scale, -np.inf)
+    x = np.where(band_mask(b, t, s, causal, window, extra), np.einsum("btnh,bsnh->bnts", qf, kf) * scale, -np.inf)
     m = x.max(-1, keepdims=True)
     empty = m == -np.inf  # rows that see no key: out 0, lse -inf
     p = np.exp(x - np.where(empty, 0.0, m))
@@ -225,7 +258,8 @@ def test_forward_interpreted_against_float64():
 # key steps of the dQ kernel, 2 heads x 2 query steps of the dK/dV kernel, over 2 slots); causal
 # over two tiles; ragged T and S; ragged causal with GQA; sliding windows (both edges, causal with
 # a left edge, a right edge alone and ragged); T != S: causal with keys no row sees, a window
-# whose rows past S + left see no key (lse -inf: their dq 0, nothing sent to dk, dv).
+# whose rows past S + left see no key (lse -inf: their dq 0, nothing sent to dk, dv); query
+# offsets, and a window moved by offsets with query and key lengths (0 among them).
 BACKWARD_CASES = [
     (1, 128, 384, 4, 2, 128, "bfloat16", False, 0.3, None),
     (2, 256, 256, 1, 1, 64, "float16", True, 0.125, None),
@@ -236,6 +270,20 @@ BACKWARD_CASES = [
     (1, 255, 255, 1, 1, 64, "float16", False, 0.125, (None, 5)),
     (1, 128, 320, 2, 1, 64, "bfloat16", True, 0.125, None),
     (1, 300, 100, 1, 1, 64, "bfloat16", False, 0.125, (20, 10)),
+    (2, 200, 300, 2, 1, 64, "bfloat16", True, 0.125, None, {"q_offset": [100, -150]}),
+    (
+        3,
+        130,
+        200,
+        2,
+        1,
+        64,
+        "bfloat16",
+        False,
+        0.125,
+        (30, 40),
+        {"q_offset": [0, 5, -20], "q_lengths": [0, 70, 130], "kv_lengths": [200, 0, 65]},
+    ),
 ]
 
 _INTERPRET_BACKWARD = (
@@ -254,7 +302,8 @@ sys.modules[spec.name] = under_test
 spec.loader.exec_module(under_test)
 
 results = []
-for b, t, s, n, kh, h, dtype, causal, scale, window in json.loads(sys.argv[2]):
+for b, t, s, n, kh, h, dtype, causal, scale, window, *extra in json.loads(sys.argv[2]):
+    extra = extra[0] if extra else {}
     window = tuple(window or (None, None))
     rng = np.random.default_rng(t + s + h)
     q, k, v, do = (jnp.asarray(rng.standard_normal(shape) + 0.25, dtype)
@@ -262,7 +311,7 @@ for b, t, s, n, kh, h, dtype, causal, scale, window in json.loads(sys.argv[2]):
     qf, kf, vf, dof = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v, do))
     g = n // kh
     kr, vr = np.repeat(kf, g, axis=2), np.repeat(vf, g, axis=2)
-    x = np.where(band_mask(t, s, causal, window), np.einsum("btnh,bsnh->bnts", qf, kr) * scale, -np.inf)
+    x = np.where(band_mask(b, t, s, causal, window, extra), np.einsum("btnh,bsnh->bnts", qf, kr) * scale, -np.inf)
     m = x.max(-1, keepdims=True)
     empty = m == -np.inf  # rows that see no key: lse -inf, P = 0
     lse = m + np.log(np.exp(x - np.where(empty, 0.0, m)).sum(-1, keepdims=True))
@@ -274,7 +323,7 @@ for b, t, s, n, kh, h, dtype, causal, scale, window in json.loads(sys.argv[2]):
     dk = np.einsum("bnts,btnh->bsnh", ds, qf).reshape(b, s, kh, g, h).sum(3) * scale
     dv = np.einsum("bnts,btnh->bsnh", p, dof).reshape(b, s, kh, g, h).sum(3)
     grads = under_test.backward(q, k, v, jnp.asarray(out, dtype), jnp.asarray(lse[..., 0], jnp.float32), do,
-                                scale=scale, causal=causal, window=window, interpret=params)
+                                scale=scale, causal=causal, window=window, interpret=params, **extra_args(extra))
     errors = {}
     for name, got, ref in zip(("dq", "dk", "dv"), grads, (dq, dk, dv)):
         got = np.asarray(got.astype(jnp.float32), np.float64)
@@ -300,12 +349,23 @@ def test_backward_interpreted_against_float64():
 # The wired forward (jax_flash.pallas._backend): jax_flash.attention(..., implementation="pallas",
 # pallas_backend="mosaic_gpu") with the Mosaic GPU kernel interpreted and the Triton general kernel
 # interpreted beside it. (B, T, S, N, K, H, causal, where a non-finite input goes: None, "v", "q",
-# a sliding window (left, right) or None).
+# a sliding window (left, right) or None, and optionally the call's [B] query offset and lengths).
 WIRED = [
     (1, 128, 256, 2, 1, 64, False, None, None),
     (1, 256, 256, 1, 1, 128, True, "v", None),
     (1, 200, 200, 2, 2, 64, False, "q", None),
-    (1, 256, 256, 2, 1, 64, False, None, (60, 10)),
+    (
+        1,
+        256,
+        256,
+        2,
+        1,
+        64,
+        False,
+        None,
+        (60, 10),
+        {"query_offset": [40], "query_seq_lengths": [200], "key_value_seq_lengths": [230]},
+    ),
 ]
 
 _WIRED = r"""
@@ -328,9 +388,12 @@ _backend.INTERPRET = params
 cfg = jax_flash.Config(pallas_backend="mosaic_gpu")
 f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
 results = []
-for b, t, s, n, kh, h, causal, bad, window in json.loads(sys.argv[2]):
+for b, t, s, n, kh, h, causal, bad, window, *extra in json.loads(sys.argv[2]):
+    extra = {name: jnp.asarray(x, jnp.int32) for name, x in (extra[0] if extra else {}).items()}
     masking = dict(local_window_size=tuple(window)) if window else dict(is_causal=causal)
-    band = dict(causal=causal, window=tuple(window or (None, None)))
+    masking.update(extra)
+    band = dict(causal=causal, window=tuple(window or (None, None)), q_offset=extra.get("query_offset"),
+                q_lengths=extra.get("query_seq_lengths"), kv_lengths=extra.get("key_value_seq_lengths"))
     rng = np.random.default_rng(t + s + h)
     q, k, v = (jnp.asarray(rng.standard_normal(shape) + 0.25, jnp.bfloat16)
                for shape in ((b, t, n, h), (b, s, kh, h), (b, s, kh, h)))
