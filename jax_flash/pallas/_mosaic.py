@@ -134,7 +134,7 @@ class Bounds(NamedTuple):
         """(the static bounds, and None or the int32 [B, 4] operand of the runtime ones): the band
         of `band` moved by the [B] `q_offset` (clipped to the padded lengths as `band`, exactly for
         any int32 offset), lengths clipped to [0, T], [0, S]."""
-        lo, hi = band(causal, *window, *padded)
+        lo, hi = band(causal, window[0], window[1], padded[0], padded[1])
         static = Bounds(lo, hi, q_len, kv_len)
         if q_offset is None and q_lengths is None and kv_lengths is None:
             return static, None
@@ -284,7 +284,6 @@ def forward(
     t_pad, key_steps = -(-t // tiles.rows) * tiles.rows, -(-s // block_kv)
     ragged_keys = s % block_kv != 0 or kv_lengths is not None  # a key step may be cut short
     static, bounds = Bounds.of(causal, window, t, s, (t_pad, key_steps * block_kv), q_offset, q_lengths, kv_lengths)
-    lo, hi = static.lo, static.hi
     if t_pad != t:
         q = jnp.pad(q, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))
     if ragged_keys:

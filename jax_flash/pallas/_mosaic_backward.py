@@ -141,7 +141,6 @@ def backward(
     t_pad = -(-t // rows) * rows
     s_pad = -(-s // rows) * rows
     static, bounds = Bounds.of(causal, window, t, s, (t_pad, s_pad), q_offset, q_lengths, kv_lengths)
-    lo, hi = static.lo, static.hi
     pad_t = lambda x, value=0.0: jnp.pad(x, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)), constant_values=value)
     pad_s = lambda x: jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0), (0, 0)))
     # A row that saw no key (lse = -inf), or past its batch row's query length (lse -inf, or a
@@ -325,12 +324,14 @@ def backward(
     def launch(kernel, grid, grid_names, smem, barriers, out_type, *args):
         def entry(*refs):
             # The kernel's bounds_ref and run_ref are None where the call has no such operand.
-            refs = list(refs)
+            operands = list(refs)
             if bounds is None:
-                refs.insert(5, None)
+                operands.insert(5, None)
             if run is None:
-                refs.insert(6, None)
-            pl.run_scoped(lambda smem, barriers: kernel(*refs, smem, barriers), smem, barriers, collective_axes="wg")
+                operands.insert(6, None)
+            pl.run_scoped(
+                lambda smem, barriers: kernel(*operands, smem, barriers), smem, barriers, collective_axes="wg"
+            )
 
         return plgpu.kernel(
             entry,
