@@ -2,8 +2,8 @@
 its kernel serves (`Config.pallas_backend`; decided when the call is traced).
 
 The Mosaic GPU forward (`_mosaic`) is FlashAttention-3's schedule for sm_90: one plain kernel,
-causal or not, sliding windows (both placed by a query offset), sequence lengths, attention
-sinks, no other optional feature. A call runs it where `mosaic_unsupported` finds nothing against it and
+causal or not, sliding windows (both placed by a query offset), sequence lengths, a soft cap,
+attention sinks, no other optional feature. A call runs it where `mosaic_unsupported` finds nothing against it and
 
 - `pallas_backend="mosaic_gpu"`: always (a call it cannot serve is an error naming why);
 - `pallas_backend="auto"` (the default): where a device run measured it faster than the Triton
@@ -24,6 +24,8 @@ shim (tests/mosaic_interpret.py), to run the wired path interpreted.
 
 from __future__ import annotations
 
+import dataclasses
+
 from jax_flash import _heuristics, _registry
 from jax_flash._spec import AttentionSpec
 from jax_flash.pallas import _mosaic, _mosaic_backward
@@ -35,11 +37,11 @@ INTERPRET: object = None
 
 
 def band(spec: AttentionSpec) -> dict:
-    """The Mosaic GPU kernels' keywords for the call's causal mask or sliding window (the per
-    batch row query offset and lengths are arrays: `masks`)."""
+    """The Mosaic GPU kernels' static keywords for the call: its causal mask or sliding window and
+    its soft cap (the per batch row query offset and lengths are arrays: `masks`)."""
     if spec.window_right == 0 and spec.window_left is None:
-        return dict(causal=True, window=(None, None))
-    return dict(causal=False, window=(spec.window_left, spec.window_right))
+        return dict(causal=True, window=(None, None), soft_cap=spec.soft_cap)
+    return dict(causal=False, window=(spec.window_left, spec.window_right), soft_cap=spec.soft_cap)
 
 
 def masks(masks) -> dict:
@@ -53,7 +55,7 @@ def mosaic_unsupported(spec: AttentionSpec) -> str | None:
     if INTERPRET is None and arch not in MOSAIC_ARCHS:
         where = f"an {arch} GPU" if arch else f"the {_registry.platform()} platform"
         return f"it runs on {', '.join(MOSAIC_ARCHS)} GPUs only, not on {where}"
-    blocker = _heuristics.pallas_plain_blocker(spec)
+    blocker = _heuristics.pallas_plain_blocker(dataclasses.replace(spec, soft_cap=None))  # a cap it serves
     features = (
         (blocker is not None, blocker),
         (spec.has_segment_ids, "segment ids"),
@@ -62,7 +64,7 @@ def mosaic_unsupported(spec: AttentionSpec) -> str | None:
     )
     for present, what in features:
         if present:
-            return f"the call has {what} (the Mosaic GPU kernels serve the band, lengths and sinks only)"
+            return f"the call has {what} (the Mosaic GPU kernels serve the band, lengths, a soft cap and sinks only)"
     b, t, s, n, kv = spec.batch, spec.q_len, spec.kv_len, spec.num_heads, spec.num_kv_heads
     return _mosaic.unsupported(
         (b, t, n, spec.head_dim), (b, s, kv, spec.head_dim), (b, s, kv, spec.v_head_dim), spec.dtype, **band(spec)

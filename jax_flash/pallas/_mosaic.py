@@ -24,7 +24,8 @@ gets exp2(0) = 1 at any magnitude: the form of the other plain kernels
 `schedule` barrier): while one runs its softmax the other's wgmma runs.
 
 This is the plain kernel only: finite inputs (the caller tests them, as for the Triton plain
-kernels), no soft cap, bias, dense mask or segments; attention sinks joined after the key loop as
+kernels), no bias, dense mask or segments; a soft cap turns the raw scores into logits first
+(`soft_capped`, then log2 e alone in the exponent); attention sinks joined after the key loop as
 the Triton plain forward joins them. Causal masks and sliding windows are one *band* (`band`:
 row r sees key j iff lo <= j - r <= hi; top-left as jax.nn, for T != S too): a consumer runs only
 the key steps that hold a key its rows see (`visible_steps`), the steps on the band's two edges
@@ -206,6 +207,28 @@ def produce(start, stop, stages: int, fetch, wait_free):
         wait_free(ring_slot(i, stages))
 
 
+def soft_capped(x, scale: float, cap: float):
+    """The logits cap·tanh(scale·x/cap) of raw scores x (a soft-capped call's), as
+    cap - 2·cap / (exp2(x·2·scale/cap·log2 e) + 1): one ex2 and one division per score, within a
+    few float32 roundings of cap in absolute terms (tanh.approx's 2^-11 relative error would move
+    a logit near the cap by cap·2^-11, a weight by as much). Saturates to ±cap, never NaN."""
+    e = jnp.exp2(x * float(np.float32(2.0 * scale / cap * LOG2E)))
+    return cap - (2.0 * cap) / (e + 1.0)
+
+
+def segment_ids(ref, of_rows: bool):
+    """The int32 segment ids in shared memory `ref` of a score tile's rows (a row vector,
+    WGMMA.reduce(1)) or of its columns (WGMMA.reduce(0))."""
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1 if of_rows else 0))
+
+
+def mask_segments(x, row_ids, col_ids):
+    """Scores x [rows, cols] (WGMMA layout) with -inf where a row's segment id differs from the
+    column's (`segment_ids`)."""
+    same = lax.broadcast_in_dim(row_ids, x.shape, [0]) == lax.broadcast_in_dim(col_ids, x.shape, [1])
+    return jnp.where(same, x, -jnp.inf)
+
+
 def mask_band(x, lo, hi, r0, c0, limit=None):
     """Scores x [rows, cols] (WGMMA layout) with -inf where column c0 + j is not visible from row
     r0 + i: outside lo <= col - row <= hi (None: unbounded), or col >= limit."""
@@ -220,7 +243,7 @@ def mask_band(x, lo, hi, r0, c0, limit=None):
     return jnp.where(visible, x, -jnp.inf)
 
 
-def unsupported(shape_q, shape_k, shape_v, dtype, *, causal: bool, window=(None, None)) -> str | None:
+def unsupported(shape_q, shape_k, shape_v, dtype, *, causal: bool, window=(None, None), soft_cap=None) -> str | None:
     """Why the Mosaic GPU forward cannot serve these shapes, or None. `window`: (left, right) keys
     of a sliding window (None: unbounded)."""
     _, t, n, h = shape_q
@@ -238,6 +261,8 @@ def unsupported(shape_q, shape_k, shape_v, dtype, *, causal: bool, window=(None,
         return "an empty sequence"
     if any(w is not None and w < 0 for w in window):
         return f"a window {window} with a negative side"
+    if soft_cap is not None and not 0.0 < soft_cap < math.inf:
+        return f"a soft cap {soft_cap} (it serves 0 < cap < inf)"
     return None
 
 
@@ -250,10 +275,13 @@ def forward(
     causal: bool = False,
     window: tuple[int | None, int | None] = (None, None),
     tiles: ForwardTiles | None = None,
+    soft_cap: float | None = None,
     sinks=None,
     q_offset=None,
     q_lengths=None,
     kv_lengths=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
     run=None,
     interpret=None,
 ):
@@ -261,9 +289,14 @@ def forward(
     q [B, T, N, H], k, v [B, S, K, H]; see the module docstring for what it serves. `window`:
     (left, right) keys a row sees around its own (None: unbounded; causal sets right = 0).
 
+    `soft_cap`: None, or the cap c > 0 of the logits c·tanh(scale·s/c) (the softmax then runs on
+    logits, not raw scores: `soft_capped`).
+
     `q_offset`, `q_lengths`, `kv_lengths`: None, or [B] int32 (`AttentionSpec`'s meaning): query
     t of batch row b at key position q_offset[b] + t for the band; rows t >= q_lengths[b] see no
     key (out 0, lse -inf or the sink); keys s >= kv_lengths[b] are seen by none.
+    `q_segment_ids` [B, T], `kv_segment_ids` [B, S]: None, or int32 ids (both or neither): query t
+    sees key s only where their ids are equal (every step then masked; the steps are the band's).
 
     `sinks`: None, or [N] float32 logits joined as one more logit of every row after the key loop,
     as the Triton plain forward joins them: a -inf sink gives the call without it bit for bit,
@@ -275,7 +308,7 @@ def forward(
     b, t, n, h = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
     tiles = tiles or default_tiles(h)
-    why = unsupported(q.shape, k.shape, v.shape, q.dtype, causal=causal, window=window)
+    why = unsupported(q.shape, k.shape, v.shape, q.dtype, causal=causal, window=window, soft_cap=soft_cap)
     if why is not None:
         raise ValueError(f"the Mosaic GPU forward does not serve {why}")
     block_q, block_kv = tiles.block_q, tiles.block_kv
@@ -288,16 +321,21 @@ def forward(
         q = jnp.pad(q, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))
     if ragged_keys:
         k, v = (jnp.pad(x, ((0, 0), (0, key_steps * block_kv - s), (0, 0), (0, 0))) for x in (k, v))
+    segments = q_segment_ids is not None
+    if segments:  # padded as q, k and v (the padded rows dropped, the padded keys masked)
+        q_segment_ids = jnp.pad(jnp.asarray(q_segment_ids, jnp.int32), ((0, 0), (0, t_pad - t)))
+        kv_segment_ids = jnp.pad(jnp.asarray(kv_segment_ids, jnp.int32), ((0, 0), (0, key_steps * block_kv - s)))
     stages = min(tiles.stages, key_steps)
     group = n // kv_heads
     dtype = q.dtype
-    exp2_factor = float(np.float32(scale * LOG2E))
+    # The exponent's factor: the scale folded in (raw scores), or log2 e alone (capped logits).
+    exp2_factor = float(np.float32((1.0 if soft_cap is not None else scale) * LOG2E))
 
     slot_of = functools.partial(ring_slot, stages=stages)
 
-    def body(q_ref, k_ref, v_ref, sinks_ref, bounds_ref, run_ref, out_ref, lse_ref, smem, barriers):
-        qo_smem, k_smem, v_smem, lse_smem = smem
-        q_ready, k_ready, v_ready, k_free, v_free, schedule = barriers
+    def body(q_ref, k_ref, v_ref, sinks_ref, bounds_ref, ids_refs, run_ref, out_ref, lse_ref, smem, barriers):
+        qo_smem, k_smem, v_smem, lse_smem, *ids_smem = smem  # segment ids: the rows', the ring's
+        q_ready, k_ready, v_ready, k_free, v_free, schedule, *ids_ready = barriers
         batch, head, q_tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tile")
         wg = lax.axis_index("wg")
         # The batch row's band and lengths; the key steps the CTA's rows see (the union of its
@@ -320,6 +358,11 @@ def forward(
             q_smem, lse_rows = qo_smem.at[wg], lse_smem.at[wg]
             t0 = q_tile * tiles.rows + wg * block_q
             plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(t0, block_q), head], q_smem, q_ready.at[wg])
+            if segments:
+                rows_ids = ids_smem[0].at[wg]
+                plgpu.copy_gmem_to_smem(ids_refs[0].at[batch, pl.ds(t0, block_q)], rows_ids, ids_ready[0].at[wg])
+                plgpu.barrier_wait(ids_ready[0].at[wg])
+                q_ids = segment_ids(rows_ids, of_rows=True)
             plgpu.barrier_wait(q_ready.at[wg])
             # The steps this warpgroup's rows see, and of them those whose every key each row sees
             # (inside the band, short of a ragged key tail); the others are masked.
@@ -343,13 +386,18 @@ def forward(
 
                 x = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
+                if soft_cap is not None:
+                    x = soft_capped(x, scale, soft_cap)
                 if masked:  # the band's edges, the keys past S (or the batch row's length)
                     x = mask_band(x, lo, hi, t0, i * block_kv, kv_valid)
+                if segments:  # every step: a row sees the keys of its segment
+                    plgpu.barrier_wait(ids_ready[1].at[slot])
+                    x = mask_segments(x, q_ids, segment_ids(ids_smem[1].at[slot], of_rows=False))
                 m_new = jnp.maximum(m, x.max(axis=1))
                 # A masked step may hold no key of a row that has seen none yet (the band's left
                 # edge, or a row past the band's end): its max stays -inf and is shifted by 0
                 # (p = 0; alpha = 0 on l = 0 and O = 0). Per row, in masked steps only.
-                shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+                shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked or segments else m_new
                 alpha = jnp.exp2((m - shift) * exp2_factor)
                 p = jnp.exp2((x - lax.broadcast_in_dim(shift, x.shape, [0])) * exp2_factor)
                 l = l * alpha + p.sum(axis=1)
@@ -373,6 +421,8 @@ def forward(
                 def _(i):
                     slot = slot_of(i)
                     plgpu.barrier_wait(k_ready.at[slot])
+                    if segments:
+                        plgpu.barrier_wait(ids_ready[1].at[slot])
                     plgpu.barrier_wait(v_ready.at[slot])
                     plgpu.barrier_arrive(k_free.at[slot])
                     plgpu.barrier_arrive(v_free.at[slot])
@@ -387,7 +437,7 @@ def forward(
                 exists = jnp.where(row < q_valid, 1.0, 0.0).max(axis=1)
                 o, l = o * lax.broadcast_in_dim(exists, o.shape, [0]), l * exists
                 m = jnp.where(exists > 0.0, m, -jnp.inf)
-            top = m * scale  # the rows' largest logit
+            top = m if soft_cap is not None else m * scale  # the rows' largest logit
             if sinks_ref is not None:  # one more logit of every row (-inf: none)
                 sink = sinks_ref[head]
                 new_top = jnp.maximum(top, sink)
@@ -414,6 +464,9 @@ def forward(
             def fetch(i, slot):
                 at = (batch, pl.ds(i * block_kv, block_kv), kv_head)
                 plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], k_ready.at[slot])
+                if segments:  # read before the step's v_free, as V
+                    ids = ids_refs[1].at[batch, pl.ds(i * block_kv, block_kv)]
+                    plgpu.copy_gmem_to_smem(ids, ids_smem[1].at[slot], ids_ready[1].at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], v_ready.at[slot])
 
             def wait_free(slot):
@@ -426,6 +479,7 @@ def forward(
         rest = list(refs)
         sinks_ref = None if sinks is None else rest.pop(0)
         bounds_ref = None if bounds is None else rest.pop(0)
+        ids_refs = (rest.pop(0), rest.pop(0)) if segments else None
         run_ref = None if run is None else rest.pop(0)
         out_ref, lse_ref = rest
         layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -435,6 +489,8 @@ def forward(
             plgpu.SMEM((stages, block_kv, h), dtype, transforms=layout),
             plgpu.SMEM((CONSUMERS, block_q), jnp.float32),
         )
+        if segments:  # the rows' ids, the ring's key ids
+            smem += (plgpu.SMEM((CONSUMERS, block_q), jnp.int32), plgpu.SMEM((stages, block_kv), jnp.int32))
         barriers = (
             plgpu.Barrier(num_barriers=CONSUMERS),  # q_ready
             plgpu.Barrier(num_barriers=stages),  # k_ready
@@ -443,9 +499,11 @@ def forward(
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # v_free
             plgpu.Barrier(num_arrivals=CONSUMERS),  # schedule
         )
+        if segments:  # the rows' ids, each slot's key ids
+            barriers += (plgpu.Barrier(num_barriers=CONSUMERS), plgpu.Barrier(num_barriers=stages))
         pl.run_scoped(
             lambda smem, barriers: body(
-                q_ref, k_ref, v_ref, sinks_ref, bounds_ref, run_ref, out_ref, lse_ref, smem, barriers
+                q_ref, k_ref, v_ref, sinks_ref, bounds_ref, ids_refs, run_ref, out_ref, lse_ref, smem, barriers
             ),
             smem,
             barriers,
@@ -461,5 +519,5 @@ def forward(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
-    )(q, k, v, *(x for x in (sinks, bounds, run) if x is not None))
+    )(q, k, v, *(x for x in (sinks, bounds, q_segment_ids, kv_segment_ids, run) if x is not None))
     return (out, lse) if t_pad == t else (out[:, :t], lse[:, :, :t])

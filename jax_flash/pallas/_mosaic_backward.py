@@ -48,6 +48,7 @@ from jax_flash.pallas._mosaic import (
     over_band,
     produce,
     ring_slot,
+    soft_capped,
     unsupported as forward_unsupported,
     visible_steps,
 )
@@ -64,9 +65,9 @@ class BackwardTiles:
     stages: int = 2
 
 
-def unsupported(shape_q, shape_k, shape_v, dtype, *, causal: bool, window=(None, None)) -> str | None:
+def unsupported(shape_q, shape_k, shape_v, dtype, *, causal: bool, window=(None, None), soft_cap=None) -> str | None:
     """Why the Mosaic GPU backward cannot serve these shapes, or None."""
-    why = forward_unsupported(shape_q, shape_k, shape_v, dtype, causal=causal, window=window)
+    why = forward_unsupported(shape_q, shape_k, shape_v, dtype, causal=causal, window=window, soft_cap=soft_cap)
     if why is None and shape_q[-1] not in HEAD_DIMS:
         return f"head dim {shape_q[-1]} in the backward (it serves {HEAD_DIMS})"
     return why
@@ -111,6 +112,7 @@ def backward(
     scale: float,
     causal: bool = False,
     window: tuple[int | None, int | None] = (None, None),
+    soft_cap: float | None = None,
     q_offset=None,
     q_lengths=None,
     kv_lengths=None,
@@ -120,6 +122,7 @@ def backward(
 ):
     """(dq, dk, dv) of the plain attention of canonical q [B, T, N, H], k, v [B, S, K, H] given the
     forward's out and lse [B, N, T] (natural log) and the cotangents dout (and dlse).
+    `soft_cap`: as the forward's (dS then carries the cap's slope 1 - tanh², recomputed).
     `q_offset`, `q_lengths`, `kv_lengths`: as the forward's (the rows past a query length get
     dq 0 and send nothing; the keys past a key length get dk, dv 0).
 
@@ -128,12 +131,22 @@ def backward(
     b, t, n, h = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
     tiles = tiles or BackwardTiles()
-    why = unsupported(q.shape, k.shape, v.shape, q.dtype, causal=causal, window=window)
+    why = unsupported(q.shape, k.shape, v.shape, q.dtype, causal=causal, window=window, soft_cap=soft_cap)
     if why is not None:
         raise ValueError(f"the Mosaic GPU backward does not serve {why}")
     dtype, group, block = q.dtype, n // kv_heads, tiles.block
     rows = CONSUMERS * ROWS
-    c = float(np.float32(scale * LOG2E))
+    c = float(np.float32((1.0 if soft_cap is not None else scale) * LOG2E))  # raw scores or capped logits
+
+    def logits(x, mask):
+        """(the exponent's operand, the cap's slope or None) of raw scores x: x itself, or the
+        capped logits y and 1 - (y/cap)², taken before the mask (a masked y is -inf)."""
+        slope = None
+        if soft_cap is not None:
+            x = soft_capped(x, scale, soft_cap)
+            slope = 1.0 - (x * (1.0 / soft_cap)) ** 2
+        return mask(x), slope
+
     # δ and lse₂ per query row, [B, N, 2, T_pad]: one TMA copy per dK/dV step. Padded rows: P = 0.
     delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), dout.astype(jnp.float32))
     if dlse is not None:
@@ -187,12 +200,14 @@ def backward(
                 slot = slot_of(i)
                 plgpu.barrier_wait(k_ready.at[slot])
                 x = _product(q_smem.at[wg], plgpu.transpose_ref(k_smem.at[slot], (1, 0)), (ROWS, block))
-                if masked:  # the band's edges, the keys past S (or the batch row's length)
-                    x = mask_band(x, lo, hi, t0, i * block, kv_valid)
+                # The band's edges, the keys past S (or the batch row's length) masked.
+                x, slope = logits(x, lambda x: mask_band(x, lo, hi, t0, i * block, kv_valid) if masked else x)
                 p = jnp.exp2(x * c - lax.broadcast_in_dim(lse2, x.shape, [0]))
                 plgpu.barrier_wait(v_ready.at[slot])
                 dp = _product(do_smem.at[wg], plgpu.transpose_ref(v_smem.at[slot], (1, 0)), (ROWS, block))
                 ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+                if slope is not None:
+                    ds = ds * slope
                 dq = _accumulate(dq, ds.astype(dtype), k_smem.at[slot])
                 plgpu.barrier_arrive(free.at[slot])
                 return dq
@@ -271,8 +286,10 @@ def backward(
                 slot = slot_of(i)
                 plgpu.barrier_wait(q_ready.at[slot])
                 xt = _product(k_smem.at[wg], plgpu.transpose_ref(q_smem.at[slot], (1, 0)), (ROWS, block))
-                if masked:  # the band's edges, seen from the keys
-                    xt = mask_band(xt, None if hi is None else -hi, None if lo is None else -lo, k0, query_block(i)[1])
+                seen_from_keys = (None if hi is None else -hi, None if lo is None else -lo)
+                xt, slope = logits(  # the band's edges, seen from the keys, masked
+                    xt, lambda x: mask_band(x, *seen_from_keys, k0, query_block(i)[1]) if masked else x
+                )
                 plgpu.barrier_wait(stats_ready.at[slot])
                 lse2 = plgpu.load(stats_smem.at[slot, 0], (), layout=plgpu.Layout.WGMMA.reduce(0))
                 delta = plgpu.load(stats_smem.at[slot, 1], (), layout=plgpu.Layout.WGMMA.reduce(0))
@@ -281,6 +298,8 @@ def backward(
                 dv = _accumulate(dv, pt.astype(dtype), do_smem.at[slot])
                 dpt = _product(v_smem.at[wg], plgpu.transpose_ref(do_smem.at[slot], (1, 0)), (ROWS, block))
                 dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
+                if slope is not None:
+                    dst = dst * slope
                 dk = _accumulate(dk, dst.astype(dtype), q_smem.at[slot])
                 plgpu.barrier_arrive(free.at[slot])
                 return dk, dv

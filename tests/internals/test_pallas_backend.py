@@ -59,6 +59,7 @@ def test_forced_mosaic_serves_plain_calls(sm90):
         _spec(q_len=100, window_left=128, window_right=0),
         _spec(has_q_lengths=True, has_kv_lengths=True),
         _spec(has_q_offset=True, window_right=0, has_kv_lengths=True),
+        _spec(soft_cap=30.0, causal=True),
     ):
         assert _backend.choose(spec)[0] == "mosaic_gpu", spec
 
@@ -66,7 +67,6 @@ def test_forced_mosaic_serves_plain_calls(sm90):
 @pytest.mark.parametrize(
     "change, words",
     [
-        (dict(soft_cap=30.0), "a soft cap"),
         (dict(bias_shape=(1, 1, 8192, 8192)), "a dense bias"),
         (dict(mask_shape=(1, 1, 8192, 8192)), "a dense mask"),
         (dict(has_segment_ids=True), "segment ids"),

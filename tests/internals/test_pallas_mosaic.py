@@ -143,10 +143,17 @@ def band_mask(b, t, s, causal, window, extra):
         vis &= np.arange(t)[None, :, None] < np.asarray(extra["q_lengths"])[:, None, None]
     if "kv_lengths" in extra:
         vis &= np.arange(s)[None, None, :] < np.asarray(extra["kv_lengths"])[:, None, None]
+    if "q_segment_ids" in extra:
+        vis &= np.asarray(extra["q_segment_ids"])[:, :, None] == np.asarray(extra["kv_segment_ids"])[:, None, :]
     return vis[:, None]
 
 def extra_args(extra):
-    return {name: jnp.asarray(value, jnp.int32) for name, value in extra.items()}
+    return {name: value if name == "soft_cap" else jnp.asarray(value, jnp.int32) for name, value in extra.items()}
+
+def logits(scores, scale, extra):
+    x = scores * scale
+    cap = extra.get("soft_cap")
+    return x if cap is None else cap * np.tanh(x / cap)
 """
 
 # (B, T, S, N, K, H, dtype, causal, scale, window): a ring that wraps (3 steps over 2 slots) with
@@ -159,7 +166,9 @@ def extra_args(extra):
 # window whose rows past S + left see no key (out 0, lse -inf; a whole CTA of them). Per batch
 # row (the bounds operand): query offsets, one placing rows before every key (whole consumers and
 # a CTA that see nothing); a window moved by offsets with query and key lengths cutting it; lengths
-# alone, 0 among them.
+# alone, 0 among them. A soft cap that most logits reach (scale 0.3 at H = 128). Segment ids: a
+# segment of rows no key belongs to (empty rows), keys of a segment no row has; packed causal
+# self-attention with GQA.
 CASES = [
     (1, 128, 256, 2, 1, 64, "bfloat16", False, 0.125, None),
     (1, 128, 384, 4, 2, 128, "bfloat16", False, 0.3, None),
@@ -190,6 +199,15 @@ CASES = [
         {"q_offset": [60, 0], "q_lengths": [150, 190], "kv_lengths": [250, 77]},
     ),
     (3, 130, 200, 1, 1, 64, "bfloat16", False, 0.125, None, {"q_lengths": [0, 70, 130], "kv_lengths": [200, 0, 65]}),
+    (1, 200, 256, 2, 1, 128, "bfloat16", True, 0.3, None, {"soft_cap": 5.0}),
+    (
+        1, 200, 256, 2, 1, 64, "bfloat16", False, 0.125, None,
+        {"q_segment_ids": [[0] * 70 + [1] * 90 + [2] * 40], "kv_segment_ids": [[0] * 100 + [1] * 60 + [3] * 96]},
+    ),
+    (
+        2, 192, 192, 4, 2, 128, "float16", True, 0.125, None,
+        {"q_segment_ids": [[0] * 50 + [1] * 142, [5] * 192], "kv_segment_ids": [[0] * 50 + [1] * 142, [5] * 192]},
+    ),
 ]
 
 
@@ -220,7 +238,7 @@ for b, t, s, n, kh, h, dtype, causal, scale, window, *extra in json.loads(sys.ar
     out, lse = np.asarray(out.astype(jnp.float32), np.float64), np.asarray(lse, np.float64)
     qf, kf, vf = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v))
     kf, vf = np.repeat(kf, n // kh, axis=2), np.repeat(vf, n // kh, axis=2)
-    x = np.where(band_mask(b, t, s, causal, window, extra), np.einsum("btnh,bsnh->bnts", qf, kf) * scale, -np.inf)
+    x = np.where(band_mask(b, t, s, causal, window, extra), logits(np.einsum("btnh,bsnh->bnts", qf, kf), scale, extra), -np.inf)
     m = x.max(-1, keepdims=True)
     empty = m == -np.inf  # rows that see no key: out 0, lse -inf
     p = np.exp(x - np.where(empty, 0.0, m))
@@ -259,7 +277,8 @@ def test_forward_interpreted_against_float64():
 # over two tiles; ragged T and S; ragged causal with GQA; sliding windows (both edges, causal with
 # a left edge, a right edge alone and ragged); T != S: causal with keys no row sees, a window
 # whose rows past S + left see no key (lse -inf: their dq 0, nothing sent to dk, dv); query
-# offsets, and a window moved by offsets with query and key lengths (0 among them).
+# offsets, and a window moved by offsets with query and key lengths (0 among them); a soft cap
+# most logits reach, in a window (dS carries the cap's slope).
 BACKWARD_CASES = [
     (1, 128, 384, 4, 2, 128, "bfloat16", False, 0.3, None),
     (2, 256, 256, 1, 1, 64, "float16", True, 0.125, None),
@@ -284,6 +303,7 @@ BACKWARD_CASES = [
         (30, 40),
         {"q_offset": [0, 5, -20], "q_lengths": [0, 70, 130], "kv_lengths": [200, 0, 65]},
     ),
+    (1, 130, 192, 2, 1, 64, "float16", False, 0.3, (40, 20), {"soft_cap": 4.0}),
 ]
 
 _INTERPRET_BACKWARD = (
@@ -311,14 +331,16 @@ for b, t, s, n, kh, h, dtype, causal, scale, window, *extra in json.loads(sys.ar
     qf, kf, vf, dof = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v, do))
     g = n // kh
     kr, vr = np.repeat(kf, g, axis=2), np.repeat(vf, g, axis=2)
-    x = np.where(band_mask(b, t, s, causal, window, extra), np.einsum("btnh,bsnh->bnts", qf, kr) * scale, -np.inf)
+    y = logits(np.einsum("btnh,bsnh->bnts", qf, kr), scale, extra)
+    slope = 1.0 - (y / extra["soft_cap"]) ** 2 if "soft_cap" in extra else 1.0  # d logit / d(scale·score)
+    x = np.where(band_mask(b, t, s, causal, window, extra), y, -np.inf)
     m = x.max(-1, keepdims=True)
     empty = m == -np.inf  # rows that see no key: lse -inf, P = 0
     lse = m + np.log(np.exp(x - np.where(empty, 0.0, m)).sum(-1, keepdims=True))
     p = np.exp(x - np.where(empty, 0.0, lse))
     out = np.einsum("bnts,bsnh->btnh", p, vr)
     dp = np.einsum("btnh,bsnh->bnts", dof, vr)
-    ds = p * (dp - np.einsum("btnh,btnh->bnt", dof, out)[..., None])
+    ds = p * (dp - np.einsum("btnh,btnh->bnt", dof, out)[..., None]) * slope
     dq = np.einsum("bnts,bsnh->btnh", ds, kr) * scale
     dk = np.einsum("bnts,btnh->bsnh", ds, qf).reshape(b, s, kh, g, h).sum(3) * scale
     dv = np.einsum("bnts,btnh->bsnh", p, dof).reshape(b, s, kh, g, h).sum(3)
@@ -349,7 +371,8 @@ def test_backward_interpreted_against_float64():
 # The wired forward (jax_flash.pallas._backend): jax_flash.attention(..., implementation="pallas",
 # pallas_backend="mosaic_gpu") with the Mosaic GPU kernel interpreted and the Triton general kernel
 # interpreted beside it. (B, T, S, N, K, H, causal, where a non-finite input goes: None, "v", "q",
-# a sliding window (left, right) or None, and optionally the call's [B] query offset and lengths).
+# a sliding window (left, right) or None, and optionally the call's [B] query offset and lengths
+# and its soft cap).
 WIRED = [
     (1, 128, 256, 2, 1, 64, False, None, None),
     (1, 256, 256, 1, 1, 128, True, "v", None),
@@ -364,7 +387,7 @@ WIRED = [
         False,
         None,
         (60, 10),
-        {"query_offset": [40], "query_seq_lengths": [200], "key_value_seq_lengths": [230]},
+        {"query_offset": [40], "query_seq_lengths": [200], "key_value_seq_lengths": [230], "logits_soft_cap": 3.0},
     ),
 ]
 
@@ -389,11 +412,13 @@ cfg = jax_flash.Config(pallas_backend="mosaic_gpu")
 f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
 results = []
 for b, t, s, n, kh, h, causal, bad, window, *extra in json.loads(sys.argv[2]):
-    extra = {name: jnp.asarray(x, jnp.int32) for name, x in (extra[0] if extra else {}).items()}
+    extra = {name: x if name == "logits_soft_cap" else jnp.asarray(x, jnp.int32)
+             for name, x in (extra[0] if extra else {}).items()}
     masking = dict(local_window_size=tuple(window)) if window else dict(is_causal=causal)
     masking.update(extra)
     band = dict(causal=causal, window=tuple(window or (None, None)), q_offset=extra.get("query_offset"),
-                q_lengths=extra.get("query_seq_lengths"), kv_lengths=extra.get("key_value_seq_lengths"))
+                q_lengths=extra.get("query_seq_lengths"), kv_lengths=extra.get("key_value_seq_lengths"),
+                soft_cap=extra.get("logits_soft_cap"))
     rng = np.random.default_rng(t + s + h)
     q, k, v = (jnp.asarray(rng.standard_normal(shape) + 0.25, jnp.bfloat16)
                for shape in ((b, t, n, h), (b, s, kh, h), (b, s, kh, h)))
@@ -438,6 +463,12 @@ for b, t, s, n, kh, h, causal, bad, window, *extra in json.loads(sys.argv[2]):
         ref_dsinks = jax.grad(lambda s: jnp.sum(attention_reference(
             q, k, v, sinks=s, **masking, compute_dtype=jnp.float32) ** 2))(sinks)
         result["dsinks_error"] = float(np.max(np.abs(f32(dsinks) - f32(ref_dsinks))) / np.max(np.abs(f32(ref_dsinks))))
+        if "query_seq_lengths" in extra:  # the rows past it (lse = the sink's) send no gradient
+            sunk_grads = jax.grad(loss(lambda q, k, v: sunk(q, k, v, sinks)), argnums=(0, 1, 2))(q, k, v)
+            ref_sunk = lambda q, k, v: attention_reference(q, k, v, sinks=sinks, **masking, compute_dtype=jnp.float32)
+            ref_sunk_grads = jax.grad(loss(ref_sunk), argnums=(0, 1, 2))(q, k, v)
+            result["sink_grad_error"] = max(float(np.max(np.abs(f32(g) - f32(r))) / np.max(np.abs(f32(r))))
+                                            for g, r in zip(sunk_grads, ref_sunk_grads))
     results.append(result)
 print(json.dumps(dict(results=results, races=mosaic_interpret.races_found())))
 """
@@ -446,8 +477,9 @@ print(json.dumps(dict(results=results, races=mosaic_interpret.races_found())))
 def test_wired_forward_interpreted():
     """jax_flash.attention's pallas on Mosaic GPU: finite inputs give the Mosaic GPU kernels' own
     bits, forward and backward (the Triton general kernels, gated off, leave them), and the
-    gradients match the reference, with sinks too (a -inf one: the call without it, bit for bit);
-    a NaN in v or an inf in q goes to the general
+    gradients match the reference, with sinks too (a -inf one: the call without it, bit for bit;
+    with a query length, the rows past it send no gradient); a query offset, lengths and a soft
+    cap reach the kernels; a NaN in v or an inf in q goes to the general
     kernel, whose NaN rows are the reference's, the other rows within a few roundings."""
     report = _interpreted(_WIRED, WIRED, jax_flash.__file__)
     for case, result in zip(WIRED, report["results"], strict=True):
@@ -459,6 +491,8 @@ def test_wired_forward_interpreted():
             assert result["mosaic_backward_bits"], (case, result)
             assert result["sinks_error"] <= 4 * 2.0**-8 and result["no_sink_bits"], (case, result)
             assert result["dsinks_error"] <= 4 * 2.0**-8, (case, result)
+            assert result.get("sink_grad_error", 0.0) <= 4 * 2.0**-8, (case, result)
+    assert any("sink_grad_error" in result for result in report["results"])
 
 
 @pytest.mark.parametrize("causal", [False, True])
