@@ -2,8 +2,8 @@
 its kernel serves (`Config.pallas_backend`; decided when the call is traced).
 
 The Mosaic GPU forward (`_mosaic`) is FlashAttention-3's schedule for sm_90: one plain kernel,
-causal or not, sliding windows (both placed by a query offset), sequence lengths, a soft cap,
-attention sinks, no other optional feature. A call runs it where `mosaic_unsupported` finds nothing against it and
+causal or not, sliding windows (both placed by a query offset), sequence lengths, segment ids,
+a soft cap, attention sinks, no other optional feature. A call runs it where `mosaic_unsupported` finds nothing against it and
 
 - `pallas_backend="mosaic_gpu"`: always (a call it cannot serve is an error naming why);
 - `pallas_backend="auto"` (the default): where a device run measured it faster than the Triton
@@ -45,8 +45,15 @@ def band(spec: AttentionSpec) -> dict:
 
 
 def masks(masks) -> dict:
-    """The Mosaic GPU kernels' keywords for a call's [B] query offset and lengths (`MaskInputs`)."""
-    return dict(q_offset=masks.q_offset, q_lengths=masks.q_lengths, kv_lengths=masks.kv_lengths)
+    """The Mosaic GPU kernels' keywords for a call's [B] query offset and lengths and its [B, T],
+    [B, S] segment ids (`MaskInputs`)."""
+    return dict(
+        q_offset=masks.q_offset,
+        q_lengths=masks.q_lengths,
+        kv_lengths=masks.kv_lengths,
+        q_segment_ids=masks.q_segment_ids,
+        kv_segment_ids=masks.kv_segment_ids,
+    )
 
 
 def mosaic_unsupported(spec: AttentionSpec) -> str | None:
@@ -58,13 +65,12 @@ def mosaic_unsupported(spec: AttentionSpec) -> str | None:
     blocker = _heuristics.pallas_plain_blocker(dataclasses.replace(spec, soft_cap=None))  # a cap it serves
     features = (
         (blocker is not None, blocker),
-        (spec.has_segment_ids, "segment ids"),
         (spec.mask_shape is not None, "a dense mask"),
         (spec.has_dropout, "dropout"),
     )
     for present, what in features:
         if present:
-            return f"the call has {what} (the Mosaic GPU kernels serve the band, lengths, a soft cap and sinks only)"
+            return f"the call has {what} (the Mosaic GPU kernels serve the band, lengths, segment ids, a soft cap and sinks only)"
     b, t, s, n, kv = spec.batch, spec.q_len, spec.kv_len, spec.num_heads, spec.num_kv_heads
     return _mosaic.unsupported(
         (b, t, n, spec.head_dim), (b, s, kv, spec.head_dim), (b, s, kv, spec.v_head_dim), spec.dtype, **band(spec)

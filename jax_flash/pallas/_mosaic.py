@@ -483,7 +483,7 @@ def forward(
         run_ref = None if run is None else rest.pop(0)
         out_ref, lse_ref = rest
         layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-        smem = (
+        smem: tuple = (
             plgpu.SMEM((CONSUMERS, block_q, h), dtype, transforms=layout),  # Q, then O
             plgpu.SMEM((stages, block_kv, h), dtype, transforms=layout),
             plgpu.SMEM((stages, block_kv, h), dtype, transforms=layout),
@@ -491,7 +491,7 @@ def forward(
         )
         if segments:  # the rows' ids, the ring's key ids
             smem += (plgpu.SMEM((CONSUMERS, block_q), jnp.int32), plgpu.SMEM((stages, block_kv), jnp.int32))
-        barriers = (
+        barriers: tuple = (
             plgpu.Barrier(num_barriers=CONSUMERS),  # q_ready
             plgpu.Barrier(num_barriers=stages),  # k_ready
             plgpu.Barrier(num_barriers=stages),  # v_ready

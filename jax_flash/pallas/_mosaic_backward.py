@@ -45,9 +45,11 @@ from jax_flash.pallas._mosaic import (
     LOG2E,
     Bounds,
     mask_band,
+    mask_segments,
     over_band,
     produce,
     ring_slot,
+    segment_ids,
     soft_capped,
     unsupported as forward_unsupported,
     visible_steps,
@@ -116,6 +118,8 @@ def backward(
     q_offset=None,
     q_lengths=None,
     kv_lengths=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
     tiles=None,
     run=None,
     interpret=None,
@@ -124,7 +128,9 @@ def backward(
     forward's out and lse [B, N, T] (natural log) and the cotangents dout (and dlse).
     `soft_cap`: as the forward's (dS then carries the cap's slope 1 - tanh², recomputed).
     `q_offset`, `q_lengths`, `kv_lengths`: as the forward's (the rows past a query length get
-    dq 0 and send nothing; the keys past a key length get dk, dv 0).
+    dq 0 and send nothing; the keys past a key length get dk, dv 0). `q_segment_ids`,
+    `kv_segment_ids`: as the forward's (the ids of each kernel's own rows copied once, the
+    streamed tile's through the ring).
 
     `run`: None, or an int32 [1] array: where it holds 0 every CTA of both kernels returns after
     one load and the results are left unwritten (as the forward's `run`)."""
@@ -166,12 +172,16 @@ def backward(
     stats = stats.at[:, :, 0, t:].set(jnp.inf)
     qp, dop, kp, vp = pad_t(q), pad_t(dout), pad_s(k), pad_s(v)
     ragged_keys = s % block != 0 or kv_lengths is not None  # a key step may be cut short
+    segments = q_segment_ids is not None
+    if segments:  # padded as q and k (the padded rows and keys see nothing: lse₂ = +inf, masked)
+        q_segment_ids = jnp.pad(jnp.asarray(q_segment_ids, jnp.int32), ((0, 0), (0, t_pad - t)))
+        kv_segment_ids = jnp.pad(jnp.asarray(kv_segment_ids, jnp.int32), ((0, 0), (0, s_pad - s)))
     stages = tiles.stages
     slot_of = functools.partial(ring_slot, stages=stages)
 
-    def dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bounds_ref, run_ref, dq_ref, smem, barriers):
-        q_smem, do_smem, stats_smem, k_smem, v_smem = smem
-        rows_ready, k_ready, v_ready, free = barriers
+    def dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bounds_ref, ids_refs, run_ref, dq_ref, smem, barriers):
+        q_smem, do_smem, stats_smem, k_smem, v_smem, *ids_smem = smem  # segment ids: the rows', the ring's
+        rows_ready, k_ready, v_ready, free, *ids_ready = barriers
         batch, head, tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tile")
         wg = lax.axis_index("wg")
         lo, hi, q_valid, kv_valid = static.read(bounds_ref, batch)
@@ -190,6 +200,11 @@ def backward(
             plgpu.copy_gmem_to_smem(
                 stats_ref.at[batch, head, :, pl.ds(t0, ROWS)], stats_smem.at[wg], rows_ready.at[wg + 2 * CONSUMERS]
             )
+            if segments:
+                ids = ids_refs[0].at[batch, pl.ds(t0, ROWS)]
+                plgpu.copy_gmem_to_smem(ids, ids_smem[0].at[wg], ids_ready[0].at[wg])
+                plgpu.barrier_wait(ids_ready[0].at[wg])
+                q_ids = segment_ids(ids_smem[0].at[wg], of_rows=True)
             for r in range(3):
                 plgpu.barrier_wait(rows_ready.at[wg + r * CONSUMERS])
             lse2 = plgpu.load(stats_smem.at[wg, 0], (), layout=plgpu.Layout.WGMMA.reduce(1))
@@ -200,8 +215,16 @@ def backward(
                 slot = slot_of(i)
                 plgpu.barrier_wait(k_ready.at[slot])
                 x = _product(q_smem.at[wg], plgpu.transpose_ref(k_smem.at[slot], (1, 0)), (ROWS, block))
-                # The band's edges, the keys past S (or the batch row's length) masked.
-                x, slope = logits(x, lambda x: mask_band(x, lo, hi, t0, i * block, kv_valid) if masked else x)
+
+                def mask(x):  # the band's edges, the keys past S (or the batch row's length); segments
+                    if masked:
+                        x = mask_band(x, lo, hi, t0, i * block, kv_valid)
+                    if segments:
+                        plgpu.barrier_wait(ids_ready[1].at[slot])
+                        x = mask_segments(x, q_ids, segment_ids(ids_smem[1].at[slot], of_rows=False))
+                    return x
+
+                x, slope = logits(x, mask)
                 p = jnp.exp2(x * c - lax.broadcast_in_dim(lse2, x.shape, [0]))
                 plgpu.barrier_wait(v_ready.at[slot])
                 dp = _product(do_smem.at[wg], plgpu.transpose_ref(v_smem.at[slot], (1, 0)), (ROWS, block))
@@ -220,6 +243,8 @@ def backward(
                 def _(i):
                     slot = slot_of(i)
                     plgpu.barrier_wait(k_ready.at[slot])
+                    if segments:
+                        plgpu.barrier_wait(ids_ready[1].at[slot])
                     plgpu.barrier_wait(v_ready.at[slot])
                     plgpu.barrier_arrive(free.at[slot])
 
@@ -239,13 +264,18 @@ def backward(
             def fetch(i, slot):
                 at = (batch, pl.ds(i * block, block), kv_head)
                 plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], k_ready.at[slot])
+                if segments:
+                    ids = ids_refs[1].at[batch, pl.ds(i * block, block)]
+                    plgpu.copy_gmem_to_smem(ids, ids_smem[1].at[slot], ids_ready[1].at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], v_ready.at[slot])
 
             produce(cta_first, cta_last, stages, fetch, lambda slot: plgpu.barrier_wait(free.at[slot]))
 
-    def dkv_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bounds_ref, run_ref, dk_ref, dv_ref, smem, barriers):
-        k_smem, v_smem, q_smem, do_smem, stats_smem = smem
-        keys_ready, q_ready, do_ready, stats_ready, free = barriers
+    def dkv_kernel(
+        q_ref, k_ref, v_ref, do_ref, stats_ref, bounds_ref, ids_refs, run_ref, dk_ref, dv_ref, smem, barriers
+    ):
+        k_smem, v_smem, q_smem, do_smem, stats_smem, *ids_smem = smem  # segment ids: the keys', the ring's
+        keys_ready, q_ready, do_ready, stats_ready, free, *ids_ready = barriers
         batch, kv_head, tile = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("k_tile")
         wg = lax.axis_index("wg")
         lo, hi, q_valid, kv_valid = static.read(bounds_ref, batch)
@@ -278,6 +308,11 @@ def backward(
             at = (batch, pl.ds(k0, ROWS), kv_head)
             plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[wg], keys_ready.at[wg])
             plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[wg], keys_ready.at[wg + CONSUMERS])
+            if segments:
+                ids = ids_refs[1].at[batch, pl.ds(k0, ROWS)]
+                plgpu.copy_gmem_to_smem(ids, ids_smem[0].at[wg], ids_ready[0].at[wg])
+                plgpu.barrier_wait(ids_ready[0].at[wg])
+                k_ids = segment_ids(ids_smem[0].at[wg], of_rows=True)
             plgpu.barrier_wait(keys_ready.at[wg])
             plgpu.barrier_wait(keys_ready.at[wg + CONSUMERS])
 
@@ -287,9 +322,16 @@ def backward(
                 plgpu.barrier_wait(q_ready.at[slot])
                 xt = _product(k_smem.at[wg], plgpu.transpose_ref(q_smem.at[slot], (1, 0)), (ROWS, block))
                 seen_from_keys = (None if hi is None else -hi, None if lo is None else -lo)
-                xt, slope = logits(  # the band's edges, seen from the keys, masked
-                    xt, lambda x: mask_band(x, *seen_from_keys, k0, query_block(i)[1]) if masked else x
-                )
+
+                def mask(x):  # the band's edges, seen from the keys; segments
+                    if masked:
+                        x = mask_band(x, *seen_from_keys, k0, query_block(i)[1])
+                    if segments:
+                        plgpu.barrier_wait(ids_ready[1].at[slot])
+                        x = mask_segments(x, k_ids, segment_ids(ids_smem[1].at[slot], of_rows=False))
+                    return x
+
+                xt, slope = logits(xt, mask)
                 plgpu.barrier_wait(stats_ready.at[slot])
                 lse2 = plgpu.load(stats_smem.at[slot, 0], (), layout=plgpu.Layout.WGMMA.reduce(0))
                 delta = plgpu.load(stats_smem.at[slot, 1], (), layout=plgpu.Layout.WGMMA.reduce(0))
@@ -337,17 +379,24 @@ def backward(
                 plgpu.copy_gmem_to_smem(
                     stats_ref.at[batch, head, :, pl.ds(j0, block)], stats_smem.at[slot], stats_ready.at[slot]
                 )
+                if segments:
+                    ids = ids_refs[0].at[batch, pl.ds(j0, block)]
+                    plgpu.copy_gmem_to_smem(ids, ids_smem[1].at[slot], ids_ready[1].at[slot])
 
             produce(jnp.int32(0), per_head * group, stages, fetch, lambda slot: plgpu.barrier_wait(free.at[slot]))
 
     def launch(kernel, grid, grid_names, smem, barriers, out_type, *args):
+        if segments:  # each kernel's own rows' ids, the streamed tile's ids
+            smem += (plgpu.SMEM((CONSUMERS, ROWS), jnp.int32), plgpu.SMEM((stages, block), jnp.int32))
+            barriers += (plgpu.Barrier(num_barriers=CONSUMERS), plgpu.Barrier(num_barriers=stages))
+
         def entry(*refs):
-            # The kernel's bounds_ref and run_ref are None where the call has no such operand.
-            operands = list(refs)
-            if bounds is None:
-                operands.insert(5, None)
-            if run is None:
-                operands.insert(6, None)
+            # The kernel's bounds_ref, ids_refs and run_ref are None where the call has no such operand.
+            rest = list(refs[5:])
+            bounds_ref = None if bounds is None else rest.pop(0)
+            ids_refs = (rest.pop(0), rest.pop(0)) if segments else None
+            run_ref = None if run is None else rest.pop(0)
+            operands = (*refs[:5], bounds_ref, ids_refs, run_ref, *rest)
             pl.run_scoped(
                 lambda smem, barriers: kernel(*operands, smem, barriers), smem, barriers, collective_axes="wg"
             )
@@ -361,7 +410,7 @@ def backward(
             thread_name="wg",
             compiler_params=plgpu.CompilerParams(approx_math=True),
             interpret=interpret,
-        )(*args, *(x for x in (bounds, run) if x is not None))
+        )(*args, *(x for x in (bounds, q_segment_ids, kv_segment_ids, run) if x is not None))
 
     per_wg = lambda: plgpu.SMEM((CONSUMERS, ROWS, h), dtype, transforms=_layout())
     ring = lambda: plgpu.SMEM((stages, block, h), dtype, transforms=_layout())

@@ -60,6 +60,7 @@ def test_forced_mosaic_serves_plain_calls(sm90):
         _spec(has_q_lengths=True, has_kv_lengths=True),
         _spec(has_q_offset=True, window_right=0, has_kv_lengths=True),
         _spec(soft_cap=30.0, causal=True),
+        _spec(has_segment_ids=True, causal=True),
     ):
         assert _backend.choose(spec)[0] == "mosaic_gpu", spec
 
@@ -69,7 +70,6 @@ def test_forced_mosaic_serves_plain_calls(sm90):
     [
         (dict(bias_shape=(1, 1, 8192, 8192)), "a dense bias"),
         (dict(mask_shape=(1, 1, 8192, 8192)), "a dense mask"),
-        (dict(has_segment_ids=True), "segment ids"),
         (dict(dropout_rate=0.1), "dropout"),
         (dict(value_head_dim=64), "a value head dim 64"),
         (dict(head_dim=96, scale=0.1), "head dim 96"),

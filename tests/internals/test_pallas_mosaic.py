@@ -201,11 +201,29 @@ CASES = [
     (3, 130, 200, 1, 1, 64, "bfloat16", False, 0.125, None, {"q_lengths": [0, 70, 130], "kv_lengths": [200, 0, 65]}),
     (1, 200, 256, 2, 1, 128, "bfloat16", True, 0.3, None, {"soft_cap": 5.0}),
     (
-        1, 200, 256, 2, 1, 64, "bfloat16", False, 0.125, None,
+        1,
+        200,
+        256,
+        2,
+        1,
+        64,
+        "bfloat16",
+        False,
+        0.125,
+        None,
         {"q_segment_ids": [[0] * 70 + [1] * 90 + [2] * 40], "kv_segment_ids": [[0] * 100 + [1] * 60 + [3] * 96]},
     ),
     (
-        2, 192, 192, 4, 2, 128, "float16", True, 0.125, None,
+        2,
+        192,
+        192,
+        4,
+        2,
+        128,
+        "float16",
+        True,
+        0.125,
+        None,
         {"q_segment_ids": [[0] * 50 + [1] * 142, [5] * 192], "kv_segment_ids": [[0] * 50 + [1] * 142, [5] * 192]},
     ),
 ]
@@ -278,7 +296,8 @@ def test_forward_interpreted_against_float64():
 # a left edge, a right edge alone and ragged); T != S: causal with keys no row sees, a window
 # whose rows past S + left see no key (lse -inf: their dq 0, nothing sent to dk, dv); query
 # offsets, and a window moved by offsets with query and key lengths (0 among them); a soft cap
-# most logits reach, in a window (dS carries the cap's slope).
+# most logits reach, in a window (dS carries the cap's slope); segment ids as the forward's
+# (rows and keys no other side shares; packed causal with GQA).
 BACKWARD_CASES = [
     (1, 128, 384, 4, 2, 128, "bfloat16", False, 0.3, None),
     (2, 256, 256, 1, 1, 64, "float16", True, 0.125, None),
@@ -304,6 +323,32 @@ BACKWARD_CASES = [
         {"q_offset": [0, 5, -20], "q_lengths": [0, 70, 130], "kv_lengths": [200, 0, 65]},
     ),
     (1, 130, 192, 2, 1, 64, "float16", False, 0.3, (40, 20), {"soft_cap": 4.0}),
+    (
+        1,
+        200,
+        256,
+        2,
+        1,
+        64,
+        "bfloat16",
+        False,
+        0.125,
+        None,
+        {"q_segment_ids": [[0] * 70 + [1] * 90 + [2] * 40], "kv_segment_ids": [[0] * 100 + [1] * 60 + [3] * 96]},
+    ),
+    (
+        2,
+        192,
+        192,
+        4,
+        2,
+        64,
+        "float16",
+        True,
+        0.125,
+        None,
+        {"q_segment_ids": [[0] * 50 + [1] * 142, [5] * 192], "kv_segment_ids": [[0] * 50 + [1] * 142, [5] * 192]},
+    ),
 ]
 
 _INTERPRET_BACKWARD = (
@@ -371,8 +416,8 @@ def test_backward_interpreted_against_float64():
 # The wired forward (jax_flash.pallas._backend): jax_flash.attention(..., implementation="pallas",
 # pallas_backend="mosaic_gpu") with the Mosaic GPU kernel interpreted and the Triton general kernel
 # interpreted beside it. (B, T, S, N, K, H, causal, where a non-finite input goes: None, "v", "q",
-# a sliding window (left, right) or None, and optionally the call's [B] query offset and lengths
-# and its soft cap).
+# a sliding window (left, right) or None, and optionally the call's [B] query offset and lengths,
+# its soft cap and its segment ids).
 WIRED = [
     (1, 128, 256, 2, 1, 64, False, None, None),
     (1, 256, 256, 1, 1, 128, True, "v", None),
@@ -387,7 +432,13 @@ WIRED = [
         False,
         None,
         (60, 10),
-        {"query_offset": [40], "query_seq_lengths": [200], "key_value_seq_lengths": [230], "logits_soft_cap": 3.0},
+        {
+            "query_offset": [40],
+            "query_seq_lengths": [200],
+            "key_value_seq_lengths": [230],
+            "logits_soft_cap": 3.0,
+            "segment_ids": [[[0] * 100 + [1] * 156], [[0] * 90 + [1] * 166]],
+        },
     ),
 ]
 
@@ -414,11 +465,14 @@ results = []
 for b, t, s, n, kh, h, causal, bad, window, *extra in json.loads(sys.argv[2]):
     extra = {name: x if name == "logits_soft_cap" else jnp.asarray(x, jnp.int32)
              for name, x in (extra[0] if extra else {}).items()}
+    if "segment_ids" in extra:  # (q ids [B, T], kv ids [B, S])
+        extra["segment_ids"] = tuple(extra["segment_ids"])
     masking = dict(local_window_size=tuple(window)) if window else dict(is_causal=causal)
     masking.update(extra)
     band = dict(causal=causal, window=tuple(window or (None, None)), q_offset=extra.get("query_offset"),
                 q_lengths=extra.get("query_seq_lengths"), kv_lengths=extra.get("key_value_seq_lengths"),
-                soft_cap=extra.get("logits_soft_cap"))
+                soft_cap=extra.get("logits_soft_cap"), q_segment_ids=extra.get("segment_ids", (None, None))[0],
+                kv_segment_ids=extra.get("segment_ids", (None, None))[1])
     rng = np.random.default_rng(t + s + h)
     q, k, v = (jnp.asarray(rng.standard_normal(shape) + 0.25, jnp.bfloat16)
                for shape in ((b, t, n, h), (b, s, kh, h), (b, s, kh, h)))
