@@ -24,9 +24,10 @@ gets exp2(0) = 1 at any magnitude: the form of the other plain kernels
 `schedule` barrier): while one runs its softmax the other's wgmma runs.
 
 This is the plain kernel only: finite inputs (the caller tests them, as for the Triton plain
-kernels), no bias, dense mask or segments; a soft cap turns the raw scores into logits first
-(`soft_capped`, then log2 e alone in the exponent); attention sinks joined after the key loop as
-the Triton plain forward joins them. Causal masks and sliding windows are one *band* (`band`:
+kernels), no bias or dense mask; a soft cap turns the raw scores into logits first
+(`soft_capped`, then log2 e alone in the exponent); segment ids mask every step (the rows' ids
+copied once per consumer, the keys' ids through the ring beside K: `mask_segments`); attention
+sinks joined after the key loop as the Triton plain forward joins them. Causal masks and sliding windows are one *band* (`band`:
 row r sees key j iff lo <= j - r <= hi; top-left as jax.nn, for T != S too): a consumer runs only
 the key steps that hold a key its rows see (`visible_steps`), the steps on the band's two edges
 masked in loops of their own and the ones inside it not; the steps its CTA's other consumer sees
