@@ -14,7 +14,7 @@ a soft cap, attention sinks, no other optional feature. A call runs it where `mo
 It runs as the plain kernels do (`_triton.launches`): gated on the inputs being plain (q, k and v
 finite, no score can overflow; tested on the device), beside the Triton general forward gated on
 the negation and writing into the same results. The backward of such a call runs the Mosaic GPU
-backward (`_mosaic_backward`: H = 64 or 128) gated the same way beside Triton's general backward;
+backward (`_mosaic_backward`: H and Hv in 64, 128) gated the same way beside Triton's general backward;
 at other head dims Triton's backward (the forward's lse is the same natural-log statistic).
 
 Mosaic GPU kernels compile for GPUs only: on a CPU the package cannot run them (JAX's Mosaic GPU

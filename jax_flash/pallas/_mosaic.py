@@ -79,10 +79,22 @@ class ForwardTiles:
         return CONSUMERS * self.block_q
 
 
-def default_tiles(head_dim: int) -> ForwardTiles:
+def default_tiles(head_dim: int, v_head_dim: int | None = None) -> ForwardTiles:
     """FlashAttention-3's forward tiles for sm_90 by head dim (its 228 KB of shared memory):
-    128 x 128 at H <= 128 (two 64-row consumers), 128 x 64 at H = 256."""
-    return ForwardTiles(block_kv=64 if head_dim > 128 else 128, stages=2)
+    128 x 128 at H, Hv <= 128 (two 64-row consumers), 128 x 64 where either is 256."""
+    return ForwardTiles(block_kv=64 if max(head_dim, v_head_dim or head_dim) > 128 else 128, stages=2)
+
+
+# Shared memory per CTA on sm_90 (227 KB), less what the kernel's barriers and alignment take.
+SMEM_BYTES = 227 * 1024 - 1024
+
+
+def smem_bytes(head_dim: int, v_head_dim: int, tiles: ForwardTiles, itemsize: int = 2) -> int:
+    """The forward's shared memory: Q (O staged there when Hv = H, else a buffer of its own), the
+    K and V ring, the rows' lse."""
+    rows, ring = tiles.rows, tiles.stages * tiles.block_kv
+    o = 0 if v_head_dim == head_dim else rows * v_head_dim
+    return itemsize * (rows * head_dim + ring * (head_dim + v_head_dim) + o) + 4 * rows
 
 
 def band(causal: bool, window_left: int | None, window_right: int | None, q_len: int, kv_len: int):
@@ -254,8 +266,10 @@ def unsupported(shape_q, shape_k, shape_v, dtype, *, causal: bool, window=(None,
         return f"dtype {jnp.dtype(dtype).name} (it serves {', '.join(DTYPES)})"
     if h not in HEAD_DIMS or hk != h:
         return f"head dim {h} (it serves {HEAD_DIMS})"
-    if hv != h:
-        return f"a value head dim {hv} != {h}"
+    if hv not in HEAD_DIMS:
+        return f"a value head dim {hv} (it serves {HEAD_DIMS})"
+    if smem_bytes(h, hv, default_tiles(h, hv)) > SMEM_BYTES:
+        return f"head dims ({h}, {hv}) (their tiles take more than {SMEM_BYTES} bytes of shared memory)"
     if n % kh:
         return f"{n} query heads over {kh} kv heads"
     if t == 0 or s == 0:
@@ -307,8 +321,8 @@ def forward(
     the results are left unwritten (the launch that does not apply, beside another kernel that
     writes them: `jax_flash.pallas._route`)."""
     b, t, n, h = q.shape
-    s, kv_heads = k.shape[1], k.shape[2]
-    tiles = tiles or default_tiles(h)
+    s, kv_heads, hv = k.shape[1], k.shape[2], v.shape[3]
+    tiles = tiles or default_tiles(h, hv)
     why = unsupported(q.shape, k.shape, v.shape, q.dtype, causal=causal, window=window, soft_cap=soft_cap)
     if why is not None:
         raise ValueError(f"the Mosaic GPU forward does not serve {why}")
@@ -335,7 +349,7 @@ def forward(
     slot_of = functools.partial(ring_slot, stages=stages)
 
     def body(q_ref, k_ref, v_ref, sinks_ref, bounds_ref, ids_refs, run_ref, out_ref, lse_ref, smem, barriers):
-        qo_smem, k_smem, v_smem, lse_smem, *ids_smem = smem  # segment ids: the rows', the ring's
+        qo_smem, k_smem, v_smem, lse_smem, o_smem, *ids_smem = smem  # segment ids: the rows', the ring's
         q_ready, k_ready, v_ready, k_free, v_free, schedule, *ids_ready = barriers
         batch, head, q_tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tile")
         wg = lax.axis_index("wg")
@@ -372,7 +386,7 @@ def forward(
             rows = plgpu.Layout.WGMMA.reduce(1)
             m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), rows)
             l = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), rows)
-            o = plgpu.layout_cast(jnp.full((block_q, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            o = plgpu.layout_cast(jnp.full((block_q, hv), 0.0, jnp.float32), plgpu.Layout.WGMMA)
             pl.when(wg == 1)(take_turn)  # the second consumer starts half a step behind
 
             def step(i, carry, masked: bool):
@@ -450,10 +464,11 @@ def forward(
             # A row that sees no key (a window past the keys' end, T > S) has l = 0 and O = 0:
             # out 0 and lse -inf (the sink's logit with a sink), not 0/0.
             o = o / lax.broadcast_in_dim(jnp.where(l == 0.0, 1.0, l), o.shape, [0])
-            q_smem[...] = o.astype(dtype)  # O is staged where Q was
+            o_rows = q_smem if o_smem is None else o_smem.at[wg]  # O is staged where Q was (Hv = H)
+            o_rows[...] = o.astype(dtype)
             lse_rows[...] = top + jnp.log(l)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem, out_ref.at[batch, pl.ds(t0, block_q), head])
+            plgpu.copy_smem_to_gmem(o_rows, out_ref.at[batch, pl.ds(t0, block_q), head])
             plgpu.copy_smem_to_gmem(lse_rows, lse_ref.at[batch, head, pl.ds(t0, block_q)])
             plgpu.wait_smem_to_gmem(0)
 
@@ -485,10 +500,11 @@ def forward(
         out_ref, lse_ref = rest
         layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         smem: tuple = (
-            plgpu.SMEM((CONSUMERS, block_q, h), dtype, transforms=layout),  # Q, then O
+            plgpu.SMEM((CONSUMERS, block_q, h), dtype, transforms=layout),  # Q, then O where Hv = H
             plgpu.SMEM((stages, block_kv, h), dtype, transforms=layout),
-            plgpu.SMEM((stages, block_kv, h), dtype, transforms=layout),
+            plgpu.SMEM((stages, block_kv, hv), dtype, transforms=layout),
             plgpu.SMEM((CONSUMERS, block_q), jnp.float32),
+            None if hv == h else plgpu.SMEM((CONSUMERS, block_q, hv), dtype, transforms=layout),  # O
         )
         if segments:  # the rows' ids, the ring's key ids
             smem += (plgpu.SMEM((CONSUMERS, block_q), jnp.int32), plgpu.SMEM((stages, block_kv), jnp.int32))
@@ -513,7 +529,7 @@ def forward(
 
     out, lse = plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((b, t_pad, n, hv), dtype), jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)),
         grid=(n, t_pad // tiles.rows, b),
         grid_names=("heads", "q_tile", "batch"),
         num_threads=CONSUMERS + 1,

@@ -72,6 +72,8 @@ def unsupported(shape_q, shape_k, shape_v, dtype, *, causal: bool, window=(None,
     why = forward_unsupported(shape_q, shape_k, shape_v, dtype, causal=causal, window=window, soft_cap=soft_cap)
     if why is None and shape_q[-1] not in HEAD_DIMS:
         return f"head dim {shape_q[-1]} in the backward (it serves {HEAD_DIMS})"
+    if why is None and shape_v[-1] not in HEAD_DIMS:
+        return f"a value head dim {shape_v[-1]} in the backward (it serves {HEAD_DIMS})"
     return why
 
 
@@ -135,7 +137,7 @@ def backward(
     `run`: None, or an int32 [1] array: where it holds 0 every CTA of both kernels returns after
     one load and the results are left unwritten (as the forward's `run`)."""
     b, t, n, h = q.shape
-    s, kv_heads = k.shape[1], k.shape[2]
+    s, kv_heads, hv = k.shape[1], k.shape[2], v.shape[3]
     tiles = tiles or BackwardTiles()
     why = unsupported(q.shape, k.shape, v.shape, q.dtype, causal=causal, window=window, soft_cap=soft_cap)
     if why is not None:
@@ -356,7 +358,9 @@ def backward(
                     carry = lax.fori_loop(base + full_hi, base + last, lambda i, a: step(i, a, True), carry)
                 return carry
 
-            dk, dv = lax.fori_loop(jnp.int32(0), jnp.int32(group), head_of_group, (_zeros((ROWS, h)),) * 2)
+            dk, dv = lax.fori_loop(
+                jnp.int32(0), jnp.int32(group), head_of_group, (_zeros((ROWS, h)), _zeros((ROWS, hv)))
+            )
             if kv_lengths is not None:  # the keys past the batch row's key length: dK, dV 0
                 key = plgpu.broadcasted_iota(jnp.int32, dk.shape, 0, layout=plgpu.Layout.WGMMA) + k0
                 dk, dv = (jnp.where(key < kv_valid, x, 0.0) for x in (dk, dv))
@@ -412,13 +416,13 @@ def backward(
             interpret=interpret,
         )(*args, *(x for x in (bounds, q_segment_ids, kv_segment_ids, run) if x is not None))
 
-    per_wg = lambda: plgpu.SMEM((CONSUMERS, ROWS, h), dtype, transforms=_layout())
-    ring = lambda: plgpu.SMEM((stages, block, h), dtype, transforms=_layout())
+    per_wg = lambda width=h: plgpu.SMEM((CONSUMERS, ROWS, width), dtype, transforms=_layout())
+    ring = lambda width=h: plgpu.SMEM((stages, block, width), dtype, transforms=_layout())
     dq = launch(
         dq_kernel,
         (n, t_pad // rows, b),
         ("heads", "q_tile", "batch"),
-        (per_wg(), per_wg(), plgpu.SMEM((CONSUMERS, 2, ROWS), jnp.float32), ring(), ring()),
+        (per_wg(), per_wg(hv), plgpu.SMEM((CONSUMERS, 2, ROWS), jnp.float32), ring(), ring(hv)),  # Q, dO; K, V
         (
             plgpu.Barrier(num_barriers=3 * CONSUMERS),  # Q, dO, (lse₂, δ) of each consumer
             plgpu.Barrier(num_barriers=stages),  # k_ready
@@ -436,7 +440,7 @@ def backward(
         dkv_kernel,
         (kv_heads, s_pad // rows, b),
         ("kv_heads", "k_tile", "batch"),
-        (per_wg(), per_wg(), ring(), ring(), plgpu.SMEM((stages, 2, block), jnp.float32)),
+        (per_wg(), per_wg(hv), ring(), ring(hv), plgpu.SMEM((stages, 2, block), jnp.float32)),  # K, V; Q, dO
         (
             plgpu.Barrier(num_barriers=2 * CONSUMERS),  # K, V of each consumer
             plgpu.Barrier(num_barriers=stages),  # q_ready

@@ -61,6 +61,7 @@ def test_forced_mosaic_serves_plain_calls(sm90):
         _spec(has_q_offset=True, window_right=0, has_kv_lengths=True),
         _spec(soft_cap=30.0, causal=True),
         _spec(has_segment_ids=True, causal=True),
+        _spec(value_head_dim=64),
     ):
         assert _backend.choose(spec)[0] == "mosaic_gpu", spec
 
@@ -71,7 +72,7 @@ def test_forced_mosaic_serves_plain_calls(sm90):
         (dict(bias_shape=(1, 1, 8192, 8192)), "a dense bias"),
         (dict(mask_shape=(1, 1, 8192, 8192)), "a dense mask"),
         (dict(dropout_rate=0.1), "dropout"),
-        (dict(value_head_dim=64), "a value head dim 64"),
+        (dict(value_head_dim=96), "a value head dim 96"),
         (dict(head_dim=96, scale=0.1), "head dim 96"),
         (dict(dtype="float32"), "dtype float32"),
         (dict(scale=0.0), "a scale outside"),

@@ -168,7 +168,7 @@ def logits(scores, scale, extra):
 # a CTA that see nothing); a window moved by offsets with query and key lengths cutting it; lengths
 # alone, 0 among them. A soft cap that most logits reach (scale 0.3 at H = 128). Segment ids: a
 # segment of rows no key belongs to (empty rows), keys of a segment no row has; packed causal
-# self-attention with GQA.
+# self-attention with GQA. A value head dim above the head dim (O in a buffer of its own).
 CASES = [
     (1, 128, 256, 2, 1, 64, "bfloat16", False, 0.125, None),
     (1, 128, 384, 4, 2, 128, "bfloat16", False, 0.3, None),
@@ -226,6 +226,7 @@ CASES = [
         None,
         {"q_segment_ids": [[0] * 50 + [1] * 142, [5] * 192], "kv_segment_ids": [[0] * 50 + [1] * 142, [5] * 192]},
     ),
+    (1, 130, 200, 2, 1, 64, "bfloat16", True, 0.125, None, {"v_head_dim": 128}),
 ]
 
 
@@ -248,9 +249,10 @@ spec.loader.exec_module(_mosaic)
 results = []
 for b, t, s, n, kh, h, dtype, causal, scale, window, *extra in json.loads(sys.argv[2]):
     extra = extra[0] if extra else {}
+    hv = extra.pop("v_head_dim", h)
     rng = np.random.default_rng(t + s + h)
     q, k, v = (jnp.asarray(rng.standard_normal(shape) + 0.25, dtype)
-               for shape in ((b, t, n, h), (b, s, kh, h), (b, s, kh, h)))
+               for shape in ((b, t, n, h), (b, s, kh, h), (b, s, kh, hv)))
     window = tuple(window or (None, None))
     out, lse = _mosaic.forward(q, k, v, scale=scale, causal=causal, window=window, interpret=params, **extra_args(extra))
     out, lse = np.asarray(out.astype(jnp.float32), np.float64), np.asarray(lse, np.float64)
@@ -297,7 +299,7 @@ def test_forward_interpreted_against_float64():
 # whose rows past S + left see no key (lse -inf: their dq 0, nothing sent to dk, dv); query
 # offsets, and a window moved by offsets with query and key lengths (0 among them); a soft cap
 # most logits reach, in a window (dS carries the cap's slope); segment ids as the forward's
-# (rows and keys no other side shares; packed causal with GQA).
+# (rows and keys no other side shares; packed causal with GQA); a value head dim below the head dim.
 BACKWARD_CASES = [
     (1, 128, 384, 4, 2, 128, "bfloat16", False, 0.3, None),
     (2, 256, 256, 1, 1, 64, "float16", True, 0.125, None),
@@ -349,6 +351,7 @@ BACKWARD_CASES = [
         None,
         {"q_segment_ids": [[0] * 50 + [1] * 142, [5] * 192], "kv_segment_ids": [[0] * 50 + [1] * 142, [5] * 192]},
     ),
+    (1, 130, 200, 2, 1, 128, "bfloat16", True, 0.125, None, {"v_head_dim": 64}),
 ]
 
 _INTERPRET_BACKWARD = (
@@ -369,10 +372,11 @@ spec.loader.exec_module(under_test)
 results = []
 for b, t, s, n, kh, h, dtype, causal, scale, window, *extra in json.loads(sys.argv[2]):
     extra = extra[0] if extra else {}
+    hv = extra.pop("v_head_dim", h)
     window = tuple(window or (None, None))
     rng = np.random.default_rng(t + s + h)
     q, k, v, do = (jnp.asarray(rng.standard_normal(shape) + 0.25, dtype)
-                   for shape in ((b, t, n, h), (b, s, kh, h), (b, s, kh, h), (b, t, n, h)))
+                   for shape in ((b, t, n, h), (b, s, kh, h), (b, s, kh, hv), (b, t, n, hv)))
     qf, kf, vf, dof = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v, do))
     g = n // kh
     kr, vr = np.repeat(kf, g, axis=2), np.repeat(vf, g, axis=2)
@@ -388,7 +392,7 @@ for b, t, s, n, kh, h, dtype, causal, scale, window, *extra in json.loads(sys.ar
     ds = p * (dp - np.einsum("btnh,btnh->bnt", dof, out)[..., None]) * slope
     dq = np.einsum("bnts,bsnh->btnh", ds, kr) * scale
     dk = np.einsum("bnts,btnh->bsnh", ds, qf).reshape(b, s, kh, g, h).sum(3) * scale
-    dv = np.einsum("bnts,btnh->bsnh", p, dof).reshape(b, s, kh, g, h).sum(3)
+    dv = np.einsum("bnts,btnh->bsnh", p, dof).reshape(b, s, kh, g, hv).sum(3)
     grads = under_test.backward(q, k, v, jnp.asarray(out, dtype), jnp.asarray(lse[..., 0], jnp.float32), do,
                                 scale=scale, causal=causal, window=window, interpret=params, **extra_args(extra))
     errors = {}
