@@ -11,7 +11,9 @@ forward at B = 2, N = 16, T = S = 8192, bf16, H = 64 and 128, causal or not, bes
 same process: the median of 10 timed calls after 2 untimed, as ms, TFLOP/s (4·B·N·T·S·H,
 halved when causal) and the ratio to cuDNN; then the wired path
 (jax_flash.attention(implementation="pallas") with pallas_backend="mosaic_gpu") against the
-reference on finite inputs, gradients included, and with a NaN in v; then, at H = 128 non-causal, other tiles (keys per
+reference on finite inputs, gradients included, and with a NaN in v; then the features beyond
+the band (a query offset, lengths, a soft cap, segment ids, Hv != H) through jax_flash.attention,
+forward and gradients against the reference; then, at H = 128 non-causal, other tiles (keys per
 step, ring slots) than the default. One JSON line per result; a failure is a result.
 """
 
@@ -109,6 +111,80 @@ def wired():
             emit(check="pallas_mosaic_wired", nan_in_v=bad, ok=False, error=str(e)[:300])
 
 
+# The features the Mosaic GPU kernels serve beyond the plain band, through jax_flash.attention:
+# (name, B, T, S, N, K, H, Hv, the call's keywords as numpy-free Python values).
+FEATURES = [
+    (
+        "offset_lengths_soft_cap",
+        2,
+        384,
+        512,
+        4,
+        2,
+        128,
+        128,
+        dict(
+            is_causal=True,
+            query_offset=[128, -64],
+            query_seq_lengths=[384, 200],
+            key_value_seq_lengths=[512, 300],
+            logits_soft_cap=20.0,
+        ),
+    ),
+    (
+        "segments_hv64",
+        1,
+        512,
+        512,
+        4,
+        2,
+        128,
+        64,
+        dict(is_causal=True, segment_ids=[[0] * 200 + [1] * 250 + [2] * 62]),
+    ),
+]
+
+
+def _feature_kwargs(kwargs: dict) -> dict:
+    out = {}
+    for name, value in kwargs.items():
+        if name in ("query_offset", "query_seq_lengths", "key_value_seq_lengths", "segment_ids"):
+            value = jnp.asarray(value, jnp.int32)
+        out[name] = value
+    return out
+
+
+def _squares(fn):
+    """The loss whose gradients the checks compare: the sum of fn's squared outputs."""
+    return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) ** 2)
+
+
+def features():
+    """jax_flash.attention on Mosaic GPU with a query offset, lengths, a soft cap, segment ids and
+    Hv != H: out and the gradients against the reference (float32)."""
+    cfg = jax_flash.Config(pallas_backend="mosaic_gpu")
+    for name, b, t, s, n, kh, h, hv, kwargs in FEATURES:
+        keys = jax.random.split(jax.random.PRNGKey(len(name)), 3)
+        q = jax.random.normal(keys[0], (b, t, n, h), jnp.bfloat16)
+        k = jax.random.normal(keys[1], (b, s, kh, h), jnp.bfloat16)
+        v = jax.random.normal(keys[2], (b, s, kh, hv), jnp.bfloat16)
+        kw = _feature_kwargs(kwargs)
+        try:
+            attend = lambda q, k, v, kw=kw: jax_flash.attention(q, k, v, **kw, implementation="pallas", config=cfg)
+            refer = lambda q, k, v, kw=kw: jax_flash.reference(q, k, v, **kw, compute_dtype=jnp.float32)
+            out, ref = jax.jit(attend)(q, k, v).astype(jnp.float32), refer(q, k, v)
+            err = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
+            grads = jax.jit(jax.grad(_squares(attend), argnums=(0, 1, 2)))(q, k, v)
+            refs = jax.grad(_squares(refer), argnums=(0, 1, 2))(q, k, v)
+            gerr = max(
+                float(jnp.max(jnp.abs(g.astype(jnp.float32) - r)) / jnp.max(jnp.abs(r))) for g, r in zip(grads, refs)
+            )
+            ok = bool(err <= 2.0**-6 and gerr <= 2.0**-5 and jnp.isfinite(out).all())
+            emit(check="pallas_mosaic_features", case=name, max_rel_error=err, grad_max_rel_error=gerr, ok=ok)
+        except Exception as e:  # a result, not a crash
+            emit(check="pallas_mosaic_features", case=name, ok=False, error=str(e)[:300])
+
+
 def peers(causal: bool, h: int) -> dict:
     scale = 1 / math.sqrt(h)
     fns = {
@@ -185,6 +261,28 @@ def dry_run():
             fn = jax.jit(lambda q, k, v, causal=causal: _mosaic.forward(q, k, v, scale=0.1, causal=causal))
             text = jax.export.export(fn, platforms=["cuda"])(q, k, k).mlir_module()
             emit(dry_run="lowered", h=h, causal=causal, mosaic_gpu_calls=text.count("custom_call @mosaic_gpu"))
+    for name, b, t, s, n, kh, h, hv, kwargs in FEATURES:  # the kernels alone, with every feature's operand
+        kw = _feature_kwargs(kwargs)
+        ids = kw.get("segment_ids")
+        fn = jax.jit(
+            lambda q, k, v, kw=kw, ids=ids: _mosaic.forward(
+                q,
+                k,
+                v,
+                scale=0.1,
+                causal=True,
+                soft_cap=kw.get("logits_soft_cap"),
+                q_offset=kw.get("query_offset"),
+                q_lengths=kw.get("query_seq_lengths"),
+                kv_lengths=kw.get("key_value_seq_lengths"),
+                q_segment_ids=ids,
+                kv_segment_ids=ids,
+            )
+        )
+        shapes = ((b, t, n, h), (b, s, kh, h), (b, s, kh, hv))
+        args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in shapes]
+        text = jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+        emit(dry_run="lowered", case=name, mosaic_gpu_calls=text.count("custom_call @mosaic_gpu"))
 
 
 def main(argv=None):
@@ -198,6 +296,7 @@ def main(argv=None):
     correctness()
     speed()
     wired()
+    features()
     tiles_sweep()
 
 
