@@ -27,11 +27,12 @@ This is the plain kernel only: finite inputs (the caller tests them, as for the 
 kernels), no bias or dense mask; a soft cap turns the raw scores into logits first
 (`soft_capped`, then log2 e alone in the exponent); segment ids mask every step (the rows' ids
 copied once per consumer, the keys' ids through the ring beside K: `mask_segments`); attention
-sinks joined after the key loop as the Triton plain forward joins them. Causal masks and sliding windows are one *band* (`band`:
-row r sees key j iff lo <= j - r <= hi; top-left as jax.nn, for T != S too): a consumer runs only
-the key steps that hold a key its rows see (`visible_steps`), the steps on the band's two edges
-masked in loops of their own and the ones inside it not; the steps its CTA's other consumer sees
-and it does not are observed and released (`skip`). A query offset per batch row moves the band
+sinks joined after the key loop as the Triton plain forward joins them; Hv != H stages O in a
+buffer of its own. Causal masks and sliding windows are one *band* (`band`: row r sees key j
+iff lo <= j - r <= hi; top-left as jax.nn, for T != S too): a consumer runs only the key steps
+that hold a key its rows see (`visible_steps`), the steps on the band's two edges masked in
+loops of their own and the ones inside it not; the steps its CTA's other consumer sees and it
+does not are observed and released (`skip`). A query offset per batch row moves the band
 and query and key lengths cut it (`Bounds`: one int32 [B, 4] operand, read once per CTA, the
 steps chosen from it as from the static band). A row that has seen no key yet in a masked step
 keeps m = -inf and is shifted by 0, so p = 0 instead of NaN; a row that sees no key at all (past
