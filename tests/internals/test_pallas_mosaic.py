@@ -157,50 +157,10 @@ def logits(scores, scale, extra):
     return x if cap is None else cap * np.tanh(x / cap)
 """
 
-# (B, T, S, N, K, H, dtype, causal, scale, window): a ring that wraps (3 steps over 2 slots) with
-# GQA; causal over two query tiles, whose first consumers see fewer steps than the CTA copies.
-# Ragged: T and S one past or short of a tile (the rows past T dropped, the key tail masked);
-# at H = 256 (64-key steps) a causal query tile whose rows reach past the last key step. Sliding
-# windows (left, right): both edges masked, steps skipped before and after (rows whose window
-# starts past a whole masked step), causal with a left edge, a right edge alone, ragged. T != S
-# (top-left, as jax.nn): causal with keys no row sees, causal with rows past the last key under a
-# soft cap that most logits reach (scale 0.3 at H = 128), and a window whose rows past S + left
-# see no key (out 0, lse -inf; a whole CTA of them). Per batch row (the bounds operand): query
-# offsets, one placing rows before every key (whole consumers and a CTA that see nothing); a
-# window moved by offsets with query and key lengths cutting it; lengths alone, 0 among them.
-# Segment ids: a segment of rows no key belongs to (empty rows), keys of a segment no row has,
-# with a value head dim above the head dim (O in a buffer of its own); packed causal
-# self-attention with GQA.
-CASES = [
-    (1, 128, 256, 2, 1, 64, "bfloat16", False, 0.125, None),
-    (1, 128, 384, 4, 2, 128, "bfloat16", False, 0.3, None),
-    (2, 256, 256, 1, 1, 64, "float16", True, 0.125, None),
-    (1, 128, 128, 1, 1, 256, "bfloat16", True, 0.0625, None),
-    (1, 129, 255, 2, 2, 64, "bfloat16", False, 0.125, None),
-    (1, 127, 129, 1, 1, 128, "float16", False, 0.2, None),
-    (1, 130, 130, 1, 1, 256, "bfloat16", True, 0.0625, None),
-    (1, 384, 384, 2, 1, 64, "bfloat16", False, 0.125, (100, 30)),
-    (1, 384, 384, 1, 1, 64, "bfloat16", True, 0.125, (70, None)),
-    (1, 255, 255, 1, 1, 128, "float16", False, 0.125, (None, 5)),
-    (1, 200, 200, 1, 1, 256, "bfloat16", False, 0.125, (3, 200)),
-    (1, 128, 320, 2, 1, 64, "bfloat16", True, 0.125, None),
-    (1, 320, 128, 1, 1, 128, "float16", True, 0.3, None, {"soft_cap": 5.0}),
-    (1, 300, 100, 1, 1, 64, "bfloat16", False, 0.125, (20, 10)),
-    (2, 200, 300, 2, 1, 64, "bfloat16", True, 0.125, None, {"q_offset": [100, -150]}),
-    (
-        2,
-        190,
-        250,
-        2,
-        2,
-        128,
-        "float16",
-        False,
-        0.2,
-        (30, 40),
-        {"q_offset": [60, 0], "q_lengths": [150, 190], "kv_lengths": [250, 77]},
-    ),
-    (3, 70, 130, 1, 1, 64, "bfloat16", False, 0.125, None, {"q_lengths": [0, 40, 70], "kv_lengths": [130, 0, 65]}),
+# Segment ids, the forward's and the backward's cases alike: a segment of rows no key belongs to
+# (empty rows), keys of a segment no row has, with a value head dim above the head dim (O in a
+# buffer of its own); packed causal self-attention with GQA.
+SEGMENT_CASES = [
     (
         1,
         200,
@@ -231,6 +191,52 @@ CASES = [
         None,
         {"q_segment_ids": [[0] * 50 + [1] * 142, [5] * 192], "kv_segment_ids": [[0] * 50 + [1] * 142, [5] * 192]},
     ),
+]
+
+# (B, T, S, N, K, H, dtype, causal, scale, window): a ring that wraps (3 steps over 2 slots) with
+# GQA; causal over two query tiles, whose first consumers see fewer steps than the CTA copies.
+# Ragged: T and S one past or short of a tile (the rows past T dropped, the key tail masked);
+# at H = 256 (64-key steps) a causal query tile whose rows reach past the last key step. Sliding
+# windows (left, right): both edges masked, steps skipped before and after (rows whose window
+# starts past a whole masked step), causal with a left edge, a right edge alone, ragged. T != S
+# (top-left, as jax.nn): causal with keys no row sees, causal with rows past the last key under a
+# soft cap that most logits reach (scale 0.3 at H = 128), and a window whose rows past S + left
+# see no key (out 0, lse -inf; a whole CTA of them). Per batch row (the bounds operand): query
+# offsets, one placing rows before every key (whole consumers and a CTA that see nothing); a
+# window moved by offsets with query and key lengths cutting it; lengths alone (a batch row with
+# no query, one whose rows past its query length see keys: their out must stay 0, one with no
+# key). Then SEGMENT_CASES.
+CASES = [
+    (1, 128, 256, 2, 1, 64, "bfloat16", False, 0.125, None),
+    (1, 128, 384, 4, 2, 128, "bfloat16", False, 0.3, None),
+    (2, 256, 256, 1, 1, 64, "float16", True, 0.125, None),
+    (1, 128, 128, 1, 1, 256, "bfloat16", True, 0.0625, None),
+    (1, 129, 255, 2, 2, 64, "bfloat16", False, 0.125, None),
+    (1, 127, 129, 1, 1, 128, "float16", False, 0.2, None),
+    (1, 130, 130, 1, 1, 256, "bfloat16", True, 0.0625, None),
+    (1, 384, 384, 2, 1, 64, "bfloat16", False, 0.125, (100, 30)),
+    (1, 384, 384, 1, 1, 64, "bfloat16", True, 0.125, (70, None)),
+    (1, 255, 255, 1, 1, 128, "float16", False, 0.125, (None, 5)),
+    (1, 200, 200, 1, 1, 256, "bfloat16", False, 0.125, (3, 200)),
+    (1, 128, 320, 2, 1, 64, "bfloat16", True, 0.125, None),
+    (1, 320, 128, 1, 1, 128, "float16", True, 0.3, None, {"soft_cap": 5.0}),
+    (1, 300, 100, 1, 1, 64, "bfloat16", False, 0.125, (20, 10)),
+    (2, 200, 300, 2, 1, 64, "bfloat16", True, 0.125, None, {"q_offset": [100, -150]}),
+    (
+        2,
+        190,
+        250,
+        2,
+        2,
+        128,
+        "float16",
+        False,
+        0.2,
+        (30, 40),
+        {"q_offset": [60, 0], "q_lengths": [150, 190], "kv_lengths": [250, 77]},
+    ),
+    (3, 70, 130, 1, 1, 64, "bfloat16", False, 0.125, None, {"q_lengths": [0, 40, 70], "kv_lengths": [130, 50, 0]}),
+    *SEGMENT_CASES,
 ]
 
 
@@ -318,8 +324,8 @@ def test_forward_interpreted_against_float64(part):
 # a left edge, a right edge alone and ragged); T != S: causal with keys no row sees, a window
 # whose rows past S + left see no key (lse -inf: their dq 0, nothing sent to dk, dv), the causal
 # one under a soft cap most logits reach (dS carries the cap's slope); query offsets, and a window
-# moved by offsets with query and key lengths (0 among them); segment ids as the forward's (rows
-# and keys no other side shares, with Hv above H; packed causal with GQA).
+# moved by offsets with query and key lengths (a batch row with no query, one whose rows past its
+# query length see keys: they must send nothing, one with no key); SEGMENT_CASES.
 BACKWARD_CASES = [
     (1, 128, 384, 4, 2, 128, "bfloat16", False, 0.3, None),
     (2, 256, 256, 1, 1, 64, "float16", True, 0.125, None),
@@ -342,38 +348,9 @@ BACKWARD_CASES = [
         False,
         0.125,
         (30, 40),
-        {"q_offset": [0, 5, -20], "q_lengths": [0, 40, 70], "kv_lengths": [130, 0, 65]},
+        {"q_offset": [0, 5, -20], "q_lengths": [0, 40, 70], "kv_lengths": [130, 50, 0]},
     ),
-    (
-        1,
-        200,
-        256,
-        2,
-        1,
-        64,
-        "bfloat16",
-        False,
-        0.125,
-        None,
-        {
-            "q_segment_ids": [[0] * 70 + [1] * 90 + [2] * 40],
-            "kv_segment_ids": [[0] * 100 + [1] * 60 + [3] * 96],
-            "v_head_dim": 128,
-        },
-    ),
-    (
-        2,
-        192,
-        192,
-        4,
-        2,
-        64,
-        "float16",
-        True,
-        0.125,
-        None,
-        {"q_segment_ids": [[0] * 50 + [1] * 142, [5] * 192], "kv_segment_ids": [[0] * 50 + [1] * 142, [5] * 192]},
-    ),
+    *SEGMENT_CASES,
 ]
 
 _INTERPRET_BACKWARD = (
