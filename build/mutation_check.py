@@ -1148,6 +1148,23 @@ MUTATIONS = [
         what="mosaic backward: the dK/dV kernel reads the queries' segment ids but does not apply them",
     ),
     Mutation(
+        "mosaic_segment_steps_short",
+        MG,
+        "last = (steps - jnp.argmax(meets[:, :, ::-1], axis=2)).astype(i32)",
+        "last = (steps - 1 - jnp.argmax(meets[:, :, ::-1], axis=2)).astype(i32)",
+        MOSAIC,
+        what="mosaic: a tile's segment step range one step short (its last needed key step skipped)",
+    ),
+    Mutation(
+        "mosaic_segment_steps_unused",
+        MG,
+        "            cta_first, cta_last = narrowed(cta_first, cta_last, ids_refs[2], batch, q_tile)\n",
+        "            pass\n",
+        MOSAIC,
+        kind="speed",
+        what="mosaic forward: no key step skipped by segment (every step masked instead: the same results)",
+    ),
+    Mutation(
         "mosaic_wired_masks_dropped",
         "jax_flash/pallas/_backend.py",
         "        q_lengths=masks.q_lengths,\n        kv_lengths=masks.kv_lengths,\n",

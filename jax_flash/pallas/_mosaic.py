@@ -25,8 +25,10 @@ gets exp2(0) = 1 at any magnitude: the form of the other plain kernels
 
 This is the plain kernel only: finite inputs (the caller tests them, as for the Triton plain
 kernels), no bias or dense mask; a soft cap turns the raw scores into logits first
-(`soft_capped`, then log2 e alone in the exponent); segment ids mask every step (the rows' ids
-copied once per consumer, the keys' ids through the ring beside K: `mask_segments`); attention
+(`soft_capped`, then log2 e alone in the exponent); segment ids mask every step a CTA runs (the
+rows' ids copied once per consumer, the keys' ids through the ring beside K: `mask_segments`),
+and a CTA runs only the key steps whose ids' range meets its rows' (`segment_steps`, computed
+by XLA per batch row and query tile: packed sequences skip the other sequences' keys); attention
 sinks joined after the key loop as the Triton plain forward joins them; Hv != H stages O in a
 buffer of its own. Causal masks and sliding windows are one *band* (`band`: row r sees key j
 iff lo <= j - r <= hi; top-left as jax.nn, for T != S too): a consumer runs only the key steps
@@ -178,8 +180,10 @@ def over_band(step, skip, carry, bounds, lo, hi, ragged_keys: bool, cut_rows: bo
     """A consumer's key loop over its CTA's steps `bounds` = (cta_first, first, full_lo, full_hi,
     last, cta_last) (`visible_steps`): the steps its rows do not see skipped (`skip(start, stop)`),
     the band's edges and the keys past S as `step(i, carry, True)` (masked), the steps inside it as
-    `step(i, carry, False)`, each range a loop of its own; the final carry. `cut_rows`: a query
-    length may leave the consumer fewer rows (so fewer steps) than its CTA's other consumer."""
+    `step(i, carry, False)`, each range a loop of its own; the final carry. `cut_rows`: the
+    consumer's steps may reach outside its CTA's: a query length may leave it fewer rows (so
+    fewer steps) than its CTA's other consumer, segment ids may narrow the CTA's steps
+    (`narrowed`); its own are clipped into the CTA's."""
     cta_first, first, full_lo, full_hi, last, cta_last = bounds
     if cut_rows:  # a consumer without rows sees no step: none before its CTA's first one
         first, full_lo, full_hi, last = (jnp.clip(x, cta_first, cta_last) for x in (first, full_lo, full_hi, last))
@@ -241,6 +245,39 @@ def mask_segments(x, row_ids, col_ids):
     column's (`segment_ids`)."""
     same = lax.broadcast_in_dim(row_ids, x.shape, [0]) == lax.broadcast_in_dim(col_ids, x.shape, [1])
     return jnp.where(same, x, -jnp.inf)
+
+
+def segment_steps(row_ids, col_ids, rows: int, block: int, row_len: int, col_len: int):
+    """The steps a tile of `rows` rows need under segment ids: int32 [B, tiles, 2], per batch row
+    and tile the first and past-the-last step of `block` columns whose ids' range meets the
+    tile's, (0, 0) where none does. A step outside holds no column of a row's segment, whatever
+    the order of the ids, so its columns are all masked: the kernels neither copy nor compute it.
+    `row_ids` [B, tiles·rows] and `col_ids` [B, steps·block] are padded; only the first `row_len`
+    rows and `col_len` columns count (the padding sees nothing)."""
+    i32 = jnp.int32
+    big = jnp.iinfo(jnp.int32).max
+
+    def ranges(ids, length, width):  # each group's smallest and largest real id
+        real = jnp.arange(ids.shape[1]) < length
+        low = jnp.where(real, ids, big).reshape(ids.shape[0], -1, width).min(axis=2)
+        high = jnp.where(real, ids, -big).reshape(ids.shape[0], -1, width).max(axis=2)
+        return low, high
+
+    row_lo, row_hi = ranges(row_ids, row_len, rows)  # [B, tiles]
+    col_lo, col_hi = ranges(col_ids, col_len, block)  # [B, steps]
+    meets = (col_hi[:, None, :] >= row_lo[:, :, None]) & (col_lo[:, None, :] <= row_hi[:, :, None])
+    steps = meets.shape[2]
+    first = jnp.argmax(meets, axis=2).astype(i32)
+    last = (steps - jnp.argmax(meets[:, :, ::-1], axis=2)).astype(i32)
+    any_step = meets.any(axis=2)
+    return jnp.stack([jnp.where(any_step, first, 0), jnp.where(any_step, last, 0)], axis=2)
+
+
+def narrowed(first, last, steps_ref, batch, tile):
+    """A tile's step range [first, last) cut to the steps its segment ids need (`segment_steps`'
+    row (batch, tile) in a kernel's `steps_ref`); an empty range stays empty."""
+    last = jnp.minimum(last, steps_ref[batch, tile, 1])
+    return jnp.minimum(jnp.maximum(first, steps_ref[batch, tile, 0]), last), last
 
 
 def mask_band(x, lo, hi, r0, c0, limit=None):
@@ -338,9 +375,11 @@ def forward(
     if ragged_keys:
         k, v = (jnp.pad(x, ((0, 0), (0, key_steps * block_kv - s), (0, 0), (0, 0))) for x in (k, v))
     segments = q_segment_ids is not None
+    steps = None
     if segments:  # padded as q, k and v (the padded rows dropped, the padded keys masked)
         q_segment_ids = jnp.pad(jnp.asarray(q_segment_ids, jnp.int32), ((0, 0), (0, t_pad - t)))
         kv_segment_ids = jnp.pad(jnp.asarray(kv_segment_ids, jnp.int32), ((0, 0), (0, key_steps * block_kv - s)))
+        steps = segment_steps(q_segment_ids, kv_segment_ids, tiles.rows, block_kv, t, s)
     stages = min(tiles.stages, key_steps)
     group = n // kv_heads
     dtype = q.dtype
@@ -361,6 +400,8 @@ def forward(
         cta_first, _, _, cta_last = visible_steps(
             lo, hi, kv_valid, q_tile * tiles.rows, tiles.rows, block_kv, row_limit
         )
+        if segments:  # and of them those whose key ids can meet the CTA's rows'
+            cta_first, cta_last = narrowed(cta_first, cta_last, ids_refs[2], batch, q_tile)
 
         def take_turn():
             plgpu.barrier_arrive(schedule)
@@ -446,7 +487,8 @@ def forward(
                     take_turn()
 
             bounds = (cta_first, first, full_lo, full_hi, last, cta_last)
-            o, m, l = over_band(step, skip, (o, m, l), bounds, lo, hi, ragged_keys, q_lengths is not None)
+            cut = q_lengths is not None or segments  # the CTA's steps may be fewer than the rows'
+            o, m, l = over_band(step, skip, (o, m, l), bounds, lo, hi, ragged_keys, cut)
             pl.when(wg == 0)(take_turn)
             if q_lengths is not None:  # the rows past the batch row's query length see no key
                 row = plgpu.broadcasted_iota(jnp.int32, o.shape, 0, layout=plgpu.Layout.WGMMA) + t0
@@ -496,7 +538,7 @@ def forward(
         rest = list(refs)
         sinks_ref = None if sinks is None else rest.pop(0)
         bounds_ref = None if bounds is None else rest.pop(0)
-        ids_refs = (rest.pop(0), rest.pop(0)) if segments else None
+        ids_refs = (rest.pop(0), rest.pop(0), rest.pop(0)) if segments else None  # rows', keys', steps
         run_ref = None if run is None else rest.pop(0)
         out_ref, lse_ref = rest
         layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -537,5 +579,5 @@ def forward(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
-    )(q, k, v, *(x for x in (sinks, bounds, q_segment_ids, kv_segment_ids, run) if x is not None))
+    )(q, k, v, *(x for x in (sinks, bounds, q_segment_ids, kv_segment_ids, steps, run) if x is not None))
     return (out, lse) if t_pad == t else (out[:, :t], lse[:, :, :t])

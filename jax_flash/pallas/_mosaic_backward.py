@@ -46,10 +46,12 @@ from jax_flash.pallas._mosaic import (
     Bounds,
     mask_band,
     mask_segments,
+    narrowed,
     over_band,
     produce,
     ring_slot,
     segment_ids,
+    segment_steps,
     soft_capped,
     unsupported as forward_unsupported,
     visible_steps,
@@ -178,6 +180,10 @@ def backward(
     if segments:  # padded as q and k (the padded rows and keys see nothing: lse₂ = +inf, masked)
         q_segment_ids = jnp.pad(jnp.asarray(q_segment_ids, jnp.int32), ((0, 0), (0, t_pad - t)))
         kv_segment_ids = jnp.pad(jnp.asarray(kv_segment_ids, jnp.int32), ((0, 0), (0, s_pad - s)))
+    # The steps each kernel's tiles need under segment ids (`segment_steps`): the dQ kernel's
+    # query tiles over key steps, the dK/dV kernel's key tiles over query steps.
+    q_steps = segment_steps(q_segment_ids, kv_segment_ids, rows, block, t, s) if segments else None
+    kv_steps = segment_steps(kv_segment_ids, q_segment_ids, rows, block, s, t) if segments else None
     stages = tiles.stages
     slot_of = functools.partial(ring_slot, stages=stages)
 
@@ -189,6 +195,8 @@ def backward(
         lo, hi, q_valid, kv_valid = static.read(bounds_ref, batch)
         row_limit = None if q_lengths is None else q_valid
         cta_first, _, _, cta_last = visible_steps(lo, hi, kv_valid, tile * rows, rows, block, row_limit)
+        if segments:  # and of them those whose key ids can meet the CTA's rows'
+            cta_first, cta_last = narrowed(cta_first, cta_last, ids_refs[2], batch, tile)
 
         runs = True if run_ref is None else run_ref[0] != 0
 
@@ -251,7 +259,8 @@ def backward(
                     plgpu.barrier_arrive(free.at[slot])
 
             bounds = (cta_first, first, full_lo, full_hi, last, cta_last)
-            dq = over_band(step, skip, _zeros((ROWS, h)), bounds, lo, hi, ragged_keys, q_lengths is not None)
+            cut = q_lengths is not None or segments  # the CTA's steps may be fewer than the rows'
+            dq = over_band(step, skip, _zeros((ROWS, h)), bounds, lo, hi, ragged_keys, cut)
 
             q_smem.at[wg][...] = (dq * scale).astype(dtype)  # dQ is staged where Q was
             plgpu.commit_smem()
@@ -295,6 +304,9 @@ def backward(
             block,
             None if kv_lengths is None else kv_valid,
         )
+        if segments:  # and of them those whose query ids can meet the CTA's keys'
+            first, last = narrowed(first, last, ids_refs[2], batch, tile)
+            full_lo, full_hi = jnp.clip(full_lo, first, last), jnp.clip(full_hi, first, last)
         per_head = last - first
 
         def query_block(i):
@@ -389,7 +401,7 @@ def backward(
 
             produce(jnp.int32(0), per_head * group, stages, fetch, lambda slot: plgpu.barrier_wait(free.at[slot]))
 
-    def launch(kernel, grid, grid_names, smem, barriers, out_type, *args):
+    def launch(kernel, grid, grid_names, smem, barriers, out_type, steps, *args):
         if segments:  # each kernel's own rows' ids, the streamed tile's ids
             smem += (plgpu.SMEM((CONSUMERS, ROWS), jnp.int32), plgpu.SMEM((stages, block), jnp.int32))
             barriers += (plgpu.Barrier(num_barriers=CONSUMERS), plgpu.Barrier(num_barriers=stages))
@@ -398,7 +410,7 @@ def backward(
             # The kernel's bounds_ref, ids_refs and run_ref are None where the call has no such operand.
             rest = list(refs[5:])
             bounds_ref = None if bounds is None else rest.pop(0)
-            ids_refs = (rest.pop(0), rest.pop(0)) if segments else None
+            ids_refs = (rest.pop(0), rest.pop(0), rest.pop(0)) if segments else None  # q's, kv's, steps
             run_ref = None if run is None else rest.pop(0)
             operands = (*refs[:5], bounds_ref, ids_refs, run_ref, *rest)
             pl.run_scoped(
@@ -414,7 +426,7 @@ def backward(
             thread_name="wg",
             compiler_params=plgpu.CompilerParams(approx_math=True),
             interpret=interpret,
-        )(*args, *(x for x in (bounds, q_segment_ids, kv_segment_ids, run) if x is not None))
+        )(*args, *(x for x in (bounds, q_segment_ids, kv_segment_ids, steps, run) if x is not None))
 
     per_wg = lambda width=h: plgpu.SMEM((CONSUMERS, ROWS, width), dtype, transforms=_layout())
     ring = lambda width=h: plgpu.SMEM((stages, block, width), dtype, transforms=_layout())
@@ -430,6 +442,7 @@ def backward(
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # free
         ),
         jax.ShapeDtypeStruct(qp.shape, dtype),
+        q_steps,
         qp,
         kp,
         vp,
@@ -449,6 +462,7 @@ def backward(
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # free
         ),
         (jax.ShapeDtypeStruct(kp.shape, dtype), jax.ShapeDtypeStruct(vp.shape, dtype)),
+        kv_steps,
         qp,
         kp,
         vp,

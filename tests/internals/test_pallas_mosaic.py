@@ -159,7 +159,9 @@ def logits(scores, scale, extra):
 
 # Segment ids, the forward's and the backward's cases alike: a segment of rows no key belongs to
 # (empty rows), keys of a segment no row has, with a value head dim above the head dim (O in a
-# buffer of its own); packed causal self-attention with GQA.
+# buffer of its own), laid out so that every kernel skips steps by segment (`segment_steps`: the
+# forward's and dQ's first query tile needs only the first keys, its second none; dK/dV's second
+# key tile no query); packed causal self-attention with GQA.
 SEGMENT_CASES = [
     (
         1,
@@ -173,8 +175,8 @@ SEGMENT_CASES = [
         0.125,
         None,
         {
-            "q_segment_ids": [[0] * 70 + [1] * 90 + [2] * 40],
-            "kv_segment_ids": [[0] * 100 + [1] * 60 + [3] * 96],
+            "q_segment_ids": [[0] * 100 + [1] * 28 + [2] * 72],
+            "kv_segment_ids": [[0] * 100 + [1] * 28 + [3] * 128],
             "v_head_dim": 128,
         },
     ),
@@ -554,6 +556,40 @@ def test_wired_forward_interpreted(part):
             assert result["dsinks_error"] <= 4 * 2.0**-8, (case, result)
             if len(case) > 9 and "query_seq_lengths" in case[9]:
                 assert result["sink_grad_error"] <= 4 * 2.0**-8, (case, result)
+
+
+def test_segment_steps_hold_every_step_a_row_sees():
+    """`_mosaic.segment_steps` against loops over the ids: per tile, [first, last) spans exactly
+    the steps whose real ids' range meets the tile's real rows' (so every step with a key of a
+    row's segment), (0, 0) where none does; unsorted ids, ragged lengths, padding of other ids.
+    And the SEGMENT_CASES layout skips what its comment says."""
+    rng = np.random.default_rng(7)
+    for _ in range(30):
+        rows, block = int(rng.choice([4, 8])), int(rng.choice([2, 4]))
+        tiles, steps = int(rng.integers(1, 5)), int(rng.integers(1, 7))
+        t, s = int(rng.integers(1, tiles * rows + 1)), int(rng.integers(1, steps * block + 1))
+        q_ids = rng.integers(0, 6, (2, tiles * rows)).astype(np.int32)
+        kv_ids = rng.integers(3, 9, (2, steps * block)).astype(np.int32)
+        got = np.asarray(_mosaic.segment_steps(jnp.asarray(q_ids), jnp.asarray(kv_ids), rows, block, t, s))
+        for b in range(2):
+            for tile in range(tiles):
+                r = q_ids[b, tile * rows : min((tile + 1) * rows, t)]
+                meets = []
+                for j in range(steps):
+                    c = kv_ids[b, j * block : min((j + 1) * block, s)]
+                    meets.append(r.size > 0 and c.size > 0 and c.max() >= r.min() and c.min() <= r.max())
+                    shares = r.size > 0 and bool(np.isin(c, r).any())
+                    assert not shares or meets[-1], (b, tile, j)
+                hit = [j for j, m in enumerate(meets) if m]
+                want = (hit[0], hit[-1] + 1) if hit else (0, 0)
+                assert tuple(got[b, tile]) == want, (b, tile, got[b, tile], want, r, kv_ids[b])
+    case = SEGMENT_CASES[0][10]
+    q_ids = jnp.pad(jnp.asarray(case["q_segment_ids"], jnp.int32), ((0, 0), (0, 56)))  # 200 rows to 256
+    kv_ids = jnp.asarray(case["kv_segment_ids"], jnp.int32)
+    forward = _mosaic.segment_steps(q_ids, kv_ids, 128, 128, 200, 256)
+    assert np.asarray(forward).tolist() == [[[0, 1], [0, 0]]]
+    dkv = _mosaic.segment_steps(kv_ids, q_ids, 128, 64, 256, 200)
+    assert np.asarray(dkv).tolist() == [[[0, 2], [0, 0]]]
 
 
 @pytest.mark.parametrize("causal", [False, True])
