@@ -68,8 +68,10 @@ MAIN_KERNELS = {
     "attention_forward_plain_kernel": "PlainForwardKernel",
     "attention_forward_decode_kernel": "ForwardKernel",  # attention_forward_kernel on the decoding tile
     "attention_backward_kernel": "BackwardKernel",
+    "attention_backward_plain_kernel": "BackwardKernel",
     "attention_backward_dq_kernel": "BackwardDqKernel",
 }
+BACKWARD_MAIN_KERNELS = ("attention_backward_kernel", "attention_backward_plain_kernel")
 FORWARD_KERNELS = ("attention_forward_kernel", "attention_forward_plain_kernel", "attention_forward_decode_kernel")
 # The decoding tile's CTAs per SM (_heuristics.CUDA_DECODE_CTAS_PER_SM, which its split-KV rule
 # counts in) where the rule says they fit: sm_90 and sm_100 (228 KB of shared memory per SM); at
@@ -135,7 +137,7 @@ def smem_bytes_per_mma(kind: str, t: dict) -> float:
     hc, hvc = h // t["col_splits"], hv // t["col_splits"]  # the backward's dK, dV columns per warp
     if kind in FORWARD_KERNELS:  # S = Q·Kᵀ (R A-loads + KV/16 B-loads per k-step), O += P·V
         loads = (h // 16) * (r + kv // 16) + (kv // 16) * (hv // 16)
-    elif kind == "attention_backward_kernel":  # Sᵀ (over H), dPᵀ (over Hv); dV, dK (its columns); the dQ share
+    elif kind in BACKWARD_MAIN_KERNELS:  # Sᵀ (over H), dPᵀ (over Hv); dV, dK (its columns); the dQ share
         dq_cols = t["dq_cols"]
         loads = ((h + hv) // 16) * (1 + q // 16) + (q // 16) * ((hc + hvc) // 16) + (kv // 16) * (1 + dq_cols // 16)
     else:  # deterministic dQ: S (over H), dP (over Hv), dQ += dS·K
@@ -180,6 +182,7 @@ def demangle_kind(symbol: str) -> str:
     for k in (
         "attention_forward_plain_kernel",
         "attention_forward_kernel",
+        "attention_backward_plain_kernel",
         "attention_backward_kernel",
         "attention_backward_dq_kernel",
         "attention_backward_delta_kernel",
@@ -286,7 +289,7 @@ def hmma_per_step(kind: str, t: dict) -> int:
     if kind in FORWARD_KERNELS:
         return r * (h // 16) * (kv // 8) + r * (kv // 16) * (hv // 8)
     hc, hvc = h // t["col_splits"], hv // t["col_splits"]
-    if kind == "attention_backward_kernel":
+    if kind in BACKWARD_MAIN_KERNELS:
         return ((h + hv) // 16) * (q // 8) + (q // 16) * ((hc + hvc) // 8) + (kv // 16) * (t["dq_cols"] // 8)
     return ((h + hv) // 16) * (kv // 8) + (kv // 16) * (h // 8)
 
@@ -330,7 +333,9 @@ def tile_traits(sources) -> dict:
                 [] if layout else ["attention_forward_plain_kernel", "attention_forward_decode_kernel"]
             )
         else:
-            kernels = ["attention_backward_kernel", "attention_backward_dq_kernel"]
+            kernels = ["attention_backward_kernel", "attention_backward_dq_kernel"] + (
+                [] if layout else ["attention_backward_plain_kernel"]
+            )
         for kernel in kernels:
             traits = MAIN_KERNELS[kernel]
             no_layout = kernel in ("attention_backward_dq_kernel", "attention_forward_plain_kernel")
@@ -338,7 +343,7 @@ def tile_traits(sources) -> dict:
             if kernel == "attention_forward_decode_kernel":
                 args += ", Layout::kWarp16, ForwardVariant::kDecode"
             k = f"{traits}<{args}>"
-            dq_cols = f"{k}::DQ_COLS" if kernel == "attention_backward_kernel" else "0"
+            dq_cols = f"{k}::DQ_COLS" if kernel in BACKWARD_MAIN_KERNELS else "0"
             lines.append(
                 f'  std::printf("{src.stem} {kernel} %d %d {h} {hv or h} %d %d %d %d %d\\n", {k}::kSmemBytes, '
                 f"{k}::THREADS, {k}::BLOCK_Q, {k}::BLOCK_KV, {k}::kShape.rows_per_warp, {dq_cols}, "

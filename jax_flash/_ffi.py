@@ -206,6 +206,7 @@ def backward(
     deterministic: bool = False,
     backward_grid: Callable[[AttentionSpec], str] | None = None,
     attributes: Callable[[AttentionSpec], dict] | None = None,
+    operands: Callable | None = None,
 ):
     """Call `target` (a backward target): dq, dk, dv (workspaces dropped), and dbias in the
     bias' shape and dtype (None without a bias).
@@ -213,8 +214,10 @@ def backward(
     `backward_grid` (the CUDA targets only): spec -> "kv_heads" or "q_heads", the main
     kernel's grid for the (local) call, which sizes the dk_accum / dv_accum workspace results;
     None for a target without them (the cpu kernels). `attributes`: (local) spec -> the
-    target's own attributes (the cpu kernels' isa and gradient_chunks, the CUDA kernels' layout)."""
-    call = functools.partial(_backward_call, target, bool(deterministic), backward_grid, attributes)
+    target's own attributes (the cpu kernels' isa and gradient_chunks, the CUDA kernels' layout
+    and plain kernel). `operands`: (local) spec, out, lse -> the target's own operands after the
+    shared ones (the CUDA kernels' route), computed on each device's shards."""
+    call = functools.partial(_backward_call, target, bool(deterministic), backward_grid, attributes, operands)
     return partitioning.backward(
         impl,
         call,
@@ -292,6 +295,7 @@ def _backward_call(
     deterministic: bool,
     backward_grid,
     attributes,
+    operands,
     spec: AttentionSpec,
     q,
     k,
@@ -335,6 +339,7 @@ def _backward_call(
         dlse,
         *_mask_operands(spec, masks, q.dtype),
         _dropout_seed(masks),
+        *(() if operands is None else operands(spec, out, lse)),
         **_attributes(spec),
         **({} if attributes is None else attributes(spec)),
         deterministic=deterministic,

@@ -330,6 +330,38 @@ def cuda_plain_forward_blocker(spec: AttentionSpec, sms: int, paged: bool = Fals
     return next((why for blocked, why in blockers if blocked), None)
 
 
+def cuda_plain_backward_blocker(spec: AttentionSpec) -> str | None:
+    """Why a backward call may not run the cuda plain kernel (kernels/bwd.h), or None when it may.
+    It serves none of the per-score features (soft cap, segment ids, dropout, dense bias or mask,
+    a flex block mask; lengths, windows, query offsets, sinks, GQA and both grids it serves) and
+    adds dQ with atomics (deterministic mode's dQ kernel is the general one); any scale (its
+    arithmetic is the general kernel's). A call it serves runs it when the forward's out and lse
+    are finite (jax_flash/cuda.py tests that on every call) and passes `plain_kernel=True`; the
+    handlers refuse that for a call this rule refuses (PlainBackwardRefusal, kernels/dispatch.h)."""
+    blockers = (
+        (bool(spec.settings.get("deterministic")), "deterministic mode"),
+        (spec.soft_cap is not None, "a soft cap"),
+        (spec.has_segment_ids, "segment ids"),
+        (spec.dropout_rate > 0, "dropout"),
+        (spec.bias_shape is not None, "a dense bias"),
+        (spec.mask_shape is not None, "a dense mask"),
+        (spec.flex is not None and spec.flex.mask_mod is not None, "a block mask"),
+    )
+    return next((why for blocked, why in blockers if blocked), None)
+
+
+def cuda_backward_kernel_description(spec: AttentionSpec) -> str:
+    """What `explain` says of the cuda backward's main kernel (kernels/bwd.h)."""
+    why = cuda_plain_backward_blocker(spec)
+    if why is not None:
+        return f"backward: the general kernel (the call has {why})"
+    return (
+        "backward: the plain kernel (the warp16 tiles, whatever the layout) when the forward's out and lse are "
+        "finite (tested on every call, on the device: both kernels are launched and the route says which runs), "
+        "the general kernel otherwise"
+    )
+
+
 def cuda_forward_kernel_description(spec: AttentionSpec, sms: int) -> str:
     """What `explain` says of the cuda forward kernel a call runs (kernels/fwd.h)."""
     if cuda_decode_tile(spec):

@@ -150,6 +150,30 @@ def plain_forward_blocker(spec: AttentionSpec, paged: bool = False) -> str | Non
     return _heuristics.cuda_plain_forward_blocker(spec, sm_count()[0], paged)
 
 
+def plain_backward_blocker(spec: AttentionSpec) -> str | None:
+    """Why a backward call may not run the plain kernel (`_heuristics.cuda_plain_backward_blocker`),
+    or None when it may: then it runs where the forward's results are finite (`backward_route`)."""
+    return _heuristics.cuda_plain_backward_blocker(spec)
+
+
+def backward_attributes(spec: AttentionSpec) -> dict:
+    """The backward targets' own attributes: the layout and whether the plain kernel is launched."""
+    return dict(target_attributes(spec), plain_kernel=plain_backward_blocker(spec) is None)
+
+
+def backward_route(spec: AttentionSpec, out, lse) -> tuple:
+    """The backward's route operand (kernels/params.h, AttentionParams::route), on each device's
+    shards: [1] s32, the plain kernel where the forward's out is finite and its lse below +inf
+    (no row was poisoned and no sink is NaN or +inf, so every P and dS the plain kernel forms is
+    finite and a masked pair's is exactly 0), else the general kernel; [0] s32 (not routed) for a
+    call the plain kernel does not serve. One reduction over out and one over lse; the cotangents
+    are assumed finite (docs/numerical-contract.md)."""
+    if plain_backward_blocker(spec) is not None:
+        return (jnp.zeros((0,), jnp.int32),)
+    finite = jnp.all(lse < jnp.inf) & jnp.all(jnp.isfinite(out))
+    return (jnp.reshape(jnp.where(finite, ROUTE_PLAIN, ROUTE_GENERAL), (1,)).astype(jnp.int32),)
+
+
 def forward_kernel_description(spec: AttentionSpec) -> str:
     """What `explain` says of the forward kernel a call runs (kernels/fwd.h)."""
     return _heuristics.cuda_forward_kernel_description(spec, sm_count()[0])
@@ -312,13 +336,16 @@ class TileCounts:
     `count_tiles`: `forward`, `backward` (the main kernel's), `backward_dq` (deterministic
     mode's dQ kernel); of the forward's, `forward_plain` those the plain kernel computed
     (kernels/fwd.h) and `forward_plain_masked` those of them it masked (the tiles before and
-    after the interior ones)."""
+    after the interior ones); of the backward's, `backward_plain` and `backward_plain_masked`
+    likewise (kernels/bwd.h: query blocks of a key block)."""
 
     forward: int = 0
     backward: int = 0
     backward_dq: int = 0
     forward_plain: int = 0
     forward_plain_masked: int = 0
+    backward_plain: int = 0
+    backward_plain_masked: int = 0
 
 
 @contextlib.contextmanager
@@ -341,6 +368,8 @@ def count_tiles() -> Iterator[TileCounts]:
             counts.backward_dq,
             counts.forward_plain,
             counts.forward_plain_masked,
+            counts.backward_plain,
+            counts.backward_plain_masked,
         ) = _jax_flash_emu.tile_counts()
         _jax_flash_emu.count_tiles(False)
 
@@ -453,6 +482,7 @@ class CudaImplementation:
             how += "; " + forward_kernel_description(spec)
         except ValueError as e:
             how += f"; {e}: calls fail"
+        how += "; " + _heuristics.cuda_backward_kernel_description(spec)
         try:
             how += "; " + _heuristics.cuda_backward_grid_description(spec)
         except ValueError as e:
@@ -620,7 +650,8 @@ class CudaImplementation:
             dlse,
             deterministic=deterministic(spec),
             backward_grid=backward_grid,
-            attributes=target_attributes,
+            attributes=backward_attributes,
+            operands=backward_route,
         )
 
 

@@ -29,8 +29,9 @@ NB_MODULE(_jax_flash_emu, m) {
       []() {
         namespace emu = jax_flash::emu;
         return nb::make_tuple(emu::tile_count(0), emu::tile_count(1), emu::tile_count(2), emu::tile_count(3),
-                              emu::tile_count(4));
+                              emu::tile_count(4), emu::tile_count(5), emu::tile_count(6));
       },
-      "(forward, backward, backward dQ kernel, forward by the plain kernel, of them masked): the tiles "
+      "(forward, backward, backward dQ kernel, forward by the plain kernel, of them masked, backward by the "
+      "plain kernel, of them masked): the tiles "
       "counted since count_tiles(True).");
 }

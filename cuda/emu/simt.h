@@ -259,7 +259,7 @@ Status launch(dim3 grid, dim3 block, size_t smem_bytes, Kernel kernel, Args... a
 // A debug count of the tiles the kernels compute (kernels/block_mask.h count_tile), per pass
 // (0 forward, 1 backward, 2 the backward's dQ kernel), kept while counting is on
 // (jax_flash.cuda.count_tiles): tests that the work follows a block mask.
-constexpr int kTilePasses = 5;
+constexpr int kTilePasses = 7;
 void count_tile(int pass);
 void set_tile_counting(bool on);
 int64_t tile_count(int pass);

@@ -170,7 +170,15 @@ __device__ __forceinline__ void mask_fragment_blocks(float (&acc)[N_BLOCKS][4], 
 // which forward kernel ran); nothing on a GPU. One count per tile, by the CTA's thread 0. The
 // plain forward (kernels/fwd.h) counts each tile as kForward and kForwardPlain, and those it
 // masks also as kForwardPlainMasked.
-enum class TilePass : int { kForward = 0, kBackward = 1, kBackwardDq = 2, kForwardPlain = 3, kForwardPlainMasked = 4 };
+enum class TilePass : int {
+  kForward = 0,
+  kBackward = 1,
+  kBackwardDq = 2,
+  kForwardPlain = 3,
+  kForwardPlainMasked = 4,
+  kBackwardPlain = 5,
+  kBackwardPlainMasked = 6,
+};
 __device__ __forceinline__ void count_tile(TilePass pass) {
 #ifdef JAX_FLASH_EMULATE
   if (threadIdx.x == 0) emu::count_tile(static_cast<int>(pass));

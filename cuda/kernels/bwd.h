@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/dropout.h"
 #include "kernels/grid.h"
@@ -135,14 +136,18 @@ __global__ void __launch_bounds__(DeltaKernel<V_HEAD_DIM>::THREADS)
 
 // Statistics of the query block [t0, t0 + BLOCK_Q) of head n into the ring slot, with plain
 // loads: a 16-byte copy of 4-byte rows could run past the end of [B, N, T].
+// One thread per row.
 template <class K>
 __device__ __forceinline__ void load_statistics(float* lse2, float* delta, const AttentionParams& p, int b, int n,
                                                 int t0) {
-  for (int i = static_cast<int>(threadIdx.x); i < K::BLOCK_Q; i += K::THREADS) {
+  static_assert(K::BLOCK_Q <= K::THREADS, "one thread per row of the query block");
+  const int i = static_cast<int>(threadIdx.x);
+  if (i < K::BLOCK_Q) {
     const int t = t0 + i;
     const bool inside = t < p.q_len;
-    ptx::st_shared_f32(lse2 + i, inside ? lse_offset(ptx::ld_global_f32(p.lse_in + p.stat_offset(b, n, t))) : INFINITY);
-    ptx::st_shared_f32(delta + i, inside ? ptx::ld_global_f32(p.delta + p.stat_offset(b, n, t)) : 0.0f);
+    const int64_t stat = p.stat_offset(b, n, inside ? t : 0);
+    ptx::st_shared_f32(lse2 + i, inside ? lse_offset(ptx::ld_global_f32(p.lse_in + stat)) : INFINITY);
+    ptx::st_shared_f32(delta + i, inside ? ptx::ld_global_f32(p.delta + stat) : 0.0f);
   }
 }
 
@@ -168,14 +173,19 @@ __device__ __forceinline__ void probabilities_and_ds(float (&s)[N_BLOCKS][4], fl
 template <class Elem, class K>
 __device__ __forceinline__ void store_ds(char* ds_tile, const float (&ds)[K::BLOCK_Q / MMA_N][4], int key_row0,
                                          int split, int lane) {
+  // n-block j of a row is chunk j of it, stored at chunk j ^ swizzle(row): the offset of chunk 0
+  // with j XORed into the chunk bits (they are the swizzle's there, zero elsewhere). The row's
+  // offset is taken per call (ptx::mov_b32_volatile), so that its n-blocks' offsets are not
+  // held across the caller's loop (one register per store).
+  static_assert(K::BLOCK_Q / MMA_N <= K::DsTile::kStrideChunks, "an n-block is one chunk of a dSᵀ row");
   JAX_FLASH_UNROLL
-  for (int j = 0; j < K::BLOCK_Q / MMA_N; ++j) {
-    if (j % K::COL_SPLITS != split) continue;
+  for (int r = 0; r < 2; ++r) {
+    const int row = key_row0 + (lane >> 2) + 8 * r;
+    const int first = ptx::mov_b32_volatile(K::DsTile::element_offset(row, 2 * (lane & 3)));
     JAX_FLASH_UNROLL
-    for (int r = 0; r < 2; ++r) {
-      const int row = key_row0 + (lane >> 2) + 8 * r;
-      const int col = 8 * j + 2 * (lane & 3);
-      ptx::st_shared_b32(ds_tile + K::DsTile::element_offset(row, col), Elem::pack(ds[j][2 * r], ds[j][2 * r + 1]));
+    for (int j = 0; j < K::BLOCK_Q / MMA_N; ++j) {
+      if (j % K::COL_SPLITS != split) continue;
+      ptx::st_shared_b32(ds_tile + (first ^ (j << 4)), Elem::pack(ds[j][2 * r], ds[j][2 * r + 1]));
     }
   }
 }
@@ -199,12 +209,13 @@ __device__ __forceinline__ void accumulate_dq(const AttentionParams& p, const ch
   for (int r = 0; r < 2; ++r) {
     const int t = t0 + row_group * MMA_M + (lane >> 2) + 8 * r;
     if (t >= p.q_len) continue;
-    float* row = p.dq_accum + p.q_offset(b, t, n) + col0;
+    // The thread's first pair of the row (columns 2·(lane % 4).., even: 8-byte aligned); the
+    // others are immediate offsets from it. Its column derived per item (ptx::mov_b32_volatile):
+    // held across the loop as a 64-bit offset, it spills.
+    const int col = col0 + 2 * (ptx::mov_b32_volatile(lane) & 3);
+    float* const row = p.dq_accum + p.q_offset(b, t, n) + col;
     JAX_FLASH_UNROLL
-    for (int j = 0; j < K::DQ_COLS / MMA_N; ++j) {
-      const int col = 8 * j + 2 * (lane & 3);  // even: the pair is 8-byte aligned
-      ptx::red_global_add_v2_f32(row + col, dq[j][2 * r], dq[j][2 * r + 1]);
-    }
+    for (int j = 0; j < K::DQ_COLS / MMA_N; ++j) ptx::red_global_add_v2_f32(row + 8 * j, dq[j][2 * r], dq[j][2 * r + 1]);
   }
 }
 
@@ -263,6 +274,9 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAY
   const FoldedGrid grid = K::grid(p);
   const GridIndex at = grid.index();
   if (!grid.contains(at)) return;  // past the last head (more than 65535 heads span grid.z)
+  // A routed call (AttentionParams::route) launches the plain kernel beside this one: one of
+  // them runs, this one wherever the route is not the plain kernel's.
+  if (p.plain_beside && p.read_route() == kRoutePlain) return;
   const int kv_block = at.block, batch = at.batch;
   const int warp = static_cast<int>(threadIdx.x) / WARP_SIZE, lane = static_cast<int>(threadIdx.x) % WARP_SIZE;
   // The warp's 16 keys (rows key_row0.. of the K, V tiles) and its dK, dV columns.
@@ -414,6 +428,215 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, V_HEAD_DIM, LAY
     store_dk_dv_accum<K>(p, dk, dv, batch, first_head, warp_s0, dk_col0, dv_col0, lane);
   } else {
     store_dk_dv<Elem, K>(p, dk, dv, batch, kv_head, warp_s0, dk_col0, dv_col0, lane);
+  }
+}
+
+// ---- 2'. the plain main kernel -----------------------------------------------------------------
+
+// The plain backward's P = exp2((x − lse)·log2 e) of a tile of logits x, in place, and then
+// dS = P ∘ (dP − D) of its dPᵀ, in place: the general kernel's arithmetic without its per-score
+// tests. Its caller guarantees that every term is finite or a masked −inf (the forward's lse
+// below +inf, its out finite), so a masked pair's P = exp2(−inf) = 0 and dS = 0·(dP − D) = 0,
+// and a row that saw nothing (lse offset +inf) gets P = 0 as well. lse2 and delta are the ring
+// slot's statistics, one per column (query row of the block).
+template <int N_BLOCKS>
+__device__ __forceinline__ void plain_probabilities(float (&s)[N_BLOCKS][4], const float* lse2, int lane) {
+  JAX_FLASH_UNROLL
+  for (int j = 0; j < N_BLOCKS; ++j) {
+    JAX_FLASH_UNROLL
+    for (int i = 0; i < 4; ++i)
+      s[j][i] = ptx::ex2_approx((s[j][i] - ptx::ld_shared_f32(lse2 + 8 * j + 2 * (lane & 3) + (i & 1))) * kLog2e);
+  }
+}
+template <int N_BLOCKS>
+__device__ __forceinline__ void plain_ds(float (&dp)[N_BLOCKS][4], const float (&prob)[N_BLOCKS][4], const float* delta,
+                                         int lane) {
+  JAX_FLASH_UNROLL
+  for (int j = 0; j < N_BLOCKS; ++j) {
+    JAX_FLASH_UNROLL
+    for (int i = 0; i < 4; ++i)
+      dp[j][i] = prob[j][i] * (dp[j][i] - ptx::ld_shared_f32(delta + 8 * j + 2 * (lane & 3) + (i & 1)));
+  }
+}
+
+// The logits x = scale·s of a tile, rounded once (LogitScaling::transform without a soft cap
+// or the ±inf test).
+template <int N_BLOCKS>
+__device__ __forceinline__ void scale_scores(float (&s)[N_BLOCKS][4], float scale) {
+  JAX_FLASH_UNROLL
+  for (int j = 0; j < N_BLOCKS; ++j) {
+    JAX_FLASH_UNROLL
+    for (int i = 0; i < 4; ++i) s[j][i] = __fmul_rn(s[j][i], scale);  // never contracted into the next FADD
+  }
+}
+
+// The plain backward (AttentionParams::plain; PlainBackwardRefusal says which calls it serves):
+// the main kernel for a call without a per-score feature (soft cap, segment ids, dropout, dense
+// bias or mask, block mask) that accumulates dQ with atomics, where the forward's results are
+// finite (jax_flash/cuda.py tests lse < +inf and out finite on every call: no poisoned row, no
+// NaN or +inf sink). Its loop does only the attention: no ±inf test, no select per score, no
+// test of a feature. The query blocks that see the CTA's keys are cut once into the interior
+// ones, in which every row sees every key of the CTA (no mask arithmetic), and those before and
+// after them, which apply the band mask (lengths, the window placed by the query offset): three
+// loops over one step whose masking is a compile-time setting. Per query block it computes what
+// the general kernel computes, on the same tiles: the same bits where a CTA has one query head
+// (MHA, the q_heads grid); with a GQA group per CTA it takes the heads of a block before the next
+// block (one interior loop for all of them), so dK and dV are summed in another order.
+template <class Elem, int HEAD_DIM, int V_HEAD_DIM>
+__global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, V_HEAD_DIM>::THREADS, 1)
+    attention_backward_plain_kernel(const AttentionParams p) {
+  using K = BackwardKernel<Elem, HEAD_DIM, V_HEAD_DIM>;
+  JAX_FLASH_DYNAMIC_SMEM(smem);
+  const FoldedGrid grid = K::grid(p);
+  const GridIndex at = grid.index();
+  if (!grid.contains(at)) return;
+  if (p.route != nullptr && p.read_route() != kRoutePlain) return;  // a routed call's other kernel runs
+  const int kv_block = at.block, batch = at.batch;
+  const int warp = static_cast<int>(threadIdx.x) / WARP_SIZE, lane = static_cast<int>(threadIdx.x) % WARP_SIZE;
+  const int key_row0 = (warp / K::COL_SPLITS) * K::WARP_KV, split = warp % K::COL_SPLITS;
+  const int dk_col0 = split * K::DK_COLS, dv_col0 = split * K::DV_COLS;
+  const int s0 = kv_block * K::BLOCK_KV;
+  const int group = p.q_heads / p.kv_heads;
+  const bool one_head = p.dkv_per_query_head();
+  const int kv_head = one_head ? at.head / group : at.head;
+  const int first_head = one_head ? at.head : at.head * group;
+  const int heads = one_head ? 1 : group;
+
+  const Mask mask = Mask::of(p, batch);  // lengths and the window (no segment ids)
+  // The query blocks that see this key block, and the interior ones among them.
+  const Range rows = mask.rows_of_keys(s0, s0 + K::BLOCK_KV);
+  const int q_block_begin = rows.lo / K::BLOCK_Q;
+  const int q_block_end = rows.empty() ? q_block_begin : CeilDiv(rows.hi, K::BLOCK_Q);
+  const int q_blocks = q_block_end - q_block_begin;
+  const Range interior = mask.interior_row_blocks(K::BLOCK_Q, s0, K::BLOCK_KV, q_block_begin, q_block_end);
+  // Work items: (query block, query head of the CTA's heads), the head fastest, so that the
+  // items of the interior blocks are one run (one loop, not one per head).
+  const int items = heads * q_blocks;
+
+  float dk[K::DK_COLS / MMA_N][4];  // (MMA_M rows, MMA_N cols, 4 regs): the warp's 16 keys x DK_COLS
+  float dv[K::DV_COLS / MMA_N][4];  // ... x DV_COLS
+  clear(dk);
+  clear(dv);
+
+  if (items > 0) {
+    char* const k_tile = smem;
+    char* const v_tile = smem + K::KVTile::kBytes;
+    char* const ds_tile = v_tile + K::VTile::kBytes;
+    char* const ring = smem + K::kRingOffset;
+    // An item's query head and first row, advanced item by item (no division per item).
+    struct Cursor {
+      int head, t0;
+    };
+    const int head_end = first_head + heads;
+    auto advance = [&](Cursor& c) {
+      if (++c.head == head_end) {
+        c.head = first_head;
+        c.t0 += K::BLOCK_Q;
+      }
+    };
+    // Q and dO of an item, each copy one 32-bit step from the last (PlainBackwardRefusal:
+    // N·max(H, Hv) < 2^23), nothing per copy held across the loop.
+    auto load_item = [&](const Cursor& c, int slot) {
+      char* stage = ring + slot * K::kStageBytes;
+      load_tile_stepped_async<typename K::QTile, K::THREADS>(stage, p.q + p.q_offset(batch, c.t0, c.head),
+                                                             p.q_row_stride(), p.q_len - c.t0);
+      load_tile_stepped_async<typename K::DoTile, K::THREADS>(stage + K::QTile::kBytes,
+                                                              p.dout + p.o_offset<K::kHvIsH>(batch, c.t0, c.head),
+                                                              p.o_row_stride<K::kHvIsH>(), p.q_len - c.t0);
+      float* lse2 = reinterpret_cast<float*>(stage + K::QTile::kBytes + K::DoTile::kBytes);
+      load_statistics<K>(lse2, lse2 + K::BLOCK_Q, p, batch, c.head, c.t0);
+    };
+
+    // Prologue: K and V with the first query block, then the rest of the ring.
+    load_tile_async<typename K::KVTile, K::THREADS>(k_tile, p.k + p.kv_offset(batch, s0, kv_head), p.kv_row_stride(),
+                                                    p.kv_len - s0);
+    load_tile_async<typename K::VTile, K::THREADS>(v_tile, p.v + p.v_offset<K::kHvIsH>(batch, s0, kv_head),
+                                                   p.v_row_stride<K::kHvIsH>(), p.kv_len - s0);
+    // Two stages: the next item's tiles are copied while this one's are used.
+    static_assert(K::STAGES == 2, "the plain backward's ring holds this item and the next");
+    Cursor here{first_head, q_block_begin * K::BLOCK_Q};
+    load_item(here, 0);
+    ptx::cp_async_commit_group();
+
+    // One item: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, the logits (masked where MASKED), P and dS,
+    // dV += Pᵀ·dO and dK += dSᵀ·Q, then dQ += dS·K through shared memory.
+    auto step = [&](int item, auto masked) {
+      const int slot = item % 2;
+      ptx::cp_async_wait_group<0>();
+      __syncthreads();  // this item's tiles landed; the slot and dSᵀ tile reused next are free
+      if (item + 1 < items) {
+        Cursor next = here;
+        advance(next);
+        load_item(next, 1 - slot);
+      }
+      ptx::cp_async_commit_group();
+      count_tile(TilePass::kBackward);
+      count_tile(TilePass::kBackwardPlain);
+      if constexpr (decltype(masked)::value) count_tile(TilePass::kBackwardPlainMasked);
+      const char* q_tile = ring + slot * K::kStageBytes;
+      const char* do_tile = q_tile + K::QTile::kBytes;
+      const float* lse2 = reinterpret_cast<const float*>(do_tile + K::DoTile::kBytes);
+      const float* delta = lse2 + K::BLOCK_Q;
+      // The fragments' lane offsets taken per item (ptx::mov_b32_volatile): each of their chunks
+      // is then one XOR away, instead of more registers held across the loop.
+      const int lane_now = ptx::mov_b32_volatile(lane);
+
+      // Pᵀ first, then dPᵀ: the two products' fragments are not in flight at once.
+      float s[K::BLOCK_Q / MMA_N][4];  // (MMA_M rows = keys, MMA_N cols = queries, 4 regs): Sᵀ, then Pᵀ
+      clear(s);
+      mma_a_smem_b_rows<Elem, typename K::KVTile, typename K::QTile, HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N,
+                        HEAD_DIM / MMA_K>(s, k_tile, key_row0, q_tile, 0, lane_now);
+      scale_scores(s, p.scale);
+#ifdef JAX_FLASH_PLANT_SCORE_TEST
+      // Never in a build: tests/tooling/test_cuda_static.py plants a per-score test here to
+      // see the key loop's static budget (build/check_static.py) fail.
+      plant_score_test(s);
+#endif
+      if constexpr (decltype(masked)::value) mask_fragment_band_transposed(s, mask, s0 + key_row0, here.t0, lane_now);
+      plain_probabilities(s, lse2, lane);
+      float dp[K::BLOCK_Q / MMA_N][4];  // dPᵀ, then dSᵀ
+      clear(dp);
+      mma_a_smem_b_rows<Elem, typename K::VTile, typename K::DoTile, V_HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N,
+                        V_HEAD_DIM / MMA_K>(dp, v_tile, key_row0, do_tile, 0, lane_now);
+      plain_ds(dp, s, delta, lane);
+
+      // dV += Pᵀ·dO and dK += dSᵀ·Q (the warp's columns), A operands straight from the
+      // accumulators.
+      JAX_FLASH_UNROLL
+      for (int kk = 0; kk < K::BLOCK_Q / MMA_K; ++kk) {
+        uint32_t a[4];
+        accumulator_as_a<Elem>(a, s, kk);
+        mma_a_regs_b_trans<Elem, typename K::DoTile>(dv, a, do_tile, kk * MMA_K, dv_col0 / 8, lane_now);
+        accumulator_as_a<Elem>(a, dp, kk);
+        mma_a_regs_b_trans<Elem, typename K::QTile>(dk, a, q_tile, kk * MMA_K, dk_col0 / 8, lane_now);
+      }
+      store_ds<Elem, K>(ds_tile, dp, key_row0, split, lane);
+      __syncthreads();  // dSᵀ of every warp is in shared memory
+      accumulate_dq<Elem, HEAD_DIM, K>(p, ds_tile, k_tile, batch, here.head, here.t0, warp, lane_now);
+      advance(here);
+    };
+    using Masked = std::true_type;
+    using Interior = std::false_type;
+    // The items of the masked blocks before the interior ones, of the interior ones, of the
+    // masked ones after.
+    const int interior_first = (interior.lo - q_block_begin) * heads;
+    const int interior_end = (interior.hi - q_block_begin) * heads;
+    int item = 0;
+    for (; item < interior_first; ++item) step(item, Masked{});
+    for (; item < interior_end; ++item) step(item, Interior{});
+    for (; item < items; ++item) step(item, Masked{});
+    ptx::cp_async_wait_group<0>();
+  }
+
+  // The results' rows from the grid and thread index read again (held across the loops, they
+  // spill; so would the grid's block count).
+  const GridIndex again = K::grid(p).index_again();
+  const int warp_again = ptx::tid_x_again() / WARP_SIZE, cols = warp_again % K::COL_SPLITS;
+  const int keys0 = again.block * K::BLOCK_KV + (warp_again / K::COL_SPLITS) * K::WARP_KV;
+  if (p.dkv_per_query_head()) {
+    store_dk_dv_accum<K>(p, dk, dv, again.batch, again.head, keys0, cols * K::DK_COLS, cols * K::DV_COLS, lane);
+  } else {
+    store_dk_dv<Elem, K>(p, dk, dv, again.batch, again.head, keys0, cols * K::DK_COLS, cols * K::DV_COLS, lane);
   }
 }
 
@@ -708,9 +931,26 @@ LaunchError LaunchBackward(const AttentionParams& p_in, bool deterministic, Stre
   err = Launch("attention_backward_delta_kernel", attention_backward_delta_kernel<Elem, V_HEAD_DIM>, delta_grid,
                dim3(D::THREADS), 0, stream, p);
   if (!err.empty()) return err;
-  err = Launch("attention_backward_kernel", attention_backward_kernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYOUT>, main_grid,
-               dim3(K::THREADS), K::kSmemBytes, stream, p);
-  if (!err.empty()) return err;
+  // The main kernel: with p.plain (the handler checked PlainBackwardRefusal) the plain kernel,
+  // alone, or in a routed call beside the general one (each reads the route and returns unless
+  // it is its own); else the general kernel.
+  if (!p.plain || p.route != nullptr) {
+    AttentionParams general = p;
+    general.plain = false;
+    general.plain_beside = p.plain;
+    err = Launch("attention_backward_kernel", attention_backward_kernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYOUT>,
+                 main_grid, dim3(K::THREADS), K::kSmemBytes, stream, general);
+    if (!err.empty()) return err;
+  }
+  if (p.plain) {
+    if constexpr (LAYOUT == Layout::kWarp16) {
+      err = Launch("attention_backward_plain_kernel", attention_backward_plain_kernel<Elem, HEAD_DIM, V_HEAD_DIM>,
+                   main_grid, dim3(K::THREADS), K::kSmemBytes, stream, p);
+      if (!err.empty()) return err;
+    } else {
+      return "the plain backward runs in the warp16 instantiation (kernels/dispatch.h)";
+    }
+  }
   if (p.dkv_per_query_head()) {
     err = Launch("attention_backward_reduce_dkv_kernel", attention_backward_reduce_dkv_kernel<Elem>, reduce_grid,
                  dim3(kConvertThreads), 0, stream, p, dk_chunks, dkv_chunks);

@@ -87,8 +87,12 @@ LaunchError ForwardFor(Layout layout, const AttentionParams& p, Stream stream) {
   return LaunchForward<Elem, HEAD_DIM, V_HEAD_DIM, Layout::kWarp16, ForwardVariant::kGeneral>(p, stream);
 }
 
+// The backward: a routed call with the plain kernel (AttentionParams::plain) runs the kWarp16
+// instantiation, which holds the plain kernel (its tiles are that layout's) and launches the
+// general kernel beside it; every other call the layout's.
 template <class Elem, int HEAD_DIM, int V_HEAD_DIM = HEAD_DIM>
 LaunchError BackwardFor(Layout layout, const AttentionParams& p, bool deterministic, Stream stream) {
+  if (p.plain) return LaunchBackward<Elem, HEAD_DIM, V_HEAD_DIM, Layout::kWarp16>(p, deterministic, stream);
   if constexpr (HasOwnShape(Pass::kBackward, HEAD_DIM, V_HEAD_DIM, Layout::kWarp32)) {
     if (layout == Layout::kWarp32)
       return LaunchBackward<Elem, HEAD_DIM, V_HEAD_DIM, Layout::kWarp32>(p, deterministic, stream);
@@ -117,6 +121,26 @@ inline const char* PlainForwardRefusal(const AttentionParams& p) {
   if (p.pack_gqa) return "GQA packing";
   if (int64_t{p.kv_heads} * (p.head_dim > p.v_head_dim ? p.head_dim : p.v_head_dim) >= (int64_t{1} << 23))
     return "K·max(H, Hv) >= 2^23";
+  return nullptr;
+}
+
+// What keeps a backward call from the plain kernel (kernels/bwd.h), or null: it serves none of
+// the per-score features (soft cap, segment ids, dropout, dense bias or mask, block mask;
+// lengths, windows, query offsets, sinks, GQA and both grids it serves), and it adds dQ with
+// atomics (deterministic mode's dQ kernel is the general one), and its copies address a query
+// block's rows in 32 bits (N·max(H, Hv) below 2^23). Every scale: its arithmetic is the general
+// kernel's. jax_flash/cuda.py decides with the same rule
+// (_heuristics.cuda_plain_backward_blocker); the handlers refuse a plain_kernel call it breaks.
+inline const char* PlainBackwardRefusal(const AttentionParams& p, bool deterministic) {
+  if (deterministic) return "deterministic mode";
+  if (p.softcap != 0.0f) return "a soft cap";
+  if (p.use_segment_ids) return "segment ids";
+  if (p.dropout_rate != 0.0f) return "dropout";
+  if (p.bias.data != nullptr) return "a dense bias";
+  if (p.mask.data != nullptr) return "a dense mask";
+  if (p.blocks.states != nullptr) return "a block mask";
+  if (int64_t{p.q_heads} * (p.head_dim > p.v_head_dim ? p.head_dim : p.v_head_dim) >= (int64_t{1} << 23))
+    return "N·max(H, Hv) >= 2^23";
   return nullptr;
 }
 

@@ -55,17 +55,19 @@ auto PagedForwardSignature(Binding&& binding) {
   return ForwardSignature(std::move(binding).template Arg<ffi::AnyBuffer>());  // page_table [B, max_pages] s32
 }
 
-// jax_flash_bwd / jax_flash_emu_bwd: the boundary's backward, then the workspaces, dbias and
-// the layout.
+// jax_flash_bwd / jax_flash_emu_bwd: the boundary's backward, then the route, the workspaces,
+// dbias, the layout and the plain kernel.
 template <class Binding>
 auto BackwardSignature(Binding&& binding) {
   return boundary::BindBackward(std::move(binding))
+      .template Arg<ffi::AnyBuffer>()  // route: [0] s32 (not routed) or [1] s32 (AttentionParams::route)
       .template Ret<ffi::AnyBuffer>()  // dk_accum [B, S, N, H] f32 workspace (q_heads grid), or [0] f32
       .template Ret<ffi::AnyBuffer>()  // dv_accum [B, S, N, Hv] f32 (q_heads grid), or [0] f32
       .template Ret<ffi::AnyBuffer>()  // dbias_accum [B, N, Tb, S] f32 workspace (deterministic, a bias broadcast over
                                        // B, N or S), or [0] f32
       .template Ret<ffi::AnyBuffer>()  // dbias: the bias operand's shape f32, or [0] f32: no bias
-      .template Attr<std::string_view>("layout");
+      .template Attr<std::string_view>("layout")
+      .template Attr<bool>("plain_kernel");  // the plain backward kernel (kernels/bwd.h, params.h)
 }
 
 // ---- validation -----------------------------------------------------------------------------
@@ -257,6 +259,17 @@ inline void CheckRoute(Checker& check, const ffi::AnyBuffer& route, AttentionPar
   p->route = static_cast<const int32_t*>(route.untyped_data());
 }
 
+// The backward's route operand: [0] s32, no route (plain_kernel alone picks the kernel), or
+// [1] s32, a routed call: the general main kernel is launched and, with plain_kernel, the plain
+// one beside it, each running where the route says (kRoutePlain: the plain kernel).
+inline void CheckBackwardRoute(Checker& check, const ffi::AnyBuffer& route, AttentionParams* p) {
+  if (!check.ok()) return;
+  auto dims = route.dimensions();
+  if (route.element_type() != ffi::DataType::S32 || dims.size() != 1 || dims[0] > 1)
+    return check.Fail("route must be [0] s32 (no route) or [1] s32, got " + Describe(route));
+  if (dims[0] == 1) p->route = static_cast<const int32_t*>(route.untyped_data());
+}
+
 // The layout attribute (kernels/dispatch.h).
 inline void CheckLayout(Checker& check, std::string_view name, Layout* layout) {
   if (!check.ok()) return;
@@ -308,10 +321,10 @@ inline ffi::Error Forward(const char* target, Stream stream, const boundary::For
   return ToError(target, DispatchForward(dtype, layout, p, stream));
 }
 
-inline ffi::Error Backward(const char* target, Stream stream, const boundary::BackwardCall& call,
+inline ffi::Error Backward(const char* target, Stream stream, const boundary::BackwardCall& call, ffi::AnyBuffer route,
                            ffi::Result<ffi::AnyBuffer> dk_accum, ffi::Result<ffi::AnyBuffer> dv_accum,
                            ffi::Result<ffi::AnyBuffer> dbias_accum, ffi::Result<ffi::AnyBuffer> dbias,
-                           std::string_view layout_name) {
+                           std::string_view layout_name, bool plain_kernel) {
   Checker check(target);
   boundary::Problem described;
   boundary::DescribeBackward(check, CudaLimits(), call, &described);
@@ -342,6 +355,12 @@ inline ffi::Error Backward(const char* target, Stream stream, const boundary::Ba
   boundary::CheckDbias(check, *dbias, described);
   Layout layout = Layout::kWarp16;
   CheckLayout(check, layout_name, &layout);
+  CheckBackwardRoute(check, route, &p);
+  if (check.ok() && plain_kernel) {
+    if (const char* why = PlainBackwardRefusal(p, call.deterministic))
+      check.Fail(std::string("plain_kernel=true needs a backward without per-score features; this one has ") + why);
+    p.plain = true;
+  }
   if (!check.ok()) return check.error();
   p.out = static_cast<uint16_t*>(const_cast<void*>(described.out));
   p.dout = static_cast<const uint16_t*>(described.dout);

@@ -78,6 +78,20 @@ struct Mask {
     return segments_allow_all && t_last < q_valid && key_lo(t_last) <= s0 && key_hi(t0) >= s0 + cols;
   }
 
+  // The blocks of block_q query rows (block qb: rows qb·block_q..) that are interior to the keys
+  // [s0, s0 + cols) without segment ids (is_interior of each holds): one interval of blocks,
+  // since a block's last row must see back to s0 (key_lo non-decreasing: an upper bound), its
+  // rows must be valid (another), and its first row must see up to s0 + cols (key_hi
+  // non-decreasing: a lower bound). Clipped to [lo, hi); empty (hi, hi) when none.
+  __device__ __forceinline__ Range interior_row_blocks(int block_q, int s0, int cols, int lo, int hi) const {
+    if (kv_valid < s0 + cols) return {hi, hi};
+    const int first = CeilDiv(max(0, s0 + cols - 1 - band_hi), block_q);  // t0 + band_hi + 1 >= s0 + cols
+    const int sees_back = s0 - band_lo + 1;                                  // t0 + block_q - 1 + band_lo <= s0
+    const int last = min(q_valid / block_q, sees_back <= 0 ? 0 : sees_back / block_q);  // exclusive
+    const int begin = min(max(lo, first), hi);
+    return {begin, max(begin, min(hi, last))};
+  }
+
   __device__ __forceinline__ bool visible(int t, int s) const {
     if (t >= q_valid || s >= kv_valid) return false;
     if (s - t < band_lo || s - t > band_hi) return false;
@@ -150,6 +164,30 @@ __device__ __forceinline__ void mask_fragment_band(float (&acc)[N_BLOCKS][4], co
     const int lo = mask.key_lo(t), hi = mask.key_hi(t);
     const unsigned width = t < mask.q_valid && hi > lo ? static_cast<unsigned>(hi - lo) : 0u;
     const int c0 = col0 + 2 * (lane & 3) - lo;  // s - key_lo(t) of the row's first element
+    JAX_FLASH_UNROLL
+    for (int j = 0; j < N_BLOCKS; ++j) {
+      JAX_FLASH_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        if (static_cast<unsigned>(c0 + 8 * j + e) >= width) acc[j][2 * r + e] = -INFINITY;
+      }
+    }
+  }
+}
+
+// The same for the backward's transposed tiles (rows = keys row0.., columns = queries col0..;
+// the plain backward, no segment ids), row by row: key s is seen by the queries
+// t in [s − band_hi, s − band_lo] below q_valid when s < kv_valid, by none otherwise, so an
+// element is visible iff t − (s − band_hi), as unsigned, is below that interval's width: one
+// compare per element, two intervals per thread.
+template <int N_BLOCKS>
+__device__ __forceinline__ void mask_fragment_band_transposed(float (&acc)[N_BLOCKS][4], const Mask& mask, int row0,
+                                                              int col0, int lane) {
+  JAX_FLASH_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const int s = row0 + (lane >> 2) + 8 * r;
+    const int lo = s - mask.band_hi, last = min(mask.q_valid - 1, s - mask.band_lo);
+    const unsigned width = s < mask.kv_valid && last >= lo ? static_cast<unsigned>(last - lo + 1) : 0u;
+    const int c0 = col0 + 2 * (lane & 3) - lo;  // t − lo of the row's first element
     JAX_FLASH_UNROLL
     for (int j = 0; j < N_BLOCKS; ++j) {
       JAX_FLASH_UNROLL

@@ -256,6 +256,21 @@ struct OnlineSoftmax {
   }
 };
 
+// A compare and select per score, planted in a key loop only by the static budget's own test
+// (tests/tooling/test_cuda_static.py defines JAX_FLASH_PLANT_SCORE_TEST; never in a build): the
+// loop's budget (build/check_static.py) must fail with it.
+#ifdef JAX_FLASH_PLANT_SCORE_TEST
+template <int N_BLOCKS>
+__device__ __forceinline__ void plant_score_test(float (&acc)[N_BLOCKS][4]) {
+  const float planted = __int_as_float(ptx::mov_b32_volatile(0x7f7fffff));
+  JAX_FLASH_UNROLL
+  for (int j = 0; j < N_BLOCKS; ++j) {
+    JAX_FLASH_UNROLL
+    for (int i = 0; i < 4; ++i) acc[j][i] = acc[j][i] == planted ? 0.0f : acc[j][i];
+  }
+}
+#endif
+
 // The offset the backward subtracts from x to recompute p = exp2((x − lse_off)·exp_scale):
 // the forward's lse, and +inf for rows that saw nothing (lse = −inf), so that p = 0. A NaN
 // lse (a poisoned row) stays NaN.

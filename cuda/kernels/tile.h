@@ -265,6 +265,103 @@ __device__ __forceinline__ void load_tile_async(char* tile, const uint16_t* gmem
   load_tile_rows_async<Tile, THREADS>(tile, gmem, row_stride, rows_valid, [](int row) { return row; });
 }
 
+// One thread's share of the cp.async copies of consecutive tiles of one array, held as a
+// running source pointer: with THREADS a multiple of 8 rows' worth of chunks, copy i of a
+// thread moves the same chunk of row row0 + i·kRowStep, whose swizzle is row0's (it repeats
+// every 8 rows), so each copy is one immediate shared offset and one 32-bit step away from the
+// last, and the next tile one 32-bit step away from this one. Held across the key loop: the
+// pointer, the two steps and a shared offset, nothing per copy. Where the tile's chunks do not
+// divide the threads (H = 96, 192), the general per-copy addressing (load_tile_async) from the
+// tile's first row.
+template <class Tile, int THREADS>
+struct TileCopier {
+  static constexpr bool kRegular = THREADS % Tile::kChunks == 0 && (THREADS / Tile::kChunks) % 8 == 0 &&
+                                   (Tile::kRows * Tile::kChunks) % THREADS == 0;
+  static constexpr int kRowStep = kRegular ? THREADS / Tile::kChunks : 1;
+  static constexpr int kCopies = Tile::kRows * Tile::kChunks / THREADS;
+  const char* src;     // the thread's first copy of the next tile (irregular: the tile's first row)
+  uint32_t step;       // bytes from one copy's source to the next (irregular: a row, in elements)
+  uint32_t tile_step;  // bytes from one tile's first row to the next's
+  int smem;            // byte offset of the thread's first copy in the tile
+  int row0;            // the tile row of its first copy
+
+  // Thread `t`'s copies of the tiles from `first_row` on; row_stride · Tile::kRows · 2 < 2^32
+  // (PlainForwardRefusal): the steps fit 32 bits.
+  __device__ __forceinline__ static TileCopier of(const uint16_t* first_row, int64_t row_stride, int t) {
+    TileCopier c;
+    const uint32_t stride = static_cast<uint32_t>(row_stride);
+    c.tile_step = Tile::kRows * stride * 2u;
+    if constexpr (kRegular) {
+      c.row0 = t / Tile::kChunks;
+      c.smem = Tile::chunk_offset(c.row0, t % Tile::kChunks);
+      c.src = reinterpret_cast<const char*>(first_row + (c.row0 * stride + (t % Tile::kChunks) * 8));
+      c.step = kRowStep * stride * 2u;
+    } else {
+      c.row0 = 0;
+      c.smem = 0;
+      c.src = reinterpret_cast<const char*>(first_row);
+      c.step = stride;
+    }
+    return c;
+  }
+
+  // The next tile, every row inside the array: the hot loop's copies, with nothing to test.
+  __device__ __forceinline__ void copy_full(char* tile) {
+    if constexpr (kRegular) {
+      const char* from = src;
+      JAX_FLASH_UNROLL
+      for (int i = 0; i < kCopies; ++i, from += step)
+        ptx::cp_async_16(tile + smem + i * kRowStep * Tile::kRowBytes, from, 16);
+    } else {
+      load_tile_async<Tile, THREADS>(tile, reinterpret_cast<const uint16_t*>(src), step, Tile::kRows);
+    }
+    src += tile_step;
+  }
+
+  // The same where rows >= rows_valid may lie past the array's end (the last key tile): those
+  // are zero-filled, never read (their source is the tile's first copy, inside the array).
+  __device__ __forceinline__ void copy_checked(char* tile, int rows_valid) {
+    if constexpr (kRegular) {
+      const char* from = src;
+      JAX_FLASH_UNROLL
+      for (int i = 0; i < kCopies; ++i, from += step) {
+        const bool inside = row0 + i * kRowStep < rows_valid;
+        ptx::cp_async_16(tile + smem + i * kRowStep * Tile::kRowBytes, inside ? from : src, inside ? 16 : 0);
+      }
+    } else {
+      load_tile_async<Tile, THREADS>(tile, reinterpret_cast<const uint16_t*>(src), step, rows_valid);
+    }
+    src += tile_step;
+  }
+};
+
+// One tile's copies from a thread's share recomputed per call (no state held across a loop):
+// a regular tile (TileCopier::kRegular) takes the thread's row, chunk and swizzle from its index
+// and each next copy one 32-bit step from the last (row_stride · Tile::kRows · 2 < 2^32); others
+// load_tile_async's per-copy addressing. Rows >= rows_valid are zero-filled, their source the
+// tile's first row (inside the array).
+template <class Tile, int THREADS>
+__device__ __forceinline__ void load_tile_stepped_async(char* tile, const uint16_t* first_row, int64_t row_stride,
+                                                        int rows_valid) {
+  using C = TileCopier<Tile, THREADS>;
+  if constexpr (C::kRegular) {
+    const int t = static_cast<int>(threadIdx.x);
+    const int row0 = t / Tile::kChunks, chunk = t % Tile::kChunks;
+    const uint32_t stride = static_cast<uint32_t>(row_stride);
+    const char* const base = reinterpret_cast<const char*>(first_row);
+    const char* from = base + 2u * (static_cast<uint32_t>(row0) * stride + static_cast<uint32_t>(chunk) * 8u);
+    char* const to = tile + Tile::chunk_offset(row0, chunk);
+    const int rows_left = rows_valid - row0;  // copy i is inside while i·kRowStep < rows_left
+    JAX_FLASH_UNROLL
+    for (int i = 0; i < C::kCopies; ++i, from += C::kRowStep * stride * 2u) {
+      const bool inside = i * C::kRowStep < rows_left;
+      ptx::cp_async_16(to + i * C::kRowStep * Tile::kRowBytes, inside ? from : base, inside ? 16 : 0);
+    }
+  } else {
+    load_tile_async<Tile, THREADS>(tile, first_row, row_stride, rows_valid);
+  }
+}
+
 // ldmatrix addressing of the fragments (PTX ISA §9.7.14.5.8 layouts, §9.7.14.5.15 ldmatrix):
 // the lane's row pointer for an x4 load of the 16x16 block at (row0, chunk0 = col0 / 8), with
 // row0 % 8 == 0 and chunk0 even. Lane l addresses row row0 + r(l), chunk chunk0 + c(l), c in
