@@ -127,6 +127,39 @@ KEY_LOOP_BUDGETS = {
     )
     for (h, hv), measured in _MEASURED_PER_HMMA.items()
 }
+# The plain backward's key loop (kernels/bwd.h attention_backward_plain_kernel: one step is one
+# query block of the CTA's 64 keys, or 32 at H = 192): the figures measured with nvcc 13.0
+# (2026-12-07, f16 and bf16 alike), the budget 0.1 above them, and at most the target of 4.5
+# per HMMA (cuda/README.md, "The plain backward") where that is lower. Its loop holds per-step
+# branches only (the next block's copy, the statistics' rows, the dQ atomics' row guards): 11 of
+# them, whatever the head dim. LDSM per HMMA follows from the tile (smem B per MMA / 512).
+_MEASURED_BWD_PER_HMMA = {  # (H, Hv): ({arch: instructions per HMMA}, LDSM per HMMA)
+    (32, 32): ({80: 7.29, 90: 7.33, 100: 7.26, 120: 7.49}, 0.600),
+    (64, 64): ({80: 4.66, 90: 4.64, 100: 4.63, 120: 4.92}, 0.575),
+    (96, 96): ({80: 4.55, 90: 4.59, 100: 4.53, 120: 4.84}, 0.633),
+    (128, 128): ({80: 3.92, 90: 3.92, 100: 3.88, 120: 4.21}, 0.625),
+    (128, 64): ({80: 4.62, 90: 4.66, 100: 4.62, 120: 4.96}, 0.625),
+    (192, 192): ({80: 5.33, 90: 5.30, 100: 5.30, 120: 5.79}, 0.810),
+    (192, 128): ({80: 6.33, 90: 6.38, 100: 6.46, 120: 6.97}, 0.806),
+    (256, 256): ({80: 4.21, 90: 4.26, 100: 4.22, 120: 4.56}, 0.821),
+}
+_BWD_TARGET_PER_HMMA = {(128, 128): {80: 4.5, 90: 4.5, 120: 4.5}}
+KEY_LOOP_BUDGETS.update(
+    {
+        ("attention_backward_plain_kernel", h, hv): dict(
+            per_hmma={
+                arch: min(round(x + 0.1, 2), _BWD_TARGET_PER_HMMA.get((h, hv), {}).get(arch, 99.0))
+                for arch, x in measured.items()
+            },
+            ldsm_per_hmma=round(ldsm + 0.005, 3),
+            branches=11,
+            # Two CTAs per SM where the 64-key tiles' registers and shared memory allow it
+            # (sm_80 / sm_90 / sm_100 below H = 256).
+            ctas={80: 2, 90: 2, 100: 2} if h < 256 else {},
+        )
+        for (h, hv), (measured, ldsm) in _MEASURED_BWD_PER_HMMA.items()
+    }
+)
 
 
 def smem_bytes_per_mma(kind: str, t: dict) -> float:

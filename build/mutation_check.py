@@ -61,6 +61,7 @@ TEST_FILES = (
     "tests/features/test_dense_bias.py",
     "tests/features/test_flex.py",
     "tests/internals/test_cuda_plain.py",
+    "tests/internals/test_cuda_plain_backward.py",
     "tests/internals/test_cuda_decode_tile.py",
     "tests/internals/test_pallas_plain.py",
     "tests/internals/test_pallas_mosaic.py",
@@ -69,7 +70,11 @@ TEST_FILES = (
 
 # Test selections (implementation "cuda" runs on the emulation here).
 FWD = "cuda and test_forward_backward"
-BWD = "cuda and (test_forward_backward or test_backward) and not deterministic"
+# The suite's calls without a per-score feature run the plain backward kernel (kernels/bwd.h):
+# the general one's own code is held to the plain one's bits as well
+# (test_plain_backward_agrees_with_general, every mask kind, both grids, H up to 256).
+AGREES = "plain_backward_agrees"
+BWD = f"(cuda and (test_forward_backward or test_backward) and not deterministic) or {AGREES}"
 NONFINITE = "cuda and nonfinite"
 DET = "cuda and test_backward_deterministic"
 DECODE = "test_cuda_split_kv_and_gqa_packing"
@@ -81,20 +86,20 @@ EDGES = "cuda and (tile_plus or tile_minus)"
 # The dense bias and mask on cuda: every dbias write (test_dense.py) and the shared cases.
 DENSE = "(test_dense and not test_dense_bias) or (test_dense_bias and cuda)"
 # The backward at H = 192 and 256 (two warps per 16 keys, each with half the columns).
-BIG_H = "cuda and test_forward_backward and (small_h192 or small_h256)"
+BIG_H = f"(cuda and test_forward_backward and (small_h192 or small_h256)) or {AGREES}"
 # The kWarp32 layout (JAX_FLASH_CUDA_LAYOUT=warp32, set by these tests themselves).
 # (Every case of the shared suite checks its forward and its backward in one test.)
 FWD32 = BWD32 = "cuda and test_forward_backward_warp32"
 # The backward's grids: GQA/MQA cases, which JAX_FLASH_CUDA_BWD_GRID=auto runs on the q_heads
 # grid at these sizes, and the tests that set the kv_heads grid.
 BWD_GQA = (
-    "cuda and test_forward_backward and (small_mqa or small_gqa or tile_plus) and not deterministic "
-    "and not warp32 and not kv_heads"
+    "(cuda and test_forward_backward and (small_mqa or small_gqa or tile_plus) and not deterministic "
+    f"and not warp32 and not kv_heads) or {AGREES}"
 )
-KV_GRID = "cuda and kv_heads_grid"
+KV_GRID = f"(cuda and kv_heads_grid) or {AGREES}"
 # The value head dim Hv != H ((192, 128), (128, 64)): the suite's MLA case and the cuda tests of
 # both backward grids and deterministic mode.
-HV = "cuda and (small_mla or value_head_dim_cuda) and not sweep"
+HV = f"(cuda and (small_mla or value_head_dim_cuda) and not sweep) or {AGREES}"
 # flex_attention's block masks on cuda (kernels/block_mask.h): the built-in masks as mask_mods
 # (bitwise), the recipes against float64, the contract, capacity overflow, the tile counts.
 FLEX = (
@@ -111,6 +116,10 @@ ROUTE = "test_routed_call or test_calls_route or (cuda and nonfinite)"
 # The decoding tile (kernels/tile.h DecodeForwardShape) and the split rule: its own tests (bitwise
 # against the 128-row tile at H <= 64, tile counts, routing), the decode cases and the rule.
 DECODE_TILE = "test_cuda_decode_tile or test_cuda_split_kv"
+# The plain backward (kernels/bwd.h): its own tests (bitwise against the general kernel, the
+# masked and interior query blocks counted, routing, extreme scales) and the shared suite's
+# backward cases, which run it.
+PLAIN_BWD = "test_cuda_plain_backward or (cuda and (test_forward_backward or test_backward) and not deterministic)"
 
 # The pallas plain kernels (jax_flash/pallas/_triton_kernels.py, interpreted): their own tests (agreement
 # with the general kernels, routing), the shared suite's pallas cases that hold a poison or a
@@ -544,6 +553,8 @@ MUTATIONS = [
         "__syncthreads();  // dSᵀ of every warp is in shared memory",
         "// (barrier removed)",
         BWD,
+        count=2,
+        nth=1,
         what="backward: dQ ldmatrix of dSᵀ before every warp stored it",
     ),
     Mutation(
@@ -557,25 +568,25 @@ MUTATIONS = [
     Mutation(
         "dq_atomic",
         K + "bwd.h",
-        "ptx::red_global_add_v2_f32(row + col, dq[j][2 * r], dq[j][2 * r + 1]);",
-        "ptx::st_global_f32(row + col, ptx::ld_global_f32(row + col) + dq[j][2 * r]); "
-        "ptx::red_global_add_f32(row + col + 1, dq[j][2 * r + 1]);",
+        "ptx::red_global_add_v2_f32(row + 8 * j, dq[j][2 * r], dq[j][2 * r + 1]);",
+        "ptx::st_global_f32(row + 8 * j, ptx::ld_global_f32(row + 8 * j) + dq[j][2 * r]); "
+        "ptx::red_global_add_f32(row + 8 * j + 1, dq[j][2 * r + 1]);",
         BWD,
         what="dQ accumulated with a plain read-modify-write instead of an atomic",
     ),
     Mutation(
         "dq_red_v2_halves",
         K + "bwd.h",
-        "ptx::red_global_add_v2_f32(row + col, dq[j][2 * r], dq[j][2 * r + 1]);",
-        "ptx::red_global_add_v2_f32(row + col, dq[j][2 * r + 1], dq[j][2 * r]);",
+        "ptx::red_global_add_v2_f32(row + 8 * j, dq[j][2 * r], dq[j][2 * r + 1]);",
+        "ptx::red_global_add_v2_f32(row + 8 * j, dq[j][2 * r + 1], dq[j][2 * r]);",
         BWD,
         what="vector red of dQ: the two columns of the pair swapped",
     ),
     Mutation(
         "dq_red_v2_misaligned",
         K + "bwd.h",
-        "ptx::red_global_add_v2_f32(row + col, dq[j][2 * r], dq[j][2 * r + 1]);",
-        "ptx::red_global_add_v2_f32(row + col + 1, dq[j][2 * r], dq[j][2 * r + 1]);",
+        "ptx::red_global_add_v2_f32(row + 8 * j, dq[j][2 * r], dq[j][2 * r + 1]);",
+        "ptx::red_global_add_v2_f32(row + 8 * j + 1, dq[j][2 * r], dq[j][2 * r + 1]);",
         BWD,
         what="vector red of dQ one column off (an odd, 4-byte aligned address)",
     ),
@@ -619,6 +630,8 @@ MUTATIONS = [
         "const int dk_col0 = split * K::DK_COLS, dv_col0 = split * K::DV_COLS;",
         "const int dk_col0 = 0, dv_col0 = 0;",
         BIG_H,
+        count=2,
+        nth=1,
         what="H >= 192: both warps of a key block accumulate and store the first half of dK, dV's columns",
     ),
     Mutation(
@@ -669,6 +682,8 @@ MUTATIONS = [
         "const int q_block_begin = rows.lo / K::BLOCK_Q;",
         "const int q_block_begin = CeilDiv(rows.lo, K::BLOCK_Q);",
         BWD,
+        count=2,
+        nth=1,
         what="backward tile skipping: the partly visible first query block dropped",
     ),
     Mutation(
@@ -704,6 +719,8 @@ MUTATIONS = [
         "const int first_head = one_head ? at.head : at.head * group;",
         "const int first_head = one_head ? at.head / group * group : at.head * group;",
         BWD_GQA,
+        count=2,
+        nth=1,
         what="q_heads grid: every CTA of a group computes the group's first query head",
     ),
     Mutation(
@@ -748,6 +765,8 @@ MUTATIONS = [
         "const int heads = one_head ? 1 : group;",
         "const int heads = 1;",
         KV_GRID,
+        count=2,
+        nth=1,
         what="kv_heads grid: only the group's first query head added into dK, dV",
     ),
     # ---- the value head dim Hv != H ----------------------------------------------------------
@@ -773,6 +792,8 @@ MUTATIONS = [
         "mma_a_smem_b_rows<Elem, typename K::VTile, typename K::DoTile, V_HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N,",
         "mma_a_smem_b_rows<Elem, typename K::VTile, typename K::DoTile, HEAD_DIM / MMA_K, K::BLOCK_Q / MMA_N,",
         HV,
+        count=2,
+        nth=1,
         what="backward: dPᵀ = V·dOᵀ over H k-steps instead of Hv (reads past V's and dO's rows)",
     ),
     Mutation(
@@ -1272,11 +1293,114 @@ MUTATIONS = [
     ),
     Mutation(
         "plain_tail_guard",
-        K + "fwd.h",
+        K + "tile.h",
         "const bool inside = row0 + i * kRowStep < rows_valid;",
         "const bool inside = row0 + i * kRowStep <= rows_valid;",
         PLAIN,
         what="plain forward: the last key tile's copies read one row past the keys",
+    ),
+    # ---- the plain backward (kernels/bwd.h attention_backward_plain_kernel) --------------------
+    Mutation(
+        "plain_bwd_interior_first",
+        K + "mask.h",
+        "const int first = CeilDiv(max(0, s0 + cols - 1 - band_hi), block_q);",
+        "const int first = CeilDiv(max(0, s0 + cols - 1 - band_hi - block_q), block_q);",
+        PLAIN_BWD,
+        what="plain backward: the last masked block before the interior ones run unpeeled (unmasked)",
+    ),
+    Mutation(
+        "plain_bwd_interior_sees_back",
+        K + "mask.h",
+        "const int sees_back = s0 - band_lo + 1;",
+        "const int sees_back = s0 - band_lo + 1 + block_q;",
+        PLAIN_BWD,
+        what="plain backward: the first masked block after the interior ones (a window's left edge) run unmasked",
+    ),
+    Mutation(
+        "plain_bwd_interior_q_valid",
+        K + "mask.h",
+        "const int last = min(q_valid / block_q, sees_back <= 0 ? 0 : sees_back / block_q);",
+        "const int last = min(CeilDiv(q_valid, block_q), sees_back <= 0 ? 0 : sees_back / block_q);",
+        PLAIN_BWD,
+        what="plain backward: the block holding the last valid query row run unmasked (rows past a length seen)",
+    ),
+    Mutation(
+        "plain_bwd_band_rows",
+        K + "mask.h",
+        "const int s = row0 + (lane >> 2) + 8 * r;",
+        "const int s = row0 + (lane >> 2);",
+        PLAIN_BWD,
+        what="plain backward: the band mask of a key row applied to the row 8 above it too",
+    ),
+    Mutation(
+        "plain_bwd_route_ignored",
+        K + "bwd.h",
+        "if (p.route != nullptr && p.read_route() != kRoutePlain) return;  // a routed call's other kernel runs",
+        "// (the route not read)",
+        PLAIN_BWD,
+        what="plain backward runs whatever the route (beside the general kernel on a poisoned call)",
+    ),
+    Mutation(
+        "general_bwd_route_ignored",
+        K + "bwd.h",
+        "if (p.plain_beside && p.read_route() == kRoutePlain) return;",
+        "// (the route not read)",
+        PLAIN_BWD,
+        what="the general backward runs beside the plain one on a plain route (both add into dQ)",
+    ),
+    Mutation(
+        "plain_bwd_slot_swapped",
+        K + "bwd.h",
+        "load_item(next, 1 - slot);",
+        "load_item(next, slot);",
+        PLAIN_BWD,
+        what="plain backward: the next query block copied into the ring slot in use",
+    ),
+    Mutation(
+        "plain_bwd_stepped_copy",
+        K + "tile.h",
+        "for (int i = 0; i < C::kCopies; ++i, from += C::kRowStep * stride * 2u) {",
+        "for (int i = 0; i < C::kCopies; ++i, from += C::kRowStep * stride) {",
+        PLAIN_BWD,
+        what="plain backward: Q and dO copies a half step apart (rows read twice, others never)",
+    ),
+    Mutation(
+        "plain_bwd_ds_barrier",
+        K + "bwd.h",
+        "__syncthreads();  // dSᵀ of every warp is in shared memory",
+        "// (barrier removed)",
+        PLAIN_BWD,
+        count=2,
+        nth=2,
+        what="plain backward: dQ ldmatrix of dSᵀ before every warp stored it",
+    ),
+    Mutation(
+        "plain_bwd_q_block_begin",
+        K + "bwd.h",
+        "const int q_block_begin = rows.lo / K::BLOCK_Q;",
+        "const int q_block_begin = CeilDiv(rows.lo, K::BLOCK_Q);",
+        PLAIN_BWD,
+        count=2,
+        nth=2,
+        what="plain backward: the partly visible first query block dropped",
+    ),
+    Mutation(
+        "plain_bwd_gqa_heads",
+        K + "bwd.h",
+        "const int heads = one_head ? 1 : group;",
+        "const int heads = 1;",
+        PLAIN_BWD,
+        count=2,
+        nth=2,
+        what="plain backward, kv_heads grid: only the group's first query head added into dK, dV",
+    ),
+    Mutation(
+        "plain_bwd_route_out_unchecked",
+        "jax_flash/cuda.py",
+        "finite = jnp.all(lse < jnp.inf) & jnp.all(jnp.isfinite(out))",
+        "finite = jnp.all(lse < jnp.inf)",
+        PLAIN_BWD,
+        what="backward route: a row that saw a non-finite value (NaN out, finite lse) sent to the plain kernel",
     ),
     Mutation(
         "plain_heaviest_first_off",
@@ -1323,7 +1447,7 @@ MUTATIONS = [
     ),
     Mutation(
         "plain_copy_not_advanced",
-        K + "fwd.h",
+        K + "tile.h",
         "      const char* from = src;\n      JAX_FLASH_UNROLL\n      for (int i = 0; i < kCopies; ++i, from += step)\n        ptx::cp_async_16(tile + smem + i * kRowStep * Tile::kRowBytes, from, 16);\n    } else {\n      load_tile_async<Tile, THREADS>(tile, reinterpret_cast<const uint16_t*>(src), step, Tile::kRows);\n    }\n    src += tile_step;",
         "      const char* from = src;\n      JAX_FLASH_UNROLL\n      for (int i = 0; i < kCopies; ++i, from += step)\n        ptx::cp_async_16(tile + smem + i * kRowStep * Tile::kRowBytes, from, 16);\n    } else {\n      load_tile_async<Tile, THREADS>(tile, reinterpret_cast<const uint16_t*>(src), step, Tile::kRows);\n    }",
         PLAIN,

@@ -397,3 +397,81 @@ def cuda_forward_target(
     )
     out, lse, *_ = jax.ffi.ffi_call(target, shapes)(*operands, **attributes)
     return out, lse
+
+
+def cuda_backward_target(
+    target,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dout,
+    *,
+    dlse=None,
+    layout="warp16",
+    plain_kernel=False,
+    route=None,
+    q_heads_grid=False,
+    q_lengths=None,
+    kv_lengths=None,
+    q_offset=None,
+    window=(-1, -1),
+    scale=0.125,
+):
+    """A direct call of a CUDA backward FFI target (`jax_flash_bwd` or the emulated
+    `jax_flash_emu_bwd`; cuda/README.md) on the forward's out and lse: every mask operand at its
+    "none" value unless given, dlse 0 unless given, results poisoned before the kernels run;
+    `route` (kernels/params.h, Route): a routed call's route, None for none; `q_heads_grid`:
+    the main kernel's grid (the dk_accum / dv_accum workspaces). Returns (dq, dk, dv)."""
+    b, t, n, h = q.shape
+    s, kh, hv = k.shape[1], k.shape[2], v.shape[-1]
+    operands = (
+        q,
+        k,
+        v,
+        out,
+        dout,
+        lse,
+        jnp.zeros((b, n, t), jnp.float32) if dlse is None else jnp.asarray(dlse, jnp.float32),
+        jnp.full((b,), t, jnp.int32) if q_lengths is None else jnp.asarray(q_lengths, jnp.int32),
+        jnp.full((b,), s, jnp.int32) if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32),
+        jnp.zeros((b, t), jnp.int32),
+        jnp.zeros((b, s), jnp.int32),
+        jnp.zeros((b,), jnp.int32) if q_offset is None else jnp.asarray(q_offset, jnp.int32),
+        jnp.zeros((0,), jnp.float32),  # bias, mask: none
+        jnp.zeros((0,), jnp.bool_),
+        jnp.zeros((0,), jnp.int8),  # block_states, block_slots, block_bits: no block mask
+        jnp.zeros((0,), jnp.int32),
+        jnp.zeros((0,), jnp.uint32),
+        jnp.zeros((2,), jnp.uint32),  # the dropout seed (no dropout)
+        jnp.zeros((0,), jnp.int32) if route is None else jnp.asarray([route], jnp.int32),
+    )
+    shapes = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct(k.shape, k.dtype),
+        jax.ShapeDtypeStruct(v.shape, v.dtype),
+        jax.ShapeDtypeStruct((b, t, n, h), jnp.float32),  # dq_accum
+        jax.ShapeDtypeStruct((b, n, t), jnp.float32),  # delta
+        jax.ShapeDtypeStruct((b, s, n, h) if q_heads_grid else (0,), jnp.float32),  # dk_accum
+        jax.ShapeDtypeStruct((b, s, n, hv) if q_heads_grid else (0,), jnp.float32),  # dv_accum
+        jax.ShapeDtypeStruct((0,), jnp.float32),  # dbias_accum, dbias: no bias
+        jax.ShapeDtypeStruct((0,), jnp.float32),
+    )
+    del kh
+    attributes = dict(
+        scale=np.float32(scale),
+        window_left=np.int64(window[0]),
+        window_right=np.int64(window[1]),
+        softcap=np.float32(0),
+        use_segment_ids=False,
+        dropout_rate=np.float32(0),
+        poison_outputs=True,
+        block_q=np.int64(0),
+        block_k=np.int64(0),
+        layout=layout,
+        plain_kernel=plain_kernel,
+        deterministic=False,
+    )
+    dq, dk, dv, *_ = jax.ffi.ffi_call(target, shapes)(*operands, **attributes)
+    return dq, dk, dv

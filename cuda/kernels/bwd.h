@@ -215,7 +215,9 @@ __device__ __forceinline__ void accumulate_dq(const AttentionParams& p, const ch
     const int col = col0 + 2 * (ptx::mov_b32_volatile(lane) & 3);
     float* const row = p.dq_accum + p.q_offset(b, t, n) + col;
     JAX_FLASH_UNROLL
-    for (int j = 0; j < K::DQ_COLS / MMA_N; ++j) ptx::red_global_add_v2_f32(row + 8 * j, dq[j][2 * r], dq[j][2 * r + 1]);
+    for (int j = 0; j < K::DQ_COLS / MMA_N; ++j) {
+      ptx::red_global_add_v2_f32(row + 8 * j, dq[j][2 * r], dq[j][2 * r + 1]);
+    }
   }
 }
 

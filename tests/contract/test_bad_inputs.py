@@ -504,12 +504,12 @@ _HANDLER_SCRIPT = textwrap.dedent(
                  block_q=np.int64(0), block_k=np.int64(0))
 
     def own(target, backward=False):
-        # Each target's own attributes (cuda/README.md): the CUDA targets' layout (and the
-        # forward's plain_kernel and decode_tile); the cpu
+        # Each target's own attributes (cuda/README.md): the CUDA targets' layout and
+        # plain_kernel (and the forward's decode_tile); the cpu
         # targets' isa ("": the default ISA of this CPU) and forward_chunks and pack_gqa, or
         # gradient_chunks (0: the rule).
         if "emu" in target:
-            return {"layout": "warp16"} if backward else {"layout": "warp16", "plain_kernel": False, "decode_tile": False}
+            return {"layout": "warp16", "plain_kernel": False} if backward else {"layout": "warp16", "plain_kernel": False, "decode_tile": False}
         if backward:
             return {"isa": "", "gradient_chunks": np.int64(0)}
         return {"isa": "", "forward_chunks": np.int64(1), "pack_gqa": False}
@@ -543,7 +543,7 @@ _HANDLER_SCRIPT = textwrap.dedent(
         # bias broadcast over B, N or S, else [0]); the cpu target has none.
         return (SDS(shape, F32),) * 2 + (SDS(dbias_accum, F32),) if "emu" in target else ()
 
-    def bwd(target, ops, outs=None, workspaces=None, dbias=SDS((0,), F32), **attrs):
+    def bwd(target, ops, outs=None, workspaces=None, dbias=SDS((0,), F32), route=None, **attrs):
         q, k, v = ops[0], ops[1], ops[2]
         b, t, n, h = q.shape
         if outs is None:
@@ -551,8 +551,10 @@ _HANDLER_SCRIPT = textwrap.dedent(
                     SDS(q.shape, F32), SDS((b, n, t), F32))
         if len(outs) == 5:  # then the CUDA targets' workspaces, then dbias (every target's last)
             outs += (dkv(target) if workspaces is None else workspaces) + (dbias,)
-        return jax.ffi.ffi_call(target, outs)(*ops, SEED, **{**ATTRS, **own(target, True), "deterministic": False,
-                                                             **attrs})
+        # The CUDA targets' own last operand: route ([0] s32: not routed).
+        routes = (jnp.zeros((0,), I32) if route is None else route,) if "emu" in target else ()
+        return jax.ffi.ffi_call(target, outs)(*ops, SEED, *routes, **{**ATTRS, **own(target, True),
+                                                                      "deterministic": False, **attrs})
 
     def bwd_operands(dt, **kw):
         o = operands(dt, **kw)
@@ -645,8 +647,8 @@ _HANDLER_SCRIPT = textwrap.dedent(
             "dq_accum_dtype": ("dq_accum", lambda: bwd(b, bo, outs=(SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), other), lse_shape))),
             "delta_shape": ("delta", lambda: bwd(b, bo, outs=(SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), SDS((B, N, T + 1), F32)))),
             "four_results": ("results", lambda: bwd(b, bo, outs=(SDS((B, T, N, H), dt),) * 3 + (SDS((B, T, N, H), F32),))),
-            "missing_deterministic": ("attributes", lambda: jax.ffi.ffi_call(b, (SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), lse_shape) + dkv(b) + (SDS((0,), F32),))(*bo, SEED, **ATTRS, **own(b, True))),
-            "no_dbias": ("results", lambda: jax.ffi.ffi_call(b, (SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), lse_shape) + dkv(b))(*bo, SEED, **ATTRS, **own(b, True), deterministic=False)),
+            "missing_deterministic": ("attributes", lambda: jax.ffi.ffi_call(b, (SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), lse_shape) + dkv(b) + (SDS((0,), F32),))(*bo, SEED, *route_of(b), **ATTRS, **own(b, True))),
+            "no_dbias": ("results", lambda: jax.ffi.ffi_call(b, (SDS((B, T, N, H), dt), SDS((B, S, K, H), dt), SDS((B, S, K, H), dt), SDS((B, T, N, H), F32), lse_shape) + dkv(b))(*bo, SEED, *route_of(b), **ATTRS, **own(b, True), deterministic=False)),
             # Every kernel reads a bias [B|1, N|1, T|1, S|1] and a mask in place.
             "ok_bias_mask": (None, lambda: fwd(f, o[:8] + [jnp.zeros((1, N, 1, S), jnp.bfloat16), jnp.ones((B, 1, T, 1), jnp.bool_)] + o[10:])),
             "ok_bias_backward": (None, lambda: bwd(b, bo[:12] + [jnp.zeros((B, 1, T, S), F32)] + bo[13:], dbias=SDS((B, 1, T, S), F32))),
@@ -697,6 +699,15 @@ _HANDLER_SCRIPT = textwrap.dedent(
                 "dkv_accum_mixed": ("dk_accum and dv_accum must both be", lambda: bwd(
                     b, bo, workspaces=(SDS((B, S, N, H), F32), SDS((0,), F32), SDS((0,), F32)))),
                 "dkv_accum_missing": ("results", lambda: bwd(b, bo, workspaces=dkv(b)[:1])),
+                "ok_plain_backward": (None, lambda: bwd(b, bo, plain_kernel=True)),
+                "ok_plain_backward_routed": (None, lambda: bwd(b, bo, plain_kernel=True, route=jnp.ones((1,), I32))),
+                "ok_plain_backward_scale_0": (None, lambda: bwd(b, bo, plain_kernel=True, scale=np.float32(0))),
+                "backward_route_shape": ("route", lambda: bwd(b, bo, route=jnp.zeros((2,), I32))),
+                "backward_route_uint32": ("route", lambda: bwd(b, bo, route=jnp.zeros((1,), jnp.uint32))),
+                "plain_backward_bias": ("plain_kernel=true needs a backward without per-score features; this one has a dense bias", lambda: bwd(b, bo[:12] + [jnp.zeros((B, 1, T, S), F32)] + bo[13:], dbias=SDS((B, 1, T, S), F32), plain_kernel=True)),
+                "plain_backward_soft_cap": ("this one has a soft cap", lambda: bwd(b, bo, plain_kernel=True, softcap=np.float32(5))),
+                "plain_backward_deterministic": ("this one has deterministic mode", lambda: bwd(b, bo, plain_kernel=True, deterministic=True)),
+                "plain_backward_dropout": ("this one has dropout", lambda: bwd(b, bo, plain_kernel=True, dropout_rate=np.float32(0.5))),
                 # Split-KV's workspaces: [C, B, T, N, Hv] and [C, B, N, T] f32, C >= 2 chunks.
                 "ok_split_kv": (None, lambda: fwd(f, o, partials=(SDS((3, B, T, N, H), F32), SDS((3, B, N, T), F32)))),
                 "partial_out_one_chunk": ("2 <= C", lambda: fwd(f, o, partials=(SDS((1, B, T, N, H), F32), SDS((1, B, N, T), F32)))),

@@ -99,7 +99,7 @@ V_PAGES = Buffer("v", ("P", "PS", "K", "V"), X)
 PAGE_TABLE = Buffer("page_table", ("B", "MP"), "int32")
 SINKS = Buffer("sinks", ("N",), "float32")
 SEED = Buffer("dropout_seed", (2,), "uint32")
-ROUTE = Buffer("route", (0,), "int32")  # the CUDA forward targets' own operand: [0], not routed
+ROUTE = Buffer("route", (0,), "int32")  # the CUDA targets' own operand: [0], not routed
 OUT = Buffer("out", ("B", "T", "N", "V"), X)
 LSE = Buffer("lse", ("B", "N", "T"), "float32")
 BACKWARD_INPUTS = (
@@ -230,7 +230,7 @@ TARGETS = {
         ),
         Target(
             "jax_flash_emu_bwd",
-            operands=(*BACKWARD_INPUTS, *_mask_operands(), SEED),
+            operands=(*BACKWARD_INPUTS, *_mask_operands(), SEED, ROUTE),
             results=(
                 *GRADIENTS,
                 Buffer("dq_accum", ("B", "T", "N", "H"), "float32"),
@@ -240,7 +240,9 @@ TARGETS = {
                 Buffer("dbias_accum", EMPTY_F32, "float32"),
                 Buffer("dbias", "bias", "float32"),
             ),
-            attributes=dict(COMMON_ATTRIBUTES, deterministic=False, **POISON_ATTRIBUTES, **CUDA_ATTRIBUTES),
+            attributes=dict(
+                COMMON_ATTRIBUTES, deterministic=False, plain_kernel=False, **POISON_ATTRIBUTES, **CUDA_ATTRIBUTES
+            ),
             dtypes=("float16", "bfloat16"),
             emulated=True,
         ),

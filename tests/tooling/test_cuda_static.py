@@ -45,7 +45,13 @@ def test_no_spills_smem_fits_and_sass_uses_mma_sync():
                 ("fwd", {"forward_kernel"}),
                 (
                     "bwd",
-                    {"backward_kernel", "backward_dq_kernel", "backward_delta_kernel", "backward_reduce_dkv_kernel"},
+                    {
+                        "backward_kernel",
+                        "backward_plain_kernel",
+                        "backward_dq_kernel",
+                        "backward_delta_kernel",
+                        "backward_reduce_dkv_kernel",
+                    },
                 ),
             ):
                 stem = f"{pass_name}_{dtype}_{pair}"
@@ -54,15 +60,18 @@ def test_no_spills_smem_fits_and_sass_uses_mma_sync():
                     assert kernels <= seen, (stem, arch, seen)
 
 
-def test_key_loop_budget_catches_a_per_score_test():
-    """The plain forward's key-loop budget (build/check_static.py, KEY_LOOP_BUDGETS) can fail: a
+@pytest.mark.parametrize(
+    "source, kernel",
+    [("fwd_bf16_hdim128.cu", "attention_forward_plain_kernel"), ("bwd_bf16_hdim128.cu", "attention_backward_plain_kernel")],
+)
+def test_key_loop_budget_catches_a_per_score_test(source, kernel):
+    """The plain kernels' key-loop budgets (build/check_static.py, KEY_LOOP_BUDGETS) can fail: a
     compare and select per score planted in the loop (JAX_FLASH_PLANT_SCORE_TEST, never defined
-    in a build) takes H = 128 on sm_90 over its instructions-per-HMMA budget."""
-    r = _run(
-        "check_static.py", "--only", "fwd_bf16_hdim128.cu", "--arch", "90", "--define", "JAX_FLASH_PLANT_SCORE_TEST"
-    )
+    in a build) takes H = 128 on sm_90 over its instructions-per-HMMA budget, forward and
+    backward."""
+    r = _run("check_static.py", "--only", source, "--arch", "90", "--define", "JAX_FLASH_PLANT_SCORE_TEST")
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "attention_forward_plain_kernel: key loop" in r.stderr and "instructions per HMMA >" in r.stderr, r.stderr
+    assert f"{kernel}: key loop" in r.stderr and "instructions per HMMA >" in r.stderr, r.stderr
 
 
 def test_sass_loop_walker():
