@@ -116,10 +116,11 @@ ROUTE = "test_routed_call or test_calls_route or (cuda and nonfinite)"
 # The decoding tile (kernels/tile.h DecodeForwardShape) and the split rule: its own tests (bitwise
 # against the 128-row tile at H <= 64, tile counts, routing), the decode cases and the rule.
 DECODE_TILE = "test_cuda_decode_tile or test_cuda_split_kv"
-# The plain backward (kernels/bwd.h): its own tests (bitwise against the general kernel, the
-# masked and interior query blocks counted, routing, extreme scales) and the shared suite's
-# backward cases, which run it.
-PLAIN_BWD = "test_cuda_plain_backward or (cuda and (test_forward_backward or test_backward) and not deterministic)"
+# The plain backward (kernels/bwd.h): its own tests (bitwise against the general kernel over
+# every mask kind, both grids and H up to 256; the masked and interior query blocks counted;
+# routing through jax_flash.attention against float64; extreme scales). The shared suite's
+# backward cases run it too (BWD), at several times the cost.
+PLAIN_BWD = "test_cuda_plain_backward"
 
 # The pallas plain kernels (jax_flash/pallas/_triton_kernels.py, interpreted): their own tests (agreement
 # with the general kernels, routing), the shared suite's pallas cases that hold a poison or a

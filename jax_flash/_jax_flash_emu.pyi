@@ -12,6 +12,6 @@ def count_tiles(on: bool) -> None:
     """Starts (True: from zero) or stops the debug count of the tiles the emulated kernels
     compute."""
 
-def tile_counts() -> tuple[int, int, int, int, int]:
-    """(forward, backward, backward dQ kernel, forward by the plain kernel, of them masked): the
-    tiles counted since count_tiles(True)."""
+def tile_counts() -> tuple[int, int, int, int, int, int, int]:
+    """(forward, backward, backward dQ kernel, forward by the plain kernel, of them masked,
+    backward by the plain kernel, of them masked): the tiles counted since count_tiles(True)."""

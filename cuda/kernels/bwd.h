@@ -940,8 +940,8 @@ LaunchError LaunchBackward(const AttentionParams& p_in, bool deterministic, Stre
     AttentionParams general = p;
     general.plain = false;
     general.plain_beside = p.plain;
-    err = Launch("attention_backward_kernel", attention_backward_kernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYOUT>,
-                 main_grid, dim3(K::THREADS), K::kSmemBytes, stream, general);
+    err = Launch("attention_backward_kernel", attention_backward_kernel<Elem, HEAD_DIM, V_HEAD_DIM, LAYOUT>, main_grid,
+                 dim3(K::THREADS), K::kSmemBytes, stream, general);
     if (!err.empty()) return err;
   }
   if (p.plain) {

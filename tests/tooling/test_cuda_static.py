@@ -62,7 +62,10 @@ def test_no_spills_smem_fits_and_sass_uses_mma_sync():
 
 @pytest.mark.parametrize(
     "source, kernel",
-    [("fwd_bf16_hdim128.cu", "attention_forward_plain_kernel"), ("bwd_bf16_hdim128.cu", "attention_backward_plain_kernel")],
+    [
+        ("fwd_bf16_hdim128.cu", "attention_forward_plain_kernel"),
+        ("bwd_bf16_hdim128.cu", "attention_backward_plain_kernel"),
+    ],
 )
 def test_key_loop_budget_catches_a_per_score_test(source, kernel):
     """The plain kernels' key-loop budgets (build/check_static.py, KEY_LOOP_BUDGETS) can fail: a
