@@ -30,8 +30,8 @@
 #                 the reference (gradients, a NaN in v); then the features beyond the band (a query
 #                 offset, lengths, a soft cap, segment ids, Hv != H), out and gradients
 #   profile       Nsight Compute (ncu) on build/profile_case.py (H=128, 8k, bf16): speed of light,
-#                 occupancy and warp stall reasons of the first forward (the plain kernel) and
-#                 backward launches
+#                 occupancy and warp stall reasons of the plain forward and backward kernels'
+#                 launches (the general kernels launched beside them exit at once)
 #   memcheck      compute-sanitizer --tool memcheck on build/sanitizer_case.py (tiny)
 #   racecheck     compute-sanitizer --tool racecheck on the same
 # The caps sum to the budget (DEVICE_CHECK_BUDGET_S, default 540 s; each cap scales with it),
@@ -515,7 +515,9 @@ step_profile() {  # Nsight Compute: where the first forward and backward launche
   fi
   local ncu
   ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null) || { echo "ncu: not found"; return 77; }
-  "$ncu" --kernel-name regex:'attention_(forward_plain|forward|backward)_kernel' --launch-count 2 \
+  # The kernels that do the work: a routed call also launches the general kernel, whose CTAs
+  # read the route and exit. Launches in order: the forward's, the forward's and the backward's.
+  "$ncu" --kernel-name regex:'attention_(forward|backward)_plain_kernel' --launch-count 3 \
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
     "$PY" build/profile_case.py --head-dim 128
 }

@@ -1,12 +1,14 @@
 """One forward and one forward+backward call of the cuda kernels at a benchmark size, for a
 profiler (Nsight Compute) to attach to.
 
-    ncu --kernel-name regex:'attention_(forward_plain|forward|backward)_kernel' --launch-count 3 \
+    ncu --kernel-name regex:'attention_(forward|backward)_plain_kernel' --launch-count 3 \
         --section SpeedOfLight --section WarpStateStats python build/profile_case.py
 
 The case is the benchmark's (docs/gpu-results.md): B=2, N=16, T=S=8192, bf16; the head dim and
 the causal mask from the command line (`--head-dim 64 --causal`). Each call runs once after its
-compilation, so the launches a profiler sees are, in order: forward; forward, backward.
+compilation, so the launches a profiler sees are, in order: forward; forward, backward (each
+routed: the plain kernel, which runs, and the general one beside it, which reads the route and
+exits).
 """
 
 import argparse

@@ -2,7 +2,8 @@
 
 Compiles tests/internals/tile_classifier.cc for the host (the CUDA headers with
 JAX_FLASH_EMULATE, as the emulator compiles them) and runs it: the CUDA kernels' Mask
-(cuda/kernels/mask.h: keys_of_rows, rows_of_keys, is_interior, the segment ranges) and the
+(cuda/kernels/mask.h: keys_of_rows, rows_of_keys, is_interior, interior_row_blocks, the
+segment ranges) and the
 cpu kernels' MaskGeometry and ClassifyTile (cuda/cpu/problem.h) on every tile shape in use
 (kernels/tile.h TileShapeFor over every compiled (H, Hv) and layout; cpu/tiling.h), with
 lengths, window edges and query offsets within ±2 of every tile boundary and segment ids split
@@ -36,6 +37,16 @@ MUTANTS = {
         "kernels/mask.h",
         "min(q_valid, s1 - band_lo)}",
         "min(q_valid, s1 - band_lo - 1)}",
+    ),
+    "cuda interior_row_blocks: one block early": (
+        "kernels/mask.h",
+        "const int first = CeilDiv(max(0, s0 + cols - 1 - band_hi), block_q);",
+        "const int first = CeilDiv(max(0, s0 + cols - 2 - band_hi), block_q);",
+    ),
+    "cuda interior_row_blocks: the last valid row's block": (
+        "kernels/mask.h",
+        "min(q_valid / block_q,",
+        "min(CeilDiv(q_valid, block_q),",
     ),
     "cpu keys_of_row: the window's last key dropped": ("cpu/problem.h", "t + band.hi + 1)}", "t + band.hi)}"),
     "cpu ClassifyTile: full one key early": ("cpu/problem.h", "first.hi >= s0 + cols;", "first.hi >= s0 + cols - 1;"),

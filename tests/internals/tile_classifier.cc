@@ -1,8 +1,8 @@
 // The tile classifiers against brute force: the CUDA kernels' Mask (kernels/mask.h: keys_of_rows,
-// rows_of_keys, is_interior, and the segment ranges' disjoint / same_single) and the cpu kernels'
-// MaskGeometry (cpu/problem.h: keys_of_row, rows_of_keys, ClassifyTile), each compared with the
-// per-element visibility computed from the attributes, on every tile
-// shape the kernels use (kernels/tile.h TileShapeFor over every compiled (H, Hv) and layout;
+// rows_of_keys, is_interior, interior_row_blocks, and the segment ranges' disjoint /
+// same_single) and the cpu kernels' MaskGeometry (cpu/problem.h: keys_of_row, rows_of_keys,
+// ClassifyTile), each compared with the per-element visibility computed from the attributes, on
+// every tile shape the kernels use (kernels/tile.h TileShapeFor over every compiled (H, Hv) and layout;
 // cpu/tiling.h kBlockQ x kBlockK), with lengths, window edges and query offsets within ±2 of
 // every tile boundary. Built and run by tests/internals/test_tile_classifier.py:
 //   g++ -std=c++17 -O1 -Icuda tests/internals/tile_classifier.cc
@@ -271,6 +271,23 @@ void CheckCuda(const Config& f, const Truth& truth, const KernelTiles& tiles) {
     const k::Range r = mask.rows_of_keys(static_cast<int>(s0), static_cast<int>(s0 + tiles.block_kv));
     ExpectInterval("rows_of_keys", std::pair<int64_t, int64_t>{r.lo, r.hi}, truth.RowsOfKeys(s0, s0 + tiles.block_kv),
                    s0, s0 + tiles.block_kv);
+  }
+  // interior_row_blocks over each key block (the plain backward's interior run, bwd.h): exactly
+  // the query blocks among those that see the keys in which every row of the whole block sees
+  // every key of the whole key block.
+  for (int64_t s0 = 0; s0 < f.S; s0 += tiles.block_kv) {
+    const k::Range seen = mask.rows_of_keys(static_cast<int>(s0), static_cast<int>(s0 + tiles.block_kv));
+    const int begin = seen.lo / tiles.block_q, end = seen.empty() ? begin : k::CeilDiv(seen.hi, tiles.block_q);
+    const k::Range r = mask.interior_row_blocks(tiles.block_q, static_cast<int>(s0), tiles.block_kv, begin, end);
+    CHECK(begin <= r.lo && r.lo <= r.hi && r.hi <= end,
+          "interior_row_blocks of keys [" + S(s0) + ", +" + S(tiles.block_kv) + ") outside [" + S(begin) + ", " +
+              S(end) + ")");
+    for (int qb = begin; qb < end; ++qb) {
+      const bool want = truth.All(truth.geo_sum, int64_t{qb} * tiles.block_q, tiles.block_q, s0, tiles.block_kv);
+      CHECK((r.lo <= qb && qb < r.hi) == want, "interior_row_blocks [" + S(r.lo) + ", " + S(r.hi) + ") of keys [" +
+                                                  S(s0) + ", +" + S(tiles.block_kv) + "), query block " + S(qb) +
+                                                  ", brute force: " + (want ? "all" : "not all") + " visible");
+    }
   }
   // is_interior over each tile (also past T and S, as the kernels' last tiles are), with the
   // segment decision the kernels take from the warp's id ranges.
