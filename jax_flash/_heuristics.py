@@ -302,6 +302,19 @@ def _float32(x: float) -> float:
         return x * float("inf")
 
 
+def _cuda_per_score_features(spec: AttentionSpec) -> tuple:
+    """(has it, its name) of each feature neither cuda plain kernel computes (PerScoreFeature,
+    kernels/dispatch.h), in that function's order."""
+    return (
+        (spec.soft_cap is not None, "a soft cap"),
+        (spec.has_segment_ids, "segment ids"),
+        (spec.dropout_rate > 0, "dropout"),
+        (spec.bias_shape is not None, "a dense bias"),
+        (spec.mask_shape is not None, "a dense mask"),
+        (spec.flex is not None and spec.flex.mask_mod is not None, "a block mask"),
+    )
+
+
 def cuda_plain_forward_blocker(spec: AttentionSpec, sms: int, paged: bool = False) -> str | None:
     """Why a forward call may not run the cuda plain kernel (kernels/fwd.h), or None when it may.
     It serves none of the optional features (soft cap, segment ids, dropout, dense bias or mask,
@@ -314,12 +327,7 @@ def cuda_plain_forward_blocker(spec: AttentionSpec, sms: int, paged: bool = Fals
     (PlainForwardRefusal, kernels/dispatch.h), except one of at most 16 query rows per tile,
     which the plain kernel could serve but the decoding tile serves faster (cuda_decode_tile)."""
     blockers = (
-        (spec.soft_cap is not None, "a soft cap"),
-        (spec.has_segment_ids, "segment ids"),
-        (spec.dropout_rate > 0, "dropout"),
-        (spec.bias_shape is not None, "a dense bias"),
-        (spec.mask_shape is not None, "a dense mask"),
-        (spec.flex is not None and spec.flex.mask_mod is not None, "a block mask"),
+        *_cuda_per_score_features(spec),
         (paged, "a paged cache"),
         (cuda_decode_tile(spec), f"at most {CUDA_DECODE_BLOCK_Q} query rows (the decoding tile)"),
         (cuda_split_kv_chunks(spec, sms) > 1, "split-KV"),
@@ -333,19 +341,16 @@ def cuda_plain_forward_blocker(spec: AttentionSpec, sms: int, paged: bool = Fals
 def cuda_plain_backward_blocker(spec: AttentionSpec) -> str | None:
     """Why a backward call may not run the cuda plain kernel (kernels/bwd.h), or None when it may.
     It serves none of the per-score features (soft cap, segment ids, dropout, dense bias or mask,
-    a flex block mask; lengths, windows, query offsets, sinks, GQA and both grids it serves) and
-    adds dQ with atomics (deterministic mode's dQ kernel is the general one); any scale (its
-    arithmetic is the general kernel's). A call it serves runs it when the forward's out and lse
+    a flex block mask; lengths, windows, query offsets, sinks, GQA and both grids it serves),
+    adds dQ with atomics (deterministic mode's dQ kernel is the general one) and addresses a
+    query block's rows in 32 bits (N·max(H, Hv) < 2**23); any scale (its arithmetic is the
+    general kernel's). A call it serves runs it when the forward's out and lse
     are finite (jax_flash/cuda.py tests that on every call) and passes `plain_kernel=True`; the
     handlers refuse that for a call this rule refuses (PlainBackwardRefusal, kernels/dispatch.h)."""
     blockers = (
         (bool(spec.settings.get("deterministic")), "deterministic mode"),
-        (spec.soft_cap is not None, "a soft cap"),
-        (spec.has_segment_ids, "segment ids"),
-        (spec.dropout_rate > 0, "dropout"),
-        (spec.bias_shape is not None, "a dense bias"),
-        (spec.mask_shape is not None, "a dense mask"),
-        (spec.flex is not None and spec.flex.mask_mod is not None, "a block mask"),
+        *_cuda_per_score_features(spec),
+        (spec.num_heads * max(spec.head_dim, spec.v_head_dim) >= 2**23, "N·max(H, Hv) >= 2**23"),
     )
     return next((why for blocked, why in blockers if blocked), None)
 

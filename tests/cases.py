@@ -333,6 +333,46 @@ def max_err(x, ref) -> float:
     return float(np.max(np.abs(x[finite] - ref[finite])))
 
 
+def _cuda_mask_operands(b, t, s, q_lengths, kv_lengths, q_offset):
+    """The CUDA targets' mask operands (cuda/README.md), each at its "none" value unless given:
+    lengths, segment ids (zeros), query offsets, no dense bias or mask, no block mask."""
+    return (
+        jnp.full((b,), t, jnp.int32) if q_lengths is None else jnp.asarray(q_lengths, jnp.int32),
+        jnp.full((b,), s, jnp.int32) if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32),
+        jnp.zeros((b, t), jnp.int32),
+        jnp.zeros((b, s), jnp.int32),
+        jnp.zeros((b,), jnp.int32) if q_offset is None else jnp.asarray(q_offset, jnp.int32),
+        jnp.zeros((0,), jnp.float32),  # bias, mask: none
+        jnp.zeros((0,), jnp.bool_),
+        jnp.zeros((0,), jnp.int8),  # block_states, block_slots, block_bits: no block mask
+        jnp.zeros((0,), jnp.int32),
+        jnp.zeros((0,), jnp.uint32),
+    )
+
+
+def _cuda_attributes(scale, window, layout, plain_kernel) -> dict:
+    """The shared attributes of a direct CUDA target call (no soft cap, segment ids, dropout or
+    block mask; results poisoned before the kernels run) and the CUDA targets' own two."""
+    return dict(
+        scale=np.float32(scale),
+        window_left=np.int64(window[0]),
+        window_right=np.int64(window[1]),
+        softcap=np.float32(0),
+        use_segment_ids=False,
+        dropout_rate=np.float32(0),
+        poison_outputs=True,
+        block_q=np.int64(0),
+        block_k=np.int64(0),
+        layout=layout,
+        plain_kernel=plain_kernel,
+    )
+
+
+def _route_operand(route):
+    """A routed call's route operand (kernels/params.h, Route), [0] s32 for None (not routed)."""
+    return jnp.zeros((0,), jnp.int32) if route is None else jnp.asarray([route], jnp.int32)
+
+
 def cuda_forward_target(
     target,
     q,
@@ -360,19 +400,10 @@ def cuda_forward_target(
         q,
         k,
         v,
-        jnp.full((b,), t, jnp.int32) if q_lengths is None else jnp.asarray(q_lengths, jnp.int32),
-        jnp.full((b,), s, jnp.int32) if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32),
-        jnp.zeros((b, t), jnp.int32),
-        jnp.zeros((b, s), jnp.int32),
-        jnp.zeros((b,), jnp.int32) if q_offset is None else jnp.asarray(q_offset, jnp.int32),
-        jnp.zeros((0,), jnp.float32),  # bias, mask: none
-        jnp.zeros((0,), jnp.bool_),
-        jnp.zeros((0,), jnp.int8),  # block_states, block_slots, block_bits: no block mask
-        jnp.zeros((0,), jnp.int32),
-        jnp.zeros((0,), jnp.uint32),
+        *_cuda_mask_operands(b, t, s, q_lengths, kv_lengths, q_offset),
         jnp.full((n,), -jnp.inf, jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32),
         jnp.zeros((2,), jnp.uint32),
-        jnp.zeros((0,), jnp.int32) if route is None else jnp.asarray([route], jnp.int32),
+        _route_operand(route),
     )
     shapes = (
         jax.ShapeDtypeStruct((b, t, n, v.shape[-1]), q.dtype),
@@ -380,21 +411,7 @@ def cuda_forward_target(
         jax.ShapeDtypeStruct((0,), jnp.float32),  # partial_out, partial_lse: no split-KV
         jax.ShapeDtypeStruct((0,), jnp.float32),
     )
-    attributes = dict(
-        scale=np.float32(scale),
-        window_left=np.int64(window[0]),
-        window_right=np.int64(window[1]),
-        softcap=np.float32(0),
-        use_segment_ids=False,
-        dropout_rate=np.float32(0),
-        poison_outputs=True,
-        block_q=np.int64(0),
-        block_k=np.int64(0),
-        pack_gqa=False,
-        layout=layout,
-        plain_kernel=plain_kernel,
-        decode_tile=decode_tile,
-    )
+    attributes = dict(_cuda_attributes(scale, window, layout, plain_kernel), pack_gqa=False, decode_tile=decode_tile)
     out, lse, *_ = jax.ffi.ffi_call(target, shapes)(*operands, **attributes)
     return out, lse
 
@@ -422,10 +439,10 @@ def cuda_backward_target(
     """A direct call of a CUDA backward FFI target (`jax_flash_bwd` or the emulated
     `jax_flash_emu_bwd`; cuda/README.md) on the forward's out and lse: every mask operand at its
     "none" value unless given, dlse 0 unless given, results poisoned before the kernels run;
-    `route` (kernels/params.h, Route): a routed call's route, None for none; `q_heads_grid`:
-    the main kernel's grid (the dk_accum / dv_accum workspaces). Returns (dq, dk, dv)."""
+    `route` as the forward's; `q_heads_grid`: the main kernel's grid (the dk_accum / dv_accum
+    workspaces). Returns (dq, dk, dv)."""
     b, t, n, h = q.shape
-    s, kh, hv = k.shape[1], k.shape[2], v.shape[-1]
+    s, hv = k.shape[1], v.shape[-1]
     operands = (
         q,
         k,
@@ -434,18 +451,9 @@ def cuda_backward_target(
         dout,
         lse,
         jnp.zeros((b, n, t), jnp.float32) if dlse is None else jnp.asarray(dlse, jnp.float32),
-        jnp.full((b,), t, jnp.int32) if q_lengths is None else jnp.asarray(q_lengths, jnp.int32),
-        jnp.full((b,), s, jnp.int32) if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32),
-        jnp.zeros((b, t), jnp.int32),
-        jnp.zeros((b, s), jnp.int32),
-        jnp.zeros((b,), jnp.int32) if q_offset is None else jnp.asarray(q_offset, jnp.int32),
-        jnp.zeros((0,), jnp.float32),  # bias, mask: none
-        jnp.zeros((0,), jnp.bool_),
-        jnp.zeros((0,), jnp.int8),  # block_states, block_slots, block_bits: no block mask
-        jnp.zeros((0,), jnp.int32),
-        jnp.zeros((0,), jnp.uint32),
+        *_cuda_mask_operands(b, t, s, q_lengths, kv_lengths, q_offset),
         jnp.zeros((2,), jnp.uint32),  # the dropout seed (no dropout)
-        jnp.zeros((0,), jnp.int32) if route is None else jnp.asarray([route], jnp.int32),
+        _route_operand(route),
     )
     shapes = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -458,20 +466,6 @@ def cuda_backward_target(
         jax.ShapeDtypeStruct((0,), jnp.float32),  # dbias_accum, dbias: no bias
         jax.ShapeDtypeStruct((0,), jnp.float32),
     )
-    del kh
-    attributes = dict(
-        scale=np.float32(scale),
-        window_left=np.int64(window[0]),
-        window_right=np.int64(window[1]),
-        softcap=np.float32(0),
-        use_segment_ids=False,
-        dropout_rate=np.float32(0),
-        poison_outputs=True,
-        block_q=np.int64(0),
-        block_k=np.int64(0),
-        layout=layout,
-        plain_kernel=plain_kernel,
-        deterministic=False,
-    )
+    attributes = dict(_cuda_attributes(scale, window, layout, plain_kernel), deterministic=False)
     dq, dk, dv, *_ = jax.ffi.ffi_call(target, shapes)(*operands, **attributes)
     return dq, dk, dv

@@ -633,7 +633,7 @@ __global__ void __launch_bounds__(BackwardKernel<Elem, HEAD_DIM, V_HEAD_DIM>::TH
   // The results' rows from the grid and thread index read again (held across the loops, they
   // spill; so would the grid's block count).
   const GridIndex again = K::grid(p).index_again();
-  const int warp_again = ptx::tid_x_again() / WARP_SIZE, cols = warp_again % K::COL_SPLITS;
+  const int warp_again = tid_x_again() / WARP_SIZE, cols = warp_again % K::COL_SPLITS;
   const int keys0 = again.block * K::BLOCK_KV + (warp_again / K::COL_SPLITS) * K::WARP_KV;
   if (p.dkv_per_query_head()) {
     store_dk_dv_accum<K>(p, dk, dv, again.batch, again.head, keys0, cols * K::DK_COLS, cols * K::DV_COLS, lane);

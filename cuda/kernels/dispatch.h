@@ -100,6 +100,21 @@ LaunchError BackwardFor(Layout layout, const AttentionParams& p, bool determinis
   return LaunchBackward<Elem, HEAD_DIM, V_HEAD_DIM, Layout::kWarp16>(p, deterministic, stream);
 }
 
+// The first per-score feature a call has, or null: what neither plain kernel computes (a soft
+// cap, segment ids, dropout, a dense bias or mask, a block mask).
+inline const char* PerScoreFeature(const AttentionParams& p) {
+  if (p.softcap != 0.0f) return "a soft cap";
+  if (p.use_segment_ids) return "segment ids";
+  if (p.dropout_rate != 0.0f) return "dropout";
+  if (p.bias.data != nullptr) return "a dense bias";
+  if (p.mask.data != nullptr) return "a dense mask";
+  if (p.blocks.states != nullptr) return "a block mask";
+  return nullptr;
+}
+
+// max(H, Hv): the widest row of q, k, v, out, in elements.
+inline int64_t WidestRow(const AttentionParams& p) { return p.head_dim > p.v_head_dim ? p.head_dim : p.v_head_dim; }
+
 // What keeps a call from the plain forward (kernels/fwd.h), or null: it serves none of the
 // optional features (soft cap, segment ids, dropout, dense bias or mask, block mask, paging,
 // split-KV, GQA packing), its scale is a positive normal float32 below 2^127 (its softmax
@@ -110,17 +125,11 @@ LaunchError BackwardFor(Layout layout, const AttentionParams& p, bool determinis
 // call it breaks.
 inline const char* PlainForwardRefusal(const AttentionParams& p) {
   if (!(p.scale >= FLT_MIN && p.scale < 0x1p127f)) return "a scale outside [2^-126, 2^127)";
-  if (p.softcap != 0.0f) return "a soft cap";
-  if (p.use_segment_ids) return "segment ids";
-  if (p.dropout_rate != 0.0f) return "dropout";
-  if (p.bias.data != nullptr) return "a dense bias";
-  if (p.mask.data != nullptr) return "a dense mask";
-  if (p.blocks.states != nullptr) return "a block mask";
+  if (const char* feature = PerScoreFeature(p)) return feature;
   if (p.page_table != nullptr) return "a paged cache";
   if (p.kv_splits > 1) return "split-KV";
   if (p.pack_gqa) return "GQA packing";
-  if (int64_t{p.kv_heads} * (p.head_dim > p.v_head_dim ? p.head_dim : p.v_head_dim) >= (int64_t{1} << 23))
-    return "K·max(H, Hv) >= 2^23";
+  if (int64_t{p.kv_heads} * WidestRow(p) >= (int64_t{1} << 23)) return "K·max(H, Hv) >= 2^23";
   return nullptr;
 }
 
@@ -133,14 +142,8 @@ inline const char* PlainForwardRefusal(const AttentionParams& p) {
 // (_heuristics.cuda_plain_backward_blocker); the handlers refuse a plain_kernel call it breaks.
 inline const char* PlainBackwardRefusal(const AttentionParams& p, bool deterministic) {
   if (deterministic) return "deterministic mode";
-  if (p.softcap != 0.0f) return "a soft cap";
-  if (p.use_segment_ids) return "segment ids";
-  if (p.dropout_rate != 0.0f) return "dropout";
-  if (p.bias.data != nullptr) return "a dense bias";
-  if (p.mask.data != nullptr) return "a dense mask";
-  if (p.blocks.states != nullptr) return "a block mask";
-  if (int64_t{p.q_heads} * (p.head_dim > p.v_head_dim ? p.head_dim : p.v_head_dim) >= (int64_t{1} << 23))
-    return "N·max(H, Hv) >= 2^23";
+  if (const char* feature = PerScoreFeature(p)) return feature;
+  if (int64_t{p.q_heads} * WidestRow(p) >= (int64_t{1} << 23)) return "N·max(H, Hv) >= 2^23";
   return nullptr;
 }
 
@@ -154,8 +157,7 @@ inline const char* DecodeTileRefusal(const AttentionParams& p) {
   static_assert(kDecodeRows == 16, "the messages below name the decoding tile's rows");
   const int rows = p.pack_gqa ? p.q_heads / p.kv_heads : p.q_len;
   if (rows > kDecodeRows) return p.pack_gqa ? "G = N / K > 16 packed query heads" : "T > 16 queries";
-  if (int64_t{p.kv_heads} * (p.head_dim > p.v_head_dim ? p.head_dim : p.v_head_dim) >= (int64_t{1} << 31))
-    return "K·max(H, Hv) >= 2^31";
+  if (int64_t{p.kv_heads} * WidestRow(p) >= (int64_t{1} << 31)) return "K·max(H, Hv) >= 2^31";
   if (p.plain) return "plain_kernel=true";
   return nullptr;
 }

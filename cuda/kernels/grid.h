@@ -64,6 +64,19 @@ struct FoldedGrid {
   __host__ __device__ __forceinline__ bool contains(const GridIndex& at) const { return at.head < heads; }
 };
 
+// The thread's index in its CTA, %tid.x, read afresh in a volatile asm (never merged with an
+// earlier read): for code after a long loop, where the index held across it would take a
+// register (a special register read costs less than a spill).
+__device__ __forceinline__ int tid_x_again() {
+#ifndef JAX_FLASH_EMULATE
+  unsigned x;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(x));
+  return static_cast<int>(x);
+#else
+  return static_cast<int>(threadIdx.x);
+#endif
+}
+
 // The 1-D grid of `blocks` CTAs, or an error when there are more than grid.x holds.
 inline LaunchError LinearGrid(int64_t blocks, dim3* grid) {
   if (blocks > kMaxGridX) return "a grid of " + std::to_string(blocks) + " blocks exceeds the 2^31 - 1 of grid.x";

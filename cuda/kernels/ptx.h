@@ -316,19 +316,6 @@ __device__ __forceinline__ int mov_b32_volatile(int x) {
 #endif
 }
 
-// The thread's index in its CTA, %tid.x, read afresh in a volatile asm (never merged with an
-// earlier read): for code after a long loop, where the index held across it would take a
-// register (a special register read costs less than a spill).
-__device__ __forceinline__ int tid_x_again() {
-#ifndef JAX_FLASH_EMULATE
-  unsigned x;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(x));
-  return static_cast<int>(x);
-#else
-  return static_cast<int>(threadIdx.x);
-#endif
-}
-
 // ex2.approx.ftz.f32: 2^x (§9.7.3.21 "Floating Point Instructions: ex2"), within 2 ulp of the
 // correctly rounded result. The softmax exponent is one FFMA + this.
 __device__ __forceinline__ float ex2_approx(float x) {
