@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,6 +332,15 @@ def max_err(x, ref) -> float:
     if not finite.any():
         return 0.0
     return float(np.max(np.abs(x[finite] - ref[finite])))
+
+
+def emulator_or_skip():
+    """Skips the calling test where the host emulation of the cuda kernels is not built
+    (JAX_FLASH_EMULATOR=ON): the tests that call its targets or count its tiles."""
+    try:
+        from jax_flash import _jax_flash_emu  # noqa: F401
+    except ImportError:
+        pytest.skip("the host emulation of the cuda kernels is not built (JAX_FLASH_EMULATOR=ON)")
 
 
 def _cuda_mask_operands(b, t, s, q_lengths, kv_lengths, q_offset):

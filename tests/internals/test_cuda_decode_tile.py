@@ -18,20 +18,13 @@ import numpy as np
 import pytest
 
 import jax_flash
-from cases import Shape, cuda_forward_target, make_qkv
+from cases import Shape, cuda_forward_target, emulator_or_skip, make_qkv
 from jax_flash import _heuristics, cuda
 from jax_flash._normalize import canonicalize
 
 pytestmark = pytest.mark.skipif(
     not jax_flash.current_config().emulate_cuda, reason="counts tiles on the host emulation of the cuda kernels"
 )
-
-
-def _emulator_or_skip():
-    try:
-        from jax_flash import _jax_flash_emu  # noqa: F401
-    except ImportError:
-        pytest.skip("the host emulation of the cuda kernels is not built (JAX_FLASH_EMULATOR=ON)")
 
 
 def _forward(q, k, v, *, decode_tile, **settings):
@@ -67,7 +60,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_decode_tile_agrees_with_the_128_row_tile(name):
-    _emulator_or_skip()
+    emulator_or_skip()
     shape, settings = CASES[name]
     q, k, v = make_qkv(shape, jnp.bfloat16, seed=5)
     settings = dict(settings, scale=0.3)
@@ -93,7 +86,7 @@ def test_decode_tile_agrees_with_the_128_row_tile(name):
 def test_calls_route_to_the_decoding_tile_by_their_rows(t, n, k, decode):
     """At most 16 rows per tile: T, or with GQA packing (T = 1) the G = N / K query heads; G = 17
     packs into the 128-row tile. The call gives the reference's result either way."""
-    _emulator_or_skip()
+    emulator_or_skip()
     q, kk, v = make_qkv(Shape(1, t, 70, n, k, 64), jnp.bfloat16, seed=1)
     spec = canonicalize(q, kk, v).spec
     assert _heuristics.cuda_decode_tile(spec) == decode

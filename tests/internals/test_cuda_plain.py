@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from cases import Shape, cuda_forward_target, make_qkv
+from cases import Shape, cuda_forward_target, emulator_or_skip, make_qkv
 from jax_flash import cuda
 
 pytestmark = pytest.mark.skipif(
@@ -27,13 +27,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 BLOCK_Q = 128  # the forward's query rows per CTA (kernels/tile.h)
-
-
-def _emulator_or_skip():
-    try:
-        from jax_flash import _jax_flash_emu  # noqa: F401
-    except ImportError:
-        pytest.skip("the host emulation of the cuda kernels is not built (JAX_FLASH_EMULATOR=ON)")
 
 
 def _forward(q, k, v, *, plain_kernel, **settings):
@@ -112,7 +105,7 @@ def test_plain_kernel_agrees_with_general(name):
     summation order differs too: within bfloat16 rounding of the sums. The plain kernel has one
     shape whatever the layout attribute (the same bits under both), and masks exactly the tiles
     where some row of the query block does not see every key."""
-    _emulator_or_skip()
+    emulator_or_skip()
     shape, settings, band = CASES[name]
     dtype = jnp.bfloat16 if shape.h != 96 else jnp.float16
     q, k, v = make_qkv(shape, dtype, seed=3)
@@ -142,7 +135,7 @@ def test_plain_kernel_agrees_with_general(name):
 def test_plain_kernel_interior_runs_unmasked():
     """A causal call over many key tiles masks only the diagonal ones: of 4 query blocks x up to
     8 key tiles, the interior loop runs every tile left of each block's diagonal unmasked."""
-    _emulator_or_skip()
+    emulator_or_skip()
     shape = Shape(1, 512, 512, 1, 1, 32)
     q, k, v = make_qkv(shape, jnp.bfloat16, seed=4)
     _, _, counts = _forward(q, k, v, plain_kernel=True, window=(-1, 0))
@@ -162,7 +155,7 @@ def test_calls_route_to_the_plain_kernel_only_when_they_may():
     kernel; a NaN or inf in q or k, a finite score that would overflow, a soft cap, segment
     ids or a scale outside [2**-126, 2**127) run the general kernel, which keeps the numerical
     contract (a poisoned row is NaN); either kernel matches the reference."""
-    _emulator_or_skip()
+    emulator_or_skip()
     shape = Shape(1, 70, 90, 2, 1, 64)
     q, k, v = make_qkv(shape, jnp.bfloat16, seed=5)
     out, counts = _run(q, k, v, is_causal=True)
@@ -217,7 +210,7 @@ def test_plain_forward_rule_matches_the_kernels():
     """cuda.plain_forward_blocker (the Python side's rule, which decides whether the per-call test
     runs, and what explain says) and the kernels' AttentionParams::plain_forward agree: each
     optional feature alone sends a call whose scores are finite to the general kernel."""
-    _emulator_or_skip()
+    emulator_or_skip()
     shape = Shape(1, 40, 50, 2, 2, 32)
     q, k, v = make_qkv(shape, jnp.bfloat16, seed=6)
     features = {
@@ -242,7 +235,7 @@ def test_routed_call_runs_one_kernel():
     kernel scanning V itself: a NaN value poisons exactly the rows that see its key, the others
     keep the general kernel's bits on a finite V. Without plain_kernel the general kernel
     serves every route: some kernel always writes the results (poisoned before it runs)."""
-    _emulator_or_skip()
+    emulator_or_skip()
     shape = Shape(1, 150, 130, 2, 1, 64)
     q, k, v = make_qkv(shape, jnp.bfloat16, seed=8)
     causal = dict(window=(-1, 0))
@@ -283,7 +276,7 @@ def test_forward_chooses_its_kernel_without_a_conditional():
     forward routes on the device instead, so its lowering holds no conditional, with or without
     optional features, decoding included. A call with a dense bias keeps one (cuda/README.md: a
     -inf bias is not a mask), taken only when v holds a non-finite value."""
-    _emulator_or_skip()
+    emulator_or_skip()
     shape = Shape(1, 40, 50, 2, 1, 32)
     q, k, v = make_qkv(shape, jnp.bfloat16, seed=9)
     features = {

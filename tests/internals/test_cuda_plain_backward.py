@@ -19,20 +19,13 @@ import numpy as np
 import pytest
 
 import jax_flash
-from cases import Shape, cuda_backward_target, cuda_forward_target, make_qkv
+from cases import Shape, cuda_backward_target, cuda_forward_target, emulator_or_skip, make_qkv
 from jax_flash import cuda
 from jax_flash._spec import AttentionSpec
 
 pytestmark = pytest.mark.skipif(
     not jax_flash.current_config().emulate_cuda, reason="counts tiles on the host emulation of the cuda kernels"
 )
-
-
-def _emulator_or_skip():
-    try:
-        from jax_flash import _jax_flash_emu  # noqa: F401
-    except ImportError:
-        pytest.skip("the host emulation of the cuda kernels is not built (JAX_FLASH_EMULATOR=ON)")
 
 
 def _tile(h: int) -> tuple[int, int]:
@@ -124,7 +117,7 @@ def test_plain_backward_agrees_with_general(name):
     before the next block, so dK and dV agree within float32 rounding of their sums. The plain
     kernel masks exactly the query blocks where some row of a whole block does not see every key
     of a whole key block, whatever the layout attribute (the same bits under both)."""
-    _emulator_or_skip()
+    emulator_or_skip()
     shape, settings, band = CASES[name]
     dtype = jnp.bfloat16 if shape.h != 96 else jnp.float16
     q, k, v = make_qkv(shape, dtype, seed=3)
@@ -155,7 +148,7 @@ def test_plain_backward_agrees_with_general(name):
 def test_plain_backward_lengths_items():
     """With lengths, the query blocks past a query length and the key blocks past a key length
     are masked (here per batch row: the counts add up over the two rows)."""
-    _emulator_or_skip()
+    emulator_or_skip()
     shape = Shape(2, 130, 191, 1, 1, 64)
     q, k, v = make_qkv(shape, jnp.bfloat16, seed=4)
     _, counts = _run(q, k, v, _dout(shape, jnp.bfloat16), plain_kernel=True, q_lengths=[130, 100], kv_lengths=[191, 65])
@@ -167,7 +160,7 @@ def test_plain_backward_interior_runs_unmasked():
     """A causal call over many query blocks masks only the diagonal ones: of 8 key blocks x up
     to 8 query blocks (64 x 64 at H = 32... 64), the interior loop runs every block below each
     key block's diagonal unmasked."""
-    _emulator_or_skip()
+    emulator_or_skip()
     shape = Shape(1, 512, 512, 1, 1, 64)
     q, k, v = make_qkv(shape, jnp.bfloat16, seed=5)
     _, counts = _run(q, k, v, _dout(shape, jnp.bfloat16), plain_kernel=True, window=(-1, 0))
@@ -191,7 +184,7 @@ def test_backward_routes_to_the_plain_kernel_only_when_it_may():
     backward; a NaN in q or v, an overflowing score, a NaN sink, a soft cap, segment ids or
     deterministic mode run the general one, which keeps the numerical contract (NaN exactly where
     the reference has it); either kernel matches the reference."""
-    _emulator_or_skip()
+    emulator_or_skip()
     shape = Shape(1, 70, 90, 2, 1, 64)
     q, k, v = make_qkv(shape, jnp.bfloat16, seed=6)
     grads, counts = _grads(q, k, v, is_causal=True)
@@ -242,7 +235,7 @@ def test_plain_backward_at_extreme_scales():
     """Any scale: the plain kernel's arithmetic is the general kernel's (x = scale·s rounded
     once, then exp2((x − lse)·log2 e)), so at scales where the softmax is one-hot or flat the
     two still give the same bits, 0, −0.0 and negative scales included."""
-    _emulator_or_skip()
+    emulator_or_skip()
     shape = Shape(1, 40, 70, 1, 1, 64)
     q, k, v = make_qkv(shape, jnp.bfloat16, seed=7)
     dout = _dout(shape, jnp.bfloat16)
@@ -259,7 +252,7 @@ def test_routed_backward_runs_one_kernel():
     the plain one beside it; each returns unless the route is its own: route 1 gives the plain
     kernel's bits and counts, route 2 the general kernel's, and without plain_kernel the general
     kernel serves every route (some kernel always writes the results, poisoned before)."""
-    _emulator_or_skip()
+    emulator_or_skip()
     shape = Shape(1, 100, 130, 2, 1, 64)
     q, k, v = make_qkv(shape, jnp.bfloat16, seed=8)
     out, lse = cuda_forward_target("jax_flash_emu_fwd", q, k, v, window=(-1, 0))
@@ -289,7 +282,7 @@ def test_backward_route_reads_the_forward_results():
     """cuda.backward_route: the plain kernel's route where out is finite and lse below +inf (an
     empty row's -inf is fine), the general kernel's otherwise, under jit too; none for a call
     the plain kernel does not serve."""
-    _emulator_or_skip()
+    emulator_or_skip()
     spec = AttentionSpec(1, 8, 8, 2, 1, 32, "bfloat16", 0.125)
     out = jnp.ones((1, 8, 2, 32), jnp.bfloat16)
     lse = jnp.zeros((1, 2, 8), jnp.float32).at[0, 1, 3].set(-jnp.inf)
