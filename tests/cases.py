@@ -7,7 +7,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,6 +339,8 @@ def emulator_or_skip():
     try:
         from jax_flash import _jax_flash_emu  # noqa: F401
     except ImportError:
+        import pytest  # here, not at the top: tests/internals/test_gpu.py imports this module without pytest
+
         pytest.skip("the host emulation of the cuda kernels is not built (JAX_FLASH_EMULATOR=ON)")
 
 

@@ -1,5 +1,5 @@
 // The nanobind module jax_flash._jax_flash_emu: the CUDA kernels emulated on the host
-// (emu/targets.cc), a module of its own so that what a user installs (jax_flash._jax_flash_ext)
+// (emu/targets_fwd.cc, emu/targets_bwd.cc), a module of its own so that what a user installs (jax_flash._jax_flash_ext)
 // holds no emulator. Built for tests and CI with JAX_FLASH_EMULATOR=ON (cuda/CMakeLists.txt).
 #include <nanobind/nanobind.h>
 

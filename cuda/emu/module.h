@@ -1,4 +1,4 @@
-// The emulated FFI targets (emu/targets.cc), for the module of the emulator (emu/module.cc).
+// The emulated FFI targets (emu/targets.cc: their capsules), for the module of the emulator (emu/module.cc).
 #pragma once
 #include <nanobind/nanobind.h>
 

@@ -1,6 +1,6 @@
 // The FFI boundary of every attention target (cuda/README.md, "The FFI targets"), written once:
 // the operands, results and attributes that the cpu targets (cpu/handlers.cc), the CUDA targets
-// (kernels/ffi_attention.h, kernels/handlers.cu) and the emulated ones (emu/targets.cc) share,
+// (kernels/ffi_attention.h, kernels/handlers.cu) and the emulated ones (emu/targets_{fwd,bwd}.cc) share,
 // bound here (BindForward, BindBackward), and the one validation of them against each other,
 // which yields a typed description of the call (Problem). Each side then adds its own
 // attributes and workspace results to the binding, checks those, and converts the Problem into

@@ -1,5 +1,5 @@
 // The CUDA kernels' side of the FFI boundary, shared by the platform "CUDA" handlers
-// (kernels/handlers.cu) and the emulated platform "cpu" handlers (emu/targets.cc): the shared
+// (kernels/handlers.cu) and the emulated platform "cpu" handlers (emu/targets_{fwd,bwd}.cc): the shared
 // operands, results and attributes are bound and validated by ffi/boundary.h (the one
 // signature and validator of every target); here the CUDA targets' own operand (route),
 // workspaces and attributes (partial_out, partial_lse, pack_gqa, layout, plain_kernel, decode_tile; dk_accum, dv_accum,
